@@ -1,0 +1,133 @@
+"""laneserve kernels: paged attention, KV-cache writes and fused Llama layer ops.
+
+Each op has a Triton implementation (``kernels.triton``) and a plain-PyTorch reference
+(``kernels.reference``) with the same signature. The functions here check their arguments
+(see :mod:`kernels._validate`) and dispatch: Triton for CUDA tensors, the reference elsewhere.
+``LANESERVE_ATTENTION_BACKEND=torch|triton`` overrides the choice for every op (``triton`` on CPU
+tensors needs ``TRITON_INTERPRET=1`` set before ``triton`` is imported).
+
+Note: this top-level package shadows Hugging Face's optional ``kernels`` package; never install
+both in one environment (see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels import _validate, reference
+
+__all__ = [
+    "unified_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "backend_for",
+    "reference",
+]
+
+BACKEND_ENV = "LANESERVE_ATTENTION_BACKEND"
+_BACKENDS = ("torch", "triton")
+
+
+def backend_for(t: torch.Tensor) -> str:
+    """Return ``"triton"`` or ``"torch"`` for an op whose main input is ``t``.
+
+    Raises:
+        ValueError: ``LANESERVE_ATTENTION_BACKEND`` is set to something other than torch|triton.
+    """
+    forced = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if forced:
+        if forced not in _BACKENDS:
+            raise ValueError(f"{BACKEND_ENV} must be one of {_BACKENDS}, got {forced!r}")
+        return forced
+    return "triton" if t.is_cuda else "torch"
+
+
+def _impl(t: torch.Tensor):
+    if backend_for(t) == "triton":
+        from kernels import triton as triton_backend  # lazy: importing triton costs ~1 s
+
+        return triton_backend
+    return reference
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    softmax_scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal paged attention for a mixed batch of decode tokens and prefill chunks (one launch).
+
+    Shapes: q ``[num_tokens, num_q_heads, head_dim]``; k_cache/v_cache ``[num_blocks, block_size,
+    num_kv_heads, head_dim]``; cu_seqlens_q int32 ``[num_seqs + 1]``; seq_lens int32 ``[num_seqs]``
+    (context length including this step's query tokens); block_tables int32
+    ``[num_seqs, max_blocks_per_seq]``. See :func:`kernels.reference.unified_attention`.
+
+    Raises:
+        TypeError / ValueError: wrong dtype / shape, device or layout (the message names the argument).
+    """
+    _validate.attention_args(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, softmax_scale, out
+    )
+    return _impl(q).unified_attention(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, softmax_scale, out
+    )
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value ``[num_tokens, num_kv_heads, head_dim]`` to flat cache slots (in place).
+
+    slot_mapping int64 ``[num_tokens]`` = block * block_size + offset; negative slots are skipped.
+    See :func:`kernels.reference.reshape_and_cache`. Raises TypeError / ValueError on bad input.
+    """
+    _validate.cache_args(key, value, k_cache, v_cache, slot_mapping)
+    return _impl(key).reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of ``x [..., hidden]``; with ``residual`` returns ``(out, x + residual)``.
+
+    See :func:`kernels.reference.rms_norm`. Raises TypeError / ValueError on bad input.
+    """
+    _validate.rms_norm_args(x, weight, eps, residual)
+    return _impl(x).rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE applied in place to q ``[T, Hq, D]`` and k ``[T, Hk, D]``; returns ``(q, k)``.
+
+    cos_sin_cache ``[max_pos, D]`` = cat(cos, sin). See :func:`kernels.reference.rotary_embedding`.
+    Raises TypeError / ValueError on bad input.
+    """
+    _validate.rotary_args(positions, q, k, cos_sin_cache)
+    return _impl(q).rotary_embedding(positions, q, k, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``[..., 2I] -> [..., I]`` = silu(x[..., :I]) * x[..., I:]. See :func:`kernels.reference.silu_and_mul`."""
+    _validate.silu_and_mul_args(x)
+    return _impl(x).silu_and_mul(x)

@@ -1,0 +1,244 @@
+"""Plain-PyTorch reference of every laneserve kernel (the CPU path, and the oracle for the Triton tests).
+
+Shapes follow docs/interfaces.md. All functions accept float32, float16 and bfloat16 activations.
+Attention accumulates in fp32 and returns the input dtype; the layer ops reproduce the numerics of
+Hugging Face's Llama modules (``LlamaRMSNorm``, ``apply_rotary_pos_emb``, ``LlamaMLP``) so a model built on
+them matches ``transformers`` token for token in float32.
+
+Validation of shapes/dtypes lives in :mod:`kernels._validate` and is done by the dispatcher in
+``kernels/__init__.py``; these functions assume valid input.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "unified_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+]
+
+
+def _gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [..., n_blocks] int32
+    length: int,
+) -> torch.Tensor:
+    """Return the first ``length`` tokens addressed by ``block_table`` as ``[..., length, Hk, D]``."""
+    num_blocks, block_size = cache.shape[0], cache.shape[1]
+    n_blocks = -(-length // block_size)
+    # Entries past a sequence's last block may hold anything (e.g. -1 or stale ids); clamp so the
+    # gather stays in bounds. Those tokens are masked out by the caller.
+    idx = block_table[..., :n_blocks].long().clamp(0, num_blocks - 1)
+    kv = cache[idx]  # [..., n_blocks, block_size, Hk, D]
+    kv = kv.flatten(-4, -3)  # [..., n_blocks * block_size, Hk, D]
+    return kv[..., :length, :, :]
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [B, Hq, D] (one query token per sequence)
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,  # [B] int32
+    seq_lens_list: list[int],
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Batched decode: gather every sequence padded to the longest one and mask by length."""
+    max_len = max(seq_lens_list)
+    k = _gather_kv(k_cache, block_tables, max_len).float()  # [B, L, Hk, D]
+    v = _gather_kv(v_cache, block_tables, max_len).float()
+    positions = torch.arange(max_len, device=q.device)
+    valid = positions[None, :] < seq_lens.to(q.device, torch.long)[:, None]  # [B, L]
+    mask = valid[:, None, None, :]  # [B, 1, 1, L]
+    out = F.scaled_dot_product_attention(
+        q.float().unsqueeze(2),  # [B, Hq, 1, D]
+        k.transpose(1, 2),  # [B, Hk, L, D]
+        v.transpose(1, 2),
+        attn_mask=mask,
+        scale=softmax_scale,
+        enable_gqa=q.shape[1] != k.shape[2],
+    )  # [B, Hq, 1, D]
+    return out.squeeze(2)
+
+
+def _sequence_attention(
+    q: torch.Tensor,  # [q_len, Hq, D]
+    k: torch.Tensor,  # [ctx, Hk, D] fp32
+    v: torch.Tensor,  # [ctx, Hk, D] fp32
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Causal attention of one sequence's query tokens over its context (queries are the last tokens)."""
+    q_len, ctx = q.shape[0], k.shape[0]
+    mask = None
+    is_causal = False
+    if q_len > 1:
+        if q_len == ctx:
+            is_causal = (
+                True  # SDPA's top-left causal mask equals ours when the query spans the context
+            )
+        else:
+            # query i sits at position ctx - q_len + i and sees keys 0..that position
+            q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1).unsqueeze(0),  # [1, Hq, q_len, D]
+        k.transpose(0, 1).unsqueeze(0),  # [1, Hk, ctx, D]
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=softmax_scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )  # [1, Hq, q_len, D]
+    return out[0].transpose(0, 1)  # [q_len, Hq, D]
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    softmax_scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal paged attention over a flattened varlen batch of decode tokens and prefill chunks.
+
+    Args:
+        q: ``[num_tokens, num_q_heads, head_dim]``; sequence ``s`` owns rows
+            ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, already holding this
+            step's keys/values (see :func:`reshape_and_cache`).
+        cu_seqlens_q: int32 ``[num_seqs + 1]``, cumulative query lengths starting at 0.
+        seq_lens: int32 ``[num_seqs]``, context length including this step's query tokens.
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``, physical block ids per sequence.
+        softmax_scale: multiplier of ``q @ k^T`` (usually ``head_dim ** -0.5``).
+        out: optional ``[num_tokens, num_q_heads, head_dim]`` tensor written in place.
+
+    Query token ``i`` of sequence ``s`` sits at position ``seq_lens[s] - q_len_s + i`` and attends to
+    keys ``0..`` that position. GQA: query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
+    Scores, softmax and the weighted sum run in fp32; the result has ``q``'s dtype.
+
+    Returns:
+        ``out`` (or a new tensor) ``[num_tokens, num_q_heads, head_dim]`` in ``q.dtype``.
+    """
+    num_tokens = q.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    seq_lens_list = seq_lens.tolist()
+    num_seqs = len(seq_lens_list)
+    if num_tokens == num_seqs:  # every sequence has exactly one query token: pure decode
+        res = _decode_attention(
+            q, k_cache, v_cache, seq_lens, seq_lens_list, block_tables, softmax_scale
+        )
+        out.copy_(res)
+        return out
+    starts = cu_seqlens_q.tolist()
+    for s in range(num_seqs):
+        lo, hi = starts[s], starts[s + 1]
+        if hi == lo:
+            continue
+        ctx = seq_lens_list[s]
+        k = _gather_kv(k_cache, block_tables[s], ctx).float()  # [ctx, Hk, D]
+        v = _gather_kv(v_cache, block_tables[s], ctx).float()
+        out[lo:hi] = _sequence_attention(q[lo:hi], k, v, softmax_scale)
+    return out
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the paged caches in place.
+
+    ``slot_mapping`` int64 ``[num_tokens]``: flat slot ``block * block_size + offset`` of each token;
+    negative slots (padding) are skipped. Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    Values are cast to the cache dtype.
+    """
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.to(torch.long)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, offsets] = value.to(v_cache.dtype)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm (Zhang & Sennrich, 2019) with an optional fused residual add.
+
+    ``x`` ``[..., hidden]``, ``weight`` ``[hidden]``. Without ``residual`` returns
+    ``rmsnorm(x) * weight``; with ``residual`` (same shape as ``x``) returns ``(out, new_residual)``
+    where ``new_residual = x + residual`` (in ``x.dtype``, as the Llama decoder layer adds) and
+    ``out = rmsnorm(new_residual) * weight``. Numerics follow transformers' ``LlamaRMSNorm``: mean of
+    squares and ``rsqrt`` in fp32, normalised value cast back to ``x.dtype`` before the weight multiply.
+    The output dtype is ``x.dtype``.
+    """
+    if residual is not None:
+        x = x + residual.to(x.dtype)
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    out = weight * h.to(input_dtype)
+    if out.dtype != input_dtype:
+        out = out.to(input_dtype)
+    if residual is not None:
+        return out, x
+    return out
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply rotary position embedding (RoPE, Su et al. 2021) in place, NeoX/Llama rotate-half layout.
+
+    ``positions`` int ``[T]``; ``q`` ``[T, Hq, D]``; ``k`` ``[T, Hk, D]``; ``cos_sin_cache``
+    ``[max_pos, rot_dim]`` = ``cat(cos, sin)`` each ``[max_pos, rot_dim / 2]`` (``rot_dim == D`` for Llama;
+    a smaller ``rot_dim`` rotates only the first ``rot_dim`` features). Numerics follow transformers'
+    ``apply_rotary_pos_emb``: cos/sin are cast to the tensor's dtype and ``x * cos + rotate_half(x) * sin``
+    is computed in that dtype. Returns ``(q, k)``, the same tensors, modified in place.
+    """
+    rot_dim = cos_sin_cache.shape[-1]
+    half = rot_dim // 2
+    cs = cos_sin_cache[positions.to(torch.long)]  # [T, rot_dim]
+    cos_half, sin_half = cs[:, :half], cs[:, half:]
+    for x in (q, k):
+        cos = torch.cat((cos_half, cos_half), dim=-1).to(x.dtype)[:, None, :]  # [T, 1, rot_dim]
+        sin = torch.cat((sin_half, sin_half), dim=-1).to(x.dtype)[:, None, :]
+        x_rot = x[..., :rot_dim]
+        x_rot.copy_((x_rot * cos) + (_rotate_half(x_rot) * sin))
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU gate (Shazeer, 2020): ``[..., 2I] -> [..., I]`` = ``silu(x[..., :I]) * x[..., I:]``.
+
+    Computed in ``x.dtype`` like transformers' ``LlamaMLP`` (``act_fn(gate) * up``).
+    """
+    inter = x.shape[-1] // 2
+    return F.silu(x[..., :inter]) * x[..., inter:]
