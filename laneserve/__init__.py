@@ -1,0 +1,1 @@
+"""laneserve package."""

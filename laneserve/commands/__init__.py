@@ -1,0 +1,1 @@
+"""Subcommands of the `laneserve` CLI: each module defines register(subparsers)."""
