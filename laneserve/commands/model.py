@@ -1,0 +1,70 @@
+"""`laneserve model pull|path|list`: fetch the bundled model and convert it once for fast loads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from gpu_worker.model_files import BUNDLED_MODELS, DEFAULT_MODEL, models_dir, pull_model
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("model", help="download and inspect models")
+    sub = parser.add_subparsers(dest="model_command", required=True)
+    pull = sub.add_parser("pull", help="download the bundled model into $LANESERVE_HOME/models")
+    pull.add_argument("alias", nargs="?", default=DEFAULT_MODEL, choices=sorted(BUNDLED_MODELS))
+    pull.add_argument(
+        "--no-convert",
+        action="store_true",
+        help="skip converting the GGUF into a cached HF directory",
+    )
+    pull.set_defaults(func=run_pull)
+    lst = sub.add_parser("list", help="list bundled aliases and what is on disk")
+    lst.set_defaults(func=run_list)
+
+
+def run_pull(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        transient=True,
+        console=None,
+    ) as progress:
+        tasks: dict[str, int] = {}
+
+        def report(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = progress.add_task(stage, total=total)
+            progress.update(tasks[stage], completed=done)
+
+        path = pull_model(args.alias, progress=report)
+        if not args.no_convert:
+            from gpu_worker.model_loader import convert_gguf
+
+            task = progress.add_task("convert (tokenizer + dequantize, once)", total=None)
+            cache = convert_gguf(path)
+            progress.update(task, total=1, completed=1)
+        else:
+            cache = None
+    print(
+        json.dumps(
+            {"alias": args.alias, "path": str(path), "converted": str(cache) if cache else None}
+        )
+    )
+    return 0
+
+
+def run_list(args: argparse.Namespace) -> int:
+    rows = []
+    for alias, spec in sorted(BUNDLED_MODELS.items()):
+        path = models_dir() / spec.filename
+        rows.append(
+            {"alias": alias, "package": spec.package, "path": str(path), "present": path.exists()}
+        )
+    json.dump(rows, sys.stdout, indent=2)
+    print()
+    return 0
