@@ -1,0 +1,72 @@
+"""`laneserve recorder`: the process that writes request records and worker snapshots to SQL."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from db.recorder import DEFAULT_RETENTION_S, FLUSH_INTERVAL_S
+
+    parser = subparsers.add_parser("recorder", help="write request records to SQL")
+    parser.add_argument(
+        "--recorder-addr", required=True, help="ZMQ address to bind (tcp://127.0.0.1:P, ipc://...)"
+    )
+    parser.add_argument(
+        "--db",
+        default=None,
+        help="database URL (default: $LANESERVE_DB_URL, else sqlite:///$LANESERVE_HOME/laneserve.db)",
+    )
+    parser.add_argument(
+        "--parent-pid", type=int, default=None, help="exit when this parent process is gone"
+    )
+    parser.add_argument(
+        "--flush-interval",
+        type=float,
+        default=FLUSH_INTERVAL_S,
+        help="seconds to pool batches before a write (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--retention-days",
+        type=float,
+        default=float(os.environ.get("LANESERVE_RETENTION_DAYS", DEFAULT_RETENTION_S / 86400)),
+        help="prune API request rows and snapshots older than this; 0 keeps all "
+        "(default: $LANESERVE_RETENTION_DAYS or %(default)s)",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import zmq
+
+    from db import migrate
+    from db.recorder import RecorderServer
+    from db.session import DatabaseURLError, make_engine
+
+    try:
+        migrate.upgrade(args.db)
+        engine = make_engine(args.db)
+        server = RecorderServer(
+            args.recorder_addr,
+            engine,
+            parent_pid=args.parent_pid,
+            flush_interval_s=args.flush_interval,
+            retention_s=args.retention_days * 86400,
+        )
+    except (migrate.MigrationError, DatabaseURLError, zmq.ZMQError) as exc:
+        print(f"laneserve recorder: {exc}", file=sys.stderr)
+        return 1
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.stop())
+    stats = server.run()
+    engine.dispose()
+    failed = stats.records_failed + stats.snapshots_failed
+    if failed:
+        logger.warning("recorder: %d records/snapshots could not be written", failed)
+    return 0
