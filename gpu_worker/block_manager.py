@@ -1,0 +1,367 @@
+"""Paged KV-cache block bookkeeping: allocation, ref counts and the prefix cache.
+
+The KV cache is `num_blocks` physical blocks of `block_size` token slots. A request's
+`block_table[i]` holds tokens `[i * block_size, (i + 1) * block_size)` of `all_token_ids`.
+
+Prefix caching (the scheme of vLLM v1's KVCacheManager and nano-vllm's BlockManager):
+
+- A *full* block whose KV has been computed is identified by a chained hash
+  ``h_i = sha256(h_{i-1} || token ids of block i || extra keys)`` (`hash_block_tokens`), so a
+  hash names the whole prefix up to and including that block. Hashing uses `hashlib` over a
+  fixed byte encoding, never Python's `hash()`, so it is identical across processes.
+- `_cached` maps hash -> block id. A cached block stays hashed after its last user frees it; it
+  then sits in the free list and can be reused by a later request (a hit) until it is evicted.
+- The free list is an ordered dict that doubles as the eviction order: allocation pops from
+  the head. Freed blocks that hold cached KV go to the tail (least recently used are evicted
+  first; a request's blocks are freed tail-first so its deepest blocks are evicted before
+  its shared preamble). Freed blocks without a hash go to the head: they carry nothing
+  worth keeping, so they are reused before any cached block is evicted.
+- A hit is confirmed by comparing the block's stored token ids (collision guard), covers
+  whole blocks only, and never includes the request's last token (at least one token is
+  computed so the step produces logits).
+- Blocks shared by several requests (ref count > 1) are always full, hashed blocks; new tokens
+  are only ever written into the request's own trailing block, so a shared block is never written.
+
+Counters `prefix_cache_queries` and `prefix_cache_hits` are in **tokens**: each admission of a
+request (first schedule, or re-admission after preemption) adds its `num_tokens` to the
+queries and its hit tokens to the hits; they stay 0 with prefix caching disabled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gpu_worker.request import Request
+
+__all__ = ["BlockManager", "KVBlock", "hash_block_tokens"]
+
+logger = logging.getLogger(__name__)
+
+
+def hash_block_tokens(
+    parent_hash: bytes | None,
+    token_ids: Sequence[int],
+    extra_keys: Sequence[str | int] | None = None,
+) -> bytes:
+    """Chained hash of one full block (32 bytes, SHA-256).
+
+    Encoding: parent hash (32 bytes, or nothing for the first block), the block's token ids as
+    little-endian int64, then the extra keys as compact JSON when given. Deterministic across
+    processes and Python versions (no `hash()`, no pickle).
+
+    Args:
+        parent_hash: hash of the previous block of the same sequence, None for block 0.
+        token_ids: the block's `block_size` token ids.
+        extra_keys: anything else that changes the KV (e.g. a cache salt), or None.
+    """
+    h = hashlib.sha256()
+    if parent_hash is not None:
+        h.update(parent_hash)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra_keys:
+        h.update(json.dumps(list(extra_keys), separators=(",", ":")).encode())
+    return h.digest()
+
+
+@dataclass(slots=True)
+class KVBlock:
+    """One physical KV block: `ref_count` users; `block_hash`/`token_ids` set while cached."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+class BlockManager:
+    """Allocates KV blocks to requests and keeps the prefix cache.
+
+    Args:
+        num_blocks: number of physical blocks in the KV cache (>= 1).
+        block_size: tokens per block (>= 1).
+        enable_prefix_caching: look up and register full blocks by chained hash.
+
+    Raises:
+        ValueError: when `num_blocks` or `block_size` is below 1.
+
+    Typical use by the scheduler, per request::
+
+        blocks, num_hit = bm.get_computed_blocks(req)        # admission only
+        ok = bm.allocate_slots(req, num_new, blocks)         # False -> nothing changed
+        ... the step computes the tokens ...
+        bm.cache_full_blocks(req, req.num_computed_tokens)   # register newly full blocks
+        bm.free(req)                                         # finish, abort or preemption
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Free list in eviction order: head = next to allocate. Values unused.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self._live: dict[str, Request] = {}  # requests holding blocks, by request id
+        self._num_registered: dict[str, int] = {}  # leading blocks already hashed, per request
+        self.prefix_cache_queries = 0  # tokens looked up at admission
+        self.prefix_cache_hits = 0  # of which found in the cache
+        self.num_hash_collisions = 0  # hash matched but token ids differed (refused)
+        self.num_evictions = 0  # cached blocks dropped to be reused
+
+    # --- sizes ---
+    @property
+    def num_total_blocks(self) -> int:
+        return self.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref count 0, cached ones (evictable) included."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently registered in the prefix cache (in use or free)."""
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use by live requests, 0..1."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens (ceil division)."""
+        return -(-num_tokens // self.block_size)
+
+    # --- hashing ---
+    def _extra_keys(self, request: Request, block_index: int) -> list[str] | None:
+        # The salt goes into block 0 only; the chain carries it to every later block.
+        if block_index == 0 and request.cache_salt is not None:
+            return [request.cache_salt]
+        return None
+
+    def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
+        """Extend `request.block_hashes` to cover the full blocks of the first `num_tokens`."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hashes[i - 1] if i else None
+            tokens = request.token_ids_slice(i * bs, (i + 1) * bs)
+            hashes.append(hash_block_tokens(parent, tokens, self._extra_keys(request, i)))
+
+    # --- prefix cache lookup ---
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of a request that holds no blocks yet.
+
+        Looks up the request's full blocks in order and stops at the first miss or at the
+        first hash whose stored token ids differ (a collision, counted in
+        `num_hash_collisions`). At most `(num_tokens - 1) // block_size` blocks, so the last
+        token is always computed. Changes no state besides `request.block_hashes`.
+
+        Returns:
+            (block ids of the hit, in order; number of hit tokens = len(ids) * block_size).
+        """
+        assert not request.block_table, f"{request.request_id} already holds blocks"
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._update_block_hashes(request, max_blocks * self.block_size)
+        bs = self.block_size
+        hit: list[int] = []
+        for i in range(max_blocks):
+            block_id = self._cached.get(request.block_hashes[i])
+            if block_id is None:
+                break
+            if self.blocks[block_id].token_ids != tuple(
+                request.token_ids_slice(i * bs, (i + 1) * bs)
+            ):
+                self.num_hash_collisions += 1
+                logger.warning("prefix-cache hash collision on block %d refused", block_id)
+                break
+            hit.append(block_id)
+        return hit, len(hit) * bs
+
+    # --- allocation ---
+    def can_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[int] | None = None,
+        reserve_blocks: int = 0,
+    ) -> bool:
+        """Whether `allocate_slots` with the same arguments would succeed."""
+        return self._num_free_after(request, num_new_tokens, new_computed_blocks) >= reserve_blocks
+
+    def _num_free_after(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] | None
+    ) -> int:
+        computed = new_computed_blocks or ()
+        total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_new = self.num_blocks_for(total) - len(request.block_table) - len(computed)
+        # Hit blocks sitting in the free list (ref count 0) leave it when touched.
+        num_touched_free = sum(1 for b in computed if self.blocks[b].ref_count == 0)
+        return len(self._free) - max(num_new, 0) - num_touched_free
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[int] | None = None,
+        reserve_blocks: int = 0,
+    ) -> bool:
+        """Give `request` the blocks to hold `num_new_tokens` more tokens.
+
+        The slots needed run to `request.num_computed_tokens + len(new_computed_blocks) *
+        block_size + num_new_tokens`. `new_computed_blocks` (from `get_computed_blocks`, only for
+        a request holding no blocks) become the head of its block table with their ref counts
+        raised; new blocks come from the head of the free list, evicting their cached hash.
+        The caller advances `num_computed_tokens` (the hit tokens and, after the step, the new ones).
+
+        Args:
+            request: the request to grow.
+            num_new_tokens: tokens to compute this step (>= 0).
+            new_computed_blocks: prefix-cache hit blocks, or None.
+            reserve_blocks: fail unless at least this many blocks stay free afterwards
+                (the scheduler's admission watermark).
+
+        Returns:
+            True on success; False when too few free blocks, in which case nothing changed.
+        """
+        assert num_new_tokens >= 0, f"num_new_tokens={num_new_tokens}"
+        computed = list(new_computed_blocks or ())
+        assert not computed or not request.block_table, "hits only for a request without blocks"
+        if self._num_free_after(request, num_new_tokens, computed) < reserve_blocks:
+            return False
+        if request.request_id not in self._live:
+            self._live[request.request_id] = request
+            self._num_registered[request.request_id] = len(computed)
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += len(computed) * self.block_size
+        for block_id in computed:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+        request.block_table.extend(computed)
+        total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        for _ in range(self.num_blocks_for(total) - len(request.block_table)):
+            request.block_table.append(self._pop_free_block())
+        return True
+
+    def _pop_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        assert block.ref_count == 0, f"block {block_id} in the free list with ref {block.ref_count}"
+        if block.block_hash is not None:  # evict: its KV is about to be overwritten
+            del self._cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+            self.num_evictions += 1
+        block.ref_count = 1
+        return block_id
+
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's blocks that are full of computed KV in the prefix cache.
+
+        Call after a step with the request's new `num_computed_tokens`. A block whose hash is
+        already cached under another block (two identical prefixes computed at once) stays
+        unregistered; the first copy serves later hits.
+        """
+        if not self.enable_prefix_caching or request.request_id not in self._live:
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(request.block_table))
+        start = self._num_registered[request.request_id]
+        if num_full <= start:
+            return
+        self._update_block_hashes(request, num_full * self.block_size)
+        bs = self.block_size
+        for i in range(start, num_full):
+            block = self.blocks[request.block_table[i]]
+            block_hash = request.block_hashes[i]
+            if block.block_hash is not None or block_hash in self._cached:
+                continue
+            block.block_hash = block_hash
+            block.token_ids = tuple(request.token_ids_slice(i * bs, (i + 1) * bs))
+            self._cached[block_hash] = block.block_id
+        self._num_registered[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release all blocks of `request` (finish, abort or preemption); idempotent.
+
+        Blocks are released tail-first. A block reaching ref count 0 goes to the tail of the
+        free list when it is cached (LRU eviction order) or to the head when it is not.
+        """
+        for block_id in reversed(request.block_table):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"double free of block {block_id}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
+        request.block_table.clear()
+        self._live.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash (e.g. after weights change). Returns the blocks dropped.
+
+        Live requests keep their blocks; those blocks simply stop being shareable.
+        """
+        n = len(self._cached)
+        for block_id in self._cached.values():
+            self.blocks[block_id].block_hash = None
+            self.blocks[block_id].token_ids = ()
+        self._cached.clear()
+        return n
+
+    # --- invariants ---
+    def check_integrity(self) -> None:
+        """Verify the bookkeeping; raise AssertionError naming the first broken invariant.
+
+        Checks: each block's ref count equals its occurrences in live requests' block tables;
+        no block table repeats a block; the free list holds exactly the blocks with ref count 0,
+        once each; every cached hash maps to a block carrying that hash and its token ids.
+        """
+        counts = [0] * self.num_blocks
+        for rid, req in self._live.items():
+            assert req.request_id == rid, f"live request key {rid} != {req.request_id}"
+            assert len(set(req.block_table)) == len(req.block_table), (
+                f"{rid} block table repeats a block: {req.block_table}"
+            )
+            assert req.num_computed_tokens <= len(req.block_table) * self.block_size, (
+                f"{rid}: {req.num_computed_tokens} computed tokens in {len(req.block_table)} blocks"
+            )
+            for block_id in req.block_table:
+                counts[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == counts[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count} != {counts[block.block_id]} "
+                "uses in live block tables"
+            )
+            in_free = block.block_id in self._free
+            assert in_free == (block.ref_count == 0), (
+                f"block {block.block_id}: ref_count {block.ref_count} but in_free_list={in_free}"
+            )
+            if block.block_hash is not None:
+                assert self._cached.get(block.block_hash) == block.block_id, (
+                    f"block {block.block_id} has a hash not mapped to it"
+                )
+                assert len(block.token_ids) == self.block_size, (
+                    f"cached block {block.block_id} has {len(block.token_ids)} token ids"
+                )
+        for block_hash, block_id in self._cached.items():
+            assert self.blocks[block_id].block_hash == block_hash, (
+                f"cache entry for block {block_id} disagrees with the block's hash"
+            )
+        assert len(self._free) + sum(1 for c in counts if c) == self.num_blocks, "block count"

@@ -1,0 +1,361 @@
+"""Phase-free continuous-batching scheduler with lanes, chunked prefill and preemption.
+
+The idea is vLLM v1's: there is no prefill phase and decode phase. Every request has
+`num_computed_tokens` and catches up to `num_tokens` under a per-step token budget, so prefill
+chunks and decodes share one step. One `schedule()`:
+
+1. **Running requests**, in scheduling order (interactive first, then `priority`, then arrival):
+   a decode takes 1 token, an unfinished prefill takes
+   `min(remaining, budget, long_prefill_token_threshold, batch cap)`. When the block manager
+   cannot hold the new tokens, the lowest-ranked running request not yet scheduled this step
+   (batch before interactive, then the least urgent priority, then the newest) is preempted
+   by recompute: its blocks are freed, `num_computed_tokens` goes back to 0 and it returns to
+   the waiting queue (where its old arrival time puts it ahead of newer requests of its class).
+   That victim may be the request itself.
+2. **Waiting requests**, in the same order, only when step 1 preempted nothing (as in vLLM):
+   prefix-cache lookup, then admission under `max_num_seqs`, the token budget and a free-block
+   watermark. An interactive request that cannot be admitted because `max_num_seqs` or the KV
+   blocks are taken by batch requests preempts the newest batch request (undoing its slot in
+   this step when it had one). A request that does not fit blocks the ones behind it (no
+   overtaking inside the order, so batch never jumps an interactive request).
+
+Lanes inside one worker (DESIGN.md): while any interactive request is running or waiting, the
+batch lane's prefill tokens per step are capped at `interactive_batch_token_cap`; batch decodes
+(1 token) are not capped. Without interactive traffic batch gets the whole budget.
+
+The engine loop is ``out = schedule(); run the model on out.scheduled; update_after_step(out);
+append the sampled token of every entry with samples=True; finish_request(...) the ones that stop``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from gpu_worker.block_manager import BlockManager
+from gpu_worker.request import Lane, Request, RequestStatus
+
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Scheduling knobs (all counts in tokens unless said).
+
+    Attributes:
+        max_num_seqs: most requests running at once (the decode batch size cap).
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes); may be
+            smaller than `max_num_seqs` (then not every running request decodes each step).
+        max_model_len: longest sequence (prompt + output) a request may reach; the KV pool
+            must hold at least one such sequence.
+        long_prefill_token_threshold: largest prefill chunk of one request per step, or None
+            for no limit beyond the budget (small chunks smooth TPOT of the others).
+        watermark: fraction of all blocks kept free when admitting a waiting request, so
+            running requests can grow a little before anything is preempted (vLLM's 1%).
+        interactive_batch_token_cap: batch-lane prefill tokens per step while interactive
+            requests are present, or None for no cap (DESIGN "Lanes inside one worker":
+            256-512 keeps interactive TPOT bounded).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    long_prefill_token_threshold: int | None = None
+    watermark: float = 0.01
+    interactive_batch_token_cap: int | None = 512
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("long_prefill_token_threshold", "interactive_batch_token_cap"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {value}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+
+class ScheduledRequest(NamedTuple):
+    """One request's share of a step.
+
+    Attributes:
+        request: the request.
+        num_new_tokens: tokens computed this step, positions
+            `[num_computed_tokens, num_computed_tokens + num_new_tokens)`.
+        samples: True when the step reaches the end of the request's tokens, so the engine
+            samples one new token from its last position's logits.
+        num_computed_tokens: `request.num_computed_tokens` when scheduled (the first position).
+    """
+
+    request: Request
+    num_new_tokens: int
+    samples: bool = False
+    num_computed_tokens: int = 0
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Result of one `Scheduler.schedule()`.
+
+    Attributes:
+        scheduled: requests computing tokens this step, in scheduling order.
+        preempted: requests preempted (by recompute) while building this step.
+        num_batched_tokens: sum of `num_new_tokens` (<= max_num_batched_tokens).
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def _is_decode(req: Request, start: int) -> bool:
+    """True when computing from position `start` is a plain decode (the last sampled token)."""
+    return req.num_output_tokens > 0 and start == req.num_tokens - 1
+
+
+class _StepState:
+    """Mutable bookkeeping for building one step."""
+
+    __slots__ = ("budget", "batch_cap_left", "entries", "preempted")
+
+    def __init__(self, budget: int, batch_cap: int | None) -> None:
+        self.budget = budget
+        self.batch_cap_left = batch_cap  # None: batch prefill uncapped this step
+        self.entries: dict[str, ScheduledRequest] = {}
+        self.preempted: list[Request] = []
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens.
+
+    Args:
+        config: the scheduling knobs.
+        block_manager: the KV block manager shared with the model runner.
+
+    Raises:
+        ValueError: when the KV pool cannot hold one `max_model_len` sequence.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        need = block_manager.num_blocks_for(config.max_model_len)
+        if need > block_manager.num_total_blocks:
+            raise ValueError(
+                f"KV cache of {block_manager.num_total_blocks} blocks x {block_manager.block_size} "
+                f"tokens cannot hold one max_model_len={config.max_model_len} sequence "
+                f"({need} blocks)"
+            )
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Request] = []  # sorted by _key
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.num_preemptions = 0  # total since start
+        self._seq = itertools.count()  # ties on equal keys keep add order
+        self._order: dict[str, int] = {}
+        self._watermark_blocks = int(config.watermark * block_manager.num_total_blocks)
+
+    # --- queue views ---
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def _key(self, req: Request) -> tuple[int, int, float, int]:
+        return (*req.sort_key, self._order[req.request_id])
+
+    def _has_interactive(self) -> bool:
+        return any(r.lane is Lane.INTERACTIVE for r in itertools.chain(self.running, self.waiting))
+
+    # --- request life cycle ---
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING).
+
+        Raises:
+            ValueError: duplicate `request_id`, or an empty prompt.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request_id {request.request_id!r}")
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        assert request.num_tokens <= self.config.max_model_len, (
+            f"request {request.request_id!r} has {request.num_tokens} tokens > max_model_len="
+            f"{self.config.max_model_len}; the engine must reject it before add_request"
+        )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._order[request.request_id] = next(self._seq)
+        self._enqueue_waiting(request)
+
+    def _enqueue_waiting(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self._key)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Finish `request` with a FINISHED_* `status`: free its blocks, drop it from the queues."""
+        assert status.is_finished, f"finish_request with non-finished status {status}"
+        if request.status.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = status
+        request.finished_time = time.monotonic()
+        del self.requests[request.request_id]
+        del self._order[request.request_id]
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort an unfinished request; returns it, or None if unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    # --- one step ---
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step (see the module docstring for the algorithm)."""
+        cap = self.config.interactive_batch_token_cap if self._has_interactive() else None
+        step = _StepState(self.config.max_num_batched_tokens, cap)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        scheduled = sorted(step.entries.values(), key=lambda e: self._key(e.request))
+        return SchedulerOutput(
+            scheduled=scheduled,
+            preempted=step.preempted,
+            num_batched_tokens=sum(e.num_new_tokens for e in scheduled),
+        )
+
+    def _chunk(self, step: _StepState, req: Request, remaining: int) -> int:
+        """Tokens `req` may compute this step, given `remaining` tokens to catch up."""
+        n = min(remaining, step.budget)
+        threshold = self.config.long_prefill_token_threshold
+        if threshold is not None:
+            n = min(n, threshold)
+        if remaining > 1 and req.lane is Lane.BATCH and step.batch_cap_left is not None:
+            n = min(n, step.batch_cap_left)
+        return n
+
+    def _commit(self, step: _StepState, req: Request, n: int) -> None:
+        """Record that `req` computes `n` tokens this step."""
+        start = req.num_computed_tokens
+        if not _is_decode(req, start):
+            req.num_prefill_chunks += 1
+            if req.lane is Lane.BATCH and step.batch_cap_left is not None:
+                step.batch_cap_left -= n
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        step.budget -= n
+        samples = start + n >= req.num_tokens
+        step.entries[req.request_id] = ScheduledRequest(req, n, samples, start)
+
+    def _schedule_running(self, step: _StepState) -> None:
+        order = sorted(self.running, key=self._key)  # lowest ranked (victims) at the end
+        while order and step.budget > 0:
+            req = order.pop(0)
+            remaining = req.num_tokens - req.num_computed_tokens
+            assert remaining >= 1, f"running request {req.request_id} has nothing to compute"
+            assert req.num_tokens <= self.config.max_model_len, (
+                f"{req.request_id} has {req.num_tokens} tokens > max_model_len; the engine must "
+                "finish a request (finish_reason 'length') when it reaches max_model_len"
+            )
+            n = self._chunk(step, req, remaining)
+            if n <= 0:
+                continue
+            while not self.block_manager.allocate_slots(req, n):
+                victim = order.pop() if order else req
+                self._preempt(step, victim)
+                if victim is req:
+                    break
+            else:
+                self._commit(step, req, n)
+
+    def _schedule_waiting(self, step: _StepState) -> None:
+        bm = self.block_manager
+        while self.waiting and step.budget > 0:
+            req = self.waiting[0]
+            interactive = req.lane is Lane.INTERACTIVE
+            if len(self.running) >= self.config.max_num_seqs:
+                if not (interactive and self._preempt_newest_batch(step)):
+                    break
+            assert req.num_computed_tokens == 0, f"waiting {req.request_id} has computed tokens"
+            hit_blocks, num_hit = bm.get_computed_blocks(req)
+            n = self._chunk(step, req, req.num_tokens - num_hit)
+            if n <= 0:
+                break
+            reserve = self._watermark_blocks if self.running else 0
+            while not bm.allocate_slots(req, n, hit_blocks, reserve_blocks=reserve):
+                if not (interactive and self._preempt_newest_batch(step)):
+                    return
+                # Preemption may free (and then evict) the blocks of the hit: look up again.
+                hit_blocks, num_hit = bm.get_computed_blocks(req)
+                n = self._chunk(step, req, req.num_tokens - num_hit)
+                reserve = self._watermark_blocks if self.running else 0
+            self.waiting.pop(0)
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._commit(step, req, n)
+
+    def _preempt_newest_batch(self, step: _StepState) -> bool:
+        """Preempt the lowest-ranked running batch request; False when there is none."""
+        batch = [r for r in self.running if r.lane is Lane.BATCH]
+        if not batch:
+            return False
+        victim = max(batch, key=self._key)
+        entry = step.entries.pop(victim.request_id, None)
+        if entry is not None:  # undo its share of this step
+            step.budget += entry.num_new_tokens
+            if not _is_decode(victim, entry.num_computed_tokens):
+                victim.num_prefill_chunks -= 1
+                if step.batch_cap_left is not None:
+                    step.batch_cap_left += entry.num_new_tokens
+        self._preempt(step, victim)
+        return True
+
+    def _preempt(self, step: _StepState, req: Request) -> None:
+        """Preempt `req` by recompute: free its blocks and put it back in the waiting queue."""
+        logger.debug("preempting %s (%s, priority %d)", req.request_id, req.lane, req.priority)
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        step.preempted.append(req)
+        self._enqueue_waiting(req)
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """Advance `num_computed_tokens` of every scheduled request and cache its full blocks.
+
+        Call once per step, after the model ran and before appending the sampled tokens.
+        Requests finished or aborted since `schedule()` are skipped.
+        """
+        for entry in output.scheduled:
+            req = entry.request
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            assert req.num_computed_tokens == entry.num_computed_tokens, (
+                f"{req.request_id} changed num_computed_tokens during the step"
+            )
+            req.num_computed_tokens += entry.num_new_tokens
+            self.block_manager.cache_full_blocks(req, req.num_computed_tokens)
