@@ -177,6 +177,24 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def stats(self) -> dict[str, int | float]:
+        """Queue and KV figures for `LLM.stats()` and worker snapshots.
+
+        Keys: num_total_blocks, num_free_blocks, kv_usage (0..1), num_running, num_waiting,
+        prefix_cache_queries, prefix_cache_hits (tokens), num_preemptions (total).
+        """
+        bm = self.block_manager
+        return {
+            "num_total_blocks": bm.num_total_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "kv_usage": bm.usage,
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "num_preemptions": self.num_preemptions,
+        }
+
     def _key(self, req: Request) -> tuple[int, int, float, int]:
         return (*req.sort_key, self._order[req.request_id])
 

@@ -1,0 +1,111 @@
+"""Fixtures for model-free scheduler / block-manager tests.
+
+`make_sched` builds a Scheduler over a real BlockManager and checks the block manager's
+integrity when the test ends; `EngineSim` stands in for the engine loop (it advances
+`num_computed_tokens` through `update_after_step`, appends fake sampled tokens and finishes
+requests at their `max_tokens`).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from gpu_worker.block_manager import BlockManager
+from gpu_worker.request import Lane, Request, RequestStatus
+from gpu_worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+
+class EngineSim:
+    """Drives a Scheduler like the engine would, with fake sampled token ids.
+
+    `sampling_params` of the simulated requests is an int: the number of tokens to generate.
+    """
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.bm = sched.block_manager
+        self.finished: list[Request] = []
+        self._ids = itertools.count(1)
+        self._fake_token = itertools.count(50_000)
+
+    def add(
+        self,
+        rid: str,
+        prompt_len: int,
+        *,
+        max_tokens: int = 4,
+        token: int | None = None,
+        lane: str = "batch",
+        priority: int = 0,
+        arrival: float | None = None,
+        prompt: list[int] | None = None,
+    ) -> Request:
+        if prompt is None:
+            prompt = [next(self._ids) if token is None else token] * prompt_len
+        kwargs = {} if arrival is None else {"arrival_time": arrival}
+        req = Request(rid, prompt, max_tokens, lane=Lane(lane), priority=priority, **kwargs)
+        self.sched.add_request(req)
+        return req
+
+    def step(self) -> SchedulerOutput:
+        out = self.sched.schedule()
+        assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
+        assert len(self.sched.running) <= self.sched.config.max_num_seqs
+        self.sched.update_after_step(out)
+        for entry in out.scheduled:
+            req = entry.request
+            if not entry.samples:
+                continue
+            assert req.num_computed_tokens == req.num_tokens
+            req.append_output_token_ids([next(self._fake_token)])
+            if req.num_output_tokens >= req.sampling_params:
+                self.sched.finish_request(req, RequestStatus.FINISHED_LENGTH)
+                self.finished.append(req)
+        self.bm.check_integrity()
+        return out
+
+    def run(self, max_steps: int = 10_000) -> int:
+        for n in range(1, max_steps + 1):
+            self.step()
+            if not self.sched.has_unfinished_requests():
+                return n
+        raise AssertionError(f"not finished after {max_steps} steps")
+
+
+@pytest.fixture
+def make_sched():
+    """Factory: make_sched(num_blocks=..., block_size=..., prefix=True, **SchedulerConfig kwargs)."""
+    managers: list[BlockManager] = []
+
+    def factory(num_blocks: int = 1024, block_size: int = 16, prefix: bool = True, **cfg):
+        cfg.setdefault("max_model_len", min(4096, num_blocks * block_size))
+        bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
+        managers.append(bm)
+        return Scheduler(SchedulerConfig(**cfg), bm)
+
+    yield factory
+    for bm in managers:
+        bm.check_integrity()
+
+
+@pytest.fixture
+def make_bm():
+    """Factory for BlockManagers whose integrity is checked at teardown."""
+    managers: list[BlockManager] = []
+
+    def factory(num_blocks: int = 16, block_size: int = 4, prefix: bool = True) -> BlockManager:
+        bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
+        managers.append(bm)
+        return bm
+
+    yield factory
+    for bm in managers:
+        bm.check_integrity()
+
+
+@pytest.fixture
+def sim(make_sched):
+    """Factory: sim(**make_sched kwargs) -> EngineSim."""
+    return lambda **kw: EngineSim(make_sched(**kw))

@@ -1,0 +1,298 @@
+"""Scheduler behaviour without a model: budgets, chunking, lanes, preemption, admission."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gpu_worker.request import Lane, RequestStatus
+from gpu_worker.scheduler import SchedulerConfig
+
+
+def split(out):
+    return [(e.request.request_id, e.num_new_tokens) for e in out.scheduled]
+
+
+def test_budget_split_three_800_token_prompts(sim):
+    s = sim(max_num_batched_tokens=1024, interactive_batch_token_cap=None)
+    for rid in ("a", "b", "c"):
+        s.add(rid, 800, max_tokens=2)
+    out = s.step()
+    assert split(out) == [("a", 800), ("b", 224)]  # c gets 0
+    assert out.num_batched_tokens == 1024
+    assert [e.samples for e in out.scheduled] == [True, False]
+    out = s.step()  # a decodes 1, b finishes its prompt (576), c gets the rest (447)
+    assert split(out) == [("a", 1), ("b", 576), ("c", 447)]
+    assert [e.samples for e in out.scheduled] == [True, True, False]
+    assert s.run() > 0
+    assert [r.num_prefill_chunks for r in sorted(s.finished, key=lambda r: r.request_id)] == [
+        1,
+        2,
+        2,
+    ]
+
+
+def test_budget_smaller_than_max_num_seqs(sim):
+    s = sim(max_num_batched_tokens=4, max_num_seqs=16)
+    reqs = [s.add(f"r{i}", 3, max_tokens=5) for i in range(10)]
+    first = s.step()
+    assert split(first) == [("r0", 3), ("r1", 1)]
+    steps = s.run()
+    assert all(r.num_output_tokens == 5 for r in reqs)
+    # 10 * (3 prompt + 4 decode inputs) = 70 tokens at <= 4 per step.
+    assert steps >= 70 // 4
+    assert s.bm.num_free_blocks == s.bm.num_total_blocks
+
+
+def test_long_prefill_token_threshold_chunks_prompts(sim):
+    s = sim(max_num_batched_tokens=1024, long_prefill_token_threshold=100)
+    a = s.add("a", 250, max_tokens=1)
+    b = s.add("b", 250, max_tokens=1)
+    assert split(s.step()) == [("a", 100), ("b", 100)]
+    assert split(s.step()) == [("a", 100), ("b", 100)]
+    out = s.step()
+    assert split(out) == [("a", 50), ("b", 50)]
+    assert all(e.samples for e in out.scheduled)
+    assert a.num_prefill_chunks == b.num_prefill_chunks == 3
+    assert not s.sched.has_unfinished_requests()
+
+
+def test_chunk_that_divides_prompt_exactly(sim):
+    s = sim(max_num_batched_tokens=16)
+    r = s.add("a", 64, max_tokens=3)
+    outs = [s.step() for _ in range(4)]
+    assert [split(o) for o in outs] == [[("a", 16)]] * 4
+    assert [o.scheduled[0].samples for o in outs] == [False, False, False, True]
+    s.run()
+    assert r.num_prefill_chunks == 4 and r.num_output_tokens == 3
+
+
+def test_lane_then_priority_then_arrival_order(sim):
+    s = sim(max_num_batched_tokens=10_000, interactive_batch_token_cap=None)
+    s.add("batch-old", 10, arrival=1.0)
+    s.add("batch-urgent", 10, arrival=2.0, priority=-5)
+    s.add("inter-late", 10, lane="interactive", arrival=4.0)
+    s.add("inter-early", 10, lane="interactive", arrival=3.0)
+    s.add("inter-lowprio", 10, lane="interactive", arrival=0.5, priority=3)
+    assert [rid for rid, _ in split(s.step())] == [
+        "inter-early",
+        "inter-late",
+        "inter-lowprio",
+        "batch-urgent",
+        "batch-old",
+    ]
+
+
+def test_interactive_gets_budget_before_older_batch(sim):
+    s = sim(max_num_batched_tokens=100, interactive_batch_token_cap=None)
+    s.add("batch", 80, arrival=1.0)
+    s.add("inter", 80, lane="interactive", arrival=2.0)
+    assert split(s.step()) == [("inter", 80), ("batch", 20)]
+
+
+def test_batch_prefill_capped_only_while_interactive_present(sim):
+    s = sim(max_num_batched_tokens=1000, interactive_batch_token_cap=64)
+    s.add("b1", 300, max_tokens=3)
+    s.add("b2", 300, max_tokens=3)
+    assert split(s.step()) == [("b1", 300), ("b2", 300)]  # no interactive: full budget
+    s.add("i", 200, lane="interactive", max_tokens=50)
+    s.add("b3", 300, max_tokens=3)
+    # interactive first, batch decodes (1 token each) not capped, batch prefill <= 64
+    assert split(s.step()) == [("i", 200), ("b1", 1), ("b2", 1), ("b3", 64)]
+    assert split(s.step()) == [("i", 1), ("b1", 1), ("b2", 1), ("b3", 64)]
+
+
+def test_preemption_order_on_kv_exhaustion(sim):
+    # 8 blocks of 4 tokens, four 8-token prompts fill the pool exactly; each then needs a block.
+    s = sim(
+        num_blocks=8,
+        block_size=4,
+        prefix=False,
+        watermark=0.0,
+        max_model_len=32,
+        interactive_batch_token_cap=None,
+    )
+    a = s.add("batch-a", 8, arrival=1.0, max_tokens=3)
+    b = s.add("batch-b-newest", 8, arrival=2.0, max_tokens=3)
+    c = s.add("batch-c-urgent", 8, arrival=3.0, priority=-1, max_tokens=3)
+    i = s.add("inter", 8, lane="interactive", arrival=4.0, max_tokens=3)
+    out = s.step()
+    assert [r for r, _ in split(out)] == ["inter", "batch-c-urgent", "batch-a", "batch-b-newest"]
+    assert s.bm.num_free_blocks == 0
+    out = s.step()
+    # inter grows first: preempts the lowest ranked (batch, priority 0, newest) = b;
+    # c takes the second freed block; a finds none and nothing ranks below it: itself.
+    assert out.preempted == [b, a]
+    assert split(out) == [("inter", 1), ("batch-c-urgent", 1)]
+    assert a.status is b.status is RequestStatus.PREEMPTED
+    assert a.num_computed_tokens == b.num_computed_tokens == 0 and not a.block_table
+    assert s.sched.num_preemptions == 2
+    assert s.sched.waiting == [a, b]  # back in order: older first
+    s.run()
+    assert all(r.num_output_tokens == 3 for r in (a, b, c, i))
+    assert (a.num_preemptions, b.num_preemptions, c.num_preemptions, i.num_preemptions) == (
+        1,
+        1,
+        0,
+        0,
+    )
+    assert s.bm.num_free_blocks == s.bm.num_total_blocks
+
+
+def test_interactive_admission_preempts_newest_batch_when_max_num_seqs_full(sim):
+    s = sim(max_num_seqs=2, max_num_batched_tokens=512)
+    old = s.add("batch-old", 20, arrival=1.0, max_tokens=10)
+    new = s.add("batch-new", 20, arrival=2.0, max_tokens=10)
+    s.step()
+    late = s.add("batch-late", 20, arrival=2.5, max_tokens=10)
+    s.step()
+    assert late.status is RequestStatus.WAITING  # batch waits for a seat
+    inter = s.add("inter", 30, lane="interactive", arrival=3.0, max_tokens=2)
+    out = s.step()
+    assert out.preempted == [new]
+    assert split(out) == [("inter", 30), ("batch-old", 1)]
+    assert out.num_batched_tokens == 31  # the undone decode of batch-new gave its token back
+    assert new.status is RequestStatus.PREEMPTED and not new.block_table
+    assert s.sched.num_running == 2
+    s.run()
+    assert inter.num_output_tokens == 2
+    assert all(r.num_output_tokens == 10 for r in (old, new, late))
+
+
+def test_interactive_admission_preempts_batch_when_kv_full(sim):
+    s = sim(num_blocks=10, block_size=4, prefix=False, watermark=0.0, max_model_len=40)
+    b1 = s.add("b1", 16, arrival=1.0, max_tokens=8)
+    b2 = s.add("b2", 16, arrival=2.0, max_tokens=8)
+    s.step()
+    assert s.bm.num_free_blocks == 2
+    inter = s.add("inter", 12, lane="interactive", arrival=3.0, max_tokens=2)
+    out = s.step()
+    assert out.preempted == [b2]
+    assert ("inter", 12) in split(out)
+    s.run()
+    assert inter.num_output_tokens == 2 and b1.num_output_tokens == b2.num_output_tokens == 8
+
+
+def test_batch_never_admitted_ahead_of_blocked_interactive(sim):
+    s = sim(num_blocks=6, block_size=4, prefix=False, watermark=0.0, max_model_len=24)
+    i1 = s.add("i1", 16, lane="interactive", max_tokens=4)
+    s.step()
+    s.add("i2", 12, lane="interactive", max_tokens=1)  # needs 3 blocks, only 2 free
+    s.add("b", 4, max_tokens=1)  # would fit, but must not overtake i2
+    out = s.step()
+    assert split(out) == [("i1", 1)]
+    s.run()
+    assert i1.num_output_tokens == 4
+
+
+def test_watermark_holds_back_admission(sim):
+    s = sim(num_blocks=100, block_size=4, prefix=False, watermark=0.1, max_model_len=400)
+    s.add("a", 4 * 80, max_tokens=50)
+    s.step()  # nothing running before: no watermark, 80 blocks taken
+    s.add("b", 4 * 11, max_tokens=1)  # a grows to 81 blocks; 19 - 11 = 8 < 10 watermark
+    assert split(s.step()) == [("a", 1)]
+    assert s.sched.num_waiting == 1
+
+
+def test_kv_exhaustion_preemption_then_all_complete(sim):
+    rng = random.Random(0)
+    s = sim(
+        num_blocks=24,
+        block_size=4,
+        watermark=0.0,
+        max_model_len=96,
+        max_num_batched_tokens=32,
+        long_prefill_token_threshold=16,
+    )
+    reqs = []
+    for i in range(30):
+        lane = "interactive" if i % 4 == 0 else "batch"
+        # shared 8-token preamble for half of them exercises prefix hits under preemption
+        prefix = [7] * 8 if i % 2 else []
+        body = [rng.randrange(1, 1000) for _ in range(rng.randrange(1, 40))]
+        reqs.append(
+            s.add(
+                f"r{i}",
+                0,
+                prompt=prefix + body,
+                lane=lane,
+                max_tokens=rng.randrange(1, 30),
+                priority=rng.randrange(3),
+            )
+        )
+    s.run()
+    assert s.sched.num_preemptions > 0
+    assert all(r.num_output_tokens == r.sampling_params for r in reqs)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert s.bm.num_free_blocks == s.bm.num_total_blocks
+    assert s.bm.prefix_cache_hits > 0
+    stats = s.sched.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"] == 24
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_preemptions"] == sum(r.num_preemptions for r in reqs)
+
+
+def test_prefix_hit_sets_num_cached_tokens(sim):
+    s = sim(block_size=4)
+    a = s.add("a", 0, prompt=list(range(1, 19)), max_tokens=1)  # 18 tokens: 4 full blocks
+    s.run()
+    b = s.add("b", 0, prompt=list(range(1, 19)) + [99], max_tokens=1)
+    out = s.step()
+    assert b.num_cached_tokens == 16 and split(out) == [("b", 3)]
+    c = s.add("c", 0, prompt=list(range(1, 17)), max_tokens=1)  # exactly 4 blocks
+    out = s.step()
+    assert c.num_cached_tokens == 12 and split(out) == [("c", 4)]  # last token recomputed
+    assert a.num_cached_tokens == 0
+
+
+def test_abort_waiting_and_running_frees_blocks(sim):
+    s = sim(max_num_batched_tokens=64, block_size=4)
+    a = s.add("a", 100, max_tokens=5)
+    b = s.add("b", 10, max_tokens=5)
+    s.step()  # a mid-prefill, b waiting
+    assert a.block_table and b.status is RequestStatus.WAITING
+    assert s.sched.abort_request("a") is a
+    assert s.sched.abort_request("b") is b
+    assert s.sched.abort_request("b") is None
+    assert a.status is RequestStatus.FINISHED_ABORTED and a.finish_reason == "abort"
+    assert not a.block_table and a.finished_time is not None
+    assert not s.sched.has_unfinished_requests()
+    assert s.bm.num_free_blocks == s.bm.num_total_blocks
+
+
+def test_update_after_step_skips_request_finished_mid_step(sim):
+    s = sim()
+    a = s.add("a", 10)
+    out = s.sched.schedule()
+    s.sched.abort_request("a")
+    s.sched.update_after_step(out)
+    assert a.num_computed_tokens == 0
+
+
+def test_bad_input_and_config(sim, make_sched):
+    s = sim()
+    s.add("a", 3)
+    with pytest.raises(ValueError, match="duplicate"):
+        s.add("a", 3)
+    with pytest.raises(ValueError, match="empty prompt"):
+        s.add("e", 0)
+    with pytest.raises(AssertionError, match="max_model_len"):
+        s.add("long", 5000)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="watermark"):
+        SchedulerConfig(watermark=1.5)
+    with pytest.raises(ValueError, match="cannot hold one max_model_len"):
+        make_sched(num_blocks=4, block_size=4, max_model_len=17)
+    s.sched.abort_request("a")
+
+
+def test_timestamps_and_token_gaps(sim):
+    s = sim()
+    r = s.add("a", 5, max_tokens=4, lane=Lane.INTERACTIVE)
+    s.run()
+    assert r.arrival_time <= r.first_scheduled_time <= r.first_token_time <= r.last_token_time
+    assert r.last_token_time <= r.finished_time
+    assert len(r.token_gaps_ms) == 3 and all(g >= 0 for g in r.token_gaps_ms)
+    assert r.num_cached_tokens == 0 and r.num_prefill_chunks == 1
