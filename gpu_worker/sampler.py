@@ -98,13 +98,10 @@ class Sampler:
         if batch == 0:
             return SamplerOutput([], [])
 
-        logits = logits.float()  # [B, V] fp32 copy (or the same fp32 tensor; cloned below)
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
-        logits = logits.clone()
-        self._mask_min_tokens(logits, params, output_token_ids)
-        _apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+        logits = self.process_logits(logits, params, prompt_token_ids, output_token_ids)
 
         token_ids = torch.argmax(logits, dim=-1)  # [B]; final for greedy rows
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -119,6 +116,23 @@ class Sampler:
         if raw_logprobs is not None:
             logprobs = _gather_logprobs(raw_logprobs, token_ids, params)
         return SamplerOutput(token_list, logprobs)
+
+    def process_logits(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """The min_tokens mask and the penalties: `[B, V]` logits -> new `[B, V]` fp32 logits.
+
+        Greedy rows take the argmax of this; sampled rows then apply temperature, top-k, top-p.
+        The input is not modified.
+        """
+        out = logits.float().clone()  # [B, V]
+        self._mask_min_tokens(out, params, output_token_ids)
+        _apply_penalties(out, params, prompt_token_ids, output_token_ids)
+        return out
 
     def _mask_min_tokens(
         self,
