@@ -1,0 +1,238 @@
+"""A synthetic engine with the ``LLMEngine`` interface: fake tokens at a configurable rate.
+
+No model, no torch: it exists so the broker and worker processes can be tested and benchmarked
+without weights (``laneserve worker --synthetic``). It mimics what the worker sees from the real
+engine (docs/interfaces.md "gpu_worker engine"):
+
+- ``add_request(request_id, prompt=None, prompt_token_ids=None, messages=None,
+  sampling_params=None, lane="batch", priority=0, arrival_time=None)``
+- ``step() -> list[RequestDelta]`` — one token for every running request per step, interactive
+  requests admitted first (``max_num_seqs`` running at most), the step paced to ``step_s``;
+- ``abort_request(request_id)``, ``has_unfinished_requests()``, ``stats()``.
+
+KV accounting is simulated with ``num_blocks`` blocks of ``block_size`` tokens so that tests can
+check that an abort returns ``num_free_blocks`` to its baseline. Output token ``i`` of a request
+is id ``(seed + i) % 1000`` with text ``" w{id}"``, so output is deterministic.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """Same fields as ``gpu_worker.engine.RequestDelta`` (docs/interfaces.md)."""
+
+    request_id: str
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list | None = None
+    metrics: dict | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _SynthRequest:
+    request_id: str
+    lane: str
+    prompt_tokens: int
+    max_tokens: int
+    seed: int
+    arrival: float  # monotonic seconds
+    blocks: int = 0
+    output: int = 0
+    first_scheduled: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+
+
+class SyntheticEngine:
+    """Fake engine. ``step_s``: seconds per engine step (each running request gets one token per
+    step, so ``1 / step_s`` tokens/s per stream); ``prefill_s``: extra delay of a request's first
+    step; ``fail_on``: a prompt containing this string finishes with an engine error (tests)."""
+
+    def __init__(
+        self,
+        *,
+        step_s: float = 0.01,
+        prefill_s: float = 0.0,
+        max_num_seqs: int = 256,
+        num_blocks: int = 4096,
+        block_size: int = 16,
+        default_max_tokens: int = 16,
+        max_model_len: int = 8192,
+        fail_on: str | None = None,
+    ) -> None:
+        if step_s < 0 or max_num_seqs < 1 or num_blocks < 1 or block_size < 1:
+            raise ValueError("step_s >= 0, max_num_seqs, num_blocks, block_size >= 1 required")
+        self.step_s = step_s
+        self.prefill_s = prefill_s
+        self.max_num_seqs = max_num_seqs
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.default_max_tokens = default_max_tokens
+        self.max_model_len = max_model_len
+        self.fail_on = fail_on
+        self.waiting: collections.deque[_SynthRequest] = collections.deque()
+        self.running: dict[str, _SynthRequest] = {}
+        self.free_blocks = num_blocks
+        self._last_step = 0.0
+        self._errors: list[RequestDelta] = []
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ LLMEngine interface
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        messages: list[dict] | None = None,
+        sampling_params: dict | Any | None = None,
+        lane: str = "batch",
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError on a bad prompt or sampling params, or a
+        duplicate request id."""
+        if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
+            raise ValueError(f"duplicate request_id {request_id!r}")
+        if prompt_token_ids is not None:
+            n_prompt = len(prompt_token_ids)
+            text = ""
+        elif messages is not None:
+            text = " ".join(str(m.get("content", "")) for m in messages)
+            n_prompt = max(1, len(text.split()))
+        elif prompt is not None:
+            text = prompt
+            n_prompt = max(1, len(prompt.split()))
+        else:
+            raise ValueError("one of prompt, prompt_token_ids, messages is required")
+        sp = sampling_params if isinstance(sampling_params, dict) else {}
+        max_tokens = sp.get("max_tokens", self.default_max_tokens)
+        if type(max_tokens) is not int or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        if n_prompt + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt_tokens + max_tokens > max_model_len ({self.max_model_len})")
+        seed = sp.get("seed") or 0
+        req = _SynthRequest(
+            request_id=request_id,
+            lane=lane,
+            prompt_tokens=n_prompt,
+            max_tokens=max_tokens,
+            seed=int(seed),
+            arrival=arrival_time if arrival_time is not None else time.monotonic(),
+        )
+        if self.fail_on and self.fail_on in text:
+            self._errors.append(
+                RequestDelta(request_id, "", [], True, "error", error="synthetic engine failure")
+            )
+            return
+        if lane == "interactive":
+            # interactive before batch, FIFO within a lane
+            idx = sum(1 for r in self.waiting if r.lane == "interactive")
+            self.waiting.insert(idx, req)
+        else:
+            self.waiting.append(req)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request and free its blocks; no output is produced for it afterwards."""
+        req = self.running.pop(request_id, None)
+        if req is not None:
+            self.free_blocks += req.blocks
+            return
+        for r in self.waiting:
+            if r.request_id == request_id:
+                self.waiting.remove(r)
+                return
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting or self._errors)
+
+    def step(self) -> list[RequestDelta]:
+        """One engine step: admit waiting requests, one token for each running request."""
+        self._pace()
+        now = time.monotonic()
+        out, self._errors = self._errors, []
+        self._admit(now)
+        for req in list(self.running.values()):
+            tok = (req.seed + req.output) % 1000
+            req.output += 1
+            req.token_times.append(now)
+            need = math.ceil((req.prompt_tokens + req.output) / self.block_size)
+            if need > req.blocks and self.free_blocks > 0:
+                self.free_blocks -= 1
+                req.blocks += 1
+            done = req.output >= req.max_tokens
+            delta = RequestDelta(req.request_id, f" w{tok}", [tok], done)
+            if done:
+                delta.finish_reason = "length"
+                delta.metrics = self._metrics(req)
+                self.running.pop(req.request_id)
+                self.free_blocks += req.blocks
+            out.append(delta)
+        self.num_steps += 1
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """``num_total_blocks, num_free_blocks, num_running, num_waiting, prefix_cache_queries,
+        prefix_cache_hits, num_preemptions`` as in ``LLM.stats()``."""
+        return {
+            "num_total_blocks": self.num_blocks,
+            "num_free_blocks": self.free_blocks,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0,
+            "num_preemptions": 0,
+        }
+
+    # ------------------------------------------------------------------ internals
+
+    def _pace(self) -> None:
+        if self.step_s <= 0:
+            return
+        wait = self._last_step + self.step_s - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        self._last_step = max(time.monotonic(), self._last_step + self.step_s)
+
+    def _admit(self, now: float) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            need = math.ceil((req.prompt_tokens + 1) / self.block_size)
+            if need > self.free_blocks:
+                return
+            self.waiting.popleft()
+            self.free_blocks -= need
+            req.blocks = need
+            req.first_scheduled = now
+            self.running[req.request_id] = req
+            if self.prefill_s:
+                time.sleep(self.prefill_s)
+
+    def _metrics(self, req: _SynthRequest) -> dict[str, Any]:
+        times = req.token_times
+        gaps = sorted((b - a) * 1000.0 for a, b in zip(times, times[1:], strict=False))
+        decode_ms = (times[-1] - times[0]) * 1000.0
+        n = req.output
+        return {
+            "queue_ms": (req.first_scheduled - req.arrival) * 1000.0,
+            "prefill_ms": (times[0] - req.first_scheduled) * 1000.0,
+            "decode_ms": decode_ms,
+            "tpot_ms": decode_ms / (n - 1) if n >= 2 else None,
+            "itl_p99_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None,
+            "prompt_tokens": req.prompt_tokens,
+            "cached_tokens": 0,
+            "completion_tokens": n,
+            "preemptions": 0,
+            "prefill_chunks": 1,
+            "first_scheduled_delay_ms": (req.first_scheduled - req.arrival) * 1000.0,
+            "first_token_delay_ms": (times[0] - req.arrival) * 1000.0,
+        }

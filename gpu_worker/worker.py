@@ -1,0 +1,447 @@
+"""The worker process: one engine, one accelerator, a DEALER connection to the broker.
+
+Two threads::
+
+    broker ROUTER <--DEALER--> [IO thread] <--inproc PAIR--> [engine loop (main thread)]
+
+- The **IO thread** owns the ZMQ DEALER. It forwards ``request``/``abort`` from the broker to the
+  engine loop, forwards the engine loop's ``step_outputs`` to the broker, sends ``ready`` on
+  connect and a ``worker_heartbeat`` with load stats every ``heartbeat_interval_s`` (from this
+  thread, never the engine loop, so a long step cannot make the worker look dead), watches the
+  broker's heartbeats (silence for ``liveness`` intervals -> reconnect with exponential backoff;
+  a new broker ``epoch`` or a ``disconnect`` -> forget all requests and send ``ready`` again), and
+  polls the parent pid (``parent_pid``) so the worker exits when its supervisor dies.
+- The **engine loop** drives any object with the ``LLMEngine`` interface (docs/interfaces.md):
+  ``add_request``, ``step() -> list[RequestDelta]``, ``abort_request``,
+  ``has_unfinished_requests``, ``stats``. It sends exactly **one** ``step_outputs`` message per
+  engine step carrying every request's delta/final/error. An aborted request always gets a
+  final output with ``finish_reason="abort"`` (synthesized if the engine emits none) so the
+  broker frees its credit.
+
+SIGTERM drains: the worker announces ``draining`` (the broker stops dispatching to it), finishes
+what it holds (at most ``drain_timeout_s``), then exits. A second SIGTERM stops at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import zmq
+
+from broker import protocol as p
+
+logger = logging.getLogger(__name__)
+
+_ERROR_CODES = {"PromptTooLongError": "prompt_too_long", "InvalidRequestError": "invalid_request"}
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process with this pid exists (signal 0 probe)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _plain_stats(stats: dict) -> dict[str, Any]:
+    return {
+        str(k)[:64]: v for k, v in stats.items() if v is None or type(v) in (int, float, str, bool)
+    }
+
+
+class Worker:
+    """Connects ``engine`` to the broker at ``broker_addr``; ``run()`` blocks until stopped.
+
+    ``capacity`` is the worker's credit: the most requests the broker may hand it at once
+    (should exceed the engine's ``max_num_seqs`` a little so interactive arrivals reach the
+    engine's preemption logic).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        broker_addr: str,
+        lanes: Iterable[str] = ("interactive", "batch"),
+        capacity: int = 64,
+        model: str = "",
+        worker_id: str | None = None,
+        heartbeat_interval_s: float = 1.0,
+        liveness: int = 3,
+        parent_pid: int | None = None,
+        drain_timeout_s: float = 30.0,
+        stats_interval_s: float = 0.25,
+        info: dict | None = None,
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        self.engine = engine
+        self.broker_addr = broker_addr
+        self.lanes = [str(lane) for lane in lanes]
+        for lane in self.lanes:
+            if lane not in p.LANES:
+                raise ValueError(f"unknown lane {lane!r}; expected one of {p.LANES}")
+        self.capacity = int(capacity)
+        self.model = model
+        self.worker_id = worker_id or default_worker_id()
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.liveness = liveness
+        self.parent_pid = parent_pid
+        self.drain_timeout_s = drain_timeout_s
+        self.stats_interval_s = stats_interval_s
+        self.info = info or {}
+        self.ctx = ctx or zmq.Context.instance()
+        self._pipe_addr = f"inproc://worker-{id(self)}"
+        self._stop = threading.Event()  # stop now
+        self._draining = threading.Event()
+        self._stats: dict[str, Any] = {}
+        self.active: set[str] = set()
+        self._pending_aborts: set[str] = set()
+        self._step_ms_ema = 0.0
+        self._tokens_window: list[tuple[float, int]] = []
+        self.counters: dict[str, int] = {"steps": 0, "requests": 0, "invalid_messages": 0}
+
+    # ------------------------------------------------------------------ public
+
+    def request_stop(self, drain: bool = True) -> None:
+        """Drain (finish held requests, take no new ones) or stop at once. Thread-safe."""
+        if drain and not self._draining.is_set():
+            logger.info("worker %s draining (%d active)", self.worker_id, len(self.active))
+            self._draining.set()
+        else:
+            self._stop.set()
+
+    def run(self) -> int:
+        """Run the IO thread and the engine loop; returns the exit code (0)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: self.request_stop(drain=True))
+            signal.signal(signal.SIGINT, lambda *_: self.request_stop(drain=False))
+        pipe = self.ctx.socket(zmq.PAIR)
+        pipe.bind(self._pipe_addr)
+        io = threading.Thread(target=self._io_main, name="worker-io", daemon=True)
+        io.start()
+        try:
+            self._engine_loop(pipe)
+        finally:
+            self._stop.set()
+            io.join(timeout=5)
+            pipe.close(linger=0)
+        logger.info("worker %s stopped", self.worker_id)
+        return 0
+
+    # ------------------------------------------------------------------ engine loop
+
+    def _engine_loop(self, pipe: zmq.Socket) -> None:
+        drain_deadline = None
+        last_stats = 0.0
+        while not self._stop.is_set():
+            busy = self.engine.has_unfinished_requests() or bool(self._pending_aborts)
+            if pipe.poll(0 if busy else 50):
+                self._drain_pipe(pipe)
+            if self.engine.has_unfinished_requests():
+                self._step(pipe)
+            elif self._pending_aborts:
+                self._send_outputs(pipe, [], 0.0)
+            now = time.monotonic()
+            if now - last_stats >= self.stats_interval_s:
+                last_stats = now
+                self._update_stats(now)
+            if self._draining.is_set():
+                drain_deadline = drain_deadline or now + self.drain_timeout_s
+                if not self.active or now > drain_deadline:
+                    if self.active:
+                        logger.warning("drain timeout: %d requests unfinished", len(self.active))
+                    self._update_stats(now)
+                    time.sleep(min(0.2, self.heartbeat_interval_s))  # last heartbeat goes out
+                    return
+
+    def _drain_pipe(self, pipe: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = pipe.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = p.decode(frames, p.BROKER_TO_WORKER)  # validated by the IO thread already
+            if type(msg) is p.WorkRequest:
+                self._add(pipe, msg)
+            elif type(msg) is p.Abort:
+                if msg.request_id in self.active:
+                    self.engine.abort_request(msg.request_id)
+                    self._pending_aborts.add(msg.request_id)
+            elif type(msg) is p.Disconnect:
+                self._forget_all()
+
+    def _add(self, pipe: zmq.Socket, msg: p.WorkRequest) -> None:
+        rid = msg.request_id
+        if rid in self.active:
+            return  # duplicate dispatch; already running
+        try:
+            self.engine.add_request(
+                rid,
+                prompt=msg.prompt,
+                prompt_token_ids=msg.prompt_token_ids,
+                messages=msg.messages,
+                sampling_params=msg.sampling_params,
+                lane=msg.lane,
+                priority=msg.priority,
+                arrival_time=time.monotonic(),
+            )
+        except Exception as exc:  # bad input -> a typed error for this request, keep serving
+            code = _ERROR_CODES.get(type(exc).__name__)
+            if code is None:
+                code = "invalid_request" if isinstance(exc, ValueError) else "engine_error"
+            if code == "engine_error":
+                logger.exception("add_request %s failed", rid)
+            err = p.WorkerError(
+                worker_id=self.worker_id, code=code, message=str(exc)[:2000], request_id=rid
+            )
+            pipe.send_multipart(err.to_frames())
+            return
+        self.active.add(rid)
+        self.counters["requests"] += 1
+
+    def _forget_all(self) -> None:
+        """The broker forgot us (restart, missed liveness): drop everything silently."""
+        if self.active:
+            logger.warning("broker reset: aborting %d requests", len(self.active))
+        for rid in list(self.active):
+            self.engine.abort_request(rid)
+        self.active.clear()
+        self._pending_aborts.clear()
+
+    def _step(self, pipe: zmq.Socket) -> None:
+        t0 = time.monotonic()
+        deltas = self.engine.step()
+        step_ms = (time.monotonic() - t0) * 1000.0
+        self._step_ms_ema = (
+            step_ms if not self._step_ms_ema else 0.9 * self._step_ms_ema + 0.1 * step_ms
+        )
+        self.counters["steps"] += 1
+        outputs = []
+        ntok = 0
+        for d in deltas:
+            rid = d.request_id
+            if rid not in self.active:
+                continue
+            ntok += len(d.new_token_ids)
+            outputs.append(
+                p.StepOutput(
+                    rid,
+                    d.new_text,
+                    list(d.new_token_ids),
+                    bool(d.finished),
+                    d.finish_reason,
+                    d.logprobs,
+                    d.metrics,
+                    d.error,
+                )
+            )
+            if d.finished:
+                self.active.discard(rid)
+                self._pending_aborts.discard(rid)
+        self._tokens_window.append((t0, ntok))
+        self._send_outputs(pipe, outputs, step_ms)
+
+    def _send_outputs(self, pipe: zmq.Socket, outputs: list[p.StepOutput], step_ms: float) -> None:
+        for rid in self._pending_aborts:
+            self.active.discard(rid)
+            outputs.append(p.StepOutput(rid, "", [], True, "abort"))
+        self._pending_aborts.clear()
+        if outputs:
+            msg = p.StepOutputs(worker_id=self.worker_id, outputs=outputs, step_ms=step_ms)
+            pipe.send_multipart(msg.to_frames())
+
+    def _update_stats(self, now: float) -> None:
+        try:
+            raw = dict(self.engine.stats())
+        except Exception:
+            logger.exception("engine.stats() failed")
+            raw = {}
+        total = raw.get("num_total_blocks") or 0
+        queries = raw.get("prefix_cache_queries") or 0
+        window = [(t, n) for t, n in self._tokens_window if now - t <= 5.0]
+        self._tokens_window = window
+        span = (now - window[0][0]) if window else 0.0
+        stats = _plain_stats(raw)
+        stats.update(
+            running=raw.get("num_running", 0),
+            waiting=raw.get("num_waiting", 0),
+            kv_usage=(1.0 - raw.get("num_free_blocks", total) / total) if total else 0.0,
+            prefix_hit_rate=(raw.get("prefix_cache_hits", 0) / queries) if queries else 0.0,
+            step_ms=round(self._step_ms_ema, 3),
+            tokens_per_s=round(sum(n for _, n in window) / span, 1) if span > 0 else 0.0,
+            preemptions=raw.get("num_preemptions", 0),
+            active=len(self.active),
+            steps=self.counters["steps"],
+        )
+        self._stats = stats
+
+    # ------------------------------------------------------------------ IO thread
+
+    def _io_main(self) -> None:
+        try:
+            self._io_loop()
+        except Exception:
+            logger.exception("worker IO thread crashed; stopping")
+            self._stop.set()
+
+    def _connect(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        p.secure_socket_options(sock)
+        sock.setsockopt(zmq.IDENTITY, self.worker_id.encode()[:255])
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+        sock.connect(self.broker_addr)
+        ready = p.Ready(
+            worker_id=self.worker_id,
+            pid=os.getpid(),
+            lanes=self.lanes,
+            capacity=self.capacity,
+            model=self.model,
+            info=self.info,
+        )
+        sock.send_multipart(ready.to_frames(), zmq.NOBLOCK)
+        return sock
+
+    def _io_loop(self) -> None:
+        pipe = self.ctx.socket(zmq.PAIR)
+        pipe.connect(self._pipe_addr)
+        dealer = self._connect()
+        poller = zmq.Poller()
+        poller.register(pipe, zmq.POLLIN)
+        poller.register(dealer, zmq.POLLIN)
+        epoch: str | None = None
+        now = time.monotonic()
+        last_heard = now
+        last_hb = 0.0
+        backoff = self.heartbeat_interval_s
+        silence = self.heartbeat_interval_s * self.liveness
+        last_parent_check = now
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(50))
+                now = time.monotonic()
+                if dealer in events:
+                    for frames in self._recv_all(dealer):
+                        try:
+                            msg = p.decode(frames, p.BROKER_TO_WORKER)
+                        except p.ProtocolError as exc:
+                            self.counters["invalid_messages"] += 1
+                            logger.warning("invalid message from broker: %s", exc)
+                            continue
+                        last_heard = now
+                        backoff = self.heartbeat_interval_s
+                        if type(msg) is p.Heartbeat:
+                            if epoch is not None and msg.epoch != epoch:
+                                logger.warning(
+                                    "broker restarted (epoch %s -> %s)", epoch, msg.epoch
+                                )
+                                self._reset(pipe, dealer)
+                            epoch = msg.epoch
+                        elif type(msg) is p.Disconnect:
+                            logger.warning("broker says disconnect: %s", msg.reason)
+                            self._reset(pipe, dealer)
+                        else:
+                            pipe.send_multipart(frames)
+                if pipe in events:
+                    for frames in self._recv_all(pipe):
+                        try:
+                            dealer.send_multipart(frames, zmq.NOBLOCK)
+                        except zmq.Again:
+                            self.counters["dropped_outputs"] = (
+                                self.counters.get("dropped_outputs", 0) + 1
+                            )
+                if now - last_hb >= self.heartbeat_interval_s:
+                    last_hb = now
+                    hb = p.WorkerHeartbeat(
+                        worker_id=self.worker_id,
+                        stats=self._stats,
+                        draining=self._draining.is_set(),
+                    )
+                    try:
+                        dealer.send_multipart(hb.to_frames(), zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+                if now - last_heard > max(silence, backoff):
+                    logger.warning(
+                        "broker silent %.1fs: reconnecting to %s",
+                        now - last_heard,
+                        self.broker_addr,
+                    )
+                    poller.unregister(dealer)
+                    dealer.close(linger=0)
+                    pipe.send_multipart(p.Disconnect(reason="broker silent").to_frames())
+                    dealer = self._connect()
+                    poller.register(dealer, zmq.POLLIN)
+                    epoch = None
+                    last_heard = now
+                    backoff = min(backoff * 2, 30.0)
+                if self.parent_pid and now - last_parent_check >= 0.5:
+                    last_parent_check = now
+                    if os.getppid() != self.parent_pid and not pid_alive(self.parent_pid):
+                        logger.warning("parent %d died: stopping", self.parent_pid)
+                        self._stop.set()
+        finally:
+            dealer.close(linger=0)
+            pipe.close(linger=0)
+
+    def _reset(self, pipe: zmq.Socket, dealer: zmq.Socket) -> None:
+        """Tell the engine loop to forget everything, then announce ourselves again."""
+        pipe.send_multipart(p.Disconnect(reason="reset").to_frames())
+        ready = p.Ready(
+            worker_id=self.worker_id,
+            pid=os.getpid(),
+            lanes=self.lanes,
+            capacity=self.capacity,
+            model=self.model,
+            info=self.info,
+        )
+        try:
+            dealer.send_multipart(ready.to_frames(), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    @staticmethod
+    def _recv_all(sock: zmq.Socket, limit: int = 1000) -> list[list[bytes]]:
+        out = []
+        for _ in range(limit):
+            try:
+                out.append(sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        return out
+
+
+def parse_bytes(text: str | int | None) -> int | None:
+    """``"2GiB"``, ``"512MiB"``, ``"1.5GB"`` or a plain integer -> bytes; None passes through.
+    Raises ValueError on anything else."""
+    if text is None or isinstance(text, int):
+        return text
+    s = text.strip().lower().replace(" ", "")
+    units = {
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "b": 1,
+    }
+    for suffix, mult in units.items():
+        if s.endswith(suffix):
+            return int(float(s[: -len(suffix)]) * mult)
+    return int(s)

@@ -1,0 +1,78 @@
+"""`laneserve broker`: the request router between edges and GPU workers (broker/broker.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("broker", help="run the broker (lanes, credits, heartbeats)")
+    parser.add_argument(
+        "--front",
+        default=None,
+        help="client endpoint to bind (default: ipc under $LANESERVE_HOME/run)",
+    )
+    parser.add_argument(
+        "--back",
+        default=None,
+        help="worker endpoint to bind (default: ipc under $LANESERVE_HOME/run)",
+    )
+    parser.add_argument(
+        "--recorder",
+        default=None,
+        help="recorder endpoint to connect (records to SQL); none: no records",
+    )
+    parser.add_argument(
+        "--heartbeat-interval", type=float, default=1.0, help="seconds (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--liveness",
+        type=int,
+        default=3,
+        help="missed heartbeats before a worker is lost (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-interactive-queue",
+        type=int,
+        default=256,
+        help="full -> overloaded (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-batch-queue", type=int, default=20_000, help="(default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-attempts",
+        type=int,
+        default=3,
+        help="dispatches before worker_lost is final (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--parent-pid", type=int, default=None, help="exit when this process is gone"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from broker.addresses import default_back, default_front
+    from broker.broker import Broker, BrokerConfig
+
+    config = BrokerConfig(
+        front=args.front or default_front(),
+        back=args.back or default_back(),
+        recorder=args.recorder,
+        heartbeat_interval_s=args.heartbeat_interval,
+        liveness=args.liveness,
+        max_interactive_queue=args.max_interactive_queue,
+        max_batch_queue=args.max_batch_queue,
+        max_attempts=args.max_attempts,
+        parent_pid=args.parent_pid,
+    )
+    broker = Broker(config)
+    signal.signal(signal.SIGTERM, lambda *_: broker.stop())
+    signal.signal(signal.SIGINT, lambda *_: broker.stop())
+    broker.run()
+    return 0

@@ -1,0 +1,102 @@
+"""`laneserve worker`: one engine process connected to the broker (gpu_worker/worker.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("worker", help="run one engine worker connected to the broker")
+    parser.add_argument(
+        "--broker",
+        default=None,
+        help="broker back endpoint (default: ipc under $LANESERVE_HOME/run)",
+    )
+    parser.add_argument(
+        "--lanes",
+        default="interactive,batch",
+        help="lanes served, comma-separated (default: %(default)s)",
+    )
+    parser.add_argument("--worker-id", default=None, help="default: HOST-PID")
+    parser.add_argument(
+        "--capacity",
+        type=int,
+        default=None,
+        help="requests held at once (default: max-num-seqs + 16)",
+    )
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0)
+    parser.add_argument("--liveness", type=int, default=3)
+    parser.add_argument(
+        "--parent-pid", type=int, default=None, help="exit when this process is gone"
+    )
+    parser.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds to finish work on SIGTERM"
+    )
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--model", default="smollm2-135m")
+    engine.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32")
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument(
+        "--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: engine's)"
+    )
+    engine.add_argument("--device", default=None)
+    synth = parser.add_argument_group("synthetic engine (tests, benchmarks)")
+    synth.add_argument("--synthetic", action="store_true", help="fake tokens, no model")
+    synth.add_argument("--synthetic-step-ms", type=float, default=10.0, help="ms per engine step")
+    synth.add_argument("--synthetic-fail-on", default=None, help="prompts containing this fail")
+    parser.set_defaults(func=run)
+
+
+def build_engine(args: argparse.Namespace, lanes: list[str]):
+    """The engine for these options: SyntheticEngine with --synthetic, else LLMEngine."""
+    from gpu_worker.worker import parse_bytes
+
+    if args.synthetic:
+        from gpu_worker.synthetic import SyntheticEngine
+
+        return SyntheticEngine(
+            step_s=args.synthetic_step_ms / 1000.0,
+            max_num_seqs=args.max_num_seqs,
+            block_size=args.block_size,
+            fail_on=args.synthetic_fail_on,
+        )
+    from gpu_worker.engine import LLMEngine  # the real engine (issue 3)
+
+    return LLMEngine.from_args(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory),
+        lanes=lanes,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from broker.addresses import default_back
+    from gpu_worker.worker import Worker
+
+    lanes = [lane.strip() for lane in args.lanes.split(",") if lane.strip()]
+    engine = build_engine(args, lanes)
+    worker = Worker(
+        engine,
+        broker_addr=args.broker or default_back(),
+        lanes=lanes,
+        capacity=args.capacity or args.max_num_seqs + 16,
+        model="synthetic" if args.synthetic else args.model,
+        worker_id=args.worker_id,
+        heartbeat_interval_s=args.heartbeat_interval,
+        liveness=args.liveness,
+        parent_pid=args.parent_pid,
+        drain_timeout_s=args.drain_timeout,
+        info={"pid": os.getpid(), "synthetic": bool(args.synthetic)},
+    )
+    return worker.run()
