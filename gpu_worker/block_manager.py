@@ -199,11 +199,17 @@ class BlockManager:
         reserve_blocks: int = 0,
     ) -> bool:
         """Whether `allocate_slots` with the same arguments would succeed."""
-        return self._num_free_after(request, num_new_tokens, new_computed_blocks) >= reserve_blocks
+        return self.num_free_after(request, num_new_tokens, new_computed_blocks) >= reserve_blocks
 
-    def _num_free_after(
+    def num_exclusive_blocks(self, request: Request) -> int:
+        """Blocks that `free(request)` would return to the free list (ref count 1)."""
+        return sum(1 for b in request.block_table if self.blocks[b].ref_count == 1)
+
+    def num_free_after(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] | None
     ) -> int:
+        """Free blocks left if `allocate_slots(request, num_new_tokens, new_computed_blocks)`
+        ran now (negative when it cannot)."""
         computed = new_computed_blocks or ()
         total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         num_new = self.num_blocks_for(total) - len(request.block_table) - len(computed)
@@ -239,7 +245,7 @@ class BlockManager:
         assert num_new_tokens >= 0, f"num_new_tokens={num_new_tokens}"
         computed = list(new_computed_blocks or ())
         assert not computed or not request.block_table, "hits only for a request without blocks"
-        if self._num_free_after(request, num_new_tokens, computed) < reserve_blocks:
+        if self.num_free_after(request, num_new_tokens, computed) < reserve_blocks:
             return False
         if request.request_id not in self._live:
             self._live[request.request_id] = request
@@ -256,6 +262,12 @@ class BlockManager:
         total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         for _ in range(self.num_blocks_for(total) - len(request.block_table)):
             request.block_table.append(self._pop_free_block())
+        # The step writes positions [total - num_new_tokens, total): never into a shared block.
+        first = (total - num_new_tokens) // self.block_size
+        for block_id in request.block_table[first : self.num_blocks_for(total)]:
+            assert self.blocks[block_id].ref_count == 1 or num_new_tokens == 0, (
+                f"{request.request_id} would write shared block {block_id}"
+            )
         return True
 
     def _pop_free_block(self) -> int:

@@ -67,7 +67,7 @@ _FINISH_REASONS: dict[RequestStatus, str] = {
 }
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False)  # no slots: the engine may attach per-request state (detokenizer, ...)
 class Request:
     """One generation request inside the engine (identity semantics: `eq=False`).
 

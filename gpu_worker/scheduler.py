@@ -320,8 +320,9 @@ class Scheduler:
                 break
             reserve = self._watermark_blocks if self.running else 0
             while not bm.allocate_slots(req, n, hit_blocks, reserve_blocks=reserve):
-                if not (interactive and self._preempt_newest_batch(step)):
+                if not (interactive and self._batch_can_make_room(req, n, hit_blocks, reserve)):
                     return
+                self._preempt_newest_batch(step)
                 # Preemption may free (and then evict) the blocks of the hit: look up again.
                 hit_blocks, num_hit = bm.get_computed_blocks(req)
                 n = self._chunk(step, req, req.num_tokens - num_hit)
@@ -333,6 +334,15 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._commit(step, req, n)
+
+    def _batch_can_make_room(
+        self, req: Request, n: int, hit_blocks: list[int], reserve: int
+    ) -> bool:
+        """Whether preempting every running batch request would let `req` allocate `n` tokens."""
+        bm = self.block_manager
+        batch = [r for r in self.running if r.lane is Lane.BATCH]
+        reclaim = sum(bm.num_exclusive_blocks(r) for r in batch)
+        return bool(batch) and bm.num_free_after(req, n, hit_blocks) + reclaim >= reserve
 
     def _preempt_newest_batch(self, step: _StepState) -> bool:
         """Preempt the lowest-ranked running batch request; False when there is none."""

@@ -296,3 +296,17 @@ def test_timestamps_and_token_gaps(sim):
     assert r.last_token_time <= r.finished_time
     assert len(r.token_gaps_ms) == 3 and all(g >= 0 for g in r.token_gaps_ms)
     assert r.num_cached_tokens == 0 and r.num_prefill_chunks == 1
+
+
+def test_interactive_does_not_preempt_batch_that_cannot_make_room(sim):
+    s = sim(num_blocks=10, block_size=4, prefix=False, watermark=0.0, max_model_len=40)
+    i1 = s.add("i1", 32, lane="interactive", max_tokens=3)
+    b = s.add("b", 2, max_tokens=3)
+    s.step()
+    i2 = s.add("i2", 12, lane="interactive", max_tokens=1)
+    out = s.step()  # i1 takes the last free block; b's one block would not make room for i2
+    assert out.preempted == [] and s.sched.num_preemptions == 0
+    assert split(out) == [("i1", 1), ("b", 1)]
+    s.run()
+    assert i2.num_output_tokens == 1 and b.num_output_tokens == 3
+    assert s.sched.num_preemptions == 0
