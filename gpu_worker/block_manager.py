@@ -243,6 +243,16 @@ class BlockManager:
             True on success; False when too few free blocks, in which case nothing changed.
         """
         assert num_new_tokens >= 0, f"num_new_tokens={num_new_tokens}"
+        table = request.block_table
+        if not new_computed_blocks and table and reserve_blocks <= len(self._free):
+            # Fast path (decodes): the new tokens fit in the blocks the request already holds.
+            total = request.num_computed_tokens + num_new_tokens
+            if total <= len(table) * self.block_size:
+                last = self.blocks[table[(total - 1) // self.block_size]]
+                assert last.ref_count == 1 or num_new_tokens == 0, (
+                    f"{request.request_id} would write shared block {last.block_id}"
+                )
+                return True
         computed = list(new_computed_blocks or ())
         assert not computed or not request.block_table, "hits only for a request without blocks"
         if self.num_free_after(request, num_new_tokens, computed) < reserve_blocks:

@@ -30,6 +30,7 @@ append the sampled token of every entry with samples=True; finish_request(...) t
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import logging
 import time
@@ -162,7 +163,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.num_preemptions = 0  # total since start
         self._seq = itertools.count()  # ties on equal keys keep add order
-        self._order: dict[str, int] = {}
+        self._keys: dict[str, tuple[int, int, float, int]] = {}  # fixed at add_request
         self._watermark_blocks = int(config.watermark * block_manager.num_total_blocks)
 
     # --- queue views ---
@@ -196,7 +197,8 @@ class Scheduler:
         }
 
     def _key(self, req: Request) -> tuple[int, int, float, int]:
-        return (*req.sort_key, self._order[req.request_id])
+        """Scheduling order: lane rank, priority, arrival time, add order (ascending = first)."""
+        return self._keys[req.request_id]
 
     def _has_interactive(self) -> bool:
         return any(r.lane is Lane.INTERACTIVE for r in itertools.chain(self.running, self.waiting))
@@ -218,7 +220,7 @@ class Scheduler:
         )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._order[request.request_id] = next(self._seq)
+        self._keys[request.request_id] = (*request.sort_key, next(self._seq))
         self._enqueue_waiting(request)
 
     def _enqueue_waiting(self, request: Request) -> None:
@@ -237,7 +239,7 @@ class Scheduler:
         request.status = status
         request.finished_time = time.monotonic()
         del self.requests[request.request_id]
-        del self._order[request.request_id]
+        del self._keys[request.request_id]
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort an unfinished request; returns it, or None if unknown or already finished."""
@@ -254,7 +256,8 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
-        scheduled = sorted(step.entries.values(), key=lambda e: self._key(e.request))
+        keys = self._keys
+        scheduled = sorted(step.entries.values(), key=lambda e: keys[e.request.request_id])
         return SchedulerOutput(
             scheduled=scheduled,
             preempted=step.preempted,
@@ -285,9 +288,10 @@ class Scheduler:
         step.entries[req.request_id] = ScheduledRequest(req, n, samples, start)
 
     def _schedule_running(self, step: _StepState) -> None:
-        order = sorted(self.running, key=self._key)  # lowest ranked (victims) at the end
+        self.running.sort(key=self._key)  # nearly sorted already: O(n)
+        order = collections.deque(self.running)  # lowest ranked (victims) at the end
         while order and step.budget > 0:
-            req = order.pop(0)
+            req = order.popleft()
             remaining = req.num_tokens - req.num_computed_tokens
             assert remaining >= 1, f"running request {req.request_id} has nothing to compute"
             assert req.num_tokens <= self.config.max_model_len, (
