@@ -134,13 +134,13 @@ def unified_attention(
         return out
     seq_lens_list = seq_lens.tolist()
     num_seqs = len(seq_lens_list)
-    if num_tokens == num_seqs:  # every sequence has exactly one query token: pure decode
+    starts = cu_seqlens_q.tolist()
+    if num_tokens == num_seqs and starts == list(range(num_seqs + 1)):  # pure decode
         res = _decode_attention(
             q, k_cache, v_cache, seq_lens, seq_lens_list, block_tables, softmax_scale
         )
         out.copy_(res)
         return out
-    starts = cu_seqlens_q.tolist()
     for s in range(num_seqs):
         lo, hi = starts[s], starts[s + 1]
         if hi == lo:
