@@ -27,6 +27,7 @@ class EngineSim:
         self.sched = sched
         self.bm = sched.block_manager
         self.finished: list[Request] = []
+        self.kv: dict[tuple[int, int], tuple[int, int]] = {}
         self._ids = itertools.count(1)
         self._fake_token = itertools.count(50_000)
 
@@ -49,10 +50,34 @@ class EngineSim:
         self.sched.add_request(req)
         return req
 
+    def _check_and_write_kv(self, out: SchedulerOutput) -> None:
+        """Play the model runner on a fake KV cache: slot -> (token id, position).
+
+        Every position a request attends to ([0, start)) must hold its own token, whether it
+        was computed by the request itself or came from a prefix-cache hit; new tokens are
+        written at [start, start + n) into blocks no other request holds.
+        """
+        bs = self.bm.block_size
+        for entry in out.scheduled:
+            req, start, n = entry.request, entry.num_computed_tokens, entry.num_new_tokens
+            tokens = req.all_token_ids
+            table = req.block_table
+            assert len(table) * bs >= start + n, f"{req.request_id}: too few blocks"
+            for pos in range(start):
+                slot = (table[pos // bs], pos % bs)
+                assert self.kv.get(slot) == (tokens[pos], pos), (
+                    f"{req.request_id} reads stale KV at position {pos}"
+                )
+            for pos in range(start, start + n):
+                block = table[pos // bs]
+                assert self.bm.blocks[block].ref_count == 1, f"write into shared block {block}"
+                self.kv[(block, pos % bs)] = (tokens[pos], pos)
+
     def step(self) -> SchedulerOutput:
         out = self.sched.schedule()
         assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
         assert len(self.sched.running) <= self.sched.config.max_num_seqs
+        self._check_and_write_kv(out)
         self.sched.update_after_step(out)
         for entry in out.scheduled:
             req = entry.request

@@ -308,5 +308,56 @@ def test_interactive_does_not_preempt_batch_that_cannot_make_room(sim):
     assert out.preempted == [] and s.sched.num_preemptions == 0
     assert split(out) == [("i1", 1), ("b", 1)]
     s.run()
-    assert i2.num_output_tokens == 1 and b.num_output_tokens == 3
+    assert i2.num_output_tokens == 1 and b.num_output_tokens == 3 and i1.num_output_tokens == 3
     assert s.sched.num_preemptions == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_workload_keeps_invariants(sim, seed):
+    """Random arrivals, lanes, priorities, aborts and shared preambles on a tight KV pool.
+
+    EngineSim checks every step that each request reads only its own tokens' KV (hits
+    included) and never writes a shared block; integrity is checked after every step.
+    """
+    rng = random.Random(seed)
+    s = sim(
+        num_blocks=rng.choice([12, 20, 40]),
+        block_size=rng.choice([2, 4, 8]),
+        watermark=0.05,
+        max_num_seqs=rng.choice([2, 4, 16]),
+        max_num_batched_tokens=rng.choice([3, 8, 32]),
+        long_prefill_token_threshold=rng.choice([None, 5]),
+        interactive_batch_token_cap=rng.choice([None, 4]),
+    )
+    max_len = s.sched.config.max_model_len
+    preambles = [[rng.randrange(1, 50) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
+    reqs, aborted = [], set()
+    for t in range(400):
+        if len(reqs) < 40 and rng.random() < 0.3:
+            prompt = rng.choice(preambles + [[]]) + [
+                rng.randrange(1, 50) for _ in range(rng.randrange(1, 15))
+            ]
+            max_tokens = rng.randrange(1, max(2, min(20, max_len - len(prompt))))
+            reqs.append(
+                s.add(
+                    f"r{len(reqs)}",
+                    0,
+                    prompt=prompt,
+                    max_tokens=max_tokens,
+                    lane=rng.choice(["interactive", "batch"]),
+                    priority=rng.randrange(3),
+                    arrival=float(t),
+                )
+            )
+        if reqs and rng.random() < 0.03:
+            victim = rng.choice(reqs)
+            if s.sched.abort_request(victim.request_id) is not None:
+                aborted.add(victim.request_id)
+        s.step()
+    s.run()
+    stats = s.sched.stats()
+    print(f"seed {seed}: {len(reqs)} requests, {len(aborted)} aborted, {stats}")
+    for r in reqs:
+        if r.request_id not in aborted:
+            assert r.num_output_tokens == r.sampling_params, r.request_id
+    assert s.bm.num_free_blocks == s.bm.num_total_blocks
