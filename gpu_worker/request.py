@@ -155,6 +155,35 @@ class Request:
         """Scheduling order (ascending = first): lane rank, priority, arrival time."""
         return (self.lane.rank, self.priority, self.arrival_time)
 
+    def metrics(self) -> dict[str, float | int | None]:
+        """Engine-side per-phase figures (docs/interfaces.md "Engine metrics dict").
+
+        Durations are ms from this process's monotonic clock, None when the phase did not
+        happen (e.g. aborted before the first token): `queue_ms` (arrival -> first scheduled),
+        `prefill_ms` (first scheduled -> first token), `decode_ms` (first -> last token),
+        `tpot_ms` (decode_ms / (completion_tokens - 1), None below 2 tokens), `itl_p99_ms`
+        (99th percentile of `token_gaps_ms`, linear interpolation as numpy's default),
+        `first_scheduled_delay_ms` and `first_token_delay_ms` (arrival at the engine -> first
+        scheduled / first token); counts `prompt_tokens, cached_tokens, completion_tokens,
+        preemptions, prefill_chunks`.
+        """
+        n_out = self.num_output_tokens
+        decode_ms = _ms(self.first_token_time, self.last_token_time)
+        return {
+            "queue_ms": _ms(self.arrival_time, self.first_scheduled_time),
+            "prefill_ms": _ms(self.first_scheduled_time, self.first_token_time),
+            "decode_ms": decode_ms,
+            "tpot_ms": decode_ms / (n_out - 1) if decode_ms is not None and n_out >= 2 else None,
+            "itl_p99_ms": percentile(self.token_gaps_ms, 99.0),
+            "prompt_tokens": self.num_prompt_tokens,
+            "cached_tokens": max(self.num_cached_tokens, 0),
+            "completion_tokens": n_out,
+            "preemptions": self.num_preemptions,
+            "prefill_chunks": self.num_prefill_chunks,
+            "first_scheduled_delay_ms": _ms(self.arrival_time, self.first_scheduled_time),
+            "first_token_delay_ms": _ms(self.arrival_time, self.first_token_time),
+        }
+
     # --- engine hooks ---
     def append_output_token_ids(self, token_ids: int | list[int], now: float | None = None) -> None:
         """Append sampled token id(s) and record first/last token times and the gaps (ms).
@@ -176,3 +205,21 @@ class Request:
         self.token_gaps_ms.extend([0.0] * (len(token_ids) - 1))
         self.last_token_time = now
         self.output_token_ids.extend(token_ids)
+
+
+def _ms(start: float | None, end: float | None) -> float | None:
+    """Milliseconds from `start` to `end` (monotonic seconds), None when either is missing."""
+    if start is None or end is None:
+        return None
+    return (end - start) * 1000.0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """q-th percentile (0..100) with linear interpolation (numpy's default); None when empty."""
+    if not values:
+        return None
+    xs = sorted(values)
+    rank = (len(xs) - 1) * q / 100.0
+    lo = int(rank)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
