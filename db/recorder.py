@@ -404,7 +404,7 @@ class RecorderServer:
 
         from broker.protocol import BROKER_TO_RECORDER, ProtocolError, decode
 
-        while True:
+        while self._pending_items < self.max_pending_records:
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
