@@ -339,6 +339,9 @@ class Broker:
         self._abort(req)
 
     def _abort(self, req: RequestState) -> None:
+        if req.aborted:
+            return
+        req.aborted = True
         rid = req.submit.request_id
         self.counters["aborted"] += 1
         if req.worker is None:
@@ -346,12 +349,10 @@ class Broker:
                 self.queues[req.submit.lane].remove(rid)
             except ValueError:
                 pass
-            req.aborted = True
             self._finish(req, "abort", None, {}, status="aborted")
-        elif not req.aborted:
-            req.aborted = True
-            self._send_worker(req.worker, p.Abort(request_id=rid).to_frames())
+        else:
             # the worker answers with a finished output (finish_reason "abort")
+            self._send_worker(req.worker, p.Abort(request_id=rid).to_frames())
 
     def _client_gone(self, identity: bytes) -> None:
         rids = self.by_client.pop(identity, set())
@@ -528,6 +529,9 @@ class Broker:
                 self._finish(req, "error", ("worker_lost", msg), {}, status="failed")
             else:
                 self.counters["requeued"] += 1
+                # forget the lost attempt's partial output (stream=False accumulates it)
+                req.text, req.token_ids, req.logprobs = [], [], None
+                req.num_tokens, req.first_token = 0, 0.0
                 requeue[req.submit.lane].append(rid)
         for lane, rids in requeue.items():
             self.queues[lane].extendleft(reversed(rids))  # head of the queue, original order

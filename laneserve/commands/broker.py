@@ -51,6 +51,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="dispatches before worker_lost is final (default: %(default)s)",
     )
     parser.add_argument(
+        "--client-sndhwm",
+        type=int,
+        default=20_000,
+        help="messages queued per client before it counts as not reading (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--no-worker-timeout",
+        type=float,
+        default=30.0,
+        help="seconds an interactive request waits with no worker serving its lane",
+    )
+    parser.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process is gone"
     )
     parser.set_defaults(func=run)
@@ -70,9 +82,32 @@ def run(args: argparse.Namespace) -> int:
         max_batch_queue=args.max_batch_queue,
         max_attempts=args.max_attempts,
         parent_pid=args.parent_pid,
+        client_sndhwm=args.client_sndhwm,
+        no_worker_timeout_s=args.no_worker_timeout,
     )
     broker = Broker(config)
     signal.signal(signal.SIGTERM, lambda *_: broker.stop())
     signal.signal(signal.SIGINT, lambda *_: broker.stop())
     broker.run()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m laneserve.commands.broker``: the same command without loading every other
+    subcommand (faster start for tests and the supervisor)."""
+    import sys
+
+    parser = argparse.ArgumentParser(prog="laneserve")
+    sub = parser.add_subparsers()
+    register(sub)
+    args = parser.parse_args(["broker", *(sys.argv[1:] if argv is None else argv)])
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
