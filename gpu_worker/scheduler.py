@@ -314,19 +314,19 @@ class Scheduler:
         while self.waiting and step.budget > 0:
             req = self.waiting[0]
             interactive = req.lane is Lane.INTERACTIVE
-            if len(self.running) >= self.config.max_num_seqs:
-                if not (interactive and self._preempt_newest_batch(step)):
-                    break
             assert req.num_computed_tokens == 0, f"waiting {req.request_id} has computed tokens"
             hit_blocks, num_hit = bm.get_computed_blocks(req)
             n = self._chunk(step, req, req.num_tokens - num_hit)
             if n <= 0:
                 break
+            seats_full = len(self.running) >= self.config.max_num_seqs
             reserve = self._watermark_blocks if self.running else 0
-            while not bm.allocate_slots(req, n, hit_blocks, reserve_blocks=reserve):
+            while seats_full or not bm.allocate_slots(req, n, hit_blocks, reserve_blocks=reserve):
+                # Only an interactive request preempts, and only when that can make room.
                 if not (interactive and self._batch_can_make_room(req, n, hit_blocks, reserve)):
                     return
                 self._preempt_newest_batch(step)
+                seats_full = len(self.running) >= self.config.max_num_seqs
                 # Preemption may free (and then evict) the blocks of the hit: look up again.
                 hit_blocks, num_hit = bm.get_computed_blocks(req)
                 n = self._chunk(step, req, req.num_tokens - num_hit)
@@ -344,9 +344,14 @@ class Scheduler:
     ) -> bool:
         """Whether preempting every running batch request would let `req` allocate `n` tokens."""
         bm = self.block_manager
-        batch = [r for r in self.running if r.lane is Lane.BATCH]
-        reclaim = sum(bm.num_exclusive_blocks(r) for r in batch)
-        return bool(batch) and bm.num_free_after(req, n, hit_blocks) + reclaim >= reserve
+        uses = collections.Counter(
+            b for r in self.running if r.lane is Lane.BATCH for b in r.block_table
+        )
+        if not any(r.lane is Lane.BATCH for r in self.running):
+            return False
+        # A block returns to the free list when batch requests hold all its references.
+        reclaim = sum(1 for b, c in uses.items() if bm.blocks[b].ref_count == c)
+        return bm.num_free_after(req, n, hit_blocks) + reclaim >= reserve
 
     def _preempt_newest_batch(self, step: _StepState) -> bool:
         """Preempt the lowest-ranked running batch request; False when there is none."""

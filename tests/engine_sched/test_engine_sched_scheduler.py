@@ -361,3 +361,38 @@ def test_random_workload_keeps_invariants(sim, seed):
         if r.request_id not in aborted:
             assert r.num_output_tokens == r.sampling_params, r.request_id
     assert s.bm.num_free_blocks == s.bm.num_total_blocks
+
+
+def test_interactive_seat_preemption_only_when_kv_would_fit(sim):
+    s = sim(
+        num_blocks=10, block_size=4, prefix=False, watermark=0.0, max_model_len=40, max_num_seqs=3
+    )
+    i1 = s.add("i1", 22, lane="interactive", arrival=0.0, max_tokens=3)  # 6 blocks
+    b1 = s.add("b1", 2, arrival=1.0, max_tokens=6)
+    b2 = s.add("b2", 2, arrival=2.0, max_tokens=6)
+    s.step()
+    i2 = s.add("i2", 20, lane="interactive", arrival=3.0, max_tokens=1)  # 5 blocks
+    out = s.step()  # seats full; free 2 + batch 2 < 5: preempting would not help
+    assert out.preempted == [] and i2.status is RequestStatus.WAITING
+    out = s.step()  # i1 decodes its last token and finishes
+    assert i1.is_finished and i2.status is RequestStatus.WAITING
+    out = s.step()  # i1's seat and blocks are free: i2 enters without preempting anyone
+    assert ("i2", 20) in split(out) and out.preempted == []
+    s.run()
+    assert s.sched.num_preemptions == 0
+    assert i1.num_output_tokens == 3 and b1.num_output_tokens == b2.num_output_tokens == 6
+
+
+def test_shared_batch_prefix_counts_as_reclaimable(sim):
+    s = sim(num_blocks=8, block_size=4, watermark=0.0, max_model_len=32, max_num_seqs=8)
+    pre = [5] * 16  # 4 shared blocks
+    b1 = s.add("b1", 0, prompt=pre + [1], arrival=1.0, max_tokens=3)
+    s.step()
+    b2 = s.add("b2", 0, prompt=pre + [2], arrival=2.0, max_tokens=3)
+    s.step()
+    assert b2.num_cached_tokens == 16 and s.bm.num_free_blocks == 2
+    inter = s.add("inter", 20, lane="interactive", arrival=3.0, max_tokens=1)  # needs 5 blocks
+    out = s.step()  # only preempting both batch requests frees the shared preamble
+    assert out.preempted == [b2, b1]
+    s.run()
+    assert inter.num_output_tokens == 1 and b1.num_output_tokens == b2.num_output_tokens == 3
