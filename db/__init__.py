@@ -1,1 +1,10 @@
-"""db package."""
+"""SQL persistence (DESIGN.md "Storage").
+
+- `db.models`: SQLAlchemy 2.0 models (`File`, `Job`, `Request`, `WorkerStat`).
+- `db.session`: `make_engine(url=None)`, `session_factory`, `write_session`/`read_session`
+  (SQLite with WAL, busy_timeout, foreign keys, BEGIN IMMEDIATE for writes; PostgreSQL alike).
+- `db.migrate`: `upgrade(url)` (call at start-up; locked across processes), `downgrade`,
+  `current`; Alembic scripts in `db/migrations/`.
+- `db.recorder`: `write_batch`, `prune`, `RecorderServer` (the `laneserve recorder` process).
+- `db.timings`: `compute_timings` for the per-phase latency fields.
+"""

@@ -11,9 +11,13 @@ import sys
 logger = logging.getLogger(__name__)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    from db.recorder import DEFAULT_RETENTION_S, FLUSH_INTERVAL_S
+# Same values as db.recorder.FLUSH_INTERVAL_S / DEFAULT_RETENTION_S, repeated here so that
+# building the CLI parser does not import SQLAlchemy (seconds of start-up on a small CPU).
+FLUSH_INTERVAL_S = 0.2
+DEFAULT_RETENTION_DAYS = 30.0
 
+
+def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("recorder", help="write request records to SQL")
     parser.add_argument(
         "--recorder-addr", required=True, help="ZMQ address to bind (tcp://127.0.0.1:P, ipc://...)"
@@ -35,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--retention-days",
         type=float,
-        default=float(os.environ.get("LANESERVE_RETENTION_DAYS", DEFAULT_RETENTION_S / 86400)),
+        default=float(os.environ.get("LANESERVE_RETENTION_DAYS", DEFAULT_RETENTION_DAYS)),
         help="prune API request rows and snapshots older than this; 0 keeps all "
         "(default: $LANESERVE_RETENTION_DAYS or %(default)s)",
     )

@@ -16,7 +16,7 @@ from db import migrate
 from db.session import make_engine
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db_url(request, tmp_path) -> str:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'laneserve.db'}"

@@ -333,3 +333,11 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_cli_defaults_match_the_library():
+    from db import recorder
+    from laneserve.commands import recorder as command
+
+    assert command.FLUSH_INTERVAL_S == recorder.FLUSH_INTERVAL_S
+    assert command.DEFAULT_RETENTION_DAYS * 86400 == recorder.DEFAULT_RETENTION_S
