@@ -22,6 +22,7 @@ before exit.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -49,6 +50,7 @@ RETRY_BACKOFF_S = 0.5
 # Default retention of API request rows and worker snapshots (DESIGN.md "Retention").
 DEFAULT_RETENTION_S = 30 * 24 * 3600.0
 PRUNE_EVERY_S = 3600.0
+STATS_LOG_EVERY_S = 60.0
 
 
 class RecordError(ValueError):
@@ -363,6 +365,8 @@ class RecorderServer:
         self._pending_items = 0
         self._first_pending_at = 0.0
         self._last_prune = 0.0
+        self._last_stats_log = time.monotonic()
+        self._logged_stats = RecorderStats()
 
     def stop(self) -> None:
         """Ask `run()` to flush and return (thread- and signal-safe)."""
@@ -391,6 +395,7 @@ class RecorderServer:
                 ):
                     self._flush()
                 self._maybe_prune()
+                self._maybe_log_stats()
             self._receive_all()
             self._flush()
         finally:
@@ -458,6 +463,14 @@ class RecorderServer:
                 )
             except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or its queue full
                 logger.info("ack %d to a vanished peer dropped: %s", batch.seq, exc)
+
+    def _maybe_log_stats(self) -> None:
+        if time.monotonic() - self._last_stats_log < STATS_LOG_EVERY_S:
+            return
+        self._last_stats_log = time.monotonic()
+        if self.stats != self._logged_stats:
+            logger.info("recorder: %s", self.stats)
+            self._logged_stats = dataclasses.replace(self.stats)
 
     def _maybe_prune(self) -> None:
         if self.retention_s <= 0 or time.monotonic() - self._last_prune < PRUNE_EVERY_S:

@@ -79,11 +79,14 @@ def sqlite_path(url: URL) -> Path | None:
     return Path(url.database).expanduser()
 
 
-def make_engine(url: str | URL | None = None, **kwargs) -> Engine:
+def make_engine(
+    url: str | URL | None = None, *, busy_timeout_ms: int = SQLITE_BUSY_TIMEOUT_MS, **kwargs
+) -> Engine:
     """An Engine for `url` (see `resolve_url`), configured for laneserve.
 
     For SQLite the parent directory of the file is created and every connection is set up
-    as described in the module docstring. Extra `kwargs` go to `sqlalchemy.create_engine`.
+    as described in the module docstring, waiting up to `busy_timeout_ms` (ms) on a lock.
+    Extra `kwargs` go to `sqlalchemy.create_engine`.
 
     Raises:
         DatabaseURLError: see `resolve_url`.
@@ -96,13 +99,13 @@ def make_engine(url: str | URL | None = None, **kwargs) -> Engine:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
     connect_args = kwargs.pop("connect_args", {})
-    connect_args.setdefault("timeout", SQLITE_BUSY_TIMEOUT_MS / 1000)
+    connect_args.setdefault("timeout", busy_timeout_ms / 1000)
     engine = create_engine(parsed, connect_args=connect_args, **kwargs)
-    _install_sqlite_hooks(engine)
+    _install_sqlite_hooks(engine, busy_timeout_ms)
     return engine
 
 
-def _install_sqlite_hooks(engine: Engine) -> None:
+def _install_sqlite_hooks(engine: Engine, busy_timeout_ms: int) -> None:
     """WAL, busy_timeout, foreign keys, and explicit BEGIN [IMMEDIATE] (SQLAlchemy recipe
     "Serializable isolation / Savepoints / Transactional DDL" for pysqlite)."""
 
@@ -112,7 +115,7 @@ def _install_sqlite_hooks(engine: Engine) -> None:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         try:
-            cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
             cursor.execute("PRAGMA journal_mode = WAL")
             cursor.execute("PRAGMA synchronous = NORMAL")
             cursor.execute("PRAGMA foreign_keys = ON")

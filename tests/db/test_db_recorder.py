@@ -341,3 +341,33 @@ def test_cli_defaults_match_the_library():
 
     assert command.FLUSH_INTERVAL_S == recorder.FLUSH_INTERVAL_S
     assert command.DEFAULT_RETENTION_DAYS * 86400 == recorder.DEFAULT_RETENTION_S
+
+
+def test_no_ack_while_the_database_is_locked_then_resend_commits(tmp_path):
+    import sqlite3
+
+    from db import migrate
+
+    url = f"sqlite:///{tmp_path / 'locked.db'}"
+    migrate.upgrade(url)
+    engine = make_engine(url, busy_timeout_ms=50)
+    server = RecorderServer(f"ipc://{tmp_path}/rec.sock", engine, flush_interval_s=0.01)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    broker = _Broker(server.bound_addr)
+    holder = sqlite3.connect(tmp_path / "locked.db", isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")  # another writer holds the lock
+        broker.send(7, [_record(1)])
+        assert broker.acks(1.5) == []
+        assert server.stats.transient_errors >= 1
+        holder.execute("ROLLBACK")
+        broker.send(7, [_record(1)])  # the broker resends unacknowledged batches
+        assert _wait_acks(broker, {7}, 10) == {7}
+        assert _count(engine, Request) == 1
+    finally:
+        holder.close()
+        server.stop()
+        thread.join(10)
+        broker.close()
+        engine.dispose()
