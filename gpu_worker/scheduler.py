@@ -164,6 +164,7 @@ class Scheduler:
         self.num_preemptions = 0  # total since start
         self._seq = itertools.count()  # ties on equal keys keep add order
         self._keys: dict[str, tuple[int, int, float, int]] = {}  # fixed at add_request
+        self._num_interactive = 0  # unfinished interactive requests (running or waiting)
         self._watermark_blocks = int(config.watermark * block_manager.num_total_blocks)
 
     # --- queue views ---
@@ -201,7 +202,7 @@ class Scheduler:
         return self._keys[req.request_id]
 
     def _has_interactive(self) -> bool:
-        return any(r.lane is Lane.INTERACTIVE for r in itertools.chain(self.running, self.waiting))
+        return self._num_interactive > 0
 
     # --- request life cycle ---
     def add_request(self, request: Request) -> None:
@@ -221,6 +222,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._keys[request.request_id] = (*request.sort_key, next(self._seq))
+        self._num_interactive += request.lane is Lane.INTERACTIVE
         self._enqueue_waiting(request)
 
     def _enqueue_waiting(self, request: Request) -> None:
@@ -240,6 +242,7 @@ class Scheduler:
         request.finished_time = time.monotonic()
         del self.requests[request.request_id]
         del self._keys[request.request_id]
+        self._num_interactive -= request.lane is Lane.INTERACTIVE
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort an unfinished request; returns it, or None if unknown or already finished."""
