@@ -75,11 +75,12 @@ def test_block_ids_near_end_of_large_pool(gen, device):
     )
 
 
-def test_chunked_prefill_equals_whole_prefill(gen):
+def test_chunked_prefill_equals_whole_prefill(gen, device):
     """Causal offset: a prompt computed as two chunks gives the same rows as in one pass."""
-    args = make_paged_batch([(30, 30)], 4, 2, 32, 16, torch.float32, gen)
+    args = make_paged_batch([(30, 30)], 4, 2, 32, 16, torch.float32, gen, device)
     whole = reference.unified_attention(**args)
-    second = dict(args, q=args["q"][18:], cu_seqlens_q=torch.tensor([0, 12], dtype=torch.int32))
+    cu = torch.tensor([0, 12], dtype=torch.int32, device=device)
+    second = dict(args, q=args["q"][18:], cu_seqlens_q=cu)
     torch.testing.assert_close(triton_attention(**second), whole[18:], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(
         reference.unified_attention(**second), whole[18:], atol=1e-6, rtol=1e-6
@@ -96,8 +97,8 @@ def test_out_is_written_in_place_and_empty_sequences_are_skipped(gen, device):
         torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_dispatch_forced_triton_matches_torch(gen, monkeypatch):
-    args = make_paged_batch(MIXED[:3], 4, 2, 32, 16, torch.float32, gen)
+def test_dispatch_forced_triton_matches_torch(gen, monkeypatch, device):
+    args = make_paged_batch(MIXED[:3], 4, 2, 32, 16, torch.float32, gen, device)
     monkeypatch.setenv("LANESERVE_ATTENTION_BACKEND", "torch")
     assert kernels.backend_for(args["q"]) == "torch"
     via_torch = kernels.unified_attention(**args)

@@ -19,7 +19,7 @@ TINY = StackConfig(
 )
 
 
-def test_greedy_tokens_equal_across_backends(monkeypatch):
+def test_greedy_tokens_equal_across_backends(monkeypatch, device):
     prompts = [
         [5, 17, 3, 88, 41, 9, 2, 60, 33, 11, 7, 70, 1, 2, 3, 4, 5, 6, 7],
         [42],
@@ -29,7 +29,7 @@ def test_greedy_tokens_equal_across_backends(monkeypatch):
     for backend in ("torch", "triton"):
         monkeypatch.setenv("LANESERVE_ATTENTION_BACKEND", backend)
         model = PagedLlamaStack(
-            TINY, num_blocks=16, block_size=8, dtype=torch.float32, device="cpu"
+            TINY, num_blocks=16, block_size=8, dtype=torch.float32, device=device
         )
         runs[backend] = greedy_generate(model, prompts, max_new_tokens=3)
     assert runs["triton"] == runs["torch"]
