@@ -73,6 +73,7 @@ class BrokerConfig:
     snapshot_interval_s: float = 5.0  # worker_stats snapshots
     client_sndhwm: int = 20_000  # messages queued per client before it counts as not reading
     max_reads_per_poll: int = 2000
+    max_drain_s: float = 0.01  # time slice per socket per loop, so heartbeats stay on time
     parent_pid: int | None = None  # exit when this process is gone (supervisor)
 
 
@@ -127,8 +128,10 @@ class Broker:
         self.config = config
         self.epoch = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.ctx = ctx or zmq.Context.instance()
-        self.front = self._router(config.front, sndhwm=config.client_sndhwm)
-        self.back = self._router(config.back, sndhwm=100_000, handover=True)
+        self.front = self._router(config.front, sndhwm=config.client_sndhwm, rcvhwm=100_000)
+        # A small receive queue per worker: a worker that outruns the broker feels it (its
+        # sends block) after a few hundred steps instead of buffering without bound.
+        self.back = self._router(config.back, sndhwm=100_000, rcvhwm=256, handover=True)
         self.recorder: zmq.Socket | None = None
         if config.recorder:
             self.recorder = self.ctx.socket(zmq.DEALER)
@@ -162,11 +165,11 @@ class Broker:
 
     # ----------------------------------------------------------------------------- sockets
 
-    def _router(self, addr: str, *, sndhwm: int, handover: bool = False) -> zmq.Socket:
+    def _router(self, addr: str, *, sndhwm: int, rcvhwm: int, handover: bool = False) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
         p.secure_socket_options(sock, router=True)
         sock.setsockopt(zmq.SNDHWM, sndhwm)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
         if handover:
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.bind(addr)
@@ -220,7 +223,10 @@ class Broker:
             self.close()
 
     def _drain(self, sock: zmq.Socket, handler: Any) -> None:
-        for _ in range(self.config.max_reads_per_poll):
+        deadline = time.monotonic() + self.config.max_drain_s
+        for i in range(self.config.max_reads_per_poll):
+            if i & 15 == 15 and time.monotonic() > deadline:
+                return
             try:
                 frames = sock.recv_multipart(_NOBLOCK)
             except zmq.Again:
@@ -372,7 +378,7 @@ class Broker:
         if not identity:
             return False
         try:
-            self.front.send_multipart([identity, *frames], _NOBLOCK)
+            p.send_frames(self.front, [identity, *frames])
             return True
         except zmq.Again:
             self.counters["client_send_full"] += 1
@@ -539,7 +545,7 @@ class Broker:
 
     def _send_worker(self, identity: bytes, frames: list[bytes], *, quiet: bool = False) -> bool:
         try:
-            self.back.send_multipart([identity, *frames], _NOBLOCK)
+            p.send_frames(self.back, [identity, *frames])
             return True
         except zmq.Again:
             self.counters["worker_send_full"] += 1

@@ -55,7 +55,9 @@ class _SynthRequest:
 class SyntheticEngine:
     """Fake engine. ``step_s``: seconds per engine step (each running request gets one token per
     step, so ``1 / step_s`` tokens/s per stream); ``prefill_s``: extra delay of a request's first
-    step; ``fail_on``: a prompt containing this string finishes with an engine error (tests)."""
+    step; ``fail_on``: a prompt containing this string finishes with an engine error (tests);
+    ``stamp``: each token's text is ``" t<time.monotonic_ns()>"`` at emission, so a benchmark on
+    the same host can measure transport latency (CLOCK_MONOTONIC is system-wide on Linux)."""
 
     def __init__(
         self,
@@ -68,6 +70,7 @@ class SyntheticEngine:
         default_max_tokens: int = 16,
         max_model_len: int = 8192,
         fail_on: str | None = None,
+        stamp: bool = False,
     ) -> None:
         if step_s < 0 or max_num_seqs < 1 or num_blocks < 1 or block_size < 1:
             raise ValueError("step_s >= 0, max_num_seqs, num_blocks, block_size >= 1 required")
@@ -79,6 +82,7 @@ class SyntheticEngine:
         self.default_max_tokens = default_max_tokens
         self.max_model_len = max_model_len
         self.fail_on = fail_on
+        self.stamp = stamp
         self.waiting: collections.deque[_SynthRequest] = collections.deque()
         self.running: dict[str, _SynthRequest] = {}
         self.free_blocks = num_blocks
@@ -170,7 +174,8 @@ class SyntheticEngine:
                 self.free_blocks -= 1
                 req.blocks += 1
             done = req.output >= req.max_tokens
-            delta = RequestDelta(req.request_id, f" w{tok}", [tok], done)
+            text = f" t{time.monotonic_ns()}" if self.stamp else f" w{tok}"
+            delta = RequestDelta(req.request_id, text, [tok], done)
             if done:
                 delta.finish_reason = "length"
                 delta.metrics = self._metrics(req)

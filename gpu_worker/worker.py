@@ -24,6 +24,7 @@ what it holds (at most ``drain_timeout_s``), then exits. A second SIGTERM stops 
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -113,6 +114,11 @@ class Worker:
         self._step_ms_ema = 0.0
         self._tokens_window: list[tuple[float, int]] = []
         self.counters: dict[str, int] = {"steps": 0, "requests": 0, "invalid_messages": 0}
+        # Flow control: messages the engine loop handed to the IO thread vs. those the IO
+        # thread got onto the broker socket. Each counter has one writer thread.
+        self._handed = 0
+        self._forwarded = 0
+        self.max_backlog = 64  # engine steps waiting for the broker before the engine pauses
 
     # ------------------------------------------------------------------ public
 
@@ -149,9 +155,12 @@ class Worker:
         last_stats = 0.0
         while not self._stop.is_set():
             busy = self.engine.has_unfinished_requests() or bool(self._pending_aborts)
-            if pipe.poll(0 if busy else 50):
+            blocked = self._handed - self._forwarded > self.max_backlog
+            if pipe.poll(0 if busy and not blocked else (1 if blocked else 50)):
                 self._drain_pipe(pipe)
-            if self.engine.has_unfinished_requests():
+            if blocked:
+                self.counters["backpressure_waits"] = self.counters.get("backpressure_waits", 0) + 1
+            elif self.engine.has_unfinished_requests():
                 self._step(pipe)
             elif self._pending_aborts:
                 self._send_outputs(pipe, [], 0.0)
@@ -208,7 +217,7 @@ class Worker:
             err = p.WorkerError(
                 worker_id=self.worker_id, code=code, message=str(exc)[:2000], request_id=rid
             )
-            pipe.send_multipart(err.to_frames())
+            self._hand(pipe, err.to_frames())
             return
         self.active.add(rid)
         self.counters["requests"] += 1
@@ -262,7 +271,12 @@ class Worker:
         self._pending_aborts.clear()
         if outputs:
             msg = p.StepOutputs(worker_id=self.worker_id, outputs=outputs, step_ms=step_ms)
-            pipe.send_multipart(msg.to_frames())
+            self._hand(pipe, msg.to_frames())
+
+    def _hand(self, pipe: zmq.Socket, frames: list[bytes]) -> None:
+        """Give a message to the IO thread (engine loop side)."""
+        self._handed += 1
+        pipe.send_multipart(frames)
 
     def _update_stats(self, now: float) -> None:
         try:
@@ -302,7 +316,7 @@ class Worker:
         sock = self.ctx.socket(zmq.DEALER)
         p.secure_socket_options(sock)
         sock.setsockopt(zmq.IDENTITY, self.worker_id.encode()[:255])
-        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.SNDHWM, 64)  # backpressure reaches the engine loop quickly
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         sock.connect(self.broker_addr)
@@ -331,6 +345,7 @@ class Worker:
         backoff = self.heartbeat_interval_s
         silence = self.heartbeat_interval_s * self.liveness
         last_parent_check = now
+        outbox: collections.deque[list[bytes]] = collections.deque()
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(50))
@@ -358,13 +373,14 @@ class Worker:
                         else:
                             pipe.send_multipart(frames)
                 if pipe in events:
-                    for frames in self._recv_all(pipe):
-                        try:
-                            dealer.send_multipart(frames, zmq.NOBLOCK)
-                        except zmq.Again:
-                            self.counters["dropped_outputs"] = (
-                                self.counters.get("dropped_outputs", 0) + 1
-                            )
+                    outbox.extend(self._recv_all(pipe))
+                while outbox:
+                    try:
+                        p.send_frames(dealer, outbox[0])
+                    except zmq.Again:
+                        break  # broker slow or away: keep it; the engine pauses meanwhile
+                    outbox.popleft()
+                    self._forwarded += 1
                 if now - last_hb >= self.heartbeat_interval_s:
                     last_hb = now
                     hb = p.WorkerHeartbeat(
@@ -385,6 +401,8 @@ class Worker:
                     poller.unregister(dealer)
                     dealer.close(linger=0)
                     pipe.send_multipart(p.Disconnect(reason="broker silent").to_frames())
+                    self._forwarded += len(outbox)  # outputs for the old broker are moot
+                    outbox.clear()
                     dealer = self._connect()
                     poller.register(dealer, zmq.POLLIN)
                     epoch = None

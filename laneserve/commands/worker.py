@@ -49,6 +49,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     synth = parser.add_argument_group("synthetic engine (tests, benchmarks)")
     synth.add_argument("--synthetic", action="store_true", help="fake tokens, no model")
     synth.add_argument("--synthetic-step-ms", type=float, default=10.0, help="ms per engine step")
+    synth.add_argument(
+        "--synthetic-stamp",
+        action="store_true",
+        help="token text carries its emission time (bench)",
+    )
     synth.add_argument("--synthetic-fail-on", default=None, help="prompts containing this fail")
     parser.set_defaults(func=run)
 
@@ -65,6 +70,7 @@ def build_engine(args: argparse.Namespace, lanes: list[str]):
             max_num_seqs=args.max_num_seqs,
             block_size=args.block_size,
             fail_on=args.synthetic_fail_on,
+            stamp=args.synthetic_stamp,
         )
     from gpu_worker.engine import LLMEngine  # the real engine (issue 3)
 
