@@ -1,0 +1,156 @@
+"""Model runner: owns the weights and the paged KV cache, turns a scheduled step into one forward.
+
+For each step it builds the flattened varlen batch (DESIGN.md, "Model runner"):
+
+    input_ids[T], positions[T], slot_mapping[T]     T = tokens computed this step, all requests
+    cu_seqlens_q[B+1], seq_lens[B], block_tables[B, max_blocks]
+    logits_indices[N]                               last row of each request that emits a token
+
+Request b computes tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) of its
+sequence (prompt + output so far); it emits a token when that range reaches the end of the known
+tokens (a decode, or the last chunk of a prefill).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpu_worker.model_loader import ModelConfig
+from gpu_worker.models.llama import AttentionMetadata, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 2 * 1024**3  # DESIGN: the CPU KV pool is bounded (about 2 GiB)
+DEFAULT_GPU_KV_FRACTION = 0.80  # of the memory free after loading weights
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one block across all layers: 2 x layers x block x kv_heads x head_dim x elem."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return (
+        2
+        * config.num_hidden_layers
+        * block_size
+        * config.num_key_value_heads
+        * config.head_dim
+        * elem
+    )
+
+
+def choose_num_blocks(
+    config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_cache_memory_bytes: int | None,
+    max_num_seqs: int,
+    max_model_len: int,
+) -> int:
+    """Blocks that fit in `kv_cache_memory_bytes` (default: ~2 GiB on CPU, 80 % of free GPU memory),
+    capped at what `max_num_seqs` sequences of `max_model_len` tokens could ever use."""
+    per_block = kv_bytes_per_block(config, block_size, dtype)
+    if kv_cache_memory_bytes is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            kv_cache_memory_bytes = int(free * DEFAULT_GPU_KV_FRACTION)
+        else:
+            kv_cache_memory_bytes = DEFAULT_CPU_KV_BYTES
+    blocks = int(kv_cache_memory_bytes // per_block)
+    cap = max_num_seqs * -(-max_model_len // block_size)
+    blocks = min(blocks, cap)
+    if blocks < 2:
+        raise ValueError(
+            f"kv_cache_memory_bytes={kv_cache_memory_bytes} holds {blocks} blocks of {per_block} bytes; "
+            "need at least 2"
+        )
+    return blocks
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_rows: list[int]  # index into the scheduled list of each request that emits a token
+
+
+class ModelRunner:
+    """Holds the model and one KV cache tensor per layer: [2, num_blocks, block_size, Hk, D]."""
+
+    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int):
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        c = model.config
+        self.device = model.device
+        shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=model.dtype, device=self.device)
+            for _ in range(c.num_hidden_layers)
+        ]
+
+    def kv_cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv_caches)
+
+    def prepare_inputs(
+        self,
+        token_ids: Sequence[Sequence[int]],
+        num_computed: Sequence[int],
+        num_new: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+    ) -> StepInputs:
+        """Build the varlen batch for requests that each compute `num_new[b]` tokens of
+        `token_ids[b]` starting at `num_computed[b]`, with their KV in `block_tables[b]`."""
+        bs = self.block_size
+        num_reqs = len(token_ids)
+        total = int(sum(num_new))
+        input_ids = np.empty(total, dtype=np.int64)
+        positions = np.empty(total, dtype=np.int64)
+        cu = np.zeros(num_reqs + 1, dtype=np.int32)
+        seq_lens = np.empty(num_reqs, dtype=np.int32)
+        max_blocks = max(len(t) for t in block_tables)
+        tables = np.zeros((num_reqs, max(max_blocks, 1)), dtype=np.int32)
+        sample_rows: list[int] = []
+        logits_indices: list[int] = []
+        pos = 0
+        for b in range(num_reqs):
+            start, n = num_computed[b], num_new[b]
+            end = start + n
+            input_ids[pos : pos + n] = token_ids[b][start:end]
+            positions[pos : pos + n] = np.arange(start, end)
+            pos += n
+            cu[b + 1] = pos
+            seq_lens[b] = end
+            tables[b, : len(block_tables[b])] = block_tables[b]
+            if end >= len(token_ids[b]):
+                sample_rows.append(b)
+                logits_indices.append(pos - 1)
+        # slot of token at position p of request b = table[b, p // bs] * bs + p % bs
+        req_of_token = np.repeat(np.arange(num_reqs), np.diff(cu))
+        slots = tables[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        dev = self.device
+        attn = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            cu_seqlens_q=torch.from_numpy(cu).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+        )
+        return StepInputs(
+            input_ids=torch.from_numpy(input_ids).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            attn=attn,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            sample_rows=sample_rows,
+        )
+
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """One forward; logits [len(sample_rows), vocab] in fp32."""
+        return self.model.forward(
+            inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, inputs.logits_indices
+        )

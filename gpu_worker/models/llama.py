@@ -1,0 +1,210 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2) over a paged KV cache.
+
+The forward pass takes one flattened varlen batch (DESIGN.md, "Model runner"): every scheduled
+request contributes its new tokens to `input_ids[T]`; attention reads each request's whole context
+from the paged cache through its block table. Layer numerics follow Hugging Face's
+`modeling_llama.py` (RMSNorm in fp32, rotate-half RoPE, SwiGLU MLP) so float32 logits match
+transformers to ~1e-5.
+
+Weights use fused projections (`qkv_proj` = cat(q, k, v), `gate_up_proj` = cat(gate, up)), one matmul
+each instead of three/two.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from gpu_worker.errors import ModelLoadError
+from gpu_worker.model_loader import ModelConfig
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step batch layout shared by every layer.
+
+    slot_mapping: int64 [T]        flat cache slot (block * block_size + offset) of each new token
+    cu_seqlens_q: int32 [B + 1]    query_start_loc: request b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
+    seq_lens:     int32 [B]        context length of each request including this step's tokens
+    block_tables: int32 [B, max_blocks]
+    """
+
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_layernorm: torch.Tensor  # [H]
+    qkv_proj: torch.Tensor  # [(Hq + 2 Hk) * D, H]
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hk) * D] (Qwen2)
+    o_proj: torch.Tensor  # [H, Hq * D]
+    post_attention_layernorm: torch.Tensor  # [H]
+    gate_up_proj: torch.Tensor  # [2 I, H]
+    down_proj: torch.Tensor  # [H, I]
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies [D/2] (fp32), with Hugging Face's `default`, `linear` and `llama3`
+    rope types (`modeling_rope_utils.py`).
+
+    Raises:
+        ModelLoadError: an unsupported `rope_scaling` type.
+    """
+    dim = config.head_dim
+    base = config.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+        high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        low_freq_wavelen = old_len / low_freq_factor
+        high_freq_wavelen = old_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, inv_freq_llama)
+    raise ModelLoadError(
+        f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, llama3"
+    )
+
+
+def build_cos_sin_cache(config: ModelConfig, max_positions: int, device) -> torch.Tensor:
+    """[max_positions, D] fp32 = cat(cos, sin), each [max_positions, D/2]."""
+    inv_freq = rope_inv_freq(config)
+    t = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # [P, D/2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+class LlamaForCausalLM:
+    """The decoder: embeddings, `num_hidden_layers` layers, final norm and LM head.
+
+    Args:
+        config: the model's shape.
+        weights: float32 tensors in Hugging Face naming (see `model_loader`).
+        dtype: compute and weight dtype (torch.float32 or torch.bfloat16 / float16).
+        device: where weights live.
+
+    Raises:
+        ModelLoadError: a weight is missing or has the wrong shape.
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.scale = config.head_dim**-0.5
+        self.q_size = config.num_attention_heads * config.head_dim
+        self.kv_size = config.num_key_value_heads * config.head_dim
+
+        def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            tensor = weights.get(name)
+            if tensor is None:
+                raise ModelLoadError(f"weight {name} is missing")
+            if tuple(tensor.shape) != shape:
+                raise ModelLoadError(
+                    f"weight {name} has shape {tuple(tensor.shape)}, expected {shape}"
+                )
+            return tensor.to(device=self.device, dtype=dtype).contiguous()
+
+        c = config
+        h, inter = c.hidden_size, c.intermediate_size
+        self.embed_tokens = take("model.embed_tokens.weight", (c.vocab_size, h))
+        self.norm = take("model.norm.weight", (h,))
+        if c.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = take("lm_head.weight", (c.vocab_size, h))
+        self.layers: list[LayerWeights] = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            q = take(p + "self_attn.q_proj.weight", (self.q_size, h))
+            k = take(p + "self_attn.k_proj.weight", (self.kv_size, h))
+            v = take(p + "self_attn.v_proj.weight", (self.kv_size, h))
+            bias = None
+            if c.attention_bias:
+                bias = torch.cat(
+                    [
+                        take(p + "self_attn.q_proj.bias", (self.q_size,)),
+                        take(p + "self_attn.k_proj.bias", (self.kv_size,)),
+                        take(p + "self_attn.v_proj.bias", (self.kv_size,)),
+                    ]
+                )
+            gate = take(p + "mlp.gate_proj.weight", (inter, h))
+            up = take(p + "mlp.up_proj.weight", (inter, h))
+            self.layers.append(
+                LayerWeights(
+                    input_layernorm=take(p + "input_layernorm.weight", (h,)),
+                    qkv_proj=torch.cat([q, k, v]).contiguous(),
+                    qkv_bias=bias,
+                    o_proj=take(p + "self_attn.o_proj.weight", (h, self.q_size)),
+                    post_attention_layernorm=take(p + "post_attention_layernorm.weight", (h,)),
+                    gate_up_proj=torch.cat([gate, up]).contiguous(),
+                    down_proj=take(p + "mlp.down_proj.weight", (h, inter)),
+                )
+            )
+        self.cos_sin_cache = build_cos_sin_cache(c, c.max_model_len, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T]
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hk, D]
+        logits_indices: torch.Tensor,  # int64 [N] rows of the batch that emit a token
+    ) -> torch.Tensor:
+        """Run the decoder over one varlen batch; returns logits [N, vocab] (fp32)."""
+        c = self.config
+        x = F.embedding(input_ids, self.embed_tokens)  # [T, H]
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            if residual is None:
+                residual = x
+                h = kernels.rms_norm(x, layer.input_layernorm, c.rms_norm_eps)
+            else:
+                h, residual = kernels.rms_norm(x, layer.input_layernorm, c.rms_norm_eps, residual)
+            qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) D]
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.reshape(-1, c.num_attention_heads, c.head_dim)  # [T, Hq, D]
+            k = k.reshape(-1, c.num_key_value_heads, c.head_dim)  # [T, Hk, D]
+            v = v.reshape(-1, c.num_key_value_heads, c.head_dim)
+            q = q.contiguous()
+            k = k.contiguous()
+            kernels.rotary_embedding(positions, q, k, self.cos_sin_cache)
+            kernels.reshape_and_cache(k, v.contiguous(), cache[0], cache[1], attn.slot_mapping)
+            o = kernels.unified_attention(
+                q,
+                cache[0],
+                cache[1],
+                attn.cu_seqlens_q,
+                attn.seq_lens,
+                attn.block_tables,
+                self.scale,
+            )  # [T, Hq, D]
+            x = F.linear(o.reshape(-1, self.q_size), layer.o_proj)
+            h, residual = kernels.rms_norm(
+                x, layer.post_attention_layernorm, c.rms_norm_eps, residual
+            )
+            x = F.linear(kernels.silu_and_mul(F.linear(h, layer.gate_up_proj)), layer.down_proj)
+        # Only rows that emit a token need the final norm and the LM head.
+        x = x.index_select(0, logits_indices)
+        residual = residual.index_select(0, logits_indices)
+        h, _ = kernels.rms_norm(x, self.norm, c.rms_norm_eps, residual)
+        return F.linear(h, self.lm_head).float()  # [N, V]

@@ -1,0 +1,263 @@
+"""Loaders: Hugging Face directories, GGUF quant types, llama.cpp's Q/K permutation, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from gpu_worker.errors import ModelLoadError
+from gpu_worker.model_files import resolve_model_path
+from gpu_worker.model_loader import (
+    config_from_gguf,
+    dequantize_gguf_tensor,
+    load_gguf_weights,
+    load_model_files,
+)
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.models.llama import LlamaForCausalLM
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=256,
+)
+
+
+def save_tiny(tmp_path: Path, family: str, tokenizer_dir: Path):
+    from transformers import AutoTokenizer, LlamaConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaForCausalLM as HFLlama
+
+    torch.manual_seed(0)
+    if family == "llama":
+        model = HFLlama(LlamaConfig(**TINY, rope_theta=10000.0, tie_word_embeddings=False))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY, rope_theta=10000.0, tie_word_embeddings=True))
+    model = model.eval()
+    out = tmp_path / family
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    return model, out
+
+
+def our_logits(config, weights, ids):
+    model = LlamaForCausalLM(config, weights, torch.float32, "cpu")
+    runner = ModelRunner(model, block_size=8, num_blocks=16)
+    inputs = runner.prepare_inputs([ids], [0], [len(ids)], [list(range(len(ids) // 8 + 1))])
+    inputs.logits_indices = torch.arange(len(ids))
+    return runner.execute(inputs)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tiny_hf_directory_matches_transformers(tmp_path, smollm2_dir, family):
+    hf_model, path = save_tiny(tmp_path, family, smollm2_dir)
+    loaded = load_model_files(path)
+    assert loaded.config.architecture == family
+    assert loaded.config.attention_bias == (family == "qwen2")
+    ids = [5, 17, 42, 3, 99, 250, 7, 7, 1, 64, 128]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0]
+    ours = our_logits(loaded.config, loaded.weights, ids)
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def test_gguf_llama_permutation_is_undone(tmp_path, smollm2_dir):
+    """A tiny HF Llama written as F32 GGUF the way llama.cpp does it loads back to the same logits."""
+    hf_model, _ = save_tiny(tmp_path, "llama", smollm2_dir)
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_eos_token_id(2)
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
+    for name, tensor in hf_model.state_dict().items():
+        array = tensor.numpy().astype(np.float32)
+        if name in names:
+            gname = names[name]
+        else:
+            _, _, idx, rest = name.split(".", 3)
+            gname = f"blk.{idx}.{layer[rest]}"
+        if gname.endswith("attn_q.weight"):
+            array = llama_cpp_permute(array, cfg.num_attention_heads)
+        elif gname.endswith("attn_k.weight"):
+            array = llama_cpp_permute(array, cfg.num_key_value_heads)
+        writer.add_tensor(gname, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path = tmp_path / "tiny.gguf"
+    reader = gguf.GGUFReader(str(path))
+    config = config_from_gguf(reader, path)
+    weights = load_gguf_weights(reader, config, path)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0]
+    ours = our_logits(config, weights, ids)
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
+
+
+def _k_quant_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
+    """Random K-quant blocks with sane fp16 super-block scales (gguf-py has no K-quant quantizer)."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.1, size=(rows, cols // block_size, 2)).astype(np.float16)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:  # ql, qh, scales, d (fp16 at the end)
+        raw[..., -2:] = scales[..., :1].view(np.uint8)
+    else:  # Q2_K..Q5_K: d, dmin first (Q3_K: d at the end)
+        if qtype == gguf.GGMLQuantizationType.Q3_K:
+            raw[..., -2:] = scales[..., :1].view(np.uint8)
+        elif qtype == gguf.GGMLQuantizationType.Q2_K:
+            raw[..., -4:] = scales.view(np.uint8)
+        else:
+            raw[..., :4] = scales.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+QUANT_TYPES = [
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+]
+
+
+def test_gguf_quant_types_dequantize_like_reference(tmp_path):
+    rng = np.random.default_rng(0)
+    rows, cols = 8, 512
+    writer = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
+    expected = {}
+    for name in QUANT_TYPES:
+        qtype = gguf.GGMLQuantizationType[name]
+        if name.endswith("_K"):
+            data = _k_quant_blocks(qtype, rows, cols, rng)
+        else:
+            data = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+        expected[name] = quants.dequantize(data, qtype)
+        if name in ("F32", "F16"):
+            writer.add_tensor(f"t.{name}", data)
+        else:  # quantized bytes [rows, bytes_per_row]
+            writer.add_tensor(f"t.{name}", data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(str(tmp_path / "q.gguf"))
+    for tensor in reader.tensors:
+        name = tensor.name.split(".", 1)[1]
+        ours = dequantize_gguf_tensor(tensor, tmp_path)
+        assert ours.shape == (rows, cols), name
+        np.testing.assert_array_equal(ours, expected[name], err_msg=name)
+        assert np.isfinite(ours).all(), name
+
+
+def test_q4_1_and_q8_0_against_hand_decoding():
+    """Independent check of the bundled model's two formats (ggml-quants.c block layouts)."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    q = quants.quantize(x, gguf.GGMLQuantizationType.Q4_1).reshape(-1, 20)  # d, m fp16, 16 bytes
+    d = q[:, 0:2].copy().view(np.float16).astype(np.float32)
+    m = q[:, 2:4].copy().view(np.float16).astype(np.float32)
+    nib = q[:, 4:]
+    vals = np.concatenate([nib & 0x0F, nib >> 4], axis=1).astype(np.float32)  # low nibbles first
+    hand = (vals * d + m).reshape(2, 64)
+    reader_like = quants.dequantize(
+        quants.quantize(x, gguf.GGMLQuantizationType.Q4_1), gguf.GGMLQuantizationType.Q4_1
+    )
+    np.testing.assert_allclose(reader_like, hand, rtol=0, atol=1e-6)
+    assert np.abs(hand - x).max() < 0.5
+    q8 = quants.quantize(x, gguf.GGMLQuantizationType.Q8_0).reshape(-1, 34)
+    d8 = q8[:, 0:2].copy().view(np.float16).astype(np.float32)
+    hand8 = (q8[:, 2:].view(np.int8).astype(np.float32) * d8).reshape(2, 64)
+    np.testing.assert_allclose(
+        quants.dequantize(
+            quants.quantize(x, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+        ),
+        hand8,
+        rtol=0,
+        atol=1e-6,
+    )
+
+
+def test_missing_model_names_what_is_supported(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found.*gguf"):
+        resolve_model_path(tmp_path / "nope.gguf")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model_files(tmp_path / "nope.gguf")
+
+
+def test_truncated_gguf_names_the_file(tmp_path, smollm2_gguf):
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(smollm2_gguf.read_bytes()[:4096])
+    with pytest.raises(ModelLoadError, match="cut.gguf"):
+        load_model_files(bad)
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture.*LlamaForCausalLM"):
+        load_model_files(tmp_path)
+
+
+def test_unsupported_quant_type(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), "llama")
+    qtype = gguf.GGMLQuantizationType.IQ2_XXS
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    writer.add_tensor("t.iq", np.zeros((1, size), dtype=np.uint8), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(str(tmp_path / "iq.gguf"))
+    with pytest.raises(ModelLoadError, match="IQ2_XXS.*supported: F32"):
+        dequantize_gguf_tensor(reader.tensors[0], tmp_path / "iq.gguf")
