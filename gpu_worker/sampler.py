@@ -8,9 +8,18 @@ Order of operations per row (the order vLLM and HF `generate` use):
 2. penalties: repetition (over prompt + output tokens), then frequency and presence (over output
    tokens only, OpenAI formula `logit - count * frequency_penalty - (count > 0) * presence_penalty`).
 3. greedy rows (temperature < 1e-5): exact `torch.argmax` of the penalised logits (ties -> lowest id).
-4. other rows: divide by temperature, keep top-k, keep top-p (nucleus), softmax, draw one token with
-   `torch.multinomial`, from the row's own `torch.Generator` when the request has a seed, so the
-   draw depends only on (seed, number of tokens drawn before, logits) and not on the batch.
+4. other rows: divide by temperature, keep top-k, keep top-p (nucleus), softmax, draw one token by
+   inverse-CDF sampling with one uniform number per row (float64 cumsum + `searchsorted`), taken
+   from the row's own `torch.Generator` when the request has a seed, so the draw depends only on
+   (seed, number of tokens drawn before, logits) and not on the batch.
+
+Speed (CPU matters here): no full-vocabulary sort in the common cases. Truncated rows work on
+`torch.topk` candidates: exactly `top_k` of them, or for top-p-only rows the best
+`TOP_P_CANDIDATES` tokens, which is exact whenever their probability mass reaches `top_p`; rows
+where it does not (very flat distributions) fall back to the whole sorted vocabulary. One uniform
+per row instead of V exponentials/multinomial work keeps sampling O(V) with a small constant, and an
+all-greedy batch without penalties is a single `argmax` on the input dtype (bf16 -> fp32 is exact,
+so the argmax is the same).
 
 Logprobs are the *raw* model distribution: `log_softmax` of the logits as passed in (before
 penalties, temperature, top-k/top-p and the min_tokens mask) -- vLLM's default `logprobs_mode`
@@ -72,9 +81,9 @@ class Sampler:
                 fp32 copy).
             params: B sampling parameter sets.
             generators: B entries; a `torch.Generator` for seeded requests (the caller creates it
-                once per request with `manual_seed(seed)` and keeps it across steps), else None
-                (the global RNG). A generator on another device than `logits` gets that row
-                moved to its device for the draw.
+                once per request with `manual_seed(seed)` and keeps it across steps; one float64
+                uniform is drawn from it per sampled token), else None (the global RNG). Any
+                device (a CPU generator is fine for CUDA logits).
             prompt_token_ids: B prompt token lists (repetition penalty).
             output_token_ids: B lists of tokens generated so far (penalties, min_tokens).
 
@@ -101,15 +110,23 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+        if self._plain_greedy(params, output_token_ids):
+            token_ids = torch.argmax(logits, dim=-1)  # [B], no copy of the logits
+            logprobs = [None] * batch
+            if raw_logprobs is not None:
+                logprobs = _gather_logprobs(raw_logprobs, token_ids, params)
+            return SamplerOutput(token_ids.tolist(), logprobs)
         logits = self.process_logits(logits, params, prompt_token_ids, output_token_ids)
 
         token_ids = torch.argmax(logits, dim=-1)  # [B]; final for greedy rows
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=logits.device)
-            probs = _probs(logits[rows], [params[i] for i in sampled_rows])  # [S, V]
-            chosen = _draw(probs, [generators[i] for i in sampled_rows])  # [S]
-            token_ids[rows] = chosen.to(token_ids.device)
+            sub_params = [params[i] for i in sampled_rows]
+            weights, cand_ids = _candidates(logits[rows], sub_params)  # [S, K], [S, K] | None
+            pos = _inverse_cdf(weights, [generators[i] for i in sampled_rows])  # [S]
+            chosen = pos if cand_ids is None else cand_ids.gather(1, pos[:, None]).squeeze(1)
+            token_ids[rows] = chosen
 
         token_list = token_ids.tolist()
         logprobs: list[dict | None] = [None] * batch
@@ -129,10 +146,44 @@ class Sampler:
         Greedy rows take the argmax of this; sampled rows then apply temperature, top-k, top-p.
         The input is not modified.
         """
-        out = logits.float().clone()  # [B, V]
+        out = logits.to(torch.float32, copy=True)  # [B, V]
         self._mask_min_tokens(out, params, output_token_ids)
         _apply_penalties(out, params, prompt_token_ids, output_token_ids)
         return out
+
+    def sampling_probs(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """The distribution each row is drawn from: `[B, V]` fp32, rows sum to 1.
+
+        Greedy rows are one-hot at the argmax. Same code path as `__call__` (for tests/debugging).
+        """
+        logits = self.process_logits(logits, params, prompt_token_ids, output_token_ids)
+        probs = torch.zeros_like(logits)
+        for i, p in enumerate(params):
+            if p.greedy:
+                probs[i, torch.argmax(logits[i])] = 1.0
+                continue
+            weights, cand_ids = _candidates(logits[i : i + 1], [p])
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+            if cand_ids is None:
+                probs[i] = weights[0]
+            else:
+                probs[i].scatter_(0, cand_ids[0], weights[0])
+        return probs
+
+    def _plain_greedy(
+        self, params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]]
+    ) -> bool:
+        """All rows greedy, no penalties, no min_tokens mask active: the argmax needs no copy."""
+        return all(
+            p.greedy and not p.has_penalties and len(out) >= p.min_tokens
+            for p, out in zip(params, output_token_ids, strict=True)
+        )
 
     def _mask_min_tokens(
         self,
@@ -190,53 +241,100 @@ def _token_counts(token_lists: list[Sequence[int]], vocab: int, device) -> torch
     return counts
 
 
-def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p, softmax. `logits` `[S, V]` fp32 -> probs `[S, V]` fp32."""
+# Top-p-only rows look for their nucleus among this many best tokens first (exact when the nucleus
+# fits; SmolLM2/Llama distributions at top_p <= 0.95 almost always do), else sort the whole row.
+TOP_P_CANDIDATES = 1024
+
+
+def _candidates(
+    logits: torch.Tensor, params: list[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Temperature, top-k, top-p for `[S, V]` fp32 logits.
+
+    Returns (weights `[S, K]` >= 0, not normalised, at least one > 0 per row; candidate token ids
+    `[S, K]` or None when K = V in vocabulary order). Top-k keeps exactly k tokens (ties at the
+    k-th value broken by `torch.topk` order); top-p keeps the smallest prefix of the descending
+    distribution (after top-k) whose mass reaches p, always including the top token (HF
+    `TopPLogitsWarper` semantics).
+    """
     device, vocab = logits.device, logits.shape[1]
-    temps = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    temps = torch.tensor([p.temperature for p in params], device=device)[:, None]  # [S, 1]
     logits = logits / temps
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     top_p = [p.top_p for p in params]
-    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _top_k_top_p(logits, top_k, top_p)
-    return torch.softmax(logits, dim=-1)
+    if all(k == 0 for k in top_k) and all(p >= 1.0 for p in top_p):
+        return torch.softmax(logits, dim=-1), None
+    num = min(vocab, max(k if k > 0 else TOP_P_CANDIDATES for k in top_k))
+    weights, ids, complete = _truncate(logits, top_k, top_p, num)
+    if not complete.all():  # some top-p-only nucleus is wider than `num`: sort those rows fully
+        if num < vocab:
+            weights = torch.nn.functional.pad(weights, (0, vocab - num))
+            ids = torch.nn.functional.pad(ids, (0, vocab - num))
+        redo = torch.nonzero(~complete).flatten()
+        full_w, full_ids, _ = _truncate(
+            logits[redo],
+            [top_k[i] for i in redo.tolist()],
+            [top_p[i] for i in redo.tolist()],
+            vocab,
+        )
+        weights[redo], ids[redo] = full_w, full_ids
+    return weights, ids
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Set logits outside each row's top-k and nucleus (top-p) to -inf.
+def _truncate(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], num: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k / top-p over the best `num` candidates of each row of `[S, V]` scaled logits.
 
-    Exactly k tokens survive top-k (ties at the k-th value broken by sort order). Top-p keeps the
-    smallest prefix of the descending-sorted distribution (after top-k) whose probability mass
-    reaches p; the most likely token always survives (HF `TopPLogitsWarper` semantics).
+    Returns (weights `[S, num]`, ids `[S, num]`, complete `[S]` bool: False where a top-p-only row
+    did not reach its mass p inside the candidates, so its result is not exact).
     """
     device = logits.device
-    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)  # [S, V]
-    ranks = torch.arange(logits.shape[1], device=device)[None, :]  # [1, V]
-    k = torch.tensor(top_k, device=device)[:, None]  # [S, 1]
-    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    vals, ids = torch.topk(logits, num, dim=-1)  # [S, num], descending
+    ranks = torch.arange(num, device=device)[None, :]  # [1, num]
+    k = torch.tensor([kk if kk > 0 else num for kk in top_k], device=device)[:, None]  # [S, 1]
+    vals = vals.masked_fill(ranks >= k, float("-inf"))
+    # probabilities: renormalised over the top-k set, or the true ones (full-row logsumexp)
+    has_k = torch.tensor([kk > 0 for kk in top_k], device=device)[:, None]  # [S, 1]
+    lse = torch.where(
+        has_k,
+        torch.logsumexp(vals, dim=-1, keepdim=True),
+        torch.logsumexp(logits, dim=-1, keepdim=True),
+    )
+    probs = torch.exp(vals - lse)  # [S, num]
+    cum = torch.cumsum(probs, dim=-1)
     # p = 1 means off: use inf so fp32 rounding of the cumsum near 1.0 never drops a tail token.
     p = torch.tensor([q if q < 1.0 else float("inf") for q in top_p], device=device)[:, None]
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = (
-        torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    )  # mass of strictly better tokens
-    sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter_(1, sorted_idx, sorted_logits)
+    probs = probs.masked_fill(cum - probs >= p, 0.0)  # mass of strictly better tokens >= p
+    complete = has_k.squeeze(1) | (cum[:, -1] >= p.squeeze(1)) | (num == logits.shape[1])
+    return probs, ids, complete
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One `torch.multinomial` draw per row; seeded rows draw alone from their own generator."""
-    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+def _inverse_cdf(weights: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Draw one index per row of `[S, K]` non-negative weights: `[S]` int64 positions.
+
+    Inverse-CDF sampling with a float64 cumsum and one uniform in [0, 1) per row, from the row's
+    generator when it has one (drawn on the generator's device, then moved). Zero-weight entries
+    are never chosen.
+    """
+    rows, device = weights.shape[0], weights.device
+    cdf = torch.cumsum(weights.double(), dim=-1)  # [S, K]
+    u = torch.empty(rows, dtype=torch.float64, device=device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
-        idx = torch.tensor(unseeded, device=probs.device)
-        out[idx] = torch.multinomial(probs[idx], 1).squeeze(1)
+        u[torch.tensor(unseeded, device=device)] = torch.rand(
+            len(unseeded), dtype=torch.float64, device=device
+        )
     for i, gen in enumerate(generators):
-        if gen is None:
-            continue
-        row = probs[i].to(gen.device)
-        out[i] = torch.multinomial(row, 1, generator=gen).to(probs.device)[0]
-    return out
+        if gen is not None:
+            u[i] = torch.rand(1, dtype=torch.float64, device=gen.device, generator=gen).to(device)[
+                0
+            ]
+    target = (u * cdf[:, -1])[:, None]  # [S, 1]
+    pos = torch.searchsorted(cdf, target, right=True).clamp_(max=weights.shape[1] - 1)
+    # step back over zero-weight entries (flat cdf): the first index reaching this cdf value
+    pos = torch.searchsorted(cdf, cdf.gather(1, pos), right=False)
+    return pos.squeeze(1)
 
 
 def _gather_logprobs(

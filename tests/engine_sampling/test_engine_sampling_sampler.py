@@ -104,6 +104,48 @@ def test_top_p_restricts_support_and_renormalises():
     assert set(torch.nonzero(counts).flatten().tolist()) == {1}
 
 
+def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Naive full-sort top-k/top-p (HF warpers), for one row of distinct float logits."""
+    scaled = logits / p.temperature
+    if p.top_k > 0:
+        kth = torch.sort(scaled, descending=True).values[p.top_k - 1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        drop = (torch.cumsum(sorted_probs, 0) - sorted_probs) >= p.top_p
+        probs = probs.clone()
+        probs[order[drop]] = 0.0
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0])  # flat (nucleus > 1024 candidates) .. peaked
+def test_sampling_probs_match_full_sort_reference(scale):
+    torch.manual_seed(9)
+    vocab = 3000
+    logits = torch.randn(6, vocab) * scale
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.99),
+        SamplingParams(temperature=1.3, top_p=0.5),
+        SamplingParams(top_k=40),
+        SamplingParams(top_k=2000, top_p=0.9),
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=0.0, top_k=5),
+    ]
+    empty = [[] for _ in params]
+    probs = Sampler().sampling_probs(logits, params, empty, empty)
+    assert torch.allclose(probs.sum(-1), torch.ones(6), atol=1e-5)
+    for row, p in enumerate(params[:-1]):
+        ref = reference_probs(logits[row], p)
+        assert torch.equal(probs[row] > 0, ref > 0), (row, p)
+        assert torch.allclose(probs[row], ref, atol=1e-6), (row, p)
+    assert probs[5].argmax() == logits[5].argmax() and probs[5].max() == 1.0
+    # and the sampler only ever draws from that support
+    draws = run(Sampler(), logits.repeat(50, 1), params * 50).token_ids
+    for i, token in enumerate(draws):
+        assert probs[i % 6, token] > 0
+
+
 def test_top_k_then_top_p():
     torch.manual_seed(5)
     probs = torch.tensor([0.3, 0.25, 0.2, 0.15, 0.1])
