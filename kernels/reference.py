@@ -34,8 +34,8 @@ def _gather_kv(
     # Entries past a sequence's last block may hold anything (e.g. -1 or stale ids); clamp so the
     # gather stays in bounds. Those tokens are masked out by the caller.
     idx = block_table[..., :n_blocks].long().clamp(0, num_blocks - 1)
-    kv = cache[idx]  # [..., n_blocks, block_size, Hk, D]
-    kv = kv.flatten(-4, -3)  # [..., n_blocks * block_size, Hk, D]
+    kv = cache.index_select(0, idx.flatten())  # faster than cache[idx] on CPU
+    kv = kv.view(*idx.shape[:-1], n_blocks * block_size, *cache.shape[2:])  # [..., n*bs, Hk, D]
     return kv[..., :length, :, :]
 
 
@@ -135,15 +135,32 @@ def unified_attention(
     seq_lens_list = seq_lens.tolist()
     num_seqs = len(seq_lens_list)
     starts = cu_seqlens_q.tolist()
-    if num_tokens == num_seqs and starts == list(range(num_seqs + 1)):  # pure decode
+    q_lens = [starts[s + 1] - starts[s] for s in range(num_seqs)]
+    decodes = [s for s in range(num_seqs) if q_lens[s] == 1]
+    if len(decodes) == num_seqs == num_tokens:  # pure decode batch
         res = _decode_attention(
             q, k_cache, v_cache, seq_lens, seq_lens_list, block_tables, softmax_scale
         )
         out.copy_(res)
         return out
+    if len(decodes) > 1:  # the decodes of a mixed batch still go through the batched path
+        seq_idx = torch.tensor(decodes, device=q.device)
+        rows = torch.tensor([starts[s] for s in decodes], device=q.device)
+        out[rows] = _decode_attention(
+            q[rows],
+            k_cache,
+            v_cache,
+            seq_lens[seq_idx],
+            [seq_lens_list[s] for s in decodes],
+            block_tables[seq_idx],
+            softmax_scale,
+        ).to(out.dtype)
+        decodes_done = set(decodes)
+    else:
+        decodes_done = set()
     for s in range(num_seqs):
         lo, hi = starts[s], starts[s + 1]
-        if hi == lo:
+        if hi == lo or s in decodes_done:
             continue
         ctx = seq_lens_list[s]
         k = _gather_kv(k_cache, block_tables[s], ctx).float()  # [ctx, Hk, D]

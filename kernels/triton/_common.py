@@ -52,7 +52,8 @@ def round_to(x, DTYPE: tl.constexpr):
     """
     if DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        bits = bits + (((bits >> 16) & 1) + 0x7FFF)  # round half to even at bit 16
+        bits = (bits >> 16) << 16  # shifts keep uint32 (a 0xFFFF0000 mask would widen to int64)
         return bits.to(tl.float32, bitcast=True)
     elif DTYPE == tl.float16:
         return x.to(tl.float16).to(tl.float32)
