@@ -64,7 +64,7 @@ class IncrementalDetokenizer:
         tokenizer: a transformers fast tokenizer.
         prompt_token_ids: the request's prompt; its last few tokens are decoding context only.
         params: the request's `SamplingParams` (`stop`, `include_stop_str_in_output`,
-            `skip_special_tokens` are used).
+            `skip_special_tokens`, `min_tokens` are used).
 
     Usage by the engine, per step: `upd = detok.update([token_id], stop_terminated=...)`; stream
     `upd.delta_text`; if `upd.stop_matched`, finish with reason "stop". When the request finishes
@@ -79,6 +79,8 @@ class IncrementalDetokenizer:
         self.stop = list(params.stop)
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.skip_special_tokens = params.skip_special_tokens
+        self.min_tokens = params.min_tokens
+        self._num_output_tokens = 0  # all output ids seen, special ones included
         self._special_ids = _special_ids(tokenizer) if self.skip_special_tokens else frozenset()
         context = list(prompt_token_ids[-(_PROMPT_CONTEXT_TOKENS + 2) :])
         self._tokens: list[str] = self._to_tokens(context)
@@ -139,6 +141,7 @@ class IncrementalDetokenizer:
         if self._finished:
             return DetokenizerUpdate("", self._stop_matched)
         ids = list(new_token_ids)
+        self._num_output_tokens += len(ids)
         if stop_terminated and ids and not self.include_stop_str_in_output:
             ids = ids[:-1]
         self._tokens.extend(self._to_tokens(ids))
@@ -187,7 +190,8 @@ class IncrementalDetokenizer:
         if not new_text:
             return ""
         self._text += new_text
-        if self.stop:
+        # as vLLM v1: no stop string match while the output has at most min_tokens tokens
+        if self.stop and self._num_output_tokens > self.min_tokens:
             match = _find_stop(self._text, len(new_text), self.stop)
             if match is not None:
                 start, stop_str = match
@@ -196,9 +200,9 @@ class IncrementalDetokenizer:
                 self._stop_matched = stop_str
                 self._finished = True
                 return self._take(len(self._text))
-            if not self.include_stop_str_in_output:
-                held = _longest_stop_prefix_suffix(self._text, self.stop)
-                return self._take(len(self._text) - held)
+        if self.stop and not self.include_stop_str_in_output:
+            held = _longest_stop_prefix_suffix(self._text, self.stop)
+            return self._take(len(self._text) - held)
         return self._take(len(self._text))
 
     def _take(self, upto: int) -> str:

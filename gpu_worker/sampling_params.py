@@ -36,8 +36,9 @@ class SamplingParams:
         n: completions per prompt (>= 1). The gateway fans `n > 1` out as n requests; the engine
             itself generates one sequence per request.
         max_tokens: most output tokens to generate (>= 1); reaching it -> finish_reason "length".
-        min_tokens: EOS and `stop_token_ids` are masked until this many tokens exist
-            (0 <= min_tokens <= max_tokens). Stop strings are still honoured (as in vLLM).
+        min_tokens: generation cannot stop before this many tokens exist
+            (0 <= min_tokens <= max_tokens): the sampler masks EOS and `stop_token_ids`, and the
+            detokenizer matches stop strings only in tokens after the first `min_tokens` (vLLM v1).
         temperature: softmax temperature (>= 0). 0 (or below 1e-5) means greedy: exact argmax.
         top_p: nucleus sampling, keep the smallest set of tokens whose probability sums to
             >= top_p (0 < top_p <= 1; 1 = off). Holtzman et al. 2019, arXiv:1904.09751.

@@ -191,3 +191,15 @@ def test_random_stops_match_reference(tokenizer):
         )
         assert "".join(deltas) == detok.output_text == expected, (text, stops, include)
         assert all("\ufffd" not in d for d in deltas)
+
+
+def test_no_stop_string_match_within_min_tokens(tokenizer):
+    text = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    first = text.index("2")
+    k = next(k for k in range(len(ids)) if len(tokenizer.decode(ids[: k + 1])) > first)
+    # "2" arrives with token k+1 (1-based); min_tokens = k+1 forbids stopping there, so "7" stops
+    deltas, detok = stream(tokenizer, ids, SamplingParams(stop=["2", "7"], min_tokens=k + 1))
+    assert "".join(deltas) == "1, 2, 3, 4, 5, 6, " and detok.stop_matched == "7"
+    deltas, detok = stream(tokenizer, ids, SamplingParams(stop=["2", "7"], min_tokens=k))
+    assert "".join(deltas) == "1, " and detok.stop_matched == "2"
