@@ -107,6 +107,7 @@ class RequestState:
     arrival_at: float  # unix seconds (display)
     worker: bytes | None = None
     worker_id: str | None = None  # the last worker it was dispatched to
+    worker_model: str | None = None
     attempts: int = 0
     dispatched: float = 0.0
     first_token: float = 0.0  # monotonic, first content token seen at the broker
@@ -604,6 +605,7 @@ class Broker:
         req.attempts += 1
         req.worker = worker.identity
         req.worker_id = worker.worker_id
+        req.worker_model = worker.model or None
         req.dispatched = time.monotonic()
         worker.in_flight.add(s.request_id)
         if s.lane == "batch":
@@ -720,46 +722,39 @@ class Broker:
         usage: dict,
         t: dict,
     ) -> dict:
+        """The ``requests`` row for a finished request (docs/interfaces.md "Records to SQL")."""
         s = req.submit
-        m_at = req.arrival_at
+        arrival_at = req.arrival_at
 
         def at(ms: float | None) -> float | None:
-            return None if ms is None else m_at + ms / 1000.0
+            return None if ms is None else arrival_at + ms / 1000.0
 
-        return {
+        record = {
             "id": s.request_id,
-            "job_id": s.job_id,
-            "custom_id": s.custom_id,
             "lane": s.lane,
             "priority": s.priority,
-            "model": s.model,
+            "model": s.model or req.worker_model,
             "worker_id": req.worker_id,
             "status": status,
             "finish_reason": finish_reason,
             "error": None if error is None else f"{error[0]}: {error[1]}",
             "attempts": req.attempts,
-            "prompt_tokens": usage["prompt_tokens"],
-            "cached_tokens": usage["cached_tokens"],
-            "completion_tokens": usage["completion_tokens"],
-            "preemptions": usage.get("preemptions"),
-            "prefill_chunks": usage.get("prefill_chunks"),
-            "arrival_at": m_at,
+            "arrival_at": arrival_at,
             "first_scheduled_at": at(t["queue_ms"]),
             "first_token_at": at(t["ttft_ms"]),
             "finished_at": at(t["e2e_ms"]),
-            **{
-                k: t[k]
-                for k in (
-                    "queue_ms",
-                    "prefill_ms",
-                    "ttft_ms",
-                    "decode_ms",
-                    "tpot_ms",
-                    "itl_p99_ms",
-                    "e2e_ms",
-                )
-            },
         }
+        for key in _TOKEN_FIELDS:
+            record[key] = usage.get(key)
+        for key in _TIMING_FIELDS:
+            record[key] = t[key]
+        # job_id/custom_id only when set: the recorder updates the columns a record carries,
+        # and the jobs runner owns them for job lines.
+        if s.job_id is not None:
+            record["job_id"] = s.job_id
+        if s.custom_id is not None:
+            record["custom_id"] = s.custom_id
+        return record
 
     # ----------------------------------------------------------------------------- recorder
 
@@ -893,6 +888,22 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+_TOKEN_FIELDS = (
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "preemptions",
+    "prefill_chunks",
+)
+_TIMING_FIELDS = (
+    "queue_ms",
+    "prefill_ms",
+    "ttft_ms",
+    "decode_ms",
+    "tpot_ms",
+    "itl_p99_ms",
+    "e2e_ms",
+)
 _DELTA_KIND = p.Delta.KIND.encode()
 _packb = msgpack.Packer(use_bin_type=True).pack
 

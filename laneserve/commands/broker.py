@@ -51,6 +51,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="dispatches before worker_lost is final (default: %(default)s)",
     )
     parser.add_argument(
+        "--record-resend",
+        type=float,
+        default=5.0,
+        help="seconds before an unacknowledged record batch is resent (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--snapshot-interval",
+        type=float,
+        default=5.0,
+        help="seconds between worker_stats snapshots (default: %(default)s)",
+    )
+    parser.add_argument(
         "--client-sndhwm",
         type=int,
         default=20_000,
@@ -83,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         max_attempts=args.max_attempts,
         parent_pid=args.parent_pid,
         client_sndhwm=args.client_sndhwm,
+        record_resend_s=args.record_resend,
+        snapshot_interval_s=args.snapshot_interval,
         no_worker_timeout_s=args.no_worker_timeout,
     )
     broker = Broker(config)

@@ -1,0 +1,173 @@
+"""Finished-request records and worker snapshots: broker -> recorder link."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+from broker_stack import ROOT, run
+
+from broker import protocol as p
+from broker.client import BrokerClient
+
+pytestmark = pytest.mark.slow
+
+RECORD_KEYS = {
+    "id", "job_id", "custom_id", "lane", "priority", "model", "worker_id", "status",
+    "finish_reason", "error", "attempts", "prompt_tokens", "cached_tokens", "completion_tokens",
+    "preemptions", "prefill_chunks", "arrival_at", "first_scheduled_at", "first_token_at",
+    "finished_at", "queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "tpot_ms", "itl_p99_ms",
+    "e2e_ms",
+}  # fmt: skip
+SNAPSHOT_KEYS = {
+    "worker_id", "lanes", "running", "waiting", "kv_usage", "prefix_hit_rate", "step_ms",
+    "tokens_per_s", "preemptions", "at",
+}  # fmt: skip
+
+
+async def _three_requests(front: str, job_id: str | None = "job-1") -> None:
+    async with BrokerClient(front) as c:
+        async for _ in c.submit(request_id="api-1", prompt="hi", sampling_params={"max_tokens": 4}):
+            pass
+        it = c.submit(
+            request_id="job-1-line-1",
+            prompt="translate",
+            lane="batch",
+            stream=False,
+            sampling_params={"max_tokens": 3},
+            job_id=job_id,
+            custom_id="line-1" if job_id else None,
+        )
+        async for _ in it:
+            pass
+        it = c.submit(request_id="api-2", prompt="long", sampling_params={"max_tokens": 5000})
+        await anext(it)
+        await it.aclose()  # aborted
+        await asyncio.sleep(0.3)
+
+
+def _recv_batch(sock: zmq.Socket, timeout_s: float) -> tuple[bytes, p.RecordBatch] | None:
+    if not sock.poll(timeout_s * 1000):
+        return None
+    frames = sock.recv_multipart()
+    return frames[0], p.decode(frames[1:], p.BROKER_TO_RECORDER)
+
+
+def test_records_resent_until_acknowledged(stack) -> None:
+    ctx = zmq.Context.instance()
+    rec = ctx.socket(zmq.ROUTER)
+    rec.setsockopt(zmq.LINGER, 0)
+    addr = f"ipc://{stack.tmp}/rec.sock"
+    rec.bind(addr)
+    try:
+        stack.start_broker(
+            "--recorder", addr, "--record-resend", "0.5", "--snapshot-interval", "0.5"
+        )
+        stack.start_worker("w1", "--synthetic-step-ms", "2")
+        stack.wait_workers({"w1"})
+        run(_three_requests(stack.front))
+        records: dict[str, dict] = {}
+        snapshots: list[dict] = []
+        first_seq = None
+        resent = False
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not (len(records) == 3 and resent and snapshots):
+            got = _recv_batch(rec, 1.0)
+            if got is None:
+                continue
+            ident, batch = got
+            for r in batch.records:
+                records[r["id"]] = r
+            snapshots += batch.snapshots
+            if first_seq is None and batch.records:
+                first_seq = batch.seq  # do not ack the first batch with records...
+            elif batch.seq == first_seq:
+                resent = True  # ...it comes back
+                rec.send_multipart([ident, *p.RecordAck(seq=batch.seq).to_frames()])
+            else:
+                rec.send_multipart([ident, *p.RecordAck(seq=batch.seq).to_frames()])
+        assert resent, "unacknowledged batch was not resent"
+        assert set(records) == {"api-1", "job-1-line-1", "api-2"}, records
+        for r in records.values():
+            assert set(r) <= RECORD_KEYS, set(r) - RECORD_KEYS
+            assert r["worker_id"] == "w1" and r["attempts"] == 1 and r["model"] == "synthetic"
+        api, job, aborted = records["api-1"], records["job-1-line-1"], records["api-2"]
+        assert api["lane"] == "interactive" and api["status"] == "completed"
+        assert api["completion_tokens"] == 4 and api["finish_reason"] == "length"
+        assert 0 < api["ttft_ms"] <= api["e2e_ms"] and api["queue_ms"] >= 0
+        assert api["arrival_at"] <= api["first_token_at"] <= api["finished_at"] <= time.time()
+        assert "job_id" not in api
+        assert job["lane"] == "batch" and job["job_id"] == "job-1" and job["custom_id"] == "line-1"
+        assert aborted["status"] == "aborted" and aborted["finish_reason"] == "abort"
+        assert snapshots and set(snapshots[0]) == SNAPSHOT_KEYS
+        assert snapshots[0]["worker_id"] == "w1"
+        # once acknowledged, nothing is resent
+        time.sleep(1.2)
+        while (got := _recv_batch(rec, 0.2)) is not None:
+            assert not got[1].records, got[1]
+            rec.send_multipart([got[0], *p.RecordAck(seq=got[1].seq).to_frames()])
+        st = stack.status()
+        assert st["queues"]["records_unacked"] <= 10  # snapshots only, in flight
+    finally:
+        rec.close()
+
+
+def test_records_reach_sqlite_through_the_real_recorder(stack) -> None:
+    db_path = stack.tmp / "ls.db"
+    addr = f"ipc://{stack.tmp}/rec.sock"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LANESERVE_HOME=str(stack.tmp))
+    log = open(stack.tmp / "recorder.log", "wb")  # noqa: SIM115
+    recorder = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "laneserve.cli",
+            "recorder",
+            "--recorder-addr",
+            addr,
+            "--db",
+            f"sqlite:///{db_path}",
+        ],
+        stdout=log,
+        stderr=log,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        stack.start_broker("--recorder", addr)
+        stack.start_worker("w1", "--synthetic-step-ms", "2")
+        stack.wait_workers({"w1"})
+        run(_three_requests(stack.front, job_id=None))  # no jobs row: job_id would break the FK
+        rows = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(rows) < 3:
+            time.sleep(0.3)
+            if not Path(db_path).exists():
+                continue
+            try:
+                with sqlite3.connect(db_path) as conn:
+                    rows = conn.execute(
+                        "SELECT id, lane, worker_id, status, attempts, completion_tokens, ttft_ms FROM requests ORDER BY id"
+                    ).fetchall()
+            except sqlite3.OperationalError:
+                rows = []  # migrations not applied yet
+        assert len(rows) == 3, (
+            f"rows {rows}; {Path(stack.tmp / 'recorder.log').read_text()[-2000:]}"
+        )
+        by_id = {r[0]: r for r in rows}
+        assert by_id["api-1"][1:5] == ("interactive", "w1", "completed", 1)
+        assert by_id["api-1"][5] == 4 and by_id["api-1"][6] > 0
+        assert by_id["api-2"][3] == "aborted"
+        assert by_id["job-1-line-1"][1:4] == ("batch", "w1", "completed")
+        assert stack.wait_status(lambda s: s["queues"]["records_unacked"] == 0, timeout_s=10)
+    finally:
+        recorder.terminate()
+        recorder.wait(timeout=10)
+        log.close()
