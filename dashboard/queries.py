@@ -6,6 +6,9 @@ Percentiles use numpy's default method (`np.percentile(..., method="linear")`, H
 definition 7). Time buckets are `floor(t / bucket_s) * bucket_s` over `requests.finished_at` /
 `worker_stats.at` (unix seconds; display only — durations come from the `*_ms` columns).
 
+Functions that take `rows=` (a `request_rows` frame) or `ws=` (a `worker_rows` frame) read nothing
+when it is given (`engine` may then be None), so one dashboard refresh reads each table once.
+
 No Streamlit here; `dashboard/app.py` only lays these frames out.
 """
 
@@ -116,23 +119,49 @@ def _bucket(t: pd.Series, bucket_s: float) -> pd.Series:
     return pd.to_datetime(secs, unit="s", utc=True)
 
 
+# The `requests` columns the dashboard reads (not the job line's body/response or wall clocks
+# it does not show).
+REQUEST_COLUMNS: tuple[str, ...] = (
+    "id", "job_id", "lane", "model", "worker_id", "status", "finish_reason", "error",
+    "prompt_tokens", "cached_tokens", "completion_tokens", "preemptions", "prefill_chunks",
+    "finished_at", "queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "tpot_ms", "itl_p99_ms",
+    "e2e_ms",
+)  # fmt: skip
+_TEXT_COLUMNS = ("id", "job_id", "lane", "model", "worker_id", "status", "finish_reason", "error")
+
+
+def _fetch_raw(engine: Engine, stmt) -> list[tuple]:
+    """Run `stmt` through the DB-API cursor, skipping SQLAlchemy's per-row result processing
+    (2-3x faster on 1e5 rows; the columns read here need no type conversion)."""
+    compiled = stmt.compile(dialect=engine.dialect)
+    params = compiled.params
+    if compiled.positional:
+        params = tuple(params[name] for name in compiled.positiontup)
+    with engine.connect() as conn:
+        return conn.exec_driver_sql(str(compiled), params).fetchall()
+
+
 def request_rows(engine: Engine, window: Window, limit: int | None = None) -> pd.DataFrame:
     """The finished requests of `window` (by `finished_at`), one row per request.
 
-    Columns: the `requests` table's columns except `body`/`response`; `*_ms` and `*_at` float64
-    (NaN for null), token counts float64 (NaN for null). Sorted by `finished_at`.
+    Columns: `REQUEST_COLUMNS`; numeric ones float64 (NaN for null: `*_ms`, `finished_at`, token
+    counts, preemptions, prefill_chunks), text ones object (None for null). Sorted by
+    `finished_at`.
     """
-    cols = [c for c in Request.__table__.columns if c.name not in ("body", "response")]
-    stmt = select(*cols).where(_request_filter(window)).order_by(Request.finished_at)
+    table = Request.__table__
+    stmt = select(*[table.c[c] for c in REQUEST_COLUMNS]).where(_request_filter(window))
+    stmt = stmt.order_by(Request.finished_at)
     if limit is not None:
         stmt = stmt.limit(limit)
-    with engine.connect() as conn:
-        df = pd.read_sql(stmt, conn)
-    numeric = [c for c in df.columns if c.endswith(("_ms", "_at", "_tokens"))]
-    numeric += ["preemptions", "prefill_chunks"]
-    for c in numeric:
-        df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
-    return df
+    rows = _fetch_raw(engine, stmt)
+    columns = list(zip(*rows, strict=True)) if rows else [()] * len(REQUEST_COLUMNS)
+    data = {}
+    for name, values in zip(REQUEST_COLUMNS, columns, strict=True):
+        if name in _TEXT_COLUMNS:
+            data[name] = np.array(values, dtype=object)
+        else:  # column by column: 2x faster than letting pandas infer from the tuples
+            data[name] = np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+    return pd.DataFrame(data)
 
 
 def worker_rows(engine: Engine, window: Window) -> pd.DataFrame:
@@ -182,7 +211,7 @@ def has_data(engine: Engine) -> bool:
 
 
 def latency_summary(
-    engine: Engine, window: Window, rows: pd.DataFrame | None = None
+    engine: Engine | None, window: Window, rows: pd.DataFrame | None = None
 ) -> pd.DataFrame:
     """P50/P90/P99 (ms) per lane and phase over the whole window.
 
@@ -200,7 +229,7 @@ def latency_summary(
 
 
 def latency_over_time(
-    engine: Engine,
+    engine: Engine | None,
     window: Window,
     bucket_s: float | None = None,
     rows: pd.DataFrame | None = None,
@@ -228,7 +257,7 @@ def latency_over_time(
 
 
 def latency_histogram(
-    engine: Engine,
+    engine: Engine | None,
     window: Window,
     metric: str,
     bins: int = 30,
@@ -261,7 +290,7 @@ def latency_histogram(
 
 
 def throughput(
-    engine: Engine,
+    engine: Engine | None,
     window: Window,
     bucket_s: float | None = None,
     rows: pd.DataFrame | None = None,
@@ -289,7 +318,7 @@ def throughput(
 
 
 def slowest_requests(
-    engine: Engine,
+    engine: Engine | None,
     window: Window,
     n: int = 20,
     by: str = "e2e",
@@ -346,7 +375,7 @@ def _preemption_deltas(ws: pd.DataFrame) -> pd.Series:
 
 
 def worker_series(
-    engine: Engine,
+    engine: Engine | None,
     window: Window,
     bucket_s: float | None = None,
     ws: pd.DataFrame | None = None,
@@ -372,7 +401,7 @@ def worker_series(
 
 
 def lane_load(
-    engine: Engine,
+    engine: Engine | None,
     window: Window,
     bucket_s: float | None = None,
     ws: pd.DataFrame | None = None,
@@ -390,7 +419,9 @@ def lane_load(
     return g.melt(id_vars=["bucket", "lanes"], var_name="state", value_name="requests")
 
 
-def worker_summary(engine: Engine, window: Window, ws: pd.DataFrame | None = None) -> pd.DataFrame:
+def worker_summary(
+    engine: Engine | None, window: Window, ws: pd.DataFrame | None = None
+) -> pd.DataFrame:
     """One row per worker: its latest snapshot and the preemptions during the window.
 
     Columns: worker_id, lanes, last_seen (UTC datetime), running, waiting, kv_usage,
@@ -536,18 +567,22 @@ def figures_from_frames(
 
 
 def live_figures(
-    engine: Engine,
+    engine: Engine | None,
     window: Window,
     recent_s: float = 300.0,
+    rows: pd.DataFrame | None = None,
+    ws: pd.DataFrame | None = None,
 ) -> list[Figures]:
     """`Figures` per lane: the last `recent_s` of `window` against the part of `window` before it.
 
-    Lanes without any request or snapshot in the window are left out.
+    `rows`/`ws` are the window's `request_rows`/`worker_rows` when already read. Lanes without
+    any request or snapshot in the window are left out.
     """
     recent_s = min(recent_s, window.seconds)
     split = window.end - recent_s
-    rows = request_rows(engine, window)
-    ws = worker_rows(engine, Window(split, window.end, window.lane, window.model))
+    rows = request_rows(engine, window) if rows is None else rows
+    ws = worker_rows(engine, window) if ws is None else ws
+    ws = ws[ws["at"] >= split]
     out = []
     for lane in [window.lane] if window.lane else LANES:
         lane_rows = rows[rows["lane"] == lane]
