@@ -36,7 +36,20 @@ import torch
 
 from gpu_worker.sampling_params import SamplingParams
 
-__all__ = ["Sampler", "SamplerOutput"]
+__all__ = ["Sampler", "SamplerOutput", "make_generator"]
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
+    """The per-request generator for `SamplingParams.seed` (None when unseeded).
+
+    Create it once when the request is added and pass it to every `Sampler` call for that request
+    (also after a preemption: recompute does not redraw tokens already produced). A CPU generator
+    works with logits on any device and keeps seeded outputs identical across CPU and GPU runs of
+    the same logits.
+    """
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gpu_worker.sampler import Sampler
+from gpu_worker.sampler import Sampler, make_generator
 from gpu_worker.sampling_params import SamplingParams
 
 
@@ -236,3 +236,28 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match=r"\[B, V\]"):
         sampler(torch.zeros(5), [SamplingParams()], [None], [[]], [[]])
     assert sampler(torch.zeros(0, 5), [], [], [], []).token_ids == []
+
+
+def test_make_generator():
+    assert make_generator(None) is None
+    a, b = make_generator(123), make_generator(123)
+    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+    assert make_generator(2**64 - 1).initial_seed() == 2**64 - 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_logits_match_cpu():
+    """Same logits on CUDA and CPU: same greedy tokens, same seeded draws (CPU generators)."""
+    torch.manual_seed(10)
+    logits = torch.randn(16, 49152) * 3
+    params = [
+        SamplingParams(temperature=0.0)
+        if i % 4 == 0
+        else SamplingParams(seed=i, top_p=0.95, top_k=0 if i % 3 else 50)
+        for i in range(16)
+    ]
+    outs = []
+    for device in ("cpu", "cuda"):
+        gens = [make_generator(p.seed) for p in params]
+        outs.append(run(Sampler(), logits.to(device), params, gens).token_ids)
+    assert outs[0] == outs[1]
