@@ -71,7 +71,7 @@ class BrokerConfig:
     record_resend_s: float = 5.0  # resend an unacknowledged RecordBatch after this long
     record_retention: int = 50_000  # max records held unacknowledged; oldest dropped beyond
     snapshot_interval_s: float = 5.0  # worker_stats snapshots
-    client_sndhwm: int = 20_000  # messages queued per client before it counts as not reading
+    client_sndhwm: int = 100_000  # messages queued per client before it counts as not reading
     max_reads_per_poll: int = 2000
     max_drain_s: float = 0.01  # time slice per socket per loop, so heartbeats stay on time
     parent_pid: int | None = None  # exit when this process is gone (supervisor)
@@ -305,7 +305,7 @@ class Broker:
         existing = self.requests.get(rid)
         if existing is not None:
             # Same request id resubmitted (a restarted runner, a retry): follow it from here.
-            self.by_client[existing.client].discard(rid)
+            self.by_client.get(existing.client, set()).discard(rid)
             existing.client = identity
             self.by_client[identity].add(rid)
             self.counters["resubmitted"] += 1
@@ -651,7 +651,11 @@ class Broker:
         s = req.submit
         rid = s.request_id
         self.requests.pop(rid, None)
-        self.by_client.get(req.client, set()).discard(rid)
+        owned = self.by_client.get(req.client)
+        if owned is not None:
+            owned.discard(rid)
+            if not owned:
+                del self.by_client[req.client]
         now = time.monotonic()
         timings = self._timings(req, metrics, now)
         usage = {

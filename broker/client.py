@@ -26,7 +26,6 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import zmq
@@ -121,7 +120,7 @@ class BrokerClient:
         arrival_monotonic: float | None = None,
         job_id: str | None = None,
         custom_id: str | None = None,
-    ) -> AsyncIterator[Result]:
+    ) -> RequestStream:
         """Send a request; returns an async iterator of Delta ... then one Final or Error.
 
         ``arrival_time`` (unix s) and ``arrival_monotonic`` (``time.monotonic()`` s) are when the
@@ -152,22 +151,7 @@ class BrokerClient:
         queue: asyncio.Queue[Result] = asyncio.Queue()
         self._streams[msg.request_id] = queue
         self._send_nowait(msg)
-        return self._iterate(msg.request_id, queue)
-
-    async def _iterate(self, rid: str, queue: asyncio.Queue[Result]) -> AsyncIterator[Result]:
-        done = False
-        try:
-            while True:
-                item = await queue.get()
-                if type(item) is not p.Delta:
-                    done = True
-                    yield item
-                    return
-                yield item
-        finally:
-            self._streams.pop(rid, None)
-            if not done:
-                self._send_nowait(p.Abort(request_id=rid))
+        return RequestStream(self, msg.request_id, queue)
 
     async def status(self, timeout_s: float = 5.0) -> p.StatusReply:
         """The broker's status (workers, queues, counters). Raises TimeoutError."""
@@ -253,6 +237,50 @@ class BrokerClient:
                 p.Error(request_id=rid, code="worker_lost", message=why, retryable=True)
             )
             self._streams.pop(rid, None)
+
+
+class RequestStream:
+    """Async iterator over one request's messages: Delta ... then one Final or Error.
+
+    Leaving early aborts the request on the broker: ``aclose()``, cancelling the task that
+    awaits it, or dropping the last reference to an unfinished stream.
+    """
+
+    def __init__(self, client: BrokerClient, request_id: str, queue: asyncio.Queue[Result]):
+        self._client = client
+        self.request_id = request_id
+        self._queue = queue
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Result:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            self._abort()
+            raise
+        if type(item) is not p.Delta:
+            self._done = True
+            self._client._streams.pop(self.request_id, None)
+        return item
+
+    async def aclose(self) -> None:
+        """Abort the request unless it already ended."""
+        self._abort()
+
+    def _abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._client._streams.pop(self.request_id, None) is not None:
+            self._client._send_nowait(p.Abort(request_id=self.request_id))
+
+    def __del__(self) -> None:
+        self._abort()
 
 
 def broker_status(address: str, timeout_s: float = 3.0) -> dict[str, Any]:

@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--client-sndhwm",
         type=int,
-        default=20_000,
+        default=100_000,
         help="messages queued per client before it counts as not reading (default: %(default)s)",
     )
     parser.add_argument(

@@ -149,6 +149,11 @@ def test_abort_frees_the_request_on_the_worker(stack) -> None:
             )
             await asyncio.sleep(0.3)
             task.cancel()
+            # dropping an unfinished stream aborts it as well
+            dropped = c.submit(prompt="y", sampling_params={"max_tokens": 2000})
+            assert isinstance(await anext(dropped), p.Delta)
+            del dropped
+            await asyncio.sleep(0.3)
             return loaded
 
     run(main())
@@ -160,7 +165,7 @@ def test_abort_frees_the_request_on_the_worker(stack) -> None:
             and s["workers"][0]["load"].get("num_running") == 0
         )
     )
-    assert st["counters"]["aborted"] == 2, st["counters"]
+    assert st["counters"]["aborted"] == 3, st["counters"]
     assert st["workers"][0]["in_flight"] == 0
 
 
