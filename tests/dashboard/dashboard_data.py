@@ -1,8 +1,9 @@
 """Synthetic traffic for the dashboard tests: record and snapshot dicts in the recorder's shape.
 
-Rows are written through `db.session.write_session` and the `db.models` tables, using the
-record-dict shape of docs/interfaces.md "Records to SQL" (db/recorder.py has no importable
-write function yet).
+Requests and worker snapshots are written through the recorder's own write path
+(`db.recorder.write_batch`, the function the recorder process commits each `RecordBatch` with),
+as the record dicts of docs/interfaces.md "Records to SQL"; job rows, which the jobs runner owns,
+through `db.session.write_session` and `db.models.Job`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import sqlalchemy as sa
 
-from db.models import Job, Request, WorkerStat
+from db.models import Job
+from db.recorder import write_batch
 from db.session import write_session
 
 # A fixed "now" (2023-11-14T22:00:00Z, a whole hour) so tests are deterministic; windows end here.
@@ -125,11 +127,10 @@ def make_snapshots(
 
 
 def store(engine, records=(), snapshots=(), jobs=()) -> None:
-    """Write records, snapshots and job rows in one write transaction."""
-    with write_session(engine) as s:
-        if jobs:
+    """Write job rows, then records and snapshots through the recorder; all must be written."""
+    if jobs:
+        with write_session(engine) as s:
             s.execute(sa.insert(Job), list(jobs))
-        if records:
-            s.execute(sa.insert(Request), list(records))
-        if snapshots:
-            s.execute(sa.insert(WorkerStat), list(snapshots))
+    for i in range(0, max(len(records), len(snapshots)), 5000):  # recorder-sized batches
+        result = write_batch(engine, records[i : i + 5000], snapshots[i : i + 5000])
+        assert result.records_failed == result.snapshots_failed == 0, result.errors
