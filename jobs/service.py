@@ -1,0 +1,249 @@
+"""Library API of bulk jobs, used by the HTTP gateway (`/v1/files`, `/v1/batches`) and the CLI.
+
+Every function takes a SQLAlchemy `Engine` (`db.session.make_engine(url)`; call
+`db.migrate.upgrade(url)` once at start-up) and returns ORM rows detached from their session
+(readable after return). Errors are `jobs.errors` types carrying `code` and `status_code`.
+
+Files (`jobs.files`, re-exported here):
+
+- `create_file(engine, data: bytes | BinaryIO, filename, purpose="batch") -> File`
+  (`POST /v1/files`; `PayloadTooLargeError` 413 over 200 MB, `InvalidRequestError` 400)
+- `get_file(engine, file_id) -> File`, `file_path(engine, file_id) -> Path`,
+  `file_content(engine, file_id) -> bytes` (`GET /v1/files/{id}/content`; `NotFoundError` 404)
+- `file_object(row) -> dict` (the OpenAI `file` object)
+
+Batches:
+
+- `create_batch(engine, input_file_id, endpoint, completion_window="24h", metadata=None, *,
+  owner=None, task=None, task_options=None, model=None) -> Job` (`POST /v1/batches`): a job in
+  status `validating`; the jobs runner validates it and runs it. `task` ("summarize" |
+  "translate") marks the task shorthand input (`{"id", "text"}` lines); its options
+  (`target_lang`, `source_lang`, `max_tokens`) are kept as strings in the job's metadata.
+- `get_batch(engine, batch_id) -> Job` (`GET /v1/batches/{id}`)
+- `list_batches(engine, limit=20, after=None, owner=None) -> list[Job]` (`GET /v1/batches`,
+  newest first; `after` is the id of the last batch of the previous page)
+- `cancel_batch(engine, batch_id) -> Job` (`POST /v1/batches/{id}/cancel`): status
+  `cancelling`; the runner aborts what is in flight, keeps finished results and ends the job
+  `cancelled`. `ConflictError` (409) when the batch already ended.
+- `batch_object(job) -> dict` (the OpenAI `batch` object, `request_counts` included)
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any
+
+from sqlalchemy import Engine, select, update
+
+from db.models import JOB_TERMINAL_STATUSES, File, Job
+from db.session import read_session, write_session
+from jobs.errors import ConflictError, InvalidRequestError, NotFoundError
+from jobs.files import (  # noqa: F401 - re-exported API
+    create_file,
+    file_content,
+    file_object,
+    file_path,
+    get_file,
+)
+from jobs.limits import DEFAULT_COMPLETION_WINDOW, ENDPOINTS, TASKS
+
+_WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([smh])$")
+_WINDOW_UNIT_S = {"s": 1, "m": 60, "h": 3600}
+TASK_OPTION_KEYS = ("target_lang", "source_lang", "max_tokens")
+MAX_METADATA_KEYS = 16  # OpenAI: up to 16 key-value pairs
+CANCELLABLE = ("validating", "in_progress", "finalizing")
+
+
+def parse_completion_window(window: str) -> float:
+    """Seconds in a completion window such as "24h" (also "30m", "90s").
+
+    Raises:
+        InvalidRequestError: not `<N>s|m|h`.
+    """
+    match = _WINDOW_RE.match(window or "")
+    if match is None:
+        raise InvalidRequestError(
+            f"completion_window must look like '24h' (or '<N>m', '<N>s'), got {window!r}"
+        )
+    return int(match.group(1)) * _WINDOW_UNIT_S[match.group(2)]
+
+
+def new_batch_id() -> str:
+    return f"batch_{uuid.uuid4().hex}"
+
+
+def _check_metadata(metadata: dict[str, Any] | None) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_KEYS:
+        raise InvalidRequestError(f"metadata must be a map of at most {MAX_METADATA_KEYS} pairs")
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str) or len(key) > 64:
+            raise InvalidRequestError("metadata keys (<= 64 chars) and values must be strings")
+    return dict(metadata)
+
+
+def create_batch(
+    engine: Engine,
+    input_file_id: str,
+    endpoint: str,
+    completion_window: str = DEFAULT_COMPLETION_WINDOW,
+    metadata: dict[str, str] | None = None,
+    *,
+    owner: str | None = None,
+    task: str | None = None,
+    task_options: dict[str, Any] | None = None,
+    model: str | None = None,
+) -> Job:
+    """Create a batch (status `validating`) over an uploaded input file.
+
+    `model` is the job's default model for lines that do not name one (and the model of task
+    shorthand jobs). Returns the new `jobs` row.
+
+    Raises:
+        InvalidRequestError: unknown endpoint or task, bad window or metadata, task options
+            without a task, or an input file whose purpose is not "batch".
+        NotFoundError: no file `input_file_id`.
+    """
+    if endpoint not in ENDPOINTS:
+        raise InvalidRequestError(f"endpoint must be one of {list(ENDPOINTS)}, got {endpoint!r}")
+    window_s = parse_completion_window(completion_window)
+    meta = _check_metadata(metadata)
+    if task is not None and task not in TASKS:
+        raise InvalidRequestError(f"task must be one of {list(TASKS)}, got {task!r}")
+    if task is not None and endpoint != "/v1/chat/completions":
+        raise InvalidRequestError("task shorthand jobs use the /v1/chat/completions endpoint")
+    if task_options:
+        if task is None:
+            raise InvalidRequestError("task options given without a task")
+        unknown = set(task_options) - set(TASK_OPTION_KEYS)
+        if unknown:
+            raise InvalidRequestError(f"unknown task options {sorted(unknown)}")
+        meta = dict(meta or {})
+        meta.update({k: str(v) for k, v in task_options.items() if v is not None})
+    now = time.time()
+    job = Job(
+        id=new_batch_id(),
+        status="validating",
+        endpoint=endpoint,
+        model=model,
+        task=task,
+        completion_window=completion_window,
+        input_file_id=input_file_id,
+        request_total=0,
+        request_completed=0,
+        request_failed=0,
+        metadata_=meta,
+        owner=owner,
+        created_at=now,
+        expires_at=now + window_s,
+    )
+    with write_session(engine) as session:
+        file = session.get(File, input_file_id)
+        if file is None:
+            raise NotFoundError(f"no file {input_file_id!r}")
+        if file.purpose != "batch":
+            raise InvalidRequestError(
+                f"file {input_file_id!r} has purpose {file.purpose!r}; a batch input needs 'batch'"
+            )
+        session.add(job)
+    return job
+
+
+def get_batch(engine: Engine, batch_id: str) -> Job:
+    """The `jobs` row. Raises NotFoundError."""
+    with read_session(engine) as session:
+        job = session.get(Job, batch_id)
+    if job is None:
+        raise NotFoundError(f"no batch {batch_id!r}")
+    return job
+
+
+def list_batches(
+    engine: Engine, limit: int = 20, after: str | None = None, owner: str | None = None
+) -> list[Job]:
+    """Batches newest first, at most `limit` (1..100), starting after the batch `after`.
+
+    Raises:
+        InvalidRequestError: `limit` out of range.
+        NotFoundError: `after` names no batch.
+    """
+    if not 1 <= limit <= 100:
+        raise InvalidRequestError("limit must be between 1 and 100")
+    query = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+    if owner is not None:
+        query = query.where(Job.owner == owner)
+    with read_session(engine) as session:
+        if after is not None:
+            anchor = session.get(Job, after)
+            if anchor is None:
+                raise NotFoundError(f"no batch {after!r}")
+            query = query.where(
+                (Job.created_at < anchor.created_at)
+                | ((Job.created_at == anchor.created_at) & (Job.id < anchor.id))
+            )
+        return list(session.scalars(query))
+
+
+def cancel_batch(engine: Engine, batch_id: str) -> Job:
+    """Ask the runner to cancel: status `cancelling` (idempotent while cancelling).
+
+    Raises:
+        NotFoundError: no such batch.
+        ConflictError: the batch already ended (completed, failed, cancelled, expired).
+    """
+    with write_session(engine) as session:
+        result = session.execute(
+            update(Job)
+            .where(Job.id == batch_id, Job.status.in_(CANCELLABLE))
+            .values(status="cancelling", cancelling_at=time.time())
+        )
+        job = session.get(Job, batch_id)
+        if job is None:
+            raise NotFoundError(f"no batch {batch_id!r}")
+        if result.rowcount == 0 and job.status != "cancelling":
+            raise ConflictError(f"batch {batch_id!r} is already {job.status}")
+        session.refresh(job)
+    return job
+
+
+def batch_object(job: Job) -> dict[str, Any]:
+    """The OpenAI `batch` object for a row (times as integer unix seconds, null when unset)."""
+
+    def ts(value: float | None) -> int | None:
+        return None if value is None else int(value)
+
+    errors = None
+    if job.errors:
+        errors = {"object": "list", "data": list(job.errors)}
+    return {
+        "id": job.id,
+        "object": "batch",
+        "endpoint": job.endpoint,
+        "errors": errors,
+        "input_file_id": job.input_file_id,
+        "completion_window": job.completion_window,
+        "status": job.status,
+        "output_file_id": job.output_file_id,
+        "error_file_id": job.error_file_id,
+        "created_at": ts(job.created_at),
+        "in_progress_at": ts(job.in_progress_at),
+        "expires_at": ts(job.expires_at),
+        "finalizing_at": ts(job.finalizing_at),
+        "completed_at": ts(job.completed_at),
+        "failed_at": ts(job.failed_at),
+        "expired_at": ts(job.expired_at),
+        "cancelling_at": ts(job.cancelling_at),
+        "cancelled_at": ts(job.cancelled_at),
+        "request_counts": job.request_counts,
+        "metadata": job.metadata_,
+        "model": job.model,
+        "task": job.task,
+    }
+
+
+def is_terminal(status: str) -> bool:
+    """True for completed, failed, cancelled, expired."""
+    return status in JOB_TERMINAL_STATUSES
