@@ -46,6 +46,8 @@ CHROMIUM_FLAGS = [
     "--window-size=1400,1000",
 ]
 WIDTH, HEIGHT = 1400, 4800  # px: the whole page of the filled dashboard
+JOB = {"status": "in_progress", "endpoint": "/v1/chat/completions", "model": "smollm2-135m",
+       "request_total": 500, "request_completed": 120, "request_failed": 3}  # fmt: skip
 INTERACTIVE_RGB = (0x1F, 0x77, 0xB4)  # dashboard.charts.LANE_COLORS for "interactive"
 
 
@@ -128,12 +130,8 @@ def _fill(db_engine) -> None:
     recs += make_records(rng, 100, now - 3000, now - 1, "batch", Profile(prefill=300, tpot=30))
     snaps = make_snapshots("w0", "interactive", now - 900, now, every_s=15, kv_usage=0.55)
     snaps += make_snapshots("w1", "batch", now - 900, now, every_s=15, kv_usage=0.8, running=20)
-    jobs = [
-        {"id": "batch_demo", "status": "in_progress", "endpoint": "/v1/chat/completions",
-         "model": "smollm2-135m", "created_at": now - 200, "in_progress_at": now - 180,
-         "request_total": 500, "request_completed": 120, "request_failed": 3},
-    ]  # fmt: skip
-    store(db_engine, records=recs, snapshots=snaps, jobs=jobs)
+    job = dict(JOB, id="batch_demo", created_at=now - 200, in_progress_at=now - 180)
+    store(db_engine, records=recs, snapshots=snaps, jobs=[job])
 
 
 def test_chromium_renders_dashboard_charts(chromium_path, db_url, db_engine, tmp_path):
@@ -168,6 +166,10 @@ def test_chromium_renders_dashboard_charts(chromium_path, db_url, db_engine, tmp
 
         dom = _wait(rendered, 90, "the charts to draw", dash)
         shot = tools.call("Page.captureScreenshot", format="png")
+        # Live refresh: a job stored now shows up without reloading the page.
+        store(db_engine, jobs=[dict(JOB, id="batch_live", created_at=time.time())])
+        text = "document.body.innerText.includes('batch_live')"
+        _wait(lambda: tools.evaluate(text), 60, "the live refresh to show a new job", dash)
 
     png = base64.b64decode(shot["data"])
     (tmp_path / "dashboard.png").write_bytes(png)
