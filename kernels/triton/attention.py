@@ -170,12 +170,18 @@ def _unified_attention_kernel(
     )
 
 
-def _launch_config(num_queries_per_kv: int, max_query_len: int | None) -> tuple[int, int, int]:
-    """Return ``(BLOCK_M, BLOCK_Q, TILE_N)``; tl.dot needs every dimension >= 16."""
+def _launch_config(
+    num_queries_per_kv: int, max_query_len: int | None, fp32: bool
+) -> tuple[int, int, int]:
+    """Return ``(BLOCK_M, BLOCK_Q, TILE_N)``; tl.dot needs every dimension >= 16.
+
+    Pure decode uses 16 rows (one token x the GQA group, padded); prefill 64. fp32 tiles use half
+    the keys per step so shared memory stays under ~100 KB (sm_86/89).
+    """
     block_m = 16 if max_query_len == 1 else 64
     block_m = max(block_m, triton.next_power_of_2(num_queries_per_kv))
     block_q = block_m // num_queries_per_kv
-    tile_n = 64 if not INTERPRET else 32
+    tile_n = 32 if fp32 or INTERPRET else 64
     return block_m, block_q, tile_n
 
 
@@ -217,7 +223,7 @@ def unified_attention(
     g = num_q_heads // num_kv_heads
     if max_query_len is None and num_tokens == num_seqs:
         max_query_len = 1
-    block_m, block_q, tile_n = _launch_config(g, max_query_len)
+    block_m, block_q, tile_n = _launch_config(g, max_query_len, q.dtype == torch.float32)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _unified_attention_kernel[grid](
         q,
