@@ -22,6 +22,10 @@ Prefix caching (the scheme of vLLM v1's KVCacheManager and nano-vllm's BlockMana
 - Blocks shared by several requests (ref count > 1) are always full, hashed blocks; new tokens
   are only ever written into the request's own trailing block, so a shared block is never written.
 
+Blocks are registered (`cache_full_blocks`) after the step that computed them, so requests
+admitted in the same step as an identical prefix do not hit it; they compute their own copy
+and the first registered copy serves later requests.
+
 Counters `prefix_cache_queries` and `prefix_cache_hits` are in **tokens**: each admission of a
 request (first schedule, or re-admission after preemption) adds its `num_tokens` to the
 queries and its hit tokens to the hits; they stay 0 with prefix caching disabled.
