@@ -34,7 +34,9 @@ def latency_lines(df: pd.DataFrame, metric: str) -> alt.Chart:
             x=_time_x(),
             y=alt.Y("value_ms:Q", title="ms"),
             color=alt.Color("lane:N", scale=LANE_COLORS),
-            strokeDash=alt.StrokeDash("percentile:N", sort=["P50", "P90", "P99"]),
+            strokeDash=alt.StrokeDash(
+                "percentile:N", sort=["P50", "P90", "P99"], legend=alt.Legend(symbolType="stroke")
+            ),
             tooltip=[
                 "bucket:T",
                 "lane:N",
@@ -84,7 +86,7 @@ def lane_load(df: pd.DataFrame) -> alt.Chart:
             x=_time_x(),
             y=alt.Y("requests:Q", title="requests"),
             color=alt.Color("lanes:N", title="worker lanes"),
-            strokeDash=alt.StrokeDash("state:N"),
+            strokeDash=alt.StrokeDash("state:N", legend=alt.Legend(symbolType="stroke")),
             tooltip=["bucket:T", "lanes:N", "state:N", "requests:Q"],
         )
     )

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pytest
 from dashboard_data import Profile, make_records, make_snapshots, store
 from streamlit.testing.v1 import AppTest
 
@@ -72,18 +71,34 @@ def test_filled_database_shows_latency_charts(db_url, db_engine, monkeypatch):
     for title in ("requests/s", "output tokens/s", "KV usage", "prefix hit rate", "preemptions"):
         assert charts[title] > 0
     assert "Diagnosis" in headers
+    assert not at.warning  # healthy traffic: the diagnosis stays quiet
     progress = [p.proto.text for p in at.get("progress")]
     assert any("batch_x" in t and "40/100 completed" in t and "5 failed" in t for t in progress)
     assert any("Slowest requests" == h for h in headers)
 
 
-@pytest.mark.parametrize("lane", ["batch"])
-def test_lane_filter_rerenders(db_url, db_engine, monkeypatch, lane):
+def test_diagnosis_panel_shows_queueing(db_url, db_engine, monkeypatch):
+    """TTFT P99 up in the last 5 minutes, TPOT flat, the queue growing -> the queueing advice."""
+    now = time.time()
+    rng = np.random.default_rng(5)
+    recs = make_records(rng, 200, now - 3000, now - 310, "interactive")
+    recs += make_records(rng, 50, now - 290, now - 1, "interactive", Profile(queue=3000))
+    snaps = make_snapshots("w0", "interactive", now - 290, now, every_s=10, kv_usage=0.7)
+    snaps[-1]["waiting"] = 30
+    store(db_engine, records=recs, snapshots=snaps)
+    at = _run(db_url, monkeypatch)
+    warnings = [w.value for w in at.warning]
+    assert len(warnings) == 1, warnings
+    assert "queueing: add workers or route batch elsewhere" in warnings[0]
+    assert "check: queue depth, prefill batch size, prefix hit rate" in warnings[0]
+
+
+def test_lane_filter_rerenders(db_url, db_engine, monkeypatch):
     now = time.time()
     rng = np.random.default_rng(4)
     store(db_engine, records=make_records(rng, 50, now - 600, now - 1, "interactive"))
     at = _run(db_url, monkeypatch)
-    at.sidebar.selectbox[0].select(lane).run()
+    at.sidebar.selectbox[0].select("batch").run()
     assert not at.exception
     # no batch request: the latency panels give way to a note, nothing crashes
     assert any("No finished request" in i.value for i in at.info)
