@@ -343,6 +343,7 @@ class Worker:
         last_heard = now
         last_hb = 0.0
         backoff = self.heartbeat_interval_s
+        hb_every = self.heartbeat_interval_s
         silence = self.heartbeat_interval_s * self.liveness
         last_parent_check = now
         outbox: collections.deque[list[bytes]] = collections.deque()
@@ -361,6 +362,8 @@ class Worker:
                         last_heard = now
                         backoff = self.heartbeat_interval_s
                         if type(msg) is p.Heartbeat:
+                            # beat at least as often as the broker does (its liveness window)
+                            hb_every = min(self.heartbeat_interval_s, msg.interval_s or hb_every)
                             if epoch is not None and msg.epoch != epoch:
                                 logger.warning(
                                     "broker restarted (epoch %s -> %s)", epoch, msg.epoch
@@ -381,7 +384,7 @@ class Worker:
                         break  # broker slow or away: keep it; the engine pauses meanwhile
                     outbox.popleft()
                     self._forwarded += 1
-                if now - last_hb >= self.heartbeat_interval_s:
+                if now - last_hb >= hb_every:
                     last_hb = now
                     hb = p.WorkerHeartbeat(
                         worker_id=self.worker_id,

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         broker_addr=args.broker or default_back(),
         lanes=lanes,
         capacity=args.capacity or args.max_num_seqs + 16,
-        model="synthetic" if args.synthetic else args.model,
+        model="synthetic" if args.synthetic else getattr(engine, "model_name", args.model),
         worker_id=args.worker_id,
         heartbeat_interval_s=args.heartbeat_interval,
         liveness=args.liveness,

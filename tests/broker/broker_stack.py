@@ -42,10 +42,17 @@ class Stack:
         self.broker = self._spawn("laneserve.commands.broker", args, "broker")
 
     def start_worker(
-        self, name: str, *extra: str, lanes: str = "interactive,batch"
+        self,
+        name: str,
+        *extra: str,
+        lanes: str = "interactive,batch",
+        synthetic: bool = True,
+        heartbeat_s: float = HB,
+        liveness: int = LIVENESS,
     ) -> subprocess.Popen:
-        args = ["--synthetic", "--broker", self.back, "--worker-id", name, "--lanes", lanes]
-        args += ["--heartbeat-interval", str(HB), "--liveness", str(LIVENESS), *extra]
+        args = ["--synthetic"] if synthetic else []
+        args += ["--broker", self.back, "--worker-id", name, "--lanes", lanes]
+        args += ["--heartbeat-interval", str(heartbeat_s), "--liveness", str(liveness), *extra]
         proc = self._spawn("laneserve.commands.worker", args, f"worker-{name}")
         self.workers[name] = proc
         return proc
