@@ -234,3 +234,18 @@ def test_window_validation():
     assert auto_bucket_s(HOUR) == 60
     assert auto_bucket_s(300) == 5
     assert isinstance(pd.Timestamp(0), pd.Timestamp)
+
+
+def test_live_figures_long_prompt_timeouts(db_engine):
+    rng = np.random.default_rng(3)
+    recs = make_records(rng, 100, NOW - 290, NOW, "batch")
+    slow = make_records(rng, 4, NOW - 290, NOW, "batch", Profile(prompt_tokens=4000))
+    for r in slow:
+        r.update(status="failed", finish_reason=None, error="deadline_exceeded: 30 s")
+    store(db_engine, records=recs + slow)
+    (fig,) = live_figures(db_engine, Window(NOW - HOUR, NOW, lane="batch"))
+    assert fig.timeouts == 4
+    assert fig.timeout_prompt_tokens_p50 == pytest.approx(
+        np.percentile([r["prompt_tokens"] for r in slow], 50)
+    )
+    assert [x.symptom for x in diagnose_all([fig])] == [Symptom.LONG_PROMPT_TIMEOUTS]
