@@ -4,7 +4,8 @@ Each op has a Triton implementation (``kernels.triton``) and a plain-PyTorch ref
 (``kernels.reference``) with the same signature. The functions here check their arguments
 (see :mod:`kernels._validate`) and dispatch: Triton for CUDA tensors, the reference elsewhere.
 ``LANESERVE_ATTENTION_BACKEND=torch|triton`` overrides the choice for every op (``triton`` on CPU
-tensors needs ``TRITON_INTERPRET=1`` set before ``triton`` is imported).
+tensors runs them in the Triton interpreter: on a machine without CUDA the first forced call sets
+``TRITON_INTERPRET=1`` before ``kernels.triton`` is imported).
 
 Note: this top-level package shadows Hugging Face's optional ``kernels`` package; never install
 both in one environment (see DESIGN.md).
@@ -12,7 +13,9 @@ both in one environment (see DESIGN.md).
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 
 import torch
 
@@ -27,6 +30,8 @@ __all__ = [
     "backend_for",
     "reference",
 ]
+
+logger = logging.getLogger(__name__)
 
 BACKEND_ENV = "LANESERVE_ATTENTION_BACKEND"
 _BACKENDS = ("torch", "triton")
@@ -48,6 +53,12 @@ def backend_for(t: torch.Tensor) -> str:
 
 def _impl(t: torch.Tensor):
     if backend_for(t) == "triton":
+        if "kernels.triton" not in sys.modules and not t.is_cuda and not torch.cuda.is_available():
+            # Forced Triton on a machine without a GPU: the kernels can only run interpreted, and
+            # triton reads TRITON_INTERPRET when the kernels are defined, i.e. on first import.
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                logger.info("no CUDA device: running Triton kernels with TRITON_INTERPRET=1")
+                os.environ["TRITON_INTERPRET"] = "1"
         from kernels import triton as triton_backend  # lazy: importing triton costs ~1 s
 
         return triton_backend

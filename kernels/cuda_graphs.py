@@ -83,7 +83,7 @@ class DecodeGraphs:
 
     Args:
         fn: ``fn(**inputs) -> Tensor`` with the batch as the output's first dimension.
-        inputs: the static inputs, in any order.
+        inputs: the static inputs; the first one's rows (less its ``extra_rows``) give the batch.
         batch_sizes: the ladder to capture (see :func:`default_ladder`).
         device: where the static buffers live; must be CUDA when ``enabled``.
         enabled: ``False`` makes calls run ``fn`` eagerly on the given tensors (CPU, debugging).

@@ -148,3 +148,27 @@ def test_ours_does_not_break_transformers_kernels_probe():
 
     assert transformers.__version__
     assert not is_kernels_available()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU fallback")
+def test_forced_triton_without_gpu_turns_on_the_interpreter():
+    """LANESERVE_ATTENTION_BACKEND=triton on a CPU-only host works without TRITON_INTERPRET set."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["LANESERVE_ATTENTION_BACKEND"] = "triton"
+    code = (
+        "import os, torch, kernels\n"
+        "x = torch.randn(3, 8)\n"
+        "out = kernels.silu_and_mul(x)\n"
+        "assert torch.allclose(out, kernels.reference.silu_and_mul(x), atol=1e-6)\n"
+        "import kernels.triton._common as c\n"
+        "print(os.environ['TRITON_INTERPRET'], c.INTERPRET)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["1", "True"]
