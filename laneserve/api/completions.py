@@ -1,0 +1,271 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``.
+
+Flow of one request: read the body (size limit) -> validate (:mod:`schemas`) -> check the model
+name and count prompt tokens (:mod:`model_info`) -> make sure a worker serves the lane (else 503
+at once, not after the broker's no-worker timeout) -> submit every choice
+(:class:`~laneserve.api.generate.Generation`) -> respond.
+
+Streams decide their HTTP status before the first SSE byte: the response starts only once every
+choice has heard back from the broker (its first token, or an error such as ``overloaded`` ->
+429). A client that disconnects -- before or during the stream, or while a non-streamed request
+runs -- has its engine requests aborted.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from laneserve.api import format as fmt
+from laneserve.api.auth import read_json
+from laneserve.api.generate import DISCONNECTED, Event, Generation, race_disconnect
+from laneserve.api.schemas import ParsedRequest, parse_chat, parse_completion
+
+if TYPE_CHECKING:
+    from laneserve.api.app import GatewayState
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _serve(request, "chat")
+
+
+async def completions(request: Request) -> Response:
+    return await _serve(request, "completion")
+
+
+async def _serve(request: Request, kind: str) -> Response:
+    arrival_monotonic, arrival_time = time.monotonic(), time.time()
+    state: GatewayState = request.app.state.gateway
+    cfg = state.config
+    body = await read_json(request, cfg.max_body_bytes)
+    req = parse_chat(body, cfg) if kind == "chat" else parse_completion(body, cfg)
+    await state.check_model(req.model)
+    state.model_info.check(req, cfg)
+    await state.check_lane(req.lane)
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    gen = Generation(
+        state.client,
+        req,
+        prefix + uuid.uuid4().hex,
+        arrival_monotonic=arrival_monotonic,
+        arrival_time=arrival_time,
+        metrics=state.metrics,
+    )
+    gen.start()
+    try:
+        if not req.stream:
+            if await race_disconnect(request.receive, gen.run_to_end()) is DISCONNECTED:
+                return Response(status_code=499)  # nobody reads it; the aborts went out
+            if gen.error is not None:
+                return gen.error.response()
+            body_obj = _chat_body(gen, state) if kind == "chat" else _completion_body(gen, state)
+            gen.close()
+            return Response(fmt.dumps(body_obj), media_type="application/json")
+        if await race_disconnect(request.receive, gen.wait_started()) is DISCONNECTED:
+            return Response(status_code=499)
+        if gen.error is not None:
+            return gen.error.response()
+    except BaseException:
+        gen.close()
+        raise
+    finally:
+        if not req.stream or gen.error is not None:
+            gen.close()
+    body_iter = _chat_stream(gen, state) if kind == "chat" else _completion_stream(gen, state)
+    return StreamingResponse(body_iter, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+# ---------------------------------------------------------------------------- non-streamed
+
+
+def _finish(reason: str | None) -> str:
+    return reason or "stop"
+
+
+def _chat_body(gen: Generation, state: GatewayState) -> dict:
+    req = gen.req
+    choices = []
+    for c in gen.choices:
+        choices.append(
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": "".join(c.text)},
+                "logprobs": (
+                    fmt.chat_logprobs(c.logprobs, state.model_info)
+                    if req.logprobs is not None
+                    else None
+                ),
+                "finish_reason": _finish(c.finish_reason),
+            }
+        )
+    return {
+        "id": gen.id,
+        "object": "chat.completion",
+        "created": gen.created,
+        "model": req.model,
+        "choices": choices,
+        "usage": _usage(gen),
+    }
+
+
+def _completion_body(gen: Generation, state: GatewayState) -> dict:
+    req = gen.req
+    choices = []
+    for c in gen.choices:
+        choices.append(
+            {
+                "index": c.index,
+                "text": "".join(c.text),
+                "logprobs": (
+                    fmt.completion_logprobs(c.logprobs, state.model_info)
+                    if req.logprobs is not None
+                    else None
+                ),
+                "finish_reason": _finish(c.finish_reason),
+            }
+        )
+    return {
+        "id": gen.id,
+        "object": "text_completion",
+        "created": gen.created,
+        "model": req.model,
+        "choices": choices,
+        "usage": _usage(gen),
+    }
+
+
+def _usage(gen: Generation) -> dict:
+    u = gen.usage()
+    return fmt.usage_object(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
+
+
+# ---------------------------------------------------------------------------- streamed
+
+
+async def _events(gen: Generation) -> AsyncIterator[list[Event]]:
+    """The backlog, then batches of events: one awaited plus whatever is already queued."""
+    if gen.backlog:
+        batch, gen.backlog = gen.backlog, []
+        yield batch
+    while not gen.finished:
+        batch = [await gen.next_event()]
+        while not gen.finished and not gen._queue.empty():
+            batch.append(await gen.next_event())
+        yield batch
+
+
+def _error_tail(gen: Generation) -> bytes:
+    assert gen.error is not None
+    return fmt.sse(gen.error.body()) + fmt.SSE_DONE
+
+
+async def _chat_stream(gen: Generation, state: GatewayState) -> AsyncIterator[bytes]:
+    req, info = gen.req, state.model_info
+    rid, created, model = gen.id, gen.created, req.model
+    want_lp = req.logprobs is not None
+    try:
+        out = [
+            fmt.sse(
+                fmt.chat_chunk(
+                    rid,
+                    created,
+                    model,
+                    [
+                        {
+                            "index": c.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                )
+            )
+            for c in gen.choices
+        ]
+        async for batch in _events(gen):
+            for ev in batch:
+                c = ev.choice
+                if c.error is not None:
+                    yield b"".join(out) + _error_tail(gen)
+                    return
+                lp = fmt.chat_logprobs(ev.logprobs, info) if want_lp and ev.logprobs else None
+                if ev.text or lp:
+                    delta = {"content": ev.text}
+                    choice = {
+                        "index": c.index,
+                        "delta": delta,
+                        "logprobs": lp,
+                        "finish_reason": None,
+                    }
+                    out.append(fmt.sse(fmt.chat_chunk(rid, created, model, [choice])))
+                if ev.final:
+                    choice = {
+                        "index": c.index,
+                        "delta": {},
+                        "logprobs": None,
+                        "finish_reason": _finish(c.finish_reason),
+                    }
+                    out.append(fmt.sse(fmt.chat_chunk(rid, created, model, [choice])))
+            if out:
+                yield b"".join(out)
+                out = []
+        if req.include_usage:
+            out.append(fmt.sse(fmt.chat_chunk(rid, created, model, [], usage=_usage(gen))))
+        out.append(fmt.SSE_DONE)
+        yield b"".join(out)
+    finally:
+        gen.close()
+
+
+async def _completion_stream(gen: Generation, state: GatewayState) -> AsyncIterator[bytes]:
+    req, info = gen.req, state.model_info
+    rid, created, model = gen.id, gen.created, req.model
+    want_lp = req.logprobs is not None
+    offsets: dict[int, int] = {}
+    try:
+        out: list[bytes] = []
+        async for batch in _events(gen):
+            for ev in batch:
+                c = ev.choice
+                if c.error is not None:
+                    yield b"".join(out) + _error_tail(gen)
+                    return
+                lp = None
+                if want_lp and ev.logprobs:
+                    lp = fmt.completion_logprobs(ev.logprobs, info, offsets.get(c.index, 0))
+                    offsets[c.index] = offsets.get(c.index, 0) + sum(map(len, lp["tokens"]))
+                if ev.text or lp:
+                    choice = {
+                        "index": c.index,
+                        "text": ev.text,
+                        "logprobs": lp,
+                        "finish_reason": None,
+                    }
+                    out.append(fmt.sse(fmt.completion_chunk(rid, created, model, [choice])))
+                if ev.final:
+                    choice = {
+                        "index": c.index,
+                        "text": "",
+                        "logprobs": None,
+                        "finish_reason": _finish(c.finish_reason),
+                    }
+                    out.append(fmt.sse(fmt.completion_chunk(rid, created, model, [choice])))
+            if out:
+                yield b"".join(out)
+                out = []
+        if req.include_usage:
+            out.append(fmt.sse(fmt.completion_chunk(rid, created, model, [], usage=_usage(gen))))
+        out.append(fmt.SSE_DONE)
+        yield b"".join(out)
+    finally:
+        gen.close()
+
+
+__all__ = ["chat_completions", "completions", "ParsedRequest"]

@@ -1,0 +1,43 @@
+"""Gateway settings (``laneserve api`` flags map one to one onto :class:`ApiConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # JSON request bodies; a prompt is text, not a file
+DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file (200 MB)
+DEFAULT_MAX_N = 16  # choices per request; each is a separate engine request (fan-out)
+DEFAULT_MAX_TOKENS_LIMIT = 4096  # cap on max_tokens / max_completion_tokens per choice
+DEFAULT_COMPLETIONS_MAX_TOKENS = 16  # OpenAI's legacy /v1/completions default
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (list of strings or token lists)
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ApiConfig:
+    """Everything the gateway needs.
+
+    ``broker``: the broker's front endpoint (``ipc://...`` or ``tcp://127.0.0.1:P``).
+    ``api_key``: when set, every route except ``/health`` needs ``Authorization: Bearer KEY``;
+    None disables auth (any Authorization header is ignored; DESIGN.md "Error codes").
+    ``model``: an alias, ``.gguf`` file or HF directory whose tokenizer counts prompt tokens at the
+    edge; None: no tokenizer (the engine still rejects over-length prompts, mapped to 400).
+    ``served_model_name``: the name clients send as ``model`` (default: the model's display
+    name). ``max_model_len``: tokens (prompt + output); default: the model's config.
+    ``db_url``: database for files and batches (default: ``$LANESERVE_DB_URL`` or SQLite in
+    ``$LANESERVE_HOME``).
+    """
+
+    broker: str
+    api_key: str | None = None
+    model: str | None = None
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    db_url: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    max_n: int = DEFAULT_MAX_N
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
+    status_interval_s: float = 1.0  # broker status poll (workers per lane, /metrics gauges)
+    broker_timeout_s: float = 2.0  # a status call without answer: broker unavailable (503)
+    parent_pid: int | None = None  # exit when this process is gone (supervisor)

@@ -1,0 +1,208 @@
+"""``/v1/files`` and ``/v1/batches``: thin HTTP wrappers over the jobs library (jobs.service).
+
+The library is synchronous (SQLAlchemy); each call runs in a worker thread. Its errors carry a
+DESIGN.md ``code`` and an HTTP ``status_code`` (400, 404, 409, 413) that map onto the OpenAI
+error shape unchanged. Batches created here go to the batch lane: the jobs runner executes them.
+
+Uploads (multipart/form-data, fields ``file`` and ``purpose``) are read under the file size
+limit (``ApiConfig.max_file_bytes`` plus room for the multipart framing) before parsing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+
+from laneserve.api.auth import read_body, read_json
+from laneserve.api.config import ApiConfig
+from laneserve.api.errors import STATUS_BY_CODE, ApiError, invalid
+
+logger = logging.getLogger(__name__)
+
+MULTIPART_OVERHEAD = 64 * 1024  # boundaries, part headers and the purpose field
+
+
+@dataclass(slots=True)
+class JobsService:
+    """The database engine the jobs library works on."""
+
+    engine: Any
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def open_jobs_service(config: ApiConfig) -> JobsService | None:
+    """Migrate the database and open an engine; None (routes answer 503) when it fails."""
+    try:
+        from db import migrate
+        from db.session import make_engine
+
+        migrate.upgrade(config.db_url)
+        return JobsService(make_engine(config.db_url))
+    except Exception:
+        logger.exception("files and batches are unavailable: the database cannot be opened")
+        return None
+
+
+def _service(request: Request) -> JobsService:
+    svc = request.app.state.gateway.jobs
+    if svc is None:
+        raise ApiError("no_worker", "files and batches are unavailable: no database")
+    return svc
+
+
+async def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a jobs-library call in a thread; its typed errors become ApiError."""
+    from jobs.errors import JobsError
+
+    try:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    except JobsError as exc:
+        code = exc.code if exc.code in STATUS_BY_CODE else "internal"
+        raise ApiError(code, str(exc), status=exc.status_code) from None
+
+
+# ---------------------------------------------------------------------------- files
+
+
+async def create_file(request: Request) -> Response:
+    from jobs import service
+
+    svc = _service(request)
+    limit = request.app.state.gateway.config.max_file_bytes
+    body = await read_body(request, limit + MULTIPART_OVERHEAD)
+    request._body = body  # Starlette's form parser re-reads the cached body
+    if "multipart/form-data" not in request.headers.get("content-type", ""):
+        raise invalid("POST /v1/files takes multipart/form-data with 'file' and 'purpose'")
+    try:
+        form = await request.form()
+    except Exception as exc:  # malformed multipart
+        raise invalid(f"malformed multipart body: {exc}") from None
+    try:
+        upload = form.get("file")
+        purpose = form.get("purpose") or "batch"
+        if upload is None or isinstance(upload, str):
+            raise invalid("the 'file' field is required (a file part)", "file")
+        if not isinstance(purpose, str):
+            raise invalid("'purpose' must be a string", "purpose")
+        if upload.size is not None and upload.size > limit:
+            raise ApiError("payload_too_large", f"file over {limit} bytes")
+        row = await _call(
+            service.create_file, svc.engine, upload.file, upload.filename or "upload", purpose
+        )
+    finally:
+        await form.close()
+    return JSONResponse(service.file_object(row))
+
+
+async def get_file(request: Request) -> Response:
+    from jobs import service
+
+    row = await _call(service.get_file, _service(request).engine, request.path_params["file_id"])
+    return JSONResponse(service.file_object(row))
+
+
+async def file_content(request: Request) -> Response:
+    from jobs import service
+
+    path = await _call(service.file_path, _service(request).engine, request.path_params["file_id"])
+    return FileResponse(path, media_type="application/octet-stream")
+
+
+# ---------------------------------------------------------------------------- batches
+
+_BATCH_FIELDS = frozenset(
+    {"input_file_id", "endpoint", "completion_window", "metadata", "model", "task", "task_options"}
+)
+
+
+async def create_batch(request: Request) -> Response:
+    from jobs import service
+
+    state = request.app.state.gateway
+    svc = _service(request)
+    body = await read_json(request, state.config.max_body_bytes)
+    if type(body) is not dict:
+        raise invalid("the request body must be a JSON object")
+    unknown = sorted(set(body) - _BATCH_FIELDS)
+    if unknown:
+        raise invalid(f"unknown field(s): {', '.join(unknown)}", unknown[0])
+    for name in ("input_file_id", "endpoint"):
+        if type(body.get(name)) is not str:
+            raise invalid(f"'{name}' is required and must be a string", name)
+    window = body.get("completion_window") or "24h"
+    if type(window) is not str:
+        raise invalid("'completion_window' must be a string", "completion_window")
+    model = body.get("model") or state.model_info.served_name
+    job = await _call(
+        service.create_batch,
+        svc.engine,
+        body["input_file_id"],
+        body["endpoint"],
+        window,
+        body.get("metadata"),
+        task=body.get("task"),
+        task_options=body.get("task_options"),
+        model=model,
+    )
+    return JSONResponse(service.batch_object(job))
+
+
+async def list_batches(request: Request) -> Response:
+    from jobs import service
+
+    q = request.query_params
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        raise invalid("'limit' must be an integer", "limit") from None
+    jobs = await _call(
+        service.list_batches, _service(request).engine, limit=limit, after=q.get("after")
+    )
+    more = False
+    if len(jobs) == limit:
+        rest = await _call(service.list_batches, _service(request).engine, 1, jobs[-1].id)
+        more = bool(rest)
+    data = [service.batch_object(j) for j in jobs]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+        }
+    )
+
+
+async def get_batch(request: Request) -> Response:
+    from jobs import service
+
+    job = await _call(service.get_batch, _service(request).engine, request.path_params["batch_id"])
+    return JSONResponse(service.batch_object(job))
+
+
+async def cancel_batch(request: Request) -> Response:
+    from jobs import service
+
+    job = await _call(
+        service.cancel_batch, _service(request).engine, request.path_params["batch_id"]
+    )
+    return JSONResponse(service.batch_object(job))
+
+
+def add_routes(app: FastAPI) -> None:
+    app.add_api_route("/v1/files", create_file, methods=["POST"])
+    app.add_api_route("/v1/files/{file_id}", get_file, methods=["GET"])
+    app.add_api_route("/v1/files/{file_id}/content", file_content, methods=["GET"])
+    app.add_api_route("/v1/batches", create_batch, methods=["POST"])
+    app.add_api_route("/v1/batches", list_batches, methods=["GET"])
+    app.add_api_route("/v1/batches/{batch_id}", get_batch, methods=["GET"])
+    app.add_api_route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"])

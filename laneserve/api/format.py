@@ -1,0 +1,129 @@
+"""OpenAI response objects: chat/text completions, stream chunks, logprobs, SSE framing.
+
+JSON never carries ``NaN`` or ``Infinity`` (they are not JSON): a ``-inf`` logprob is sent as
+``-9999.0``, vLLM's convention (vllm/entrypoints/openai/serving_chat.py clamps to -9999.0), and
+encoding uses ``allow_nan=False`` so a missed case fails loudly in tests instead of emitting
+invalid JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from laneserve.api.model_info import ModelInfo
+
+LOGPROB_FLOOR = -9999.0
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON; raises ValueError on NaN/Infinity."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event ``data: <json>\\n\\n``."""
+    return b"data: " + dumps(obj).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def clamp_logprob(value: Any) -> float:
+    """A finite float for JSON: -inf / NaN / non-numbers -> -9999.0."""
+    if type(value) not in (int, float) or math.isnan(value):
+        return LOGPROB_FLOOR
+    if value == math.inf:  # not a log-probability; keep the JSON valid all the same
+        return 0.0
+    return max(float(value), LOGPROB_FLOOR)
+
+
+def _entries(raw: list | None) -> list[dict]:
+    """Engine logprob entries ``{"token_id", "logprob", "top": [[id, lp], ...]}`` (see
+    ``gpu_worker.sampler``); anything else is skipped."""
+    return [e for e in raw or () if isinstance(e, dict) and isinstance(e.get("token_id"), int)]
+
+
+def chat_logprobs(raw: list | None, info: ModelInfo) -> dict:
+    """``choice.logprobs`` of a chat completion: ``{"content": [{token, logprob, bytes,
+    top_logprobs: [...]}]}``."""
+    content = []
+    for e in _entries(raw):
+        tok = info.token_text(e["token_id"])
+        top = []
+        for pair in e.get("top") or ():
+            if isinstance(pair, list | tuple) and len(pair) == 2 and isinstance(pair[0], int):
+                t = info.token_text(pair[0])
+                top.append(
+                    {"token": t, "logprob": clamp_logprob(pair[1]), "bytes": list(t.encode())}
+                )
+        content.append(
+            {
+                "token": tok,
+                "logprob": clamp_logprob(e.get("logprob")),
+                "bytes": list(tok.encode()),
+                "top_logprobs": top,
+            }
+        )
+    return {"content": content}
+
+
+def completion_logprobs(raw: list | None, info: ModelInfo, offset: int = 0) -> dict:
+    """Legacy ``choice.logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs`` (token ->
+    logprob maps), ``text_offset`` (character offsets, starting at ``offset``)."""
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    for e in _entries(raw):
+        tok = info.token_text(e["token_id"])
+        out["tokens"].append(tok)
+        out["token_logprobs"].append(clamp_logprob(e.get("logprob")))
+        top = {}
+        for pair in e.get("top") or ():
+            if isinstance(pair, list | tuple) and len(pair) == 2 and isinstance(pair[0], int):
+                top[info.token_text(pair[0])] = clamp_logprob(pair[1])
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(tok)
+    return out
+
+
+def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def chat_chunk(rid: str, created: int, model: str, choices: list[dict], usage: Any = None) -> dict:
+    chunk = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def completion_chunk(
+    rid: str, created: int, model: str, choices: list[dict], usage: Any = None
+) -> dict:
+    chunk = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk

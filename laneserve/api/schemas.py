@@ -1,0 +1,454 @@
+"""Request validation: a JSON body -> :class:`ParsedRequest`, or an :class:`ApiError` (400).
+
+Written by hand rather than as pydantic models so that every error is a 400 in OpenAI's shape
+naming the offending field (pydantic would give FastAPI's 422), and so that unknown and
+unsupported fields are told apart:
+
+- a field laneserve does not implement (``tools``, ``response_format``, ...) -> 400 naming it;
+- a field no OpenAI-compatible server knows -> 400 naming it;
+- ``null``, ``[]``, ``{}`` and ``false`` count as "not given" for optional fields.
+
+Field names and ranges follow the OpenAI API reference (chat/completions, completions) and
+vLLM's extra sampling fields (``top_k``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
+``stop_token_ids``, ``include_stop_str_in_output``). Laneserve extras: ``lane`` ("interactive" |
+"batch") and ``priority`` (int, lower is served first within a lane; or a lane name).
+
+Prompt token counting needs the tokenizer and happens later (:mod:`laneserve.api.model_info`);
+``max_tokens`` stays None here when the body leaves it out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.protocol import LANES, MAX_MESSAGES, MAX_TEXT_CHARS
+from laneserve.api.config import MAX_PROMPTS, MAX_STOP_STRINGS, ApiConfig
+from laneserve.api.errors import invalid
+
+# Fields that exist in the OpenAI API (or in vLLM's extensions) and that laneserve does not serve.
+UNSUPPORTED_FIELDS = frozenset(
+    {
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "parallel_tool_calls",
+        "response_format",
+        "logit_bias",
+        "audio",
+        "modalities",
+        "prediction",
+        "web_search_options",
+        "reasoning_effort",
+        "verbosity",
+        "min_p",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+        "suffix",
+        "echo",
+        "best_of",
+        "use_beam_search",
+        "length_penalty",
+        "prompt_logprobs",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "chat_template_kwargs",
+    }
+)
+IGNORED_FIELDS = frozenset(
+    {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
+)
+_COMMON = frozenset(
+    {
+        "model",
+        "stream",
+        "stream_options",
+        "n",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop",
+        "seed",
+        "logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "ignore_eos",
+        "min_tokens",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "lane",
+        "priority",
+    }
+)
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+COMPLETION_FIELDS = _COMMON | {"prompt"}
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI chat: top_logprobs 0..20
+MAX_LEGACY_LOGPROBS = 5  # OpenAI legacy completions: logprobs <= 5
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One prompt in one of the three wire forms (exactly one is set).
+
+    ``num_tokens``: prompt tokens counted at the edge (None until counted / no tokenizer).
+    """
+
+    text: str | None = None
+    messages: list[dict] | None = None
+    token_ids: list[int] | None = None
+    num_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A validated /v1/chat/completions or /v1/completions body.
+
+    ``sampling``: the wire ``sampling_params`` map (keys of ``broker.protocol.SAMPLING_FIELDS``)
+    without ``max_tokens`` until lengths are checked; ``max_tokens``: per choice, None = default.
+    ``logprobs``: top-n count (None: no logprobs). Choice index of prompt ``i``, sample ``j`` is
+    ``i * n + j`` (vLLM's order).
+    """
+
+    kind: str  # "chat" | "completion"
+    model: str
+    prompts: list[Prompt]
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    lane: str = "interactive"
+    priority: int = 0
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+
+# ------------------------------------------------------------------------------- type checks
+
+
+def _given(v: Any) -> bool:
+    return not (v is None or v is False or v == [] or v == {})
+
+
+def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if type(v) is float and v.is_integer():  # JSON 2.0 from some clients
+        v = int(v)
+    if type(v) is not int:
+        raise invalid(f"'{name}' must be an integer, got {_tname(v)}", name)
+    if lo is not None and v < lo:
+        raise invalid(f"'{name}' must be >= {lo}, got {v}", name)
+    if hi is not None and v > hi:
+        raise invalid(f"'{name}' must be <= {hi}, got {v}", name)
+    return v
+
+
+def _num(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if type(v) not in (int, float) or not math.isfinite(v):
+        raise invalid(f"'{name}' must be a finite number, got {_tname(v)}", name)
+    if (v <= lo if lo_open else v < lo) or v > hi:
+        bracket = "(" if lo_open else "["
+        raise invalid(f"'{name}' must be in {bracket}{lo}, {hi}], got {v}", name)
+    return float(v)
+
+
+def _bool(body: dict, name: str) -> bool | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if type(v) is not bool:
+        raise invalid(f"'{name}' must be a boolean, got {_tname(v)}", name)
+    return v
+
+
+def _tname(v: Any) -> str:
+    return {
+        dict: "object",
+        list: "array",
+        str: "string",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+    }.get(type(v), "null" if v is None else type(v).__name__)
+
+
+# ------------------------------------------------------------------------------- entry points
+
+
+def parse_chat(body: Any, config: ApiConfig) -> ParsedRequest:
+    """Validate a /v1/chat/completions body. Raises ApiError (400)."""
+    body = _check_fields(body, CHAT_FIELDS)
+    messages = _messages(body.get("messages"))
+    req = ParsedRequest(kind="chat", model=_model(body), prompts=[Prompt(messages=messages)])
+    _common(body, req, config)
+    max_completion = _int(body, "max_completion_tokens", lo=1)
+    if max_completion is not None:
+        req.max_tokens = max_completion
+    want = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", lo=0, hi=MAX_CHAT_TOP_LOGPROBS)
+    if top is not None and not want:
+        raise invalid("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+    if want:
+        req.logprobs = top or 0
+    _finish(body, req, config)
+    return req
+
+
+def parse_completion(body: Any, config: ApiConfig) -> ParsedRequest:
+    """Validate a /v1/completions body. Raises ApiError (400)."""
+    body = _check_fields(body, COMPLETION_FIELDS)
+    req = ParsedRequest(kind="completion", model=_model(body), prompts=_prompts(body.get("prompt")))
+    _common(body, req, config)
+    if body.get("logprobs") is True:
+        raise invalid("'logprobs' of /v1/completions is an integer (0..5)", "logprobs")
+    if body.get("logprobs") is not False:
+        req.logprobs = _int(body, "logprobs", lo=0, hi=MAX_LEGACY_LOGPROBS)
+    _finish(body, req, config)
+    return req
+
+
+# ------------------------------------------------------------------------------- pieces
+
+
+def _check_fields(body: Any, allowed: frozenset[str]) -> dict:
+    if type(body) is not dict:
+        raise invalid(f"the request body must be a JSON object, got {_tname(body)}")
+    unsupported = sorted(
+        k for k in body if k in UNSUPPORTED_FIELDS and _given(body[k]) and k not in allowed
+    )
+    best_of = body.get("best_of")
+    if "best_of" in unsupported and best_of in (1, body.get("n", 1)):
+        unsupported.remove("best_of")
+    if unsupported:
+        raise invalid(
+            f"unsupported field(s): {', '.join(unsupported)} (laneserve does not implement them)",
+            unsupported[0],
+        )
+    unknown = sorted(
+        str(k)
+        for k in body
+        if k not in allowed and k not in UNSUPPORTED_FIELDS and k not in IGNORED_FIELDS
+    )
+    if unknown:
+        raise invalid(f"unknown field(s): {', '.join(unknown[:10])}", unknown[0])
+    return body
+
+
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if type(model) is not str or not model:
+        raise invalid("'model' is required and must be a non-empty string", "model")
+    return model
+
+
+def _messages(v: Any) -> list[dict]:
+    if type(v) is not list:
+        raise invalid(f"'messages' must be an array of messages, got {_tname(v)}", "messages")
+    if not v:
+        raise invalid("'messages' must not be empty", "messages")
+    if len(v) > MAX_MESSAGES:
+        raise invalid(f"more than {MAX_MESSAGES} messages", "messages")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if type(m) is not dict:
+            raise invalid(f"{where} must be an object, got {_tname(m)}", "messages")
+        role = m.get("role")
+        if role in ("tool", "function") or _given(m.get("tool_calls")):
+            raise invalid(f"{where}: tool messages and tool calls are unsupported", "messages")
+        if role not in CHAT_ROLES:
+            raise invalid(f"{where}.role must be one of {sorted(CHAT_ROLES)}", "messages")
+        extra = sorted(set(m) - {"role", "content", "name", "tool_calls", "refusal"})
+        if extra:
+            raise invalid(f"{where}: unknown field(s) {', '.join(extra)}", "messages")
+        out.append(
+            {"role": "system" if role == "developer" else role, "content": _content(m, where)}
+        )
+    return out
+
+
+def _content(m: dict, where: str) -> str:
+    content = m.get("content")
+    if content is None:
+        if m.get("role") == "assistant":
+            return ""
+        raise invalid(f"{where}.content is required", "messages")
+    if type(content) is str:
+        text = content
+    elif type(content) is list:
+        parts = []
+        for part in content:
+            if (
+                type(part) is not dict
+                or part.get("type") != "text"
+                or type(part.get("text")) is not str
+            ):
+                raise invalid(
+                    f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are "
+                    "supported",
+                    "messages",
+                )
+            parts.append(part["text"])
+        text = "".join(parts)
+    else:
+        raise invalid(f"{where}.content must be a string or an array of text parts", "messages")
+    if len(text) > MAX_TEXT_CHARS:
+        raise invalid(f"{where}.content is longer than {MAX_TEXT_CHARS} characters", "messages")
+    return text
+
+
+def _prompts(v: Any) -> list[Prompt]:
+    """/v1/completions ``prompt``: a string, a list of strings, a list of token ids, or a list of
+    lists of token ids."""
+    if v is None:
+        raise invalid("'prompt' is required", "prompt")
+    if type(v) is str:
+        items: list[Any] = [v]
+    elif type(v) is list and v and all(type(t) is int for t in v):
+        items = [v]
+    elif type(v) is list:
+        items = v
+    else:
+        raise invalid(f"'prompt' must be a string or an array, got {_tname(v)}", "prompt")
+    if not items:
+        raise invalid("'prompt' must not be empty", "prompt")
+    if len(items) > MAX_PROMPTS:
+        raise invalid(f"more than {MAX_PROMPTS} prompts in one request", "prompt")
+    out = []
+    for item in items:
+        if type(item) is str:
+            if not item:
+                raise invalid("'prompt' must not be empty", "prompt")
+            if len(item) > MAX_TEXT_CHARS:
+                raise invalid(f"a prompt is longer than {MAX_TEXT_CHARS} characters", "prompt")
+            out.append(Prompt(text=item))
+        elif type(item) is list:
+            if not item:
+                raise invalid("'prompt' must not be empty (an empty token list)", "prompt")
+            if not all(type(t) is int and t >= 0 for t in item):
+                raise invalid("token-id prompts must hold non-negative integers", "prompt")
+            out.append(Prompt(token_ids=list(item), num_tokens=len(item)))
+        else:
+            raise invalid(
+                "'prompt' must be a string, an array of strings, an array of token ids or an "
+                "array of arrays of token ids",
+                "prompt",
+            )
+    return out
+
+
+def _common(body: dict, req: ParsedRequest, config: ApiConfig) -> None:
+    stream = _bool(body, "stream")
+    req.stream = bool(stream)
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not req.stream:
+            raise invalid(
+                "'stream_options' is only allowed when 'stream' is true", "stream_options"
+            )
+        if type(opts) is not dict:
+            raise invalid("'stream_options' must be an object", "stream_options")
+        unknown = sorted(set(opts) - {"include_usage", "continuous_usage_stats"})
+        if unknown:
+            raise invalid(
+                f"unknown stream_options field(s): {', '.join(unknown)}", "stream_options"
+            )
+        usage = _bool(opts, "include_usage")
+        req.include_usage = bool(usage)
+    n = _int(body, "n", lo=1)
+    if n is not None and n > config.max_n:
+        raise invalid(f"'n' must be <= {config.max_n}, got {n}", "n")
+    req.n = n or 1
+    if req.num_choices > max(MAX_PROMPTS, config.max_n):
+        raise invalid(
+            f"{len(req.prompts)} prompts x n={req.n} is more than "
+            f"{max(MAX_PROMPTS, config.max_n)} choices",
+            "n",
+        )
+    req.max_tokens = _int(body, "max_tokens", lo=1)
+    _lane(body, req)
+
+
+def _lane(body: dict, req: ParsedRequest) -> None:
+    lane = body.get("lane")
+    if lane is not None:
+        if lane not in LANES:
+            raise invalid(f"'lane' must be one of {list(LANES)}, got {lane!r}", "lane")
+        req.lane = lane
+    prio = body.get("priority")
+    if type(prio) is str:
+        if prio not in LANES:
+            raise invalid(f"'priority' must be an integer or one of {list(LANES)}", "priority")
+        req.lane = prio
+    elif prio is not None:
+        req.priority = _int(body, "priority", lo=-(2**31), hi=2**31 - 1) or 0
+
+
+def _finish(body: dict, req: ParsedRequest, config: ApiConfig) -> None:
+    if req.max_tokens is not None and req.max_tokens > config.max_tokens_limit:
+        param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        raise invalid(
+            f"'{param}' must be <= {config.max_tokens_limit}, got {req.max_tokens}", param
+        )
+    sp: dict[str, Any] = {}
+    for name, value in (
+        ("temperature", _num(body, "temperature", 0.0, 2.0)),
+        ("top_p", _num(body, "top_p", 0.0, 1.0, lo_open=True)),
+        ("top_k", _int(body, "top_k", lo=-1)),
+        ("seed", _int(body, "seed", lo=-(2**63), hi=2**64 - 1)),
+        ("presence_penalty", _num(body, "presence_penalty", -2.0, 2.0)),
+        ("frequency_penalty", _num(body, "frequency_penalty", -2.0, 2.0)),
+        ("repetition_penalty", _num(body, "repetition_penalty", 0.0, 10.0, lo_open=True)),
+        ("ignore_eos", _bool(body, "ignore_eos")),
+        ("include_stop_str_in_output", _bool(body, "include_stop_str_in_output")),
+        ("min_tokens", _int(body, "min_tokens", lo=0, hi=config.max_tokens_limit)),
+        ("stop", _stop(body.get("stop"))),
+        ("stop_token_ids", _token_list(body, "stop_token_ids")),
+        ("logprobs", req.logprobs),
+    ):
+        if value is not None:
+            sp[name] = value
+    if sp.get("top_k") == -1:
+        sp["top_k"] = 0
+    if req.max_tokens is not None and sp.get("min_tokens", 0) > req.max_tokens:
+        raise invalid("'min_tokens' must be <= max_tokens", "min_tokens")
+    req.sampling = sp
+
+
+def _stop(v: Any) -> list[str] | None:
+    if v is None:
+        return None
+    items = [v] if type(v) is str else v
+    if type(items) is not list or not all(type(s) is str and s for s in items):
+        raise invalid("'stop' must be a non-empty string or an array of them", "stop")
+    if len(items) > MAX_STOP_STRINGS:
+        raise invalid(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+    return items or None
+
+
+def _token_list(body: dict, name: str) -> list[int] | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if type(v) is not list or not all(type(t) is int and t >= 0 for t in v) or len(v) > 1024:
+        raise invalid(f"'{name}' must be an array of at most 1024 token ids", name)
+    return v or None

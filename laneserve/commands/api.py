@@ -1,0 +1,117 @@
+"""`laneserve api`: the OpenAI-compatible HTTP gateway (laneserve/api/), served by uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "LANESERVE_API_KEY"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("api", help="run the OpenAI-compatible HTTP gateway")
+    parser.add_argument(
+        "--broker", default=None, help="broker front endpoint (default: ipc under $LANESERVE_HOME)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    keys = parser.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", default=None, help=f"required key (default: ${API_KEY_ENV})")
+    keys.add_argument("--api-key-file", default=None, help="file holding the key (one line)")
+    parser.add_argument(
+        "--db", default=None, help="database URL for files and batches (default: laneserve's)"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model whose tokenizer checks prompt lengths (alias, .gguf or HF dir); "
+        "default: none (names come from the workers)",
+    )
+    parser.add_argument("--served-model-name", default=None, help="name clients use for --model")
+    parser.add_argument("--max-model-len", type=int, default=None, help="tokens (default: model's)")
+    parser.add_argument("--max-body-bytes", type=int, default=None, help="JSON body limit")
+    parser.add_argument("--max-file-bytes", type=int, default=None, help="upload limit")
+    parser.add_argument("--max-n", type=int, default=None, help="most choices per request")
+    parser.add_argument("--max-tokens-limit", type=int, default=None, help="cap on max_tokens")
+    parser.add_argument(
+        "--parent-pid", type=int, default=None, help="exit when this process is gone"
+    )
+    parser.set_defaults(func=run)
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key_file:
+        key = Path(args.api_key_file).read_text().strip()
+        if not key:
+            raise ValueError(f"{args.api_key_file} is empty")
+        return key
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def build_config(args: argparse.Namespace):
+    from broker.addresses import default_front
+    from laneserve.api.config import ApiConfig
+
+    extra = {
+        name: getattr(args, name)
+        for name in ("max_body_bytes", "max_file_bytes", "max_n", "max_tokens_limit")
+        if getattr(args, name) is not None
+    }
+    return ApiConfig(
+        broker=args.broker or default_front(),
+        api_key=_api_key(args),
+        model=args.model,
+        served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
+        db_url=args.db,
+        parent_pid=args.parent_pid,
+        **extra,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from laneserve.api.app import create_app
+
+    try:
+        config = build_config(args)
+    except (OSError, ValueError) as exc:
+        print(f"laneserve api: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(config)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        loop="uvloop" if sys.platform != "win32" else "asyncio",
+        http="httptools",
+        log_level="info",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m laneserve.commands.api``: the same command without loading every other
+    subcommand (faster start for tests and the supervisor)."""
+    parser = argparse.ArgumentParser(prog="laneserve")
+    sub = parser.add_subparsers()
+    register(sub)
+    args = parser.parse_args(["api", *(sys.argv[1:] if argv is None else argv)])
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
