@@ -1,0 +1,450 @@
+"""The jobs runner (`laneserve jobs-runner`): runs bulk jobs from SQL through the batch lane.
+
+One asyncio loop, one broker client (lane `batch`, `stream=False`):
+
+- polls `jobs` every `poll_interval_s` for work: validates `validating` jobs (in a thread,
+  one at a time; `jobs.store.validate_job`), feeds `in_progress` ones, ends `cancelling` and
+  expired ones, finishes `finalizing` ones;
+- feeds lines through a bounded window: at most `max_in_flight` lines in flight in total and
+  `window` per job, taken round-robin between jobs, read from SQL a page at a time, so memory
+  does not grow with the file (the rest waits in SQL, DESIGN.md "Lanes");
+- writes results in small batched transactions that only fill unfinished lines
+  (`jobs.store.write_outcomes`), so a replay after a crash never duplicates a line;
+- retries: a `worker_lost` error marked retryable (broker restart or silence seen by the
+  client) or `overloaded` is resubmitted with the same request id without counting an attempt;
+  the broker's final `worker_lost` (after its 3 dispatches) goes to the error file with the
+  attempt count;
+- cancel (`cancelling`): in-flight lines are aborted, finished results kept, the rest get
+  `batch_cancelled` error lines, status `cancelled`; expiry alike with `batch_expired`;
+- when every line of a job has a result: `finalizing`, output + error files, `completed`.
+
+A runner killed at any point resumes on restart: a half-validated job is validated again, the
+unfinished lines of running jobs are resubmitted with their ids, finalization is redone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine
+
+from broker import protocol as p
+from broker.client import BrokerClient
+from jobs import prompts, results, store
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_IN_FLIGHT = 256  # lines in flight over all jobs (the broker's batch queue is 20k)
+LINE_PAGE = 128  # lines read from SQL at a time per job
+FLUSH_INTERVAL_S = 0.1  # result writes are pooled this long
+FLUSH_MAX = 256  # ... or until this many results wait
+RETRY_BACKOFF_S = (0.2, 5.0)  # first and max sleep before resubmitting a retryable error
+MAX_REDUCE_LEVELS = 6  # map-reduce levels before a document is given up
+RETRYABLE = ("worker_lost", "overloaded", "no_worker")
+
+
+@dataclass
+class ActiveJob:
+    """Runner-side state of one in_progress job."""
+
+    info: store.JobInfo
+    cursor: str = ""  # last request id read from SQL
+    buffer: deque[store.PendingLine] = field(default_factory=deque)
+    exhausted: bool = False
+    tasks: dict[str, asyncio.Task] = field(default_factory=dict)
+
+
+class JobsRunner:
+    """Runs jobs until `stop()`. `counter` is a `jobs.tokens.PromptCounter` (or None to skip
+    prompt-length checks); `default_model` names the model of lines that give none."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        broker_addr: str,
+        *,
+        counter=None,
+        default_model: str | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        window: int | None = None,
+        poll_interval_s: float = 0.5,
+        parent_pid: int | None = None,
+        client_liveness_s: float = 10.0,
+    ) -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be >= 1")
+        self.engine = engine
+        self.broker_addr = broker_addr
+        self.counter = counter
+        self.default_model = default_model
+        self.max_in_flight = max_in_flight
+        self.window = window or max_in_flight
+        self.poll_interval_s = poll_interval_s
+        self.parent_pid = parent_pid
+        self.client_liveness_s = client_liveness_s
+        self.active: dict[str, ActiveJob] = {}
+        self.counters: dict[str, int] = {
+            "lines_sent": 0,
+            "resubmitted": 0,
+            "results": 0,
+            "flushes": 0,
+        }
+        self.client: BrokerClient | None = None
+        self._validating: asyncio.Task | None = None
+        self._validating_id: str | None = None
+        self._outcomes: list[store.Outcome] = []
+        self._flush_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._rr = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def stop(self) -> None:
+        """Ask `run()` to return (safe from a signal handler on the loop's thread)."""
+        self._stop.set()
+        self._wake.set()
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(aj.tasks) for aj in self.active.values())
+
+    async def run(self) -> None:
+        """Serve until `stop()` or the parent process dies. Unfinished lines stay in SQL."""
+        self.client = BrokerClient(self.broker_addr, liveness_s=self.client_liveness_s)
+        await self.client.start()
+        writer = asyncio.create_task(self._writer_loop(), name="jobs-writer")
+        next_poll = 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now >= next_poll:
+                    if self._parent_gone():
+                        logger.warning("parent %s is gone: exiting", self.parent_pid)
+                        break
+                    await self._poll()
+                    next_poll = time.monotonic() + self.poll_interval_s
+                await self._feed()
+                await self._check_done()
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    timeout = max(0.0, next_poll - time.monotonic())
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+        finally:
+            tasks = [t for aj in self.active.values() for t in aj.tasks.values()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
+            await self._flush()
+            if self._validating is not None:
+                with contextlib.suppress(Exception):
+                    await self._validating
+            await self.client.close()
+
+    def _parent_gone(self) -> bool:
+        if self.parent_pid is None:
+            return False
+        try:
+            os.kill(self.parent_pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    # ------------------------------------------------------------------ polling
+
+    async def _poll(self) -> None:
+        now = time.time()
+        for info in await asyncio.to_thread(store.active_jobs, self.engine):
+            if info.status == "validating":
+                self._maybe_validate(info)
+            elif info.status == "in_progress":
+                if info.expires_at is not None and now > info.expires_at:
+                    await self._end_early(info, "expired")
+                elif info.id not in self.active:
+                    self.active[info.id] = ActiveJob(info)
+                    logger.info("job %s: running", info.id)
+            elif info.status == "cancelling" and info.id != self._validating_id:
+                await self._end_early(info, "cancelled")
+            elif info.status == "finalizing":
+                await self._finish(info.id)
+
+    def _maybe_validate(self, info: store.JobInfo) -> None:
+        if self._validating is not None and not self._validating.done():
+            return
+        if self._validating is not None and self._validating.exception() is not None:
+            logger.error("validation failed: %r", self._validating.exception())
+        self._validating_id = info.id
+
+        async def validate() -> None:
+            try:
+                await asyncio.to_thread(
+                    store.validate_job, self.engine, info.id, self.counter, self.default_model
+                )
+            finally:
+                self._validating_id = None
+                self._wake.set()
+
+        self._validating = asyncio.create_task(validate(), name=f"validate-{info.id}")
+
+    # ------------------------------------------------------------------ feeding
+
+    async def _feed(self) -> None:
+        jobs = list(self.active.values())
+        if not jobs:
+            return
+        self._rr = (self._rr + 1) % len(jobs)
+        jobs = jobs[self._rr :] + jobs[: self._rr]
+        progress = True
+        while progress and self.in_flight < self.max_in_flight:
+            progress = False
+            for aj in jobs:
+                if self.in_flight >= self.max_in_flight:
+                    break
+                if len(aj.tasks) >= self.window:
+                    continue
+                if not aj.buffer and not aj.exhausted:
+                    await self._refill(aj)
+                if aj.buffer:
+                    self._start_line(aj, aj.buffer.popleft())
+                    progress = True
+
+    async def _refill(self, aj: ActiveJob) -> None:
+        lines = await asyncio.to_thread(
+            store.pending_lines, self.engine, aj.info.id, aj.cursor, LINE_PAGE
+        )
+        if len(lines) < LINE_PAGE:
+            aj.exhausted = True
+        if lines:
+            aj.cursor = lines[-1].rid
+        queued = {pl.rid for pl in aj.buffer}
+        aj.buffer.extend(pl for pl in lines if pl.rid not in aj.tasks and pl.rid not in queued)
+
+    def _start_line(self, aj: ActiveJob, line: store.PendingLine) -> None:
+        task = asyncio.create_task(self._run_line(aj.info, line), name=line.rid)
+        aj.tasks[line.rid] = task
+        self.counters["lines_sent"] += 1
+
+        def done(_t: asyncio.Task, rid: str = line.rid) -> None:
+            aj.tasks.pop(rid, None)
+            self._wake.set()
+
+        task.add_done_callback(done)
+
+    async def _check_done(self) -> None:
+        for aj in list(self.active.values()):
+            if not aj.exhausted or aj.buffer or aj.tasks:
+                continue
+            await self._flush()
+            total, completed, failed = await asyncio.to_thread(
+                store.counts, self.engine, aj.info.id
+            )
+            if completed + failed >= total:
+                self.active.pop(aj.info.id, None)
+                await self._finish(aj.info.id)
+            else:
+                aj.exhausted, aj.cursor = False, ""  # a line is still open: read again
+
+    # ------------------------------------------------------------------ one line
+
+    async def _run_line(self, info: store.JobInfo, line: store.PendingLine) -> None:
+        request = line.request
+        try:
+            if request.get("map_reduce"):
+                outcome = await self._map_reduce(info, line)
+            else:
+                final, error = await self._call(
+                    line.rid, results.submit_kwargs(request), info.id, line.custom_id
+                )
+                outcome = self._outcome(info, line, final, error)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug must not kill the runner: the line fails, named
+            logger.exception("line %s failed in the runner", line.rid)
+            outcome = store.Outcome(
+                info.id, line.rid, results.error_response("internal", f"runner error: {exc}")
+            )
+        self._outcomes.append(outcome)
+        self.counters["results"] += 1
+        if len(self._outcomes) >= FLUSH_MAX:
+            self._wake.set()
+
+    def _outcome(
+        self,
+        info: store.JobInfo,
+        line: store.PendingLine,
+        final: p.Final | None,
+        error: dict | None,
+        extra: dict | None = None,
+    ) -> store.Outcome:
+        if final is None:
+            return store.Outcome(info.id, line.rid, error)
+        model = line.request["body"].get("model") or info.model
+        response = results.success_response(line.rid, line.request["url"], model, final, extra)
+        usage = response["body"]["usage"]
+        return store.Outcome(
+            info.id,
+            line.rid,
+            response,
+            prompt_tokens=usage["prompt_tokens"] or None,
+            completion_tokens=usage["completion_tokens"],
+            finish_reason=final.finish_reason,
+        )
+
+    async def _call(
+        self,
+        rid: str,
+        kwargs: dict[str, Any],
+        job_id: str | None = None,
+        custom_id: str | None = None,
+    ) -> tuple[p.Final | None, dict | None]:
+        """One request through the batch lane until a final answer: (Final, None) or
+        (None, error response). Retryable errors are resubmitted under the same id."""
+        assert self.client is not None
+        backoff = RETRY_BACKOFF_S[0]
+        while True:
+            last = None
+            try:
+                stream = self.client.submit(
+                    lane="batch",
+                    stream=False,
+                    request_id=rid,
+                    job_id=job_id,
+                    custom_id=custom_id,
+                    arrival_time=time.time(),
+                    **kwargs,
+                )
+            except p.ProtocolError as exc:
+                return None, results.error_response("invalid_request", str(exc))
+            async for msg in stream:
+                last = msg
+            if type(last) is p.Final:
+                return last, None
+            assert type(last) is p.Error, last
+            if last.code in RETRYABLE and last.retryable:
+                self.counters["resubmitted"] += 1
+                logger.info("%s: %s (%s); resubmitting", rid, last.code, last.message)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, RETRY_BACKOFF_S[1])
+                continue
+            attempts = last.attempts if last.code == "worker_lost" else None
+            return None, results.error_response(last.code, last.message, attempts)
+
+    async def _map_reduce(self, info: store.JobInfo, line: store.PendingLine) -> store.Outcome:
+        """Summarize a document longer than the context: split by tokens, summarize the pieces,
+        then the joined summaries, until one piece remains (module docstring of jobs.prompts)."""
+        assert self.counter is not None, "map-reduce lines exist only with a tokenizer"
+        body = line.request["body"]
+        max_tokens = body["max_tokens"]
+        size = prompts.piece_tokens(self.counter.max_model_len, max_tokens)
+        token_ids = await asyncio.to_thread(self.counter.encode, line.request["map_reduce"]["text"])
+        first_pieces, calls = 0, 0
+        for level in range(MAX_REDUCE_LEVELS):
+            pieces = prompts.split_tokens(token_ids, size)
+            first_pieces = first_pieces or len(pieces)
+            texts = [self.counter.decode(piece) for piece in pieces]
+            if len(pieces) == 1:
+                kwargs = results.submit_kwargs(
+                    {
+                        "url": line.request["url"],
+                        "body": {
+                            **body,
+                            "messages": prompts.summarize_messages(texts[0], reduce=level > 0),
+                        },
+                    }
+                )
+                final, error = await self._call(line.rid, kwargs, info.id, line.custom_id)
+                extra = {
+                    "map_reduce": {
+                        "pieces": first_pieces,
+                        "levels": level + 1,
+                        "requests": calls + 1,
+                        "document_tokens": len(token_ids) if level == 0 else None,
+                    }
+                }
+                return self._outcome(info, line, final, error, extra)
+            coros = []
+            for i, text in enumerate(texts):
+                sub = {**body, "messages": prompts.summarize_messages(text, reduce=level > 0)}
+                kwargs = results.submit_kwargs({"url": line.request["url"], "body": sub})
+                coros.append(self._call(f"mr_{line.rid}_{level}_{i}", kwargs))
+            answers = await asyncio.gather(*coros)
+            calls += len(answers)
+            for final, error in answers:
+                if final is None:
+                    return store.Outcome(info.id, line.rid, error)
+            joined = "\n\n".join(final.text.strip() for final, _ in answers)
+            token_ids = await asyncio.to_thread(self.counter.encode, joined)
+        return store.Outcome(
+            info.id,
+            line.rid,
+            results.error_response(
+                "prompt_too_long",
+                f"document did not fit after {MAX_REDUCE_LEVELS} map-reduce levels",
+            ),
+        )
+
+    # ------------------------------------------------------------------ writing and ending
+
+    async def _writer_loop(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_INTERVAL_S)
+            try:
+                await self._flush()
+            except Exception:  # database locked/unreachable: keep the results, retry
+                logger.exception("writing results failed; retrying")
+
+    async def _flush(self) -> None:
+        async with self._flush_lock:
+            if not self._outcomes:
+                return
+            batch, self._outcomes = self._outcomes, []
+            try:
+                await asyncio.to_thread(store.write_outcomes, self.engine, batch)
+            except BaseException:
+                self._outcomes[:0] = batch
+                raise
+            self.counters["flushes"] += 1
+
+    async def _finish(self, job_id: str) -> None:
+        """in_progress/finalizing -> finalizing -> files -> completed."""
+        if not await asyncio.to_thread(store.begin_finalizing, self.engine, job_id):
+            return
+        file_ids = await asyncio.to_thread(store.write_result_files, self.engine, job_id)
+        status = await asyncio.to_thread(
+            store.end_job, self.engine, job_id, "completed", ("finalizing",), file_ids
+        )
+        logger.info("job %s: %s", job_id, status)
+
+    async def _end_early(self, info: store.JobInfo, status: str) -> None:
+        """Cancel or expire a job: abort its lines, keep finished results, error lines for the
+        rest (`batch_cancelled` / `batch_expired`), files, terminal status."""
+        aj = self.active.pop(info.id, None)
+        if aj is not None:
+            tasks = list(aj.tasks.values())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await self._flush()
+        code = "batch_cancelled" if status == "cancelled" else "batch_expired"
+        message = "the batch was cancelled" if status == "cancelled" else "the batch expired"
+        n = await asyncio.to_thread(
+            store.fail_unfinished, self.engine, info.id, code, message, status
+        )
+        file_ids = await asyncio.to_thread(store.write_result_files, self.engine, info.id)
+        from_statuses = ("cancelling",) if status == "cancelled" else ("in_progress", "validating")
+        final = await asyncio.to_thread(
+            store.end_job, self.engine, info.id, status, from_statuses, file_ids
+        )
+        logger.info("job %s: %s (%d unfinished lines)", info.id, final, n)

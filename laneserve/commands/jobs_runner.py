@@ -1,0 +1,126 @@
+"""`laneserve jobs-runner`: runs bulk jobs from SQL through the broker's batch lane (jobs/runner.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("jobs-runner", help="run bulk jobs (started by `laneserve up`)")
+    parser.add_argument(
+        "--broker",
+        default=None,
+        help="broker front endpoint (default: ipc under $LANESERVE_HOME/run)",
+    )
+    parser.add_argument(
+        "--db",
+        default=None,
+        help="database URL (default: $LANESERVE_DB_URL, else sqlite:///$LANESERVE_HOME/laneserve.db)",
+    )
+    parser.add_argument(
+        "--parent-pid", type=int, default=None, help="exit when this process is gone"
+    )
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="served model: its tokenizer validates prompt lengths; lines without a model use it "
+        "(alias, .gguf or HF directory; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--model-name",
+        default=None,
+        help="model name recorded for lines that name none (default: --model)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length in tokens for the length check and map-reduce (default: the model's)",
+    )
+    parser.add_argument(
+        "--no-length-check",
+        action="store_true",
+        help="do not load a tokenizer (no over-length check, no map-reduce)",
+    )
+    parser.add_argument("--max-in-flight", type=int, default=256, help="lines in flight in total")
+    parser.add_argument("--window", type=int, default=None, help="lines in flight per job")
+    parser.add_argument(
+        "--poll-interval", type=float, default=0.5, help="seconds between SQL polls"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from broker.addresses import default_front
+    from db import migrate
+    from db.session import DatabaseURLError, make_engine
+    from jobs.runner import JobsRunner
+
+    try:
+        migrate.upgrade(args.db)
+        engine = make_engine(args.db)
+    except (migrate.MigrationError, DatabaseURLError) as exc:
+        print(f"laneserve jobs-runner: {exc}", file=sys.stderr)
+        return 1
+    counter = None
+    if not args.no_length_check:
+        from gpu_worker.errors import ModelLoadError
+        from jobs.tokens import PromptCounter
+
+        try:
+            counter = PromptCounter.load(args.model, args.max_model_len)
+        except ModelLoadError as exc:
+            print(f"laneserve jobs-runner: {exc}", file=sys.stderr)
+            return 1
+        logger.info("tokenizer of %s loaded; max_model_len %d", args.model, counter.max_model_len)
+    if args.model_name:
+        model_name = args.model_name
+    else:
+        from gpu_worker.model_files import model_display_name
+
+        model_name = model_display_name(args.model)
+    runner = JobsRunner(
+        engine,
+        args.broker or default_front(),
+        counter=counter,
+        default_model=model_name,
+        max_in_flight=args.max_in_flight,
+        window=args.window,
+        poll_interval_s=args.poll_interval,
+        parent_pid=args.parent_pid,
+    )
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, runner.stop)
+        await runner.run()
+
+    asyncio.run(main())
+    engine.dispose()
+    logger.info("jobs-runner stopped: %s", runner.counters)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m laneserve.commands.jobs_runner``: this command alone (faster start)."""
+    parser = argparse.ArgumentParser(prog="laneserve")
+    register(parser.add_subparsers())
+    args = parser.parse_args(["jobs-runner", *(sys.argv[1:] if argv is None else argv)])
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
