@@ -188,7 +188,7 @@ class Worker:
                 self._add(pipe, msg)
             elif type(msg) is p.Abort:
                 if msg.request_id in self.active:
-                    self.engine.abort_request(msg.request_id)
+                    self._safe_abort(msg.request_id)
                     self._pending_aborts.add(msg.request_id)
             elif type(msg) is p.Disconnect:
                 self._forget_all()
@@ -222,18 +222,37 @@ class Worker:
         self.active.add(rid)
         self.counters["requests"] += 1
 
+    def _safe_abort(self, rid: str) -> None:
+        try:
+            self.engine.abort_request(rid)
+        except Exception:
+            logger.exception("abort_request(%s) failed", rid)
+
     def _forget_all(self) -> None:
         """The broker forgot us (restart, missed liveness): drop everything silently."""
         if self.active:
             logger.warning("broker reset: aborting %d requests", len(self.active))
         for rid in list(self.active):
-            self.engine.abort_request(rid)
+            self._safe_abort(rid)
         self.active.clear()
         self._pending_aborts.clear()
 
     def _step(self, pipe: zmq.Socket) -> None:
         t0 = time.monotonic()
-        deltas = self.engine.step()
+        try:
+            deltas = self.engine.step()
+        except Exception as exc:  # an engine bug must not take the worker down silently
+            logger.exception("engine.step() raised; failing %d requests", len(self.active))
+            outputs = [
+                p.StepOutput(rid, "", [], True, "error", error=f"engine step failed: {exc}"[:2000])
+                for rid in self.active
+            ]
+            for rid in list(self.active):
+                self._safe_abort(rid)
+            self.active.clear()
+            self._pending_aborts.clear()
+            self._send_outputs(pipe, outputs, 0.0)
+            return
         step_ms = (time.monotonic() - t0) * 1000.0
         self._step_ms_ema = (
             step_ms if not self._step_ms_ema else 0.9 * self._step_ms_ema + 0.1 * step_ms
@@ -344,6 +363,7 @@ class Worker:
         last_hb = 0.0
         backoff = self.heartbeat_interval_s
         hb_every = self.heartbeat_interval_s
+        announced_drain = False
         silence = self.heartbeat_interval_s * self.liveness
         last_parent_check = now
         outbox: collections.deque[list[bytes]] = collections.deque()
@@ -384,6 +404,8 @@ class Worker:
                         break  # broker slow or away: keep it; the engine pauses meanwhile
                     outbox.popleft()
                     self._forwarded += 1
+                if self._draining.is_set() and not announced_drain:
+                    announced_drain, last_hb = True, 0.0  # tell the broker at once
                 if now - last_hb >= hb_every:
                     last_hb = now
                     hb = p.WorkerHeartbeat(
