@@ -199,12 +199,15 @@ def unified_attention(
     """Triton version of :func:`kernels.reference.unified_attention` (same shapes and semantics).
 
     ``max_query_len`` (optional, host int) picks a smaller tile for pure-decode batches; when it is
-    ``None`` the wrapper derives it from the shapes only when that needs no device sync
-    (``num_tokens == num_seqs`` means every sequence has one query token).
+    ``None`` the wrapper guesses it from the shapes without a device sync (``num_tokens ==
+    num_seqs``). It is a tiling hint only: results never depend on it.
 
     Raises:
+        TypeError: the KV cache dtype differs from ``q``'s.
         ValueError: a tensor is not on a usable device or not contiguous where required.
     """
+    if k_cache.dtype != q.dtype:
+        raise TypeError(f"k_cache dtype {k_cache.dtype} must equal q dtype {q.dtype} for Triton")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_device(name, t)
         check_last_dim_contiguous(name, t)

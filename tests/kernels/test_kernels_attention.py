@@ -126,6 +126,8 @@ def test_bad_attention_arguments_raise_named_errors(gen):
         with pytest.raises(error, match=message):
             kernels.unified_attention(**{**args, **override})
     # layout errors come from the Triton wrapper (the reference copes with any strides)
+    with pytest.raises(TypeError, match="k_cache dtype"):
+        triton_attention(**{**args, "q": args["q"].bfloat16()})
     strided_q = torch.randn(2, 4, 64)[..., ::2]
     with pytest.raises(ValueError, match="q must be contiguous in its last dimension"):
         triton_attention(**{**args, "q": strided_q})
