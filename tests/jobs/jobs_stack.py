@@ -41,9 +41,13 @@ class JobsStack:
         self.procs[name] = proc
         return proc
 
-    def start_broker(self) -> None:
+    def start_broker(self, *extra: str) -> None:
         args = ["--front", self.front, "--back", self.back, "--heartbeat-interval", str(HB)]
-        self._spawn("broker", "laneserve.commands.broker", [*args, "--liveness", str(LIVENESS)])
+        args += ["--liveness", str(LIVENESS), *extra]
+        self._spawn("broker", "laneserve.commands.broker", args)
+
+    def broker_counters(self) -> dict:
+        return broker_status(self.front, timeout_s=3.0)["counters"]
 
     def start_worker(self, name: str = "w1", *extra: str, model: str | None = None) -> None:
         args = ["--broker", self.back, "--worker-id", name, "--lanes", "batch"]

@@ -43,3 +43,99 @@ def test_good_overlength_malformed_nonobject(stack, engine, laneserve_home, smol
         "line-5": "invalid_json",
         "line-8": "invalid_request",
     }
+
+
+def _custom_ids(engine, job) -> list[str]:
+    return [x["custom_id"] for x in read_lines(engine, job.output_file_id)] + [
+        x["custom_id"] for x in read_lines(engine, job.error_file_id)
+    ]
+
+
+def test_duplicate_custom_id_fails_at_validation_and_sends_nothing(stack, engine, laneserve_home):
+    stack.start_broker()
+    stack.start_worker()
+    stack.start_runner()
+    lines = [chat_line(f"c{i}", "hi") for i in range(6)]
+    lines[4]["custom_id"] = "c1"  # line 5 repeats line 2's id
+    job = submit(engine, write_jsonl(laneserve_home / "dup.jsonl", lines))
+    job = wait_job(engine, job.id, ("failed", "completed", "in_progress"), stack)
+    assert job.status == "failed"
+    assert job.errors[0]["code"] == "duplicate_custom_id"
+    assert "lines 2 and 5" in job.errors[0]["message"] and "'c1'" in job.errors[0]["message"]
+    assert job.request_counts == {"total": 0, "completed": 0, "failed": 0}
+    stack.wait_workers(1)
+    assert stack.broker_counters().get("submitted", 0) == 0
+
+
+def _slow_job(stack, engine, home, n: int, max_tokens: int):
+    stack.start_broker()
+    stack.start_worker("w1", "--synthetic-step-ms", "40")
+    lines = [chat_line(f"id-{i:03d}", f"line {i}", max_tokens=max_tokens) for i in range(n)]
+    return submit(engine, write_jsonl(home / "slow.jsonl", lines))
+
+
+def _wait_progress(engine, job_id, at_least: int, stack, timeout_s=90.0):
+    import time
+
+    from jobs import service
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = service.get_batch(engine, job_id)
+        if job.request_completed >= at_least:
+            return job
+        time.sleep(0.1)
+    raise AssertionError(f"no progress on {job_id}\n{stack.logs()}")
+
+
+def test_cancel_keeps_finished_results(stack, engine, laneserve_home):
+    from jobs import service
+
+    job = _slow_job(stack, engine, laneserve_home, n=40, max_tokens=25)  # ~1 s a line
+    stack.start_runner("--max-in-flight", "4")
+    _wait_progress(engine, job.id, 4, stack)
+    service.cancel_batch(engine, job.id)
+    job = wait_job(engine, job.id, ("cancelled",), stack, timeout_s=60)
+    c = job.request_counts
+    assert c["total"] == 40 and 4 <= c["completed"] < 40
+    assert c["completed"] + c["failed"] == c["total"]
+    out = read_lines(engine, job.output_file_id)
+    err = read_lines(engine, job.error_file_id)
+    assert len(out) == c["completed"] and all(x["response"]["status_code"] == 200 for x in out)
+    assert {x["error"]["code"] for x in err} == {"batch_cancelled"}
+    assert sorted(_custom_ids(engine, job)) == [f"id-{i:03d}" for i in range(40)]
+
+
+def test_runner_sigkill_then_restart_completes_each_line_once(stack, engine, laneserve_home):
+    job = _slow_job(stack, engine, laneserve_home, n=30, max_tokens=20)
+    stack.start_runner("--max-in-flight", "6")
+    before = _wait_progress(engine, job.id, 6, stack).request_completed
+    stack.kill("runner")
+    stack.start_runner("--max-in-flight", "6")
+    job = wait_job(engine, job.id, ("completed", "failed"), stack, timeout_s=120)
+    assert job.status == "completed"
+    assert job.request_counts == {"total": 30, "completed": 30, "failed": 0}
+    assert before < 30
+    ids = _custom_ids(engine, job)
+    assert sorted(ids) == [f"id-{i:03d}" for i in range(30)]  # each exactly once
+    assert job.error_file_id is None
+
+
+def test_worker_lost_after_max_attempts_goes_to_error_file(stack, engine, laneserve_home):
+    import time
+
+    stack.start_broker("--max-attempts", "1")
+    stack.start_worker("w1", "--synthetic-step-ms", "200")
+    stack.start_runner()
+    lines = [chat_line("only", "hello", max_tokens=200)]  # ~40 s on this worker
+    job = submit(engine, write_jsonl(laneserve_home / "lost.jsonl", lines))
+    deadline = time.monotonic() + 60
+    while stack.broker_counters().get("dispatched", 0) < 1:
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(0.2)
+    stack.kill("w1")
+    job = wait_job(engine, job.id, ("completed", "failed"), stack, timeout_s=60)
+    assert job.request_counts == {"total": 1, "completed": 0, "failed": 1}
+    (err,) = read_lines(engine, job.error_file_id)
+    assert err["custom_id"] == "only" and err["error"]["code"] == "worker_lost"
+    assert err["error"]["attempts"] == 1
