@@ -340,6 +340,10 @@ def decode(frames: Sequence[bytes], allowed: Sequence[type[Message]] | None = No
         raise ProtocolError(
             f"{cls.KIND}: undecodable payload: {type(exc).__name__}: {exc}"
         ) from exc
+    if cls is Delta and type(payload) is dict:
+        fast = _fast_delta(payload)
+        if fast is not None:
+            return fast
     try:
         return cls.from_payload(payload)
     except ProtocolError:
@@ -439,6 +443,32 @@ class Delta(Message):
     text: str = _spec(t_str(MAX_TEXT_CHARS), "")
     token_ids: list = _spec(t_token_ids(), [])
     logprobs: list | None = _spec(t_opt(t_list(t_any, MAX_TOKEN_IDS)), None)
+
+
+_DELTA_KEYS = frozenset({"request_id", "text", "token_ids", "logprobs"})
+
+
+def _fast_delta(payload: dict) -> Delta | None:
+    """The common streamed delta, validated with straight-line checks (the client's hot path);
+    None sends anything unusual (logprobs, odd sizes, bad types) through the generic checks,
+    which raise the ProtocolError."""
+    rid = payload.get("request_id")
+    text = payload.get("text")
+    ids = payload.get("token_ids")
+    if (
+        len(payload) == 4
+        and payload.keys() == _DELTA_KEYS
+        and payload["logprobs"] is None
+        and type(rid) is str
+        and len(rid) <= MAX_ID_CHARS
+        and type(text) is str
+        and len(text) <= MAX_TEXT_CHARS
+        and type(ids) is list
+        and len(ids) <= 64
+        and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in ids)
+    ):
+        return Delta(rid, text, ids, None)
+    return None
 
 
 @message

@@ -164,3 +164,20 @@ def test_no_pickle_in_project_packages() -> None:
                 if pattern.search(line):
                     offenders.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()}")
     assert offenders == [], "pickle on the wire is forbidden:\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"request_id": "a", "text": 5, "token_ids": [], "logprobs": None},
+        {"request_id": "a", "text": "x", "token_ids": [-1], "logprobs": None},
+        {"request_id": "a", "text": "x", "token_ids": [1], "logprobs": None, "extra": 1},
+        {"request_id": 1, "text": "x", "token_ids": [1], "logprobs": None},
+        {"request_id": "a", "text": "x", "token_ids": [True], "logprobs": None},
+        {"request_id": "a", "text": "x", "token_ids": [1], "logprobs": "no"},
+        {"text": "x", "token_ids": [1], "logprobs": None, "request_id2": "a"},
+    ],
+)
+def test_delta_fast_path_still_strict(payload) -> None:
+    with pytest.raises(p.ProtocolError):
+        p.decode(_frames("delta", payload), p.BROKER_TO_CLIENT)
