@@ -1,4 +1,4 @@
-"""Fixtures for jobs tests: a migrated SQLite database in a tmp LANESERVE_HOME."""
+"""Fixtures for jobs tests: a migrated database (SQLite in a tmp LANESERVE_HOME, or PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -19,5 +19,27 @@ def engine(db_url):
     from db.session import make_engine
 
     eng = make_engine(db_url)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def any_db_url(request, laneserve_home) -> str:
+    """A migrated database on each backend (PostgreSQL through the shared `pg_url`)."""
+    from db import migrate
+
+    if request.param == "sqlite":
+        url = f"sqlite:///{laneserve_home / 'laneserve.db'}"
+    else:
+        url = request.getfixturevalue("pg_url")
+    migrate.upgrade(url)
+    return url
+
+
+@pytest.fixture
+def any_engine(any_db_url):
+    from db.session import make_engine
+
+    eng = make_engine(any_db_url)
     yield eng
     eng.dispose()

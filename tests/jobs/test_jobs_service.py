@@ -18,30 +18,34 @@ LINE = {
 }
 
 
-def test_create_file_stores_content_under_home(engine, laneserve_home):
+def test_create_file_stores_content_under_home(any_engine, laneserve_home):
     data = (json.dumps(LINE) + "\n").encode()
-    row = service.create_file(engine, data, "in.jsonl")
+    row = service.create_file(any_engine, data, "in.jsonl")
     assert row.id.startswith("file-") and row.bytes == len(data)
-    assert service.file_path(engine, row.id).parent == laneserve_home / "files"
-    assert service.file_content(engine, row.id) == data
-    obj = service.file_object(service.get_file(engine, row.id))
+    assert service.file_path(any_engine, row.id).parent == laneserve_home / "files"
+    assert service.file_content(any_engine, row.id) == data
+    obj = service.file_object(service.get_file(any_engine, row.id))
     assert obj["object"] == "file" and obj["purpose"] == "batch" and obj["filename"] == "in.jsonl"
 
 
-def test_create_file_limits_and_purpose(engine, laneserve_home):
+def test_create_file_limits_and_purpose(any_engine, laneserve_home):
     with pytest.raises(PayloadTooLargeError) as err:
-        service.create_file(engine, io.BytesIO(b"x" * 5000), "big.jsonl", max_bytes=4096)
+        service.create_file(any_engine, io.BytesIO(b"x" * 5000), "big.jsonl", max_bytes=4096)
     assert err.value.status_code == 413
     assert list((laneserve_home / "files").iterdir()) == []  # nothing left behind
     with pytest.raises(InvalidRequestError):
-        service.create_file(engine, b"{}", "a.jsonl", purpose="fine-tune")
+        service.create_file(any_engine, b"{}", "a.jsonl", purpose="fine-tune")
     with pytest.raises(NotFoundError):
-        service.get_file(engine, "file-nope")
+        service.get_file(any_engine, "file-nope")
 
 
-def test_create_get_list_cancel_batch(engine):
-    f = service.create_file(engine, b"{}\n", "in.jsonl")
-    jobs = [service.create_batch(engine, f.id, "/v1/chat/completions") for _ in range(3)]
+def test_create_get_list_cancel_batch(any_engine):
+    f = service.create_file(any_engine, b"{}\n", "in.jsonl")
+    owner = f"owner-{f.id}"  # the PostgreSQL database is shared by the session's tests
+    jobs = [
+        service.create_batch(any_engine, f.id, "/v1/chat/completions", owner=owner)
+        for _ in range(3)
+    ]
     job = jobs[0]
     assert job.status == "validating" and job.request_counts == {
         "total": 0,
@@ -49,51 +53,51 @@ def test_create_get_list_cancel_batch(engine):
         "failed": 0,
     }
     assert job.expires_at == pytest.approx(job.created_at + 24 * 3600)
-    listed = service.list_batches(engine)
+    listed = service.list_batches(any_engine, owner=owner)
     assert [j.id for j in listed] == [
         j.id for j in sorted(jobs, key=lambda j: (j.created_at, j.id), reverse=True)
     ]
-    page = service.list_batches(engine, limit=1, after=listed[0].id)
+    page = service.list_batches(any_engine, limit=1, after=listed[0].id, owner=owner)
     assert [j.id for j in page] == [listed[1].id]
-    cancelled = service.cancel_batch(engine, job.id)
+    cancelled = service.cancel_batch(any_engine, job.id)
     assert cancelled.status == "cancelling" and cancelled.cancelling_at is not None
-    assert service.cancel_batch(engine, job.id).status == "cancelling"  # idempotent
-    obj = service.batch_object(service.get_batch(engine, job.id))
+    assert service.cancel_batch(any_engine, job.id).status == "cancelling"  # idempotent
+    obj = service.batch_object(service.get_batch(any_engine, job.id))
     assert obj["object"] == "batch" and obj["status"] == "cancelling"
     assert obj["input_file_id"] == f.id and obj["endpoint"] == "/v1/chat/completions"
 
 
-def test_create_batch_rejects_bad_input(engine):
-    f = service.create_file(engine, b"{}\n", "in.jsonl")
+def test_create_batch_rejects_bad_input(any_engine):
+    f = service.create_file(any_engine, b"{}\n", "in.jsonl")
     with pytest.raises(InvalidRequestError, match="endpoint"):
-        service.create_batch(engine, f.id, "/v1/embeddings")
+        service.create_batch(any_engine, f.id, "/v1/embeddings")
     with pytest.raises(InvalidRequestError, match="completion_window"):
-        service.create_batch(engine, f.id, "/v1/completions", completion_window="1d")
+        service.create_batch(any_engine, f.id, "/v1/completions", completion_window="1d")
     with pytest.raises(NotFoundError):
-        service.create_batch(engine, "file-missing", "/v1/completions")
+        service.create_batch(any_engine, "file-missing", "/v1/completions")
     with pytest.raises(InvalidRequestError, match="task"):
-        service.create_batch(engine, f.id, "/v1/chat/completions", task="poem")
+        service.create_batch(any_engine, f.id, "/v1/chat/completions", task="poem")
     with pytest.raises(NotFoundError):
-        service.get_batch(engine, "batch_nope")
+        service.get_batch(any_engine, "batch_nope")
 
 
-def test_cancel_of_ended_batch_is_a_conflict(engine):
+def test_cancel_of_ended_batch_is_a_conflict(any_engine):
     from db.models import Job
     from db.session import write_session
 
-    f = service.create_file(engine, b"{}\n", "in.jsonl")
-    job = service.create_batch(engine, f.id, "/v1/completions", completion_window="30m")
+    f = service.create_file(any_engine, b"{}\n", "in.jsonl")
+    job = service.create_batch(any_engine, f.id, "/v1/completions", completion_window="30m")
     assert job.expires_at == pytest.approx(job.created_at + 1800)
-    with write_session(engine) as s:
+    with write_session(any_engine) as s:
         s.get(Job, job.id).status = "completed"
     with pytest.raises(ConflictError):
-        service.cancel_batch(engine, job.id)
+        service.cancel_batch(any_engine, job.id)
 
 
-def test_task_options_go_to_metadata(engine):
-    f = service.create_file(engine, b"{}\n", "docs.jsonl")
+def test_task_options_go_to_metadata(any_engine):
+    f = service.create_file(any_engine, b"{}\n", "docs.jsonl")
     job = service.create_batch(
-        engine,
+        any_engine,
         f.id,
         "/v1/chat/completions",
         metadata={"project": "x"},

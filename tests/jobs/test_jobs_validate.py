@@ -1,0 +1,139 @@
+"""jobs.validate: line-level errors, job-level failures, prompt lengths with the real tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs.tokens import PromptCounter
+from jobs.validate import JobValidationError, Validator
+from tests.jobs.jobs_stack import chat_line, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def counter(smollm2_dir) -> PromptCounter:
+    return PromptCounter.load(str(smollm2_dir), max_model_len=64)
+
+
+def _validate(tmp_path, lines, **kw):
+    v = Validator(
+        endpoint=kw.pop("endpoint", "/v1/chat/completions"), counter=kw.pop("counter", None), **kw
+    )
+    return v, list(v.lines(write_jsonl(tmp_path / "in.jsonl", lines)))
+
+
+def test_line_errors_are_named_and_the_rest_is_kept(tmp_path):
+    lines = [
+        chat_line("ok", "hi"),
+        "not json",
+        "42",
+        {"method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}},
+        {**chat_line("wrong-url", "hi"), "url": "/v1/embeddings"},
+        {
+            **chat_line("tools", "hi"),
+            "body": {"messages": [{"role": "user", "content": "x"}], "tools": []},
+        },
+        {"custom_id": "missing-body", "method": "POST", "url": "/v1/chat/completions"},
+        "",
+        chat_line(None, "no id"),
+    ]
+    v, results = _validate(tmp_path, lines)
+    by_id = {r.custom_id: r for r in results}
+    assert list(by_id) == [
+        "ok",
+        "line-2",
+        "line-3",
+        "line-4",
+        "wrong-url",
+        "tools",
+        "missing-body",
+        "line-9",
+    ]
+    assert (
+        by_id["ok"].error is None and by_id["ok"].request["body"]["messages"][0]["content"] == "hi"
+    )
+    assert by_id["line-2"].error["code"] == "invalid_json"
+    assert "not an object" in by_id["line-3"].error["message"]
+    assert "custom_id" in by_id["line-4"].error["message"]  # missing field
+    assert "endpoint" in by_id["wrong-url"].error["message"]
+    assert "tools" in by_id["tools"].error["message"]
+    assert "body" in by_id["missing-body"].error["message"]
+    assert by_id["line-9"].error is not None  # custom_id is required in OpenAI format
+    assert (v.num_lines, v.num_bad) == (8, 7) and v.too_many_bad()  # blank line not counted
+
+
+def test_duplicate_custom_id_names_both_lines(tmp_path):
+    lines = [chat_line("a", "1"), chat_line("b", "2"), chat_line("c", "3"), chat_line("b", "4")]
+    with pytest.raises(JobValidationError) as err:
+        _validate(tmp_path, lines)
+    assert err.value.errors[0]["code"] == "duplicate_custom_id"
+    assert "lines 2 and 4" in err.value.errors[0]["message"]
+
+
+def test_job_limits_and_one_model(tmp_path):
+    with pytest.raises(JobValidationError, match="more than 2 lines"):
+        _validate(tmp_path, [chat_line(str(i), "x") for i in range(3)], max_lines=2)
+    with pytest.raises(JobValidationError, match="limit is 10"):
+        _validate(tmp_path, [chat_line("a", "x")], max_bytes=10)
+    lines = [chat_line("a", "x", model="m1"), chat_line("b", "x", model="m2")]
+    with pytest.raises(JobValidationError) as err:
+        _validate(tmp_path, lines)
+    assert err.value.errors[0]["code"] == "multiple_models"
+
+
+def test_completions_prompt_forms(tmp_path):
+    def line(cid, prompt):
+        return {
+            "custom_id": cid,
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "m", "prompt": prompt},
+        }
+
+    lines = [line("s", "Once"), line("ids", [1, 2, 3]), line("one", ["x"]), line("two", ["x", "y"])]
+    v, results = _validate(tmp_path, lines, endpoint="/v1/completions")
+    errors = {r.custom_id: r.error for r in results}
+    assert errors["s"] is None and errors["ids"] is None and errors["one"] is None
+    assert "one non-empty string" in errors["two"]["message"]
+
+
+def test_task_lines(tmp_path):
+    lines = [{"id": 7, "text": "Bonjour"}, {"id": "b", "text": ""}, {"text": "Hallo"}]
+    v, results = _validate(
+        tmp_path,
+        lines,
+        task="translate",
+        task_options={"target_lang": "fr", "source_lang": "de", "max_tokens": "16"},
+        default_model="smollm2-135m",
+    )
+    assert [r.custom_id for r in results] == ["7", "b", "line-3"]
+    body = results[0].request["body"]
+    assert body["max_tokens"] == 16 and body["model"] == "smollm2-135m"
+    assert "to French" in body["messages"][-1]["content"]
+    assert results[1].error is not None and results[2].error is None
+
+
+def test_prompt_length_with_the_model_tokenizer(tmp_path, counter):
+    expected = len(
+        counter.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hello there"}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+    )
+    assert counter.count_chat([{"role": "user", "content": "Hello there"}]) == expected
+    lines = [chat_line("short", "Hello there", max_tokens=8), chat_line("long", "word " * 100)]
+    v, results = _validate(tmp_path, lines, counter=counter)
+    assert results[0].error is None and results[0].prompt_tokens == expected
+    assert results[1].error["code"] == "prompt_too_long"
+    assert "max_model_len 64" in results[1].error["message"]
+    # summarize: a long document is not an error but a map-reduce line
+    docs = [{"id": "doc", "text": "word " * 300}]
+    v, (r,) = _validate(
+        tmp_path, docs, counter=counter, task="summarize", task_options={"max_tokens": "8"}
+    )
+    assert r.error is None and r.request["map_reduce"]["text"].startswith("word")
+    v, (r,) = _validate(
+        tmp_path, docs, counter=counter, task="translate", task_options={"target_lang": "fr"}
+    )
+    assert r.error["code"] == "prompt_too_long"
+    assert json.dumps(r.error)
