@@ -37,6 +37,8 @@ class ApiStack:
         self.home = home
         self.front = f"ipc://{tmp}/front.sock"
         self.back = f"ipc://{tmp}/back.sock"
+        self.recorder = f"ipc://{tmp}/recorder.sock"
+        self.db_path = home / "laneserve.db"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen] = {}
@@ -60,6 +62,10 @@ class ApiStack:
             "broker", "laneserve.commands.broker", [*args, "--liveness", str(LIVENESS), *extra]
         )
 
+    def start_recorder(self) -> None:
+        args = ["--recorder-addr", self.recorder, "--db", f"sqlite:///{self.db_path}"]
+        self._spawn("recorder", "laneserve.cli", ["recorder", *args])
+
     def start_worker(self, name: str, *extra: str, lanes: str = "interactive,batch") -> None:
         args = ["--broker", self.back, "--worker-id", name, "--lanes", lanes]
         args += ["--heartbeat-interval", str(HB), "--liveness", str(LIVENESS), *extra]
@@ -76,6 +82,7 @@ class ApiStack:
 
     def start_api(self, *extra: str, api_key: str | None = API_KEY) -> None:
         args = ["--broker", self.front, "--port", str(self.port)]
+        args += ["--db", f"sqlite:///{self.db_path}"]
         if api_key:
             args += ["--api-key", api_key]
         self._spawn("api", "laneserve.commands.api", [*args, *extra])

@@ -1,0 +1,136 @@
+"""Body validation of /v1/chat/completions and /v1/completions (no processes, no tokenizer)."""
+
+from __future__ import annotations
+
+import pytest
+
+from laneserve.api.config import ApiConfig
+from laneserve.api.errors import ApiError
+from laneserve.api.schemas import parse_chat, parse_completion
+
+CFG = ApiConfig(broker="ipc:///nowhere", max_n=4, max_tokens_limit=100)
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw):
+    return parse_chat({"model": "m", "messages": MSG, **kw}, CFG)
+
+
+def completion(**kw):
+    return parse_completion({"model": "m", **kw}, CFG)
+
+
+def err(fn, *args, **kw) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        fn(*args, **kw)
+    return info.value
+
+
+def test_chat_defaults_and_sampling_fields() -> None:
+    req = chat(
+        temperature=0, top_p=0.5, top_k=-1, seed=7, stop="x", max_completion_tokens=9,
+        presence_penalty=1, frequency_penalty=-1, repetition_penalty=1.1, ignore_eos=True,
+        logprobs=True, top_logprobs=3, stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    assert req.kind == "chat" and req.lane == "interactive" and req.n == 1
+    assert req.max_tokens == 9 and req.stream and req.include_usage and req.logprobs == 3
+    assert req.sampling == {
+        "temperature": 0.0, "top_p": 0.5, "top_k": 0, "seed": 7, "stop": ["x"],
+        "presence_penalty": 1.0, "frequency_penalty": -1.0, "repetition_penalty": 1.1,
+        "ignore_eos": True, "logprobs": 3,
+    }  # fmt: skip
+    assert req.prompts[0].messages == MSG
+
+
+def test_lane_and_priority_fields() -> None:
+    assert chat(lane="batch").lane == "batch"
+    assert chat(priority="batch").lane == "batch"
+    req = chat(priority=-3)
+    assert req.lane == "interactive" and req.priority == -3
+    assert err(chat, lane="bulk").param == "lane"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "forms"),
+    [
+        ("hello", [("text", "hello")]),
+        (["a", "b"], [("text", "a"), ("text", "b")]),
+        ([1, 2, 3], [("token_ids", [1, 2, 3])]),
+        ([[1, 2], [3]], [("token_ids", [1, 2]), ("token_ids", [3])]),
+    ],
+)
+def test_completion_prompt_forms(prompt, forms) -> None:
+    req = completion(prompt=prompt)
+    assert [(k, getattr(p, k)) for p, (k, _) in zip(req.prompts, forms, strict=True)] == forms
+
+
+@pytest.mark.parametrize("prompt", ["", [], [""], [[]], None, 5, [1, "a"], [-1], [{"x": 1}]])
+def test_completion_bad_prompts(prompt) -> None:
+    e = err(completion, prompt=prompt)
+    assert e.status == 400 and e.param == "prompt"
+
+
+def test_unsupported_fields_are_named() -> None:
+    e = err(chat, tools=[{"type": "function"}], response_format={"type": "json_object"})
+    assert e.status == 400 and "tools" in e.message and "response_format" in e.message
+    # not given, in any of the usual spellings: accepted
+    chat(tools=None, response_format=None, tool_choice=None, logit_bias={}, user="u")
+    assert "frobnicate" in err(chat, frobnicate=1).message
+    assert err(completion, prompt="x", echo=True).param == "echo"
+    completion(prompt="x", echo=False, best_of=1)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", "hot"),
+        ("temperature", 3),
+        ("top_p", 0),
+        ("n", "2"),
+        ("n", 0),
+        ("max_tokens", 0),
+        ("max_tokens", 1.5),
+        ("stream", "yes"),
+        ("stop", [""]),
+        ("stop", 5),
+        ("seed", "s"),
+        ("presence_penalty", 3),
+        ("top_logprobs", 2),  # without logprobs: true
+        ("logprobs", 3),  # chat logprobs is a boolean
+        ("stream_options", {"include_usage": True}),  # without stream
+    ],
+)
+def test_chat_wrong_types_and_ranges(field, value) -> None:
+    e = err(chat, **{field: value})
+    assert e.status == 400 and e.param == field, e.message
+
+
+def test_limits() -> None:
+    assert err(chat, n=5).param == "n"
+    assert chat(n=4).n == 4
+    assert err(chat, max_tokens=101).param == "max_tokens"
+    assert err(chat, max_completion_tokens=101).param == "max_completion_tokens"
+    assert err(completion, prompt="x", logprobs=6).param == "logprobs"
+    assert completion(prompt="x", logprobs=5).logprobs == 5
+    assert err(completion, prompt=["a"] * 40, n=4).param == "n"
+
+
+def test_messages_validation() -> None:
+    assert err(parse_chat, {"model": "m", "messages": []}, CFG).param == "messages"
+    assert err(parse_chat, {"model": "m"}, CFG).param == "messages"
+    assert err(chat, messages=[{"role": "tool", "content": "x"}]).param == "messages"
+    assert err(chat, messages=[{"role": "user", "content": 3}]).param == "messages"
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    assert err(chat, messages=[{"role": "user", "content": image}]).param == "messages"
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    req = chat(messages=[{"role": "developer", "content": "s"}, {"role": "user", "content": parts}])
+    assert req.prompts[0].messages == [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "ab"},
+    ]
+
+
+def test_body_must_be_an_object_with_a_model() -> None:
+    assert err(parse_chat, [1], CFG).status == 400
+    assert err(parse_chat, {"messages": MSG}, CFG).param == "model"
+    assert err(parse_completion, {"model": 3, "prompt": "x"}, CFG).param == "model"

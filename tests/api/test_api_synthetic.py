@@ -1,0 +1,315 @@
+"""The gateway as a real process with the official `openai` client, behind a real broker,
+recorder and synthetic worker (fake tokens " w0 w1 ...", no model weights)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from api_stack import API_KEY, ROOT, ApiStack
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2"
+MSG = [{"role": "user", "content": "Say hi."}]
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture
+def client(synth_stack: ApiStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=synth_stack.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def test_chat_non_streamed_and_streamed(client, synth_stack) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=5)
+    assert r.object == "chat.completion" and r.model == MODEL
+    assert r.choices[0].message.content == " w0 w1 w2 w3 w4"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 5 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 5
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MSG,
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completion_forms_and_n_fan_out(client) -> None:
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3)
+    assert r.object == "text_completion" and r.choices[0].text == " w0 w1 w2"
+    r = client.completions.create(model=MODEL, prompt=["a b", "c"], max_tokens=2, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.completion_tokens == 8
+    r = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2)
+    assert len(r.choices) == 1 and r.usage.prompt_tokens == 3
+    r = client.completions.create(model=MODEL, prompt=[[1, 2], [3]], max_tokens=2)
+    assert len(r.choices) == 2 and r.usage.prompt_tokens == 3
+    stream = client.completions.create(
+        model=MODEL, prompt="x", max_tokens=3, n=2, stream=True, seed=5
+    )
+    texts: dict[int, str] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    # the synthetic engine's token i is (seed + i) % 1000: n fans out with seed + j
+    assert texts == {0: " w5 w6 w7", 1: " w6 w7 w8"}
+
+
+def test_response_id_is_the_sql_request_id(client, synth_stack) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2)
+    deadline = time.monotonic() + 20
+    row = None
+    while time.monotonic() < deadline and row is None:
+        with sqlite3.connect(synth_stack.db_path) as db:
+            row = db.execute(
+                "SELECT id, lane, completion_tokens, ttft_ms, e2e_ms FROM requests WHERE id = ?",
+                (r.id,),
+            ).fetchone()
+        time.sleep(0.2)
+    assert row is not None, synth_stack.logs()
+    assert row[0] == r.id and row[1] == "interactive" and row[2] == 2
+    assert row[3] is not None and row[4] >= row[3] > 0
+
+
+def _post(stack: ApiStack, path: str, body, headers=AUTH) -> httpx.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(stack.url + path, content=data, headers=headers, timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "code", "param"),
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "invalid_request", "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "invalid_request", "prompt"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "invalid_request", "messages"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hello " * 9000}, 400, "prompt_too_long", "prompt"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MSG, "max_tokens": 100000}, 400, "invalid_request", "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hello " * 8000, "max_tokens": 500}, 400, "invalid_request", "max_tokens"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MSG, "n": 1000}, 400, "invalid_request", "n"),
+        ("/v1/chat/completions", {"model": "gpt-4o", "messages": MSG}, 404, "not_found", "model"),
+        ("/v1/chat/completions", b'{"model": "smollm2", "messages": [', 400, "invalid_request", None),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MSG, "temperature": "hot"}, 400, "invalid_request", "temperature"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "invalid_request", "messages"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "invalid_request", "prompt"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MSG, "tools": [{"type": "function"}]}, 400, "invalid_request", "tools"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MSG, "stream": True, "lane": "batch"}, 503, "no_worker", None),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 5_000_000}]}, 413, "payload_too_large", None),
+    ],
+)  # fmt: skip
+def test_documented_4xx_then_still_serving(synth_stack, client, path, body, status, code, param):
+    r = _post(synth_stack, path, body)
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")  # never a started stream
+    err = r.json()["error"]
+    assert err["code"] == code and err["param"] == param and err["message"]
+    r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1)
+    assert r.choices[0].message.content == " w0"
+
+
+def _route_table(stack: ApiStack) -> list[tuple[str, str]]:
+    """Every (method, path) the app serves, from the app object itself."""
+    from laneserve.api.app import create_app
+    from laneserve.api.config import ApiConfig
+
+    app = create_app(ApiConfig(broker="ipc:///unused", api_key="k"))
+    routes = []
+    for route in app.router.routes:
+        for method in sorted(getattr(route, "methods", None) or ()):
+            path = route.path.replace("{file_id}", "file-x").replace("{batch_id}", "batch_x")
+            routes.append((method, path))
+    return routes
+
+
+def test_every_route_but_health_refuses_missing_or_wrong_key(synth_stack) -> None:
+    routes = _route_table(synth_stack)
+    assert ("POST", "/v1/chat/completions") in routes and ("GET", "/metrics") in routes
+    assert len(routes) >= 13
+    checked = 0
+    expected = 2 * (len([r for r in routes if r[1] != "/health"]) + 2)
+    for method, path in [*routes, ("GET", "/no/such/route"), ("POST", "/v1/embeddings")]:
+        for headers in ({}, {"Authorization": "Bearer wrong-key"}):
+            r = httpx.request(method, synth_stack.url + path, headers=headers, timeout=10)
+            if path == "/health":
+                assert r.status_code == 200
+            else:
+                assert r.status_code == 401, (method, path, r.status_code)
+                assert r.json()["error"]["code"] == "unauthorized"
+                checked += 1
+    assert checked == expected
+    assert httpx.get(synth_stack.url + "/v1/models", headers=AUTH).status_code == 200
+
+
+def test_overloaded_interactive_lane_is_429(synth_stack) -> None:
+    """Capacity 8 + broker queue 24: of 48 concurrent requests some must get 429."""
+
+    async def one(c: httpx.AsyncClient) -> int:
+        body = {"model": MODEL, "messages": MSG, "max_tokens": 40, "stream": True}
+        async with c.stream("POST", "/v1/chat/completions", json=body, headers=AUTH) as r:
+            if r.status_code == 429:
+                assert r.headers["retry-after"]
+                assert json.loads(await r.aread())["error"]["code"] == "overloaded"
+            else:
+                async for _ in r.aiter_bytes():
+                    pass
+            return r.status_code
+
+    async def main() -> list[int]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=synth_stack.url, timeout=60, limits=limits) as c:
+            return await asyncio.gather(*(one(c) for _ in range(48)))
+
+    codes = asyncio.run(asyncio.wait_for(main(), 120))
+    assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) >= 8, codes
+
+
+CLIENTS = """
+import sys, threading, time, httpx
+url, key, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+started = []
+def one():
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": "Bearer " + key}) as r:
+        for chunk in r.iter_bytes():
+            started.append(1)
+            break
+        for chunk in r.iter_bytes():
+            pass
+for _ in range(n):
+    threading.Thread(target=one, daemon=True).start()
+while len(started) < n:
+    time.sleep(0.01)
+print("streaming", flush=True)
+time.sleep(600)
+"""
+
+
+def kill_streaming_clients(stack: ApiStack, n: int, after_s: float) -> None:
+    """Start n streaming clients in one process; SIGKILL it `after_s` after all stream."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLIENTS, stack.url, API_KEY, str(n)],
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout.readline().strip() == b"streaming"
+        time.sleep(after_s)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def worker_load(stack: ApiStack) -> dict:
+    return stack.status()["workers"][0]["load"]
+
+
+def wait_idle(stack: ApiStack, timeout_s: float = 30.0) -> dict:
+    """Wait until the broker holds nothing and the worker runs nothing; return its load."""
+    deadline = time.monotonic() + timeout_s
+    st: dict = {}
+    while time.monotonic() < deadline:
+        st = stack.status()
+        load = st["workers"][0]["load"]
+        if st["queues"]["in_flight"] == 0 and load.get("num_running") == 0:
+            time.sleep(0.6)  # one more stats report (every 0.25 s) after the last step
+            return worker_load(stack)
+        time.sleep(0.1)
+    raise AssertionError(f"not idle: {st}")
+
+
+def test_killed_streaming_clients_free_their_kv_blocks(synth_stack) -> None:
+    load = wait_idle(synth_stack)
+    baseline = load["num_free_blocks"]
+    assert baseline == load["num_total_blocks"]
+    aborted_before = synth_stack.status()["counters"].get("aborted", 0)
+    kill_streaming_clients(synth_stack, 8, 0.5)
+    deadline = time.monotonic() + 15
+    load = {}
+    while time.monotonic() < deadline:
+        load = worker_load(synth_stack)
+        st = synth_stack.status()
+        if load["num_free_blocks"] == baseline and st["queues"]["in_flight"] == 0:
+            break
+        time.sleep(0.1)
+    assert load["num_free_blocks"] == baseline and load["num_running"] == 0, load
+    assert synth_stack.status()["counters"].get("aborted", 0) - aborted_before == 8
+
+
+def test_metrics_exposes_vllm_style_names(client, synth_stack) -> None:
+    for _ in client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=3, stream=True):
+        pass
+    text = httpx.get(synth_stack.url + "/metrics", headers=AUTH).text
+    for name in (
+        'laneserve:time_to_first_token_seconds_count{lane="interactive"}',
+        'laneserve:inter_token_latency_seconds_count{lane="interactive"}',
+        'laneserve:e2e_request_latency_seconds_count{lane="interactive"}',
+        'laneserve:request_queue_time_seconds_count{lane="interactive"}',
+        'laneserve:request_prefill_time_seconds_count{lane="interactive"}',
+        'laneserve:request_decode_time_seconds_count{lane="interactive"}',
+        'laneserve:num_requests_running{worker_id="synth"}',
+        'laneserve:num_requests_waiting{worker_id="synth"}',
+        'laneserve:kv_cache_usage_perc{worker_id="synth"}',
+        'laneserve:prefix_cache_hits_total{worker_id="synth"}',
+        'laneserve:prefix_cache_queries_total{worker_id="synth"}',
+        'laneserve:num_preemptions_total{worker_id="synth"}',
+        'laneserve:prompt_tokens_total{lane="interactive"}',
+        'laneserve:generation_tokens_total{lane="interactive"}',
+        'laneserve:num_workers{lane="interactive"} 1.0',
+        'laneserve:num_workers{lane="batch"} 0.0',
+    ):
+        assert name in text, name
+    ttft = [ln for ln in text.splitlines() if ln.startswith(
+        'laneserve:time_to_first_token_seconds_count{lane="interactive"}')]  # fmt: skip
+    assert float(ttft[0].split()[-1]) >= 1
+
+
+def test_files_and_batches_with_the_sdk(client, tmp_path) -> None:
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": MSG, "max_tokens": 2},
+        }
+        for i in range(3)
+    ]
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    f = client.files.create(file=("in.jsonl", data), purpose="batch")
+    assert f.id.startswith("file-") and f.bytes == len(data) and f.purpose == "batch"
+    assert client.files.retrieve(f.id).filename == "in.jsonl"
+    assert client.files.content(f.id).content == data
+    b = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert b.status == "validating" and b.input_file_id == f.id
+    assert client.batches.retrieve(b.id).id == b.id
+    assert b.id in [x.id for x in client.batches.list(limit=10).data]
+    assert client.batches.cancel(b.id).status == "cancelling"
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+    with pytest.raises(openai.NotFoundError):
+        client.files.content("file-nope")
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(
+            input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
