@@ -139,3 +139,31 @@ def test_worker_lost_after_max_attempts_goes_to_error_file(stack, engine, lanese
     (err,) = read_lines(engine, job.error_file_id)
     assert err["custom_id"] == "only" and err["error"]["code"] == "worker_lost"
     assert err["error"]["attempts"] == 1
+
+
+@pytest.mark.postgres
+def test_lifecycle_on_postgresql_with_runner_restart(laneserve_home, pg_url):
+    from db import migrate
+    from db.session import make_engine
+
+    migrate.upgrade(pg_url)
+    engine = make_engine(pg_url)
+    stack = JobsStack(laneserve_home, pg_url)
+    try:
+        stack.start_broker()
+        stack.start_worker("w1", "--synthetic-step-ms", "40")
+        lines = [chat_line(f"pg-{i:02d}", f"line {i}", max_tokens=20) for i in range(20)]
+        lines[3:3] = ["{broken", '"a string"']
+        job = submit(engine, write_jsonl(laneserve_home / "pg.jsonl", lines))
+        stack.start_runner("--max-in-flight", "4")
+        _wait_progress(engine, job.id, 4, stack)
+        stack.kill("runner")
+        stack.start_runner("--max-in-flight", "4")
+        job = wait_job(engine, job.id, ("completed", "failed"), stack, timeout_s=120)
+        assert job.status == "completed"
+        assert job.request_counts == {"total": 22, "completed": 20, "failed": 2}
+        ids = _custom_ids(engine, job)
+        assert sorted(ids) == sorted([f"pg-{i:02d}" for i in range(20)] + ["line-4", "line-5"])
+    finally:
+        stack.stop()
+        engine.dispose()

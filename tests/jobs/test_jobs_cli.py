@@ -1,0 +1,82 @@
+"""`laneserve submit --wait` and `laneserve jobs ...` as real commands against a running stack
+(broker + synthetic worker + jobs runner); the CLI finds the database through stack.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.jobs.jobs_stack import ROOT, JobsStack, chat_line, write_jsonl
+
+pytestmark = pytest.mark.slow
+
+
+def _cli(home, *args, timeout=120):
+    env = dict(os.environ, LANESERVE_HOME=str(home), PYTHONPATH=str(ROOT))
+    env.pop("LANESERVE_DB_URL", None)
+    return subprocess.run(
+        [sys.executable, "-m", "laneserve.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=home,
+    )
+
+
+def test_submit_wait_show_download_and_exit_codes(laneserve_home, tmp_path):
+    from db import migrate
+
+    db_url = f"sqlite:///{tmp_path / 'stack.db'}"  # not the default path: found via stack.json
+    migrate.upgrade(db_url)
+    (laneserve_home / "stack.json").write_text(json.dumps({"db_url": db_url}))
+    stack = JobsStack(laneserve_home, db_url)
+    try:
+        stack.start_broker()
+        stack.start_worker()
+        stack.start_runner()
+        lines = [chat_line(f"q{i}", f"question {i}") for i in range(4)] + ["oops"]
+        path = write_jsonl(tmp_path / "in.jsonl", lines)
+        done = _cli(laneserve_home, "submit", str(path), "--wait")
+        assert done.returncode == 0, done.stderr + stack.logs()
+        job_id = done.stdout.strip().splitlines()[0]
+        assert (
+            job_id.startswith("batch_") and "completed (4 completed, 1 failed of 5)" in done.stderr
+        )
+
+        shown = _cli(laneserve_home, "jobs", "show", job_id)
+        obj = json.loads(shown.stdout)
+        assert obj["status"] == "completed" and obj["request_counts"]["total"] == 5
+
+        listed = json.loads(_cli(laneserve_home, "jobs", "list", "--json").stdout)
+        assert [b["id"] for b in listed] == [job_id]
+
+        dl = _cli(
+            laneserve_home, "jobs", "download", job_id, "--output", "o.jsonl", "--errors", "e.jsonl"
+        )
+        assert dl.returncode == 0, dl.stderr
+        out = [json.loads(x) for x in (laneserve_home / "o.jsonl").read_text().splitlines()]
+        err = [json.loads(x) for x in (laneserve_home / "e.jsonl").read_text().splitlines()]
+        assert sorted(x["custom_id"] for x in out) == ["q0", "q1", "q2", "q3"]
+        assert [x["custom_id"] for x in err] == ["line-5"]
+
+        assert _cli(laneserve_home, "jobs", "cancel", job_id).returncode == 1  # already ended
+
+        dup = write_jsonl(tmp_path / "dup.jsonl", [chat_line("same", "a"), chat_line("same", "b")])
+        failed = _cli(laneserve_home, "submit", str(dup), "--wait")
+        assert failed.returncode == 1 and "duplicate_custom_id" in failed.stderr
+    finally:
+        stack.stop()
+
+
+def test_submit_rejects_bad_arguments(laneserve_home, tmp_path):
+    txt = tmp_path / "doc.txt"
+    txt.write_text("hello\n")
+    res = _cli(laneserve_home, "submit", str(txt))
+    assert res.returncode == 2 and "--task" in res.stderr
+    res = _cli(laneserve_home, "submit", str(txt), "--task", "translate")
+    assert res.returncode == 2 and "--target-lang" in res.stderr
