@@ -8,7 +8,7 @@ For each step it builds the flattened varlen batch (DESIGN.md, "Model runner"):
 
 Request b computes tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) of its
 sequence (prompt + output so far); it emits a token when that range reaches the end of the known
-tokens (a decode, or the last chunk of a prefill).
+tokens (a decode, or the last chunk of a prefill), which the scheduler reports as `samples`.
 """
 
 from __future__ import annotations
@@ -100,39 +100,41 @@ class ModelRunner:
 
     def prepare_inputs(
         self,
-        token_ids: Sequence[Sequence[int]],
+        new_token_ids: Sequence[Sequence[int]],
         num_computed: Sequence[int],
-        num_new: Sequence[int],
         block_tables: Sequence[Sequence[int]],
+        samples: Sequence[bool],
     ) -> StepInputs:
-        """Build the varlen batch for requests that each compute `num_new[b]` tokens of
-        `token_ids[b]` starting at `num_computed[b]`, with their KV in `block_tables[b]`."""
+        """Build the varlen batch.
+
+        Args:
+            new_token_ids: per request, the ids of positions
+                `[num_computed[b], num_computed[b] + len(new_token_ids[b]))`.
+            num_computed: per request, tokens whose KV is already in the cache.
+            block_tables: per request, physical block ids covering every position computed.
+            samples: per request, whether its last new token's logits are needed.
+        """
         bs = self.block_size
-        num_reqs = len(token_ids)
-        total = int(sum(num_new))
-        input_ids = np.empty(total, dtype=np.int64)
-        positions = np.empty(total, dtype=np.int64)
+        num_reqs = len(new_token_ids)
+        lens = np.fromiter((len(t) for t in new_token_ids), dtype=np.int32, count=num_reqs)
         cu = np.zeros(num_reqs + 1, dtype=np.int32)
-        seq_lens = np.empty(num_reqs, dtype=np.int32)
-        max_blocks = max(len(t) for t in block_tables)
+        np.cumsum(lens, out=cu[1:])
+        starts = np.asarray(num_computed, dtype=np.int64)
+        seq_lens = (starts + lens).astype(np.int32)
+        input_ids = np.fromiter(
+            (t for ids in new_token_ids for t in ids), dtype=np.int64, count=int(cu[-1])
+        )
+        req_of_token = np.repeat(np.arange(num_reqs), lens)
+        positions = (
+            np.arange(int(cu[-1]), dtype=np.int64) - cu[:-1][req_of_token] + starts[req_of_token]
+        )
+        max_blocks = max((len(t) for t in block_tables), default=1)
         tables = np.zeros((num_reqs, max(max_blocks, 1)), dtype=np.int32)
-        sample_rows: list[int] = []
-        logits_indices: list[int] = []
-        pos = 0
-        for b in range(num_reqs):
-            start, n = num_computed[b], num_new[b]
-            end = start + n
-            input_ids[pos : pos + n] = token_ids[b][start:end]
-            positions[pos : pos + n] = np.arange(start, end)
-            pos += n
-            cu[b + 1] = pos
-            seq_lens[b] = end
-            tables[b, : len(block_tables[b])] = block_tables[b]
-            if end >= len(token_ids[b]):
-                sample_rows.append(b)
-                logits_indices.append(pos - 1)
+        for b, table in enumerate(block_tables):
+            tables[b, : len(table)] = table
+        sample_rows = [b for b in range(num_reqs) if samples[b]]
+        logits_indices = [int(cu[b + 1]) - 1 for b in sample_rows]
         # slot of token at position p of request b = table[b, p // bs] * bs + p % bs
-        req_of_token = np.repeat(np.arange(num_reqs), np.diff(cu))
         slots = tables[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.device
         attn = AttentionMetadata(

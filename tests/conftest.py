@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see gpu_worker/__init__)
+
 REQUIRE_ALL = os.environ.get("LANESERVE_REQUIRE_ALL") == "1"
 
 

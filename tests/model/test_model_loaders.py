@@ -52,7 +52,7 @@ def save_tiny(tmp_path: Path, family: str, tokenizer_dir: Path):
 def our_logits(config, weights, ids):
     model = LlamaForCausalLM(config, weights, torch.float32, "cpu")
     runner = ModelRunner(model, block_size=8, num_blocks=16)
-    inputs = runner.prepare_inputs([ids], [0], [len(ids)], [list(range(len(ids) // 8 + 1))])
+    inputs = runner.prepare_inputs([ids], [0], [list(range(len(ids) // 8 + 1))], [True])
     inputs.logits_indices = torch.arange(len(ids))
     return runner.execute(inputs)
 

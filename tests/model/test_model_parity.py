@@ -31,7 +31,7 @@ def run_pieces(runner, ids, pieces, rows="all"):
     table = list(range(len(ids) // BLOCK + 2))
     done, outs = 0, []
     for n in pieces:
-        inputs = runner.prepare_inputs([ids], [done], [n], [table])
+        inputs = runner.prepare_inputs([ids[done : done + n]], [done], [table], [True])
         inputs.logits_indices = torch.arange(n)
         outs.append(runner.execute(inputs))
         done += n
@@ -47,7 +47,9 @@ def greedy(runner, ids, max_new: int, chunk: int | None = None) -> list[int]:
         n = len(tokens) - done
         if chunk:
             n = min(n, chunk)
-        inputs = runner.prepare_inputs([tokens], [done], [n], [table])
+        inputs = runner.prepare_inputs(
+            [tokens[done : done + n]], [done], [table], [done + n == len(tokens)]
+        )
         done += n
         if not inputs.sample_rows:
             runner.execute(inputs)

@@ -1,0 +1,471 @@
+"""LLMEngine: the streaming core the worker process drives (`add_request / step / abort_request`).
+
+One `step()` is DESIGN.md's `schedule -> execute -> process outputs`:
+
+1. `Scheduler.schedule()` hands out the token budget (decodes, prefill chunks, preemptions);
+2. `ModelRunner` runs one flattened varlen forward over the paged KV cache;
+3. the `Sampler` picks one token for every request whose step reached its last known token;
+   the detokenizer turns it into a text delta and the stop checks (EOS, stop ids, stop strings,
+   max_tokens, max_model_len) finish requests.
+
+It returns one `RequestDelta` per request that produced something (a token, a final, an error).
+
+Length contract: a prompt longer than `max_model_len - 1` tokens raises `PromptTooLongError`
+(at least one output token must fit). When prompt + max_tokens exceeds `max_model_len`, the
+request is accepted and finishes with finish_reason "length" once the sequence reaches
+`max_model_len`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gpu_worker.block_manager import BlockManager
+from gpu_worker.detokenizer import IncrementalDetokenizer
+from gpu_worker.errors import EngineError, InvalidRequestError, PromptTooLongError
+from gpu_worker.model_files import model_display_name, resolve_model_path
+from gpu_worker.model_loader import load_model_files
+from gpu_worker.model_runner import ModelRunner, choose_num_blocks
+from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.request import Lane, Request, RequestStatus
+from gpu_worker.sampler import Sampler
+from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU advertises AMX-BF16 or AVX512-BF16 (Linux /proc/cpuinfo flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto` -> bfloat16 on a GPU or a CPU with AMX/AVX512-BF16, float32 otherwise (DESIGN.md).
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda" or cpu_has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Engine knobs (DESIGN.md "Engine" vocabulary; counts in tokens, memory in bytes)."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "auto"
+    device: str | None = None
+    block_size: int = 16
+    num_blocks: int | None = None  # default: what kv_cache_memory_bytes holds
+    kv_cache_memory_bytes: int | None = None  # default: ~2 GiB on CPU, 80 % of free GPU memory
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int | None = None
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # default: the model's, capped to what the KV pool holds
+    interactive_batch_token_cap: int | None = (
+        512  # batch prefill tokens/step while interactive runs
+    )
+    lanes: tuple[str, ...] = ("interactive", "batch")
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """What one step produced for one request (docs/interfaces.md).
+
+    `new_token_ids` may be non-empty while `new_text` is "" (text held back: an incomplete
+    UTF-8 character or a possible stop string). `metrics` is set on the final delta.
+    """
+
+    request_id: str
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list | None = None
+    metrics: dict | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    params: SamplingParams
+    text_parts: list[str] = field(default_factory=list)
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model on one device.
+
+    Raises (constructor):
+        ModelLoadError: the model cannot be found or loaded.
+        ValueError: inconsistent options (dtype, KV pool smaller than max_model_len, ...).
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device) if config.device else default_device()
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        path = resolve_model_path(config.model)
+        loaded = load_model_files(path)
+        self.model_name = model_display_name(config.model)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.load_seconds = loaded.load_seconds
+        model = LlamaForCausalLM(loaded.config, loaded.weights, self.dtype, self.device)
+        del loaded
+        max_len = min(
+            config.max_model_len or model.config.max_model_len, model.config.max_model_len
+        )
+        num_blocks = config.num_blocks or choose_num_blocks(
+            model.config,
+            config.block_size,
+            self.dtype,
+            self.device,
+            config.kv_cache_memory_bytes,
+            config.max_num_seqs,
+            max_len,
+        )
+        pool_tokens = num_blocks * config.block_size
+        if max_len > pool_tokens:
+            if config.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len={config.max_model_len} does not fit the KV pool of "
+                    f"{num_blocks} blocks x {config.block_size} tokens"
+                )
+            logger.warning(
+                "max_model_len capped at %d tokens: the KV pool holds no more", pool_tokens
+            )
+            max_len = pool_tokens
+        self.max_model_len = max_len
+        self.runner = ModelRunner(model, config.block_size, num_blocks)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=max_len,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                interactive_batch_token_cap=config.interactive_batch_token_cap,
+            ),
+            self.block_manager,
+        )
+        self.eos_token_ids = frozenset(model.config.eos_token_ids)
+        self.sampler = Sampler(sorted(self.eos_token_ids))
+        self.states: dict[str, _RequestState] = {}
+        self._pending: list[RequestDelta] = []  # aborts/errors reported at the next step
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        logger.info(
+            "engine ready: model=%s dtype=%s device=%s blocks=%d x %d (KV %.2f GiB) max_model_len=%d",
+            self.model_name,
+            self.dtype,
+            self.device,
+            num_blocks,
+            config.block_size,
+            self.runner.kv_cache_bytes() / 2**30,
+            max_len,
+        )
+
+    @classmethod
+    def from_args(
+        cls, lanes: list[str] | tuple[str, ...] | None = None, **kwargs: Any
+    ) -> LLMEngine:
+        """Build from keyword options named like `EngineConfig` fields (the worker CLI)."""
+        if lanes is not None:
+            kwargs["lanes"] = tuple(lanes)
+        return cls(EngineConfig(**{k: v for k, v in kwargs.items() if v is not None}))
+
+    # ------------------------------------------------------------------ requests
+
+    def encode_prompt(
+        self,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        messages: list[dict] | None = None,
+    ) -> list[int]:
+        """Token ids of a prompt given as text, ids, or chat messages (chat template applied).
+
+        Raises:
+            InvalidRequestError: none or several given, empty prompt, ids outside the vocabulary,
+                or messages the chat template rejects.
+        """
+        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
+        if sum(given) != 1:
+            raise InvalidRequestError("give exactly one of prompt, prompt_token_ids, messages")
+        if prompt_token_ids is not None:
+            ids = list(prompt_token_ids)
+            vocab = self.model_config.vocab_size
+            if any(type(t) is not int or not 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(f"prompt_token_ids must be ints in [0, {vocab})")
+        elif messages is not None:
+            ids = self.apply_chat_template(messages)
+        else:
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("prompt must be a string")
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        if not ids:
+            raise InvalidRequestError("prompt is empty (0 tokens)")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` ids, no extra BOS."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise InvalidRequestError("messages must be a list of objects")
+        try:
+            out = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as exc:  # jinja errors on malformed conversations
+            raise InvalidRequestError(f"chat template failed: {exc}") from exc
+        if isinstance(out, dict):
+            out = out["input_ids"]
+        return list(out)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        messages: list[dict] | None = None,
+        sampling_params: SamplingParams | dict | None = None,
+        lane: str = "batch",
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a request; its outputs come from later `step()` calls.
+
+        Args:
+            sampling_params: `SamplingParams` or its `to_dict()` form (the wire format).
+            lane: "interactive" or "batch".
+            priority: lower is more urgent (within a lane).
+            arrival_time: `time.monotonic()` seconds when the request reached this process.
+
+        Raises:
+            InvalidRequestError: bad prompt, params or lane; duplicate id.
+            PromptTooLongError: the prompt leaves no room for one output token.
+        """
+        if request_id in self.states:
+            raise InvalidRequestError(f"duplicate request_id {request_id!r}")
+        if isinstance(sampling_params, dict):
+            params = SamplingParams.from_dict(sampling_params)
+        elif sampling_params is None:
+            params = SamplingParams()
+        elif isinstance(sampling_params, SamplingParams):
+            params = sampling_params
+        else:
+            raise InvalidRequestError("sampling_params must be a SamplingParams or a dict")
+        try:
+            lane_enum = Lane(lane)
+        except ValueError:
+            raise InvalidRequestError(
+                f"lane must be 'interactive' or 'batch', got {lane!r}"
+            ) from None
+        ids = self.encode_prompt(prompt, prompt_token_ids, messages)
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(len(ids), self.max_model_len)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            lane=lane_enum,
+            priority=int(priority),
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(params.seed)
+        self.scheduler.add_request(req)
+        self.states[request_id] = _RequestState(
+            req, IncrementalDetokenizer(self.tokenizer, ids, params), generator, params
+        )
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks; its final delta (reason "abort") comes next step."""
+        state = self.states.pop(request_id, None)
+        if state is None:
+            return
+        self.scheduler.abort_request(request_id)
+        self._pending.append(self._final(state, "", [], "abort"))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states) or bool(self._pending)
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[RequestDelta]:
+        """Run one engine step; returns the deltas it produced (possibly none)."""
+        deltas, self._pending = self._pending, []
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return deltas
+        self.num_steps += 1
+        try:
+            sampled = self._execute(out)
+        except Exception as exc:  # a failed forward fails this step's requests, not the engine
+            logger.exception("engine step failed; failing %d requests", len(out.scheduled))
+            for entry in out.scheduled:
+                state = self.states.pop(entry.request.request_id, None)
+                if state is not None:
+                    self.scheduler.finish_request(state.request, RequestStatus.FINISHED_ERROR)
+                    deltas.append(
+                        self._final(state, "", [], "error", error=f"engine step failed: {exc}")
+                    )
+            return deltas
+        self.scheduler.update_after_step(out)
+        now = time.monotonic()
+        for state, token_id, logprobs in sampled:
+            deltas.append(self._process_token(state, token_id, logprobs, now))
+        return deltas
+
+    def _execute(self, out: SchedulerOutput) -> list[tuple[_RequestState, int, dict | None]]:
+        entries = out.scheduled
+        inputs = self.runner.prepare_inputs(
+            [
+                e.request.token_ids_slice(
+                    e.num_computed_tokens, e.num_computed_tokens + e.num_new_tokens
+                )
+                for e in entries
+            ],
+            [e.num_computed_tokens for e in entries],
+            [e.request.block_table for e in entries],
+            [e.samples for e in entries],
+        )
+        if os.environ.get("LANESERVE_FAULT_STEP") and self._fault_matches(entries):
+            raise EngineError("injected fault (LANESERVE_FAULT_STEP)")
+        logits = self.runner.execute(inputs)
+        if not inputs.sample_rows:
+            return []
+        states = [self.states[entries[i].request.request_id] for i in inputs.sample_rows]
+        result = self.sampler(
+            logits,
+            [s.params for s in states],
+            [s.generator for s in states],
+            [s.request.prompt_token_ids for s in states],
+            [s.request.output_token_ids for s in states],
+        )
+        return list(zip(states, result.token_ids, result.logprobs, strict=True))
+
+    def _fault_matches(self, entries) -> bool:
+        """Test-only fault hook: fail a step whose batch holds a prompt containing the marker."""
+        marker = os.environ.get("LANESERVE_FAULT_STEP", "")
+        ids = self.tokenizer(marker)["input_ids"] if marker else []
+        for e in entries:
+            p = e.request.prompt_token_ids
+            if ids and any(p[i : i + len(ids)] == ids for i in range(len(p) - len(ids) + 1)):
+                return True
+        return False
+
+    def _process_token(
+        self, state: _RequestState, token_id: int, logprobs: dict | None, now: float
+    ) -> RequestDelta:
+        req, params = state.request, state.params
+        req.append_output_token_ids(token_id, now)
+        self.num_generated_tokens += 1
+        n_out = req.num_output_tokens
+        stop_token = n_out > params.min_tokens - 1 and (
+            (token_id in self.eos_token_ids and not params.ignore_eos)
+            or token_id in params.stop_token_ids
+        )
+        upd = state.detokenizer.update([token_id], stop_terminated=stop_token)
+        text = upd.delta_text
+        lp = [logprobs] if logprobs is not None else None
+        reason = None
+        if stop_token or upd.stop_matched is not None:
+            reason = "stop"
+        elif n_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is None:
+            state.text_parts.append(text)
+            return RequestDelta(req.request_id, text, [token_id], False, logprobs=lp)
+        if reason == "length":
+            text += state.detokenizer.flush()
+        self.states.pop(req.request_id, None)
+        self.scheduler.finish_request(
+            req,
+            RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH,
+        )
+        return self._final(state, text, [token_id], reason, logprobs=lp)
+
+    def _final(
+        self,
+        state: _RequestState,
+        text: str,
+        token_ids: list[int],
+        reason: str,
+        logprobs: list | None = None,
+        error: str | None = None,
+    ) -> RequestDelta:
+        state.text_parts.append(text)
+        if state.request.finished_time is None:
+            state.request.finished_time = time.monotonic()
+        return RequestDelta(
+            state.request.request_id,
+            text,
+            token_ids,
+            True,
+            reason,
+            logprobs,
+            state.request.metrics(),
+            error,
+        )
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> dict[str, Any]:
+        """Queue and KV figures: num_total_blocks, num_free_blocks, kv_usage, num_running,
+        num_waiting, prefix_cache_queries, prefix_cache_hits (tokens), num_preemptions,
+        num_steps, num_generated_tokens."""
+        stats = dict(self.scheduler.stats())
+        stats.update(num_steps=self.num_steps, num_generated_tokens=self.num_generated_tokens)
+        return stats
+
+    def check_integrity(self) -> None:
+        """Verify KV bookkeeping invariants (raises AssertionError with a message)."""
+        self.block_manager.check_integrity()
+        live = set(self.scheduler.requests)
+        assert live == set(self.states), (
+            f"engine/scheduler request sets differ: {live ^ set(self.states)}"
+        )

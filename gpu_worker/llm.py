@@ -1,0 +1,163 @@
+"""Offline API: `LLM(model).generate(prompts, params)` on top of `LLMEngine` (vLLM's `LLM` shape)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu_worker.engine import EngineConfig, LLMEngine
+from gpu_worker.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A finished request.
+
+    Attributes:
+        token_ids: output ids, including the EOS id that ended the request.
+        text: output text without special tokens (cut before a matched stop string unless
+            `include_stop_str_in_output`).
+        finish_reason: "stop" | "length" | "abort" | "error".
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        metrics: DESIGN.md per-phase fields measured in the engine (ms) and token counts.
+        logprobs: per output token `{"token_id", "logprob", "top": [(id, logprob), ...]}` when
+            requested.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[dict] | None = None
+    error: str | None = None
+
+
+class LLM:
+    """Run a model offline over a list of prompts with continuous batching.
+
+    Arguments are `EngineConfig` fields; see DESIGN.md for their meaning. `dtype="auto"` picks
+    bfloat16 on a GPU or a bf16-capable CPU and float32 otherwise.
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        dtype: str = "bfloat16",
+        device: str | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        long_prefill_token_threshold: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        **kwargs: Any,
+    ):
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype=dtype,
+                device=device,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                long_prefill_token_threshold=long_prefill_token_threshold,
+                enable_prefix_caching=enable_prefix_caching,
+                max_model_len=max_model_len,
+                **kwargs,
+            )
+        )
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]] | str,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lane: str = "batch",
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in input order.
+
+        Raises:
+            InvalidRequestError / PromptTooLongError: a bad prompt (nothing is run then).
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        kinds = [
+            {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts
+        ]
+        return self._run(kinds, sampling_params, lane)
+
+    def chat(
+        self,
+        conversations: Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lane: str = "batch",
+    ) -> list[RequestOutput]:
+        """Generate a reply to each conversation (the model's chat template, generation prompt on)."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # a single conversation
+        return self._run([{"messages": list(c)} for c in conversations], sampling_params, lane)
+
+    def _run(self, kinds: list[dict], sampling_params, lane: str) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(kinds)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(kinds):
+                raise ValueError(f"{len(params)} sampling_params for {len(kinds)} prompts")
+        engine = self.engine
+        # Validate every prompt first so a bad one leaves nothing half-submitted.
+        encoded = [engine.encode_prompt(**k) for k in kinds]
+        outputs: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        try:
+            for ids, p in zip(encoded, params, strict=True):
+                rid = f"offline-{next(self._ids)}"
+                req = engine.add_request(rid, prompt_token_ids=ids, sampling_params=p, lane=lane)
+                outputs[rid] = RequestOutput(
+                    rid, list(req.prompt_token_ids), logprobs=[] if p.logprobs is not None else None
+                )
+                order.append(rid)
+            pending = set(order)
+            while pending:
+                for d in engine.step():
+                    out = outputs.get(d.request_id)
+                    if out is None:
+                        continue
+                    out.token_ids.extend(d.new_token_ids)
+                    out.text += d.new_text
+                    if d.logprobs and out.logprobs is not None:
+                        out.logprobs.extend(d.logprobs)
+                    if d.finished:
+                        out.finish_reason = d.finish_reason
+                        out.metrics = d.metrics or {}
+                        out.num_cached_tokens = int(out.metrics.get("cached_tokens") or 0)
+                        out.error = d.error
+                        pending.discard(d.request_id)
+        finally:
+            for rid in order:
+                if outputs[rid].finish_reason is None:
+                    engine.abort_request(rid)
+            while engine._pending:  # report aborts so no state lingers
+                engine.step()
+        return [outputs[rid] for rid in order]
+
+    def stats(self) -> dict[str, Any]:
+        """num_total_blocks, num_free_blocks, num_running, num_waiting, prefix_cache_queries,
+        prefix_cache_hits, num_preemptions (and more)."""
+        return self.engine.stats()
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
