@@ -71,8 +71,12 @@ class ApiStack:
         args += ["--heartbeat-interval", str(HB), "--liveness", str(LIVENESS), *extra]
         self._spawn(f"worker-{name}", "laneserve.commands.worker", args)
 
-    def stop_worker(self, name: str) -> None:
-        proc = self.procs.pop(f"worker-{name}")
+    def start_jobs_runner(self, *extra: str) -> None:
+        args = ["jobs-runner", "--broker", self.front, "--db", f"sqlite:///{self.db_path}"]
+        self._spawn("jobs-runner", "laneserve.cli", [*args, "--poll-interval", "0.2", *extra])
+
+    def stop_proc(self, name: str) -> None:
+        proc = self.procs.pop(name)
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(timeout=10)

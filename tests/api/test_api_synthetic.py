@@ -313,3 +313,45 @@ def test_files_and_batches_with_the_sdk(client, tmp_path) -> None:
         client.batches.create(
             input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h"
         )
+
+
+def test_batch_round_trip_with_the_sdk(client, synth_stack, smollm2_gguf) -> None:
+    """Upload -> batch -> the jobs runner runs it on a batch-lane worker -> output file."""
+    stack = synth_stack
+    stack.start_worker("batchw", "--synthetic", "--capacity", "8", lanes="batch")
+    stack.start_jobs_runner(
+        "--model", str(smollm2_gguf), "--model-name", MODEL, "--no-length-check"
+    )
+    try:
+        stack.wait_workers({"synth", "batchw"})
+        lines = [
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": MODEL, "prompt": f"line {i}", "max_tokens": 2},
+            }
+            for i in range(4)
+        ]
+        data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+        f = client.files.create(file=("in.jsonl", data), purpose="batch")
+        b = client.batches.create(
+            input_file_id=f.id, endpoint="/v1/completions", completion_window="24h"
+        )
+        deadline = time.monotonic() + 90
+        while b.status not in ("completed", "failed", "cancelled", "expired"):
+            assert time.monotonic() < deadline, (b, stack.logs())
+            time.sleep(0.3)
+            b = client.batches.retrieve(b.id)
+        assert b.status == "completed", (b, stack.logs())
+        assert b.request_counts.total == 4 and b.request_counts.completed == 4
+        out = client.files.content(b.output_file_id).content.decode().splitlines()
+        results = {json.loads(x)["custom_id"]: json.loads(x) for x in out}
+        assert sorted(results) == ["r0", "r1", "r2", "r3"]
+        body = results["r0"]["response"]["body"]
+        assert body["choices"][0]["text"] == " w0 w1"
+        listed = [x.id for x in client.batches.list(limit=100).data]
+        assert b.id in listed
+    finally:
+        stack.stop_proc("jobs-runner")
+        stack.stop_proc("worker-batchw")

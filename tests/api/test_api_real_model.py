@@ -1,0 +1,124 @@
+"""The gateway in front of the real engine (bundled SmolLM2-135M, float32 on CPU), driven by the
+official `openai` client. Outputs are short: a CPU step takes tens of milliseconds."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from api_stack import API_KEY, ApiStack
+from test_api_synthetic import kill_streaming_clients, wait_idle
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2"
+MSG = [{"role": "user", "content": "List three colors."}]
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture
+def client(real_stack: ApiStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=real_stack.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def chat_stream_text(client, **kw) -> tuple[str, str]:
+    text, reason = "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            reason = c.finish_reason or reason
+    return text, reason
+
+
+def completion_stream_text(client, **kw) -> tuple[str, str]:
+    text, reason = "", None
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            text += c.text
+            reason = c.finish_reason or reason
+    return text, reason
+
+
+def test_streamed_equals_non_streamed_at_temperature_0(client) -> None:
+    kw = {"model": MODEL, "messages": MSG, "max_tokens": 12, "temperature": 0}
+    whole = client.chat.completions.create(**kw)
+    text = whole.choices[0].message.content
+    assert text.strip() and whole.usage.completion_tokens > 0
+    assert chat_stream_text(client, **kw) == (text, whole.choices[0].finish_reason)
+
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": 0}
+    whole = client.completions.create(**kw)
+    assert whole.choices[0].text.strip()
+    assert completion_stream_text(client, **kw) == (
+        whole.choices[0].text,
+        whole.choices[0].finish_reason,
+    )
+
+
+def _stop_inside(text: str) -> tuple[str, str]:
+    """A stop string that first occurs in the middle of `text`, and the text before it."""
+    for k in range(len(text) // 3, len(text) - 3):
+        stop = text[k : k + 3]
+        if stop.strip() and text.find(stop) == k:
+            return stop, text[:k]
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def test_stop_strings_streamed_and_not(client) -> None:
+    kw = {"model": MODEL, "messages": MSG, "max_tokens": 16, "temperature": 0}
+    free = client.chat.completions.create(**kw).choices[0].message.content
+    stop, before = _stop_inside(free)
+    r = client.chat.completions.create(stop=[stop], **kw)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (before, "stop")
+    assert chat_stream_text(client, stop=[stop], **kw) == (before, "stop")
+
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    free = client.completions.create(**kw).choices[0].text
+    stop, before = _stop_inside(free)
+    r = client.completions.create(stop=stop, **kw)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (before, "stop")
+    assert completion_stream_text(client, stop=stop, **kw) == (before, "stop")
+
+
+def test_logprobs_are_valid_json(client, real_stack) -> None:
+    r = client.chat.completions.create(
+        model=MODEL, messages=MSG, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        # greedy: the chosen token is the most likely one
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3
+    )
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(t) == 3 for t in lp.top_logprobs)
+    # the raw body parses as strict JSON (no NaN / Infinity)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "logprobs": 5, "temperature": 1.5}
+    raw = httpx.post(
+        real_stack.url + "/v1/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    ).text
+    json.loads(raw, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+
+def test_sixteen_killed_streaming_clients_return_kv_blocks(real_stack) -> None:
+    baseline = wait_idle(real_stack, timeout_s=60)["num_free_blocks"]
+    kill_streaming_clients(real_stack, 16, 0.5)
+    deadline = time.monotonic() + 60
+    load: dict = {}
+    while time.monotonic() < deadline:
+        st = real_stack.status()
+        load = st["workers"][0]["load"]
+        if st["queues"]["in_flight"] == 0 and load.get("num_free_blocks") == baseline:
+            break
+        time.sleep(0.2)
+    assert load.get("num_free_blocks") == baseline and load.get("num_running") == 0, load
