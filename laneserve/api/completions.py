@@ -50,7 +50,7 @@ async def _serve(request: Request, kind: str) -> Response:
     state.model_info.check(req, cfg)
     await state.check_lane(req.lane)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-    gen = Generation(
+    gen: Generation | None = Generation(
         state.client,
         req,
         prefix + uuid.uuid4().hex,
@@ -62,24 +62,37 @@ async def _serve(request: Request, kind: str) -> Response:
     try:
         if not req.stream:
             if await race_disconnect(request.receive, gen.run_to_end()) is DISCONNECTED:
-                return Response(status_code=499)  # nobody reads it; the aborts went out
+                return Response(status_code=499)  # nobody reads it; close() sends the aborts
             if gen.error is not None:
                 return gen.error.response()
             body_obj = _chat_body(gen, state) if kind == "chat" else _completion_body(gen, state)
-            gen.close()
             return Response(fmt.dumps(body_obj), media_type="application/json")
         if await race_disconnect(request.receive, gen.wait_started()) is DISCONNECTED:
             return Response(status_code=499)
         if gen.error is not None:
             return gen.error.response()
-    except BaseException:
-        gen.close()
-        raise
+        body_iter = _chat_stream(gen, state) if kind == "chat" else _completion_stream(gen, state)
+        response = _GenerationStream(gen, body_iter)  # owns gen from here on
+        gen = None
+        return response
     finally:
-        if not req.stream or gen.error is not None:
+        if gen is not None:
             gen.close()
-    body_iter = _chat_stream(gen, state) if kind == "chat" else _completion_stream(gen, state)
-    return StreamingResponse(body_iter, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+class _GenerationStream(StreamingResponse):
+    """An SSE response that aborts its generation however the response ends -- also when the
+    client leaves before the body iterator ever started (its ``finally`` would not run)."""
+
+    def __init__(self, gen: Generation, body: AsyncIterator[bytes]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI signature
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._gen.close()
 
 
 # ---------------------------------------------------------------------------- non-streamed

@@ -255,6 +255,43 @@ def test_killed_streaming_clients_free_their_kv_blocks(synth_stack) -> None:
     assert synth_stack.status()["counters"].get("aborted", 0) - aborted_before == 8
 
 
+def test_client_gone_before_first_byte_aborts_queued_request(synth_stack) -> None:
+    """8 streams fill the worker (capacity 8); a 9th waits in the broker's queue without any
+    byte sent. Closing all 9 connections aborts all 9 requests."""
+    wait_idle(synth_stack)
+    aborted_before = synth_stack.status()["counters"].get("aborted", 0)
+    body = json.dumps({"model": MODEL, "messages": MSG, "max_tokens": 2000, "stream": True})
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+
+    async def main() -> dict:
+        conns = []
+        for _ in range(9):  # raw sockets: closing one is a real TCP close
+            reader, writer = await asyncio.open_connection("127.0.0.1", synth_stack.port)
+            writer.write((head + body).encode())
+            await writer.drain()
+            conns.append(writer)
+        st: dict = {}
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            st = await asyncio.to_thread(synth_stack.status)
+            if st["queues"]["in_flight"] == 8 and st["queues"]["interactive"] == 1:
+                break
+        for writer in conns:
+            writer.close()
+        return st
+
+    st = asyncio.run(asyncio.wait_for(main(), 60))
+    assert st["queues"]["interactive"] == 1, st["queues"]
+    wait_idle(synth_stack)
+    st = synth_stack.status()
+    assert st["queues"]["interactive"] == 0
+    assert st["counters"].get("aborted", 0) - aborted_before == 9
+
+
 def test_metrics_exposes_vllm_style_names(client, synth_stack) -> None:
     for _ in client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=3, stream=True):
         pass
