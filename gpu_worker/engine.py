@@ -303,7 +303,12 @@ class LLMEngine:
             ) from None
         ids = self.encode_prompt(prompt, prompt_token_ids, messages)
         if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(len(ids), self.max_model_len)
+            raise PromptTooLongError(
+                len(ids),
+                self.max_model_len,
+                f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} allows at most "
+                f"{self.max_model_len - 1} prompt tokens (one output token must fit)",
+            )
         req = Request(
             request_id=request_id,
             prompt_token_ids=ids,

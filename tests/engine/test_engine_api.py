@@ -1,0 +1,130 @@
+"""Offline API contracts: bad input, stop handling, EOS, aborts, chat template, seeds, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu_worker import SamplingParams
+from gpu_worker.errors import InvalidRequestError, PromptTooLongError
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def llm(make_llm):
+    return make_llm(max_model_len=256, num_blocks=64)
+
+
+def test_bad_input_raises_and_engine_keeps_serving(llm):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate([""], GREEDY)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(PromptTooLongError, match="at most 255 prompt tokens") as err:
+        llm.generate([[5] * 256], GREEDY)
+    assert err.value.prompt_tokens == 256 and err.value.max_model_len == 256
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
+        llm.generate([[10**9]], GREEDY)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    # nothing half-submitted: a good prompt after all that still works
+    out = llm.generate(["Hello"], GREEDY)[0]
+    assert out.finish_reason in ("stop", "length") and out.token_ids
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
+
+
+def test_prompt_plus_max_tokens_over_limit_finishes_with_length(llm):
+    prompt = [100 + i for i in range(250)]
+    out = llm.generate([prompt], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length"
+    assert len(prompt) + len(out.token_ids) == 256
+
+
+def test_eos_is_in_token_ids_not_in_text(llm):
+    msgs = [{"role": "user", "content": "Say just the word yes."}]
+    out = llm.chat([msgs], SamplingParams(max_tokens=40, temperature=0.0))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] in llm.engine.eos_token_ids
+    assert "<|im_end|>" not in out.text and out.text.strip()
+
+
+def test_chat_prompt_ids_equal_chat_template(llm):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    out = llm.chat([msgs], GREEDY)[0]
+    expect = llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert out.prompt_token_ids == llm.tokenizer(expect, add_special_tokens=False)["input_ids"]
+
+
+def test_count_to_ten_stops_before_7(llm):
+    msgs = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
+    full = llm.chat([msgs], SamplingParams(max_tokens=40, temperature=0.0))[0]
+    assert "7" in full.text, full.text
+    cut = llm.chat([msgs], SamplingParams(max_tokens=40, temperature=0.0, stop=["7"]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index("7")]
+    kept = llm.chat(
+        [msgs],
+        SamplingParams(max_tokens=40, temperature=0.0, stop=["7"], include_stop_str_in_output=True),
+    )[0]
+    assert kept.text == full.text[: full.text.index("7") + 1]
+
+
+def test_stop_string_inside_a_longer_token(llm):
+    """A stop string equal to the first characters of a multi-character token cuts right before it."""
+    base = llm.generate(
+        ["The capital of France is"], SamplingParams(max_tokens=12, temperature=0.0)
+    )[0]
+    tok = llm.tokenizer
+    pieces = [tok.decode([t]) for t in base.token_ids]
+    idx = next(i for i, p in enumerate(pieces) if len(p.strip()) >= 3)
+    stop = pieces[idx][:2]
+    prefix = "".join(pieces[:idx])
+    if stop in prefix:
+        pytest.skip("the stop string occurs earlier in this output")
+    out = llm.generate(
+        ["The capital of France is"], SamplingParams(max_tokens=12, temperature=0.0, stop=[stop])
+    )[0]
+    assert out.finish_reason == "stop"
+    assert out.text == base.text[: base.text.index(stop)]
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.engine
+    total = engine.stats()["num_total_blocks"]
+    engine.add_request(
+        "a1",
+        prompt="Tell me a long story about dragons.",
+        sampling_params=SamplingParams(max_tokens=200, ignore_eos=True),
+    )
+    for _ in range(3):
+        engine.step()
+    assert engine.stats()["num_free_blocks"] < total
+    engine.abort_request("a1")
+    deltas = engine.step()
+    assert [d.finish_reason for d in deltas if d.request_id == "a1"] == ["abort"]
+    assert engine.stats()["num_free_blocks"] == total
+    assert not engine.has_unfinished_requests()
+
+
+def test_seeded_sampling_reproducible_and_metrics(llm):
+    sp = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=1234, logprobs=2)
+    a = llm.generate(["Once upon a time"], sp)[0]
+    b = llm.generate(["Once upon a time", "Another prompt in the batch"], [sp, GREEDY])[0]
+    assert a.token_ids == b.token_ids
+    assert len(a.logprobs) == len(a.token_ids)
+    assert all(
+        e["token_id"] == t and len(e["top"]) == 2
+        for e, t in zip(a.logprobs, a.token_ids, strict=True)
+    )
+    m = a.metrics
+    assert m["completion_tokens"] == len(a.token_ids)
+    assert m["prompt_tokens"] == len(a.prompt_token_ids)
+    assert m["queue_ms"] >= 0 and m["prefill_ms"] > 0 and m["decode_ms"] > 0
+    assert m["tpot_ms"] == pytest.approx(m["decode_ms"] / (len(a.token_ids) - 1))
+
+
+def test_interactive_lane_runs(llm):
+    out = llm.generate(["Hi"], GREEDY, lane="interactive")[0]
+    assert out.token_ids
+    with pytest.raises(InvalidRequestError, match="lane"):
+        llm.generate(["Hi"], GREEDY, lane="vip")
