@@ -349,7 +349,7 @@ class JobsRunner:
         max_tokens = body["max_tokens"]
         size = prompts.piece_tokens(self.counter.max_model_len, max_tokens)
         token_ids = await asyncio.to_thread(self.counter.encode, line.request["map_reduce"]["text"])
-        first_pieces, calls = 0, 0
+        first_pieces, calls, document_tokens = 0, 0, len(token_ids)
         for level in range(MAX_REDUCE_LEVELS):
             pieces = prompts.split_tokens(token_ids, size)
             first_pieces = first_pieces or len(pieces)
@@ -370,7 +370,7 @@ class JobsRunner:
                         "pieces": first_pieces,
                         "levels": level + 1,
                         "requests": calls + 1,
-                        "document_tokens": len(token_ids) if level == 0 else None,
+                        "document_tokens": document_tokens,
                     }
                 }
                 return self._outcome(info, line, final, error, extra)

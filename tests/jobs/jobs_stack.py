@@ -41,9 +41,15 @@ class JobsStack:
         self.procs[name] = proc
         return proc
 
-    def start_broker(self, *extra: str) -> None:
+    def start_broker(self, *extra: str, recorder: bool = False) -> None:
+        """The broker; with `recorder`, also a recorder writing timings to the same database."""
         args = ["--front", self.front, "--back", self.back, "--heartbeat-interval", str(HB)]
         args += ["--liveness", str(LIVENESS), *extra]
+        if recorder:
+            addr = f"ipc://{self.sock_dir}/recorder.sock"
+            rec_args = ["--recorder-addr", addr, "--db", self.db_url, "--flush-interval", "0.1"]
+            self._spawn("recorder", "laneserve.cli", ["recorder", *rec_args])
+            args += ["--recorder", addr]
         self._spawn("broker", "laneserve.commands.broker", args)
 
     def broker_counters(self) -> dict:

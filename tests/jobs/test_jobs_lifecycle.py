@@ -1,4 +1,8 @@
-"""Bulk jobs end to end with real processes: broker + worker + jobs runner."""
+"""Bulk jobs end to end with real processes: broker + worker + jobs runner (+ recorder).
+
+The line-validation test runs the real bundled model; the cancel, crash, expiry and worker-loss
+tests use the synthetic worker, whose fixed step time makes "in the middle of the job" reliable.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ def stack(laneserve_home, db_url):
 
 def test_good_overlength_malformed_nonobject(stack, engine, laneserve_home, smollm2_dir):
     stack.start_broker()
-    stack.start_worker()
+    stack.start_worker("w1", "--max-num-seqs", "8", model=str(smollm2_dir))  # the real model
     stack.start_runner("--max-model-len", "64", model=str(smollm2_dir))
     lines = [chat_line(f"good-{i}", f"Say hello number {i}.") for i in range(5)]
     lines.insert(2, chat_line("too-long", "word " * 200))
@@ -36,7 +40,8 @@ def test_good_overlength_malformed_nonobject(stack, engine, laneserve_home, smol
     for x in out:
         body = x["response"]["body"]
         assert x["error"] is None and x["response"]["status_code"] == 200
-        assert body["choices"][0]["message"]["content"] and body["id"] == x["id"]
+        assert body["choices"][0]["message"]["content"].strip() and body["id"] == x["id"]
+        assert 1 <= body["usage"]["completion_tokens"] <= 8 and body["usage"]["prompt_tokens"] > 0
     errors = {x["custom_id"]: x["error"]["code"] for x in err}
     assert errors == {
         "too-long": "prompt_too_long",
@@ -67,8 +72,8 @@ def test_duplicate_custom_id_fails_at_validation_and_sends_nothing(stack, engine
     assert stack.broker_counters().get("submitted", 0) == 0
 
 
-def _slow_job(stack, engine, home, n: int, max_tokens: int):
-    stack.start_broker()
+def _slow_job(stack, engine, home, n: int, max_tokens: int, recorder: bool = False):
+    stack.start_broker(recorder=recorder)
     stack.start_worker("w1", "--synthetic-step-ms", "40")
     lines = [chat_line(f"id-{i:03d}", f"line {i}", max_tokens=max_tokens) for i in range(n)]
     return submit(engine, write_jsonl(home / "slow.jsonl", lines))
@@ -107,7 +112,7 @@ def test_cancel_keeps_finished_results(stack, engine, laneserve_home):
 
 
 def test_runner_sigkill_then_restart_completes_each_line_once(stack, engine, laneserve_home):
-    job = _slow_job(stack, engine, laneserve_home, n=30, max_tokens=20)
+    job = _slow_job(stack, engine, laneserve_home, n=30, max_tokens=20, recorder=True)
     stack.start_runner("--max-in-flight", "6")
     before = _wait_progress(engine, job.id, 6, stack).request_completed
     stack.kill("runner")
@@ -119,6 +124,33 @@ def test_runner_sigkill_then_restart_completes_each_line_once(stack, engine, lan
     ids = _custom_ids(engine, job)
     assert sorted(ids) == [f"id-{i:03d}" for i in range(30)]  # each exactly once
     assert job.error_file_id is None
+    _assert_recorded(engine, job.id, 30, logs=stack.logs)
+
+
+def _assert_recorded(
+    engine, job_id: str, n: int, timed: int | None = None, timeout_s=20.0, logs=None
+) -> None:
+    """The recorder's timings landed on the runner's rows (same request ids), no extra rows."""
+    import time
+
+    from sqlalchemy import func, select
+
+    from db.models import Request
+    from db.session import read_session
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with read_session(engine) as s:
+            rows = s.execute(
+                select(
+                    func.count(), func.count(Request.e2e_ms), func.count(Request.response)
+                ).where(Request.job_id == job_id)
+            ).one()
+        timed = n if timed is None else timed
+        if rows[1] >= timed or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert tuple(rows) == (n, timed, n), logs() if logs else None
 
 
 def test_worker_lost_after_max_attempts_goes_to_error_file(stack, engine, laneserve_home):
@@ -150,7 +182,7 @@ def test_lifecycle_on_postgresql_with_runner_restart(laneserve_home, pg_url):
     engine = make_engine(pg_url)
     stack = JobsStack(laneserve_home, pg_url)
     try:
-        stack.start_broker()
+        stack.start_broker(recorder=True)
         stack.start_worker("w1", "--synthetic-step-ms", "40")
         lines = [chat_line(f"pg-{i:02d}", f"line {i}", max_tokens=20) for i in range(20)]
         lines[3:3] = ["{broken", '"a string"']
@@ -164,6 +196,25 @@ def test_lifecycle_on_postgresql_with_runner_restart(laneserve_home, pg_url):
         assert job.request_counts == {"total": 22, "completed": 20, "failed": 2}
         ids = _custom_ids(engine, job)
         assert sorted(ids) == sorted([f"pg-{i:02d}" for i in range(20)] + ["line-4", "line-5"])
+        _assert_recorded(engine, job.id, 22, timed=20)  # bad lines never reach the broker
     finally:
         stack.stop()
         engine.dispose()
+
+
+def test_expired_job_ends_with_batch_expired_lines(stack, engine, laneserve_home):
+    job = _slow_job(stack, engine, laneserve_home, n=20, max_tokens=50)  # ~2 s a line
+    from db.models import Job
+    from db.session import write_session
+
+    stack.start_runner("--max-in-flight", "2")
+    _wait_progress(engine, job.id, 1, stack)
+    with write_session(engine) as s:  # the 24 h window, run out early
+        s.get(Job, job.id).expires_at = 0.0
+    job = wait_job(engine, job.id, ("expired",), stack, timeout_s=60)
+    c = job.request_counts
+    assert c["completed"] >= 1 and c["completed"] + c["failed"] == c["total"] == 20
+    assert job.expired_at is not None
+    err = read_lines(engine, job.error_file_id)
+    assert {x["error"]["code"] for x in err} == {"batch_expired"} and len(err) == c["failed"]
+    assert sorted(_custom_ids(engine, job)) == [f"id-{i:03d}" for i in range(20)]
