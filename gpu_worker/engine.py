@@ -103,6 +103,7 @@ class EngineConfig:
         512  # batch prefill tokens/step while interactive runs
     )
     lanes: tuple[str, ...] = ("interactive", "batch")
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only)
 
 
 @dataclass(slots=True)
@@ -176,7 +177,14 @@ class LLMEngine:
             )
             max_len = pool_tokens
         self.max_model_len = max_len
-        self.runner = ModelRunner(model, config.block_size, num_blocks)
+        self.runner = ModelRunner(
+            model,
+            config.block_size,
+            num_blocks,
+            use_cuda_graphs=not config.enforce_eager,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_len,
+        )
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )

@@ -79,11 +79,30 @@ class StepInputs:
     logits_indices: torch.Tensor
     sample_rows: list[int]  # index into the scheduled list of each request that emits a token
 
+    @property
+    def is_pure_decode(self) -> bool:
+        """Every request computes exactly one token and emits one (graph-replayable shape)."""
+        n = self.input_ids.shape[0]
+        return n == self.attn.seq_lens.shape[0] == len(self.sample_rows)
+
 
 class ModelRunner:
-    """Holds the model and one KV cache tensor per layer: [2, num_blocks, block_size, Hk, D]."""
+    """Holds the model and one KV cache tensor per layer: [2, num_blocks, block_size, Hk, D].
 
-    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int):
+    On CUDA, pure-decode steps replay CUDA graphs captured for a ladder of batch sizes
+    (`kernels.cuda_graphs.DecodeGraphs`, vLLM's 1, 2, 4, 8, 16, ... ladder) unless
+    `use_cuda_graphs=False`; other steps (prefill chunks, mixed batches) run eagerly.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        block_size: int,
+        num_blocks: int,
+        use_cuda_graphs: bool = True,
+        max_num_seqs: int = 256,
+        max_model_len: int = 8192,
+    ):
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -94,6 +113,35 @@ class ModelRunner:
             torch.zeros(shape, dtype=model.dtype, device=self.device)
             for _ in range(c.num_hidden_layers)
         ]
+        self.graphs = None
+        if use_cuda_graphs and self.device.type == "cuda":
+            self.graphs = self._capture_graphs(max_num_seqs, -(-max_model_len // block_size))
+
+    def _capture_graphs(self, max_num_seqs: int, max_blocks: int):
+        from kernels.cuda_graphs import DecodeGraphs, StaticInput, default_ladder
+
+        graphs = DecodeGraphs(
+            self._decode_fn,
+            inputs=[
+                StaticInput("input_ids", (), torch.int64),
+                StaticInput("positions", (), torch.int64),
+                StaticInput("slot_mapping", (), torch.int64, pad=-1),  # padded rows write nothing
+                StaticInput("cu_seqlens_q", (), torch.int32, pad="arange", extra_rows=1),
+                StaticInput("seq_lens", (), torch.int32, pad=1),
+                StaticInput("block_tables", (max_blocks,), torch.int32, pad=0),
+            ],
+            batch_sizes=default_ladder(min(max_num_seqs, 256)),
+            device=self.device,
+            enabled=True,
+        )
+        graphs.capture()
+        logger.info("captured CUDA graphs for decode batch sizes up to %d", min(max_num_seqs, 256))
+        return graphs
+
+    def _decode_fn(self, input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, block_tables):
+        attn = AttentionMetadata(slot_mapping, cu_seqlens_q, seq_lens, block_tables)
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        return self.model.forward(input_ids, positions, attn, self.kv_caches, rows)
 
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv_caches)
@@ -153,6 +201,18 @@ class ModelRunner:
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """One forward; logits [len(sample_rows), vocab] in fp32."""
+        if self.graphs is not None and inputs.is_pure_decode:
+            a = inputs.attn
+            batch = inputs.input_ids.shape[0]
+            logits = self.graphs(
+                input_ids=inputs.input_ids,
+                positions=inputs.positions,
+                slot_mapping=a.slot_mapping,
+                cu_seqlens_q=a.cu_seqlens_q,
+                seq_lens=a.seq_lens,
+                block_tables=a.block_tables,
+            )
+            return logits[:batch]
         return self.model.forward(
             inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, inputs.logits_indices
         )
