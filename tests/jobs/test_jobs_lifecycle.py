@@ -218,3 +218,15 @@ def test_expired_job_ends_with_batch_expired_lines(stack, engine, laneserve_home
     err = read_lines(engine, job.error_file_id)
     assert {x["error"]["code"] for x in err} == {"batch_expired"} and len(err) == c["failed"]
     assert sorted(_custom_ids(engine, job)) == [f"id-{i:03d}" for i in range(20)]
+
+
+def test_broker_restart_mid_job_resubmits_without_counting_attempts(stack, engine, laneserve_home):
+    job = _slow_job(stack, engine, laneserve_home, n=24, max_tokens=20)
+    stack.start_runner("--max-in-flight", "6")
+    _wait_progress(engine, job.id, 4, stack)
+    stack.kill("broker")
+    stack.start_broker("--max-attempts", "1")  # a counted attempt would now fail the line
+    job = wait_job(engine, job.id, ("completed", "failed"), stack, timeout_s=120)
+    assert job.request_counts == {"total": 24, "completed": 24, "failed": 0}, stack.logs()
+    assert sorted(_custom_ids(engine, job)) == [f"id-{i:03d}" for i in range(24)]
+    assert "worker_lost" in (laneserve_home / "runner.log").read_text()  # lines were resubmitted
