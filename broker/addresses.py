@@ -37,3 +37,24 @@ def default_front() -> str:
 
 def default_back() -> str:
     return f"ipc://{run_dir() / 'broker-back.sock'}"
+
+
+def is_local_endpoint(addr: str) -> bool:
+    """True when a ZMQ endpoint is reachable only from this host: ``ipc://``, ``inproc://`` or
+    ``tcp://`` on a loopback address (127.0.0.0/8, ``localhost``, ``::1``). Wildcards (``*``,
+    ``0.0.0.0``), interface names and other hosts are not local."""
+    import ipaddress
+
+    scheme, _, rest = addr.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    if scheme != "tcp" or not rest:
+        return False
+    host = rest.rsplit(":", 1)[0] if ":" in rest else rest
+    host = host.split(";")[-1].strip("[]")  # "src;dst" connect syntax: the destination
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

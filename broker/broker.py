@@ -75,6 +75,8 @@ class BrokerConfig:
     max_reads_per_poll: int = 2000
     max_drain_s: float = 0.01  # time slice per socket per loop, so heartbeats stay on time
     parent_pid: int | None = None  # exit when this process is gone (supervisor)
+    curve_server_key: str | None = None  # server .key_secret file: back socket is a CURVE server
+    curve_allow: str | None = None  # directory of allowed client .key files (broker/curve.py)
 
 
 @dataclass(slots=True)
@@ -129,10 +131,13 @@ class Broker:
         self.config = config
         self.epoch = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.ctx = ctx or zmq.Context.instance()
+        self.curve = _curve_server(self.ctx, config)
         self.front = self._router(config.front, sndhwm=config.client_sndhwm, rcvhwm=100_000)
         # A small receive queue per worker: a worker that outruns the broker feels it (its
         # sends block) after a few hundred steps instead of buffering without bound.
-        self.back = self._router(config.back, sndhwm=100_000, rcvhwm=256, handover=True)
+        self.back = self._router(
+            config.back, sndhwm=100_000, rcvhwm=256, handover=True, curve=self.curve
+        )
         self.recorder: zmq.Socket | None = None
         if config.recorder:
             self.recorder = self.ctx.socket(zmq.DEALER)
@@ -166,9 +171,13 @@ class Broker:
 
     # ----------------------------------------------------------------------------- sockets
 
-    def _router(self, addr: str, *, sndhwm: int, rcvhwm: int, handover: bool = False) -> zmq.Socket:
+    def _router(
+        self, addr: str, *, sndhwm: int, rcvhwm: int, handover: bool = False, curve=None
+    ) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
         p.secure_socket_options(sock, router=True)
+        if curve is not None:
+            curve.apply(sock)
         sock.setsockopt(zmq.SNDHWM, sndhwm)
         sock.setsockopt(zmq.RCVHWM, rcvhwm)
         if handover:
@@ -188,6 +197,8 @@ class Broker:
         for sock in (self.front, self.back, self.recorder):
             if sock is not None:
                 sock.close(linger=0)
+        if self.curve is not None:
+            self.curve.close()
 
     # ----------------------------------------------------------------------------- loop
 
@@ -873,6 +884,8 @@ class Broker:
         queues = {lane: len(q) for lane, q in self.queues.items()}
         queues["in_flight"] = sum(len(w.in_flight) for w in self.workers.values())
         queues["records_unacked"] = self._unacked_records
+        if self.curve is not None:
+            self.counters["curve_refused"] = self.curve.allow.refused
         return p.StatusReply(
             request_id=request_id,
             epoch=self.epoch,
@@ -880,6 +893,29 @@ class Broker:
             queues=queues,
             counters=dict(self.counters),
         )
+
+
+def _curve_server(ctx: zmq.Context, config: BrokerConfig):
+    """The back socket's CURVE server (``broker.curve.CurveServer``) or None.
+
+    Raises ValueError when only one of ``curve_server_key``/``curve_allow`` is given, or when the
+    back socket would listen beyond loopback without CURVE (remote workers must use CurveZMQ,
+    DESIGN.md "Wire protocol"); ``broker.curve.CurveKeyError`` on bad key files.
+    """
+    from broker.addresses import is_local_endpoint
+
+    if bool(config.curve_server_key) != bool(config.curve_allow):
+        raise ValueError("CURVE needs both a server key (--curve-server-key) and --curve-allow")
+    if not config.curve_server_key:
+        if not is_local_endpoint(config.back):
+            raise ValueError(
+                f"back socket {config.back} is reachable from other hosts: remote workers must "
+                "use CurveZMQ (--curve-server-key and --curve-allow; `laneserve keys generate`)"
+            )
+        return None
+    from broker.curve import CurveServer
+
+    return CurveServer(ctx, config.curve_server_key, config.curve_allow)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -20,6 +20,15 @@ Two threads::
 
 SIGTERM drains: the worker announces ``draining`` (the broker stops dispatching to it), finishes
 what it holds (at most ``drain_timeout_s``), then exits. A second SIGTERM stops at once.
+
+A broker on another host is reached with CurveZMQ: ``curve_server_public`` (the broker's
+``server.key``) and ``curve_client_key`` (this worker's ``NAME.key_secret``), see broker/curve.py.
+A refused handshake (key not on the broker's allow-list) is logged as an error; the worker keeps
+retrying and never registers.
+
+Test-only fault hook: with ``LANESERVE_FAULT_CRASH=TEXT`` in the environment, a request whose
+prompt or messages contain TEXT kills the worker process (``os._exit(1)``) when it is added, the
+way a request that crashes its worker every time would (tests/reliability, fault scenario 2).
 """
 
 from __future__ import annotations
@@ -89,6 +98,8 @@ class Worker:
         stats_interval_s: float = 0.25,
         info: dict | None = None,
         ctx: zmq.Context | None = None,
+        curve_server_public: str | None = None,
+        curve_client_key: str | None = None,
     ) -> None:
         self.engine = engine
         self.broker_addr = broker_addr
@@ -120,6 +131,19 @@ class Worker:
         self._handed = 0
         self._forwarded = 0
         self.max_backlog = 64  # engine steps waiting for the broker before the engine pauses
+        self.curve: tuple[str, str] | None = None
+        if curve_server_public or curve_client_key:
+            from broker.curve import apply_client
+
+            if not (curve_server_public and curve_client_key):
+                raise ValueError("CURVE needs both the server public key and a client key")
+            self.curve = (curve_server_public, curve_client_key)
+            probe = self.ctx.socket(zmq.DEALER)
+            try:
+                apply_client(probe, *self.curve)  # fail fast on bad key files
+            finally:
+                probe.close(linger=0)
+        self._fault_crash = os.environ.get("LANESERVE_FAULT_CRASH") or None
 
     # ------------------------------------------------------------------ public
 
@@ -201,6 +225,9 @@ class Worker:
         rid = msg.request_id
         if rid in self.active:
             return  # duplicate dispatch; already running
+        if self._fault_crash and self._fault_crash in repr((msg.prompt, msg.messages)):
+            logger.error("LANESERVE_FAULT_CRASH matched request %s: exiting", rid)
+            os._exit(1)
         try:
             self.engine.add_request(
                 rid,
@@ -342,6 +369,11 @@ class Worker:
         sock.setsockopt(zmq.SNDHWM, 64)  # backpressure reaches the engine loop quickly
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+        if self.curve is not None:
+            from broker.curve import apply_client
+
+            apply_client(sock, *self.curve)
+        self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
         sock.connect(self.broker_addr)
         ready = p.Ready(
             worker_id=self.worker_id,
@@ -361,6 +393,8 @@ class Worker:
         poller = zmq.Poller()
         poller.register(pipe, zmq.POLLIN)
         poller.register(dealer, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        last_refusal_log = 0.0
         epoch: str | None = None
         now = time.monotonic()
         last_heard = now
@@ -399,6 +433,17 @@ class Worker:
                             self._reset(pipe, dealer)
                         else:
                             pipe.send_multipart(frames)
+                if self._monitor in events:
+                    for event in self._recv_all(self._monitor):
+                        if now - last_refusal_log >= 5.0:
+                            last_refusal_log = now
+                            logger.error(
+                                "broker %s refused the connection (handshake failed, event %s): "
+                                "check --curve-server-public/--curve-client-key and the "
+                                "broker's --curve-allow list",
+                                self.broker_addr,
+                                int.from_bytes(event[0][:2], "little") if event else "?",
+                            )
                 if pipe in events:
                     outbox.extend(self._recv_all(pipe))
                 while outbox:
@@ -428,12 +473,14 @@ class Worker:
                         self.broker_addr,
                     )
                     poller.unregister(dealer)
-                    dealer.close(linger=0)
+                    poller.unregister(self._monitor)
+                    self._close_dealer(dealer)
                     pipe.send_multipart(p.Disconnect(reason="broker silent").to_frames())
                     self._forwarded += len(outbox)  # outputs for the old broker are moot
                     outbox.clear()
                     dealer = self._connect()
                     poller.register(dealer, zmq.POLLIN)
+                    poller.register(self._monitor, zmq.POLLIN)
                     epoch = None
                     last_heard = now
                     backoff = min(backoff * 2, 30.0)
@@ -443,8 +490,13 @@ class Worker:
                         logger.warning("parent %d died: stopping", self.parent_pid)
                         self._stop.set()
         finally:
-            dealer.close(linger=0)
+            self._close_dealer(dealer)
             pipe.close(linger=0)
+
+    def _close_dealer(self, dealer: zmq.Socket) -> None:
+        dealer.disable_monitor()
+        self._monitor.close(linger=0)
+        dealer.close(linger=0)
 
     def _reset(self, pipe: zmq.Socket, dealer: zmq.Socket) -> None:
         """Tell the engine loop to forget everything, then announce ourselves again."""
@@ -471,6 +523,13 @@ class Worker:
             except zmq.Again:
                 break
         return out
+
+
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 def parse_bytes(text: str | int | None) -> int | None:

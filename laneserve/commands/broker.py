@@ -77,6 +77,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process is gone"
     )
+    curve = parser.add_argument_group("CurveZMQ for remote workers (`laneserve keys generate`)")
+    curve.add_argument(
+        "--curve-server-key",
+        default=None,
+        help="server key pair (keys/server.key_secret): the back socket becomes a CURVE server",
+    )
+    curve.add_argument(
+        "--curve-allow",
+        default=None,
+        help="directory of allowed worker public keys (keys/allowed); others are refused",
+    )
     parser.set_defaults(func=run)
 
 
@@ -98,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         record_resend_s=args.record_resend,
         snapshot_interval_s=args.snapshot_interval,
         no_worker_timeout_s=args.no_worker_timeout,
+        curve_server_key=args.curve_server_key,
+        curve_allow=args.curve_allow,
     )
     broker = Broker(config)
     signal.signal(signal.SIGTERM, lambda *_: broker.stop())

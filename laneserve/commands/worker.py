@@ -36,6 +36,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish work on SIGTERM"
     )
+    curve = parser.add_argument_group("CurveZMQ (a broker on another host)")
+    curve.add_argument(
+        "--curve-server-public", default=None, help="the broker's public key file (server.key)"
+    )
+    curve.add_argument(
+        "--curve-client-key", default=None, help="this worker's key pair (NAME.key_secret)"
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", default="smollm2-135m")
     engine.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32")
@@ -91,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     from gpu_worker.worker import Worker
 
     lanes = [lane.strip() for lane in args.lanes.split(",") if lane.strip()]
+    if bool(args.curve_server_public) != bool(args.curve_client_key):
+        raise SystemExit("--curve-server-public and --curve-client-key go together")
     engine = build_engine(args, lanes)
     worker = Worker(
         engine,
@@ -104,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         parent_pid=args.parent_pid,
         drain_timeout_s=args.drain_timeout,
         info={"pid": os.getpid(), "synthetic": bool(args.synthetic)},
+        curve_server_public=args.curve_server_public,
+        curve_client_key=args.curve_client_key,
     )
     return worker.run()
 
