@@ -1,0 +1,500 @@
+"""`laneserve up`: run the whole stack under one supervisor (laneserve/supervisor.py).
+
+Starts the recorder, the broker, N workers, the jobs runner, the HTTP API and the dashboard on
+embedded defaults (SQLite in `$LANESERVE_HOME`, the bundled model, CPU when there is no GPU,
+dtype auto), waits until they answer, writes `$LANESERVE_HOME/stack.json` (laneserve/stack.py)
+and prints the URLs. A crashed child is restarted with backoff; Ctrl-C / SIGTERM stops everything
+(children get `--parent-pid`, so they also exit if this process is killed).
+
+The model is pulled and converted (file-locked, atomic) before any worker starts, so N workers do
+not race to download it. On CPU each worker gets `(cores - 1) / workers` torch threads
+(`OMP_NUM_THREADS`, see `threads_per_worker`) and every child `OMP_WAIT_POLICY=PASSIVE` (libgomp's busy wait makes torch
+10-30x slower on a loaded small CPU; see gpu_worker/__init__.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_API_PORT = 8000
+DEFAULT_DASHBOARD_PORT = 8501
+LANES = ("interactive", "batch")
+# Broker <-> worker liveness: missed 1 s heartbeats before a worker counts as lost. Generous on
+# CPU, where a loaded machine can starve the worker's IO thread for seconds.
+LIVENESS_CPU = 30
+LIVENESS_GPU = 5
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "up", help="run the whole stack (broker, workers, recorder, jobs runner, API, dashboard)"
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=1, help="engine workers (default: 1)")
+    parser.add_argument(
+        "--lanes",
+        default="interactive,batch",
+        help="lanes per worker: one list for all workers (default: %(default)s), or one list "
+        "per worker separated by ';', e.g. --workers 2 --lanes 'interactive;batch'",
+    )
+    parser.add_argument("--model", default="smollm2-135m", help="alias, .gguf or HF directory")
+    parser.add_argument("--api-port", type=int, default=DEFAULT_API_PORT, help="0: any free port")
+    parser.add_argument(
+        "--dashboard-port", type=int, default=DEFAULT_DASHBOARD_PORT, help="0: any free port"
+    )
+    parser.add_argument("--no-dashboard", action="store_true", help="do not start the dashboard")
+    parser.add_argument(
+        "--db", default=None, help="database URL (default: $LANESERVE_DB_URL, else SQLite in home)"
+    )
+    parser.add_argument(
+        "--api-key", default=None, help="key the API requires (default: $LANESERVE_API_KEY; none)"
+    )
+    engine = parser.add_argument_group("engine (passed to every worker)")
+    engine.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32")
+    engine.add_argument("--block-size", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=None)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
+    engine.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB")
+    engine.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per worker (default: cores/workers)",
+    )
+    engine.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="synthetic workers (fake tokens, no model): for tests and benchmarks of the plumbing",
+    )
+    parser.add_argument(
+        "--liveness",
+        type=int,
+        default=None,
+        help=f"missed 1 s heartbeats before a worker is lost (default: {LIVENESS_CPU} on CPU, "
+        f"{LIVENESS_GPU} on GPU)",
+    )
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for every component to answer (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--parent-pid", type=int, default=None, help="stop the stack when this process is gone"
+    )
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def quiet_http_logs() -> None:
+    """HTTP clients log every request at INFO; keep the terminal for what matters."""
+    import logging as _logging
+
+    for name in ("httpx", "httpx2", "httpcore", "openai"):
+        _logging.getLogger(name).setLevel(_logging.WARNING)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def parse_lanes(spec: str, workers: int) -> list[list[str]]:
+    """Lanes for each worker from `--lanes` (see its help).
+
+    Raises:
+        ValueError: unknown lane, an empty list, or a per-worker count that differs from workers.
+    """
+    groups = [[x.strip() for x in g.split(",") if x.strip()] for g in spec.split(";")]
+    if len(groups) == 1:
+        groups = groups * workers
+    if len(groups) != workers:
+        raise ValueError(f"--lanes gives {len(groups)} lane lists for {workers} workers")
+    for group in groups:
+        if not group or any(lane not in LANES for lane in group):
+            raise ValueError(f"--lanes: each list needs lanes from {LANES}, got {group}")
+    return groups
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_worker(cores: int, workers: int) -> int:
+    """torch threads for each worker: the cores left after one for the rest of the stack (broker,
+    API, jobs runner), split between the workers, at least 1.
+
+    Why one core is kept back: an OpenMP team whose threads lose their core to another process
+    stalls at every barrier. Measured on a loaded 2-core box (SmolLM2-135M float32, one stream):
+    1 thread 7.7 tokens/s, 2 threads 1.6 tokens/s.
+    """
+    return max(1, (cores - 1) // workers) if cores > 1 else 1
+
+
+def gpu_count() -> int:
+    """CUDA devices visible (0 without torch's CUDA build or a driver)."""
+    if not (Path("/dev/nvidiactl").exists() or os.environ.get("CUDA_VISIBLE_DEVICES")):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def prepare_model(model: str) -> None:
+    """Pull the bundled model and convert a GGUF once (both file-locked and atomic), so the
+    workers, the API and the jobs runner load it fast and never race to download it.
+
+    Raises:
+        gpu_worker.errors.ModelLoadError: unknown alias, download failure, bad file.
+    """
+    from gpu_worker.model_files import resolve_model_path
+    from gpu_worker.model_loader import convert_gguf
+
+    path = resolve_model_path(model)  # pulls a bundled alias
+    if path.is_file() and path.suffix == ".gguf":
+        convert_gguf(path)
+
+
+def child_env(home: Path, threads: int, api_key: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        LANESERVE_HOME=str(home),
+        OMP_WAIT_POLICY="PASSIVE",
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("LANESERVE_DB_URL", None)  # every child gets --db explicitly
+    if api_key:
+        env["LANESERVE_API_KEY"] = api_key
+    else:
+        env.pop("LANESERVE_API_KEY", None)
+    return env
+
+
+def build_specs(args: argparse.Namespace, plan: dict) -> list:
+    """The child commands for this stack (`plan`: addresses, ports, db url, pid, threads)."""
+    from laneserve.supervisor import ChildSpec
+
+    py = sys.executable
+    pid = str(os.getpid())
+    home = plan["home"]
+    common = child_env(home, 1, plan["api_key"])
+    worker_env = child_env(home, plan["threads"], plan["api_key"])
+    liveness = str(plan["liveness"])
+    specs = [
+        ChildSpec(
+            "recorder",
+            [py, "-m", "laneserve.cli", "recorder", "--recorder-addr", plan["recorder_addr"],
+             "--db", plan["db_url"], "--parent-pid", pid],
+            common, stop_group=3,
+        ),
+        ChildSpec(
+            "broker",
+            [py, "-m", "laneserve.commands.broker", "--front", plan["front"],
+             "--back", plan["back"], "--recorder", plan["recorder_addr"],
+             "--liveness", liveness, "--parent-pid", pid],
+            common, stop_group=2,
+        ),
+    ]  # fmt: skip
+    for i, lanes in enumerate(plan["lanes"]):
+        argv = [py, "-m", "laneserve.commands.worker", "--broker", plan["back"]]
+        argv += ["--lanes", ",".join(lanes), "--worker-id", f"worker-{i}"]
+        argv += ["--liveness", liveness, "--parent-pid", pid, "--drain-timeout", "5"]
+        if args.synthetic:
+            argv.append("--synthetic")
+        else:
+            argv += ["--model", args.model, "--dtype", args.dtype]
+        for flag in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
+            value = getattr(args, flag)
+            if value is not None:
+                argv += [f"--{flag.replace('_', '-')}", str(value)]
+        if plan["gpus"] > 0:
+            argv += ["--device", f"cuda:{i % plan['gpus']}"]
+        specs.append(ChildSpec(f"worker-{i}", argv, worker_env, stop_group=1))
+    runner = [py, "-m", "laneserve.commands.jobs_runner", "--broker", plan["front"]]
+    runner += ["--db", plan["db_url"], "--parent-pid", pid]
+    runner += ["--no-length-check"] if args.synthetic else ["--model", args.model]
+    specs.append(ChildSpec("jobs-runner", runner, common, stop_group=0))
+    api = [py, "-m", "laneserve.commands.api", "--broker", plan["front"]]
+    api += ["--port", str(plan["api_port"]), "--db", plan["db_url"], "--parent-pid", pid]
+    if not args.synthetic:
+        api += ["--model", args.model]
+    specs.append(ChildSpec("api", api, common, stop_group=0))
+    if plan["dashboard_port"] is not None:
+        dash = [py, "-m", "laneserve.cli", "dashboard", "--port", str(plan["dashboard_port"])]
+        dash += ["--db", plan["db_url"], "--parent-pid", pid]
+        specs.append(ChildSpec("dashboard", dash, common, stop_group=0))
+    return specs
+
+
+def check_ready(plan: dict) -> list[str]:
+    """Components not answering yet (empty when the stack is ready)."""
+    import httpx
+
+    from broker.client import broker_status
+
+    waiting = []
+    try:
+        status = broker_status(plan["front"], timeout_s=1.0)
+        if len(status["workers"]) < len(plan["lanes"]):
+            waiting.append(f"workers ({len(status['workers'])}/{len(plan['lanes'])})")
+    except TimeoutError:
+        waiting.append("broker")
+    urls = {"api": plan["api_url"] + "/health"}
+    if plan["dashboard_url"]:
+        urls["dashboard"] = plan["dashboard_url"] + "/_stcore/health"
+    for name, url in urls.items():
+        try:
+            r = httpx.get(url, timeout=2.0)
+            if r.status_code != 200:
+                waiting.append(name)
+            elif name == "api" and r.json().get("workers", 0) < len(plan["lanes"]):
+                waiting.append("api (workers)")
+        except (httpx.HTTPError, ValueError):
+            waiting.append(name)
+    return waiting
+
+
+# ------------------------------------------------------------------------------------ run
+
+
+class _Stop:
+    requested = False
+    signum = 0
+
+
+def run(args: argparse.Namespace) -> int:
+    quiet_http_logs()
+    from broker.addresses import default_back, default_front, run_dir
+    from laneserve import stack
+    from laneserve.supervisor import Supervisor
+
+    if args.workers < 1:
+        print("laneserve up: --workers must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        lanes = parse_lanes(args.lanes, args.workers)
+    except ValueError as exc:
+        print(f"laneserve up: {exc}", file=sys.stderr)
+        return 2
+    home = stack.laneserve_home().resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    other = stack.running_stack(home, ready=False)
+    if other is not None:
+        print(
+            f"laneserve up: a stack is already running under {home} "
+            f"(supervisor pid {other['supervisor_pid']}, API {other.get('api_url')})",
+            file=sys.stderr,
+        )
+        return 1
+    ports = {}
+    for name, port in (("api", args.api_port), ("dashboard", args.dashboard_port)):
+        if name == "dashboard" and args.no_dashboard:
+            ports[name] = None
+        elif port == 0:
+            ports[name] = free_port()
+        elif not port_free(port):
+            print(
+                f"laneserve up: port {port} for the {name} is in use; pass --{name}-port "
+                "(0 picks a free one)",
+                file=sys.stderr,
+            )
+            return 1
+        else:
+            ports[name] = port
+
+    stop = _Stop()
+
+    def on_signal(signum, _frame):
+        stop.requested, stop.signum = True, signum
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+
+    from db import migrate
+    from db.session import DatabaseURLError, resolve_url
+
+    try:
+        db_url = resolve_url(args.db).render_as_string(hide_password=False)
+        say(f"preparing the database {resolve_url(db_url).render_as_string(True)}")
+        migrate.upgrade(db_url)
+    except (migrate.MigrationError, DatabaseURLError) as exc:
+        print(f"laneserve up: {exc}", file=sys.stderr)
+        return 1
+    gpus = 0
+    if not args.synthetic:
+        from gpu_worker.errors import ModelLoadError
+
+        say(f"preparing the model {args.model} (downloaded and converted once)")
+        try:
+            prepare_model(args.model)
+        except ModelLoadError as exc:
+            print(f"laneserve up: {exc}", file=sys.stderr)
+            return 1
+        gpus = gpu_count()
+    if stop.requested:
+        return 130
+    threads = args.threads or threads_per_worker(cpu_cores(), args.workers)
+    plan = {
+        "home": home,
+        "front": default_front(),
+        "back": default_back(),
+        "recorder_addr": f"ipc://{run_dir() / 'recorder.sock'}",
+        "db_url": db_url,
+        "lanes": lanes,
+        "threads": threads,
+        "gpus": gpus,
+        "liveness": args.liveness or (LIVENESS_GPU if gpus else LIVENESS_CPU),
+        "api_port": ports["api"],
+        "api_url": f"http://127.0.0.1:{ports['api']}",
+        "dashboard_port": ports["dashboard"],
+        "dashboard_url": (
+            f"http://127.0.0.1:{ports['dashboard']}" if ports["dashboard"] is not None else None
+        ),
+        "api_key": args.api_key or os.environ.get("LANESERVE_API_KEY"),
+    }
+    state = {"state": "starting"}
+    started_at = time.time()
+
+    def write(sup: Supervisor) -> None:
+        stack.write_stack(
+            {
+                "state": state["state"],
+                "supervisor_pid": os.getpid(),
+                "started_at": started_at,
+                "api_url": plan["api_url"],
+                "dashboard_url": plan["dashboard_url"],
+                "broker_front": plan["front"],
+                "broker_back": plan["back"],
+                "recorder_addr": plan["recorder_addr"],
+                "db_url": plan["db_url"],
+                "model": "synthetic" if args.synthetic else args.model,
+                "workers": [{"name": f"worker-{i}", "lanes": ls} for i, ls in enumerate(lanes)],
+                "threads_per_worker": threads,
+                "api_key_required": bool(plan["api_key"]),
+                "logs": str(home / "logs"),
+                "children": sup.pids(),
+            },
+            home,
+        )
+
+    sup = Supervisor(build_specs(args, plan), home / "logs", on_change=write)
+    code = 0
+    try:
+        say(f"starting {len(sup.children)} processes (logs in {home / 'logs'})")
+        sup.start()
+        deadline = time.monotonic() + args.ready_timeout
+        waiting = ["everything"]
+        while waiting and not stop.requested:
+            if time.monotonic() > deadline:
+                print(
+                    f"laneserve up: not ready after {args.ready_timeout:.0f}s; "
+                    f"waiting for {', '.join(waiting)}; logs in {home / 'logs'}",
+                    file=sys.stderr,
+                )
+                code = 1
+                break
+            _watch(sup, args.parent_pid, stop)
+            waiting = check_ready(plan)
+            if waiting:
+                time.sleep(0.5)
+        if not stop.requested and code == 0:
+            state["state"] = "ready"
+            write(sup)
+            print_banner(plan, home, time.time() - started_at)
+            while not stop.requested:
+                _watch(sup, args.parent_pid, stop)
+                time.sleep(0.25)
+    finally:
+        state["state"] = "stopping"
+        write(sup)
+        say("stopping")
+        sup.stop()
+        stack.remove_stack(os.getpid(), home)
+        say("stopped")
+    if code == 0 and stop.signum == signal.SIGINT:
+        return 0
+    return code
+
+
+def _watch(sup, parent_pid: int | None, stop: _Stop) -> None:
+    from laneserve.stack import pid_alive
+
+    sup.poll()
+    if parent_pid is not None and not pid_alive(parent_pid):
+        logger.info("parent %d is gone; stopping", parent_pid)
+        stop.requested = True
+
+
+def say(msg: str) -> None:
+    """Progress lines for the person at the terminal (stderr; stdout carries the URLs)."""
+    print(f"laneserve up: {msg}", file=sys.stderr, flush=True)
+
+
+def print_banner(plan: dict, home: Path, elapsed_s: float) -> None:
+    lines = [
+        f"laneserve is up ({elapsed_s:.0f}s)",
+        f"  API        {plan['api_url']}/v1   (OpenAI-compatible)",
+    ]
+    if plan["dashboard_url"]:
+        lines.append(f"  dashboard  {plan['dashboard_url']}")
+    lines += [
+        f"  database   {_hide_password(plan['db_url'])}",
+        f"  logs       {home / 'logs'}",
+        f"  stack      {home / 'stack.json'}",
+        '  try        laneserve chat "What does the json module do?"  |  laneserve status',
+        "Ctrl-C stops everything.",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def _hide_password(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m laneserve.commands.up``: this command alone (faster start)."""
+    parser = argparse.ArgumentParser(prog="laneserve up")
+    add_arguments(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return int(run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

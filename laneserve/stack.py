@@ -1,0 +1,117 @@
+"""Stack discovery: `$LANESERVE_HOME/stack.json`, written by `laneserve up`.
+
+`submit`, `jobs`, `status`, `chat` and `demo` find the running stack from `LANESERVE_HOME` alone
+(DESIGN.md "Contracts and edge cases: Stack discovery"). The file is one JSON object::
+
+    {
+      "version": 1,
+      "state": "starting" | "ready" | "stopping",
+      "supervisor_pid": 1234,
+      "started_at": 1764400000.0,          # unix seconds
+      "api_url": "http://127.0.0.1:8000",
+      "dashboard_url": "http://127.0.0.1:8501" | null,
+      "broker_front": "ipc://.../broker-front.sock",
+      "broker_back": "ipc://.../broker-back.sock",
+      "recorder_addr": "ipc://.../recorder.sock",
+      "db_url": "sqlite:////.../laneserve.db",
+      "model": "smollm2-135m",
+      "children": {"broker": 1235, "worker-0": 1236, ...}   # name -> pid
+    }
+
+It is replaced atomically (write to a temp file, `os.replace`) and removed when the supervisor
+stops. A file whose `supervisor_pid` is gone is stale: `running_stack()` ignores it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+STACK_FILE = "stack.json"
+STACK_VERSION = 1
+
+
+class StackNotRunningError(RuntimeError):
+    """No live `laneserve up` under this `$LANESERVE_HOME`."""
+
+
+def laneserve_home() -> Path:
+    """`$LANESERVE_HOME`, default `~/.laneserve` (not created here)."""
+    return Path(os.environ.get("LANESERVE_HOME") or Path.home() / ".laneserve").expanduser()
+
+
+def stack_path(home: Path | None = None) -> Path:
+    return (home or laneserve_home()) / STACK_FILE
+
+
+def pid_alive(pid: int | None) -> bool:
+    """True when a process with this pid exists (zombies count as gone)."""
+    if not pid or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child answers kill(0) but is dead
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def write_stack(info: dict[str, Any], home: Path | None = None) -> Path:
+    """Atomically write `info` (plus `version`) to `$LANESERVE_HOME/stack.json`; return the path."""
+    path = stack_path(home)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"version": STACK_VERSION, **info}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".stack-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_stack(home: Path | None = None) -> dict[str, Any] | None:
+    """The stack file as a dict, or None when absent or unreadable (no liveness check)."""
+    try:
+        data = json.loads(stack_path(home).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def running_stack(home: Path | None = None, *, ready: bool = True) -> dict[str, Any] | None:
+    """The stack file when its supervisor is alive (and, with `ready`, fully started), else None."""
+    info = read_stack(home)
+    if info is None or not pid_alive(info.get("supervisor_pid")):
+        return None
+    if ready and info.get("state") != "ready":
+        return None
+    return info
+
+
+def require_stack(home: Path | None = None) -> dict[str, Any]:
+    """`running_stack()` or raise StackNotRunningError with a hint to start one."""
+    info = running_stack(home)
+    if info is None:
+        raise StackNotRunningError(
+            f"no running laneserve stack under {home or laneserve_home()} "
+            "(start one with `laneserve up`)"
+        )
+    return info
+
+
+def remove_stack(pid: int, home: Path | None = None) -> None:
+    """Remove the stack file if it belongs to supervisor `pid`."""
+    info = read_stack(home)
+    if info is not None and info.get("supervisor_pid") == pid:
+        stack_path(home).unlink(missing_ok=True)

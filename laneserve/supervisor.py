@@ -1,0 +1,220 @@
+"""A small process supervisor for `laneserve up`.
+
+Each child is a command line (`ChildSpec`) started in its own session (so a terminal Ctrl-C
+reaches only the supervisor, which then stops the children in order) with stdout/stderr appended
+to `LOG_DIR/NAME.log`. `poll()` restarts a child that exited with exponential backoff
+(`backoff_initial_s`, doubled per crash up to `backoff_max_s`, reset once a child has stayed up for
+`stable_s`). `stop()` never restarts anything: it sends SIGTERM group by group (`stop_group`
+ascending: edges first, the recorder last so it can flush), waits up to `stop_timeout_s` per group,
+then SIGKILLs what is left, including grandchildren in each child's process group.
+
+Children also get `--parent-pid` from their owner (`laneserve up`), so they exit on their own if
+the supervisor is killed with SIGKILL (DESIGN.md "Processes").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ChildSpec:
+    """One supervised command.
+
+    name: unique label (log file `NAME.log`, key in stack.json's `children`).
+    argv: the command line (argv[0] is looked up on PATH when not absolute).
+    env: the full environment for the child (None: inherit).
+    restart: restart after an unexpected exit.
+    stop_group: children stop in ascending groups; same group -> stopped together.
+    """
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] | None = None
+    restart: bool = True
+    stop_group: int = 0
+
+
+@dataclass(slots=True)
+class Child:
+    spec: ChildSpec
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0  # time.monotonic()
+    restarts: int = 0
+    backoff_s: float = 0.0
+    restart_at: float | None = None  # monotonic time of the next start, None: not scheduled
+    exit_codes: list[int] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+
+class Supervisor:
+    """Start, watch, restart and stop a set of child processes (not thread-safe: one owner)."""
+
+    def __init__(
+        self,
+        specs: list[ChildSpec],
+        log_dir: Path,
+        *,
+        backoff_initial_s: float = 1.0,
+        backoff_max_s: float = 30.0,
+        stable_s: float = 30.0,
+        stop_timeout_s: float = 15.0,
+        on_change: Callable[[Supervisor], None] | None = None,
+    ) -> None:
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"child names must be unique: {names}")
+        self.children = {s.name: Child(s) for s in specs}
+        self.log_dir = Path(log_dir)
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.stable_s = stable_s
+        self.stop_timeout_s = stop_timeout_s
+        self.on_change = on_change
+        self.stopping = False
+
+    # --------------------------------------------------------------------------- start
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def _spawn(self, child: Child) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path(child.spec.name), "ab") as log:
+            child.proc = subprocess.Popen(
+                child.spec.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child.spec.env,
+                start_new_session=True,
+            )
+        child.started_at = time.monotonic()
+        child.restart_at = None
+        logger.debug("started %s (pid %d)", child.spec.name, child.proc.pid)
+
+    def start(self, names: list[str] | None = None) -> None:
+        """Start the named children (default: all not yet started), in spec order."""
+        if self.stopping:
+            raise RuntimeError("supervisor is stopping")
+        for name, child in self.children.items():
+            if (names is None or name in names) and child.proc is None:
+                self._spawn(child)
+        self._changed()
+
+    def pids(self) -> dict[str, int | None]:
+        """name -> pid of the live process (None while down or waiting for a restart)."""
+        return {name: child.pid for name, child in self.children.items()}
+
+    # --------------------------------------------------------------------------- watch
+
+    def poll(self) -> list[str]:
+        """Reap exited children and (re)start those whose backoff has elapsed.
+
+        Returns human-readable event lines (also logged). Does nothing while stopping."""
+        if self.stopping:
+            return []
+        events: list[str] = []
+        now = time.monotonic()
+        changed = False
+        for name, child in self.children.items():
+            proc = child.proc
+            if proc is not None and child.restart_at is None and proc.poll() is not None:
+                code = proc.returncode
+                child.exit_codes.append(code)
+                up_s = now - child.started_at
+                if not child.spec.restart:
+                    events.append(f"{name} exited with {code}; not restarted")
+                    child.restart_at = float("inf")
+                    changed = True
+                    continue
+                if up_s >= self.stable_s or child.backoff_s == 0.0:
+                    child.backoff_s = self.backoff_initial_s
+                else:
+                    child.backoff_s = min(self.backoff_max_s, child.backoff_s * 2)
+                child.restart_at = now + child.backoff_s
+                events.append(
+                    f"{name} (pid {proc.pid}) exited with {code} after {up_s:.1f}s; "
+                    f"restarting in {child.backoff_s:.1f}s (log: {self.log_path(name)})"
+                )
+                changed = True
+            elif child.restart_at is not None and now >= child.restart_at:
+                child.restarts += 1
+                self._spawn(child)
+                events.append(f"{name} restarted (pid {child.proc.pid}, restart #{child.restarts})")
+                changed = True
+        for line in events:
+            logger.warning("%s", line)
+        if changed:
+            self._changed()
+        return events
+
+    def exited(self, name: str) -> int | None:
+        """The exit code when `name` is down (and not yet restarted), else None."""
+        proc = self.children[name].proc
+        return None if proc is None else proc.poll()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change(self)
+            except Exception:  # a failing callback (disk full) must not kill the supervisor
+                logger.exception("supervisor on_change callback failed")
+
+    # --------------------------------------------------------------------------- stop
+
+    def stop(self) -> dict[str, int | None]:
+        """Stop every child (SIGTERM per group, SIGKILL after `stop_timeout_s`); never restarts.
+
+        Returns name -> exit code (negative: killed by that signal)."""
+        self.stopping = True
+        groups = sorted({c.spec.stop_group for c in self.children.values()})
+        for group in groups:
+            members = [c for c in self.children.values() if c.spec.stop_group == group]
+            for child in members:
+                if child.proc is not None and child.proc.poll() is None:
+                    _signal(child.proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_timeout_s
+            for child in members:
+                if child.proc is None:
+                    continue
+                try:
+                    child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop in time; killing it", child.spec.name)
+                    _kill_group(child.proc.pid)
+                    child.proc.wait()
+        for child in self.children.values():  # grandchildren left in a child's group
+            if child.proc is not None:
+                _kill_group(child.proc.pid)
+        return {
+            name: (c.proc.returncode if c.proc is not None else None)
+            for name, c in self.children.items()
+        }
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL a child's process group (it is the group leader: started in a new session)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
