@@ -115,6 +115,10 @@ def run_one(n: int, args) -> dict:
             "runner_rss_idle_mib": round(rss_idle / 2**20, 1),
             "runner_rss_peak_mib": round(sampler.peak / 2**20, 1),
             "input_file_mib": round(path.stat().st_size / 2**20, 2),
+            "runner_rss_mib_deciles": [
+                round(sampler.samples[int(q * (len(sampler.samples) - 1))] / 2**20, 1)
+                for q in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+            ],
         }
     finally:
         stack.stop()

@@ -230,3 +230,15 @@ def test_broker_restart_mid_job_resubmits_without_counting_attempts(stack, engin
     assert job.request_counts == {"total": 24, "completed": 24, "failed": 0}, stack.logs()
     assert sorted(_custom_ids(engine, job)) == [f"id-{i:03d}" for i in range(24)]
     assert "worker_lost" in (laneserve_home / "runner.log").read_text()  # lines were resubmitted
+
+
+def test_jobs_share_the_window_round_robin(stack, engine, laneserve_home):
+    big = _slow_job(stack, engine, laneserve_home, n=60, max_tokens=10)  # ~0.4 s a line
+    small_lines = [chat_line(f"s{i}", "hi", max_tokens=10) for i in range(4)]
+    small = submit(engine, write_jsonl(laneserve_home / "small.jsonl", small_lines))
+    stack.start_runner("--max-in-flight", "4")
+    small = wait_job(engine, small.id, ("completed",), stack, timeout_s=60)
+    big_now = wait_job(engine, big.id, ("in_progress", "finalizing", "completed"), stack)
+    assert big_now.status == "in_progress" and big_now.request_completed < 60  # small overtook
+    big = wait_job(engine, big.id, ("completed",), stack, timeout_s=120)
+    assert small.completed_at < big.completed_at
