@@ -186,6 +186,8 @@ class Validator:
 
     def _line(self, line_no: int, raw: bytes) -> LineResult:
         name = f"line-{line_no}"
+        if line_no == 1:
+            raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
         try:
             obj = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -137,3 +137,16 @@ def test_prompt_length_with_the_model_tokenizer(tmp_path, counter):
     )
     assert r.error["code"] == "prompt_too_long"
     assert json.dumps(r.error)
+
+
+def test_byte_order_mark_and_crlf_are_accepted(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(
+        b"\xef\xbb\xbf"
+        + json.dumps(chat_line("a", "x")).encode()
+        + b"\r\n"
+        + json.dumps(chat_line("b", "y")).encode()
+        + b"\r\n"
+    )
+    v = Validator(endpoint="/v1/chat/completions", counter=None)
+    assert [(r.custom_id, r.error) for r in v.lines(path)] == [("a", None), ("b", None)]
