@@ -23,7 +23,9 @@ Worker loss: a request that has sent nothing to its client yet (any batch reques
 streamed output, an interactive one before its first token) is requeued at the head of its
 queue, up to ``max_attempts`` dispatches, after which it ends with a final ``worker_lost``
 error (``retryable=False``). A request that already streamed output gets ``worker_lost`` with
-``retryable=True``.
+``retryable=True``. A requeued request's last attempt runs *alone* on a worker (no other request
+is dispatched to that worker meanwhile): a request that crashes its worker every time then uses
+up its own attempts without failing the requests that happened to share its worker.
 
 All sends are non-blocking. A client whose socket is full (it does not read) or gone
 (ROUTER_MANDATORY -> EHOSTUNREACH) has its requests aborted. Invalid messages are dropped,
@@ -94,6 +96,7 @@ class WorkerState:
     stats: dict = field(default_factory=dict)
     draining: bool = False
     hb_sent: float = 0.0  # monotonic time of the last heartbeat sent to it
+    solo: bool = False  # runs a requeued request's last attempt alone: takes nothing else
 
     @property
     def credit(self) -> int:
@@ -119,6 +122,8 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None
     num_tokens: int = 0
+    lost: int = 0  # times its worker was lost before it sent anything
+    solo: bool = False  # dispatched alone (its last attempt after a worker loss)
 
 
 class Broker:
@@ -522,6 +527,8 @@ class Broker:
             worker.in_flight.discard(rid)
             if req.submit.lane == "batch":
                 worker.num_batch -= 1
+            if req.solo:
+                req.solo = worker.solo = False
         req.worker = None
 
     def _worker_lost(self, identity: bytes) -> None:
@@ -547,6 +554,7 @@ class Broker:
                 self._finish(req, "error", ("worker_lost", msg), {}, status="failed")
             else:
                 self.counters["requeued"] += 1
+                req.lost += 1
                 # forget the lost attempt's partial output (stream=False accumulates it)
                 req.text, req.token_ids, req.logprobs = [], [], None
                 req.num_tokens, req.first_token = 0, 0.0
@@ -597,10 +605,18 @@ class Broker:
                 self._since_batch += 1
             self._send_request(worker, self.requests[rid])
 
+    def _needs_solo(self, req: RequestState) -> bool:
+        """A request lost with a worker before, about to get its last attempt."""
+        return req.lost > 0 and req.attempts + 1 >= self.config.max_attempts
+
     def _pick(self, lane: str) -> WorkerState | None:
+        """The least-loaded worker that may take the head of ``lane``'s queue (non-empty)."""
+        solo = self._needs_solo(self.requests[self.queues[lane][0]])
         best, best_load = None, 2.0
         for worker in self.workers.values():
-            if lane not in worker.lanes or worker.draining or worker.credit <= 0:
+            if lane not in worker.lanes or worker.draining or worker.credit <= 0 or worker.solo:
+                continue
+            if solo and worker.in_flight:
                 continue
             if lane == "batch" and len(worker.lanes) > 1:
                 reserve = max(1, int(worker.capacity * self.config.interactive_reserve_fraction))
@@ -613,11 +629,14 @@ class Broker:
 
     def _send_request(self, worker: WorkerState, req: RequestState) -> None:
         s = req.submit
-        req.attempts += 1
         req.worker = worker.identity
         req.worker_id = worker.worker_id
         req.worker_model = worker.model or None
         req.dispatched = time.monotonic()
+        if self._needs_solo(req):
+            req.solo = worker.solo = True
+            self.counters["solo_dispatches"] += 1
+        req.attempts += 1
         worker.in_flight.add(s.request_id)
         if s.lane == "batch":
             worker.num_batch += 1

@@ -50,7 +50,7 @@ def run(coro, timeout_s: float = 60.0):
 class RelStack:
     """Named child processes sharing one temp directory, LANESERVE_HOME and SQLite database."""
 
-    def __init__(self, tmp: Path, *, liveness: int = 10) -> None:
+    def __init__(self, tmp: Path, *, liveness: int = 10, hb: float = HB) -> None:
         self.tmp = tmp
         self.home = tmp / "home"
         self.home.mkdir(exist_ok=True)
@@ -59,6 +59,7 @@ class RelStack:
         self.recorder_addr = f"ipc://{tmp}/recorder.sock"
         self.db_url = f"sqlite:///{self.home / 'laneserve.db'}"
         self.liveness = liveness
+        self.hb = hb
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen] = {}
@@ -84,7 +85,7 @@ class RelStack:
         return proc
 
     def start_broker(self, *extra: str, name: str = "broker") -> subprocess.Popen:
-        args = ["--front", self.front, "--back", self.back, "--heartbeat-interval", str(HB)]
+        args = ["--front", self.front, "--back", self.back, "--heartbeat-interval", str(self.hb)]
         args += ["--liveness", str(self.liveness), *extra]
         return self.spawn(name, ["laneserve.commands.broker", *args])
 
@@ -99,16 +100,19 @@ class RelStack:
     ) -> subprocess.Popen:
         args = ["--synthetic"] if synthetic else []
         args += ["--broker", back or self.back, "--worker-id", name, "--lanes", lanes]
-        args += ["--heartbeat-interval", str(HB), "--liveness", str(self.liveness), *extra]
+        args += ["--heartbeat-interval", str(self.hb), "--liveness", str(self.liveness), *extra]
         return self.spawn(f"worker-{name}", ["laneserve.commands.worker", *args], env=env)
 
-    def start_recorder(self) -> subprocess.Popen:
-        args = ["recorder", "--recorder-addr", self.recorder_addr, "--db", self.db_url]
+    def start_recorder(self, db_url: str | None = None) -> subprocess.Popen:
+        args = ["recorder", "--recorder-addr", self.recorder_addr, "--db", db_url or self.db_url]
+        args += ["--flush-interval", "0.1"]
         return self.spawn("recorder", ["laneserve.cli", *args])
 
     def start_jobs_runner(self, *extra: str) -> subprocess.Popen:
-        args = ["jobs-runner", "--broker", self.front, "--db", self.db_url]
-        return self.spawn("jobs-runner", ["laneserve.cli", *args, "--poll-interval", "0.2", *extra])
+        """The jobs runner without a tokenizer (synthetic workers; no length check)."""
+        args = ["--broker", self.front, "--db", self.db_url, "--poll-interval", "0.2"]
+        argv = ["laneserve.commands.jobs_runner", *args, "--no-length-check", *extra]
+        return self.spawn("jobs-runner", argv)
 
     def start_api(self, *extra: str) -> subprocess.Popen:
         args = ["--broker", self.front, "--port", str(self.port), "--db", self.db_url]
@@ -118,6 +122,15 @@ class RelStack:
         proc = self.procs[name]
         proc.kill()
         proc.wait(timeout=10)
+
+    def restart_dead(self, starters: dict[str, Callable[[], object]]) -> list[str]:
+        """Mini-supervisor step: start again each named child that has exited."""
+        restarted = []
+        for name, start in starters.items():
+            if self.procs[name].poll() is not None:
+                start()
+                restarted.append(name)
+        return restarted
 
     def stop(self) -> None:
         procs = list(self.procs.values())
@@ -182,3 +195,72 @@ class RelStack:
         for path in sorted(self.tmp.glob("*.log")):
             out.append(f"--- {path.name}\n{path.read_text(errors='replace')[-tail:]}")
         return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------- jobs
+
+
+def chat_line(custom_id: str, content: str, max_tokens: int = 8) -> dict:
+    body = {
+        "model": "smollm2-135m",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+    }
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def submit_job(engine, tmp: Path, lines: list[dict]):
+    """Create the input file and the batch through jobs.service; returns the Job row."""
+    import json
+
+    from jobs import service
+
+    path = tmp / f"input-{time.monotonic_ns()}.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with path.open("rb") as f:
+        file = service.create_file(engine, f, path.name)
+    return service.create_batch(engine, file.id, "/v1/chat/completions")
+
+
+def job_state(engine, job_id: str):
+    from jobs import service
+
+    return service.get_batch(engine, job_id)
+
+
+def wait_job(engine, job_id: str, timeout_s: float, stack: RelStack | None = None, tick=None):
+    """Wait for a terminal status; ``tick()`` runs every poll (e.g. a mini-supervisor)."""
+    deadline = time.monotonic() + timeout_s
+    job = None
+    while time.monotonic() < deadline:
+        job = job_state(engine, job_id)
+        if job.status in ("completed", "failed", "cancelled", "expired"):
+            return job
+        if tick is not None:
+            tick()
+        time.sleep(0.2)
+    logs = stack.logs() if stack else ""
+    raise AssertionError(f"job {job_id} still {job and job.status} after {timeout_s}s\n{logs}")
+
+
+def read_file_lines(engine, file_id: str | None) -> list[dict]:
+    import json
+
+    from jobs import service
+
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in service.file_content(engine, file_id).decode().splitlines()]
+
+
+def report(scenario: str, **figures) -> None:
+    """Print one scenario's figures (and append them to $LANESERVE_RELIABILITY_OUT if set), the
+    source of docs/reliability.md's table."""
+    import json
+
+    line = json.dumps({"scenario": scenario, **figures})
+    print(line)
+    out = os.environ.get("LANESERVE_RELIABILITY_OUT")
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
