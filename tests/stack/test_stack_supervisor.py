@@ -1,0 +1,131 @@
+"""The supervisor and stack.json on real (tiny) child processes; no model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from laneserve import stack
+from laneserve.commands.up import parse_lanes, threads_per_worker
+from laneserve.supervisor import ChildSpec, Supervisor
+
+PY = sys.executable
+
+
+def wait_for(predicate, timeout_s: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not met within {timeout_s}s")
+
+
+def test_stack_file_roundtrip_and_staleness(tmp_path):
+    assert stack.read_stack(tmp_path) is None
+    stack.write_stack({"state": "ready", "supervisor_pid": os.getpid(), "api_url": "u"}, tmp_path)
+    assert oct((tmp_path / "stack.json").stat().st_mode & 0o777) == "0o600"  # holds the db url
+    info = stack.running_stack(tmp_path)
+    assert info["api_url"] == "u" and info["version"] == stack.STACK_VERSION
+    # A supervisor that is gone makes the file stale.
+    dead = subprocess.Popen([PY, "-c", "pass"])
+    dead.wait()
+    stack.write_stack({"state": "ready", "supervisor_pid": dead.pid}, tmp_path)
+    assert stack.running_stack(tmp_path) is None
+    with pytest.raises(stack.StackNotRunningError, match="laneserve up"):
+        stack.require_stack(tmp_path)
+    # Only the owner removes it; a starting stack is not "ready".
+    stack.write_stack({"state": "starting", "supervisor_pid": os.getpid()}, tmp_path)
+    assert stack.running_stack(tmp_path) is None
+    assert stack.running_stack(tmp_path, ready=False) is not None
+    stack.remove_stack(dead.pid, tmp_path)
+    assert stack.read_stack(tmp_path) is not None
+    stack.remove_stack(os.getpid(), tmp_path)
+    assert stack.read_stack(tmp_path) is None
+
+
+def test_crashing_child_restarts_with_growing_backoff(tmp_path):
+    starts = tmp_path / "starts"
+    code = f"open({str(starts)!r}, 'a').write('x'); raise SystemExit(3)"
+    sup = Supervisor(
+        [ChildSpec("crasher", [PY, "-c", code])],
+        tmp_path / "logs",
+        backoff_initial_s=0.2,
+        backoff_max_s=0.8,
+        stable_s=60,
+    )
+    changes = []
+    sup.on_change = lambda s: changes.append(s.pids())
+    sup.start()
+    backoffs = []
+    deadline = time.monotonic() + 20
+    while sup.children["crasher"].restarts < 4 and time.monotonic() < deadline:
+        sup.poll()
+        b = sup.children["crasher"].backoff_s
+        if not backoffs or backoffs[-1] != b:
+            backoffs.append(b)
+        time.sleep(0.02)
+    sup.stop()
+    child = sup.children["crasher"]
+    assert child.restarts >= 4
+    assert backoffs[:4] == [0.0, 0.2, 0.4, 0.8]  # doubled per crash, capped
+    assert set(child.exit_codes) == {3}
+    assert child.restarts <= len(starts.read_text()) <= child.restarts + 1  # real new processes
+    assert len(changes) >= 4  # stack.json would be rewritten with each new pid
+
+
+def test_stop_never_restarts_and_kills_stubborn_groups(tmp_path):
+    grandchild_pid = tmp_path / "gc.pid"
+    stubborn = (
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+        f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']);"
+        f"open({str(grandchild_pid)!r}, 'w').write(str(p.pid)); time.sleep(120)"
+    )
+    sup = Supervisor(
+        [
+            ChildSpec("edge", [PY, "-c", "import time; time.sleep(120)"], stop_group=0),
+            ChildSpec("stubborn", [PY, "-c", stubborn], stop_group=1),
+        ],
+        tmp_path / "logs",
+        stop_timeout_s=2.0,
+    )
+    sup.start()
+    gc = int(wait_for(lambda: grandchild_pid.exists() and grandchild_pid.read_text(), what="gc"))
+    pids = sup.pids()
+    t0 = time.monotonic()
+    codes = sup.stop()
+    assert time.monotonic() - t0 < 10
+    assert codes["edge"] == -15 and codes["stubborn"] == -9
+    assert not any(psutil.pid_exists(p) for p in [*pids.values(), gc] if _not_zombie(p))
+    assert sup.poll() == [] and sup.pids() == {"edge": None, "stubborn": None}
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_duplicate_names_rejected(tmp_path):
+    with pytest.raises(ValueError, match="unique"):
+        Supervisor([ChildSpec("a", ["true"]), ChildSpec("a", ["true"])], tmp_path)
+
+
+def test_parse_lanes_and_threads():
+    assert parse_lanes("interactive,batch", 2) == [["interactive", "batch"]] * 2
+    assert parse_lanes("interactive;batch", 2) == [["interactive"], ["batch"]]
+    with pytest.raises(ValueError, match="2 workers"):
+        parse_lanes("interactive;batch;batch", 2)
+    with pytest.raises(ValueError, match="lanes"):
+        parse_lanes("interactive,bulk", 1)
+    assert threads_per_worker(2, 1) == 1  # one core kept for broker/API/runner
+    assert threads_per_worker(16, 1) == 15
+    assert threads_per_worker(16, 4) == 3
+    assert threads_per_worker(1, 3) == 1

@@ -1,0 +1,182 @@
+"""`laneserve up` on the bundled model, used the way a person would: the OpenAI client, a task
+job through `laneserve submit`, SQL rows, `laneserve status --json`, `laneserve chat`, and a clean
+shutdown. One stack per module (the tests run in file order; the last one stops it)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import openai
+import psutil
+import pytest
+from sqlalchemy import create_engine, select
+
+from db.models import Request
+from tests.stack.stack_helpers import UpProcess, laneserve, processes_mentioning
+
+pytestmark = pytest.mark.slow
+
+PHASE_COLUMNS = ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "tpot_ms", "e2e_ms")
+
+
+@pytest.fixture(scope="module")
+def up(model_home):
+    stack = UpProcess(
+        model_home, "--api-port", "0", "--no-dashboard", "--dtype", "float32",
+        "--max-num-seqs", "16",
+    )  # fmt: skip
+    stack.wait_ready()
+    yield stack
+    if stack.proc.poll() is None:
+        stack.stop()
+
+
+def client(up) -> openai.OpenAI:
+    return openai.OpenAI(base_url=up.info["api_url"] + "/v1", api_key="unused", max_retries=0)
+
+
+def sql_rows(up, *where):
+    engine = create_engine(up.info["db_url"])
+    try:
+        with engine.connect() as conn:
+            return conn.execute(select(Request).where(*where)).all()
+    finally:
+        engine.dispose()
+
+
+def wait_rows(up, *where, n: int = 1, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    rows = []
+    while time.monotonic() < deadline:
+        rows = sql_rows(up, *where)
+        if len(rows) >= n:
+            return rows
+        time.sleep(0.3)
+    raise AssertionError(f"{len(rows)} of {n} rows after {timeout_s}s:\n{up.logs()}")
+
+
+def test_stack_json_names_every_component(up):
+    info = up.info
+    assert set(info["children"]) == {"recorder", "broker", "worker-0", "jobs-runner", "api"}
+    assert all(psutil.pid_exists(pid) for pid in info["children"].values())
+    assert info["supervisor_pid"] == up.proc.pid
+    assert info["db_url"].startswith("sqlite:///") and str(up.home) in info["db_url"]
+    assert info["api_url"].startswith("http://127.0.0.1:")
+    assert info["dashboard_url"] is None
+
+
+def test_engine_options_reach_the_worker(up):
+    cmd = psutil.Process(up.info["children"]["worker-0"]).cmdline()
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "16"
+    assert cmd[cmd.index("--dtype") + 1] == "float32"
+    assert cmd[cmd.index("--parent-pid") + 1] == str(up.proc.pid)
+    env = psutil.Process(up.info["children"]["worker-0"]).environ()
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert int(env["OMP_NUM_THREADS"]) >= 1
+
+
+def test_chat_through_openai_client_is_recorded_with_phases(up):
+    c = client(up)
+    model = c.models.list().data[0].id
+    assert model == "smollm2-135m"
+    stream = c.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Name a color."}],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+    )
+    chunks = list(stream)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text.strip()
+    request_id = chunks[0].id
+    (row,) = wait_rows(up, Request.id == request_id)
+    row = row._mapping
+    assert row["lane"] == "interactive"
+    assert row["completion_tokens"] >= 2
+    for col in PHASE_COLUMNS:
+        assert row[col] is not None and row[col] >= 0, col
+    assert row["ttft_ms"] >= row["queue_ms"]
+
+
+def test_task_job_to_completion_via_submit(up, tmp_path):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(
+        "".join(
+            json.dumps({"id": f"d{i}", "text": t}) + "\n"
+            for i, t in enumerate(
+                [
+                    "The json module encodes Python objects as JSON text and decodes it back.",
+                    "The csv module reads and writes tables stored as comma separated values.",
+                ]
+            )
+        )
+    )
+    # Only LANESERVE_HOME tells `submit` where the stack (its database) is.
+    res = laneserve(
+        up.home, "submit", str(docs), "--task", "summarize", "--max-tokens", "8", "--wait",
+        "--json", timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    job_id = json.loads(res.stdout.splitlines()[0])["id"]
+    show = laneserve(up.home, "jobs", "show", job_id)
+    batch = json.loads(show.stdout)
+    assert batch["status"] == "completed"
+    assert batch["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+    rows = wait_rows(up, Request.job_id == job_id, Request.e2e_ms.is_not(None), n=2)
+    for row in rows:
+        row = row._mapping
+        assert row["lane"] == "batch"
+        for col in ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "e2e_ms"):
+            assert row[col] is not None, col
+
+
+def test_status_json(up):
+    res = laneserve(up.home, "status", "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    status = json.loads(res.stdout)  # exactly one JSON object on stdout
+    assert status["running"] is True and status["state"] == "ready"
+    (worker,) = status["workers"]
+    assert worker["pid"] == up.info["children"]["worker-0"]
+    assert "laneserve.commands.worker" in " ".join(psutil.Process(worker["pid"]).cmdline())
+    assert worker["lanes"] == ["interactive", "batch"]
+    assert worker["model"] == "smollm2-135m"
+    assert "kv_usage" in worker["load"]
+    names = {c["name"]: c for c in status["components"]}
+    assert all(c["healthy"] for c in names.values()), names
+    assert names["api"]["address"] == up.info["api_url"]
+
+
+def test_chat_command_streams_an_answer(up):
+    res = laneserve(up.home, "chat", "Say hello.", "--max-tokens", "8", "--temperature", "0")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip()
+    assert "TTFT" in res.stderr
+
+
+def test_crashed_child_is_restarted(up):
+    old = up.stack()["children"]["jobs-runner"]
+    psutil.Process(old).kill()
+    deadline = time.monotonic() + 60
+    new = None
+    while time.monotonic() < deadline:
+        new = up.stack()["children"].get("jobs-runner")
+        if new and new != old and psutil.pid_exists(new):
+            break
+        time.sleep(0.3)
+    assert new and new != old, up.logs()
+    assert "jobs-runner" in (up.home / "up.log").read_text()
+
+
+def test_sigint_stops_everything(up):
+    descendants = psutil.Process(up.proc.pid).children(recursive=True)
+    assert len(descendants) >= 5
+    assert up.stop(signal.SIGINT) == 0
+    gone, alive = psutil.wait_procs(descendants, timeout=10)
+    assert not alive, alive
+    assert not (up.home / "stack.json").exists()
+    assert processes_mentioning(str(up.home)) == []
+    res = laneserve(up.home, "status", "--json")
+    assert res.returncode == 1 and json.loads(res.stdout)["running"] is False
