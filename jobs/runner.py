@@ -258,11 +258,16 @@ class JobsRunner:
                 continue
             await self._flush()
             total, completed, failed = await self._sql(store.counts, aj.info.id)
-            if completed + failed >= total:
-                self.active.pop(aj.info.id, None)
-                await self._finish(aj.info.id)
-            else:
-                aj.exhausted, aj.cursor = False, ""  # a line is still open: read again
+            if completed + failed < total:
+                unfinished, rows = await self._sql(store.recount, aj.info.id)
+                if unfinished:
+                    aj.exhausted, aj.cursor = False, ""  # a line is still open: read again
+                    continue
+                logger.error(
+                    "job %s: counters disagreed with its %d rows; recounted", aj.info.id, rows
+                )
+            self.active.pop(aj.info.id, None)
+            await self._finish(aj.info.id)
 
     # ------------------------------------------------------------------ one line
 

@@ -97,6 +97,34 @@ def counts(engine: Engine, job_id: str) -> tuple[int, int, int]:
     return row[0], row[1], row[2]
 
 
+def recount(engine: Engine, job_id: str) -> tuple[int, int]:
+    """Recompute a job's counters from its rows; returns (unfinished lines, rows).
+
+    Repairs counters that disagree with the rows (they never should: results and counters are
+    written in one transaction); `completed`/`failed` are set only when no line is unfinished.
+    """
+    with write_session(engine) as session:
+        rows = session.execute(select(Request.response).where(Request.job_id == job_id)).scalars()
+        total = unfinished = failed = 0
+        for response in rows:
+            total += 1
+            if response is None:
+                unfinished += 1
+            elif results.is_error(response):
+                failed += 1
+        if unfinished == 0:
+            session.execute(
+                update(Job)
+                .where(Job.id == job_id)
+                .values(
+                    request_total=total,
+                    request_completed=total - failed,
+                    request_failed=failed,
+                )
+            )
+    return unfinished, total
+
+
 # --------------------------------------------------------------------------------- validation
 
 
