@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -115,3 +116,59 @@ def remove_stack(pid: int, home: Path | None = None) -> None:
     info = read_stack(home)
     if info is not None and info.get("supervisor_pid") == pid:
         stack_path(home).unlink(missing_ok=True)
+
+
+def start_stack_process(
+    home: Path,
+    up_args: list[str],
+    *,
+    timeout_s: float = 900.0,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen, dict[str, Any]]:
+    """Run `laneserve up UP_ARGS` as a child under `home` (its output in `home/logs/up.log`), with
+    `--parent-pid` set to this process; return (process, stack.json dict) once it is ready.
+
+    For `laneserve demo` and the benchmark scripts; stop it with `stop_stack_process`.
+
+    Raises:
+        RuntimeError: it exited or was not ready within `timeout_s` (the message ends with the
+            tail of its log).
+    """
+    import sys
+    import time
+
+    home = Path(home).resolve()
+    log_path = home / "logs" / "up.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "laneserve.commands.up", *up_args]
+    cmd += ["--parent-pid", str(os.getpid())]
+    child_env = dict(env if env is not None else os.environ, LANESERVE_HOME=str(home))
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=child_env, start_new_session=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while (info := running_stack(home)) is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_stack_process(proc)
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"`laneserve up` did not start; {log_path}:\n{tail}")
+        time.sleep(0.3)
+    return proc, info
+
+
+def stop_stack_process(proc: subprocess.Popen, timeout_s: float = 60.0) -> int:
+    """SIGTERM a `laneserve up` child and wait (SIGKILL its group after `timeout_s`)."""
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return proc.wait()

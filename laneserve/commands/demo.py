@@ -20,9 +20,7 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--translation-tokens", type=int, default=32, help="max tokens per translation"
     )
     parser.add_argument("--chat-tokens", type=int, default=32, help="max tokens per chat answer")
-    parser.add_argument("--chat-concurrency", type=int, default=1, help="chats in flight at once")
+    parser.add_argument("--chat-concurrency", type=int, default=2, help="chats in flight at once")
     parser.add_argument("--max-chats", type=int, default=None, help="default: 40 (quick: 6)")
     parser.add_argument("--no-dashboard", action="store_true", help="if the demo starts the stack")
     parser.add_argument("--out", type=Path, default=None, help="default: $LANESERVE_HOME/demo/TS")
@@ -227,41 +225,17 @@ def start_stack(home: Path, no_dashboard: bool, console) -> subprocess.Popen:
         RuntimeError: it exited or did not become ready (the message has its log's tail).
     """
     from laneserve.commands.up import DEFAULT_API_PORT, DEFAULT_DASHBOARD_PORT, port_free
-    from laneserve.stack import running_stack
+    from laneserve.stack import start_stack_process
 
-    cmd = [sys.executable, "-m", "laneserve.commands.up", "--parent-pid", str(os.getpid())]
-    cmd += ["--api-port", str(DEFAULT_API_PORT if port_free(DEFAULT_API_PORT) else 0)]
+    args = ["--api-port", str(DEFAULT_API_PORT if port_free(DEFAULT_API_PORT) else 0)]
     if no_dashboard:
-        cmd.append("--no-dashboard")
+        args.append("--no-dashboard")
     else:
         port = DEFAULT_DASHBOARD_PORT if port_free(DEFAULT_DASHBOARD_PORT) else 0
-        cmd += ["--dashboard-port", str(port)]
-    log_path = home / "logs" / "demo-up.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=dict(os.environ, LANESERVE_HOME=str(home)), start_new_session=True,
-        )  # fmt: skip
-    deadline = time.monotonic() + 900
+        args += ["--dashboard-port", str(port)]
     with console.status("starting the stack (the first run downloads the model) ..."):
-        while running_stack(home) is None:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                stop_stack(proc)
-                tail = log_path.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"`laneserve up` did not start; {log_path}:\n{tail}")
-            time.sleep(0.5)
+        proc, _ = start_stack_process(home, args)
     return proc
-
-
-def stop_stack(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 # ------------------------------------------------------------------------------ run
@@ -295,8 +269,10 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         if proc is not None and not args.keep_running:
+            from laneserve.stack import stop_stack_process
+
             with console.status("stopping the stack ..."):
-                stop_stack(proc)
+                stop_stack_process(proc)
             console.print("stack stopped")
 
 
