@@ -22,6 +22,18 @@ import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see gpu_worker/__init__)
 
+
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# Triton kernels forced on CPU run interpreted; triton decides when a kernel is decorated, and some
+# other import (transformers) may load triton before kernels.triton does, so decide here, first.
+if _no_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REQUIRE_ALL = os.environ.get("LANESERVE_REQUIRE_ALL") == "1"
 
 
