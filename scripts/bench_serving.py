@@ -399,6 +399,7 @@ def main() -> int:
                 "concurrency" if not args.rate else "rate": level,
                 "client": client_figures(results, wall),
                 "server": server_figures(info["db_url"], results),
+                "load_avg_1m": round(os.getloadavg()[0], 2),  # other tenants of the machine
             }
             if args.rate:
                 entry["concurrency"] = level

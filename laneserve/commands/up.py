@@ -32,6 +32,8 @@ LANES = ("interactive", "batch")
 # CPU, where a loaded machine can starve the worker's IO thread for seconds.
 LIVENESS_CPU = 30
 LIVENESS_GPU = 5
+# A child that has been restarted this many times before the stack is ready fails `up` at once.
+START_RESTARTS = 3
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -63,7 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key", default=None, help="key the API requires (default: $LANESERVE_API_KEY; none)"
     )
     engine = parser.add_argument_group("engine (passed to every worker)")
-    engine.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32")
+    engine.add_argument(
+        "--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32")
+    )
     engine.add_argument("--block-size", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=None)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -138,6 +142,29 @@ def parse_lanes(spec: str, workers: int) -> list[list[str]]:
         if not group or any(lane not in LANES for lane in group):
             raise ValueError(f"--lanes: each list needs lanes from {LANES}, got {group}")
     return groups
+
+
+def check_engine_options(args: argparse.Namespace) -> None:
+    """Reject engine options every worker would fail on, before anything starts.
+
+    Raises:
+        ValueError: a count below 1 or an unreadable --kv-cache-memory.
+    """
+    from gpu_worker.worker import parse_bytes
+
+    for flag in ("block_size", "max_num_seqs", "max_num_batched_tokens", "threads"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.kv_cache_memory is not None:
+        try:
+            size = parse_bytes(args.kv_cache_memory)
+        except ValueError:
+            size = None
+        if not size or size <= 0:
+            raise ValueError(
+                f"--kv-cache-memory {args.kv_cache_memory!r}: expected a size such as 2GiB"
+            )
 
 
 def cpu_cores() -> int:
@@ -303,6 +330,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         lanes = parse_lanes(args.lanes, args.workers)
+        check_engine_options(args)
     except ValueError as exc:
         print(f"laneserve up: {exc}", file=sys.stderr)
         return 2
@@ -424,6 +452,17 @@ def run(args: argparse.Namespace) -> int:
                 code = 1
                 break
             _watch(sup, args.parent_pid, stop)
+            failing = [n for n, c in sup.children.items() if c.restarts >= START_RESTARTS]
+            if failing:
+                name = failing[0]
+                tail = sup.log_path(name).read_text(errors="replace")[-2000:]
+                print(
+                    f"laneserve up: {name} keeps exiting while starting "
+                    f"(log {sup.log_path(name)}):\n{tail}",
+                    file=sys.stderr,
+                )
+                code = 1
+                break
             waiting = check_ready(plan)
             if waiting:
                 time.sleep(0.5)
@@ -441,8 +480,6 @@ def run(args: argparse.Namespace) -> int:
         sup.stop()
         stack.remove_stack(os.getpid(), home)
         say("stopped")
-    if code == 0 and stop.signum == signal.SIGINT:
-        return 0
     return code
 
 

@@ -76,3 +76,20 @@ def test_children_exit_when_the_supervisor_is_killed(tmp_path):
     # stack.json is stale now: commands see no stack.
     assert laneserve(home, "status", "--json").returncode == 1
     assert laneserve(home, "chat", "hi").returncode == 2
+
+
+@pytest.mark.slow
+def test_up_fails_fast_when_a_child_keeps_crashing(tmp_path):
+    home = tmp_path / "h"
+    home.mkdir()
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")  # passes the path check; every loader rejects it
+    t0 = time.monotonic()
+    res = laneserve(home, "up", "--model", str(bad), "--api-port", "0", "--no-dashboard",
+                    timeout=240)  # fmt: skip
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "keeps exiting while starting" in res.stderr
+    assert time.monotonic() - t0 < 240
+    assert not (home / "stack.json").exists()
+    assert processes_mentioning(str(home)) == []

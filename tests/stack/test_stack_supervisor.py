@@ -129,3 +129,16 @@ def test_parse_lanes_and_threads():
     assert threads_per_worker(16, 1) == 15
     assert threads_per_worker(16, 4) == 3
     assert threads_per_worker(1, 3) == 1
+
+
+def test_up_rejects_bad_options_before_starting_anything(tmp_path):
+    from tests.stack.stack_helpers import laneserve
+
+    for args, needle in (
+        (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--workers", "2", "--lanes", "interactive;bulk"], "--lanes"),
+    ):
+        res = laneserve(tmp_path, "up", "--synthetic", *args, timeout=60)
+        assert res.returncode == 2 and needle in res.stderr, res.stderr
+    assert not (tmp_path / "stack.json").exists() and not (tmp_path / "logs").exists()

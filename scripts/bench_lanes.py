@@ -1,0 +1,250 @@
+#!/usr/bin/env python
+"""Lanes: interactive latency alone, under a bulk job with lanes, and under the same job as FIFO.
+
+One stack, one worker serving both lanes. Interactive requests (`--input-tokens` random prompt
+ids, `--output-tokens` tokens with `ignore_eos`) are sent at a steady `--rate` straight to the
+broker (`broker.client.BrokerClient`, the client is the edge: TTFT at the first delta carrying
+text, TPOT = (total - TTFT) / (tokens - 1)) in three phases:
+
+1. idle: nothing else runs;
+2. lanes: a summarization job of `--bulk-lines` real documents (the jobs runner feeds the batch
+   lane) saturates the worker; the requests go on the interactive lane;
+3. FIFO: the same kind of job again, and the requests go on the **batch** lane, so they wait in
+   one first-in-first-out queue with the bulk lines (the single-lane contrast).
+
+A job is cancelled after its phase and the stack drains before the next one. Target (issue 10):
+with lanes, TTFT P99 under load <= 3x idle TTFT P50, and TPOT P99 under load <= 2x idle TPOT P50.
+Prints JSON and writes a PNG to `--out`.
+
+    python scripts/bench_lanes.py --rate 0.5 --interactive 8 --bulk-lines 64 --max-num-seqs 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_serving import (  # noqa: E402
+    RequestResult,
+    add_stack_args,
+    bench_stack,
+    client_figures,
+    log,
+    machine,
+    random_prompt,
+    server_figures,
+)
+
+
+async def one_request(bc, lane: str, ids: list[int], max_tokens: int) -> RequestResult:
+    from broker import protocol as p
+
+    res = RequestResult(sent=time.perf_counter())
+    stream = bc.submit(
+        lane=lane,
+        prompt_token_ids=ids,
+        sampling_params={"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+    )
+    res.request_id = stream.request_id
+    async for msg in stream:
+        now = time.perf_counter()
+        if isinstance(msg, p.Delta):
+            if msg.text:
+                res.chunk_times.append(now)
+                if res.ttft_s is None:
+                    res.ttft_s = now - res.sent
+        elif isinstance(msg, p.Final):
+            res.tokens = (msg.usage or {}).get("completion_tokens") or 0
+            res.total_s = now - res.sent
+        else:  # Error
+            res.error = f"{msg.code}: {msg.message}"
+    return res
+
+
+async def steady(front: str, lane: str, args, rng: random.Random) -> tuple[list, float]:
+    """`args.interactive` requests, one every 1/rate s, on `lane`; wait for all (bounded)."""
+    from broker.client import BrokerClient
+
+    async with BrokerClient(front, liveness_s=60.0) as bc:
+        tasks = []
+        start = time.perf_counter()
+        for _ in range(args.interactive):
+            ids = random_prompt(rng, args.input_tokens)
+            tasks.append(asyncio.create_task(one_request(bc, lane, ids, args.output_tokens)))
+            await asyncio.sleep(1.0 / args.rate)
+        done, pending = await asyncio.wait(tasks, timeout=args.timeout)
+        for t in pending:
+            t.cancel()
+        results = [t.result() for t in done]
+        for _ in pending:
+            results.append(RequestResult(error=f"no answer within {args.timeout}s"))
+        return results, time.perf_counter() - start
+
+
+def submit_bulk(engine, args) -> str:
+    import io
+
+    from jobs import service
+    from laneserve.demo_corpus import build_corpus
+
+    docs = build_corpus(args.bulk_lines, 0).documents
+    data = "".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in docs).encode()
+    file = service.create_file(engine, io.BytesIO(data), "bulk.jsonl")
+    job = service.create_batch(
+        engine, file.id, "/v1/chat/completions", task="summarize",
+        task_options={"max_tokens": args.bulk_tokens},
+    )  # fmt: skip
+    return job.id
+
+
+def wait_busy(front: str, min_in_flight: int, timeout_s: float = 120.0) -> dict:
+    from broker.client import broker_status
+
+    deadline = time.monotonic() + timeout_s
+    st = {}
+    while time.monotonic() < deadline:
+        st = broker_status(front, timeout_s=5.0)
+        if st["queues"].get("in_flight", 0) >= min_in_flight:
+            return st
+        time.sleep(0.5)
+    raise RuntimeError(f"worker not saturated after {timeout_s}s: {st.get('queues')}")
+
+
+def wait_idle(front: str, timeout_s: float = 180.0) -> None:
+    from broker.client import broker_status
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        q = broker_status(front, timeout_s=5.0)["queues"]
+        if q.get("in_flight", 0) == 0 and q.get("batch", 0) == 0 and q.get("interactive", 0) == 0:
+            return
+        time.sleep(0.5)
+    log("warning: the stack did not drain; the next phase starts anyway")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=0.5, help="interactive requests/s")
+    parser.add_argument("--interactive", type=int, default=8, help="requests per phase")
+    parser.add_argument("--input-tokens", type=int, default=64)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--bulk-lines", type=int, default=64)
+    parser.add_argument("--bulk-tokens", type=int, default=48)
+    parser.add_argument("--timeout", type=float, default=300.0, help="s to wait for a phase")
+    add_stack_args(parser)
+    args = parser.parse_args()
+    rng = random.Random(0)
+    report = {
+        "benchmark": "lanes",
+        "machine": machine(),
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "rate",
+                "interactive",
+                "input_tokens",
+                "output_tokens",
+                "bulk_lines",
+                "bulk_tokens",
+                "dtype",
+                "max_num_seqs",
+            )
+        },  # fmt: skip
+        "phases": {},
+    }
+    with bench_stack(args) as info:
+        from db.session import make_engine
+        from jobs import service
+
+        front = info["broker_front"]
+        engine = make_engine(info["db_url"])
+        saturated = (args.max_num_seqs or 16) // 2
+        asyncio.run(steady(front, "interactive", argparse.Namespace(**{**vars(args),
+                    "interactive": 1}), rng))  # fmt: skip  # warm-up
+        for phase, lane, bulk in (
+            ("idle", "interactive", False),
+            ("lanes", "interactive", True),
+            ("fifo", "batch", True),
+        ):
+            job_id = None
+            if bulk:
+                job_id = submit_bulk(engine, args)
+                st = wait_busy(front, saturated)
+                log(f"{phase}: bulk job {job_id} running, queues {st['queues']}")
+            log(f"{phase}: {args.interactive} requests at {args.rate}/s on the {lane} lane")
+            results, wall = asyncio.run(steady(front, lane, args, rng))
+            entry = {
+                "lane": lane,
+                "client": client_figures(results, wall),
+                "server": server_figures(info["db_url"], results),
+            }
+            if job_id:
+                row = service.get_batch(engine, job_id)
+                entry["bulk_job"] = {"id": job_id, "status": row.status, **row.request_counts}
+                service.cancel_batch(engine, job_id)
+                wait_idle(front)
+            report["phases"][phase] = entry
+            c = entry["client"]
+            log(f"  TTFT {c['ttft_ms']}, TPOT {c['tpot_ms']}, errors {c['errors']}")
+        engine.dispose()
+    idle = report["phases"]["idle"]["client"]
+    lanes = report["phases"]["lanes"]["client"]
+    fifo = report["phases"]["fifo"]["client"]
+
+    def ratio(a, b):
+        return round(a / b, 2) if a is not None and b else None
+
+    report["ratios"] = {
+        "lanes_ttft_p99_over_idle_p50": ratio(lanes["ttft_ms"]["p99"], idle["ttft_ms"]["p50"]),
+        "lanes_tpot_p99_over_idle_p50": ratio(lanes["tpot_ms"]["p99"], idle["tpot_ms"]["p50"]),
+        "fifo_ttft_p99_over_idle_p50": ratio(fifo["ttft_ms"]["p99"], idle["ttft_ms"]["p50"]),
+        "fifo_tpot_p99_over_idle_p50": ratio(fifo["tpot_ms"]["p99"], idle["tpot_ms"]["p50"]),
+    }
+    r = report["ratios"]
+    report["target"] = "with lanes: TTFT P99 <= 3x idle P50 and TPOT P99 <= 2x idle P50"
+    report["target_met"] = bool(
+        r["lanes_ttft_p99_over_idle_p50"] is not None
+        and r["lanes_ttft_p99_over_idle_p50"] <= 3
+        and r["lanes_tpot_p99_over_idle_p50"] is not None
+        and r["lanes_tpot_p99_over_idle_p50"] <= 2
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    png = args.out / "bench_lanes.png"
+    plot(report["phases"], png)
+    report["plot"] = str(png)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def plot(phases: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(phases)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "tpot_ms", "TPOT")):
+        x = range(len(names))
+        ax.bar([i - 0.2 for i in x], [phases[n]["client"][key]["p50"] or 0 for n in names], 0.4,
+               label="P50")  # fmt: skip
+        ax.bar([i + 0.2 for i in x], [phases[n]["client"][key]["p99"] or 0 for n in names], 0.4,
+               label="P99")  # fmt: skip
+        ax.set_xticks(list(x), names)
+        ax.set(ylabel="ms", title=f"interactive {title}", yscale="log")
+        ax.legend()
+    fig.suptitle("interactive lane: idle, under a bulk job with lanes, and as one FIFO lane")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
