@@ -67,6 +67,20 @@ class RssSampler(threading.Thread):
         self.join()
 
 
+def _completion_tokens(engine, job_id: str) -> int:
+    """Output tokens the job's lines really produced (written by the runner per line)."""
+    from sqlalchemy import func, select
+
+    from db.models import Request
+    from db.session import read_session
+
+    with read_session(engine) as session:
+        total = session.scalar(
+            select(func.sum(Request.completion_tokens)).where(Request.job_id == job_id)
+        )
+    return int(total or 0)
+
+
 def run_one(n: int, args) -> dict:
     from db import migrate
     from db.session import make_engine
@@ -102,7 +116,7 @@ def run_one(n: int, args) -> dict:
         wall = time.monotonic() - t0
         sampler.stop()
         in_progress_s = (job.completed_at or time.time()) - (job.in_progress_at or job.created_at)
-        tokens = n * args.max_tokens if job.status == "completed" else None
+        tokens = _completion_tokens(engine, job.id)
         return {
             "lines": n,
             "status": job.status,
@@ -110,7 +124,8 @@ def run_one(n: int, args) -> dict:
             "wall_s": round(wall, 2),
             "validation_s": round((job.in_progress_at or 0) - job.created_at, 2),
             "lines_per_s": round(n / wall, 1),
-            "output_tokens_per_s": round(tokens / wall, 1) if tokens else None,
+            "completion_tokens": tokens,
+            "output_tokens_per_s": round(tokens / wall, 1),
             "in_progress_to_completed_s": round(in_progress_s, 2),
             "runner_rss_idle_mib": round(rss_idle / 2**20, 1),
             "runner_rss_peak_mib": round(sampler.peak / 2**20, 1),

@@ -242,3 +242,21 @@ def test_jobs_share_the_window_round_robin(stack, engine, laneserve_home):
     assert big_now.status == "in_progress" and big_now.request_completed < 60  # small overtook
     big = wait_job(engine, big.id, ("completed",), stack, timeout_s=120)
     assert small.completed_at < big.completed_at
+
+
+def test_runner_exits_when_its_parent_dies(stack):
+    import subprocess
+    import time
+
+    parent = subprocess.Popen(["sleep", "60"])
+    try:
+        stack.start_broker()
+        runner = stack.start_runner("--parent-pid", str(parent.pid))
+        time.sleep(1.0)
+        assert runner.poll() is None
+        parent.kill()
+        parent.wait()
+        assert runner.wait(timeout=30) == 0, stack.logs()
+    finally:
+        if parent.poll() is None:
+            parent.kill()
