@@ -33,6 +33,7 @@ from gpu_worker.model_files import model_display_name, resolve_model_path
 from gpu_worker.model_loader import load_model_files
 from gpu_worker.model_runner import ModelRunner, choose_num_blocks
 from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.outputs import RequestDelta
 from gpu_worker.request import Lane, Request, RequestStatus
 from gpu_worker.sampler import Sampler
 from gpu_worker.sampling_params import SamplingParams
@@ -104,24 +105,6 @@ class EngineConfig:
     )
     lanes: tuple[str, ...] = ("interactive", "batch")
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only)
-
-
-@dataclass(slots=True)
-class RequestDelta:
-    """What one step produced for one request (docs/interfaces.md).
-
-    `new_token_ids` may be non-empty while `new_text` is "" (text held back: an incomplete
-    UTF-8 character or a possible stop string). `metrics` is set on the final delta.
-    """
-
-    request_id: str
-    new_text: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    logprobs: list | None = None
-    metrics: dict | None = None
-    error: str | None = None
 
 
 @dataclass(slots=True)

@@ -23,19 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass(slots=True)
-class RequestDelta:
-    """Same fields as ``gpu_worker.engine.RequestDelta`` (docs/interfaces.md)."""
-
-    request_id: str
-    new_text: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    logprobs: list | None = None
-    metrics: dict | None = None
-    error: str | None = None
+from gpu_worker.outputs import RequestDelta
 
 
 @dataclass(slots=True)
