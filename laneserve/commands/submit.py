@@ -147,9 +147,9 @@ def run(args: argparse.Namespace) -> int:
     except JobsError as exc:
         return _fail(str(exc))
     if args.json:
-        print(json.dumps(service.batch_object(job)))
+        print(json.dumps(service.batch_object(job)), flush=True)
     else:
-        print(job.id)
+        print(job.id, flush=True)
     if not args.wait:
         print(f"follow it with: laneserve jobs show {job.id}", file=sys.stderr)
         return 0

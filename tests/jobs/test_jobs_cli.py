@@ -80,3 +80,37 @@ def test_submit_rejects_bad_arguments(laneserve_home, tmp_path):
     assert res.returncode == 2 and "--task" in res.stderr
     res = _cli(laneserve_home, "submit", str(txt), "--task", "translate")
     assert res.returncode == 2 and "--target-lang" in res.stderr
+
+
+def test_submit_wait_exits_3_when_the_job_is_cancelled(laneserve_home, tmp_path):
+    import time
+
+    from db import migrate
+
+    db_url = f"sqlite:///{laneserve_home / 'laneserve.db'}"  # the default path: no stack.json
+    migrate.upgrade(db_url)
+    stack = JobsStack(laneserve_home, db_url)
+    try:
+        stack.start_broker()
+        stack.start_worker("w1", "--synthetic-step-ms", "40")
+        stack.start_runner("--max-in-flight", "2")
+        lines = [chat_line(f"x{i}", "hi", max_tokens=25) for i in range(30)]  # ~15 s in all
+        path = write_jsonl(tmp_path / "in.jsonl", lines)
+        env = dict(os.environ, LANESERVE_HOME=str(laneserve_home), PYTHONPATH=str(ROOT))
+        waiter = subprocess.Popen(
+            [sys.executable, "-m", "laneserve.cli", "submit", str(path), "--wait"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        job_id = waiter.stdout.readline().strip()
+        assert job_id.startswith("batch_")
+        time.sleep(3.0)
+        cancel = _cli(laneserve_home, "jobs", "cancel", job_id)
+        assert cancel.returncode == 0 and "cancelling" in cancel.stdout
+        assert waiter.wait(timeout=60) == 3, waiter.stderr.read()
+        shown = json.loads(_cli(laneserve_home, "jobs", "show", job_id).stdout)
+        assert shown["status"] == "cancelled" and shown["request_counts"]["total"] == 30
+    finally:
+        stack.stop()
