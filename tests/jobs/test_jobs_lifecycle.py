@@ -1,7 +1,8 @@
 """Bulk jobs end to end with real processes: broker + worker + jobs runner (+ recorder).
 
-The line-validation test runs the real bundled model; the cancel, crash, expiry and worker-loss
-tests use the synthetic worker, whose fixed step time makes "in the middle of the job" reliable.
+The line-validation test and one runner-crash test run the real bundled model; the cancel,
+expiry, worker-loss, broker-restart and round-robin tests use the synthetic worker, whose fixed
+step time makes "in the middle of the job" reliable.
 """
 
 from __future__ import annotations
@@ -260,3 +261,26 @@ def test_runner_exits_when_its_parent_dies(stack):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_runner_sigkill_on_the_real_model(stack, engine, laneserve_home, smollm2_dir):
+    """The crash-resume property on the bundled model: each custom_id once, all completed."""
+    stack.start_broker(recorder=True)
+    stack.start_worker("w1", "--max-num-seqs", "4", model=str(smollm2_dir))
+    lines = []
+    for i in range(40):
+        line = chat_line(f"r{i:02d}", f"Count to {i}.", max_tokens=12)
+        line["body"]["min_tokens"] = 12  # fixed length: the job lasts long enough to be hit
+        lines.append(line)
+    job = submit(engine, write_jsonl(laneserve_home / "real.jsonl", lines))
+    stack.wait_workers(1, timeout_s=300)
+    stack.start_runner("--max-in-flight", "2")
+    before = _wait_progress(engine, job.id, 2, stack, timeout_s=180).request_completed
+    stack.kill("runner")
+    stack.start_runner("--max-in-flight", "4")
+    job = wait_job(engine, job.id, ("completed", "failed"), stack, timeout_s=300)
+    assert before < 40 and job.request_counts == {"total": 40, "completed": 40, "failed": 0}
+    out = read_lines(engine, job.output_file_id)
+    assert sorted(x["custom_id"] for x in out) == [f"r{i:02d}" for i in range(40)]
+    assert all(x["response"]["body"]["usage"]["completion_tokens"] == 12 for x in out)
+    _assert_recorded(engine, job.id, 40, logs=stack.logs)
