@@ -94,3 +94,17 @@ def test_revalidation_after_a_crash_replaces_rows(any_engine, laneserve_home):
     with read_session(engine) as s:
         n = s.query(Request).filter(Request.job_id == job.id).count()
     assert n == 4 and store.counts(engine, job.id) == (4, 0, 1)
+
+
+def test_mostly_bad_file_fails_the_job_with_errors(any_engine, laneserve_home):
+    engine = any_engine
+    lines = [chat_line("ok", "x"), "bad 1", "[2]", {"custom_id": "no-body"}]
+    job = submit(engine, write_jsonl(laneserve_home / "bad.jsonl", lines))
+    assert store.validate_job(engine, job.id, None, "m") == "failed"
+    with read_session(engine) as s:
+        row = s.get(Job, job.id)
+        n = s.query(Request).filter(Request.job_id == job.id).count()
+    assert row.errors[0]["code"] == "too_many_failed_lines" and "3 of 4" in row.errors[0]["message"]
+    assert [e["line"] for e in row.errors[1:]] == [2, 3, 4]
+    assert row.request_counts == {"total": 0, "completed": 0, "failed": 0} and n == 0
+    assert row.failed_at is not None
