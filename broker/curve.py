@@ -18,7 +18,8 @@ directories, 0600 files)::
                                                            the worker's host)
 
 Revoking a worker = deleting its ``allowed/NAME.key``; the broker rereads the directory when it
-changes (checked on a handshake with an unknown key), so new clients need no broker restart.
+changes (checked at each handshake), so neither adding nor revoking needs a broker restart. A
+connection already established stays up until it reconnects (restart the broker to cut it).
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ class AllowList:
     """Client public keys allowed to connect: the ``*.key`` files of one directory.
 
     ``callback(domain, key)`` is pyzmq's ZAP credentials-provider hook (called on the
-    authenticator's thread). An unknown key triggers a reread when the directory changed.
+    authenticator's thread, once per handshake); it rereads the directory when its mtime changed,
+    so adding or deleting a key file takes effect for the next connection.
     ``refused`` counts denied handshakes.
     """
 
@@ -165,7 +167,7 @@ class AllowList:
         if not self.allow_dir.is_dir():
             raise CurveKeyError(f"CURVE allow-list directory {self.allow_dir} does not exist")
         self._lock = threading.Lock()
-        self._mtime = -1.0
+        self._mtime = -1
         self._keys: set[bytes] = set()
         self.refused = 0
         self._last_log = 0.0
@@ -174,7 +176,7 @@ class AllowList:
             logger.warning("CURVE allow-list %s is empty: every worker is refused", allow_dir)
 
     def _reload(self) -> None:
-        mtime = self.allow_dir.stat().st_mtime
+        mtime = self.allow_dir.stat().st_mtime_ns
         if mtime == self._mtime:
             return
         self._mtime = mtime
@@ -182,10 +184,8 @@ class AllowList:
 
     def callback(self, domain: str, key: bytes) -> bool:
         with self._lock:
-            if key in self._keys:
-                return True
             try:
-                self._reload()
+                self._reload()  # one stat per handshake; rereads only when the directory changed
             except OSError:
                 logger.exception("cannot reread CURVE allow-list %s", self.allow_dir)
             if key in self._keys:

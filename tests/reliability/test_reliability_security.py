@@ -78,6 +78,20 @@ def test_keys_reject_bad_names_and_open_secret_files(tmp_path) -> None:
         load_secret(paths.allow_dir / "w.key")
 
 
+def test_allow_list_follows_the_directory(tmp_path) -> None:
+    from broker.curve import ZAP_DOMAIN, AllowList
+
+    keys = generate_keys(tmp_path / "k", ["a", "b"])
+    allow = AllowList(keys.allow_dir)
+    key_a = load_public(keys.allow_dir / "a.key")
+    key_c = load_public(generate_keys(tmp_path / "k", ["c"]).allow_dir / "c.key")
+    assert allow.callback(ZAP_DOMAIN, key_a) and allow.callback(ZAP_DOMAIN, key_c)
+    (keys.allow_dir / "a.key").unlink()  # revoke a
+    assert not allow.callback(ZAP_DOMAIN, key_a)
+    assert not allow.callback(ZAP_DOMAIN, b"x" * 40)
+    assert allow.refused == 2
+
+
 # ---------------------------------------------------------------------------------- binding
 
 
