@@ -159,6 +159,7 @@ class Broker:
         }
         self.counters: collections.Counter[str] = collections.Counter()
         self._since_batch = 0
+        self._reserved: tuple[bytes, str] | None = None  # (worker, request) of a solo attempt
         self._stopped = False
         self._next_tick = 0.0
         self._last_invalid_log = 0.0
@@ -611,12 +612,12 @@ class Broker:
 
     def _pick(self, lane: str) -> WorkerState | None:
         """The least-loaded worker that may take the head of ``lane``'s queue (non-empty)."""
-        solo = self._needs_solo(self.requests[self.queues[lane][0]])
+        head = self.requests[self.queues[lane][0]]
+        if self._needs_solo(head):
+            return self._pick_solo(lane, head.submit.request_id)
         best, best_load = None, 2.0
         for worker in self.workers.values():
             if lane not in worker.lanes or worker.draining or worker.credit <= 0 or worker.solo:
-                continue
-            if solo and worker.in_flight:
                 continue
             if lane == "batch" and len(worker.lanes) > 1:
                 reserve = max(1, int(worker.capacity * self.config.interactive_reserve_fraction))
@@ -627,6 +628,47 @@ class Broker:
                 best, best_load = worker, load
         return best
 
+    def _pick_solo(self, lane: str, rid: str) -> WorkerState | None:
+        """A worker for a solo attempt: one worker is reserved for it (takes nothing new, so it
+        empties even under steady traffic) and it goes there once the worker is empty. One
+        reservation at a time; other solo requests wait their turn."""
+        self._drop_stale_reservation()
+        if self._reserved is None:
+            candidates = [
+                w
+                for w in self.workers.values()
+                if lane in w.lanes and not w.draining and not w.solo
+            ]
+            if not candidates:
+                return None
+            worker = min(candidates, key=lambda w: len(w.in_flight) / w.capacity)
+            worker.solo = True
+            self._reserved = (worker.identity, rid)
+        identity, owner = self._reserved
+        worker = self.workers[identity]
+        if owner != rid or worker.in_flight or lane not in worker.lanes:
+            return None
+        return worker
+
+    def _drop_stale_reservation(self) -> None:
+        if self._reserved is None:
+            return
+        identity, rid = self._reserved
+        worker = self.workers.get(identity)
+        req = self.requests.get(rid)
+        queue = self.queues[req.submit.lane] if req is not None else None
+        at_head = bool(queue) and queue[0] == rid
+        if (
+            worker is None
+            or worker.draining
+            or req is None
+            or req.worker is not None
+            or not at_head
+        ):
+            if worker is not None:
+                worker.solo = False  # reserved, never got its solo request
+            self._reserved = None
+
     def _send_request(self, worker: WorkerState, req: RequestState) -> None:
         s = req.submit
         req.worker = worker.identity
@@ -635,6 +677,7 @@ class Broker:
         req.dispatched = time.monotonic()
         if self._needs_solo(req):
             req.solo = worker.solo = True
+            self._reserved = None
             self.counters["solo_dispatches"] += 1
         req.attempts += 1
         worker.in_flight.add(s.request_id)

@@ -162,12 +162,15 @@ def test_request_that_crashes_its_worker_fails_after_3_attempts(tmpdir_short) ->
         assert error["code"] == "worker_lost" and error["attempts"] == 3, err[0]
         assert sorted(o["custom_id"] for o in out) == ids
         assert sum(restarts.values()) >= 2, restarts
+        solo = stack.status()["counters"].get("solo_dispatches", 0)
+        assert solo >= 1  # the last attempts ran alone
         report(
             "2 request crashes its worker every time",
             lines=len(lines),
             worker_crashes=sum(restarts.values()) + (0 if stack.alive("worker-w1") else 1),
             poison_attempts=error["attempts"],
             other_lines_failed=len(err) - 1,
+            solo_last_attempts=solo,
             job_done_s=round(done_s, 2),
             lines_lost=0,
         )
