@@ -187,9 +187,9 @@ def _tokens_done(engine, job_id: str) -> int:
     return int(total or 0)
 
 
-def follow(engine, job_id: str, poll_s: float = 0.5):
-    """Show a progress bar (done/total, failed, output tokens/s, ETA) until the job ends;
-    return the final `jobs` row."""
+def follow(engine, job_id: str, poll_s: float = 0.5, console=None):
+    """Show a progress bar (done/total, failed, output tokens/s, ETA) on `console` (default:
+    stderr) until the job ends; return the final `jobs` row."""
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -203,7 +203,7 @@ def follow(engine, job_id: str, poll_s: float = 0.5):
 
     from jobs import service
 
-    console = Console(stderr=True)
+    console = console or Console(stderr=True)
     columns = (
         SpinnerColumn(),
         TextColumn("[bold]{task.fields[status]:<11}"),

@@ -32,3 +32,29 @@ def test_endpoint_comes_from_the_first_line(tmp_path):
     assert submit._endpoint_of(path) == "/v1/completions"
     path.write_text("not json\n")
     assert submit._endpoint_of(path) == "/v1/chat/completions"
+
+
+def test_progress_bar_renders_counts_on_a_terminal(engine, laneserve_home):
+    import io
+
+    from rich.console import Console
+
+    from db.models import Job
+    from db.session import write_session
+    from jobs import service
+
+    f = service.create_file(engine, b"{}\n", "in.jsonl")
+    job = service.create_batch(engine, f.id, "/v1/chat/completions")
+    with write_session(engine) as s:
+        row = s.get(Job, job.id)
+        row.status, row.request_total, row.request_completed, row.request_failed = (
+            "completed",
+            10,
+            7,
+            3,
+        )
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120)
+    assert submit.follow(engine, job.id, console=console).status == "completed"
+    text = out.getvalue()
+    assert "10/10" in text and "failed 3" in text and "tok/s" in text and "completed" in text
