@@ -315,6 +315,10 @@ class Broker:
             )
         elif type(msg) is p.StatusRequest:
             self._send_client(identity, self.status(msg.request_id).to_frames())
+        elif type(msg) is p.EdgeTimings:
+            if self.recorder is not None:  # a partial record: only these columns are updated
+                edge = {"id": msg.request_id, "ttft_ms": msg.ttft_ms, "e2e_ms": msg.e2e_ms}
+                self._pending_records.append({k: v for k, v in edge.items() if v is not None})
 
     def _on_submit(self, identity: bytes, msg: p.Submit) -> None:
         rid = msg.request_id

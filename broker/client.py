@@ -170,6 +170,12 @@ class BrokerClient:
 
     # ------------------------------------------------------------------ internals
 
+    def report_edge_timings(
+        self, request_id: str, ttft_ms: float | None, e2e_ms: float | None
+    ) -> None:
+        """Tell the broker this edge's TTFT and e2e (ms) for a finished request (stored in SQL)."""
+        self._send_nowait(p.EdgeTimings(request_id=request_id, ttft_ms=ttft_ms, e2e_ms=e2e_ms))
+
     def _send_nowait(self, msg: p.Message) -> None:
         if self._sock is None:
             return

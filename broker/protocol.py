@@ -415,6 +415,20 @@ class Abort(Message):
 
 
 @message
+class EdgeTimings(Message):
+    """The edge's own TTFT and e2e for a finished request (client -> broker, after the final).
+
+    DESIGN.md measures both at the edge; the broker forwards them to the recorder as a partial
+    record that overwrites its own broker-side estimates.
+    """
+
+    KIND: ClassVar[str] = "edge_timings"
+    request_id: str = _spec(t_str())
+    ttft_ms: float | None = _spec(t_opt(t_float(0.0, 1e10)), None)
+    e2e_ms: float | None = _spec(t_opt(t_float(0.0, 1e10)), None)
+
+
+@message
 class StatusRequest(Message):
     """Ask the broker for its status; answered by :class:`StatusReply` with the same ``request_id``."""
 
@@ -709,7 +723,7 @@ class RecordAck(Message):
 
 
 # Allowed kinds per direction (pass as ``allowed`` to :func:`decode`).
-CLIENT_TO_BROKER: tuple[type[Message], ...] = (Submit, Abort, StatusRequest, Hello)
+CLIENT_TO_BROKER: tuple[type[Message], ...] = (Submit, Abort, StatusRequest, Hello, EdgeTimings)
 BROKER_TO_CLIENT: tuple[type[Message], ...] = (Delta, Final, Error, Heartbeat, StatusReply)
 WORKER_TO_BROKER: tuple[type[Message], ...] = (Ready, WorkerHeartbeat, StepOutputs, WorkerError)
 BROKER_TO_WORKER: tuple[type[Message], ...] = (WorkRequest, Abort, Heartbeat, Disconnect)

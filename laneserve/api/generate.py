@@ -228,7 +228,13 @@ class Generation:
         choice.last_token_t = now
 
     def _observe_end(self, choice: Choice, now: float) -> None:
-        self.metrics.e2e.labels(self.req.lane).observe(now - self.arrival_monotonic)
+        e2e = now - self.arrival_monotonic
+        self.metrics.e2e.labels(self.req.lane).observe(e2e)
+        ttft = choice.first_token_t - self.arrival_monotonic if choice.first_token_t else None
+        # DESIGN: TTFT and e2e are measured at the edge; the broker stores these in SQL.
+        self.client.report_edge_timings(
+            choice.request_id, ttft * 1000.0 if ttft is not None else None, e2e * 1000.0
+        )
 
     # ------------------------------------------------------------------ results
 

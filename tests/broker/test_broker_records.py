@@ -167,6 +167,23 @@ def test_records_reach_sqlite_through_the_real_recorder(stack) -> None:
         assert by_id["api-2"][3] == "aborted"
         assert by_id["job-1-line-1"][1:4] == ("batch", "w1", "completed")
         assert stack.wait_status(lambda s: s["queues"]["records_unacked"] == 0, timeout_s=10)
+
+        # The edge's own TTFT/e2e (DESIGN: measured at the edge) replace the broker's estimates.
+        async def report() -> None:
+            async with BrokerClient(stack.front) as c:
+                c.report_edge_timings("api-1", 123.25, 456.5)
+                await asyncio.sleep(0.3)
+
+        run(report())
+        edge = None
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and edge != (123.25, 456.5):
+            time.sleep(0.3)
+            with sqlite3.connect(db_path) as conn:
+                edge = conn.execute(
+                    "SELECT ttft_ms, e2e_ms FROM requests WHERE id = 'api-1'"
+                ).fetchone()
+        assert edge == (123.25, 456.5)
     finally:
         recorder.terminate()
         recorder.wait(timeout=10)
