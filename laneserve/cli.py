@@ -34,14 +34,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def setup_logging(verbose: bool = False) -> None:
+    """Log lines on stderr (stdout stays free for JSON output)."""
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+
+
+def run_single(name: str, register, argv: list[str] | None = None) -> int:
+    """Run one subcommand without discovering the others (`python -m laneserve.commands.X`:
+    a faster start for the supervisor and tests)."""
+    parser = argparse.ArgumentParser(prog="laneserve")
+    register(parser.add_subparsers())
+    args = parser.parse_args([name, *(sys.argv[1:] if argv is None else argv)])
+    setup_logging()
+    return int(args.func(args) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.verbose)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

@@ -99,18 +99,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m laneserve.commands.api``: the same command without loading every other
-    subcommand (faster start for tests and the supervisor)."""
-    parser = argparse.ArgumentParser(prog="laneserve")
-    sub = parser.add_subparsers()
-    register(sub)
-    args = parser.parse_args(["api", *(sys.argv[1:] if argv is None else argv)])
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    return int(args.func(args) or 0)
+    """``python -m laneserve.commands.api``: this command alone (faster start)."""
+    from laneserve.cli import run_single
+
+    return run_single("api", register, argv)
 
 
 if __name__ == "__main__":

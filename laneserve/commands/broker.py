@@ -120,20 +120,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m laneserve.commands.broker``: the same command without loading every other
-    subcommand (faster start for tests and the supervisor)."""
-    import sys
+    """``python -m laneserve.commands.broker``: this command alone (faster start)."""
+    from laneserve.cli import run_single
 
-    parser = argparse.ArgumentParser(prog="laneserve")
-    sub = parser.add_subparsers()
-    register(sub)
-    args = parser.parse_args(["broker", *(sys.argv[1:] if argv is None else argv)])
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    return int(args.func(args) or 0)
+    return run_single("broker", register, argv)
 
 
 if __name__ == "__main__":

@@ -111,15 +111,9 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m laneserve.commands.jobs_runner``: this command alone (faster start)."""
-    parser = argparse.ArgumentParser(prog="laneserve")
-    register(parser.add_subparsers())
-    args = parser.parse_args(["jobs-runner", *(sys.argv[1:] if argv is None else argv)])
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    return int(args.func(args) or 0)
+    from laneserve.cli import run_single
+
+    return run_single("jobs-runner", register, argv)
 
 
 if __name__ == "__main__":

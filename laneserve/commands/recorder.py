@@ -74,3 +74,14 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         logger.warning("recorder: %d records/snapshots could not be written", failed)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m laneserve.commands.recorder``: this command alone (faster start)."""
+    from laneserve.cli import run_single
+
+    return run_single("recorder", register, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
