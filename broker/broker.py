@@ -47,6 +47,7 @@ import msgpack
 import zmq
 
 from broker import protocol as p
+from broker.procutil import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -289,7 +290,7 @@ class Broker:
         self._expire_no_worker(now)
         if self.config.parent_pid and now - self._last_parent_check >= 0.5:
             self._last_parent_check = now
-            if os.getppid() != self.config.parent_pid and not _pid_alive(self.config.parent_pid):
+            if os.getppid() != self.config.parent_pid and not pid_alive(self.config.parent_pid):
                 logger.warning("parent %d died: stopping", self.config.parent_pid)
                 self.stop()
         if now - self._last_snapshot >= cfg.snapshot_interval_s:
@@ -982,16 +983,6 @@ def _curve_server(ctx: zmq.Context, config: BrokerConfig):
     from broker.curve import CurveServer
 
     return CurveServer(ctx, config.curve_server_key, config.curve_allow)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _TOKEN_FIELDS = (

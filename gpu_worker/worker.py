@@ -47,6 +47,7 @@ from typing import Any
 import zmq
 
 from broker import protocol as p
+from broker.procutil import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -55,17 +56,6 @@ _ERROR_CODES = {"PromptTooLongError": "prompt_too_long", "InvalidRequestError": 
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
-
-
-def pid_alive(pid: int) -> bool:
-    """True if a process with this pid exists (signal 0 probe)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _plain_stats(stats: dict) -> dict[str, Any]:

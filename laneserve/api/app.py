@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from broker.client import BrokerClient
+from broker.procutil import pid_alive
 from laneserve.api import completions, files
 from laneserve.api.auth import ApiKeyMiddleware
 from laneserve.api.config import ApiConfig
@@ -96,7 +97,7 @@ class GatewayState:
         parent = self.config.parent_pid
         while True:
             await asyncio.sleep(self.config.status_interval_s)
-            if parent is not None and not _pid_alive(parent):
+            if parent is not None and not pid_alive(parent):
                 logger.warning("parent process %d is gone: stopping", parent)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
@@ -149,16 +150,6 @@ class GatewayState:
             raise ApiError("no_worker", f"the broker at {self.config.broker} does not answer")
         if not self._serves(lane):
             raise ApiError("no_worker", f"no worker serves the {lane} lane")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ---------------------------------------------------------------------------- routes

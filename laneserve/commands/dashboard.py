@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from broker.procutil import pid_alive
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8501
@@ -57,16 +59,6 @@ def streamlit_command(port: int) -> list[str]:
     ]  # fmt: skip
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def run(args: argparse.Namespace) -> int:
     from db.migrate import MigrationError, upgrade
     from db.session import resolve_url
@@ -95,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     while child.poll() is None:
-        if args.parent_pid is not None and not stopping and not _alive(args.parent_pid):
+        if args.parent_pid is not None and not stopping and not pid_alive(args.parent_pid):
             logger.info("parent %d is gone; stopping the dashboard", args.parent_pid)
             stop()
         if time.monotonic() > kill_at:
