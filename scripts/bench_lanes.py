@@ -188,11 +188,14 @@ def main() -> int:
             if job_id:
                 row = service.get_batch(engine, job_id)
                 entry["bulk_job"] = {"id": job_id, "status": row.status, **row.request_counts}
-                service.cancel_batch(engine, job_id)
+                if not service.is_terminal(row.status):
+                    service.cancel_batch(engine, job_id)
                 wait_idle(front)
             report["phases"][phase] = entry
             c = entry["client"]
+            srv = entry["server"]
             log(f"  TTFT {c['ttft_ms']}, TPOT {c['tpot_ms']}, errors {c['errors']}")
+            log(f"  server queue {srv['queue_ms']}, prefill {srv['prefill_ms']}")
         engine.dispose()
     idle = report["phases"]["idle"]["client"]
     lanes = report["phases"]["lanes"]["client"]
