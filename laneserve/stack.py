@@ -124,9 +124,11 @@ def start_stack_process(
     *,
     timeout_s: float = 900.0,
     env: dict[str, str] | None = None,
+    watch_parent: bool = True,
 ) -> tuple[subprocess.Popen, dict[str, Any]]:
     """Run `laneserve up UP_ARGS` as a child under `home` (its output in `home/logs/up.log`), with
-    `--parent-pid` set to this process; return (process, stack.json dict) once it is ready.
+    `--parent-pid` set to this process unless `watch_parent` is False (then it outlives us, in its
+    own session); return (process, stack.json dict) once it is ready.
 
     For `laneserve demo` and the benchmark scripts; stop it with `stop_stack_process`.
 
@@ -141,7 +143,8 @@ def start_stack_process(
     log_path = home / "logs" / "up.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "laneserve.commands.up", *up_args]
-    cmd += ["--parent-pid", str(os.getpid())]
+    if watch_parent:
+        cmd += ["--parent-pid", str(os.getpid())]
     child_env = dict(env if env is not None else os.environ, LANESERVE_HOME=str(home))
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(

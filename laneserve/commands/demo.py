@@ -218,7 +218,7 @@ def run_chats(
 # ------------------------------------------------------------------------------ stack
 
 
-def start_stack(home: Path, no_dashboard: bool, console) -> subprocess.Popen:
+def start_stack(home: Path, no_dashboard: bool, console, keep: bool = False) -> subprocess.Popen:
     """Run `laneserve up` as a child (stopped by the caller); return once it is ready.
 
     Raises:
@@ -234,7 +234,7 @@ def start_stack(home: Path, no_dashboard: bool, console) -> subprocess.Popen:
         port = DEFAULT_DASHBOARD_PORT if port_free(DEFAULT_DASHBOARD_PORT) else 0
         args += ["--dashboard-port", str(port)]
     with console.status("starting the stack (the first run downloads the model) ..."):
-        proc, _ = start_stack_process(home, args)
+        proc, _ = start_stack_process(home, args, watch_parent=not keep)
     return proc
 
 
@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
     proc = None
     if info is None:
         try:
-            proc = start_stack(home, args.no_dashboard, console)
+            proc = start_stack(home, args.no_dashboard, console, keep=args.keep_running)
         except RuntimeError as exc:
             console.print(f"[red]laneserve demo: {exc}")
             return 1
@@ -263,12 +263,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         console.print(f"using the running stack at {info['api_url']}")
     try:
-        return _demo(args, home, info, console)
+        return _demo(
+            args, home, info, console, stops_after=proc is not None and not args.keep_running
+        )
     except KeyboardInterrupt:
         console.print("[yellow]interrupted")
         return 130
     finally:
-        if proc is not None and not args.keep_running:
+        if proc is not None and args.keep_running and proc.poll() is None:
+            console.print(
+                f"the stack keeps running (supervisor pid {proc.pid}); "
+                f"stop it with: kill -INT {proc.pid}"
+            )
+        elif proc is not None:
             from laneserve.stack import stop_stack_process
 
             with console.status("stopping the stack ..."):
@@ -276,7 +283,9 @@ def run(args: argparse.Namespace) -> int:
             console.print("stack stopped")
 
 
-def _demo(args: argparse.Namespace, home: Path, info: dict, console) -> int:
+def _demo(
+    args: argparse.Namespace, home: Path, info: dict, console, stops_after: bool = False
+) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from jobs import service
@@ -404,6 +413,7 @@ def _demo(args: argparse.Namespace, home: Path, info: dict, console) -> int:
         },
         "files": files,
         "dashboard_url": info.get("dashboard_url"),
+        "stack_stops_after_demo": stops_after,
     }
     (out / "summary.json").write_text(json.dumps(report, indent=2))
     from rich.console import Console
@@ -465,7 +475,10 @@ def _print_report(report, final, files, chats: ChatStats, out: Path, console) ->
         console.print(f"{key}: {path}" + (f"\n  e.g. {sample[:200]}" if sample else ""))
     console.print(f"summary: {out / 'summary.json'}")
     if report["dashboard_url"]:
-        console.print(f"dashboard: {report['dashboard_url']}")
+        note = ""
+        if report["stack_stops_after_demo"]:
+            note = " (live while the stack runs: `laneserve up` first, or --keep-running)"
+        console.print(f"dashboard: {report['dashboard_url']}{note}")
 
 
 def _first_answer(path: Path) -> str | None:

@@ -76,6 +76,14 @@ def test_children_exit_when_the_supervisor_is_killed(tmp_path):
     # stack.json is stale now: commands see no stack.
     assert laneserve(home, "status", "--json").returncode == 1
     assert laneserve(home, "chat", "hi").returncode == 2
+    # A new `up` in the same home starts over the stale stack.json and ipc sockets.
+    again = UpProcess(home, "--synthetic", "--api-port", "0", "--no-dashboard")
+    try:
+        info2 = again.wait_ready(timeout_s=120)
+        assert info2["supervisor_pid"] == again.proc.pid
+        assert laneserve(home, "status", "--json").returncode == 0
+    finally:
+        assert again.stop() == 0
 
 
 @pytest.mark.slow
