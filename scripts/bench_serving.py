@@ -326,6 +326,7 @@ def plot(levels: list[dict], path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     xs = [lv["concurrency"] for lv in levels]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -341,6 +342,8 @@ def plot(levels: list[dict], path: Path, title: str) -> None:
     ax2.set(xscale="log", xlabel="concurrent streams", ylabel="output tokens/s")
     ax2.set_xticks(xs, [str(x) for x in xs])
     ax2.grid(alpha=0.3)
+    for ax in (ax1, ax2):
+        ax.xaxis.set_minor_formatter(NullFormatter())
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

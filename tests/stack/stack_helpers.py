@@ -67,7 +67,7 @@ class UpProcess:
                 info = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError):
                 info = {}
-            if info.get("state") == "ready":
+            if info.get("state") == "ready" and info.get("supervisor_pid") == self.proc.pid:
                 self.info = info
                 return info
             time.sleep(0.3)

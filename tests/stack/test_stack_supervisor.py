@@ -102,7 +102,7 @@ def test_stop_never_restarts_and_kills_stubborn_groups(tmp_path):
     codes = sup.stop()
     assert time.monotonic() - t0 < 10
     assert codes["edge"] == -15 and codes["stubborn"] == -9
-    assert not any(psutil.pid_exists(p) for p in [*pids.values(), gc] if _not_zombie(p))
+    wait_for(lambda: not any(_not_zombie(p) for p in [*pids.values(), gc]), 5, "all gone")
     assert sup.poll() == [] and sup.pids() == {"edge": None, "stubborn": None}
 
 
