@@ -321,9 +321,7 @@ class _Stop:
 
 def run(args: argparse.Namespace) -> int:
     quiet_http_logs()
-    from broker.addresses import default_back, default_front, run_dir
     from laneserve import stack
-    from laneserve.supervisor import Supervisor
 
     if args.workers < 1:
         print("laneserve up: --workers must be >= 1", file=sys.stderr)
@@ -334,16 +332,33 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"laneserve up: {exc}", file=sys.stderr)
         return 2
+    from filelock import FileLock, Timeout
+
     home = stack.laneserve_home().resolve()
     home.mkdir(parents=True, exist_ok=True)
-    other = stack.running_stack(home, ready=False)
-    if other is not None:
+    # One supervisor per home: held for our lifetime (the OS drops it if we are killed).
+    lock = FileLock(str(home / "up.lock"), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        other = stack.read_stack(home) or {}
         print(
             f"laneserve up: a stack is already running under {home} "
-            f"(supervisor pid {other['supervisor_pid']}, API {other.get('api_url')})",
+            f"(supervisor pid {other.get('supervisor_pid')}, API {other.get('api_url')})",
             file=sys.stderr,
         )
         return 1
+    try:
+        return _run_locked(args, home, lanes)
+    finally:
+        lock.release()
+
+
+def _run_locked(args: argparse.Namespace, home: Path, lanes: list[list[str]]) -> int:
+    from broker.addresses import default_back, default_front, run_dir
+    from laneserve import stack
+    from laneserve.supervisor import Supervisor
+
     ports = {}
     for name, port in (("api", args.api_port), ("dashboard", args.dashboard_port)):
         if name == "dashboard" and args.no_dashboard:

@@ -65,6 +65,8 @@ def test_children_exit_when_the_supervisor_is_killed(tmp_path):
     info = up.wait_ready(timeout_s=120)
     res = laneserve(home, "status", "--json")
     assert json.loads(res.stdout)["workers"][0]["pid"] == info["children"]["worker-0"]
+    second = laneserve(home, "up", "--synthetic", "--api-port", "0", "--no-dashboard", timeout=60)
+    assert second.returncode == 1 and "already running" in second.stderr
     children = [psutil.Process(pid) for pid in info["children"].values()]
     up.proc.send_signal(signal.SIGKILL)
     up.proc.wait()
