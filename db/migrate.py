@@ -29,6 +29,8 @@ from sqlalchemy.engine import URL
 from db.session import make_engine, resolve_url, sqlite_path, writer
 
 logger = logging.getLogger(__name__)
+# Alembic logs every plugin and migration step at INFO; keep start-up output readable.
+logging.getLogger("alembic").setLevel(logging.WARNING)
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 # Arbitrary 64-bit key for pg_advisory_lock ("laneserv" in ASCII); shared by every process.

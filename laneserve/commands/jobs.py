@@ -56,29 +56,50 @@ def _list(engine, args, service) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("id", "status", "kind", "done/total", "failed", "created")
+    table = Table("status", "kind", "done/total", "failed", "created")
+    table.add_column(
+        "id", no_wrap=True, overflow="fold"
+    )  # full ids: they are what show/cancel take
     for j in jobs:
         c = j.request_counts
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.created_at))
         table.add_row(
-            j.id,
             j.status,
             j.task or j.endpoint,
             f"{c['completed'] + c['failed']}/{c['total']}",
             str(c["failed"]),
             created,
+            j.id,
         )
     Console().print(table)
     return 0
 
 
+def _resolve(engine, service, batch_id: str):
+    """The job named by `batch_id` or by a unique prefix of its id (as `jobs list` shows them)."""
+    from jobs.errors import JobsError
+
+    try:
+        return service.get_batch(engine, batch_id)
+    except JobsError:
+        prefix = batch_id.rstrip("…. ")
+        matches = [j for j in service.list_batches(engine, limit=100) if j.id.startswith(prefix)]
+        if len(prefix) >= 10 and len(matches) == 1:  # "batch_" + a few hex digits
+            return matches[0]
+        if len(matches) > 1:
+            raise JobsError(
+                f"{batch_id!r} matches {len(matches)} batches; give more of the id"
+            ) from None
+        raise
+
+
 def _show(engine, args, service) -> int:
-    print(json.dumps(service.batch_object(service.get_batch(engine, args.id)), indent=2))
+    print(json.dumps(service.batch_object(_resolve(engine, service, args.id)), indent=2))
     return 0
 
 
 def _cancel(engine, args, service) -> int:
-    job = service.cancel_batch(engine, args.id)
+    job = service.cancel_batch(engine, _resolve(engine, service, args.id).id)
     print(f"{job.id}: {job.status}")
     return 0
 
@@ -86,7 +107,7 @@ def _cancel(engine, args, service) -> int:
 def _download(engine, args, service) -> int:
     from jobs.files import copy_file_content
 
-    job = service.get_batch(engine, args.id)
+    job = _resolve(engine, service, args.id)
     if job.output_file_id is None and job.error_file_id is None:
         print(f"laneserve jobs: {job.id} is {job.status}; no files yet", file=sys.stderr)
         return 1

@@ -169,6 +169,12 @@ def run(args: argparse.Namespace) -> int:
     if job.errors:
         for err in job.errors:
             print(f"  {err.get('code')}: {err.get('message')}", file=sys.stderr)
+    if job.output_file_id or job.error_file_id:
+        print(
+            f"results: laneserve jobs download {job.id}  (writes ./{job.id}_output.jsonl and "
+            "_errors.jsonl)",
+            file=sys.stderr,
+        )
     return EXIT_CODES.get(job.status, 1)
 
 

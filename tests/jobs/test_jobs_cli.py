@@ -54,6 +54,11 @@ def test_submit_wait_show_download_and_exit_codes(laneserve_home, tmp_path):
 
         listed = json.loads(_cli(laneserve_home, "jobs", "list", "--json").stdout)
         assert [b["id"] for b in listed] == [job_id]
+        # a unique prefix, as a narrow `jobs list` table may show it, names the job too
+        by_prefix = json.loads(_cli(laneserve_home, "jobs", "show", job_id[:12] + "…").stdout)
+        assert by_prefix["id"] == job_id
+        assert _cli(laneserve_home, "jobs", "show", "batch_").returncode == 1  # too short
+        assert "laneserve jobs download" in done.stderr  # --wait says where the results are
 
         dl = _cli(
             laneserve_home, "jobs", "download", job_id, "--output", "o.jsonl", "--errors", "e.jsonl"
