@@ -40,7 +40,10 @@ from bench_serving import (  # noqa: E402
     machine,
     random_prompt,
     server_figures,
+    server_rows,
 )
+
+PER_REQUEST = ("queue_ms", "prefill_ms", "ttft_ms", "tpot_ms", "preemptions", "prefill_chunks")
 
 
 async def one_request(bc, lane: str, ids: list[int], max_tokens: int) -> RequestResult:
@@ -180,10 +183,17 @@ def main() -> int:
                 log(f"{phase}: bulk job {job_id} running, queues {st['queues']}")
             log(f"{phase}: {args.interactive} requests at {args.rate}/s on the {lane} lane")
             results, wall = asyncio.run(steady(front, lane, args, rng))
+            rows = server_rows(info["db_url"], [r.request_id for r in results if r.request_id])
             entry = {
                 "lane": lane,
                 "client": client_figures(results, wall),
                 "server": server_figures(info["db_url"], results),
+                # per request, to see where the time goes (ms, from SQL)
+                "requests": [
+                    {k: rows.get(r.request_id, {}).get(k) for k in PER_REQUEST}
+                    | {"client_ttft_ms": round(r.ttft_s * 1000, 1) if r.ttft_s else None}
+                    for r in results
+                ],
             }
             if job_id:
                 row = service.get_batch(engine, job_id)
