@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--capacity",
         type=int,
         default=None,
-        help="requests held at once (default: max-num-seqs + 16)",
+        help="requests held at once (default: 2 x max-num-seqs: batch fills the engine, interactive can still get in)",
     )
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
     parser.add_argument("--liveness", type=int, default=3)
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         engine,
         broker_addr=args.broker or default_back(),
         lanes=lanes,
-        capacity=args.capacity or args.max_num_seqs + 16,
+        capacity=args.capacity or 2 * args.max_num_seqs,
         model="synthetic" if args.synthetic else getattr(engine, "model_name", args.model),
         worker_id=args.worker_id,
         heartbeat_interval_s=args.heartbeat_interval,
