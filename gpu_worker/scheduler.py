@@ -255,6 +255,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Build the next step (see the module docstring for the algorithm)."""
         cap = self.config.interactive_batch_token_cap if self._has_interactive() else None
+        if cap is not None:  # leave at least half the step to interactive (waiting ones come last)
+            cap = min(cap, self.config.max_num_batched_tokens // 2)
         step = _StepState(self.config.max_num_batched_tokens, cap)
         self._schedule_running(step)
         if not step.preempted:

@@ -48,7 +48,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32")
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget per engine step (default: the lane profile, see cpu_lane_budget)",
+    )
     engine.add_argument(
         "--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: engine's)"
     )
@@ -63,6 +68,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     synth.add_argument("--synthetic-fail-on", default=None, help="prompts containing this fail")
     parser.set_defaults(func=run)
+
+
+CPU_INTERACTIVE_BUDGET = 256  # tokens/step: ~1.4 s of SmolLM2 prefill on a 2-core CPU
+DEFAULT_BUDGET = 2048
+
+
+def lane_budget(lanes: list[str], device: str | None) -> int:
+    """Lane profile (DESIGN.md "Lanes"): a worker that serves interactive traffic on a CPU keeps
+    engine steps short, because a new request only enters the engine between steps (a 2,048-token
+    prefill step takes ~11 s here); batch-only and GPU workers take the large budget."""
+    import torch
+
+    on_gpu = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
+    if "interactive" in lanes and not on_gpu:
+        return CPU_INTERACTIVE_BUDGET
+    return DEFAULT_BUDGET
 
 
 def build_engine(args: argparse.Namespace, lanes: list[str]):
@@ -87,7 +108,7 @@ def build_engine(args: argparse.Namespace, lanes: list[str]):
         device=args.device,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens or lane_budget(lanes, args.device),
         kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory),
         lanes=lanes,
     )
