@@ -27,14 +27,74 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 STDLIB_MODULES = [
-    "argparse", "asyncio", "base64", "bisect", "calendar", "collections", "colorsys", "contextlib",
-    "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "enum", "fractions", "functools",
-    "getopt", "gettext", "glob", "gzip", "hashlib", "heapq", "hmac", "html", "imaplib", "inspect",
-    "io", "ipaddress", "json", "locale", "logging", "mailbox", "mimetypes", "numbers", "operator",
-    "optparse", "pathlib", "pickle", "pprint", "queue", "random", "re", "sched", "secrets",
-    "selectors", "shelve", "shlex", "shutil", "smtplib", "socket", "sqlite3", "statistics",
-    "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit",
-    "tokenize", "typing", "uuid", "wave", "weakref", "zipfile", "zlib",
+    "argparse",
+    "asyncio",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections",
+    "colorsys",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "enum",
+    "fractions",
+    "functools",
+    "getopt",
+    "gettext",
+    "glob",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "hmac",
+    "html",
+    "imaplib",
+    "inspect",
+    "io",
+    "ipaddress",
+    "json",
+    "locale",
+    "logging",
+    "mailbox",
+    "mimetypes",
+    "numbers",
+    "operator",
+    "optparse",
+    "pathlib",
+    "pickle",
+    "pprint",
+    "queue",
+    "random",
+    "re",
+    "sched",
+    "secrets",
+    "selectors",
+    "shelve",
+    "shlex",
+    "shutil",
+    "smtplib",
+    "socket",
+    "sqlite3",
+    "statistics",
+    "string",
+    "struct",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "tokenize",
+    "typing",
+    "uuid",
+    "wave",
+    "weakref",
+    "zipfile",
+    "zlib",
 ]
 
 
@@ -59,8 +119,9 @@ def build_prompts(tokenizer, n: int) -> list[list[int]]:
     out = []
     for doc in sample_documents(n):
         messages = [{"role": "user", "content": f"Summarize in two sentences:\n\n{doc}"}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         out.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
     return out
 
@@ -77,8 +138,14 @@ def run_transformers(model, prompts, max_tokens, batch_size, pad_id):
             ids[r, width - len(p) :] = torch.tensor(p)
             mask[r, width - len(p) :] = 1
         with torch.inference_mode():
-            gen = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id)
+            gen = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
         outs.extend(gen[:, width:].tolist())
     return outs, time.perf_counter() - start
 
@@ -106,8 +173,12 @@ def main() -> None:
     path = resolve_model_path(args.model)
     hf_dir = convert_gguf(path) if path.is_file() else path
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    llm = LLM(model=str(hf_dir), dtype=str(dtype).removeprefix("torch."), max_model_len=2048,
-              max_num_seqs=args.num_prompts)
+    llm = LLM(
+        model=str(hf_dir),
+        dtype=str(dtype).removeprefix("torch."),
+        max_model_len=2048,
+        max_num_seqs=args.num_prompts,
+    )
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).eval()
     prompts = build_prompts(llm.tokenizer, args.num_prompts)
     pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 2
@@ -140,7 +211,7 @@ def main() -> None:
     prompt_lens = [len(p) for p in prompts]
     result = {
         "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
-                   f"{torch.get_num_threads()} threads",
+        f"{torch.get_num_threads()} threads",
         "dtype": str(dtype).removeprefix("torch."),
         "num_prompts": args.num_prompts,
         "prompt_tokens_mean": round(sum(prompt_lens) / len(prompt_lens), 1),
