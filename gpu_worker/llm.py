@@ -150,7 +150,7 @@ class LLM:
             for rid in order:
                 if outputs[rid].finish_reason is None:
                     engine.abort_request(rid)
-            while engine._pending:  # report aborts so no state lingers
+            while engine.has_unfinished_requests():  # report the aborts so no state lingers
                 engine.step()
         return [outputs[rid] for rid in order]
 
