@@ -155,6 +155,8 @@ class Broker:
             self.recorder.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing while it is down
             self.recorder.connect(config.recorder)
         self.workers: dict[bytes, WorkerState] = {}
+        # unknown identity -> when it was last told to disconnect (one reset per re-announce)
+        self._told_disconnect: dict[bytes, float] = {}
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[bytes, set[str]] = collections.defaultdict(set)
         self.queues: dict[str, collections.deque[str]] = {
@@ -426,10 +428,21 @@ class Broker:
             return
         if worker is None:
             # Unknown worker (e.g. this broker restarted): make it forget and announce again.
+            # A worker queues messages while the broker is away; they all arrive at once. Tell
+            # it once (per liveness window) to re-announce: each Disconnect makes the worker
+            # forget its requests and send Ready again, so a second one, arriving after that
+            # Ready, would throw away work dispatched in between.
             self.counters["unknown_worker_messages"] += 1
-            self._send_worker(
-                identity, p.Disconnect(reason="unknown worker").to_frames(), quiet=True
-            )
+            now = time.monotonic()
+            told = self._told_disconnect.get(identity)
+            window = self.config.heartbeat_interval_s * self.config.liveness
+            if told is None or now - told > window:
+                if len(self._told_disconnect) > 10_000:
+                    self._told_disconnect.clear()
+                self._told_disconnect[identity] = now
+                self._send_worker(
+                    identity, p.Disconnect(reason="unknown worker").to_frames(), quiet=True
+                )
             return
         worker.last_seen = time.monotonic()
         if kind is p.StepOutputs:
@@ -443,6 +456,7 @@ class Broker:
             self._on_worker_error(worker, msg)
 
     def _on_ready(self, identity: bytes, msg: p.Ready) -> None:
+        self._told_disconnect.pop(identity, None)
         if identity in self.workers:
             self._worker_lost(identity)  # it restarted: whatever it held is gone
         now = time.monotonic()

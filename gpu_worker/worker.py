@@ -421,6 +421,9 @@ class Worker:
                         elif type(msg) is p.Disconnect:
                             logger.warning("broker says disconnect: %s", msg.reason)
                             self._reset(pipe, dealer)
+                            # the broker that said this may be a new one: adopt the epoch of
+                            # its next heartbeat instead of resetting a second time for it
+                            epoch = None
                         else:
                             pipe.send_multipart(frames)
                 if self._monitor in events:

@@ -391,3 +391,5 @@ def test_broker_restart_client_and_worker_recover(stack) -> None:
     # the worker dropped the orphaned request when it saw the new broker
     st = stack.wait_status(lambda s: s["workers"] and s["workers"][0]["load"].get("active") == 0)
     assert st["workers"][0]["load"]["num_running"] == 0
+    # the worker re-announced itself to the new broker once, not once per queued message
+    assert st["counters"].get("workers_lost", 0) == 0, st["counters"]
