@@ -14,12 +14,14 @@ tokens (a decode, or the last chunk of a prefill), which the scheduler reports a
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from gpu_worker import host_memory
 from gpu_worker.model_loader import ModelConfig
 from gpu_worker.models.llama import AttentionMetadata, LlamaForCausalLM
 
@@ -27,6 +29,23 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3  # DESIGN: the CPU KV pool is bounded (about 2 GiB)
 DEFAULT_GPU_KV_FRACTION = 0.80  # of the memory free after loading weights
+# Under a purely passive OpenMP wait policy (OMP_WAIT_POLICY=PASSIVE with no GOMP_SPINCOUNT, or
+# GOMP_SPINCOUNT=0) every parallel region pays ~40 us to wake its threads, ~240 regions per decode
+# step, so CPU steps of at most this many tokens run on one intra-op thread: they are memory-bound
+# and gain nothing from a second one. Measured on a 2-core EPYC, bf16 SmolLM2-135M, ms per step,
+# 1 vs 2 threads: decode B=1 25 vs 31, B=16 54 vs 58, B=32 81 vs 83, B=64 165 vs 150; prefill 128
+# tokens 105 vs 118, 256 tokens 200 vs 175. With gpu_worker's default short spin two threads win
+# at every size (B=1 18 vs 25), so the rule is off then. LANESERVE_CPU_SINGLE_THREAD_TOKENS
+# overrides it either way (0 turns it off).
+CPU_SINGLE_THREAD_TOKENS = 48
+
+
+def openmp_is_purely_passive() -> bool:
+    """Whether libgomp's threads sleep at once at a barrier (no spin before sleeping)."""
+    spin = os.environ.get("GOMP_SPINCOUNT")
+    if spin is not None:
+        return spin.strip() == "0"
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -108,12 +127,20 @@ class ModelRunner:
         self.num_blocks = num_blocks
         c = model.config
         self.device = model.device
+        if self.device.type == "cpu":
+            host_memory.tune_for_inference()  # stop per-step mmap/page-fault churn (see module)
         shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=model.dtype, device=self.device)
             for _ in range(c.num_hidden_layers)
         ]
         self.graphs = None
+        self.cpu_single_thread_tokens = 0
+        if self.device.type == "cpu":
+            default = CPU_SINGLE_THREAD_TOKENS if openmp_is_purely_passive() else 0
+            self.cpu_single_thread_tokens = int(
+                os.environ.get("LANESERVE_CPU_SINGLE_THREAD_TOKENS", default)
+            )
         if use_cuda_graphs and self.device.type == "cuda":
             self.graphs = self._capture_graphs(max_num_seqs, -(-max_model_len // block_size))
 
@@ -201,6 +228,20 @@ class ModelRunner:
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """One forward; logits [len(sample_rows), vocab] in fp32."""
+        if (
+            self.cpu_single_thread_tokens
+            and inputs.input_ids.shape[0] <= self.cpu_single_thread_tokens
+            and torch.get_num_threads() > 1
+        ):
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # ~0.1 us; the process's setting is restored right after
+            try:
+                return self._forward(inputs)
+            finally:
+                torch.set_num_threads(threads)
+        return self._forward(inputs)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
         if self.graphs is not None and inputs.is_pure_decode:
             a = inputs.attn
             batch = inputs.input_ids.shape[0]

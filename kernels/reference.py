@@ -23,6 +23,58 @@ __all__ = [
 ]
 
 
+class _StepMemo:
+    """One-entry cache of a value derived from a per-step tensor (positions, seq_lens, ...).
+
+    Every layer of a forward passes the same metadata tensors; what this derives from them (RoPE
+    cos/sin rows, decode length groups) is computed by the first layer and reused by the rest. The
+    entry is keyed on the tensor object *and* its in-place version counter, so a tensor refilled in
+    place (CUDA-graph static inputs) never returns a stale value.
+    """
+
+    __slots__ = ("key", "ref", "value")
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.ref: torch.Tensor | None = None
+        self.value = None
+
+    def get(self, tensor: torch.Tensor, extra: tuple, compute):
+        key = (tensor._version, *extra)
+        if self.ref is tensor and self.key == key:
+            return self.value
+        self.value = compute()
+        self.ref, self.key = tensor, key
+        return self.value
+
+
+_rope_memo = _StepMemo()
+_groups_memo = _StepMemo()
+
+# Decode sequences are padded to the longest one in their group; grouping by length (up to this
+# many groups) pays off once padding would waste more than a fifth of the gathered context.
+_MAX_DECODE_GROUPS = 4
+_MIN_GROUPING_GAIN = 0.2
+
+
+def _decode_groups(seq_lens_list: list[int]) -> list[list[int]] | None:
+    """Split decode rows into length-sorted groups when that cuts the padded KV by >= 20 %.
+
+    Returns None (one group: all rows) otherwise. Groups hold row indices in ascending length.
+    """
+    n = len(seq_lens_list)
+    if n < 2 * _MAX_DECODE_GROUPS:
+        return None
+    order = sorted(range(n), key=seq_lens_list.__getitem__)
+    size = -(-n // _MAX_DECODE_GROUPS)
+    groups = [order[i : i + size] for i in range(0, n, size)]
+    padded_one = n * seq_lens_list[order[-1]]
+    padded_grouped = sum(len(g) * seq_lens_list[g[-1]] for g in groups)
+    if padded_grouped > (1 - _MIN_GROUPING_GAIN) * padded_one:
+        return None
+    return groups
+
+
 def _gather_kv(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_table: torch.Tensor,  # [..., n_blocks] int32
@@ -39,6 +91,13 @@ def _gather_kv(
     return kv[..., :length, :, :]
 
 
+def _length_groups_tensors(seq_lens_list: list[int], device) -> list | None:
+    groups = _decode_groups(seq_lens_list)
+    if groups is None:
+        return None
+    return [(torch.tensor(g, device=device), g) for g in groups]
+
+
 def _decode_attention(
     q: torch.Tensor,  # [B, Hq, D] (one query token per sequence)
     k_cache: torch.Tensor,
@@ -48,22 +107,35 @@ def _decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     softmax_scale: float,
 ) -> torch.Tensor:
-    """Batched decode: gather every sequence padded to the longest one and mask by length."""
+    """Batched decode: gather every sequence padded to the longest one and mask by length.
+
+    The KV stays in the cache dtype (no fp32 copy of the whole context) and the ``g = Hq / Hk``
+    query heads that share a KV head become ``g`` query rows of one SDPA problem per KV head, so
+    no KV is repeated for GQA. PyTorch's CPU flash-attention kernel accumulates scores, softmax and
+    the weighted sum in fp32 for bf16/fp16 input, rounding the probabilities to the input dtype
+    before the ``P @ V`` product exactly like the Triton kernel (``p.to(v.dtype)``).
+    Returns ``[B, Hq, D]`` in the cache dtype.
+    """
     max_len = max(seq_lens_list)
-    k = _gather_kv(k_cache, block_tables, max_len).float()  # [B, L, Hk, D]
-    v = _gather_kv(v_cache, block_tables, max_len).float()
-    positions = torch.arange(max_len, device=q.device)
-    valid = positions[None, :] < seq_lens.to(q.device, torch.long)[:, None]  # [B, L]
-    mask = valid[:, None, None, :]  # [B, 1, 1, L]
+    k = _gather_kv(k_cache, block_tables, max_len)  # [B, L, Hk, D]
+    v = _gather_kv(v_cache, block_tables, max_len)
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    # query head h reads KV head h // g, so heads kv*g .. kv*g+g-1 form KV head kv's group
+    q_grouped = q.to(k.dtype).reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    mask = None
+    if min(seq_lens_list) != max_len:
+        positions = torch.arange(max_len, device=q.device)
+        valid = positions[None, :] < seq_lens.to(q.device, torch.long)[:, None]  # [B, L]
+        mask = valid[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(
-        q.float().unsqueeze(2),  # [B, Hq, 1, D]
+        q_grouped,  # [B, Hk, g, D]
         k.transpose(1, 2),  # [B, Hk, L, D]
         v.transpose(1, 2),
         attn_mask=mask,
         scale=softmax_scale,
-        enable_gqa=q.shape[1] != k.shape[2],
-    )  # [B, Hq, 1, D]
-    return out.squeeze(2)
+    )  # [B, Hk, g, D]
+    return out.reshape(batch, num_q_heads, head_dim)
 
 
 def _sequence_attention(
@@ -122,7 +194,8 @@ def unified_attention(
 
     Query token ``i`` of sequence ``s`` sits at position ``seq_lens[s] - q_len_s + i`` and attends to
     keys ``0..`` that position. GQA: query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
-    Scores, softmax and the weighted sum run in fp32; the result has ``q``'s dtype.
+    Scores, softmax and the weighted sum accumulate in fp32 (probabilities are rounded to the KV
+    dtype before ``P @ V``, as in FlashAttention); the result has ``q``'s dtype.
 
     Returns:
         ``out`` (or a new tensor) ``[num_tokens, num_q_heads, head_dim]`` in ``q.dtype``.
@@ -138,10 +211,25 @@ def unified_attention(
     q_lens = [starts[s + 1] - starts[s] for s in range(num_seqs)]
     decodes = [s for s in range(num_seqs) if q_lens[s] == 1]
     if len(decodes) == num_seqs == num_tokens:  # pure decode batch
-        res = _decode_attention(
-            q, k_cache, v_cache, seq_lens, seq_lens_list, block_tables, softmax_scale
+        groups = _groups_memo.get(
+            seq_lens, (id(cu_seqlens_q),), lambda: _length_groups_tensors(seq_lens_list, q.device)
         )
-        out.copy_(res)
+        if groups is None:
+            res = _decode_attention(
+                q, k_cache, v_cache, seq_lens, seq_lens_list, block_tables, softmax_scale
+            )
+            out.copy_(res)
+            return out
+        for rows, rows_list in groups:
+            out[rows] = _decode_attention(
+                q.index_select(0, rows),
+                k_cache,
+                v_cache,
+                seq_lens.index_select(0, rows),
+                [seq_lens_list[r] for r in rows_list],
+                block_tables.index_select(0, rows),
+                softmax_scale,
+            ).to(out.dtype)
         return out
     if len(decodes) > 1:  # the decodes of a mixed batch still go through the batched path
         seq_idx = torch.tensor(decodes, device=q.device)
@@ -187,9 +275,11 @@ def reshape_and_cache(
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key.to(k_cache.dtype)
-    v_cache[blocks, offsets] = value.to(v_cache.dtype)
+    for src, cache in ((key, k_cache), (value, v_cache)):
+        if cache.is_contiguous():  # one flat row per slot: index_copy_ beats advanced indexing
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, src.to(cache.dtype))
+        else:
+            cache[slots // block_size, slots % block_size] = src.to(cache.dtype)
 
 
 def rms_norm(
@@ -226,6 +316,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _cos_sin(
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``, ``sin`` rows ``[T, 1, rot_dim]`` in ``dtype`` (each half repeated, rotate-half layout)."""
+    half = cos_sin_cache.shape[-1] // 2
+    cs = cos_sin_cache[positions.to(torch.long)]  # [T, rot_dim]
+    cos_half, sin_half = cs[:, :half], cs[:, half:]
+    cos = torch.cat((cos_half, cos_half), dim=-1).to(dtype)[:, None, :]
+    sin = torch.cat((sin_half, sin_half), dim=-1).to(dtype)[:, None, :]
+    return cos, sin
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -241,12 +343,12 @@ def rotary_embedding(
     is computed in that dtype. Returns ``(q, k)``, the same tensors, modified in place.
     """
     rot_dim = cos_sin_cache.shape[-1]
-    half = rot_dim // 2
-    cs = cos_sin_cache[positions.to(torch.long)]  # [T, rot_dim]
-    cos_half, sin_half = cs[:, :half], cs[:, half:]
     for x in (q, k):
-        cos = torch.cat((cos_half, cos_half), dim=-1).to(x.dtype)[:, None, :]  # [T, 1, rot_dim]
-        sin = torch.cat((sin_half, sin_half), dim=-1).to(x.dtype)[:, None, :]
+        cos, sin = _rope_memo.get(
+            positions,
+            (id(cos_sin_cache), x.dtype),
+            lambda dtype=x.dtype: _cos_sin(positions, cos_sin_cache, dtype),
+        )
         x_rot = x[..., :rot_dim]
         x_rot.copy_((x_rot * cos) + (_rotate_half(x_rot) * sin))
     return q, k

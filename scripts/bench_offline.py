@@ -22,9 +22,9 @@ import os
 import platform
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch  # noqa: E402
+# gpu_worker sets the OpenMP wait policy (for both sides of the comparison) before torch loads
+import gpu_worker  # noqa: F401  # isort: skip
+import torch  # isort: skip
 
 STDLIB_MODULES = [
     "argparse",

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see gpu_worker/__init__)
+os.environ.setdefault("GOMP_SPINCOUNT", "0")  # many processes share 2 cores: never spin
 
 
 def _no_cuda() -> bool:

@@ -8,8 +8,9 @@ and prints the URLs. A crashed child is restarted with backoff; Ctrl-C / SIGTERM
 
 The model is pulled and converted (file-locked, atomic) before any worker starts, so N workers do
 not race to download it. On CPU each worker gets `(cores - 1) / workers` torch threads
-(`OMP_NUM_THREADS`, see `threads_per_worker`) and every child `OMP_WAIT_POLICY=PASSIVE` (libgomp's busy wait makes torch
-10-30x slower on a loaded small CPU; see gpu_worker/__init__.py).
+(`OMP_NUM_THREADS`, see `threads_per_worker`) and every child `OMP_WAIT_POLICY=PASSIVE` with a short
+spin (`GOMP_SPINCOUNT`, unless set already): libgomp's default busy wait makes torch 10-30x slower
+on a loaded small CPU, a fully passive team pays a wake-up at every op (see gpu_worker/__init__.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import socket
 import sys
 import time
 from pathlib import Path
+
+from gpu_worker import DEFAULT_GOMP_SPINCOUNT
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +217,7 @@ def child_env(home: Path, threads: int, api_key: str | None) -> dict[str, str]:
     env.update(
         LANESERVE_HOME=str(home),
         OMP_WAIT_POLICY="PASSIVE",
+        GOMP_SPINCOUNT=os.environ.get("GOMP_SPINCOUNT", DEFAULT_GOMP_SPINCOUNT),
         OMP_NUM_THREADS=str(threads),
         MKL_NUM_THREADS=str(threads),
         TOKENIZERS_PARALLELISM="false",
