@@ -31,6 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from broker.procutil import pid_alive
+
 STACK_FILE = "stack.json"
 STACK_VERSION = 1
 
@@ -46,23 +48,6 @@ def laneserve_home() -> Path:
 
 def stack_path(home: Path | None = None) -> Path:
     return (home or laneserve_home()) / STACK_FILE
-
-
-def pid_alive(pid: int | None) -> bool:
-    """True when a process with this pid exists (zombies count as gone)."""
-    if not pid or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child answers kill(0) but is dead
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 def write_stack(info: dict[str, Any], home: Path | None = None) -> Path:

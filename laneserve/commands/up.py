@@ -503,7 +503,7 @@ def _run_locked(args: argparse.Namespace, home: Path, lanes: list[list[str]]) ->
 
 
 def _watch(sup, parent_pid: int | None, stop: _Stop) -> None:
-    from laneserve.stack import pid_alive
+    from broker.procutil import pid_alive
 
     sup.poll()
     if parent_pid is not None and not pid_alive(parent_pid):
