@@ -100,9 +100,9 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's, capped to what the KV pool holds
-    interactive_batch_token_cap: int | None = (
-        512  # batch prefill tokens/step while interactive runs
-    )
+    # batch-lane tokens per step (decodes + prefill chunks) while interactive requests run
+    interactive_batch_token_cap: int | None = 512
+    batch_token_budget: int | None = None  # batch-lane tokens per step at any time (None: all)
     lanes: tuple[str, ...] = ("interactive", "batch")
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only)
 
@@ -178,6 +178,7 @@ class LLMEngine:
                 max_model_len=max_len,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 interactive_batch_token_cap=config.interactive_batch_token_cap,
+                batch_token_budget=config.batch_token_budget,
             ),
             self.block_manager,
         )

@@ -20,8 +20,11 @@ chunks and decodes share one step. One `schedule()`:
    overtaking inside the order, so batch never jumps an interactive request).
 
 Lanes inside one worker (DESIGN.md): while any interactive request is running or waiting, the
-batch lane's prefill tokens per step are capped at `interactive_batch_token_cap`; batch decodes
-(1 token) are not capped. Without interactive traffic batch gets the whole budget.
+batch lane's tokens per step (decodes and prefill chunks alike, in scheduling order) are capped
+at `interactive_batch_token_cap` (and at half the budget); batch requests beyond the cap keep
+their KV and seats and simply skip the step. Without interactive traffic batch gets
+`batch_token_budget` (default: the whole budget), which a CPU worker serving interactive traffic
+sets low because the running step is what a newly arrived interactive request waits for.
 
 The engine loop is ``out = schedule(); run the model on out.scheduled; update_after_step(out);
 append the sampled token of every entry with samples=True; finish_request(...) the ones that stop``.
@@ -59,9 +62,13 @@ class SchedulerConfig:
             for no limit beyond the budget (small chunks smooth TPOT of the others).
         watermark: fraction of all blocks kept free when admitting a waiting request, so
             running requests can grow a little before anything is preempted (vLLM's 1%).
-        interactive_batch_token_cap: batch-lane prefill tokens per step while interactive
-            requests are present, or None for no cap (DESIGN "Lanes inside one worker":
-            256-512 keeps interactive TPOT bounded).
+        interactive_batch_token_cap: batch-lane tokens per step (decodes + prefill chunks)
+            while interactive requests are present, or None for no cap (DESIGN "Lanes inside
+            one worker"). 512 suits a GPU; a CPU worker serving interactive traffic uses a few
+            tokens, since there every batch token lengthens the interactive step.
+        batch_token_budget: batch-lane tokens per step at any time, or None for the whole
+            budget (bounds how long a newly arrived interactive request waits for the running
+            step; see laneserve/commands/worker.py's CPU lane profile).
     """
 
     max_num_seqs: int = 256
@@ -70,12 +77,17 @@ class SchedulerConfig:
     long_prefill_token_threshold: int | None = None
     watermark: float = 0.01
     interactive_batch_token_cap: int | None = 512
+    batch_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("long_prefill_token_threshold", "interactive_batch_token_cap"):
+        for name in (
+            "long_prefill_token_threshold",
+            "interactive_batch_token_cap",
+            "batch_token_budget",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")
@@ -132,7 +144,7 @@ class _StepState:
 
     def __init__(self, budget: int, batch_cap: int | None) -> None:
         self.budget = budget
-        self.batch_cap_left = batch_cap  # None: batch prefill uncapped this step
+        self.batch_cap_left = batch_cap  # None: batch tokens uncapped this step
         self.entries: dict[str, ScheduledRequest] = {}
         self.preempted: list[Request] = []
 
@@ -254,9 +266,12 @@ class Scheduler:
     # --- one step ---
     def schedule(self) -> SchedulerOutput:
         """Build the next step (see the module docstring for the algorithm)."""
-        cap = self.config.interactive_batch_token_cap if self._has_interactive() else None
-        if cap is not None:  # leave at least half the step to interactive (waiting ones come last)
-            cap = min(cap, self.config.max_num_batched_tokens // 2)
+        cap = self.config.batch_token_budget
+        inter_cap = self.config.interactive_batch_token_cap
+        if inter_cap is not None and self._has_interactive():
+            # leave at least half the step to interactive (waiting ones come last)
+            inter_cap = min(inter_cap, self.config.max_num_batched_tokens // 2)
+            cap = inter_cap if cap is None else min(cap, inter_cap)
         step = _StepState(self.config.max_num_batched_tokens, cap)
         self._schedule_running(step)
         if not step.preempted:
@@ -275,7 +290,7 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         if threshold is not None:
             n = min(n, threshold)
-        if remaining > 1 and req.lane is Lane.BATCH and step.batch_cap_left is not None:
+        if req.lane is Lane.BATCH and step.batch_cap_left is not None:
             n = min(n, step.batch_cap_left)
         return n
 
@@ -284,8 +299,8 @@ class Scheduler:
         start = req.num_computed_tokens
         if not _is_decode(req, start):
             req.num_prefill_chunks += 1
-            if req.lane is Lane.BATCH and step.batch_cap_left is not None:
-                step.batch_cap_left -= n
+        if req.lane is Lane.BATCH and step.batch_cap_left is not None:
+            step.batch_cap_left -= n
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
         step.budget -= n
@@ -369,8 +384,8 @@ class Scheduler:
             step.budget += entry.num_new_tokens
             if not _is_decode(victim, entry.num_computed_tokens):
                 victim.num_prefill_chunks -= 1
-                if step.batch_cap_left is not None:
-                    step.batch_cap_left += entry.num_new_tokens
+            if step.batch_cap_left is not None:
+                step.batch_cap_left += entry.num_new_tokens
         self._preempt(step, victim)
         return True
 

@@ -52,7 +52,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="token budget per engine step (default: the lane profile, see cpu_lane_budget)",
+        help="token budget per engine step (default: the lane profile, see lane_profile)",
+    )
+    engine.add_argument(
+        "--batch-token-budget",
+        type=int,
+        default=None,
+        help="batch-lane tokens per step at any time (default: lane profile)",
+    )
+    engine.add_argument(
+        "--interactive-batch-token-cap",
+        type=int,
+        default=None,
+        help="batch-lane tokens per step while interactive requests run (default: lane profile)",
     )
     engine.add_argument(
         "--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: engine's)"
@@ -70,20 +82,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-CPU_INTERACTIVE_BUDGET = 256  # tokens/step: ~1.4 s of SmolLM2 prefill on a 2-core CPU
+# Lane profile of a CPU worker that serves interactive traffic. A new request only enters the
+# engine between steps, so the running step bounds TTFT, and every batch token in a step that
+# also decodes an interactive request lengthens its TPOT. Measured on a 2-core EPYC, bf16
+# SmolLM2-135M, one torch thread (what `laneserve up` gives a worker on 2 cores), ms per step:
+# decode batch 1 / 8 / 32 / 64 = 25 / 37 / 81 / 165; prefill 64 / 128 / 256 tokens ~60 / 105 / 200.
+# - budget 256: an interactive prompt of a few hundred tokens prefills in one step;
+# - batch steps of at most 48 tokens (~110 ms): what an arriving interactive request waits for,
+#   while batch decodes stay near their best tokens/s (batch 32-48);
+# - 8 batch tokens beside interactive requests: ~1.5x their idle TPOT.
+CPU_INTERACTIVE_BUDGET = 256
+CPU_BATCH_TOKEN_BUDGET = 48
+CPU_INTERACTIVE_BATCH_CAP = 8
 DEFAULT_BUDGET = 2048
+DEFAULT_INTERACTIVE_BATCH_CAP = 512
 
 
-def lane_budget(lanes: list[str], device: str | None) -> int:
-    """Lane profile (DESIGN.md "Lanes"): a worker that serves interactive traffic on a CPU keeps
-    engine steps short, because a new request only enters the engine between steps (a 2,048-token
-    prefill step takes ~11 s here); batch-only and GPU workers take the large budget."""
+def lane_profile(lanes: list[str], device: str | None) -> dict[str, int | None]:
+    """Engine step knobs for this worker (DESIGN.md "Lanes"): `max_num_batched_tokens`,
+    `batch_token_budget` and `interactive_batch_token_cap`.
+
+    A CPU worker serving interactive traffic keeps batch steps short and batch tokens beside
+    interactive ones few; batch-only and GPU workers take the large budget.
+    """
     import torch
 
     on_gpu = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
     if "interactive" in lanes and not on_gpu:
-        return CPU_INTERACTIVE_BUDGET
-    return DEFAULT_BUDGET
+        return {
+            "max_num_batched_tokens": CPU_INTERACTIVE_BUDGET,
+            "batch_token_budget": CPU_BATCH_TOKEN_BUDGET,
+            "interactive_batch_token_cap": CPU_INTERACTIVE_BATCH_CAP,
+        }
+    return {
+        "max_num_batched_tokens": DEFAULT_BUDGET,
+        "batch_token_budget": None,
+        "interactive_batch_token_cap": DEFAULT_INTERACTIVE_BATCH_CAP,
+    }
 
 
 def build_engine(args: argparse.Namespace, lanes: list[str]):
@@ -102,13 +137,19 @@ def build_engine(args: argparse.Namespace, lanes: list[str]):
         )
     from gpu_worker.engine import LLMEngine  # the real engine (issue 3)
 
+    profile = lane_profile(lanes, args.device)
+
     return LLMEngine.from_args(
         model=args.model,
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens or lane_budget(lanes, args.device),
+        max_num_batched_tokens=args.max_num_batched_tokens or profile["max_num_batched_tokens"],
+        batch_token_budget=args.batch_token_budget or profile["batch_token_budget"],
+        interactive_batch_token_cap=(
+            args.interactive_batch_token_cap or profile["interactive_batch_token_cap"]
+        ),
         kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory),
         lanes=lanes,
     )

@@ -91,16 +91,29 @@ def test_interactive_gets_budget_before_older_batch(sim):
     assert split(s.step()) == [("inter", 80), ("batch", 20)]
 
 
-def test_batch_prefill_capped_only_while_interactive_present(sim):
+def test_batch_tokens_capped_only_while_interactive_present(sim):
     s = sim(max_num_batched_tokens=1000, interactive_batch_token_cap=64)
     s.add("b1", 300, max_tokens=3)
     s.add("b2", 300, max_tokens=3)
     assert split(s.step()) == [("b1", 300), ("b2", 300)]  # no interactive: full budget
     s.add("i", 200, lane="interactive", max_tokens=50)
     s.add("b3", 300, max_tokens=3)
-    # interactive first, batch decodes (1 token each) not capped, batch prefill <= 64
-    assert split(s.step()) == [("i", 200), ("b1", 1), ("b2", 1), ("b3", 64)]
-    assert split(s.step()) == [("i", 1), ("b1", 1), ("b2", 1), ("b3", 64)]
+    # interactive first; batch decodes and prefill share the cap of 64, in scheduling order
+    assert split(s.step()) == [("i", 200), ("b1", 1), ("b2", 1), ("b3", 62)]
+    assert split(s.step()) == [("i", 1), ("b1", 1), ("b2", 1), ("b3", 62)]
+
+
+def test_batch_decodes_beyond_the_cap_skip_the_step_and_resume(sim):
+    s = sim(max_num_batched_tokens=1000, interactive_batch_token_cap=2)
+    for name in ("b1", "b2", "b3"):
+        s.add(name, 10, max_tokens=20)
+    assert split(s.step()) == [("b1", 10), ("b2", 10), ("b3", 10)]
+    s.add("i", 5, lane="interactive", max_tokens=3)
+    # only two batch tokens per step while "i" is present: the oldest batch requests decode
+    assert split(s.step()) == [("i", 5), ("b1", 1), ("b2", 1)]
+    assert split(s.step()) == [("i", 1), ("b1", 1), ("b2", 1)]
+    assert split(s.step()) == [("i", 1), ("b1", 1), ("b2", 1)]  # "i" has its 3 tokens now
+    assert split(s.step()) == [("b1", 1), ("b2", 1), ("b3", 1)]  # cap lifted: b3 resumes
 
 
 def test_preemption_order_on_kv_exhaustion(sim):
@@ -396,3 +409,13 @@ def test_shared_batch_prefix_counts_as_reclaimable(sim):
     assert out.preempted == [b2, b1]
     s.run()
     assert inter.num_output_tokens == 1 and b1.num_output_tokens == b2.num_output_tokens == 3
+
+
+def test_batch_token_budget_bounds_batch_steps_but_not_interactive(sim):
+    s = sim(max_num_batched_tokens=256, batch_token_budget=48, interactive_batch_token_cap=8)
+    s.add("b1", 100, max_tokens=5)
+    s.add("b2", 100, max_tokens=5)
+    assert split(s.step()) == [("b1", 48)]  # batch alone: 48 tokens, not the 256 budget
+    s.add("i", 200, lane="interactive", max_tokens=2)
+    # interactive prefills its 200 tokens in one step; batch gets the interactive cap of 8
+    assert split(s.step()) == [("i", 200), ("b1", 8)]
