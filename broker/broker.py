@@ -287,7 +287,10 @@ class Broker:
                     worker.pid,
                     now - worker.last_seen,
                 )
-                self._send_worker(identity, p.Disconnect(reason="liveness").to_frames(), quiet=True)
+                if self._send_worker(
+                    identity, p.Disconnect(reason="liveness").to_frames(), quiet=True
+                ):
+                    self._told_disconnect[identity] = now  # its queued messages get no second one
                 self._worker_lost(identity)
             elif now - worker.hb_sent >= cfg.heartbeat_interval_s:
                 worker.hb_sent = now
@@ -439,10 +442,10 @@ class Broker:
             if told is None or now - told > window:
                 if len(self._told_disconnect) > 10_000:
                     self._told_disconnect.clear()
-                self._told_disconnect[identity] = now
-                self._send_worker(
+                if self._send_worker(
                     identity, p.Disconnect(reason="unknown worker").to_frames(), quiet=True
-                )
+                ):
+                    self._told_disconnect[identity] = now
             return
         worker.last_seen = time.monotonic()
         if kind is p.StepOutputs:

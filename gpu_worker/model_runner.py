@@ -138,9 +138,13 @@ class ModelRunner:
         self.cpu_single_thread_tokens = 0
         if self.device.type == "cpu":
             default = CPU_SINGLE_THREAD_TOKENS if openmp_is_purely_passive() else 0
-            self.cpu_single_thread_tokens = int(
-                os.environ.get("LANESERVE_CPU_SINGLE_THREAD_TOKENS", default)
-            )
+            raw = os.environ.get("LANESERVE_CPU_SINGLE_THREAD_TOKENS", str(default))
+            try:
+                self.cpu_single_thread_tokens = int(raw)
+            except ValueError:
+                raise ValueError(
+                    f"LANESERVE_CPU_SINGLE_THREAD_TOKENS must be an integer, got {raw!r}"
+                ) from None
         if use_cuda_graphs and self.device.type == "cuda":
             self.graphs = self._capture_graphs(max_num_seqs, -(-max_model_len // block_size))
 

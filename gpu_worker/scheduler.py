@@ -270,7 +270,7 @@ class Scheduler:
         inter_cap = self.config.interactive_batch_token_cap
         if inter_cap is not None and self._has_interactive():
             # leave at least half the step to interactive (waiting ones come last)
-            inter_cap = min(inter_cap, self.config.max_num_batched_tokens // 2)
+            inter_cap = max(1, min(inter_cap, self.config.max_num_batched_tokens // 2))
             cap = inter_cap if cap is None else min(cap, inter_cap)
         step = _StepState(self.config.max_num_batched_tokens, cap)
         self._schedule_running(step)

@@ -28,24 +28,36 @@ class _StepMemo:
 
     Every layer of a forward passes the same metadata tensors; what this derives from them (RoPE
     cos/sin rows, decode length groups) is computed by the first layer and reused by the rest. The
-    entry is keyed on the tensor object *and* its in-place version counter, so a tensor refilled in
-    place (CUDA-graph static inputs) never returns a stale value.
+    entry holds the tensor (so its id cannot be reused) and is keyed on its in-place version
+    counter and on ``extra`` (tensors in it compared by identity), so a tensor refilled in place
+    never returns a stale value. Inference-mode tensors have no version counter: they are never
+    memoized. The entry is one tuple, replaced in a single assignment (safe across threads).
     """
 
-    __slots__ = ("key", "ref", "value")
+    __slots__ = ("entry",)
 
     def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.ref: torch.Tensor | None = None
-        self.value = None
+        self.entry: tuple | None = None  # (tensor, version, extra, value)
 
     def get(self, tensor: torch.Tensor, extra: tuple, compute):
-        key = (tensor._version, *extra)
-        if self.ref is tensor and self.key == key:
-            return self.value
-        self.value = compute()
-        self.ref, self.key = tensor, key
-        return self.value
+        if tensor.is_inference():
+            return compute()
+        version = tensor._version
+        entry = self.entry
+        if (
+            entry is not None
+            and entry[0] is tensor
+            and entry[1] == version
+            and len(entry[2]) == len(extra)
+            and all(
+                a is b or (not torch.is_tensor(a) and a == b)
+                for a, b in zip(entry[2], extra, strict=True)
+            )
+        ):
+            return entry[3]
+        value = compute()
+        self.entry = (tensor, version, extra, value)
+        return value
 
 
 _rope_memo = _StepMemo()
@@ -212,7 +224,7 @@ def unified_attention(
     decodes = [s for s in range(num_seqs) if q_lens[s] == 1]
     if len(decodes) == num_seqs == num_tokens:  # pure decode batch
         groups = _groups_memo.get(
-            seq_lens, (id(cu_seqlens_q),), lambda: _length_groups_tensors(seq_lens_list, q.device)
+            seq_lens, (cu_seqlens_q,), lambda: _length_groups_tensors(seq_lens_list, q.device)
         )
         if groups is None:
             res = _decode_attention(
@@ -346,7 +358,7 @@ def rotary_embedding(
     for x in (q, k):
         cos, sin = _rope_memo.get(
             positions,
-            (id(cos_sin_cache), x.dtype),
+            (cos_sin_cache, x.dtype),
             lambda dtype=x.dtype: _cos_sin(positions, cos_sin_cache, dtype),
         )
         x_rot = x[..., :rot_dim]

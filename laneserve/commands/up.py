@@ -9,8 +9,9 @@ and prints the URLs. A crashed child is restarted with backoff; Ctrl-C / SIGTERM
 The model is pulled and converted (file-locked, atomic) before any worker starts, so N workers do
 not race to download it. On CPU each worker gets `(cores - 1) / workers` torch threads
 (`OMP_NUM_THREADS`, see `threads_per_worker`) and every child `OMP_WAIT_POLICY=PASSIVE` with a short
-spin (`GOMP_SPINCOUNT`, unless set already): libgomp's default busy wait makes torch 10-30x slower
-on a loaded small CPU, a fully passive team pays a wake-up at every op (see gpu_worker/__init__.py).
+spin (`GOMP_SPINCOUNT=3000`) unless either is set already: libgomp's default busy wait makes torch
+10-30x slower on a loaded small CPU, a fully passive team pays a wake-up at every op (see
+gpu_worker/__init__.py).
 """
 
 from __future__ import annotations
@@ -216,13 +217,14 @@ def child_env(home: Path, threads: int, api_key: str | None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         LANESERVE_HOME=str(home),
-        OMP_WAIT_POLICY="PASSIVE",
-        GOMP_SPINCOUNT=os.environ.get("GOMP_SPINCOUNT", DEFAULT_GOMP_SPINCOUNT),
         OMP_NUM_THREADS=str(threads),
         MKL_NUM_THREADS=str(threads),
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
     )
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        # a short spin (see gpu_worker/__init__.py); an explicit setting of either is passed on
+        env.update(OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT=DEFAULT_GOMP_SPINCOUNT)
     env.pop("LANESERVE_DB_URL", None)  # every child gets --db explicitly
     if api_key:
         env["LANESERVE_API_KEY"] = api_key

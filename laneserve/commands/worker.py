@@ -58,7 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--batch-token-budget",
         type=int,
         default=None,
-        help="batch-lane tokens per step at any time (default: lane profile)",
+        help="batch-lane tokens per step even without interactive traffic (default: none; "
+        "DESIGN gives batch the whole budget then)",
     )
     engine.add_argument(
         "--interactive-batch-token-cap",
@@ -86,23 +87,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 # engine between steps, so the running step bounds TTFT, and every batch token in a step that
 # also decodes an interactive request lengthens its TPOT. Measured on a 2-core EPYC, bf16
 # SmolLM2-135M, one torch thread (what `laneserve up` gives a worker on 2 cores), ms per step:
-# decode batch 1 / 8 / 32 / 64 = 25 / 37 / 81 / 165; prefill 64 / 128 / 256 tokens ~60 / 105 / 200.
-# - budget 256: an interactive prompt of a few hundred tokens prefills in one step;
-# - batch steps of at most 48 tokens (~110 ms): what an arriving interactive request waits for,
-#   while batch decodes stay near their best tokens/s (batch 32-48);
+# decode batch 1 / 8 / 32 / 48 / 64 = 25 / 37 / 81 / ~110 / 165; prefill 64 / 128 tokens ~60 / 105.
+# - budget 48: the step an arriving interactive request waits for stays near 110 ms, while
+#   batch decodes stay near their best tokens/s (batch 32-48); longer interactive prompts
+#   prefill in 48-token chunks, which costs them little (prefill is compute-bound from ~64 tokens);
 # - 8 batch tokens beside interactive requests: ~1.5x their idle TPOT.
-CPU_INTERACTIVE_BUDGET = 256
-CPU_BATCH_TOKEN_BUDGET = 48
+# Without interactive traffic batch gets the whole budget (DESIGN.md "Lanes inside one worker").
+CPU_INTERACTIVE_BUDGET = 48
 CPU_INTERACTIVE_BATCH_CAP = 8
 DEFAULT_BUDGET = 2048
 DEFAULT_INTERACTIVE_BATCH_CAP = 512
 
 
 def lane_profile(lanes: list[str], device: str | None) -> dict[str, int | None]:
-    """Engine step knobs for this worker (DESIGN.md "Lanes"): `max_num_batched_tokens`,
-    `batch_token_budget` and `interactive_batch_token_cap`.
+    """Engine step knobs for this worker (DESIGN.md "Lanes"): `max_num_batched_tokens` and
+    `interactive_batch_token_cap` (`batch_token_budget` is left to the operator).
 
-    A CPU worker serving interactive traffic keeps batch steps short and batch tokens beside
+    A CPU worker serving interactive traffic keeps steps short and batch tokens beside
     interactive ones few; batch-only and GPU workers take the large budget.
     """
     import torch
@@ -111,7 +112,7 @@ def lane_profile(lanes: list[str], device: str | None) -> dict[str, int | None]:
     if "interactive" in lanes and not on_gpu:
         return {
             "max_num_batched_tokens": CPU_INTERACTIVE_BUDGET,
-            "batch_token_budget": CPU_BATCH_TOKEN_BUDGET,
+            "batch_token_budget": None,
             "interactive_batch_token_cap": CPU_INTERACTIVE_BATCH_CAP,
         }
     return {

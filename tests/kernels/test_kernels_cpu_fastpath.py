@@ -63,3 +63,21 @@ def test_cache_write_contiguous_and_strided_agree(gen):
     keep = [0, 1, 2, 4]
     assert torch.equal(flat[0].reshape(-1, 2, 8)[slots[keep]], key[keep])
     assert int((flat[0] != 0).any(-1).any(-1).sum()) == 4  # the padded row wrote nothing
+
+
+def test_memoized_ops_accept_inference_mode_tensors(gen):
+    """Inference tensors carry no version counter: the memo must compute instead of failing."""
+    lens = [3, 390, 17, 250, 64, 5, 301, 128, 33, 377, 9, 200, 150, 16, 80, 260]
+    args = make_paged_batch([(1, n) for n in lens], 6, 2, 32, 16, torch.float32, gen)
+    expected = naive_attention(**args)
+    cache = torch.randn(64, 16, generator=gen)
+    q_ref = torch.ones(3, 2, 16)
+    reference.rotary_embedding(torch.tensor([3, 9, 20]), q_ref, torch.ones(3, 1, 16), cache)
+    with torch.inference_mode():
+        inf = {k: v.clone() if torch.is_tensor(v) else v for k, v in args.items()}
+        assert inf["seq_lens"].is_inference()
+        got = reference.unified_attention(**inf)
+        q = torch.ones(3, 2, 16)
+        reference.rotary_embedding(torch.tensor([3, 9, 20]), q, torch.ones(3, 1, 16), cache)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(q, q_ref)
