@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -179,106 +179,90 @@ def _error_tail(gen: Generation) -> bytes:
     return fmt.sse(gen.error.body()) + fmt.SSE_DONE
 
 
-async def _chat_stream(gen: Generation, state: GatewayState) -> AsyncIterator[bytes]:
-    req, info = gen.req, state.model_info
-    rid, created, model = gen.id, gen.created, req.model
-    want_lp = req.logprobs is not None
+async def _sse_stream(
+    gen: Generation,
+    chunk: Callable[..., dict],
+    body: Callable[[str | None], dict],
+    logprobs: Callable[[Any], dict | None],
+    opening: list[bytes],
+) -> AsyncIterator[bytes]:
+    """The SSE body shared by chat and text completions.
+
+    Args:
+        chunk: ``chunk(choices, usage=None)`` -> one ``chat.completion.chunk`` / ``text_completion``.
+        body: a choice's content fields for a piece of text (``None``: the closing chunk), e.g.
+            ``{"delta": {"content": text}}`` or ``{"text": text}``.
+        logprobs: the choice's ``logprobs`` for one event, or None.
+        opening: chunks sent before any token (the chat role deltas).
+    """
     try:
-        out = [
-            fmt.sse(
-                fmt.chat_chunk(
-                    rid,
-                    created,
-                    model,
-                    [
-                        {
-                            "index": c.index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                )
-            )
-            for c in gen.choices
-        ]
+        out = list(opening)
         async for batch in _events(gen):
             for ev in batch:
                 c = ev.choice
                 if c.error is not None:
                     yield b"".join(out) + _error_tail(gen)
                     return
-                lp = fmt.chat_logprobs(ev.logprobs, info) if want_lp and ev.logprobs else None
+                lp = logprobs(ev)
                 if ev.text or lp:
-                    delta = {"content": ev.text}
-                    choice = {
-                        "index": c.index,
-                        "delta": delta,
-                        "logprobs": lp,
-                        "finish_reason": None,
-                    }
-                    out.append(fmt.sse(fmt.chat_chunk(rid, created, model, [choice])))
+                    choice = {"index": c.index, **body(ev.text), "logprobs": lp}
+                    out.append(fmt.sse(chunk([{**choice, "finish_reason": None}])))
                 if ev.final:
-                    choice = {
-                        "index": c.index,
-                        "delta": {},
-                        "logprobs": None,
-                        "finish_reason": _finish(c.finish_reason),
-                    }
-                    out.append(fmt.sse(fmt.chat_chunk(rid, created, model, [choice])))
+                    choice = {"index": c.index, **body(None), "logprobs": None}
+                    choice["finish_reason"] = _finish(c.finish_reason)
+                    out.append(fmt.sse(chunk([choice])))
             if out:
                 yield b"".join(out)
                 out = []
-        if req.include_usage:
-            out.append(fmt.sse(fmt.chat_chunk(rid, created, model, [], usage=_usage(gen))))
+        if gen.req.include_usage:
+            out.append(fmt.sse(chunk([], usage=_usage(gen))))
         out.append(fmt.SSE_DONE)
         yield b"".join(out)
     finally:
         gen.close()
 
 
-async def _completion_stream(gen: Generation, state: GatewayState) -> AsyncIterator[bytes]:
+def _chat_stream(gen: Generation, state: GatewayState) -> AsyncIterator[bytes]:
     req, info = gen.req, state.model_info
-    rid, created, model = gen.id, gen.created, req.model
     want_lp = req.logprobs is not None
-    offsets: dict[int, int] = {}
-    try:
-        out: list[bytes] = []
-        async for batch in _events(gen):
-            for ev in batch:
-                c = ev.choice
-                if c.error is not None:
-                    yield b"".join(out) + _error_tail(gen)
-                    return
-                lp = None
-                if want_lp and ev.logprobs:
-                    lp = fmt.completion_logprobs(ev.logprobs, info, offsets.get(c.index, 0))
-                    offsets[c.index] = offsets.get(c.index, 0) + sum(map(len, lp["tokens"]))
-                if ev.text or lp:
-                    choice = {
-                        "index": c.index,
-                        "text": ev.text,
-                        "logprobs": lp,
-                        "finish_reason": None,
-                    }
-                    out.append(fmt.sse(fmt.completion_chunk(rid, created, model, [choice])))
-                if ev.final:
-                    choice = {
-                        "index": c.index,
-                        "text": "",
-                        "logprobs": None,
-                        "finish_reason": _finish(c.finish_reason),
-                    }
-                    out.append(fmt.sse(fmt.completion_chunk(rid, created, model, [choice])))
-            if out:
-                yield b"".join(out)
-                out = []
-        if req.include_usage:
-            out.append(fmt.sse(fmt.completion_chunk(rid, created, model, [], usage=_usage(gen))))
-        out.append(fmt.SSE_DONE)
-        yield b"".join(out)
-    finally:
-        gen.close()
+
+    def chunk(choices: list[dict], **kw) -> dict:
+        return fmt.chat_chunk(gen.id, gen.created, req.model, choices, **kw)
+
+    def body(text: str | None) -> dict:
+        return {"delta": {} if text is None else {"content": text}}
+
+    def logprobs(ev) -> dict | None:
+        return fmt.chat_logprobs(ev.logprobs, info) if want_lp and ev.logprobs else None
+
+    role = {"role": "assistant", "content": ""}
+    opening = [
+        fmt.sse(chunk([{"index": c.index, "delta": role, "logprobs": None, "finish_reason": None}]))
+        for c in gen.choices
+    ]
+    return _sse_stream(gen, chunk, body, logprobs, opening)
+
+
+def _completion_stream(gen: Generation, state: GatewayState) -> AsyncIterator[bytes]:
+    req, info = gen.req, state.model_info
+    want_lp = req.logprobs is not None
+    offsets: dict[int, int] = {}  # text offset of each choice, for the legacy logprobs
+
+    def chunk(choices: list[dict], **kw) -> dict:
+        return fmt.completion_chunk(gen.id, gen.created, req.model, choices, **kw)
+
+    def body(text: str | None) -> dict:
+        return {"text": text or ""}
+
+    def logprobs(ev) -> dict | None:
+        if not (want_lp and ev.logprobs):
+            return None
+        index = ev.choice.index
+        lp = fmt.completion_logprobs(ev.logprobs, info, offsets.get(index, 0))
+        offsets[index] = offsets.get(index, 0) + sum(map(len, lp["tokens"]))
+        return lp
+
+    return _sse_stream(gen, chunk, body, logprobs, [])
 
 
 __all__ = ["chat_completions", "completions", "ParsedRequest"]

@@ -58,6 +58,35 @@ def test_streamed_equals_non_streamed_at_temperature_0(client) -> None:
     )
 
 
+def test_streamed_logprobs_equal_non_streamed(client) -> None:
+    """Legacy completion logprobs: streamed pieces join into the non-streamed ones (text_offset
+    continues across chunks); chat logprobs stream one entry per token."""
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    whole = client.completions.create(**kw).choices[0].logprobs
+    tokens, offsets, top = [], [], []
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                offsets += c.logprobs.text_offset
+                top += c.logprobs.top_logprobs
+    assert tokens == whole.tokens and offsets == whole.text_offset
+    assert len(top) == len(tokens) == 6 and all(len(t) >= 1 for t in top)
+
+    kw = {"model": MODEL, "messages": MSG, "max_tokens": 5, "temperature": 0}
+    streamed = [
+        lp
+        for chunk in client.chat.completions.create(
+            stream=True, logprobs=True, top_logprobs=2, **kw
+        )
+        for c in chunk.choices
+        if c.logprobs is not None
+        for lp in c.logprobs.content
+    ]
+    whole = client.chat.completions.create(logprobs=True, top_logprobs=2, **kw)
+    assert [t.token for t in streamed] == [t.token for t in whole.choices[0].logprobs.content]
+
+
 def _stop_inside(text: str) -> tuple[str, str]:
     """A stop string that first occurs in the middle of `text`, and the text before it."""
     for k in range(len(text) // 3, len(text) - 3):
