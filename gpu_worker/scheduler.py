@@ -22,9 +22,8 @@ chunks and decodes share one step. One `schedule()`:
 Lanes inside one worker (DESIGN.md): while any interactive request is running or waiting, the
 batch lane's tokens per step (decodes and prefill chunks alike, in scheduling order) are capped
 at `interactive_batch_token_cap` (and at half the budget); batch requests beyond the cap keep
-their KV and seats and simply skip the step. Without interactive traffic batch gets
-`batch_token_budget` (default: the whole budget), which a CPU worker serving interactive traffic
-sets low because the running step is what a newly arrived interactive request waits for.
+their KV and seats and simply skip the step. Without interactive traffic batch gets the whole
+budget, unless an operator sets `batch_token_budget` (an opt-in limit on every batch step).
 
 The engine loop is ``out = schedule(); run the model on out.scheduled; update_after_step(out);
 append the sampled token of every entry with samples=True; finish_request(...) the ones that stop``.
@@ -66,9 +65,10 @@ class SchedulerConfig:
             while interactive requests are present, or None for no cap (DESIGN "Lanes inside
             one worker"). 512 suits a GPU; a CPU worker serving interactive traffic uses a few
             tokens, since there every batch token lengthens the interactive step.
-        batch_token_budget: batch-lane tokens per step at any time, or None for the whole
-            budget (bounds how long a newly arrived interactive request waits for the running
-            step; see laneserve/commands/worker.py's CPU lane profile).
+        batch_token_budget: batch-lane tokens per step at any time, or None (the default, as
+            DESIGN asks) for the whole budget when no interactive request is present. Opt-in:
+            it bounds how long a newly arrived interactive request waits for a running batch
+            step, at the cost of batch steps smaller than the budget.
     """
 
     max_num_seqs: int = 256

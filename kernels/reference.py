@@ -87,6 +87,14 @@ def _decode_groups(seq_lens_list: list[int]) -> list[list[int]] | None:
     return groups
 
 
+def _length_groups_tensors(seq_lens_list: list[int], device) -> list | None:
+    """:func:`_decode_groups` as ``(row index tensor, row list)`` pairs, or None."""
+    groups = _decode_groups(seq_lens_list)
+    if groups is None:
+        return None
+    return [(torch.tensor(g, device=device), g) for g in groups]
+
+
 def _gather_kv(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_table: torch.Tensor,  # [..., n_blocks] int32
@@ -103,13 +111,6 @@ def _gather_kv(
     return kv[..., :length, :, :]
 
 
-def _length_groups_tensors(seq_lens_list: list[int], device) -> list | None:
-    groups = _decode_groups(seq_lens_list)
-    if groups is None:
-        return None
-    return [(torch.tensor(g, device=device), g) for g in groups]
-
-
 def _decode_attention(
     q: torch.Tensor,  # [B, Hq, D] (one query token per sequence)
     k_cache: torch.Tensor,
@@ -123,10 +124,10 @@ def _decode_attention(
 
     The KV stays in the cache dtype (no fp32 copy of the whole context) and the ``g = Hq / Hk``
     query heads that share a KV head become ``g`` query rows of one SDPA problem per KV head, so
-    no KV is repeated for GQA. PyTorch's CPU flash-attention kernel accumulates scores, softmax and
-    the weighted sum in fp32 for bf16/fp16 input, rounding the probabilities to the input dtype
-    before the ``P @ V`` product exactly like the Triton kernel (``p.to(v.dtype)``).
-    Returns ``[B, Hq, D]`` in the cache dtype.
+    no KV is repeated for GQA. For bf16/fp16 input PyTorch's CPU SDPA accumulates in fp32; its
+    intermediate rounding may differ slightly from the Triton kernel's (both are checked against a
+    dense fp32 oracle within bf16 tolerance, tests/kernels). Returns ``[B, Hq, D]`` in the cache
+    dtype.
     """
     max_len = max(seq_lens_list)
     k = _gather_kv(k_cache, block_tables, max_len)  # [B, L, Hk, D]
@@ -206,8 +207,8 @@ def unified_attention(
 
     Query token ``i`` of sequence ``s`` sits at position ``seq_lens[s] - q_len_s + i`` and attends to
     keys ``0..`` that position. GQA: query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
-    Scores, softmax and the weighted sum accumulate in fp32 (probabilities are rounded to the KV
-    dtype before ``P @ V``, as in FlashAttention); the result has ``q``'s dtype.
+    Scores, softmax and the weighted sum accumulate in fp32 (low-precision inputs may round
+    intermediates, as flash-attention kernels do); the result has ``q``'s dtype.
 
     Returns:
         ``out`` (or a new tensor) ``[num_tokens, num_q_heads, head_dim]`` in ``q.dtype``.
