@@ -1,0 +1,7 @@
+"""What every laneserve process shares, torch-free and import-light (DESIGN.md, "Import direction").
+
+- :mod:`contracts.env`: every ``LANESERVE_*`` environment variable (type, default, meaning), read in
+  one place, and ``LANESERVE_HOME`` resolution.
+
+Every package may import ``contracts``; it imports none of them (and never torch).
+"""

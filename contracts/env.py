@@ -1,0 +1,98 @@
+"""The environment registry: every ``LANESERVE_*`` variable, its type, default and meaning.
+
+Code reads the environment only through :func:`get` (or :func:`laneserve_home`), never with
+``os.environ`` directly, so this table is the whole list (the README's configuration table and
+``laneserve status`` can print it). Test-only knobs are marked ``test_only``.
+
+Usage::
+
+    from contracts import env
+    url = env.get("LANESERVE_DB_URL")          # None when unset
+    home = env.laneserve_home()                 # Path, ~ expanded
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class EnvError(ValueError):
+    """A registered variable holds a value that does not parse as its type."""
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    meaning: str
+    test_only: bool = False
+
+
+def _path(raw: str) -> Path:
+    return Path(raw).expanduser()
+
+
+def _flag(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected 0/1, got {raw!r}")
+
+
+def _str(raw: str) -> str | None:
+    return raw.strip() or None
+
+
+_VARS: tuple[EnvVar, ...] = (
+    EnvVar("LANESERVE_HOME", _path, None,
+           "models, SQLite database, files, ipc sockets, stack.json, keys (default ~/.laneserve)"),
+    EnvVar("LANESERVE_DB_URL", _str, None,
+           "SQLAlchemy URL of the database (default sqlite:///$LANESERVE_HOME/laneserve.db)"),
+    EnvVar("LANESERVE_API_KEY", _str, None, "the user API key the gateway requires and clients send"),
+    EnvVar("LANESERVE_URL", _str, None, "base URL of a (remote) stack's HTTP API for the CLI"),
+    EnvVar("LANESERVE_RETENTION_DAYS", float, None,
+           "age in days after which request rows and snapshots are pruned"),
+    EnvVar("LANESERVE_ATTENTION_BACKEND", lambda s: s.strip().lower() or None, None,
+           "torch or triton for every kernels op (default: by device)"),
+    EnvVar("LANESERVE_MALLOC_TUNING", _flag, True,
+           "0 leaves glibc malloc's defaults; otherwise CPU workers keep freed activations"),
+    EnvVar("LANESERVE_CPU_SINGLE_THREAD_TOKENS", int, None,
+           "CPU steps of at most this many tokens run on one torch thread"),
+    EnvVar("LANESERVE_CHROMIUM", _str, None, "path of the headless Chromium for browser tests",
+           test_only=True),
+    EnvVar("LANESERVE_TEST_PG_URL", _str, None, "PostgreSQL URL for the postgres tests",
+           test_only=True),
+    EnvVar("LANESERVE_REQUIRE_ALL", _flag, False,
+           "tests that would skip for a missing service fail instead (CI)", test_only=True),
+)
+
+REGISTRY: Mapping[str, EnvVar] = {var.name: var for var in _VARS}
+
+
+def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The parsed value of registered variable ``name`` (its default when unset or empty).
+
+    Raises:
+        KeyError: ``name`` is not registered (add it to ``_VARS`` with its meaning).
+        EnvError: the value does not parse as the variable's type.
+    """
+    var = REGISTRY[name]
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None or raw.strip() == "":
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError as exc:
+        raise EnvError(f"{name}={raw!r}: {exc}") from exc
+
+
+def laneserve_home(environ: Mapping[str, str] | None = None) -> Path:
+    """``$LANESERVE_HOME`` with ``~`` expanded, default ``~/.laneserve`` (not created here)."""
+    return get("LANESERVE_HOME", environ) or Path.home() / ".laneserve"
