@@ -195,20 +195,6 @@ class BlockManager:
         return hit, len(hit) * bs
 
     # --- allocation ---
-    def can_allocate(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        new_computed_blocks: Sequence[int] | None = None,
-        reserve_blocks: int = 0,
-    ) -> bool:
-        """Whether `allocate_slots` with the same arguments would succeed."""
-        return self.num_free_after(request, num_new_tokens, new_computed_blocks) >= reserve_blocks
-
-    def num_exclusive_blocks(self, request: Request) -> int:
-        """Blocks that `free(request)` would return to the free list (ref count 1)."""
-        return sum(1 for b in request.block_table if self.blocks[b].ref_count == 1)
-
     def num_free_after(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] | None
     ) -> int:
