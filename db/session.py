@@ -17,13 +17,15 @@ so a writer takes the write lock up front instead of failing to upgrade a read l
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
+
+from contracts import env
+from contracts.env import laneserve_home
 
 DB_URL_ENV = "LANESERVE_DB_URL"
 HOME_ENV = "LANESERVE_HOME"
@@ -38,18 +40,13 @@ class DatabaseURLError(ValueError):
     """The database URL cannot be parsed or names an unsupported backend."""
 
 
-def laneserve_home() -> Path:
-    """`$LANESERVE_HOME`, default `~/.laneserve` (not created here)."""
-    return Path(os.environ.get(HOME_ENV) or Path.home() / ".laneserve").expanduser()
-
-
 def resolve_url(url: str | URL | None = None) -> URL:
     """The database URL to use: `url`, else `$LANESERVE_DB_URL`, else the SQLite default.
 
     Raises:
         DatabaseURLError: unparsable URL, or a backend other than sqlite/postgresql.
     """
-    raw = url or os.environ.get(DB_URL_ENV) or f"sqlite:///{laneserve_home() / SQLITE_FILENAME}"
+    raw = url or env.get(DB_URL_ENV) or f"sqlite:///{laneserve_home() / SQLITE_FILENAME}"
     try:
         parsed = make_url(raw) if isinstance(raw, str) else raw
     except Exception as exc:  # sqlalchemy raises ArgumentError with a terse message

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from contracts import env
 from gpu_worker.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ Progress = Callable[[str, int, int], None]  # (stage, done_bytes, total_bytes)
 
 def laneserve_home() -> Path:
     """`$LANESERVE_HOME`, default `~/.laneserve` (created on demand)."""
-    home = Path(os.environ.get("LANESERVE_HOME") or Path.home() / ".laneserve").expanduser()
+    home = env.laneserve_home()
     home.mkdir(parents=True, exist_ok=True)
     return home
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.procutil import pid_alive
+from contracts.env import laneserve_home
 
 STACK_FILE = "stack.json"
 STACK_VERSION = 1
@@ -39,11 +40,6 @@ STACK_VERSION = 1
 
 class StackNotRunningError(RuntimeError):
     """No live `laneserve up` under this `$LANESERVE_HOME`."""
-
-
-def laneserve_home() -> Path:
-    """`$LANESERVE_HOME`, default `~/.laneserve` (not created here)."""
-    return Path(os.environ.get("LANESERVE_HOME") or Path.home() / ".laneserve").expanduser()
 
 
 def stack_path(home: Path | None = None) -> Path:

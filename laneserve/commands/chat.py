@@ -9,9 +9,10 @@ stdout as it streams; timing (TTFT at the first content token, TPOT = (total - T
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
+
+from contracts import env
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     except StackNotRunningError as exc:
         print(f"laneserve chat: {exc}", file=sys.stderr)
         return 2
-    key = args.api_key or os.environ.get("LANESERVE_API_KEY") or "none"
+    key = args.api_key or env.get("LANESERVE_API_KEY") or "none"
     client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=600.0)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": prompt})

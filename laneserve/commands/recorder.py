@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
+
+from contracts import env
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--retention-days",
         type=float,
-        default=float(os.environ.get("LANESERVE_RETENTION_DAYS", DEFAULT_RETENTION_DAYS)),
+        default=env.get("LANESERVE_RETENTION_DAYS") or DEFAULT_RETENTION_DAYS,
         help="prune API request rows and snapshots older than this; 0 keeps all "
         "(default: $LANESERVE_RETENTION_DAYS or %(default)s)",
     )
