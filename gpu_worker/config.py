@@ -312,15 +312,19 @@ def add_engine_arguments(
         parser.add_argument(flag, **kwargs)
 
 
-def config_from_args(args: argparse.Namespace, base: EngineConfig | None = None) -> EngineConfig:
-    """`base` (default: `EngineConfig()`) with every engine flag given on the command line.
+def config_from_args(
+    args: argparse.Namespace, base: EngineConfig | None = None, exclude: Iterable[str] = ()
+) -> EngineConfig:
+    """`base` (default: `EngineConfig()`) with every engine flag given on the command line
+    (`exclude`: the fields `add_engine_arguments` was told to leave out).
 
     Raises:
         EngineConfigError: a value out of range.
     """
+    skip = set(exclude)
     given = {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(EngineConfig)
-        if getattr(args, f.name, None) is not None
+        if f.name not in skip and getattr(args, f.name, None) is not None
     }
     return dataclasses.replace(base or EngineConfig(), **given)

@@ -43,6 +43,8 @@ LANES = ("interactive", "batch")
 # CPU, where a loaded machine can starve the worker's IO thread for seconds.
 LIVENESS_CPU = 30
 LIVENESS_GPU = 5
+# Engine options `up` sets for each worker itself (`--lanes` here takes one list per worker).
+PER_WORKER = ("lanes",)
 # A child that has been restarted this many times before the stack is ready fails `up` at once.
 START_RESTARTS = 3
 
@@ -75,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key", default=None, help="key the API requires (default: $LANESERVE_API_KEY; none)"
     )
     engine = parser.add_argument_group("engine (passed to every worker, gpu_worker/config.py)")
-    add_engine_arguments(engine, exclude=("lanes",))
+    add_engine_arguments(engine, exclude=PER_WORKER)
     engine.add_argument(
         "--threads",
         type=int,
@@ -156,7 +158,7 @@ def engine_options(args: argparse.Namespace) -> EngineConfig:
     """
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    return config_from_args(args)
+    return config_from_args(args, exclude=PER_WORKER)
 
 
 def cpu_cores() -> int:
