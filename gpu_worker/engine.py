@@ -95,7 +95,10 @@ class _RequestState:
 
 
 class LLMEngine:
-    """Continuous-batching engine over one model on one device.
+    """Continuous-batching engine over one model on one device (an `engine_protocol.Engine`).
+
+    Step knobs the config leaves at None take `ENGINE_DEFAULTS` (a worker resolves its lane
+    profile before, see gpu_worker/config.py).
 
     Raises (constructor):
         ModelLoadError: the model cannot be found or loaded.

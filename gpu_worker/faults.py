@@ -95,16 +95,11 @@ class FaultInjectingEngine:
         if self.plan.crash_marker and self.plan.crash_marker in text:
             logger.error("%s matched request %s: exiting", CRASH_VAR, request_id)
             os._exit(1)
+        # positional: the protocol fixes the order (tests/engine/test_engine_protocol.py)
         result = self.engine.add_request(
-            request_id,
-            prompt=prompt,
-            prompt_token_ids=prompt_token_ids,
-            messages=messages,
-            sampling_params=sampling_params,
-            lane=lane,
-            priority=priority,
-            arrival_time=arrival_time,
-        )
+            request_id, prompt, prompt_token_ids, messages, sampling_params, lane, priority,
+            arrival_time,
+        )  # fmt: skip
         if self.plan.step_marker and self.plan.step_marker in text:
             self._marked.add(request_id)
         return result
