@@ -11,8 +11,8 @@ Two threads::
   broker's heartbeats (silence for ``liveness`` intervals -> reconnect with exponential backoff;
   a new broker ``epoch`` or a ``disconnect`` -> forget all requests and send ``ready`` again), and
   polls the parent pid (``parent_pid``) so the worker exits when its supervisor dies.
-- The **engine loop** drives any object with the ``LLMEngine`` interface (docs/interfaces.md):
-  ``add_request``, ``step() -> list[RequestDelta]``, ``abort_request``,
+- The **engine loop** drives any `gpu_worker.engine_protocol.Engine` (``LLMEngine``,
+  ``SyntheticEngine``): ``add_request``, ``step() -> list[RequestDelta]``, ``abort_request``,
   ``has_unfinished_requests``, ``stats``. It sends exactly **one** ``step_outputs`` message per
   engine step carrying every request's delta/final/error. An aborted request always gets a
   final output with ``finish_reason="abort"`` (synthesized if the engine emits none) so the
@@ -26,9 +26,8 @@ A broker on another host is reached with CurveZMQ: ``curve_server_public`` (the 
 A refused handshake (key not on the broker's allow-list) is logged as an error; the worker keeps
 retrying and never registers.
 
-Test-only fault hook: with ``LANESERVE_FAULT_CRASH=TEXT`` in the environment, a request whose
-prompt or messages contain TEXT kills the worker process (``os._exit(1)``) when it is added, the
-way a request that crashes its worker every time would (tests/reliability, fault scenario 2).
+Test-only faults are an engine wrapper the entry point installs (gpu_worker/faults.py); this
+module knows nothing of them.
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ import zmq
 
 from broker import protocol as p
 from broker.procutil import pid_alive
+from gpu_worker.engine_protocol import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Worker:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         *,
         broker_addr: str,
         lanes: Iterable[str] = ("interactive", "batch"),
@@ -133,7 +133,6 @@ class Worker:
                 apply_client(probe, *self.curve)  # fail fast on bad key files
             finally:
                 probe.close(linger=0)
-        self._fault_crash = os.environ.get("LANESERVE_FAULT_CRASH") or None
 
     # ------------------------------------------------------------------ public
 
@@ -215,9 +214,6 @@ class Worker:
         rid = msg.request_id
         if rid in self.active:
             return  # duplicate dispatch; already running
-        if self._fault_crash and self._fault_crash in repr((msg.prompt, msg.messages)):
-            logger.error("LANESERVE_FAULT_CRASH matched request %s: exiting", rid)
-            os._exit(1)
         try:
             self.engine.add_request(
                 rid,
@@ -523,24 +519,3 @@ _HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-
-
-def parse_bytes(text: str | int | None) -> int | None:
-    """``"2GiB"``, ``"512MiB"``, ``"1.5GB"`` or a plain integer -> bytes; None passes through.
-    Raises ValueError on anything else."""
-    if text is None or isinstance(text, int):
-        return text
-    s = text.strip().lower().replace(" ", "")
-    units = {
-        "kib": 2**10,
-        "mib": 2**20,
-        "gib": 2**30,
-        "kb": 10**3,
-        "mb": 10**6,
-        "gb": 10**9,
-        "b": 1,
-    }
-    for suffix, mult in units.items():
-        if s.endswith(suffix):
-            return int(float(s[: -len(suffix)]) * mult)
-    return int(s)
