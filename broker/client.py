@@ -33,6 +33,12 @@ the added latency. A request waiting for a connection ends at its ``deadline`` w
 ``deadline_exceeded``, or, without one, after ``connect_timeout_s`` with a retryable
 ``no_worker``. A broker that still holds a resubmitted id (a reconnect without a restart) follows
 it on the new connection.
+
+A caller that shows nothing before the end (the gateway for a non-streaming HTTP response, which
+streams from the broker only to time tokens at the edge) submits with ``restartable=True``: such
+a request is resubmitted even after content, on a reconnect and on the broker's retryable
+``worker_lost`` (a lost worker), up to ``MAX_SENDS`` sends; its stream then yields a
+:class:`Restart` before the new run's messages, and the caller drops what it had.
 """
 
 from __future__ import annotations
@@ -53,7 +59,17 @@ from broker import protocol as p
 
 logger = logging.getLogger(__name__)
 
-Result = p.Delta | p.Final | p.Error
+
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """Yielded by a ``restartable`` request that runs again from the start: drop its output so
+    far. ``reason``: why (a broker restart, a lost worker)."""
+
+    request_id: str
+    reason: str
+
+
+Result = p.Delta | p.Final | p.Error | Restart
 
 MAX_SENDS = 4  # sends of one request (the first + resubmissions) before a server abort is final
 _DRAIN_BATCH = 512  # messages handled per event-loop round
@@ -71,6 +87,7 @@ class _Pending:
     wait_since: float = 0.0  # monotonic s it began waiting for a connection
     sends: int = 0
     delivered: bool = False  # a Delta with content reached the caller
+    restartable: bool = False  # the caller can drop its output (it gets a Restart)
     timer: asyncio.TimerHandle | None = None
 
 
@@ -180,13 +197,15 @@ class BrokerClient:
         job_id: str | None = None,
         custom_id: str | None = None,
         deadline: float | None = None,
+        restartable: bool = False,
     ) -> RequestStream:
         """Send a request; returns an async iterator of Delta ... then one Final or Error.
 
         ``arrival_time`` (unix s) and ``arrival_monotonic`` (``time.monotonic()`` s) are when the
         edge accepted the request (default: now). ``deadline`` (``time.monotonic()`` s, optional):
         a request not finished by then is aborted and ends with ``deadline_exceeded``; it holds
-        across resubmissions. Raises ProtocolError at once on an invalid request (bad lane, not
+        across resubmissions. ``restartable``: the caller passes nothing on before the end, so
+        the request may be run again after content (module docstring). Raises ProtocolError at once on an invalid request (bad lane, not
         exactly one prompt form, unknown sampling field, ...).
         """
         now = time.monotonic()
@@ -212,7 +231,9 @@ class BrokerClient:
         if rid in self._streams:
             raise ValueError(f"request {rid!r} is already in flight on this client")
         queue: asyncio.Queue[Result] = asyncio.Queue()
-        pend = _Pending(submit=msg, queue=queue, submitted_at=now, deadline=deadline)
+        pend = _Pending(
+            submit=msg, queue=queue, submitted_at=now, deadline=deadline, restartable=restartable
+        )
         pend.wait_since = now
         self._streams[rid] = pend
         if deadline is not None:
@@ -314,7 +335,7 @@ class BrokerClient:
         for rid, pend in list(self._streams.items()):
             if pend.gen != conn.gen:
                 continue
-            if pend.delivered:
+            if pend.delivered and not pend.restartable:
                 lost += 1
                 err = p.Error(
                     request_id=rid,
@@ -325,6 +346,7 @@ class BrokerClient:
                 self._end(rid, err)
             else:
                 waiting += 1
+                self._restart(pend, why)
                 pend.gen, pend.wait_since = 0, now
         self.counters["stream_lost"] += lost
         logger.warning(
@@ -352,6 +374,13 @@ class BrokerClient:
         self._up.set()
         for pend in waiting:
             self._send_submit(conn, pend, now)
+
+    @staticmethod
+    def _restart(pend: _Pending, why: str) -> None:
+        """Tell the caller of a restartable request to drop the output it got so far."""
+        if pend.delivered:
+            pend.delivered = False
+            pend.queue.put_nowait(Restart(pend.submit.request_id, why))
 
     def _send_submit(self, conn: _Conn, pend: _Pending, now: float) -> None:
         msg = pend.submit
@@ -434,6 +463,15 @@ class BrokerClient:
             ):
                 # The broker aborted it for our previous connection before the resubmission
                 # reached it (a reconnect without a restart): the id is free now, send it again.
+                self._send_submit(conn, pend, time.monotonic())
+            elif (
+                kind is p.Error
+                and msg.code == "worker_lost"
+                and msg.retryable
+                and pend.restartable
+                and pend.sends < MAX_SENDS
+            ):
+                self._restart(pend, msg.message)  # its worker was lost after some output
                 self._send_submit(conn, pend, time.monotonic())
             else:
                 self._end(msg.request_id, msg)
@@ -538,7 +576,7 @@ class RequestStream:
         except asyncio.CancelledError:
             self._abort()
             raise
-        if type(item) is not p.Delta:
+        if type(item) is not p.Delta and type(item) is not Restart:
             self._done = True
         return item
 

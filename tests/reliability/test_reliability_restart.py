@@ -5,7 +5,7 @@ a restart, non-streaming requests and streams without a token yet succeed, each 
 Real processes on ipc:// sockets with the production liveness settings (heartbeat 1 s, 3 missed
 beats): a broker and one synthetic worker (``gpu_worker/synthetic.py``, 20 ms per engine step,
 8 sequences at a time); the HTTP scenario adds ``laneserve api`` and the official ``openai``
-client. The test plays the supervisor: it SIGKILLs a process and starts it again at once. Each
+client (no client-side retries). The test plays the supervisor: it SIGKILLs a process and starts it again at once. Each
 scenario reports its figures (``rel_stack.report``; docs/reliability.md).
 """
 
@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import openai
 import pytest
 from rel_stack import RelStack, report, run
 
@@ -235,3 +236,76 @@ def _kill_under_way(stack: RelStack, kill: Callable[[RelStack], None]) -> dict:
 def test_sigkill_under_way_only_started_streams_fail(stack, victim) -> None:
     figures = _kill_under_way(stack, KILLS[victim])
     report(f"{victim} SIGKILL + restart with 8+8 requests in flight", **figures)
+
+
+# ------------------------------------------------------------------------- through HTTP
+
+MODEL = "smollm2"
+
+
+async def _chat(api: openai.AsyncOpenAI, i: int, stream: bool, max_tokens: int) -> tuple:
+    """One chat completion: ("ok", text, seconds) or ("error", status/message, seconds)."""
+    t0 = time.monotonic()
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"question {i}"}],
+        "max_tokens": max_tokens,
+    }
+    try:
+        if stream:
+            parts = []
+            async for chunk in await api.chat.completions.create(**body, stream=True):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    parts.append(chunk.choices[0].delta.content)
+            text = "".join(parts)
+        else:
+            text = (await api.chat.completions.create(**body)).choices[0].message.content
+    except openai.APIError as exc:
+        return "error", f"{getattr(exc, 'status_code', '')} {exc}", time.monotonic() - t0
+    return ("ok" if text else "empty"), text, time.monotonic() - t0
+
+
+def test_broker_sigkill_through_the_gateway_no_503(stack, smollm2_gguf) -> None:
+    """The issue's report: `laneserve api` in front of the broker. (1) The gateway idle, SIGKILL
+    the broker and start it again; one plain chat 2 s later (the request that got 503
+    ``worker_lost``), others over the next 5 s. (2) SIGKILL it again while two long non-streaming
+    chats run. Every answer is a 200 with content."""
+    _start(stack)
+    stack.start_api("--model", str(smollm2_gguf), "--served-model-name", MODEL)
+    stack.wait_api()
+
+    async def main():
+        api = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+        async with api:
+            warm = [await _chat(api, i, i % 2 == 0, AFTER_TOKENS) for i in range(4)]
+            t_kill = time.monotonic()
+            kill_broker(stack)
+            await asyncio.sleep(max(0.0, t_kill + 2.0 - time.monotonic()))
+            issue = await _chat(api, 0, False, AFTER_TOKENS)
+            tasks = []
+            for i in range(1, 11):
+                await asyncio.sleep(max(0.0, t_kill + 2.0 + 0.3 * i - time.monotonic()))
+                tasks.append(asyncio.create_task(_chat(api, i, i % 2 == 1, AFTER_TOKENS)))
+            after = await asyncio.gather(*tasks)
+            long = [asyncio.create_task(_chat(api, 100 + i, False, WAVE_TOKENS)) for i in (0, 1)]
+            await asyncio.sleep(0.5)  # both are producing tokens
+            kill_broker(stack)
+            return warm, issue, after, await asyncio.gather(*long)
+
+    warm, issue, after, in_flight = run(main(), timeout_s=DEADLINE_S + 60)
+    assert all(r[0] == "ok" for r in warm), warm
+    assert issue[0] == "ok", f"{issue}\n{stack.logs()}"
+    bad = [r for r in [*after, *in_flight] if r[0] != "ok"]
+    assert not bad, f"{bad}\n{stack.logs()}"
+    assert all(r[2] < DEADLINE_S for r in in_flight), in_flight
+    base_s = statistics.median(r[2] for r in warm)
+    report(
+        "broker SIGKILL + restart through the HTTP gateway",
+        requests=1 + len(after) + len(in_flight),
+        succeeded=1 + sum(r[0] == "ok" for r in [*after, *in_flight]),
+        http_errors=len(bad),
+        chat_2s_after_kill_s=round(issue[2], 3),
+        e2e_before_s=round(base_s, 3),
+        added_latency_after_max_s=round(max(r[2] for r in after) - base_s, 3),
+        in_flight_non_streaming_e2e_s=[round(r[2], 3) for r in in_flight],
+    )
