@@ -100,6 +100,7 @@ class _Conn:
     shadow: zmq.Socket  # synchronous view of ``sock`` (drains without event-loop round trips)
     monitor: zmq.asyncio.Socket
     opened: float  # monotonic s
+    hello_at: float = 0.0  # monotonic s of the last hello sent
     epoch: str | None = None  # the broker's epoch as first heard here; None: not up yet
     tasks: list[asyncio.Task] = field(default_factory=list)
     closed: bool = False
@@ -307,7 +308,7 @@ class BrokerClient:
             asyncio.create_task(self._watch(conn), name=f"broker-client-monitor-{gen}"),
         ]
         self.counters["connections"] += 1
-        self._send(conn, self._hello)  # queued until connected; the answer brings the epoch
+        self._send_hello(conn)  # queued until connected; the answer brings the epoch
         return conn
 
     def _close_conn(self, conn: _Conn, linger_ms: int = 0) -> None:
@@ -393,6 +394,10 @@ class BrokerClient:
         pend.gen = conn.gen
         self._send(conn, msg.to_frames())
 
+    def _send_hello(self, conn: _Conn) -> None:
+        conn.hello_at = time.monotonic()
+        self._send(conn, self._hello)
+
     def _send(self, conn: _Conn, frames: list[bytes]) -> None:
         if conn.closed:
             return
@@ -412,14 +417,15 @@ class BrokerClient:
 
     def _drain(self, conn: _Conn) -> bool:
         """Handle the messages queued on ``conn``; True if more may be waiting."""
-        for _ in range(_DRAIN_BATCH):
+        for i in range(_DRAIN_BATCH):
             if conn.closed:
                 return False
             try:
                 frames = conn.shadow.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return False
-            self._last_heard = time.monotonic()
+            if not i:
+                self._last_heard = time.monotonic()
             self._on_frames(conn, frames)
         return True
 
@@ -528,7 +534,8 @@ class BrokerClient:
             now = time.monotonic()
             self._expire_waiting(now)
             if conn.epoch is None:
-                self._send(conn, self._hello)  # still connecting: ask again
+                if now - conn.hello_at > self.liveness_s:
+                    self._send_hello(conn)  # still connecting (the first one is queued)
                 continue
             busy = self._status_waiters or any(
                 pend.gen == conn.gen for pend in self._streams.values()
@@ -536,7 +543,7 @@ class BrokerClient:
             if not busy:
                 self._last_heard = now
                 continue
-            self._send(conn, self._hello)
+            self._send_hello(conn)
             if now - self._last_heard > self.liveness_s:
                 self._leave(conn, f"broker silent for more than {self.liveness_s:.1f}s")
                 self._last_heard = time.monotonic()
