@@ -175,3 +175,33 @@ def test_epoch_change_on_a_live_connection_resends_and_drops_the_left_one(tmp_pa
     assert resent.request_id == "whole" and resent.edge_ms > 0, resent
     assert [type(m) for m in got] == [p.Final] and got[0].text == "new", got
     assert counters["resubmitted"] == 1 and counters["connections"] == 2, counters
+
+
+def test_restartable_stream_runs_again_after_its_worker_is_lost(stack) -> None:
+    """A ``restartable`` stream (the gateway's non-streaming response) that had tokens when its
+    worker was SIGKILLed: the client yields a Restart, then the whole output of a new run; a
+    plain stream under way on the same worker ends with the retryable worker_lost."""
+    stack.start_broker()
+    w1 = stack.start_worker("w1", "--synthetic-step-ms", "20")
+    stack.wait_workers({"w1"})
+
+    async def main():
+        async with BrokerClient(stack.front, heartbeat_interval_s=HB) as c:
+            sp = {"max_tokens": 100}
+            restartable = c.submit(request_id="r", prompt="a", sampling_params=sp, restartable=True)
+            plain = c.submit(request_id="p", prompt="b", sampling_params=sp)
+            head = [await anext(restartable), await anext(plain)]
+            w1.send_signal(signal.SIGKILL)
+            w1.wait()
+            stack.start_worker("w2", "--synthetic-step-ms", "5")
+            return head, *await asyncio.gather(_drain(restartable), _drain(plain))
+
+    head, rest, plain_rest = run(main())
+    assert all(type(m) is p.Delta for m in head), head
+    kinds = [type(m).__name__ for m in rest]
+    assert kinds.count("Restart") == 1, kinds
+    after = rest[kinds.index("Restart") + 1 :]
+    assert type(after[-1]) is p.Final and after[-1].worker_id == "w2", after[-1]
+    assert sum(len(m.token_ids) for m in after) == 100, [type(m) for m in after][:5]
+    err = plain_rest[-1]
+    assert type(err) is p.Error and err.code == "worker_lost" and err.retryable, err
