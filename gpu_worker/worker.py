@@ -120,6 +120,7 @@ class Worker:
         # thread got onto the broker socket. Each counter has one writer thread.
         self._handed = 0
         self._forwarded = 0
+        self._resets = 0  # IO thread: resets the engine loop has not confirmed yet
         self.max_backlog = 64  # engine steps waiting for the broker before the engine pauses
         self.curve: tuple[str, str] | None = None
         if curve_server_public or curve_client_key:
@@ -209,6 +210,7 @@ class Worker:
                     self._pending_aborts.add(msg.request_id)
             elif type(msg) is p.Disconnect:
                 self._forget_all()
+                self._hand(pipe, _RESET_DONE)  # what follows is for the broker we announce to
 
     def _add(self, pipe: zmq.Socket, msg: p.WorkRequest) -> None:
         rid = msg.request_id
@@ -412,11 +414,11 @@ class Worker:
                                 logger.warning(
                                     "broker restarted (epoch %s -> %s)", epoch, msg.epoch
                                 )
-                                self._reset(pipe, dealer)
+                                self._reset(pipe, dealer, outbox)
                             epoch = msg.epoch
                         elif type(msg) is p.Disconnect:
                             logger.warning("broker says disconnect: %s", msg.reason)
-                            self._reset(pipe, dealer)
+                            self._reset(pipe, dealer, outbox)
                             # the broker that said this may be a new one: adopt the epoch of
                             # its next heartbeat instead of resetting a second time for it
                             epoch = None
@@ -434,7 +436,17 @@ class Worker:
                                 int.from_bytes(event[0][:2], "little") if event else "?",
                             )
                 if pipe in events:
-                    outbox.extend(self._recv_all(pipe))
+                    for frames in self._recv_all(pipe):
+                        if not self._resets:
+                            outbox.append(frames)
+                            continue
+                        # output of requests the broker we left gave us: it may share a request
+                        # id with a resubmission the new broker sends (it must not join that)
+                        self._forwarded += 1
+                        if frames == _RESET_DONE:
+                            self._resets -= 1
+                            if not self._resets:
+                                self._announce(dealer)
                 while outbox:
                     try:
                         p.send_frames(dealer, outbox[0])
@@ -465,6 +477,7 @@ class Worker:
                     poller.unregister(self._monitor)
                     self._close_dealer(dealer)
                     pipe.send_multipart(p.Disconnect(reason="broker silent").to_frames())
+                    self._resets += 1
                     self._forwarded += len(outbox)  # outputs for the old broker are moot
                     outbox.clear()
                     dealer = self._connect()
@@ -487,9 +500,15 @@ class Worker:
         self._monitor.close(linger=0)
         dealer.close(linger=0)
 
-    def _reset(self, pipe: zmq.Socket, dealer: zmq.Socket) -> None:
-        """Tell the engine loop to forget everything, then announce ourselves again."""
+    def _reset(self, pipe: zmq.Socket, dealer: zmq.Socket, outbox: collections.deque) -> None:
+        """Tell the engine loop to forget everything; announce ourselves again once it has
+        (``_announce``), dropping what it sends meanwhile."""
         pipe.send_multipart(p.Disconnect(reason="reset").to_frames())
+        self._resets += 1
+        self._forwarded += len(outbox)
+        outbox.clear()
+
+    def _announce(self, dealer: zmq.Socket) -> None:
         ready = p.Ready(
             worker_id=self.worker_id,
             pid=os.getpid(),
@@ -513,6 +532,8 @@ class Worker:
                 break
         return out
 
+
+_RESET_DONE = p.Disconnect(reason="reset done").to_frames()  # engine loop -> IO thread
 
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
