@@ -79,7 +79,8 @@ def list_table(jobs, width: int):
     """The `jobs list` table (rich) fitted to `width` columns of text.
 
     Columns are dropped from the end of `LIST_COLUMNS` until the table fits (the id, status
-    and line counts always stay; a caption names what was dropped). Cells are never cut."""
+    and line counts always stay; a caption names what was dropped). Cells are never cut: on a
+    terminal too narrow even for those three, they fold onto a second line."""
     from rich.box import SIMPLE_HEAD
     from rich.console import Console
     from rich.table import Table
@@ -95,8 +96,9 @@ def list_table(jobs, width: int):
             padding=(0, 1, 0, 0),
             caption_justify="left",
         )
-        for name in shown:
-            table.add_column(name, no_wrap=True, justify="right" if name == "failed" else "left")
+        for name in shown:  # fold (never cut) only below the three columns' own width
+            justify = "right" if name == "failed" else "left"
+            table.add_column(name, overflow="fold", justify=justify)
         for row in rows:
             table.add_row(*(row[name] for name in shown))
         if hidden:
