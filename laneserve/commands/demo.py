@@ -367,7 +367,7 @@ def _demo(
     if failures:
         console.print("[bold red]laneserve demo failed:")
         for reason in failures:
-            console.print(f"[red]  - {reason}")
+            console.print(f"  - {reason}", style="red", soft_wrap=True, markup=False)
         return 1
     return 0
 
