@@ -2,6 +2,7 @@
 
 Finds the database like `laneserve submit` (--db, stack.json's `db_url`, $LANESERVE_DB_URL,
 the default SQLite file). Exit code 1 when the job does not exist or cannot be cancelled.
+`jobs list` fits the terminal's width (`list_table`); `jobs list --json` has every field.
 """
 
 from __future__ import annotations
