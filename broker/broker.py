@@ -49,6 +49,7 @@ from broker.curve import curve_server
 from broker.dispatch import Dispatcher
 from broker.procutil import pid_alive
 from broker.protocol.front import encode_delta
+from broker.protocol.sockets import bind_router
 from broker.records import RecordLink
 from broker.requests import RequestState, outcome, timings, usage
 from broker.workers import WorkerRegistry, WorkerState
@@ -74,11 +75,13 @@ class Broker:
         self.curve = curve_server(
             self.ctx, config.back, config.curve_server_key, config.curve_allow
         )
-        self.front = self._router(config.front, sndhwm=config.client_sndhwm, rcvhwm=100_000)
+        self.front = bind_router(
+            self.ctx, config.front, sndhwm=config.client_sndhwm, rcvhwm=100_000
+        )
         # A small receive queue per worker: a worker that outruns the broker feels it (its
         # sends block) after a few hundred steps instead of buffering without bound.
-        self.back = self._router(
-            config.back, sndhwm=100_000, rcvhwm=256, handover=True, curve=self.curve
+        self.back = bind_router(
+            self.ctx, config.back, sndhwm=100_000, rcvhwm=256, handover=True, curve=self.curve
         )
         self.counters: collections.Counter[str] = collections.Counter()
         self.registry = WorkerRegistry(config.heartbeat_interval_s, config.liveness)
@@ -95,20 +98,6 @@ class Broker:
         self._last_snapshot = time.monotonic()
 
     # ----------------------------------------------------------------------------- sockets
-
-    def _router(
-        self, addr: str, *, sndhwm: int, rcvhwm: int, handover: bool = False, curve=None
-    ) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.ROUTER)
-        p.secure_socket_options(sock, router=True)
-        if curve is not None:
-            curve.apply(sock)
-        sock.setsockopt(zmq.SNDHWM, sndhwm)
-        sock.setsockopt(zmq.RCVHWM, rcvhwm)
-        if handover:
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        sock.bind(addr)
-        return sock
 
     def bound_address(self, which: str) -> str:
         """The endpoint actually bound (useful with ``tcp://127.0.0.1:*``)."""
@@ -318,16 +307,23 @@ class Broker:
     def _send_client(self, identity: bytes, frames: list[bytes]) -> bool:
         if not identity:
             return False
+        if self._send(self.front, identity, frames, "client"):
+            return True
+        self._client_gone(identity)
+        return False
+
+    def _send(self, sock: zmq.Socket, identity: bytes, frames: list[bytes], peer: str) -> bool:
+        """Send without blocking on a ROUTER socket; False (counted as ``{peer}_send_full`` or
+        ``{peer}_unreachable``) when the peer's queue is full or the peer is gone."""
         try:
-            p.send_frames(self.front, [identity, *frames])
+            p.send_frames(sock, [identity, *frames])
             return True
         except zmq.Again:
-            self.counters["client_send_full"] += 1
+            self.counters[f"{peer}_send_full"] += 1
         except zmq.ZMQError as exc:
             if exc.errno != errno.EHOSTUNREACH:
                 raise
-            self.counters["client_unreachable"] += 1
-        self._client_gone(identity)
+            self.counters[f"{peer}_unreachable"] += 1
         return False
 
     # ----------------------------------------------------------------------------- workers
@@ -456,15 +452,8 @@ class Broker:
         self._dispatch()
 
     def _send_worker(self, identity: bytes, frames: list[bytes], *, quiet: bool = False) -> bool:
-        try:
-            p.send_frames(self.back, [identity, *frames])
+        if self._send(self.back, identity, frames, "worker"):
             return True
-        except zmq.Again:
-            self.counters["worker_send_full"] += 1
-        except zmq.ZMQError as exc:
-            if exc.errno != errno.EHOSTUNREACH:
-                raise
-            self.counters["worker_unreachable"] += 1
         if not quiet and identity in self.workers:
             logger.warning("worker %r unreachable: treating as lost", identity[:32])
             self._worker_lost(identity)

@@ -14,7 +14,7 @@ Never pickle: msgpack only, with ext types refused.
 Modules, by direction (DESIGN.md "Wire protocol"):
 
 - :mod:`broker.protocol.checks`: vocabulary (lanes, finish reasons, error codes, sampling
-  keys), size limits, ``ProtocolError`` and the field checkers;
+  keys), size limits, ``ProtocolError`` and the field checkers (``t_str``, ``t_int``, ...);
 - :mod:`broker.protocol.base`: the ``Message`` base class, the kind registry, ``decode``;
 - :mod:`broker.protocol.front`: client <-> broker (``submit``, ``abort``, ``edge_timings``,
   ``status``, ``hello``; ``delta``, ``final``, ``error``, ``heartbeat``, ``status_reply``);
@@ -43,7 +43,7 @@ from broker.protocol.back import (
     WorkerHeartbeat,
     WorkRequest,
 )
-from broker.protocol.base import VERSION_TAG, Message, decode, message, t_message
+from broker.protocol.base import VERSION_TAG, Message, decode, message
 from broker.protocol.checks import (
     ERROR_CODES,
     FINISH_REASONS,
@@ -59,17 +59,7 @@ from broker.protocol.checks import (
     MAX_TOKEN_ID,
     MAX_TOKEN_IDS,
     SAMPLING_FIELDS,
-    Check,
     ProtocolError,
-    t_any,
-    t_bool,
-    t_float,
-    t_int,
-    t_list,
-    t_map,
-    t_opt,
-    t_str,
-    t_token_ids,
 )
 from broker.protocol.front import (
     BROKER_TO_CLIENT,
@@ -81,6 +71,7 @@ from broker.protocol.front import (
     Final,
     Heartbeat,
     Hello,
+    PromptRequest,
     StatusReply,
     StatusRequest,
     Submit,
@@ -95,7 +86,7 @@ from broker.protocol.recorder import (
     RequestRecord,
     WorkerSnapshot,
 )
-from broker.protocol.sockets import secure_socket_options, send_frames
+from broker.protocol.sockets import bind_router, secure_socket_options, send_frames
 
 __all__ = [
     "BROKER_TO_CLIENT",
@@ -121,7 +112,6 @@ __all__ = [
     "VERSION_TAG",
     "WORKER_TO_BROKER",
     "Abort",
-    "Check",
     "Delta",
     "Disconnect",
     "EdgeTimings",
@@ -130,6 +120,7 @@ __all__ = [
     "Heartbeat",
     "Hello",
     "Message",
+    "PromptRequest",
     "ProtocolError",
     "Ready",
     "RecordAck",
@@ -144,19 +135,10 @@ __all__ = [
     "WorkerError",
     "WorkerHeartbeat",
     "WorkerSnapshot",
+    "bind_router",
     "decode",
     "encode_delta",
     "message",
     "secure_socket_options",
     "send_frames",
-    "t_any",
-    "t_bool",
-    "t_float",
-    "t_int",
-    "t_list",
-    "t_map",
-    "t_message",
-    "t_opt",
-    "t_str",
-    "t_token_ids",
 ]

@@ -15,20 +15,16 @@ from broker.protocol.checks import (
     FINISH_REASONS,
     LANES,
     MAX_ID_CHARS,
-    MAX_MESSAGES,
     MAX_STEP_OUTPUTS,
     MAX_TEXT_CHARS,
     MAX_TOKEN_ID,
     MAX_TOKEN_IDS,
-    SAMPLING_FIELDS,
     Check,
     ProtocolError,
     fail,
-    one_prompt,
     spec,
     t_any,
     t_bool,
-    t_chat_message,
     t_float,
     t_int,
     t_list,
@@ -37,7 +33,7 @@ from broker.protocol.checks import (
     t_str,
     t_token_ids,
 )
-from broker.protocol.front import Abort, Heartbeat
+from broker.protocol.front import Abort, Heartbeat, PromptRequest
 
 # worker -> broker
 
@@ -162,22 +158,12 @@ class WorkerError(Message):
 
 
 @message
-class WorkRequest(Message):
-    """A request dispatched to a worker (kind ``request``); fields as in :class:`Submit`."""
+class WorkRequest(PromptRequest):
+    """A request dispatched to a worker (kind ``request``): the prompt fields of
+    :class:`~broker.protocol.front.PromptRequest` and the dispatch ``attempt`` (1-based)."""
 
     KIND: ClassVar[str] = "request"
-    request_id: str = spec(t_str())
-    lane: str = spec(t_str(choices=LANES))
-    sampling_params: dict = spec(t_map(keys=SAMPLING_FIELDS), {})
-    prompt: str | None = spec(t_opt(t_str(MAX_TEXT_CHARS)), None)
-    messages: list | None = spec(t_opt(t_list(t_chat_message, MAX_MESSAGES)), None)
-    prompt_token_ids: list | None = spec(t_opt(t_token_ids()), None)
-    priority: int = spec(t_int(-(2**31), 2**31 - 1), 0)
-    model: str | None = spec(t_opt(t_str()), None)
     attempt: int = spec(t_int(0, 1000), 1)
-
-    def validate(self) -> None:
-        one_prompt(self.KIND, self.prompt, self.messages, self.prompt_token_ids)
 
 
 @message

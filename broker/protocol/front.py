@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import msgpack
@@ -43,17 +44,13 @@ from broker.protocol.checks import (
 # client -> broker
 
 
-@message
-class Submit(Message):
-    """A new request from an edge (gateway, jobs runner, CLI).
+@dataclass(slots=True)
+class PromptRequest(Message):
+    """The fields ``submit`` (client -> broker) and ``request`` (broker -> worker) share: the
+    request id, its lane, sampling params, exactly one prompt form (``prompt`` text, chat
+    ``messages`` or ``prompt_token_ids``), ``priority`` (lower = more urgent) and ``model``.
+    Not a message kind itself."""
 
-    ``arrival_time``: unix seconds when the edge accepted it (display). ``edge_ms``: ms the edge
-    held the request before sending it (its monotonic clock), so the broker can extend its own
-    monotonic intervals back to arrival. ``attempt`` lets the jobs runner carry a line's attempt
-    count across resubmissions.
-    """
-
-    KIND: ClassVar[str] = "submit"
     request_id: str = spec(t_str())
     lane: str = spec(t_str(choices=LANES))
     sampling_params: dict = spec(t_map(keys=SAMPLING_FIELDS), {})
@@ -62,6 +59,23 @@ class Submit(Message):
     prompt_token_ids: list | None = spec(t_opt(t_token_ids()), None)
     priority: int = spec(t_int(-(2**31), 2**31 - 1), 0)
     model: str | None = spec(t_opt(t_str()), None)
+
+    def validate(self) -> None:
+        one_prompt(self.KIND, self.prompt, self.messages, self.prompt_token_ids)
+
+
+@message
+class Submit(PromptRequest):
+    """A new request from an edge (gateway, jobs runner, CLI); the prompt fields are
+    :class:`PromptRequest`'s.
+
+    ``arrival_time``: unix seconds when the edge accepted it (display). ``edge_ms``: ms the edge
+    held the request before sending it (its monotonic clock), so the broker can extend its own
+    monotonic intervals back to arrival. ``attempt`` lets the jobs runner carry a line's attempt
+    count across resubmissions.
+    """
+
+    KIND: ClassVar[str] = "submit"
     stream: bool = spec(t_bool, True)
     arrival_time: float = spec(t_float(0.0), 0.0)
     edge_ms: float = spec(t_float(0.0, 1e9), 0.0)
@@ -72,7 +86,7 @@ class Submit(Message):
     def validate(self) -> None:
         if not self.request_id:
             raise ProtocolError("submit: empty request_id")
-        one_prompt(self.KIND, self.prompt, self.messages, self.prompt_token_ids)
+        PromptRequest.validate(self)
 
 
 @message

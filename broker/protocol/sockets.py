@@ -19,6 +19,32 @@ def secure_socket_options(sock: Any, *, router: bool = False) -> None:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
 
 
+def bind_router(
+    ctx: Any,
+    addr: str,
+    *,
+    sndhwm: int,
+    rcvhwm: int,
+    handover: bool = False,
+    curve: Any = None,
+) -> Any:
+    """A ROUTER socket bound at ``addr`` with the protocol's limits, the given queue bounds
+    (messages), ``ROUTER_HANDOVER`` when ``handover`` (a reconnecting peer takes its identity
+    back) and, with ``curve`` (a ``broker.curve.CurveServer``), CURVE encryption."""
+    import zmq
+
+    sock = ctx.socket(zmq.ROUTER)
+    secure_socket_options(sock, router=True)
+    if curve is not None:
+        curve.apply(sock)
+    sock.setsockopt(zmq.SNDHWM, sndhwm)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    if handover:
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    sock.bind(addr)
+    return sock
+
+
 def send_frames(sock: Any, frames: Sequence[bytes], nonblocking: bool = True) -> None:
     """Send a multipart message on a *synchronous* pyzmq socket, fast.
 
