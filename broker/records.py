@@ -16,6 +16,7 @@ logged and left out.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -35,14 +36,11 @@ logger = logging.getLogger(__name__)
 _NOBLOCK = zmq.NOBLOCK
 _TOKEN_FIELDS = ("prompt_tokens", "cached_tokens", "completion_tokens")
 _ENGINE_COUNTS = ("preemptions", "prefill_chunks")
-_SNAPSHOT_STATS = (
-    "running",
-    "waiting",
-    "kv_usage",
-    "prefix_hit_rate",
-    "step_ms",
-    "tokens_per_s",
-    "preemptions",
+# The load figures a snapshot copies from the worker's heartbeat stats, and which are counts.
+_SNAPSHOT_STATS = tuple(
+    f.name
+    for f in dataclasses.fields(p.WorkerSnapshot)
+    if f.name not in ("worker_id", "at", "lanes")
 )
 _INT_STATS = frozenset({"running", "waiting", "preemptions"})
 

@@ -195,10 +195,9 @@ def edge_row(msg: EdgeTimings) -> dict[str, Any]:
 
 
 def snapshot_row(snap: WorkerSnapshot) -> dict[str, Any]:
-    """The `worker_stats` row of a `WorkerSnapshot` (`lanes` comma-joined)."""
-    row = {name: getattr(snap, name) for name in _SNAPSHOT_COLUMNS}
-    row["lanes"] = ",".join(snap.lanes)
-    return row
+    """The `worker_stats` row of a `WorkerSnapshot`: every field is the column of its name,
+    `lanes` comma-joined."""
+    return snap.payload() | {"lanes": ",".join(snap.lanes)}
 
 
 def batch_rows(batches: Iterable[RecordBatch]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -228,17 +227,6 @@ _RECORD_COLUMNS = (
     "preemptions",
     "prefill_chunks",
     *TIMING_FIELDS,
-)
-_SNAPSHOT_COLUMNS = (
-    "worker_id",
-    "at",
-    "running",
-    "waiting",
-    "kv_usage",
-    "prefix_hit_rate",
-    "step_ms",
-    "tokens_per_s",
-    "preemptions",
 )
 
 
