@@ -254,15 +254,10 @@ class Broker:
             self.by_client[identity].add(rid)
             self.counters["resubmitted"] += 1
             return
-        if self.dispatcher.is_full(msg.lane):
+        refusal = self.dispatcher.refusal(msg)
+        if refusal is not None:
             self.counters["overloaded"] += 1
-            err = p.Error(
-                request_id=rid,
-                code="overloaded",
-                message=f"{msg.lane} queue is full ({self.dispatcher.limit(msg.lane)})",
-                retryable=True,
-            )
-            self._send_client(identity, err.to_frames())
+            self._send_client(identity, refusal.to_frames())
             return
         arrival_at = msg.arrival_time or (time.time() - msg.edge_ms / 1000.0)
         req = RequestState(submit=msg, client=identity, received=now, arrival_at=arrival_at)
@@ -468,18 +463,7 @@ class Broker:
 
     def _send_request(self, worker: WorkerState, req: RequestState) -> None:
         self.dispatcher.assign(worker, req, time.monotonic())
-        s = req.submit
-        work = p.WorkRequest(
-            request_id=s.request_id,
-            lane=s.lane,
-            sampling_params=s.sampling_params,
-            prompt=s.prompt,
-            messages=s.messages,
-            prompt_token_ids=s.prompt_token_ids,
-            priority=s.priority,
-            model=s.model,
-            attempt=req.attempts,
-        )
+        work = p.WorkRequest.of(req.submit, attempt=req.attempts)
         self.counters["dispatched"] += 1
         self._send_worker(worker.identity, work.to_frames())
 
@@ -517,7 +501,7 @@ class Broker:
 
     def status(self, request_id: str = "") -> p.StatusReply:
         """Workers (pid, lanes, model, capacity, in_flight, load), queue depths and counters."""
-        queues = {lane: len(q) for lane, q in self.queues.items()}
+        queues: dict[str, int] = self.dispatcher.depths()
         queues["in_flight"] = sum(len(w.in_flight) for w in self.workers.values())
         queues["records_unacked"] = self.records.unacked_items if self.records else 0
         if self.curve is not None:

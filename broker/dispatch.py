@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING
 
+from broker import protocol as p
 from broker.requests import RequestState
 from broker.workers import WorkerState
 
@@ -58,8 +59,22 @@ class Dispatcher:
             return self.config.max_interactive_queue
         return self.config.max_batch_queue
 
-    def is_full(self, lane: str) -> bool:
-        return len(self.queues[lane]) >= self.limit(lane)
+    def refusal(self, msg: p.Submit) -> p.Error | None:
+        """The ``overloaded`` error (retryable, HTTP 429 at the gateway) for a submit whose lane
+        queue is full; None when it may be queued."""
+        limit = self.limit(msg.lane)
+        if len(self.queues[msg.lane]) < limit:
+            return None
+        return p.Error(
+            request_id=msg.request_id,
+            code="overloaded",
+            message=f"{msg.lane} queue is full ({limit})",
+            retryable=True,
+        )
+
+    def depths(self) -> dict[str, int]:
+        """Waiting requests per lane."""
+        return {lane: len(q) for lane, q in self.queues.items()}
 
     def enqueue(self, req: RequestState) -> None:
         self.queues[req.lane].append(req.request_id)

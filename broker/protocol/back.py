@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any, ClassVar, NamedTuple
 
 from broker.protocol.base import Message, message
@@ -164,6 +165,15 @@ class WorkRequest(PromptRequest):
 
     KIND: ClassVar[str] = "request"
     attempt: int = spec(t_int(0, 1000), 1)
+
+    @classmethod
+    def of(cls, submit: PromptRequest, attempt: int) -> WorkRequest:
+        """The work message of a submitted request: its prompt fields and ``attempt``."""
+        shared = {name: getattr(submit, name) for name in _PROMPT_FIELDS}
+        return cls(**shared, attempt=attempt)
+
+
+_PROMPT_FIELDS = tuple(f.name for f in fields(PromptRequest))
 
 
 @message
