@@ -2,6 +2,8 @@
 
 - :mod:`contracts.env`: every ``LANESERVE_*`` environment variable (type, default, meaning), read in
   one place, and ``LANESERVE_HOME`` resolution.
+- :mod:`contracts.latency`: the DESIGN per-phase latency fields (one function each, composed from
+  per-hop monotonic intervals) and the one percentile rule.
 
 Every package may import ``contracts``; it imports none of them (and never torch).
 """
