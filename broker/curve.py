@@ -37,6 +37,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from contracts import env
+
 logger = logging.getLogger(__name__)
 
 SERVER_NAME = "server"
@@ -60,8 +62,7 @@ class KeyPaths:
 
 
 def default_keys_dir() -> Path:
-    home = os.environ.get("LANESERVE_HOME") or Path.home() / ".laneserve"
-    return Path(home) / "keys"
+    return env.laneserve_home() / "keys"
 
 
 def _write_cert(path: Path, public: bytes, secret: bytes | None, force: bool) -> None:

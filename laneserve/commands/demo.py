@@ -24,13 +24,14 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from contracts import env
 
 logger = logging.getLogger(__name__)
 
@@ -335,7 +336,7 @@ def _demo(
     jobs = _submit_jobs(engine, inputs, args)
     stop = threading.Event()
     chats = ChatStats()
-    key = os.environ.get("LANESERVE_API_KEY") or "none"
+    key = env.get("LANESERVE_API_KEY") or "none"
     chat_thread = threading.Thread(
         target=run_chats,
         args=(
