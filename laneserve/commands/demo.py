@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts import env
+from contracts.latency import percentile
 
 logger = logging.getLogger(__name__)
 
@@ -80,13 +81,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 # ------------------------------------------------------------------------------ statistics
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0-100) with linear interpolation (numpy's default), None if empty."""
-    import numpy as np
-
-    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else None
 
 
 def phase_summary(engine, since: float, until: float | None = None) -> dict[str, Any]:
