@@ -18,82 +18,71 @@ import time
 from typing import Any
 
 from broker import protocol as p
-
-SAMPLING_KEYS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_tokens",
-)
+from contracts.openai import Limits, parse
+from contracts.openai import responses as fmt
+from contracts.openai.responses import TokenText
 
 
 def submit_kwargs(request: dict[str, Any]) -> dict[str, Any]:
-    """`BrokerClient.submit` keyword arguments (prompt form, sampling params, model) for a
-    validated line request `{"url", "body"}` (see `jobs.validate.LineResult.request`)."""
+    """`BrokerClient.submit` keyword arguments (prompt form, sampling params, model, priority)
+    for a line request `{"url", "body"[, "sampling_params"]}` (`jobs.validate.LineResult`).
+
+    The sampling params are the validated ones stored with the line; a request without them (a
+    map-reduce piece, a line stored by an older validator) is mapped by the same parser.
+    Raises `contracts.openai.OpenAIError` for a body that parser refuses.
+    """
     body = request["body"]
-    sampling = {k: body[k] for k in SAMPLING_KEYS if body.get(k) is not None}
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    if max_tokens is not None:
-        sampling["max_tokens"] = max_tokens
-    if isinstance(sampling.get("stop"), str):
-        sampling["stop"] = [sampling["stop"]]
-    kwargs: dict[str, Any] = {"sampling_params": sampling, "model": body.get("model")}
-    if request["url"] == "/v1/chat/completions":
-        kwargs["messages"] = body["messages"]
-    elif isinstance(body["prompt"], list):
-        kwargs["prompt_token_ids"] = body["prompt"]
+    req = parse(request["url"], body, Limits())
+    sampling = request.get("sampling_params")
+    if sampling is None:
+        sampling = dict(req.sampling)
+        if req.max_tokens is not None:
+            sampling["max_tokens"] = req.max_tokens
+    prompt = req.prompts[0]
+    kwargs: dict[str, Any] = {
+        "sampling_params": sampling,
+        "model": req.model,
+        "priority": req.priority,
+    }
+    if prompt.messages is not None:
+        kwargs["messages"] = prompt.messages
+    elif prompt.token_ids is not None:
+        kwargs["prompt_token_ids"] = prompt.token_ids
     else:
-        kwargs["prompt"] = body["prompt"]
+        kwargs["prompt"] = prompt.text
     return kwargs
 
 
-def usage(final: p.Final) -> dict[str, int]:
-    prompt = int(final.usage.get("prompt_tokens") or 0)
-    completion = int(final.usage.get("completion_tokens") or len(final.token_ids))
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
+def usage(final: p.Final) -> dict[str, Any]:
+    """The completion's `usage` (tokens), as the gateway reports it."""
+    return fmt.usage_object(
+        int(final.usage.get("prompt_tokens") or 0),
+        int(final.usage.get("completion_tokens") or len(final.token_ids)),
+        int(final.usage.get("cached_tokens") or 0),
+    )
 
 
 def success_response(
-    rid: str, url: str, model: str | None, final: p.Final, extra: dict | None = None
+    rid: str,
+    url: str,
+    model: str | None,
+    final: p.Final,
+    extra: dict | None = None,
+    *,
+    token_text: TokenText | None = None,
 ) -> dict[str, Any]:
     """The stored `response` of a finished line: the OpenAI completion object as `body`.
 
-    `extra` (e.g. `{"map_reduce": {...}}`) is added to the body under `"laneserve"`.
+    With `token_text` (the line asked for logprobs) the choice carries `logprobs` in the
+    endpoint's form, built from the engine's entries in `final.logprobs`. `extra` (e.g.
+    `{"map_reduce": {...}}`) is added to the body under `"laneserve"`.
     """
-    created = int(time.time())
-    if url == "/v1/chat/completions":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": final.text},
-            "logprobs": None,
-            "finish_reason": final.finish_reason,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {
-            "index": 0,
-            "text": final.text,
-            "logprobs": None,
-            "finish_reason": final.finish_reason,
-        }
-        obj = "text_completion"
-    body = {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model or "",
-        "choices": [choice],
-        "usage": usage(final),
-    }
+    kind = "chat" if url == "/v1/chat/completions" else "completion"
+    logprobs = None
+    if token_text is not None:
+        logprobs = fmt.choice_logprobs(kind, final.logprobs, token_text)
+    choice = fmt.choice(kind, 0, final.text, final.finish_reason, logprobs)
+    body = fmt.completion_object(kind, rid, int(time.time()), model or "", [choice], usage(final))
     if extra:
         body["laneserve"] = extra
     return {"status_code": 200, "request_id": rid, "body": body}

@@ -3,13 +3,18 @@
 ``n > 1`` and lists of prompts fan out (DESIGN.md "The gateway fans out n > 1 as n requests"):
 choice ``k`` (``k = prompt_index * n + sample``) is the broker request ``{id}`` for ``k == 0``
 and ``{id}-{k}`` otherwise, so the response ``id`` is byte-equal to the ``requests.id`` of its
-first choice. With a ``seed`` and ``n > 1``, sample ``j`` uses ``seed + j`` (distinct but
-reproducible samples).
+first choice. Each choice's ``sampling_params`` come from
+:meth:`contracts.openai.requests.ParsedRequest.sampling_for`.
 
 Every choice is submitted with ``stream=True`` even when the HTTP response is not streamed, so
-the gateway sees each token arrive and measures TTFT and inter-token gaps at the edge for all
-requests. The broker's ``arrival`` is extended back to the gateway's arrival through
-``arrival_monotonic`` (the Submit's ``edge_ms``).
+the gateway sees each token arrive and measures inter-token gaps at the edge for all requests.
+Arrival is the moment the gateway accepted the HTTP request, before the body was read
+(:mod:`laneserve.api.arrival`); the broker's ``arrival`` is extended back to it through
+``arrival_monotonic`` (the Submit's ``edge_ms``). TTFT (DESIGN.md: arrival -> the first content
+token leaves the edge) is taken when a stream's first content delta is applied, right before it
+is written, and for a non-streamed response when the whole body is handed to the server
+(:meth:`Generation.sent`): that is when its first token reaches the client. The edge's TTFT and
+e2e replace the broker's in SQL (``report_edge_timings``) and feed ``/metrics``.
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ from typing import Any
 
 from broker import protocol as p
 from broker.client import BrokerClient
+from contracts.openai.requests import ParsedRequest, Prompt
 from laneserve.api.errors import STATUS_BY_CODE, ApiError
 from laneserve.api.metrics import GatewayMetrics
-from laneserve.api.schemas import ParsedRequest, Prompt
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +108,7 @@ class Generation:
         """Submit every choice. Raises ApiError (400) if the broker client refuses one."""
         req = self.req
         for choice in self.choices:
-            sampling = dict(req.sampling)
-            if req.n > 1 and "seed" in sampling:
-                sampling["seed"] = sampling["seed"] + choice.index % req.n
+            sampling = req.sampling_for(choice.index)
             try:
                 stream = self.client.submit(
                     lane=req.lane,
@@ -193,7 +196,8 @@ class Generation:
             choice.timings = dict(msg.timings)
             if msg.finish_reason in ("stop", "length"):
                 choice.finish_reason = msg.finish_reason
-                self._observe_end(choice, now)
+                if self.req.stream:
+                    self._observe_end(choice, now)
                 self.metrics.observe_final(lane, choice.timings, choice.usage, msg.finish_reason)
                 return Event(choice, tail, tail_lp, final=True)
             code, why = (
@@ -222,15 +226,26 @@ class Generation:
         lane = self.req.lane
         if not choice.first_token_t:
             choice.first_token_t = now
-            self.metrics.ttft.labels(lane).observe(now - self.arrival_monotonic)
         else:
             self.metrics.itl.labels(lane).observe(now - choice.last_token_t)
         choice.last_token_t = now
 
+    def sent(self) -> None:
+        """A non-streamed response is being handed to the server: its first content token
+        leaves the edge now (TTFT and e2e of every finished choice)."""
+        now = time.monotonic()
+        for choice in self.choices:
+            if choice.finish_reason is not None:
+                choice.first_token_t = now if choice.first_token_t else 0.0
+                self._observe_end(choice, now)
+
     def _observe_end(self, choice: Choice, now: float) -> None:
+        lane = self.req.lane
         e2e = now - self.arrival_monotonic
-        self.metrics.e2e.labels(self.req.lane).observe(e2e)
+        self.metrics.e2e.labels(lane).observe(e2e)
         ttft = choice.first_token_t - self.arrival_monotonic if choice.first_token_t else None
+        if ttft is not None:
+            self.metrics.ttft.labels(lane).observe(ttft)
         # DESIGN: TTFT and e2e are measured at the edge; the broker stores these in SQL.
         self.client.report_edge_timings(
             choice.request_id, ttft * 1000.0 if ttft is not None else None, e2e * 1000.0

@@ -13,7 +13,7 @@ from api_stack import ApiStack
 
 
 @pytest.fixture(scope="module")
-def synth_stack(smollm2_gguf) -> Iterator[ApiStack]:
+def synth_stack(smollm2_gguf, smollm2_dir) -> Iterator[ApiStack]:
     """Broker + recorder (SQLite) + one synthetic worker (interactive lane only, 10 ms steps,
     capacity 8) + gateway with an API key and the real SmolLM2 tokenizer."""
     tmp = Path(tempfile.mkdtemp(prefix="lsa", dir="/tmp"))
@@ -36,7 +36,7 @@ def synth_stack(smollm2_gguf) -> Iterator[ApiStack]:
 
 
 @pytest.fixture(scope="module")
-def real_stack(smollm2_gguf) -> Iterator[ApiStack]:
+def real_stack(smollm2_gguf, smollm2_dir) -> Iterator[ApiStack]:
     """Broker + one real SmolLM2 worker (float32, up to 16 sequences) + gateway with a key."""
     tmp = Path(tempfile.mkdtemp(prefix="lsr", dir="/tmp"))
     home = tmp / "home"

@@ -1,14 +1,14 @@
-"""Body validation of /v1/chat/completions and /v1/completions (no processes, no tokenizer)."""
+"""Body validation of /v1/chat/completions and /v1/completions (contracts.openai.requests; no
+processes, no tokenizer)."""
 
 from __future__ import annotations
 
 import pytest
 
-from laneserve.api.config import ApiConfig
-from laneserve.api.errors import ApiError
-from laneserve.api.schemas import parse_chat, parse_completion
+from contracts.openai import Limits, OpenAIError, parse_chat, parse_completion
 
-CFG = ApiConfig(broker="ipc:///nowhere", max_n=4, max_tokens_limit=100)
+ApiError = OpenAIError
+CFG = Limits(max_n=4, max_tokens_limit=100)
 MSG = [{"role": "user", "content": "hi"}]
 
 

@@ -1,4 +1,8 @@
-"""Request validation: a JSON body -> :class:`ParsedRequest`, or an :class:`ApiError` (400).
+"""Request parsing and validation: a JSON body -> :class:`ParsedRequest`, or an :class:`OpenAIError`.
+
+One implementation for the HTTP gateway (``/v1/chat/completions``, ``/v1/completions``) and for
+bulk-job lines (the ``body`` of an OpenAI Batch line), so both accept the same bodies and answer
+the same mistakes with the same messages.
 
 Written by hand rather than as pydantic models so that every error is a 400 in OpenAI's shape
 naming the offending field (pydantic would give FastAPI's 422), and so that unknown and
@@ -13,7 +17,8 @@ vLLM's extra sampling fields (``top_k``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``include_stop_str_in_output``). Laneserve extras: ``lane`` ("interactive" |
 "batch") and ``priority`` (int, lower is served first within a lane; or a lane name).
 
-Prompt token counting needs the tokenizer and happens later (:mod:`laneserve.api.model_info`);
+The wire ``sampling_params`` keys are :data:`SAMPLING_KEYS` (the broker's ``SAMPLING_FIELDS``).
+Prompt token counting needs the tokenizer and happens next (:mod:`contracts.openai.lengths`);
 ``max_tokens`` stays None here when the body leaves it out.
 """
 
@@ -23,9 +28,48 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.protocol import LANES, MAX_MESSAGES, MAX_TEXT_CHARS
-from laneserve.api.config import MAX_PROMPTS, MAX_STOP_STRINGS, ApiConfig
-from laneserve.api.errors import invalid
+from contracts.openai.errors import invalid
+
+LANES = ("interactive", "batch")  # = broker.protocol.LANES
+MAX_TEXT_CHARS = 8 * 1024 * 1024  # a prompt or message body (= broker.protocol.MAX_TEXT_CHARS)
+MAX_MESSAGES = 4096  # chat messages in one request (= broker.protocol.MAX_MESSAGES)
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (list of strings or token lists)
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 1024
+DEFAULT_MAX_N = 16  # choices per request; each is a separate engine request (fan-out)
+DEFAULT_MAX_TOKENS_LIMIT = 4096  # cap on max_tokens / max_completion_tokens per choice
+DEFAULT_COMPLETIONS_MAX_TOKENS = 16  # OpenAI's legacy /v1/completions default
+CHAT_ENDPOINT = "/v1/chat/completions"
+COMPLETIONS_ENDPOINT = "/v1/completions"
+
+# The wire ``sampling_params`` keys, the one list (broker.protocol.SAMPLING_FIELDS checks the same
+# set on the wire; gpu_worker.sampling_params.SamplingParams has a field for each).
+SAMPLING_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "min_tokens",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-request caps of the OpenAI surface (the gateway's flags; bulk-job lines use the
+    same). ``max_n``: choices; ``max_tokens_limit``: tokens per choice."""
+
+    max_n: int = DEFAULT_MAX_N
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
+
 
 # Fields that exist in the OpenAI API (or in vLLM's extensions) and that laneserve does not serve.
 UNSUPPORTED_FIELDS = frozenset(
@@ -136,6 +180,14 @@ class ParsedRequest:
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
 
+    def sampling_for(self, index: int) -> dict[str, Any]:
+        """The wire ``sampling_params`` of choice ``index``: with a ``seed`` and ``n > 1``,
+        sample ``j`` uses ``seed + j`` (distinct but reproducible samples)."""
+        sampling = dict(self.sampling)
+        if self.n > 1 and "seed" in sampling:
+            sampling["seed"] = sampling["seed"] + index % self.n
+        return sampling
+
 
 # ------------------------------------------------------------------------------- type checks
 
@@ -194,12 +246,12 @@ def _tname(v: Any) -> str:
 # ------------------------------------------------------------------------------- entry points
 
 
-def parse_chat(body: Any, config: ApiConfig) -> ParsedRequest:
-    """Validate a /v1/chat/completions body. Raises ApiError (400)."""
+def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
+    """Validate a /v1/chat/completions body. Raises OpenAIError (400)."""
     body = _check_fields(body, CHAT_FIELDS)
     messages = _messages(body.get("messages"))
     req = ParsedRequest(kind="chat", model=_model(body), prompts=[Prompt(messages=messages)])
-    _common(body, req, config)
+    _common(body, req, limits)
     max_completion = _int(body, "max_completion_tokens", lo=1)
     if max_completion is not None:
         req.max_tokens = max_completion
@@ -209,21 +261,35 @@ def parse_chat(body: Any, config: ApiConfig) -> ParsedRequest:
         raise invalid("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     if want:
         req.logprobs = top or 0
-    _finish(body, req, config)
+    _finish(body, req, limits)
     return req
 
 
-def parse_completion(body: Any, config: ApiConfig) -> ParsedRequest:
-    """Validate a /v1/completions body. Raises ApiError (400)."""
+def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
+    """Validate a /v1/completions body. Raises OpenAIError (400)."""
     body = _check_fields(body, COMPLETION_FIELDS)
     req = ParsedRequest(kind="completion", model=_model(body), prompts=_prompts(body.get("prompt")))
-    _common(body, req, config)
+    _common(body, req, limits)
     if body.get("logprobs") is True:
         raise invalid("'logprobs' of /v1/completions is an integer (0..5)", "logprobs")
     if body.get("logprobs") is not False:
         req.logprobs = _int(body, "logprobs", lo=0, hi=MAX_LEGACY_LOGPROBS)
-    _finish(body, req, config)
+    _finish(body, req, limits)
     return req
+
+
+def parse(endpoint: str, body: Any, limits: Limits) -> ParsedRequest:
+    """Validate a body for ``endpoint`` (:data:`CHAT_ENDPOINT` or :data:`COMPLETIONS_ENDPOINT`).
+
+    Raises:
+        OpenAIError: 400 ``invalid_request`` naming the field.
+        ValueError: an endpoint that is neither (a caller's bug).
+    """
+    if endpoint == CHAT_ENDPOINT:
+        return parse_chat(body, limits)
+    if endpoint == COMPLETIONS_ENDPOINT:
+        return parse_completion(body, limits)
+    raise ValueError(f"not an OpenAI completion endpoint: {endpoint!r}")
 
 
 # ------------------------------------------------------------------------------- pieces
@@ -356,7 +422,7 @@ def _prompts(v: Any) -> list[Prompt]:
     return out
 
 
-def _common(body: dict, req: ParsedRequest, config: ApiConfig) -> None:
+def _common(body: dict, req: ParsedRequest, limits: Limits) -> None:
     stream = _bool(body, "stream")
     req.stream = bool(stream)
     opts = body.get("stream_options")
@@ -375,13 +441,13 @@ def _common(body: dict, req: ParsedRequest, config: ApiConfig) -> None:
         usage = _bool(opts, "include_usage")
         req.include_usage = bool(usage)
     n = _int(body, "n", lo=1)
-    if n is not None and n > config.max_n:
-        raise invalid(f"'n' must be <= {config.max_n}, got {n}", "n")
+    if n is not None and n > limits.max_n:
+        raise invalid(f"'n' must be <= {limits.max_n}, got {n}", "n")
     req.n = n or 1
-    if req.num_choices > max(MAX_PROMPTS, config.max_n):
+    if req.num_choices > max(MAX_PROMPTS, limits.max_n):
         raise invalid(
             f"{len(req.prompts)} prompts x n={req.n} is more than "
-            f"{max(MAX_PROMPTS, config.max_n)} choices",
+            f"{max(MAX_PROMPTS, limits.max_n)} choices",
             "n",
         )
     req.max_tokens = _int(body, "max_tokens", lo=1)
@@ -403,11 +469,11 @@ def _lane(body: dict, req: ParsedRequest) -> None:
         req.priority = _int(body, "priority", lo=-(2**31), hi=2**31 - 1) or 0
 
 
-def _finish(body: dict, req: ParsedRequest, config: ApiConfig) -> None:
-    if req.max_tokens is not None and req.max_tokens > config.max_tokens_limit:
+def _finish(body: dict, req: ParsedRequest, limits: Limits) -> None:
+    if req.max_tokens is not None and req.max_tokens > limits.max_tokens_limit:
         param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         raise invalid(
-            f"'{param}' must be <= {config.max_tokens_limit}, got {req.max_tokens}", param
+            f"'{param}' must be <= {limits.max_tokens_limit}, got {req.max_tokens}", param
         )
     sp: dict[str, Any] = {}
     for name, value in (
@@ -420,7 +486,7 @@ def _finish(body: dict, req: ParsedRequest, config: ApiConfig) -> None:
         ("repetition_penalty", _num(body, "repetition_penalty", 0.0, 10.0, lo_open=True)),
         ("ignore_eos", _bool(body, "ignore_eos")),
         ("include_stop_str_in_output", _bool(body, "include_stop_str_in_output")),
-        ("min_tokens", _int(body, "min_tokens", lo=0, hi=config.max_tokens_limit)),
+        ("min_tokens", _int(body, "min_tokens", lo=0, hi=limits.max_tokens_limit)),
         ("stop", _stop(body.get("stop"))),
         ("stop_token_ids", _token_list(body, "stop_token_ids")),
         ("logprobs", req.logprobs),
@@ -429,6 +495,7 @@ def _finish(body: dict, req: ParsedRequest, config: ApiConfig) -> None:
             sp[name] = value
     if sp.get("top_k") == -1:
         sp["top_k"] = 0
+    assert set(sp) <= set(SAMPLING_KEYS), sorted(set(sp) - set(SAMPLING_KEYS))
     if req.max_tokens is not None and sp.get("min_tokens", 0) > req.max_tokens:
         raise invalid("'min_tokens' must be <= max_tokens", "min_tokens")
     req.sampling = sp
@@ -449,6 +516,10 @@ def _token_list(body: dict, name: str) -> list[int] | None:
     v = body.get(name)
     if v is None:
         return None
-    if type(v) is not list or not all(type(t) is int and t >= 0 for t in v) or len(v) > 1024:
-        raise invalid(f"'{name}' must be an array of at most 1024 token ids", name)
+    if (
+        type(v) is not list
+        or not all(type(t) is int and t >= 0 for t in v)
+        or len(v) > MAX_STOP_TOKEN_IDS
+    ):
+        raise invalid(f"'{name}' must be an array of at most {MAX_STOP_TOKEN_IDS} token ids", name)
     return v or None
