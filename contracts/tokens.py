@@ -6,7 +6,8 @@ exactly the count the engine will see (DESIGN.md "Edge validation"). The rule (v
 DESIGN.md "Offline engine"):
 
 - text: ``tokenizer(text)``, i.e. the tokenizer's own special tokens added (a BOS where the
-  model's post-processor or ``add_bos_token`` asks for one);
+  post-processor of the model's ``tokenizer.json`` adds one, which is what ``transformers``'
+  fast tokenizers follow);
 - chat: the model's chat template rendered with ``add_generation_prompt=True``, then encoded
   with no special tokens added (the template writes its own BOS), as
   ``transformers``' ``apply_chat_template(..., tokenize=True)`` does;
@@ -113,7 +114,6 @@ class PromptTokenizer:
         if (directory / TEMPLATE_FILE).is_file():
             template = (directory / TEMPLATE_FILE).read_text()
         specials = {k: _token_str(config[k]) for k in SPECIAL_TOKEN_KEYS if config.get(k)}
-        _apply_bos_eos(tokenizer, config, specials)
         max_len = model_config.get("max_position_embeddings")
         vocab = model_config.get("vocab_size")
         return cls(
@@ -218,36 +218,6 @@ def _read_json(path: Path) -> dict:
 def _token_str(value: Any) -> str:
     """A special token from ``tokenizer_config.json``: a string or an AddedToken dict."""
     return value.get("content", "") if isinstance(value, dict) else str(value)
-
-
-def _apply_bos_eos(tokenizer: Any, config: dict, specials: dict[str, str]) -> None:
-    """Mirror ``transformers``' ``update_post_processor``: an explicit ``add_bos_token`` /
-    ``add_eos_token`` in the config (or no post-processor at all) replaces the post-processor
-    with one that adds exactly those tokens."""
-    explicit = "add_bos_token" in config or "add_eos_token" in config
-    if not explicit and tokenizer.post_processor is not None:
-        return
-    from tokenizers import processors
-
-    parts, pair_tail, special = [], [], []
-    bos, eos = specials.get("bos_token"), specials.get("eos_token")
-    add_bos = bool(config.get("add_bos_token")) and bos is not None
-    add_eos = bool(config.get("add_eos_token")) and eos is not None
-    if add_bos:
-        parts.append(f"{bos}:0")
-        special.append((bos, tokenizer.token_to_id(bos)))
-    parts.append("$A:0")
-    if add_eos:
-        parts.append(f"{eos}:0")
-        special.append((eos, tokenizer.token_to_id(eos)))
-    if add_bos:
-        pair_tail.append(f"{bos}:1")
-    pair_tail.append("$B:1")
-    if add_eos:
-        pair_tail.append(f"{eos}:1")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=" ".join(parts), pair=" ".join(parts + pair_tail), special_tokens=special
-    )
 
 
 @lru_cache(maxsize=8)

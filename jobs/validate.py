@@ -255,9 +255,9 @@ class Validator:
             body = {**body, "model": default}
         try:
             req = parse(self.endpoint, body, self.limits)
-            self._note_model(req.model)
-            if self.counter is not None:
+            if self.counter is not None:  # an unknown model is this line's error, not the job's
                 self.counter.check_name(req.model)
+            self._note_model(req.model)
         except OpenAIError as exc:
             raise LineError(exc.code, exc.message) from exc
         if req.stream:

@@ -183,6 +183,11 @@ async def metrics(request: Request) -> Response:
     state: GatewayState = request.app.state.gateway
     if time.monotonic() - state.status_at > state.config.status_interval_s / 2:
         await state.refresh_status()
+    if state.jobs is not None:
+        try:
+            await asyncio.to_thread(state.metrics.jobs.refresh, state.jobs.engine)
+        except Exception:  # the database is down: serve the last counts, say why in the log
+            logger.exception("reading bulk-job counts for /metrics failed")
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -15,6 +15,7 @@ runs -- has its engine requests aborted.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -185,12 +186,14 @@ async def _sse_stream(
                     choice["finish_reason"] = _finish(c.finish_reason)
                     out.append(fmt.sse(chunk([choice])))
             if out:
+                gen.mark_sent((ev.choice for ev in batch), time.monotonic())
                 yield b"".join(out)
                 out = []
         if gen.req.include_usage:
             out.append(fmt.sse(chunk([], usage=_usage(gen))))
         out.append(fmt.SSE_DONE)
         yield b"".join(out)
+        gen.report(time.monotonic())  # runs once the server has taken the last bytes
     finally:
         gen.close()
 

@@ -11,10 +11,11 @@ the gateway sees each token arrive and measures inter-token gaps at the edge for
 Arrival is the moment the gateway accepted the HTTP request, before the body was read
 (:mod:`laneserve.api.arrival`); the broker's ``arrival`` is extended back to it through
 ``arrival_monotonic`` (the Submit's ``edge_ms``). TTFT (DESIGN.md: arrival -> the first content
-token leaves the edge) is taken when a stream's first content delta is applied, right before it
-is written, and for a non-streamed response when the whole body is handed to the server
-(:meth:`Generation.sent`): that is when its first token reaches the client. The edge's TTFT and
-e2e replace the broker's in SQL (``report_edge_timings``) and feed ``/metrics``.
+token leaves the edge) is stamped when the bytes carrying a choice's first content are handed to
+the server (:meth:`Generation.mark_sent`: a stream's chunk, or a non-streamed response's whole
+body, which is when its first token reaches the client); e2e when the last bytes are
+(:meth:`Generation.report`). The edge's TTFT and e2e replace the broker's in SQL
+(``report_edge_timings``) and feed ``/metrics``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,8 @@ class Choice:
     error: ApiError | None = None
     first_token_t: float = 0.0  # monotonic s of the first content delta at the gateway
     last_token_t: float = 0.0
+    first_sent_t: float = 0.0  # monotonic s its first content was handed to the server
+    reported: bool = False  # edge timings sent to the broker
 
 
 @dataclass(slots=True)
@@ -196,8 +199,6 @@ class Generation:
             choice.timings = dict(msg.timings)
             if msg.finish_reason in ("stop", "length"):
                 choice.finish_reason = msg.finish_reason
-                if self.req.stream:
-                    self._observe_end(choice, now)
                 self.metrics.observe_final(lane, choice.timings, choice.usage, msg.finish_reason)
                 return Event(choice, tail, tail_lp, final=True)
             code, why = (
@@ -230,20 +231,32 @@ class Generation:
             self.metrics.itl.labels(lane).observe(now - choice.last_token_t)
         choice.last_token_t = now
 
-    def sent(self) -> None:
-        """A non-streamed response is being handed to the server: its first content token
-        leaves the edge now (TTFT and e2e of every finished choice)."""
-        now = time.monotonic()
+    def mark_sent(self, choices: Iterable[Choice], now: float) -> None:
+        """The bytes carrying ``choices``' text so far are handed to the server at ``now``
+        (monotonic s): the first content token of each that had text leaves the edge."""
+        for choice in choices:
+            if choice.text and not choice.first_sent_t:
+                choice.first_sent_t = now
+
+    def report(self, now: float) -> None:
+        """The response's last bytes were handed to the server at ``now``: observe and report
+        TTFT and e2e of every choice that finished normally (once each)."""
         for choice in self.choices:
-            if choice.finish_reason is not None:
-                choice.first_token_t = now if choice.first_token_t else 0.0
+            if choice.finish_reason is not None and not choice.reported:
+                choice.reported = True
                 self._observe_end(choice, now)
+
+    def sent(self) -> None:
+        """A non-streamed response's whole body is being handed to the server now."""
+        now = time.monotonic()
+        self.mark_sent(self.choices, now)
+        self.report(now)
 
     def _observe_end(self, choice: Choice, now: float) -> None:
         lane = self.req.lane
         e2e = now - self.arrival_monotonic
         self.metrics.e2e.labels(lane).observe(e2e)
-        ttft = choice.first_token_t - self.arrival_monotonic if choice.first_token_t else None
+        ttft = choice.first_sent_t - self.arrival_monotonic if choice.first_sent_t else None
         if ttft is not None:
             self.metrics.ttft.labels(lane).observe(ttft)
         # DESIGN: TTFT and e2e are measured at the edge; the broker stores these in SQL.
