@@ -73,7 +73,11 @@ class GatewayState:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        self.model_info = await asyncio.to_thread(load_served_model, self.config)
+        try:
+            self.model_info = await asyncio.to_thread(load_served_model, self.config)
+        except (ValueError, RuntimeError) as exc:  # TokenizerError, ModelLoadError: say why
+            logger.error("cannot load the model %s: %s", self.config.model, exc)
+            raise
         self.client = BrokerClient(self.config.broker)
         await self.client.start()
         await self.refresh_status()

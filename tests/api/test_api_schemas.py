@@ -134,3 +134,17 @@ def test_body_must_be_an_object_with_a_model() -> None:
     assert err(parse_chat, [1], CFG).status == 400
     assert err(parse_chat, {"messages": MSG}, CFG).param == "model"
     assert err(parse_completion, {"model": 3, "prompt": "x"}, CFG).param == "model"
+
+
+def test_one_list_of_sampling_keys() -> None:
+    """contracts.openai.SAMPLING_KEYS is the wire's list: the broker checks the same keys and
+    the engine's SamplingParams has a field for each."""
+    from dataclasses import fields
+
+    from broker.protocol import SAMPLING_FIELDS
+    from contracts.openai import SAMPLING_KEYS
+    from gpu_worker.sampling_params import SamplingParams
+
+    assert len(set(SAMPLING_KEYS)) == len(SAMPLING_KEYS)
+    assert set(SAMPLING_KEYS) == SAMPLING_FIELDS
+    assert set(SAMPLING_KEYS) <= {f.name for f in fields(SamplingParams)}
