@@ -6,16 +6,13 @@ first content token leaves the edge -- for a non-streamed response, with the who
 from __future__ import annotations
 
 import json
-import shutil
 import sqlite3
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from api_stack import API_KEY, ApiStack
+from api_stack import API_KEY, ApiStack, real_model_stack
 
 pytestmark = pytest.mark.slow
 
@@ -27,24 +24,8 @@ TTFT_SUM = 'laneserve:time_to_first_token_seconds_sum{lane="interactive"}'
 @pytest.fixture(scope="module")
 def stack(smollm2_gguf, smollm2_dir) -> Iterator[ApiStack]:
     """A fresh stack per module, so the first request below is the first after start-up."""
-    tmp = Path(tempfile.mkdtemp(prefix="lst", dir="/tmp"))
-    home = tmp / "home"
-    home.mkdir()
-    s = ApiStack(tmp, home)
-    try:
-        s.start_recorder()
-        s.start_broker("--recorder", s.recorder)
-        s.start_worker(
-            "real", "--model", str(smollm2_gguf), "--dtype", "float32", "--max-num-seqs", "4",
-            "--kv-cache-memory", "128MiB",
-        )  # fmt: skip
-        s.start_api("--model", str(smollm2_gguf), "--served-model-name", "smollm2")
-        s.wait_workers({"real"}, timeout_s=300)
-        s.wait_api(timeout_s=300)
+    with real_model_stack(smollm2_gguf, recorder=True) as s:
         yield s
-    finally:
-        s.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def client_ttft(stack: ApiStack, path: str, body: dict) -> tuple[str, float]:
