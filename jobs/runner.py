@@ -214,7 +214,7 @@ class JobsRunner:
 
         self._validating = asyncio.create_task(validate(), name=f"validate-{info.id}")
 
-    async def _served_model(self):  # noqa: ANN202 - ServedModel | None
+    async def _served_model(self) -> ServedModel | None:
         """The counter with the models the broker's workers report as further names (the
         gateway accepts those too)."""
         if self.counter is None:
