@@ -6,7 +6,8 @@
 - :mod:`contracts.openai.model`: the served model at the edge (names, tokenizer, context
   length): prompt counting with the engine's rule, ``max_tokens`` settlement (:class:`ServedModel`);
 - :mod:`contracts.openai.responses`: completion objects, stream chunks, usage, logprobs, SSE;
-- :mod:`contracts.openai.errors`: :class:`OpenAIError` and OpenAI's error JSON, DESIGN.md's codes.
+- :mod:`contracts.openai.errors`: :class:`OpenAIError` and OpenAI's error JSON, DESIGN.md's codes;
+- :mod:`contracts.openai.checks`: the typed field checks behind every 400.
 
 A batch line therefore accepts exactly the bodies the API accepts and fails with the same
 message; the gateway adds HTTP (status codes, SSE), the jobs runner adds the batch file format.
