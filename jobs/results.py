@@ -23,66 +23,86 @@ from contracts.openai import responses as fmt
 from contracts.openai.responses import TokenText
 
 
-def submit_kwargs(request: dict[str, Any]) -> dict[str, Any]:
-    """`BrokerClient.submit` keyword arguments (prompt form, sampling params, model, priority)
-    for a line request `{"url", "body"[, "sampling_params"]}` (`jobs.validate.LineResult`).
+def choice_requests(rid: str, request: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """`(request id, BrokerClient.submit keyword arguments)` per choice of a line request
+    `{"url", "body"[, "sampling_params"]}` (`jobs.validate.LineResult.request`).
 
-    The sampling params are the validated ones stored with the line; a request without them (a
-    map-reduce piece, a line stored by an older validator) is mapped by the same parser.
-    Raises `contracts.openai.OpenAIError` for a body that parser refuses.
+    A line fans out as the gateway does (`n` samples of each prompt): choice `k = prompt * n +
+    sample` is the line's own request id for `k == 0` and `{rid}-{k}` otherwise, with
+    `ParsedRequest.sampling_for(k)` (`seed + sample`). The sampling params are the validated
+    ones stored with the line; a request without them (a map-reduce piece, a line stored by an
+    older validator) is mapped by the same parser. Raises `contracts.openai.OpenAIError` for a
+    body that parser refuses.
     """
-    body = request["body"]
-    req = parse(request["url"], body, Limits())
-    sampling = request.get("sampling_params")
-    if sampling is None:
-        sampling = dict(req.sampling)
-        if req.max_tokens is not None:
-            sampling["max_tokens"] = req.max_tokens
-    prompt = req.prompts[0]
-    kwargs: dict[str, Any] = {
-        "sampling_params": sampling,
-        "model": req.model,
-        "priority": req.priority,
-    }
-    if prompt.messages is not None:
-        kwargs["messages"] = prompt.messages
-    elif prompt.token_ids is not None:
-        kwargs["prompt_token_ids"] = prompt.token_ids
-    else:
-        kwargs["prompt"] = prompt.text
+    req = parse(request["url"], request["body"], Limits())
+    stored = request.get("sampling_params")
+    if stored is not None:
+        req.sampling = dict(stored)
+    elif req.max_tokens is not None:
+        req.sampling["max_tokens"] = req.max_tokens
+    out = []
+    for i, prompt in enumerate(req.prompts):
+        for j in range(req.n):
+            k = i * req.n + j
+            kwargs: dict[str, Any] = {
+                "sampling_params": req.sampling_for(k),
+                "model": req.model,
+                "priority": req.priority,
+            }
+            if prompt.messages is not None:
+                kwargs["messages"] = prompt.messages
+            elif prompt.token_ids is not None:
+                kwargs["prompt_token_ids"] = prompt.token_ids
+            else:
+                kwargs["prompt"] = prompt.text
+            out.append((rid if k == 0 else f"{rid}-{k}", kwargs))
+    return out
+
+
+def submit_kwargs(request: dict[str, Any]) -> dict[str, Any]:
+    """The submit arguments of a one-choice request (a map-reduce piece)."""
+    ((_, kwargs),) = choice_requests("", request)
     return kwargs
 
 
-def usage(final: p.Final) -> dict[str, Any]:
-    """The completion's `usage` (tokens), as the gateway reports it."""
-    return fmt.usage_object(
-        int(final.usage.get("prompt_tokens") or 0),
-        int(final.usage.get("completion_tokens") or len(final.token_ids)),
-        int(final.usage.get("cached_tokens") or 0),
-    )
+def usage(finals: list[p.Final], n: int = 1) -> dict[str, Any]:
+    """The completion's `usage` (tokens), as the gateway counts it: prompt and cached tokens
+    once per prompt (sample 0 of each), completion tokens over every choice."""
+    prompt = cached = completion = 0
+    for k, final in enumerate(finals):
+        completion += int(final.usage.get("completion_tokens") or len(final.token_ids))
+        if k % n == 0:
+            prompt += int(final.usage.get("prompt_tokens") or 0)
+            cached += int(final.usage.get("cached_tokens") or 0)
+    return fmt.usage_object(prompt, completion, cached)
 
 
 def success_response(
     rid: str,
     url: str,
     model: str | None,
-    final: p.Final,
+    final: p.Final | list[p.Final],
     extra: dict | None = None,
     *,
+    n: int = 1,
     token_text: TokenText | None = None,
 ) -> dict[str, Any]:
-    """The stored `response` of a finished line: the OpenAI completion object as `body`.
+    """The stored `response` of a finished line: the OpenAI completion object as `body`, one
+    choice per `Final` (choice `k` of `choice_requests`; `n` samples per prompt).
 
-    With `token_text` (the line asked for logprobs) the choice carries `logprobs` in the
+    With `token_text` (the line asked for logprobs) each choice carries `logprobs` in the
     endpoint's form, built from the engine's entries in `final.logprobs`. `extra` (e.g.
     `{"map_reduce": {...}}`) is added to the body under `"laneserve"`.
     """
+    finals = final if isinstance(final, list) else [final]
     kind = "chat" if url == "/v1/chat/completions" else "completion"
-    logprobs = None
-    if token_text is not None:
-        logprobs = fmt.choice_logprobs(kind, final.logprobs, token_text)
-    choice = fmt.choice(kind, 0, final.text, final.finish_reason, logprobs)
-    body = fmt.completion_object(kind, rid, int(time.time()), model or "", [choice], usage(final))
+    choices = []
+    for k, f in enumerate(finals):
+        logprobs = None if token_text is None else fmt.choice_logprobs(kind, f.logprobs, token_text)
+        choices.append(fmt.choice(kind, k, f.text, f.finish_reason, logprobs))
+    body = fmt.completion_object(
+        kind, rid, int(time.time()), model or "", choices, usage(finals, n)
+    )
     if extra:
         body["laneserve"] = extra
     return {"status_code": 200, "request_id": rid, "body": body}

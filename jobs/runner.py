@@ -293,11 +293,17 @@ class JobsRunner:
         try:
             if request.get("map_reduce"):
                 outcome = await self._map_reduce(info, line)
-            else:
-                final, error = await self._call(
-                    line.rid, results.submit_kwargs(request), info.id, line.custom_id
+            else:  # one call per choice (n > 1, several prompts), as the gateway fans out
+                calls = results.choice_requests(line.rid, request)
+                answers = await asyncio.gather(
+                    *(
+                        self._call(rid, kwargs, *((info.id, line.custom_id) if k == 0 else ()))
+                        for k, (rid, kwargs) in enumerate(calls)
+                    )
                 )
-                outcome = self._outcome(info, line, final, error)
+                error = next((e for f, e in answers if f is None), None)
+                finals = None if error is not None else [f for f, _ in answers]
+                outcome = self._outcome(info, line, finals, error)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug must not kill the runner: the line fails, named
@@ -314,18 +320,20 @@ class JobsRunner:
         self,
         info: store.JobInfo,
         line: store.PendingLine,
-        final: p.Final | None,
+        final: p.Final | list[p.Final] | None,
         error: dict | None,
         extra: dict | None = None,
     ) -> store.Outcome:
         if final is None:
             return store.Outcome(info.id, line.rid, error)
+        finals = final if isinstance(final, list) else [final]
         model = line.request["body"].get("model") or info.model
         token_text = None
         if "logprobs" in (line.request.get("sampling_params") or {}):
             token_text = self.counter.token_text if self.counter else ServedModel().token_text
+        n = int(line.request["body"].get("n") or 1)
         response = results.success_response(
-            line.rid, line.request["url"], model, final, extra, token_text=token_text
+            line.rid, line.request["url"], model, finals, extra, n=n, token_text=token_text
         )
         usage = response["body"]["usage"]
         return store.Outcome(
@@ -334,7 +342,7 @@ class JobsRunner:
             response,
             prompt_tokens=usage["prompt_tokens"] or None,
             completion_tokens=usage["completion_tokens"],
-            finish_reason=final.finish_reason,
+            finish_reason=finals[0].finish_reason,
         )
 
     async def _call(

@@ -9,18 +9,18 @@ Two input forms (DESIGN.md "Bulk jobs"):
 `Validator.lines(path)` streams the file and yields one `LineResult` per non-blank line, good or
 bad. Line-level problems (not JSON, not an object, a missing or wrong field, a prompt longer
 than `max_model_len`) are `LineResult.error` entries named by the line's `custom_id`, or
-`line-N` (1-based line number) when it has none.
+`line-N` (1-based line number) when it has none. Job-level problems raise `JobValidationError`
+with OpenAI-shaped `errors` (`[{"code", "message", "line"}]`): a file over the size or line
+limit, a duplicate `custom_id` (naming both line numbers), more than one model. The caller
+fails the job when more than half the lines are bad (`Validator.too_many_bad`).
 
 A line's `body` is checked by the gateway's own code (`contracts.openai`): the same parser, the
 same model-name check (unknown model -> `not_found`), the same prompt counting and `max_tokens`
 rules, so a body is accepted in a batch exactly when `POST {url}` would accept it, with the same
-error message otherwise. Three things a batch line cannot do, each refused with its own message:
-stream (`stream: true`), fan out (`n > 1`, several prompts in one completions line) and leave
-the batch lane (`lane: "interactive"`). The validated wire `sampling_params` are stored with the
-line, so the runner submits exactly what was validated. Job-level problems raise `JobValidationError`
-with OpenAI-shaped `errors` (`[{"code", "message", "line"}]`): a file over the size or line
-limit, a duplicate `custom_id` (naming both line numbers), more than one model. The caller
-fails the job when more than half the lines are bad (`Validator.too_many_bad`).
+error message otherwise. Two things a batch line cannot do, each refused with its own message:
+stream (`stream: true`) and leave the batch lane (`lane: "interactive"`); `n > 1` and several
+prompts fan out as in the API (`jobs.results.choice_requests`). The validated wire
+`sampling_params` are stored with the line, so the runner submits exactly what was validated.
 """
 
 from __future__ import annotations
@@ -246,7 +246,8 @@ class Validator:
             raise LineError(exc.code, exc.message) from exc
         request = {"url": self.endpoint, "body": req_body(req, body)}
         request["sampling_params"] = req.sampling
-        return request, req.prompts[0].num_tokens
+        counts = [p.num_tokens for p in req.prompts]
+        return request, None if None in counts else sum(counts)
 
     def _parse(self, body: dict) -> ParsedRequest:
         """`contracts.openai.parse` + the model checks + what a batch line cannot do."""
@@ -262,14 +263,6 @@ class Validator:
             raise LineError(exc.code, exc.message) from exc
         if req.stream:
             raise LineError("invalid_request", "stream must be false in a batch")
-        if req.n != 1:
-            raise LineError("invalid_request", "only n = 1 is supported in a batch line")
-        if len(req.prompts) != 1:
-            raise LineError(
-                "invalid_request",
-                "prompt must be one non-empty string or one list of token ids in a batch line "
-                "(one line per prompt)",
-            )
         if body.get("lane") not in (None, "batch") or body.get("priority") == "interactive":
             raise LineError("invalid_request", "a batch line runs in the batch lane")
         return req
@@ -286,13 +279,14 @@ class Validator:
 
 def req_body(req: ParsedRequest, body: dict) -> dict:
     """The stored body: `body` with its model filled in and its prompt normalized (chat text
-    parts joined, `developer` -> `system`; one completion prompt as a string or token ids)."""
-    prompt = req.prompts[0]
+    parts joined, `developer` -> `system`; completion prompts as strings or token ids, a list
+    of them when there are several)."""
     out = {**body, "model": req.model}
     if req.kind == "chat":
-        out["messages"] = prompt.messages
-    else:
-        out["prompt"] = prompt.text if prompt.text is not None else prompt.token_ids
+        out["messages"] = req.prompts[0].messages
+        return out
+    forms = [p.text if p.text is not None else p.token_ids for p in req.prompts]
+    out["prompt"] = forms[0] if len(forms) == 1 else forms
     return out
 
 

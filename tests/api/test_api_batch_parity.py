@@ -20,7 +20,7 @@ import httpx
 import pytest
 from api_stack import ApiStack
 
-from jobs.results import submit_kwargs
+from jobs.results import choice_requests
 from jobs.tokens import load_served_model
 from jobs.validate import Validator
 from tests.jobs.jobs_stack import write_jsonl
@@ -75,6 +75,7 @@ CASES = [
     (CHAT, {"max_tokens": 100000}),
     (CHAT, {"max_completion_tokens": 5000}),
     (CHAT, {"n": 1}),
+    (CHAT, {"n": 3, "seed": 11, "temperature": 1.0}),  # fans out: seed + sample
     (CHAT, {"n": 1000}),
     (CHAT, {"priority": 5}),
     (CHAT, {"priority": 2**40}),
@@ -110,6 +111,8 @@ CASES = [
     (TEXT, {"prompt": [1, 2, 3]}),
     (TEXT, {"prompt": [[1, 2, 3]]}),
     (TEXT, {"prompt": ["one prompt"]}),
+    (TEXT, {"prompt": ["a", [1, 2]], "n": 2, "seed": 4}),  # choices k = prompt * n + sample
+    (TEXT, {"prompt": ["x"] * 65}),
     (TEXT, {"prompt": [1, 2, 10**9]}),
     (TEXT, {"prompt": ""}),
     (TEXT, {"prompt": 5}),
@@ -126,8 +129,6 @@ CASES = [
 # accepts these, a batch line names why not.
 BATCH_ONLY = [
     (CHAT, {"stream": True}, "stream must be false in a batch"),
-    (CHAT, {"n": 2}, "only n = 1 is supported in a batch line"),
-    (TEXT, {"prompt": ["a", "b"]}, "one line per prompt"),
     (CHAT, {"lane": "interactive"}, "a batch line runs in the batch lane"),
 ]
 
@@ -199,14 +200,15 @@ def served(smollm2_gguf):
     return dataclasses.replace(model, aliases=("synthetic",))
 
 
-def batch_line(tmp_path, served, endpoint: str, body: dict) -> tuple[dict | None, dict | None]:
-    """(error, sampling params the runner would submit) of ``body`` as a batch line."""
+def batch_line(tmp_path, served, endpoint: str, body: dict) -> tuple[dict | None, list | None]:
+    """(error, the sampling params the runner would submit for each choice) of ``body`` as a
+    batch line."""
     line = {"custom_id": "x", "method": "POST", "url": endpoint, "body": body}
     validator = Validator(endpoint=endpoint, counter=served)
     (result,) = validator.lines(write_jsonl(tmp_path / "in.jsonl", [line]))
     if result.error is not None:
         return result.error, None
-    return None, submit_kwargs(result.request)["sampling_params"]
+    return None, [kw["sampling_params"] for _, kw in choice_requests("x", result.request)]
 
 
 @pytest.mark.parametrize(("endpoint", "changes"), CASES)
@@ -216,7 +218,7 @@ def test_batch_line_validates_as_the_api(gateway, served, tmp_path, endpoint, ch
     line_error, line_sampling = batch_line(tmp_path, served, endpoint, body)
     if response.status_code == 200:
         assert line_error is None, (response.json(), line_error)
-        assert [s["sampling_params"] for s in submitted] == [line_sampling]
+        assert [s["sampling_params"] for s in submitted] == line_sampling
         return
     error = response.json()["error"]
     assert response.status_code in (400, 404), response.text

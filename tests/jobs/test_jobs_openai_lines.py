@@ -45,11 +45,12 @@ def test_chat_lines_with_logprobs_ignore_eos_and_api_errors(stack, engine, lanes
         line("lp", chat, messages=MSG, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2),
         line("eos", chat, messages=MSG, max_tokens=12, temperature=0, ignore_eos=True),
         line("plain", chat, messages=MSG, max_tokens=3, stop_token_ids=[2], seed=1),
+        line("n2", chat, messages=MSG, max_tokens=3, n=2, seed=7, temperature=1.0),
         line("gpt", chat, messages=MSG, max_tokens=3, **{"model": "gpt-4o"}),
         line("huge", chat, messages=MSG, max_tokens=100000),
     ]
     out, err = _run(engine, stack, write_jsonl(laneserve_home / "chat.jsonl", lines), chat)
-    assert sorted(out) == ["eos", "lp", "plain"] and sorted(err) == ["gpt", "huge"]
+    assert sorted(out) == ["eos", "lp", "n2", "plain"] and sorted(err) == ["gpt", "huge"]
     assert err["gpt"] == {"code": "not_found", "message": "the model 'gpt-4o' does not exist"}
     assert err["huge"] == {
         "code": "invalid_request",
@@ -73,6 +74,12 @@ def test_chat_lines_with_logprobs_ignore_eos_and_api_errors(stack, engine, lanes
     assert eos["choices"][0]["finish_reason"] == "length"
     assert eos["usage"]["completion_tokens"] == 12
     assert out["plain"]["response"]["body"]["choices"][0]["logprobs"] is None
+    # n = 2 fans out as in the API: two choices, prompt tokens counted once
+    n2, plain = out["n2"]["response"]["body"], out["plain"]["response"]["body"]
+    assert [c["index"] for c in n2["choices"]] == [0, 1]
+    assert all(c["message"]["content"] and c["finish_reason"] for c in n2["choices"])
+    assert n2["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    assert 2 <= n2["usage"]["completion_tokens"] <= 6
 
 
 def test_completion_line_with_legacy_logprobs(stack, engine, laneserve_home):
@@ -80,9 +87,10 @@ def test_completion_line_with_legacy_logprobs(stack, engine, laneserve_home):
     lines = [
         line("lp", url, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=3),
         line("ids", url, prompt=[504, 3575, 282], max_tokens=4, ignore_eos=True),
+        line("two", url, prompt=[[504, 3575], [282]], max_tokens=2, ignore_eos=True),
     ]
     out, err = _run(engine, stack, write_jsonl(laneserve_home / "text.jsonl", lines), url)
-    assert err == {} and sorted(out) == ["ids", "lp"]
+    assert err == {} and sorted(out) == ["ids", "lp", "two"]
     body = out["lp"]["response"]["body"]
     lp = body["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == body["usage"]["completion_tokens"]
@@ -97,3 +105,6 @@ def test_completion_line_with_legacy_logprobs(stack, engine, laneserve_home):
         "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert ids["choices"][0]["finish_reason"] == "length"
+    two = out["two"]["response"]["body"]
+    assert [c["index"] for c in two["choices"]] == [0, 1]
+    assert two["usage"]["prompt_tokens"] == 3 and two["usage"]["completion_tokens"] == 4

@@ -93,10 +93,16 @@ def test_completions_prompt_forms(tmp_path):
         }
 
     lines = [line("s", "Once"), line("ids", [1, 2, 3]), line("one", ["x"]), line("two", ["x", "y"])]
+    lines.append(line("bad", [["x"]]))
     v, results = _validate(tmp_path, lines, endpoint="/v1/completions")
-    errors = {r.custom_id: r.error for r in results}
-    assert errors["s"] is None and errors["ids"] is None and errors["one"] is None
-    assert "one non-empty string" in errors["two"]["message"]
+    by_id = {r.custom_id: r for r in results}
+    assert [by_id[k].error for k in ("s", "ids", "one", "two")] == [None] * 4
+    assert by_id["one"].request["body"]["prompt"] == "x"  # one prompt, stored as itself
+    assert by_id["two"].request["body"]["prompt"] == ["x", "y"]  # two choices (the API's fan-out)
+    assert by_id["bad"].error == {
+        "code": "invalid_request",
+        "message": "token-id prompts must hold non-negative integers",
+    }
 
 
 def test_task_lines(tmp_path):
