@@ -3,19 +3,21 @@
 ``n > 1`` and lists of prompts fan out (DESIGN.md "The gateway fans out n > 1 as n requests"):
 choice ``k`` (``k = prompt_index * n + sample``) is the broker request ``{id}`` for ``k == 0``
 and ``{id}-{k}`` otherwise, so the response ``id`` is byte-equal to the ``requests.id`` of its
-first choice. Each choice's ``sampling_params`` come from
-:meth:`contracts.openai.requests.ParsedRequest.sampling_for`.
+first choice. With a ``seed`` and ``n > 1``, sample ``j`` uses ``seed + j`` (distinct but
+reproducible samples).
 
-Every choice is submitted with ``stream=True`` even when the HTTP response is not streamed, so
-the gateway sees each token arrive and measures inter-token gaps at the edge for all requests.
 Arrival is the moment the gateway accepted the HTTP request, before the body was read
-(:mod:`laneserve.api.arrival`); the broker's ``arrival`` is extended back to it through
-``arrival_monotonic`` (the Submit's ``edge_ms``). TTFT (DESIGN.md: arrival -> the first content
-token leaves the edge) is stamped when the bytes carrying a choice's first content are handed to
-the server (:meth:`Generation.mark_sent`: a stream's chunk, or a non-streamed response's whole
-body, which is when its first token reaches the client); e2e when the last bytes are
+(:mod:`laneserve.api.arrival`). TTFT (DESIGN.md: arrival -> the first content token leaves the
+edge) is stamped when the bytes carrying a choice's first content are handed to the server
+(:meth:`Generation.mark_sent`: a stream's chunk, or a non-streamed response's whole body, which
+is when its first token reaches the client); e2e when the last bytes are
 (:meth:`Generation.report`). The edge's TTFT and e2e replace the broker's in SQL
 (``report_edge_timings``) and feed ``/metrics``.
+
+Every choice is submitted with ``stream=True`` even when the HTTP response is not streamed, so
+the gateway sees each token arrive and measures TTFT and inter-token gaps at the edge for all
+requests. The broker's ``arrival`` is extended back to the gateway's arrival through
+``arrival_monotonic`` (the Submit's ``edge_ms``).
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker import protocol as p
 from broker.client import BrokerClient
-from contracts.openai.requests import ParsedRequest, Prompt
 from laneserve.api.errors import STATUS_BY_CODE, ApiError
 from laneserve.api.metrics import GatewayMetrics
+
+if TYPE_CHECKING:
+    from contracts.openai.requests import ParsedRequest, Prompt
 
 logger = logging.getLogger(__name__)
 
