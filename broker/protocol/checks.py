@@ -11,40 +11,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+# One definition each, in the OpenAI layer: a prompt or message body (also an error message's cap),
+# chat messages in one request, the lane names, the sampling keys.
+from contracts.openai.requests import LANES as LANES
+from contracts.openai.requests import MAX_MESSAGES as MAX_MESSAGES
+from contracts.openai.requests import MAX_TEXT_CHARS, SAMPLING_KEYS
+
 # Size limits. MAX_MESSAGE_BYTES is also the ZMQ_MAXMSGSIZE set on every socket: a peer that
 # sends a larger frame is disconnected by libzmq before Python sees it.
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 MAX_ID_CHARS = 256  # request ids, worker ids, model names, codes
-MAX_TEXT_CHARS = 8 * 1024 * 1024  # a prompt, a message body, an error message
 MAX_TOKEN_IDS = 1_048_576  # prompt_token_ids / token_ids in one message
-MAX_MESSAGES = 4096  # chat messages in one request
 MAX_STEP_OUTPUTS = 8192  # requests touched in one engine step
 MAX_RECORDS = 10_000  # records or snapshots in one RecordBatch
 MAX_MAP_ITEMS = 256  # keys in a free-form dict (sampling params, stats, usage, timings)
 MAX_NESTING = 8  # nesting depth of free-form values
 MAX_TOKEN_ID = 2**31 - 1
 
-LANES = ("interactive", "batch")
 FINISH_REASONS = ("stop", "length", "abort", "error")
-SAMPLING_FIELDS = frozenset(
-    {
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-        "include_stop_str_in_output",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "logprobs",
-        "min_tokens",
-    }
-)
-"""Keys allowed in a wire ``sampling_params`` map (issue 3's SamplingParams fields)."""
+SAMPLING_FIELDS = frozenset(SAMPLING_KEYS)
+"""Keys allowed in a wire ``sampling_params`` map: the OpenAI layer's one list."""
 
 ERROR_CODES = (
     "invalid_request",

@@ -38,9 +38,9 @@ from contracts.openai.checks import (
 )
 from contracts.openai.errors import invalid
 
-LANES = ("interactive", "batch")  # = broker.protocol.LANES
-MAX_TEXT_CHARS = 8 * 1024 * 1024  # a prompt or message body (= broker.protocol.MAX_TEXT_CHARS)
-MAX_MESSAGES = 4096  # chat messages in one request (= broker.protocol.MAX_MESSAGES)
+LANES = ("interactive", "batch")  # the wire protocol uses these (broker.protocol.LANES)
+MAX_TEXT_CHARS = 8 * 1024 * 1024  # a prompt or message body (also the wire protocol's text cap)
+MAX_MESSAGES = 4096  # chat messages in one request (also the wire protocol's)
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (list of strings or token lists)
 DEFAULT_MAX_N = 16  # choices per request; each is a separate engine request (fan-out)
 DEFAULT_MAX_TOKENS_LIMIT = 4096  # cap on max_tokens / max_completion_tokens per choice
@@ -48,8 +48,8 @@ DEFAULT_COMPLETIONS_MAX_TOKENS = 16  # OpenAI's legacy /v1/completions default
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
 
-# The wire ``sampling_params`` keys, the one list (broker.protocol.SAMPLING_FIELDS checks the same
-# set on the wire; gpu_worker.sampling_params.SamplingParams has a field for each).
+# The wire ``sampling_params`` keys, the one list (broker.protocol.SAMPLING_FIELDS is this set;
+# gpu_worker.sampling_params.SamplingParams has a field for each).
 SAMPLING_KEYS = (
     "max_tokens",
     "temperature",
