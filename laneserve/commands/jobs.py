@@ -346,8 +346,11 @@ def follow(
             stats = client.batch_stats(job_id)
             f = _fields(batch, stats, rate.add((stats or {}).get("completion_tokens", 0)))
             ended = batch["status"] in TERMINAL
+            last_poll = ended or (deadline is not None and time.monotonic() >= deadline)
             if bar is not None:
-                shown = {**f, "eta": _duration(f["eta"])}
+                shown = {k: f[k] for k in ("status", "failed", "tps")} | {
+                    "eta": _duration(f["eta"])
+                }
                 if task is None:  # starts at the job's progress: no jump counted as speed
                     task = bar.add_task(job_id, total=f["total"] or None, completed=f["done"],
                                         **shown)  # fmt: skip
@@ -355,10 +358,12 @@ def follow(
             else:
                 line = plain_progress(job_id, f)
                 now = time.monotonic()
-                if line != last_line and (ended or now - last_at >= PLAIN_EVERY_S or not last_at):
+                if line != last_line and (
+                    last_poll or now - last_at >= PLAIN_EVERY_S or not last_at
+                ):
                     console.print(line, markup=False, highlight=False, soft_wrap=True)
                     last_line, last_at = line, now
-            if ended or (deadline is not None and time.monotonic() >= deadline):
+            if last_poll:
                 return batch
             time.sleep(poll_s)
     finally:
