@@ -20,14 +20,10 @@ from typing import Any
 
 from sqlalchemy import Engine, func, select
 
+from contracts.latency import percentile
 from db.models import File, Job, Request
 from db.session import read_session
 from jobs.errors import NotFoundError
-
-try:  # the one percentile rule (contracts.latency where it exists, else db.timings)
-    from contracts.latency import percentile as _percentile
-except ImportError:  # pragma: no cover - depends on the tree this runs in
-    from db.timings import percentile as _percentile
 
 PERCENTILES = (50, 90, 99)
 LATENCY_FIELDS = ("ttft_ms", "e2e_ms")
@@ -87,7 +83,8 @@ def latency_summary(values: Sequence[float]) -> dict[str, float | int | None]:
     """`{"count", "p50", "p90", "p99"}` of `values` (ms); the percentiles None when empty."""
     out: dict[str, float | int | None] = {"count": len(values)}
     for q in PERCENTILES:
-        out[f"p{q}"] = round(_percentile(values, q), 3) if values else None
+        value = percentile(values, q)  # the one percentile rule (None when empty)
+        out[f"p{q}"] = None if value is None else round(value, 3)
     return out
 
 

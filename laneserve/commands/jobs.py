@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     except StackError as exc:
         print(f"laneserve jobs: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:  # nothing to undo: every action is one request
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 # `jobs list` columns from most to least useful; on a narrow terminal the last ones go first.

@@ -144,3 +144,6 @@ def run(args: argparse.Namespace) -> int:
     except StackError as exc:
         rejected = exc.status in (400, 404, 409, 413)  # the input (or its file) was refused
         return _fail(str(exc), EXIT_NO_API if rejected else exc.exit_code)
+    except KeyboardInterrupt:  # before the job exists (the watcher handles its own)
+        print(file=sys.stderr)
+        return 130
