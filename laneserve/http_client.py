@@ -127,14 +127,23 @@ class StackClient:
         """One request; connection failures and 401 become StackError (exit code 2)."""
         try:
             response = self._http.request(method, path, **kwargs)
-        except httpx.TimeoutException:
-            raise StackError(
-                f"the laneserve API at {self.base_url} did not answer in time", EXIT_NO_API
-            ) from None
         except httpx.HTTPError as exc:
-            raise StackError(
-                f"cannot reach the laneserve API at {self.base_url} ({_reason(exc)})", EXIT_NO_API
-            ) from None
+            raise self._unreachable(exc) from None
+        self._check(response, errors=False)
+        return response
+
+    def _unreachable(self, exc: httpx.HTTPError) -> StackError:
+        if isinstance(exc, httpx.TimeoutException):
+            return StackError(
+                f"the laneserve API at {self.base_url} did not answer in time", EXIT_NO_API
+            )
+        return StackError(
+            f"cannot reach the laneserve API at {self.base_url} ({_reason(exc)})", EXIT_NO_API
+        )
+
+    def _check(self, response: httpx.Response, errors: bool = True) -> None:
+        """Raise StackError for a 401 (exit code 2) and, with `errors`, any other 4xx/5xx
+        (exit code 1, the API's own message). A streamed response must have been read."""
         if response.status_code == 401:
             hint = "wrong API key" if self.target.api_key else "it needs an API key"
             raise StackError(
@@ -144,13 +153,13 @@ class StackClient:
                 401,
                 "unauthorized",
             )
-        return response
+        if errors and response.status_code >= 400:
+            message, code = _error_message(response)
+            raise StackError(message, EXIT_API_ERROR, response.status_code, code)
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         response = self._send(method, path, **kwargs)
-        if response.status_code >= 400:
-            message, code = _error_message(response)
-            raise StackError(message, EXIT_API_ERROR, response.status_code, code)
+        self._check(response)
         try:
             return response.json()
         except ValueError:
@@ -169,26 +178,27 @@ class StackClient:
 
     def download_file(self, file_id: str, dest: Path) -> int:
         """Stream `GET /v1/files/{id}/content` into `dest` (replaced only when complete);
-        return the bytes written."""
+        return the bytes written.
+
+        Raises:
+            StackError: the API failed, or `dest` cannot be written (exit code 1).
+        """
         tmp = dest.with_name(f".{dest.name}.part")
+        n = 0
         try:
             with self._http.stream("GET", f"/v1/files/{file_id}/content") as response:
-                if response.status_code == 401:
-                    self._send("GET", f"/v1/files/{file_id}")  # raises the 401 StackError
                 if response.status_code >= 400:
                     response.read()
-                    message, code = _error_message(response)
-                    raise StackError(message, EXIT_API_ERROR, response.status_code, code)
-                n = 0
+                    self._check(response)
                 with tmp.open("wb") as f:
                     for chunk in response.iter_bytes():
                         f.write(chunk)
                         n += len(chunk)
             tmp.replace(dest)
         except httpx.HTTPError as exc:
-            raise StackError(
-                f"downloading {file_id} from {self.base_url} failed ({_reason(exc)})", EXIT_NO_API
-            ) from None
+            raise self._unreachable(exc) from None
+        except OSError as exc:
+            raise StackError(f"cannot write {dest}: {exc.strerror or exc}") from None
         finally:
             tmp.unlink(missing_ok=True)
         return n

@@ -292,6 +292,42 @@ def plain_progress(job_id: str, f: dict[str, Any]) -> str:
     )
 
 
+class _Display:
+    """Where `follow` shows the figures: a rich progress bar on a terminal, else one
+    `plain_progress` line whenever they change (at most every `PLAIN_EVERY_S`) and at the end."""
+
+    def __init__(self, console, job_id: str) -> None:
+        self.console, self.job_id = console, job_id
+        self.bar = _bar(console) if console.is_terminal else None
+        self.task = None
+        self.last_line, self.last_at = "", None
+
+    def __enter__(self) -> _Display:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def show(self, f: dict[str, Any], final: bool) -> None:
+        if self.bar is not None:
+            shown = {"status": f["status"], "failed": f["failed"], "tps": f["tps"]}
+            shown["eta"] = _duration(f["eta"])
+            total = f["total"] or None
+            if self.task is None:  # starts at the job's progress: no jump counted as speed
+                self.task = self.bar.add_task(self.job_id, total=total, completed=f["done"],
+                                              **shown)  # fmt: skip
+            self.bar.update(self.task, total=total, completed=f["done"], **shown)
+            return
+        line, now = plain_progress(self.job_id, f), time.monotonic()
+        due = self.last_at is None or now - self.last_at >= PLAIN_EVERY_S
+        if line != self.last_line and (final or due):
+            self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            self.last_line, self.last_at = line, now
+
+
 def _bar(console):
     from rich.progress import (
         BarColumn,
@@ -324,54 +360,27 @@ def follow(
     timeout_s: float | None = None,
 ) -> dict:
     """Show the job's progress (done/total, failed, output tok/s, ETA) on `console` (default:
-    stderr) until it ends or `timeout_s` seconds pass; return the last batch object.
-
-    On a terminal this is a rich progress bar; elsewhere one `plain_progress` line whenever the
-    figures change (at most every `PLAIN_EVERY_S` seconds) and one at the end. It only reads the
-    API, so it can be stopped (Ctrl-C) and started again at any time.
+    stderr; see `_Display`) until it ends or `timeout_s` seconds pass; return the last batch
+    object. It only reads the API, so it can be stopped (Ctrl-C) and started again any time.
 
     Raises:
         StackError: the API failed (unknown job, unreachable).
     """
     from rich.console import Console
 
-    console = console or Console(stderr=True)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     rate = _Rate()
-    last_line, last_at = "", 0.0
-    bar = _bar(console) if console.is_terminal else None
-    task = None
-    try:
-        if bar is not None:
-            bar.start()
+    with _Display(console or Console(stderr=True), job_id) as display:
         while True:
             batch = client.get_batch(job_id)
             stats = client.batch_stats(job_id)
             f = _fields(batch, stats, rate.add((stats or {}).get("completion_tokens", 0)))
-            ended = batch["status"] in TERMINAL
-            last_poll = ended or (deadline is not None and time.monotonic() >= deadline)
-            if bar is not None:
-                shown = {k: f[k] for k in ("status", "failed", "tps")} | {
-                    "eta": _duration(f["eta"])
-                }
-                if task is None:  # starts at the job's progress: no jump counted as speed
-                    task = bar.add_task(job_id, total=f["total"] or None, completed=f["done"],
-                                        **shown)  # fmt: skip
-                bar.update(task, total=f["total"] or None, completed=f["done"], **shown)
-            else:
-                line = plain_progress(job_id, f)
-                now = time.monotonic()
-                if line != last_line and (
-                    last_poll or now - last_at >= PLAIN_EVERY_S or not last_at
-                ):
-                    console.print(line, markup=False, highlight=False, soft_wrap=True)
-                    last_line, last_at = line, now
-            if last_poll:
+            final = batch["status"] in TERMINAL
+            final = final or (deadline is not None and time.monotonic() >= deadline)
+            display.show(f, final)
+            if final:
                 return batch
             time.sleep(poll_s)
-    finally:
-        if bar is not None:
-            bar.stop()
 
 
 def watch(client: StackClient, job_id: str, timeout_s: float | None = None, console=None) -> int:
