@@ -223,11 +223,13 @@ class StackClient:
     def cancel_batch(self, batch_id: str) -> dict:
         return self._json("POST", f"/v1/batches/{batch_id}/cancel")
 
-    def batch_stats(self, batch_id: str) -> dict | None:
-        """`GET /v1/batches/{id}/stats` (laneserve): tokens, throughput, latency percentiles,
-        ETA, files; None when the stack has no such route (an older laneserve)."""
+    def batch_stats(self, batch_id: str, latency: bool = True) -> dict | None:
+        """`GET /v1/batches/{id}/stats` (laneserve): tokens, throughput, latency percentiles
+        (left out without `latency`), ETA, files; None when the stack has no such route (an
+        older laneserve)."""
+        params = None if latency else {"latency": "0"}
         try:
-            return self._json("GET", f"/v1/batches/{batch_id}/stats")
+            return self._json("GET", f"/v1/batches/{batch_id}/stats", params=params)
         except StackError as exc:
             if exc.status == 404 and str(exc).startswith("no route"):  # the route, not the batch
                 return None

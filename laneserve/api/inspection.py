@@ -2,7 +2,8 @@
 ``/health``)::
 
     GET /v1/batches/{id}/stats   a job's tokens, throughput, TTFT/e2e percentiles, ETA, files
-                                 (:func:`jobs.stats.batch_stats`; 404 for an unknown batch)
+                                 (:func:`jobs.stats.batch_stats`; 404 for an unknown batch;
+                                 ``?latency=0`` leaves the percentiles out: cheaper to poll)
     GET /status                  the broker as the gateway sees it: {"broker": bool, "model",
                                  "workers": [...], "queues": {...}} (workers as the broker
                                  reports them: worker_id, pid, lanes, model, capacity, load)
@@ -30,8 +31,11 @@ async def batch_stats(request: Request) -> Response:
     svc = request.app.state.gateway.jobs
     if svc is None:
         raise ApiError("no_worker", "files and batches are unavailable: no database")
+    latency = request.query_params.get("latency", "1") not in ("0", "false")
     try:
-        stats = await asyncio.to_thread(compute, svc.engine, request.path_params["batch_id"])
+        stats = await asyncio.to_thread(
+            compute, svc.engine, request.path_params["batch_id"], latency=latency
+        )
     except JobsError as exc:
         raise ApiError("not_found" if exc.status_code == 404 else "internal", str(exc)) from None
     return JSONResponse(stats.to_dict())

@@ -356,7 +356,7 @@ def follow(
     job_id: str,
     *,
     console=None,
-    poll_s: float = 0.5,
+    poll_s: float = 1.0,
     timeout_s: float | None = None,
 ) -> dict:
     """Show the job's progress (done/total, failed, output tok/s, ETA) on `console` (default:
@@ -373,7 +373,7 @@ def follow(
     with _Display(console or Console(stderr=True), job_id) as display:
         while True:
             batch = client.get_batch(job_id)
-            stats = client.batch_stats(job_id)
+            stats = client.batch_stats(job_id, latency=False)
             f = _fields(batch, stats, rate.add((stats or {}).get("completion_tokens", 0)))
             final = batch["status"] in TERMINAL
             final = final or (deadline is not None and time.monotonic() >= deadline)

@@ -109,6 +109,9 @@ def test_batch_stats_from_sql(engine):
         for q in (50, 90, 99):  # numpy's default (linear) percentile, to 0.001 ms
             assert summary[f"p{q}"] == pytest.approx(np.percentile(values, q), abs=1e-3)
     assert got["files"]["input"]["filename"] == "in.jsonl" and got["files"]["output"] is None
+    cheap = stats.batch_stats(engine, job_id, latency=False)  # what a progress bar polls
+    assert cheap.completion_tokens == got["completion_tokens"]
+    assert cheap.latency_ms["e2e_ms"] == {"count": 0, "p50": None, "p90": None, "p99": None}
 
 
 def test_batch_stats_eta_while_running_and_unknown_batch(engine):

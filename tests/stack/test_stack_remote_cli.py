@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,8 @@ from tests.stack.stack_helpers import ROOT, UpProcess
 pytestmark = pytest.mark.slow
 
 KEY = "remote-cli-key"
-LINES = 16  # staggered lengths: one line ends every ~0.5 s of 10 ms synthetic steps
+LINES = 16
+TOKENS = 80  # line i asks for TOKENS * (i + 1): one line ends every ~0.8 s of 10 ms steps
 
 # Runs `laneserve.cli` with an audit hook that logs (at exit) every path opened and every SQLite
 # database connected to, as JSON lines in $CLI_AUDIT_LOG.
@@ -79,7 +81,7 @@ def cli(remote, tmp_path):
         )  # fmt: skip
 
     run.home = home
-    run.audit = audit
+    run.env = env | {"CLI_AUDIT_LOG": str(audit)}
     yield run
     opened = [json.loads(x) for x in audit.read_text().splitlines()] if audit.exists() else []
     assert opened, "the audit hook logged nothing: the check would be blind"
@@ -93,7 +95,7 @@ def _jsonl(path: Path, n: int) -> Path:
     with path.open("w") as f:
         for i in range(n):
             body = {"model": "synthetic", "messages": [{"role": "user", "content": f"q{i}"}],
-                    "max_tokens": 40 * (i + 1)}  # fmt: skip
+                    "max_tokens": TOKENS * (i + 1)}  # fmt: skip
             line = {"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions"}
             f.write(json.dumps(line | {"body": body}) + "\n")
     return path
@@ -137,6 +139,19 @@ def test_submit_watch_twice_show_download_cancel(cli, remote, tmp_path):
         seen.append(int(progress[-1].split("/")[0].rsplit(" ", 1)[1]))
     assert seen[1] >= seen[0], seen
 
+    # Ctrl-C on a watcher: it says the job keeps running and how to re-attach, no traceback.
+    watcher = subprocess.Popen(
+        [sys.executable, "-c", AUDITED_CLI, "jobs", "watch", job_id], env=cli.env, cwd=cli.home,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    first = watcher.stderr.readline()  # the first progress line: the watcher is attached
+    assert first.startswith(f"{job_id}: in_progress "), first
+    watcher.send_signal(signal.SIGINT)
+    rest = watcher.communicate(timeout=30)[1]
+    assert watcher.returncode == 130, first + rest
+    assert f"{job_id} keeps running (laneserve jobs watch {job_id} re-attaches)" in rest
+    assert "Traceback" not in rest
+
     running = cli("jobs", "show", job_id)
     assert running.returncode == 0, running.stderr
     for field in ("status ", "lines:", "tokens ", "throughput ", "TTFT ms ", "e2e ms ", "ETA "):
@@ -149,7 +164,7 @@ def test_submit_watch_twice_show_download_cancel(cli, remote, tmp_path):
     show = cli("jobs", "show", job_id)
     lines = {x.split()[0]: x for x in show.stdout.splitlines()[1:]}
     assert lines["status"].split()[1] == "completed" and f"{LINES}/{LINES} lines" in show.stdout
-    completion = sum(40 * (i + 1) for i in range(LINES))  # synthetic lines run to max_tokens
+    completion = sum(TOKENS * (i + 1) for i in range(LINES))  # synthetic lines run to max_tokens
     assert f"completion {completion}" in lines["tokens"]
     assert float(lines["throughput"].split()[1]) > 0
     ttft, e2e = lines["TTFT"].split(), lines["e2e"].split()
