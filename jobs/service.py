@@ -10,7 +10,15 @@ Files (`jobs.files`, re-exported here):
   (`POST /v1/files`; `PayloadTooLargeError` 413 over 200 MB, `InvalidRequestError` 400)
 - `get_file(engine, file_id) -> File`, `file_path(engine, file_id) -> Path`,
   `file_content(engine, file_id) -> bytes` (`GET /v1/files/{id}/content`; `NotFoundError` 404)
+- `list_files(engine, purpose=None, limit=10000, after=None, order="desc")
+  -> (list[File], has_more)` (`GET /v1/files`; `after` is the id of the last file of the
+  previous page)
+- `delete_file(engine, file_id)` (`DELETE /v1/files/{id}`: row and content; `ConflictError`
+  409 while a job that has not ended uses the file)
 - `file_object(row) -> dict` (the OpenAI `file` object)
+
+Retention (`jobs.retention.prune`, run by the jobs runner) deletes old files and clears the
+line bodies of jobs that ended long ago.
 
 Batches:
 
@@ -42,10 +50,12 @@ from db.session import read_session, write_session
 from jobs.errors import ConflictError, InvalidRequestError, NotFoundError
 from jobs.files import (  # noqa: F401 - re-exported API
     create_file,
+    delete_file,
     file_content,
     file_object,
     file_path,
     get_file,
+    list_files,
 )
 from jobs.limits import DEFAULT_COMPLETION_WINDOW, ENDPOINTS, TASKS
 
