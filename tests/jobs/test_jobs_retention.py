@@ -164,6 +164,23 @@ def test_pass_prunes_what_is_older_than_the_window_and_nothing_newer(
     assert service.get_batch(engine, live.id).status == "in_progress"
     assert _bodies(engine, live.id) == (1, 1)
 
+    # the dashboard's reading of the counters and of what is stored
+    from dashboard import panels, queries
+
+    summary = queries.retention_summary(engine)
+    assert summary == queries.RetentionSummary(
+        passes=3,
+        last_at=summary.last_at,
+        files=7,
+        bytes=freed + recent_bytes,
+        lines=6,
+        stored_files=2,
+        stored_bytes=sum(service.get_file(engine, f).bytes for f in (live.input_file_id, fresh.id)),
+    )
+    assert abs(summary.last_at - time.time()) < 60
+    assert "3 passes" in panels.retention_line(summary)
+    assert "pruned 7 files" in panels.retention_line(summary)
+
 
 def test_input_of_a_recently_ended_job_is_kept_and_bad_windows_raise(engine, laneserve_home):
     job = _finished_job(engine, laneserve_home, "j")
