@@ -35,7 +35,9 @@ from jobs import files
 logger = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = 3600.0  # seconds between two passes of the runner
-FILE_CHUNK = 200  # files deleted per transaction (each holds SQLite's write lock briefly)
+# Rows per transaction (each holds SQLite's write lock, so the recorder and gateway wait on it)
+FILE_CHUNK = 200  # files deleted
+LINE_CHUNK = 2000  # job lines cleared
 
 
 @dataclass(slots=True)
@@ -66,18 +68,27 @@ def _prune_lines(engine: Engine, cutoff: float, counts: PruneCounts) -> None:
     ended = select(Job.id).where(Job.status.in_(JOB_TERMINAL_STATUSES), _ended_at() < cutoff)
     with read_session(engine) as session:
         job_ids = list(session.scalars(ended))
-    for job_id in job_ids:  # one short transaction per job
-        with write_session(engine) as session:
-            n = session.execute(
-                update(Request)
-                .where(
-                    Request.job_id == job_id,
-                    or_(Request.body.is_not(None), Request.response.is_not(None)),
+    held = or_(Request.body.is_not(None), Request.response.is_not(None))
+    for job_id in job_ids:
+        cleared = 0
+        while True:  # short transactions of LINE_CHUNK lines; ends: each clears what it read
+            with write_session(engine) as session:
+                ids = list(
+                    session.scalars(
+                        select(Request.id).where(Request.job_id == job_id, held).limit(LINE_CHUNK)
+                    )
                 )
-                .values(body=null(), response=null())
-            ).rowcount
-        if n:
-            counts.lines += n
+                if ids:
+                    session.execute(
+                        update(Request)
+                        .where(Request.id.in_(ids))
+                        .values(body=null(), response=null())
+                    )
+            cleared += len(ids)
+            if len(ids) < LINE_CHUNK:
+                break
+        if cleared:
+            counts.lines += cleared
             counts.jobs += 1
 
 

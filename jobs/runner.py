@@ -110,6 +110,7 @@ class JobsRunner:
         self.client: BrokerClient | None = None
         self._validating: asyncio.Task | None = None
         self._validating_id: str | None = None
+        self._pruning: asyncio.Task | None = None
         self._outcomes: list[store.Outcome] = []
         self._flush_lock = asyncio.Lock()
         self._wake = asyncio.Event()
@@ -145,9 +146,10 @@ class JobsRunner:
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
-                if self.retention_s > 0 and now >= next_prune:
-                    await self.prune_once()
-                    next_prune = time.monotonic() + self.retention_interval_s
+                if self.retention_s > 0 and now >= next_prune:  # in the background
+                    if self._pruning is None or self._pruning.done():
+                        self._pruning = asyncio.create_task(self.prune_once(), name="retention")
+                    next_prune = now + self.retention_interval_s
                 if now >= next_poll:
                     if self._parent_gone():
                         logger.warning("parent %s is gone: exiting", self.parent_pid)
@@ -172,6 +174,8 @@ class JobsRunner:
             if self._validating is not None:
                 with contextlib.suppress(Exception):
                     await self._validating
+            if self._pruning is not None:
+                await self._pruning  # prune_once logs its own errors
             await self.client.close()
             self._db.shutdown(wait=True)
 

@@ -104,9 +104,11 @@ def _prune_through_runner(engine, days: float) -> retention.PruneCounts | None:
 
 
 def test_pass_prunes_what_is_older_than_the_window_and_nothing_newer(
-    any_engine, laneserve_home, caplog
+    any_engine, laneserve_home, caplog, monkeypatch
 ):
     engine = any_engine
+    monkeypatch.setattr(retention, "LINE_CHUNK", 2)  # a job's 3 lines take two transactions
+    monkeypatch.setattr(retention, "FILE_CHUNK", 2)  # and the old files several
     old = _finished_job(engine, laneserve_home, "old")
     recent = _finished_job(engine, laneserve_home, "new")
     live = submit(engine, write_jsonl(laneserve_home / "live.jsonl", [chat_line("l0", "q")]))
