@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 
+import httpx
 import openai
 import pytest
 from api_stack import API_KEY, ApiStack
@@ -75,6 +76,13 @@ def test_list_retrieve_delete_and_in_use_conflict(client, synth_stack, smollm2_g
         client.files.delete(ids[1])
     assert held.id in str(exc.value) and exc.value.status_code == 409
     assert client.files.content(ids[1]).content == _jsonl(2, "u1")  # still there
+
+    # every files route needs the key
+    for method in ("GET", "DELETE"):
+        r = httpx.request(method, f"{synth_stack.url}/v1/files/{ids[0]}", timeout=10)
+        assert r.status_code == 401, (method, r.text)
+    assert httpx.get(f"{synth_stack.url}/v1/files", timeout=10).status_code == 401
+    assert client.files.retrieve(ids[0]).id == ids[0]
 
     deleted = client.files.delete(ids[0])
     assert (deleted.id, deleted.object, deleted.deleted) == (ids[0], "file", True)
