@@ -170,6 +170,36 @@ def copy_file_content(engine: Engine, file_id: str, dest: Path) -> int:
     return dest.stat().st_size
 
 
+def keyset_order(model, descending: bool) -> tuple:
+    """ORDER BY of keyset pagination over a table with `created_at` and a unique `id`."""
+    if descending:
+        return model.created_at.desc(), model.id.desc()
+    return model.created_at, model.id
+
+
+def keyset_after(model, created_at: float, row_id: str, descending: bool):
+    """WHERE of the rows that follow (`created_at`, `row_id`) in `keyset_order`."""
+    if descending:
+        return (model.created_at < created_at) | (
+            (model.created_at == created_at) & (model.id < row_id)
+        )
+    return (model.created_at > created_at) | (
+        (model.created_at == created_at) & (model.id > row_id)
+    )
+
+
+def rows_after(session: Session, model, row_id: str, descending: bool, noun: str):
+    """WHERE of the rows after row `row_id` (a page's last id) in `keyset_order`.
+
+    Raises:
+        NotFoundError: no row `row_id` ("no {noun} ...").
+    """
+    anchor = session.get(model, row_id)
+    if anchor is None:
+        raise NotFoundError(f"no {noun} {row_id!r}")
+    return keyset_after(model, anchor.created_at, anchor.id, descending)
+
+
 def list_files(
     engine: Engine,
     purpose: str | None = None,
@@ -189,26 +219,13 @@ def list_files(
         raise InvalidRequestError(f"limit must be between 1 and {LIST_LIMIT_MAX}")
     if order not in ORDERS:
         raise InvalidRequestError(f"order must be 'asc' or 'desc', got {order!r}")
-    if order == "desc":
-        query = select(File).order_by(File.created_at.desc(), File.id.desc())
-    else:
-        query = select(File).order_by(File.created_at, File.id)
+    descending = order == "desc"
+    query = select(File).order_by(*keyset_order(File, descending))
     if purpose is not None:
         query = query.where(File.purpose == purpose)
     with read_session(engine) as session:
         if after is not None:
-            anchor = session.get(File, after)
-            if anchor is None:
-                raise NotFoundError(f"no file {after!r}")
-            t, i = anchor.created_at, anchor.id
-            if order == "desc":
-                query = query.where(
-                    (File.created_at < t) | ((File.created_at == t) & (File.id < i))
-                )
-            else:
-                query = query.where(
-                    (File.created_at > t) | ((File.created_at == t) & (File.id > i))
-                )
+            query = query.where(rows_after(session, File, after, descending, "file"))
         rows = list(session.scalars(query.limit(limit + 1)))
     return rows[:limit], len(rows) > limit
 

@@ -21,6 +21,7 @@ everything).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -98,17 +99,11 @@ def _prune_files(engine: Engine, cutoff: float, counts: PruneCounts) -> None:
     old = (
         select(File)
         .where(File.created_at < cutoff, File.id.not_in(recent))
-        .order_by(File.created_at, File.id)
+        .order_by(*files.keyset_order(File, False))
     )
-    last: tuple[float, str] | None = None
+    last: tuple[float, str] | None = None  # (created_at, id) of the last file read
     while True:
-        query = (
-            old
-            if last is None
-            else old.where(
-                (File.created_at > last[0]) | ((File.created_at == last[0]) & (File.id > last[1]))
-            )
-        )
+        query = old if last is None else old.where(files.keyset_after(File, *last, False))
         with write_session(engine) as session:
             rows = list(session.scalars(query.limit(FILE_CHUNK)))
             if not rows:
@@ -136,14 +131,5 @@ def prune(engine: Engine, older_than_s: float, *, now: float | None = None) -> P
     _prune_lines(engine, cutoff, counts)
     _prune_files(engine, cutoff, counts)
     with write_session(engine) as session:
-        session.add(
-            RetentionPass(
-                at=now,
-                older_than_s=older_than_s,
-                files=counts.files,
-                bytes=counts.bytes,
-                lines=counts.lines,
-                jobs=counts.jobs,
-            )
-        )
+        session.add(RetentionPass(at=now, older_than_s=older_than_s, **dataclasses.asdict(counts)))
     return counts

@@ -55,7 +55,9 @@ from jobs.files import (  # noqa: F401 - re-exported API
     file_object,
     file_path,
     get_file,
+    keyset_order,
     list_files,
+    rows_after,
 )
 from jobs.limits import DEFAULT_COMPLETION_WINDOW, ENDPOINTS, TASKS
 
@@ -182,18 +184,12 @@ def list_batches(
     """
     if not 1 <= limit <= 100:
         raise InvalidRequestError("limit must be between 1 and 100")
-    query = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+    query = select(Job).order_by(*keyset_order(Job, True)).limit(limit)
     if owner is not None:
         query = query.where(Job.owner == owner)
     with read_session(engine) as session:
         if after is not None:
-            anchor = session.get(Job, after)
-            if anchor is None:
-                raise NotFoundError(f"no batch {after!r}")
-            query = query.where(
-                (Job.created_at < anchor.created_at)
-                | ((Job.created_at == anchor.created_at) & (Job.id < anchor.id))
-            )
+            query = query.where(rows_after(session, Job, after, True, "batch"))
         return list(session.scalars(query))
 
 
