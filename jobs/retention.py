@@ -8,8 +8,10 @@ window (`older_than_s` seconds before `now`):
   except a file that a job which has not ended uses (its input, or the output it is writing)
   and an input file of a job that ended after the cutoff;
 - the `body` and `response` of the lines of jobs that ended (completed, failed, cancelled,
-  expired) before the cutoff. The line rows themselves stay, with their token counts and
-  latencies (the dashboard's history), and so does the `jobs` row (status, counts, times);
+  expired) before the cutoff: `body` becomes NULL (the mark of a pruned line) and a finished
+  line's `response` becomes `PRUNED_RESPONSE`, so the line still reads as finished (`response`
+  not NULL, `jobs.store`). The line rows themselves stay, with their token counts and latencies
+  (the dashboard's history, `jobs show`), and so does the `jobs` row (status, counts, times);
   its references to deleted files become null.
 
 A job that has not ended is never touched, however old. Each pass writes one
@@ -27,7 +29,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import Engine, func, null, or_, select, update
+from sqlalchemy import Engine, func, null, select, update
 
 from db.models import JOB_TERMINAL_STATUSES, File, Job, Request, RetentionPass
 from db.session import read_session, write_session
@@ -39,6 +41,8 @@ DEFAULT_INTERVAL_S = 3600.0  # seconds between two passes of the runner
 # Rows per transaction (each holds SQLite's write lock, so the recorder and gateway wait on it)
 FILE_CHUNK = 200  # files deleted
 LINE_CHUNK = 2000  # job lines cleared
+# What a pruned line's `response` holds (not NULL: the line was finished).
+PRUNED_RESPONSE = {"pruned": True}
 
 
 @dataclass(slots=True)
@@ -69,22 +73,25 @@ def _prune_lines(engine: Engine, cutoff: float, counts: PruneCounts) -> None:
     ended = select(Job.id).where(Job.status.in_(JOB_TERMINAL_STATUSES), _ended_at() < cutoff)
     with read_session(engine) as session:
         job_ids = list(session.scalars(ended))
-    held = or_(Request.body.is_not(None), Request.response.is_not(None))
     for job_id in job_ids:
         cleared = 0
         while True:  # short transactions of LINE_CHUNK lines; ends: each clears what it read
             with write_session(engine) as session:
                 ids = list(
                     session.scalars(
-                        select(Request.id).where(Request.job_id == job_id, held).limit(LINE_CHUNK)
+                        select(Request.id)
+                        .where(Request.job_id == job_id, Request.body.is_not(None))
+                        .limit(LINE_CHUNK)
                     )
                 )
                 if ids:
+                    lines = Request.id.in_(ids)
                     session.execute(
                         update(Request)
-                        .where(Request.id.in_(ids))
-                        .values(body=null(), response=null())
+                        .where(lines, Request.response.is_not(None))
+                        .values(body=null(), response=PRUNED_RESPONSE)
                     )
+                    session.execute(update(Request).where(lines).values(body=null()))
             cleared += len(ids)
             if len(ids) < LINE_CHUNK:
                 break

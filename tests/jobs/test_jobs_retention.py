@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 
 from db.models import File, Job, Request, RetentionPass
 from db.session import read_session, write_session
@@ -82,17 +82,14 @@ def _paths(engine, file_ids) -> dict[str, Path]:
     return {fid: Path(path) for fid, path in rows}
 
 
-def _bodies(engine, job_id: str) -> tuple[int, int]:
-    """(line rows, rows that still hold a body or a response) of a job."""
+def _bodies(engine, job_id: str) -> tuple[int, int, int]:
+    """(line rows, rows that still hold a body, rows whose response is the pruned mark)."""
     with read_session(engine) as s:
-        rows = s.scalar(select(func.count()).where(Request.job_id == job_id))
-        kept = s.scalar(
-            select(func.count()).where(
-                Request.job_id == job_id,
-                Request.body.is_not(None) | Request.response.is_not(None),
-            )
-        )
-    return rows, kept
+        rows = s.execute(
+            select(Request.body.is_(None), Request.response).where(Request.job_id == job_id)
+        ).all()
+    pruned = sum(response == retention.PRUNED_RESPONSE for _, response in rows)
+    return len(rows), sum(not cleared for cleared, _ in rows), pruned
 
 
 def _prune_through_runner(engine, days: float) -> retention.PruneCounts | None:
@@ -127,7 +124,7 @@ def test_pass_prunes_what_is_older_than_the_window_and_nothing_newer(
     recent_bytes = sum(p.stat().st_size for p in _paths(engine, _file_ids(recent)).values())
     orphan_path = Path(orphan.path)
     freed = sum(p.stat().st_size for p in old_files.values()) + orphan_path.stat().st_size
-    assert _bodies(engine, old.id) == (3, 3)
+    assert _bodies(engine, old.id) == (3, 3, 0)
 
     with caplog.at_level(logging.INFO, logger="jobs.runner"):
         counts = _prune_through_runner(engine, 30)
@@ -141,15 +138,15 @@ def test_pass_prunes_what_is_older_than_the_window_and_nothing_newer(
     for fid in [*old_files, orphan.id]:
         with pytest.raises(NotFoundError):
             service.get_file(engine, fid)
-    assert _bodies(engine, old.id) == (3, 0)
+    assert _bodies(engine, old.id) == (3, 0, 3)  # still finished lines
     after = service.get_batch(engine, old.id)
     assert after.status == "completed" and _file_ids(after) == []
     assert after.request_counts == {"total": 3, "completed": 2, "failed": 1}
 
     # newer data and a job that has not ended: untouched
     assert _paths(engine, kept_ids) == kept_files and all(p.exists() for p in kept_files.values())
-    assert _bodies(engine, recent.id) == (3, 3)
-    assert _bodies(engine, live.id) == (1, 1)
+    assert _bodies(engine, recent.id) == (3, 3, 0)
+    assert _bodies(engine, live.id) == (1, 1, 0)
     assert service.get_batch(engine, live.id).input_file_id == live.input_file_id
     assert service.file_content(engine, fresh.id) == b'{"x": 2}\n'
 
@@ -164,7 +161,7 @@ def test_pass_prunes_what_is_older_than_the_window_and_nothing_newer(
     # a 9-day window reaches the recent job
     assert _prune_through_runner(engine, 9) == retention.PruneCounts(3, recent_bytes, 3, 1)
     assert service.get_batch(engine, live.id).status == "in_progress"
-    assert _bodies(engine, live.id) == (1, 1)
+    assert _bodies(engine, live.id) == (1, 1, 0)
 
     # the dashboard's reading of the counters and of what is stored
     from dashboard import panels, queries
@@ -217,10 +214,10 @@ def test_runner_process_prunes_with_retention_days(laneserve_home, db_url, engin
             time.sleep(0.2)
         assert _paths(engine, old_paths) == {}, stack.logs()
         assert not any(p.exists() for p in old_paths.values())
-        assert _bodies(engine, old.id) == (4, 0)
+        assert _bodies(engine, old.id) == (4, 0, 4)
         assert _paths(engine, new_paths) == new_paths
         assert all(p.exists() for p in new_paths.values())
-        assert _bodies(engine, new.id) == (4, 4)
+        assert _bodies(engine, new.id) == (4, 4, 0)
         deadline = time.monotonic() + 10
         log = ""
         while "deleted 2 files" not in log and time.monotonic() < deadline:
