@@ -58,7 +58,8 @@ _VARS: tuple[EnvVar, ...] = (
     EnvVar("LANESERVE_API_KEY", _str, None, "the user API key the gateway requires and clients send"),
     EnvVar("LANESERVE_URL", _str, None, "base URL of a (remote) stack's HTTP API for the CLI"),
     EnvVar("LANESERVE_RETENTION_DAYS", float, None,
-           "age in days after which request rows and snapshots are pruned"),
+           "age in days after which API request rows and snapshots (recorder), job files and "
+           "job line bodies (jobs runner) are pruned; 0 keeps all (default 30)"),
     EnvVar("LANESERVE_ATTENTION_BACKEND", lambda s: s.strip().lower() or None, None,
            "torch or triton for every kernels op (default: by device)"),
     EnvVar("LANESERVE_MALLOC_TUNING", _flag, True,

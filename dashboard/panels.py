@@ -105,6 +105,19 @@ def jobs(engine: Engine, window: queries.Window) -> None:
             f"{job.failed} failed · {_eta(job.eta_s)}"
         )
         st.progress(float(job.done), text=text)
+    st.caption(retention_line(queries.retention_summary(engine)))
+
+
+def retention_line(r: queries.RetentionSummary) -> str:
+    """One line: what the retention passes removed and what is stored."""
+    stored = f"stored: {r.stored_files:,} files ({r.stored_bytes / 1e6:,.1f} MB)"
+    if r.last_at is None:
+        return f"Retention: no pass yet · {stored}"
+    last = pd.to_datetime(r.last_at, unit="s", utc=True).strftime("%Y-%m-%d %H:%M UTC")
+    return (
+        f"Retention: {r.passes:,} passes, last {last} · pruned {r.files:,} files "
+        f"({r.bytes / 1e6:,.1f} MB) and the bodies of {r.lines:,} job lines · {stored}"
+    )
 
 
 def slowest(rows: pd.DataFrame, window: queries.Window) -> None:

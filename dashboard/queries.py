@@ -24,7 +24,7 @@ from sqlalchemy import Engine, and_, func, or_, select
 
 from contracts.latency import percentile
 from dashboard.diagnose import Figures
-from db.models import Job, Request, WorkerStat
+from db.models import File, Job, Request, RetentionPass, WorkerStat
 
 logger = logging.getLogger(__name__)
 
@@ -501,6 +501,42 @@ def job_progress(
     df["created"] = pd.to_datetime(pd.to_numeric(df["created_at"]), unit="s", utc=True)
     cols = ["id", "status", "model", "task", "total", "completed", "failed", "done", "created"]
     return df[cols + ["rate_per_s", "eta_s"]]
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionSummary:
+    """The jobs runner's retention passes (`retention_passes`) and what is stored now.
+
+    `passes` counts passes, `last_at` is the last one's unix seconds (None: no pass yet);
+    `files`, `bytes`, `lines` are totals over every pass (files deleted, their bytes, job lines
+    whose bodies were cleared); `stored_files`, `stored_bytes` are the files kept now.
+    """
+
+    passes: int
+    last_at: float | None
+    files: int
+    bytes: int
+    lines: int
+    stored_files: int
+    stored_bytes: int
+
+
+def retention_summary(engine: Engine) -> RetentionSummary:
+    """Totals of the retention passes and the files kept now (two small aggregate reads)."""
+    passes = select(
+        func.count(RetentionPass.id),
+        func.max(RetentionPass.at),
+        func.coalesce(func.sum(RetentionPass.files), 0),
+        func.coalesce(func.sum(RetentionPass.bytes), 0),
+        func.coalesce(func.sum(RetentionPass.lines), 0),
+    )
+    stored = select(func.count(File.id), func.coalesce(func.sum(File.bytes), 0))
+    with engine.connect() as conn:
+        n, last, files, size, lines = conn.execute(passes).one()
+        stored_files, stored_bytes = conn.execute(stored).one()
+    return RetentionSummary(
+        int(n), last, int(files), int(size), int(lines), int(stored_files), int(stored_bytes)
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ Tables (see DESIGN.md "Storage"):
   latency fields of DESIGN.md "Per-phase latency" and, for job lines, the line's `body` and
   `response`.
 - `worker_stats`: time series of worker snapshots (running, waiting, KV usage, ...).
+- `retention_passes`: one row per pruning pass of the jobs runner, with its counts.
 
 Conventions:
 
@@ -246,6 +247,27 @@ class WorkerStat(Base):
         UniqueConstraint("worker_id", "at", name="uq_worker_stats_worker_id_at"),
         Index("ix_worker_stats_at", "at"),
     )
+
+
+class RetentionPass(Base):
+    """One pruning pass of the jobs runner (`jobs.retention`): what it removed.
+
+    `at` is unix seconds; `older_than_s` the retention window in seconds; `files` the files
+    deleted (rows and content), `bytes` their total size in bytes; `lines` the job lines whose
+    `body` and `response` were cleared; `jobs` the terminal jobs those lines belong to.
+    """
+
+    __tablename__ = "retention_passes"
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
+    at: Mapped[float] = mapped_column(Float)
+    older_than_s: Mapped[float] = mapped_column(Float)
+    files: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    lines: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    jobs: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+
+    __table_args__ = (Index("ix_retention_passes_at", "at"),)
 
 
 REQUEST_COLUMNS = frozenset(c.name for c in Request.__table__.columns)

@@ -4,6 +4,11 @@ Input files are uploaded with purpose `"batch"`; the runner writes output and er
 purpose `"batch_output"` (OpenAI's names). A file's content lives at `files.path` (absolute);
 ids look like OpenAI's (`file-<hex>`). Writes go to a temporary file renamed into place, so a
 reader never sees half a file.
+
+A file is deleted (`delete_file`, or by the retention pass of `jobs.retention`) with its row and
+its content; jobs that referenced it keep their row with the reference set to null. A file that
+a job which has not ended uses (as its input, or as the output it is producing) is never
+deleted: `delete_file` answers `ConflictError` (409).
 """
 
 from __future__ import annotations
@@ -17,14 +22,17 @@ import uuid
 from pathlib import Path
 from typing import BinaryIO
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, delete, select, update
+from sqlalchemy.orm import Session
 
-from db.models import File
+from db.models import JOB_TERMINAL_STATUSES, File, Job
 from db.session import laneserve_home, read_session, write_session
-from jobs.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
+from jobs.errors import ConflictError, InvalidRequestError, NotFoundError, PayloadTooLargeError
 from jobs.limits import MAX_FILE_BYTES
 
 PURPOSES = ("batch", "batch_output")
+LIST_LIMIT_MAX = 10_000  # OpenAI's maximum (and default) page size of GET /v1/files
+ORDERS = ("asc", "desc")
 _COPY_CHUNK = 1 << 20
 
 
@@ -160,6 +168,125 @@ def copy_file_content(engine: Engine, file_id: str, dest: Path) -> int:
     src = file_path(engine, file_id)
     shutil.copyfile(src, dest)
     return dest.stat().st_size
+
+
+def keyset_order(model, descending: bool) -> tuple:
+    """ORDER BY of keyset pagination over a table with `created_at` and a unique `id`."""
+    if descending:
+        return model.created_at.desc(), model.id.desc()
+    return model.created_at, model.id
+
+
+def keyset_after(model, created_at: float, row_id: str, descending: bool):
+    """WHERE of the rows that follow (`created_at`, `row_id`) in `keyset_order`."""
+    if descending:
+        return (model.created_at < created_at) | (
+            (model.created_at == created_at) & (model.id < row_id)
+        )
+    return (model.created_at > created_at) | (
+        (model.created_at == created_at) & (model.id > row_id)
+    )
+
+
+def rows_after(session: Session, model, row_id: str, descending: bool, noun: str):
+    """WHERE of the rows after row `row_id` (a page's last id) in `keyset_order`.
+
+    Raises:
+        NotFoundError: no row `row_id` ("no {noun} ...").
+    """
+    anchor = session.get(model, row_id)
+    if anchor is None:
+        raise NotFoundError(f"no {noun} {row_id!r}")
+    return keyset_after(model, anchor.created_at, anchor.id, descending)
+
+
+def list_files(
+    engine: Engine,
+    purpose: str | None = None,
+    limit: int = LIST_LIMIT_MAX,
+    after: str | None = None,
+    order: str = "desc",
+) -> tuple[list[File], bool]:
+    """Files by `created_at` (`order` "desc", newest first, or "asc"), at most `limit`
+    (1..10000), only those of `purpose` when given, starting after the file `after` (the
+    last id of the previous page). Returns (files, whether more follow).
+
+    Raises:
+        InvalidRequestError: `limit` out of range or `order` not "asc"/"desc".
+        NotFoundError: `after` names no file.
+    """
+    if not 1 <= limit <= LIST_LIMIT_MAX:
+        raise InvalidRequestError(f"limit must be between 1 and {LIST_LIMIT_MAX}")
+    if order not in ORDERS:
+        raise InvalidRequestError(f"order must be 'asc' or 'desc', got {order!r}")
+    descending = order == "desc"
+    query = select(File).order_by(*keyset_order(File, descending))
+    if purpose is not None:
+        query = query.where(File.purpose == purpose)
+    with read_session(engine) as session:
+        if after is not None:
+            query = query.where(rows_after(session, File, after, descending, "file"))
+        rows = list(session.scalars(query.limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def live_jobs_using(session: Session, file_ids: list[str]) -> dict[str, str]:
+    """{file id: id of a job that has not ended and reads (input) or writes (output) it}."""
+    if not file_ids:
+        return {}
+    live = Job.status.not_in(JOB_TERMINAL_STATUSES)
+    rows = session.execute(
+        select(Job.input_file_id, Job.id).where(live, Job.input_file_id.in_(file_ids))
+    ).all()
+    rows += session.execute(
+        select(File.id, Job.id).join(Job, Job.id == File.job_id).where(live, File.id.in_(file_ids))
+    ).all()
+    return {file_id: job_id for file_id, job_id in rows}
+
+
+def remove_files(session: Session, rows: list[File]) -> int:
+    """Delete `rows` (content on disk, then the rows) inside the caller's write transaction;
+    null the references of jobs to them. Returns the bytes freed. The caller has checked that
+    no job that has not ended uses them (`live_jobs_using`).
+
+    Content goes first: when the transaction then fails, the row stays with its content gone
+    (`file_path` answers 404) and the next delete or pass removes it.
+    """
+    if not rows:
+        return 0
+    ids = [row.id for row in rows]
+    freed = 0
+    for row in rows:
+        path = Path(row.path)
+        if path.exists():
+            freed += path.stat().st_size
+        path.unlink(missing_ok=True)
+    for column in (Job.input_file_id, Job.output_file_id, Job.error_file_id):
+        session.execute(update(Job).where(column.in_(ids)).values({column.key: None}))
+    session.execute(delete(File).where(File.id.in_(ids)))
+    return freed
+
+
+def delete_file(engine: Engine, file_id: str) -> None:
+    """Delete a file: its row and its content (`DELETE /v1/files/{id}`).
+
+    Raises:
+        NotFoundError: no file `file_id`.
+        ConflictError: a job that has not ended uses the file (its input, or the output file
+            it is finalizing); cancel the job or wait for it to end.
+    """
+    with write_session(engine) as session:
+        row = session.get(File, file_id)
+        if row is None:
+            raise NotFoundError(f"no file {file_id!r}")
+        job_id = live_jobs_using(session, [file_id]).get(file_id)
+        if job_id is not None:
+            status = session.scalar(select(Job.status).where(Job.id == job_id))
+            raise ConflictError(
+                f"file {file_id!r} is in use by batch {job_id!r} ({status}); "
+                "cancel the batch or wait until it ends, then delete the file"
+            )
+        remove_files(session, [row])
 
 
 def file_object(row: File) -> dict:

@@ -16,7 +16,9 @@ One asyncio loop, one broker client (lane `batch`, `stream=False`):
   attempt count;
 - cancel (`cancelling`): in-flight lines are aborted, finished results kept, the rest get
   `batch_cancelled` error lines, status `cancelled`; expiry alike with `batch_expired`;
-- when every line of a job has a result: `finalizing`, output + error files, `completed`.
+- when every line of a job has a result: `finalizing`, output + error files, `completed`;
+- with `retention_s` > 0, a pruning pass (`jobs.retention.prune`) at start and every
+  `retention_interval_s`, on the SQL thread, logged as one line with its counts.
 
 A runner killed at any point resumes on restart: a half-validated job is validated again, the
 unfinished lines of running jobs are resubmitted with their ids, finalization is redone.
@@ -41,7 +43,7 @@ from sqlalchemy import Engine
 from broker import protocol as p
 from broker.client import BrokerClient
 from contracts.openai import ServedModel
-from jobs import prompts, results, store
+from jobs import prompts, results, retention, store
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ class JobsRunner:
         poll_interval_s: float = 0.5,
         parent_pid: int | None = None,
         client_liveness_s: float = 10.0,
+        retention_s: float = 0.0,
+        retention_interval_s: float = retention.DEFAULT_INTERVAL_S,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
@@ -94,6 +98,8 @@ class JobsRunner:
         self.poll_interval_s = poll_interval_s
         self.parent_pid = parent_pid
         self.client_liveness_s = client_liveness_s
+        self.retention_s = retention_s  # 0: keep everything
+        self.retention_interval_s = retention_interval_s
         self.active: dict[str, ActiveJob] = {}
         self.counters: dict[str, int] = {
             "lines_sent": 0,
@@ -104,6 +110,7 @@ class JobsRunner:
         self.client: BrokerClient | None = None
         self._validating: asyncio.Task | None = None
         self._validating_id: str | None = None
+        self._pruning: asyncio.Task | None = None
         self._outcomes: list[store.Outcome] = []
         self._flush_lock = asyncio.Lock()
         self._wake = asyncio.Event()
@@ -135,10 +142,14 @@ class JobsRunner:
         self.client = BrokerClient(self.broker_addr, liveness_s=self.client_liveness_s)
         await self.client.start()
         writer = asyncio.create_task(self._writer_loop(), name="jobs-writer")
-        next_poll = 0.0
+        next_poll = next_prune = 0.0
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
+                if self.retention_s > 0 and now >= next_prune:  # in the background
+                    if self._pruning is None or self._pruning.done():
+                        self._pruning = asyncio.create_task(self.prune_once(), name="retention")
+                    next_prune = now + self.retention_interval_s
                 if now >= next_poll:
                     if self._parent_gone():
                         logger.warning("parent %s is gone: exiting", self.parent_pid)
@@ -163,8 +174,22 @@ class JobsRunner:
             if self._validating is not None:
                 with contextlib.suppress(Exception):
                     await self._validating
+            if self._pruning is not None:
+                await self._pruning  # prune_once logs its own errors
             await self.client.close()
             self._db.shutdown(wait=True)
+
+    async def prune_once(self) -> retention.PruneCounts | None:
+        """One retention pass over data older than `retention_s` (on the SQL thread); logs its
+        counts. None when it failed (logged; the next pass retries)."""
+        try:
+            counts = await self._sql(retention.prune, self.retention_s)
+        except Exception:
+            logger.exception("retention pass failed")
+            return None
+        days = self.retention_s / 86400
+        logger.info("retention pass (older than %g days): %s", days, counts.describe())
+        return counts
 
     def _parent_gone(self) -> bool:
         if self.parent_pid is None:

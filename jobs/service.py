@@ -10,7 +10,15 @@ Files (`jobs.files`, re-exported here):
   (`POST /v1/files`; `PayloadTooLargeError` 413 over 200 MB, `InvalidRequestError` 400)
 - `get_file(engine, file_id) -> File`, `file_path(engine, file_id) -> Path`,
   `file_content(engine, file_id) -> bytes` (`GET /v1/files/{id}/content`; `NotFoundError` 404)
+- `list_files(engine, purpose=None, limit=10000, after=None, order="desc")
+  -> (list[File], has_more)` (`GET /v1/files`; `after` is the id of the last file of the
+  previous page)
+- `delete_file(engine, file_id)` (`DELETE /v1/files/{id}`: row and content; `ConflictError`
+  409 while a job that has not ended uses the file)
 - `file_object(row) -> dict` (the OpenAI `file` object)
+
+Retention (`jobs.retention.prune`, run by the jobs runner) deletes old files and clears the
+line bodies of jobs that ended long ago.
 
 Batches:
 
@@ -42,10 +50,14 @@ from db.session import read_session, write_session
 from jobs.errors import ConflictError, InvalidRequestError, NotFoundError
 from jobs.files import (  # noqa: F401 - re-exported API
     create_file,
+    delete_file,
     file_content,
     file_object,
     file_path,
     get_file,
+    keyset_order,
+    list_files,
+    rows_after,
 )
 from jobs.limits import DEFAULT_COMPLETION_WINDOW, ENDPOINTS, TASKS
 
@@ -172,18 +184,12 @@ def list_batches(
     """
     if not 1 <= limit <= 100:
         raise InvalidRequestError("limit must be between 1 and 100")
-    query = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+    query = select(Job).order_by(*keyset_order(Job, True)).limit(limit)
     if owner is not None:
         query = query.where(Job.owner == owner)
     with read_session(engine) as session:
         if after is not None:
-            anchor = session.get(Job, after)
-            if anchor is None:
-                raise NotFoundError(f"no batch {after!r}")
-            query = query.where(
-                (Job.created_at < anchor.created_at)
-                | ((Job.created_at == anchor.created_at) & (Job.id < anchor.id))
-            )
+            query = query.where(rows_after(session, Job, after, True, "batch"))
         return list(session.scalars(query))
 
 

@@ -1,5 +1,9 @@
 """``/v1/files`` and ``/v1/batches``: thin HTTP wrappers over the jobs library (jobs.service).
 
+Files can be listed (`GET /v1/files`: `purpose`, and OpenAI's cursor pagination `limit`,
+`after`, `order`), retrieved and deleted (`DELETE /v1/files/{id}`: 409 while a batch that has
+not ended uses the file; afterwards its metadata and content are 404).
+
 The library is synchronous (SQLAlchemy); each call runs in a worker thread. Its errors carry a
 DESIGN.md ``code`` and an HTTP ``status_code`` (400, 404, 409, 413) that map onto the OpenAI
 error shape unchanged. Batches created here go to the batch lane: the jobs runner executes them.
@@ -109,6 +113,50 @@ async def get_file(request: Request) -> Response:
     return JSONResponse(service.file_object(row))
 
 
+def _query_int(request: Request, name: str, default: int) -> int:
+    try:
+        return int(request.query_params.get(name, str(default)))
+    except ValueError:
+        raise invalid(f"'{name}' must be an integer", name) from None
+
+
+def _page(data: list[dict], more: bool) -> JSONResponse:
+    """An OpenAI list object (cursor pagination: the next page starts `after` `last_id`)."""
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+        }
+    )
+
+
+async def list_files(request: Request) -> Response:
+    from jobs import service
+    from jobs.files import LIST_LIMIT_MAX
+
+    q = request.query_params
+    rows, more = await _call(
+        service.list_files,
+        _service(request).engine,
+        purpose=q.get("purpose") or None,
+        limit=_query_int(request, "limit", LIST_LIMIT_MAX),
+        after=q.get("after") or None,
+        order=q.get("order", "desc"),
+    )
+    return _page([service.file_object(row) for row in rows], more)
+
+
+async def delete_file(request: Request) -> Response:
+    from jobs import service
+
+    file_id = request.path_params["file_id"]
+    await _call(service.delete_file, _service(request).engine, file_id)
+    return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+
 async def file_content(request: Request) -> Response:
     from jobs import service
 
@@ -158,28 +206,15 @@ async def create_batch(request: Request) -> Response:
 async def list_batches(request: Request) -> Response:
     from jobs import service
 
-    q = request.query_params
-    try:
-        limit = int(q.get("limit", "20"))
-    except ValueError:
-        raise invalid("'limit' must be an integer", "limit") from None
+    limit = _query_int(request, "limit", 20)
+    engine = _service(request).engine
     jobs = await _call(
-        service.list_batches, _service(request).engine, limit=limit, after=q.get("after")
+        service.list_batches, engine, limit=limit, after=request.query_params.get("after")
     )
     more = False
     if len(jobs) == limit:
-        rest = await _call(service.list_batches, _service(request).engine, 1, jobs[-1].id)
-        more = bool(rest)
-    data = [service.batch_object(j) for j in jobs]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": more,
-        }
-    )
+        more = bool(await _call(service.list_batches, engine, 1, jobs[-1].id))
+    return _page([service.batch_object(j) for j in jobs], more)
 
 
 async def get_batch(request: Request) -> Response:
@@ -200,7 +235,9 @@ async def cancel_batch(request: Request) -> Response:
 
 def add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/files", create_file, methods=["POST"])
+    app.add_api_route("/v1/files", list_files, methods=["GET"])
     app.add_api_route("/v1/files/{file_id}", get_file, methods=["GET"])
+    app.add_api_route("/v1/files/{file_id}", delete_file, methods=["DELETE"])
     app.add_api_route("/v1/files/{file_id}/content", file_content, methods=["GET"])
     app.add_api_route("/v1/batches", create_batch, methods=["POST"])
     app.add_api_route("/v1/batches", list_batches, methods=["GET"])

@@ -6,6 +6,11 @@ import argparse
 import logging
 import sys
 
+from laneserve.commands.recorder import default_retention_days
+
+# Same value as jobs.retention.DEFAULT_INTERVAL_S (building the parser imports no SQLAlchemy).
+RETENTION_INTERVAL_S = 3600.0
+
 logger = logging.getLogger(__name__)
 
 
@@ -51,6 +56,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--poll-interval", type=float, default=0.5, help="seconds between SQL polls"
     )
+    parser.add_argument(
+        "--retention-days",
+        type=float,
+        default=default_retention_days(),
+        help="delete job files and clear the line bodies of jobs ended more than this many days "
+        "ago; jobs that have not ended are kept; 0 keeps all "
+        "(default: $LANESERVE_RETENTION_DAYS or %(default)s)",
+    )
+    parser.add_argument(
+        "--retention-interval",
+        type=float,
+        default=RETENTION_INTERVAL_S,
+        help="seconds between two retention passes (default: %(default)s)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -92,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
         window=args.window,
         poll_interval_s=args.poll_interval,
         parent_pid=args.parent_pid,
+        retention_s=max(0.0, args.retention_days) * 86400,
+        retention_interval_s=args.retention_interval,
     )
 
     async def main() -> None:

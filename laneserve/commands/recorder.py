@@ -18,6 +18,13 @@ FLUSH_INTERVAL_S = 0.2
 DEFAULT_RETENTION_DAYS = 30.0
 
 
+def default_retention_days() -> float:
+    """`$LANESERVE_RETENTION_DAYS` (0 keeps everything), else `DEFAULT_RETENTION_DAYS`: the
+    window of both the recorder's pruning and the jobs runner's (`--retention-days`)."""
+    days = env.get("LANESERVE_RETENTION_DAYS")
+    return DEFAULT_RETENTION_DAYS if days is None else days
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("recorder", help="write request records to SQL")
     parser.add_argument(
@@ -40,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--retention-days",
         type=float,
-        default=env.get("LANESERVE_RETENTION_DAYS") or DEFAULT_RETENTION_DAYS,
+        default=default_retention_days(),
         help="prune API request rows and snapshots older than this; 0 keeps all "
         "(default: $LANESERVE_RETENTION_DAYS or %(default)s)",
     )
