@@ -240,6 +240,11 @@ _ROUTES = [
     ("POST", "/v1/batches/batch_nope/cancel"),
     ("POST", "/v1/files"),
     ("GET", "/v1/files/file-nope/content"),
+    ("GET", "/v1/files"),
+    ("GET", "/v1/files/file-nope"),
+    ("DELETE", "/v1/files/file-nope"),
+    ("GET", "/v1/batches/batch_nope/stats"),
+    ("GET", "/status"),
     ("GET", "/metrics"),
 ]
 _ODD_PATHS = [
