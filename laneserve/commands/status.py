@@ -8,11 +8,13 @@ JSON object on stdout (logs go to stderr)::
      "components": [{"name", "pid", "alive", "address", "healthy"}],
      "workers": [{"name", "worker_id", "pid", "lanes", "model", "capacity", "in_flight",
                   "draining", "last_seen_s", "load": {...engine stats...}}],
-     "queues": {"interactive": n, "batch": n, "in_flight": n, ...}}
+     "queues": {"interactive": n, "batch": n, "in_flight": n, ...},
+     "ready": {"ready", "reasons", "broker", "workers", "lanes", "age_s"} (the API's /ready;
+              null when it does not answer)}
 
 `workers[].pid` is the pid of the process holding the engine (as the worker reported it to the
 broker). Exit code 0 when every component is healthy, 1 when the stack is not running or a
-component is unhealthy.
+component is unhealthy or the API is not ready.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def collect(info: dict[str, Any], timeout_s: float = 3.0) -> dict[str, Any]:
     """The status object (module docstring) for a running stack's `stack.json` dict."""
     from broker.client import broker_status
     from broker.procutil import pid_alive
+    from laneserve.api.health import fetch_readiness
 
     try:
         broker = broker_status(info["broker_front"], timeout_s=timeout_s)
@@ -108,6 +111,7 @@ def collect(info: dict[str, Any], timeout_s: float = 3.0) -> dict[str, Any]:
         "components": components,
         "workers": workers,
         "queues": (broker or {}).get("queues", {}),
+        "ready": fetch_readiness(info.get("api_url"), timeout_s),
     }
 
 
@@ -136,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     status = collect(info, args.timeout)
     ok = status["state"] == "ready" and all(c["healthy"] for c in status["components"])
+    ok = ok and bool((status["ready"] or {}).get("ready"))
     if args.json:
         print(json.dumps(status))
     else:
@@ -157,6 +162,9 @@ def _print_table(status: dict[str, Any]) -> None:
         health = "[green]ok" if c["healthy"] else ("[red]down" if not c["alive"] else "[yellow]?")
         table.add_row(c["name"], str(c["pid"] or "-"), str(c["address"] or "-"), health)
     console.print(table)
+    from laneserve.api.health import format_readiness
+
+    console.print(format_readiness(status.get("ready")))
     if status["workers"]:
         wt = Table("worker", "pid", "lanes", "model", "in flight", "running", "waiting", "KV use")
         for w in status["workers"]:
