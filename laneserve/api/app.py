@@ -87,6 +87,9 @@ class GatewayState:
         except (ValueError, RuntimeError) as exc:  # TokenizerError, ModelLoadError: say why
             logger.error("cannot load the model %s: %s", self.config.model, exc)
             raise
+        if self.model_info.served_name:
+            self.metrics.model_name = self.model_info.served_name
+            self.metrics.served_name = True
         self.client = BrokerClient(self.config.broker)
         await self.client.start()
         await self.refresh_status()

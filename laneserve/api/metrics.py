@@ -3,7 +3,8 @@
 Every series carries ``model_name`` as vLLM's do (vLLM labels its metrics ``model_name`` = the
 served model name, plus ``engine``; laneserve's second label is ``lane``, or ``worker_id`` for
 worker gauges). Request metrics use the gateway's served model name (``--served-model-name``, the
-model's name, or the first worker's model); worker gauges use the model each worker reports.
+model's name, or else the first worker's model); worker gauges use that served name too, or the
+model each worker reports when the gateway has none.
 
 Histograms (seconds, labels ``model_name``, ``lane``), observed by the gateway per choice, i.e. per engine
 request: ``time_to_first_token_seconds`` and ``e2e_request_latency_seconds`` are measured here at
@@ -85,6 +86,7 @@ class GatewayMetrics:
     def __init__(self, model_name: str = UNKNOWN_MODEL, *, stack_gauges: bool = True) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self.served_name = False  # model_name is the gateway's --served-model-name / model
         self.stack_gauges = stack_gauges
         reg = self.registry
 
@@ -143,6 +145,14 @@ class GatewayMetrics:
         if stack_gauges:
             reg.register(self.broker)
             reg.register(self.jobs)
+
+    def worker_model_name(self, worker: dict[str, Any]) -> str:
+        """``model_name`` of a worker's series: the served name when the gateway has one (as
+        vLLM labels everything with its served name), else the model the worker reports."""
+        model = worker.get("model")
+        if self.served_name or not isinstance(model, str) or not model:
+            return self.model_name
+        return model
 
     def observe_final(self, lane: str, timings: dict, usage: dict, finish_reason: str) -> None:
         """Engine-side phases from a broker ``final`` (ms -> s) and token counts."""
@@ -213,10 +223,7 @@ class BrokerCollector:
         for w in workers:
             value = (w.get("load") or {}).get(key)
             if isinstance(value, int | float):
-                model = (
-                    w.get("model") if isinstance(w.get("model"), str) and w.get("model") else None
-                )
-                labels = [model or self.owner.model_name, str(w.get("worker_id"))]
+                labels = [self.owner.worker_model_name(w), str(w.get("worker_id"))]
                 fam.add_metric(labels, float(value))
 
 
