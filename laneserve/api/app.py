@@ -40,6 +40,7 @@ from broker.client import BrokerClient
 from broker.procutil import pid_alive
 from contracts.openai.model import ServedModel
 from laneserve.api import completions, files
+from laneserve.api import inspection as inspection_routes
 from laneserve.api.arrival import ArrivalMiddleware
 from laneserve.api.auth import ApiKeyMiddleware
 from laneserve.api.config import ApiConfig
@@ -296,6 +297,7 @@ def create_app(config: ApiConfig) -> FastAPI:
     app.add_api_route("/v1/chat/completions", completions.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions.completions, methods=["POST"])
     files.add_routes(app)
+    inspection_routes.add_routes(app)  # GET /v1/batches/{id}/stats, GET /status (laneserve)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker import protocol as p
 from broker.client import BrokerClient, Restart
+from contracts import latency
 from laneserve.api.errors import STATUS_BY_CODE, ApiError
 from laneserve.api.metrics import GatewayMetrics
 
@@ -266,15 +267,16 @@ class Generation:
 
     def _observe_end(self, choice: Choice, now: float) -> None:
         lane = self.req.lane
-        e2e = now - self.arrival_monotonic
-        self.metrics.e2e.labels(lane).observe(e2e)
-        ttft = choice.first_sent_t - self.arrival_monotonic if choice.first_sent_t else None
-        if ttft is not None:
-            self.metrics.ttft.labels(lane).observe(ttft)
-        # DESIGN: TTFT and e2e are measured at the edge; the broker stores these in SQL.
-        self.client.report_edge_timings(
-            choice.request_id, ttft * 1000.0 if ttft is not None else None, e2e * 1000.0
+        # DESIGN: TTFT and e2e are measured at the edge (arrival = this gateway accepting the
+        # HTTP request); the broker stores these in SQL. Prometheus histograms take seconds.
+        e2e_ms = latency.e2e_ms(0.0, latency.interval_ms(self.arrival_monotonic, now))
+        ttft_ms = latency.ttft_ms(
+            0.0, latency.interval_ms(self.arrival_monotonic, choice.first_sent_t or None)
         )
+        self.metrics.e2e.labels(lane).observe(e2e_ms / 1000.0)
+        if ttft_ms is not None:
+            self.metrics.ttft.labels(lane).observe(ttft_ms / 1000.0)
+        self.client.report_edge_timings(choice.request_id, ttft_ms, e2e_ms)
 
     # ------------------------------------------------------------------ results
 

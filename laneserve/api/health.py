@@ -9,8 +9,8 @@ that can only be given one path): 200 when the broker answers a status call and 
      "broker": true, "workers": 1, "lanes": {"interactive": 1, "batch": 0}, "age_s": 0.4}
 
 The answer is cached for ``ttl_s`` seconds (a status call per probe would hammer the broker with
-several probers), and concurrent probes share one status call. :func:`format_readiness` renders
-an answer as one line for ``laneserve status``. This module imports neither FastAPI nor torch.
+several probers), and concurrent probes share one status call. :func:`fetch_readiness` is the
+blocking client ``laneserve up`` waits with. This module imports neither FastAPI nor torch.
 """
 
 from __future__ import annotations
@@ -112,18 +112,6 @@ class ReadinessProbe:
             if not self._last.ready:
                 logger.info("not ready: %s", "; ".join(self._last.reasons))
             return self._last
-
-
-def format_readiness(answer: dict[str, Any] | None) -> str:
-    """One line for a ``/ready`` JSON answer (None: the gateway did not answer)."""
-    if answer is None:
-        return "not ready: the API does not answer"
-    lanes = ", ".join(f"{lane} {n}" for lane, n in (answer.get("lanes") or {}).items())
-    workers = f"{answer.get('workers', 0)} workers ({lanes})" if lanes else "no workers"
-    if answer.get("ready"):
-        return f"ready: {workers}"
-    reasons = "; ".join(answer.get("reasons") or ["unknown"])
-    return f"not ready: {reasons}" + (f" [{workers}]" if answer.get("broker") else "")
 
 
 def fetch_readiness(api_url: str | None, timeout_s: float = 3.0) -> dict[str, Any] | None:

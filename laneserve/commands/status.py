@@ -1,20 +1,30 @@
-"""`laneserve status [--json]`: each component of the running stack with its pid, address, health.
+"""`laneserve status [--json] [--url URL]`: the stack's health, its workers and queues.
 
-The stack is found from `$LANESERVE_HOME/stack.json` (laneserve/stack.py). `--json` prints one
-JSON object on stdout (logs go to stderr)::
+With `--url` / `$LANESERVE_URL` (a stack on any host) it reports what the HTTP API tells:
+liveness (`/health`), readiness (`/ready` where the stack has it, else derived from the broker
+and its workers), and the broker's workers and queues (`GET /status`, laneserve/api/inspection.py)::
+
+    {"running": true, "remote": true, "api_url": ..., "ready": true, "reason": null,
+     "broker": true, "model": ..., "workers": [...], "queues": {...}}
+
+Exit code 0 when the API answers and is ready, 1 when it is not ready, 2 when it cannot be used
+(unreachable, wrong key).
+
+Without a URL the stack is found from `$LANESERVE_HOME/stack.json` (laneserve/stack.py), and the
+report adds what only its host can see: each component with its pid and health. `--json`
+prints one JSON object on stdout (logs go to stderr)::
 
     {"running": true, "state": "ready", "supervisor_pid": 1, "api_url": ..., "dashboard_url": ...,
      "db_url": ... (password hidden), "model": ..., "home": ...,
      "components": [{"name", "pid", "alive", "address", "healthy"}],
      "workers": [{"name", "worker_id", "pid", "lanes", "model", "capacity", "in_flight",
                   "draining", "last_seen_s", "load": {...engine stats...}}],
-     "queues": {"interactive": n, "batch": n, "in_flight": n, ...},
-     "ready": {"ready", "reasons", "broker", "workers", "lanes", "age_s"} (the API's /ready;
-              null when it does not answer)}
+     "queues": {"interactive": n, "batch": n, "in_flight": n, ...}}
 
 `workers[].pid` is the pid of the process holding the engine (as the worker reported it to the
-broker). Exit code 0 when every component is healthy, 1 when the stack is not running or a
-component is unhealthy or the API is not ready.
+broker); `ready` and `reason` are the API's readiness as above. Exit code 0 when every component
+is healthy and the API is ready, 1 when the stack is not running, a component is unhealthy or the
+API is not ready.
 """
 
 from __future__ import annotations
@@ -24,11 +34,14 @@ import json
 import sys
 from typing import Any
 
+from laneserve.http_client import StackClient, StackError, Target, add_api_arguments, resolve_target
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("status", help="show the running stack's components")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds per health probe")
+    add_api_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -41,6 +54,48 @@ def _http_ok(url: str | None, timeout_s: float) -> bool:
         return httpx.get(url, timeout=timeout_s).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def api_view(client: StackClient) -> dict[str, Any]:
+    """What the HTTP API tells about its stack (module docstring). Raises StackError (401)."""
+    view: dict[str, Any] = {"api_url": client.base_url, "running": False, "ready": False}
+    view.update(reason=None, broker=None, model=None, workers=[], queues={})
+    try:
+        code, _ = client.probe("/health")
+    except StackError as exc:
+        if exc.status == 401:
+            raise
+        return view | {"reason": str(exc)}
+    view["running"] = code == 200
+    code, status = client.probe("/status")
+    if code == 200 and isinstance(status, dict):
+        view.update({k: status.get(k) for k in ("broker", "model", "workers", "queues")})
+        models = [w.get("model") for w in view["workers"] or [] if w.get("model")]
+        view["model"] = view["model"] or (models[0] if models else None)
+    code, ready = client.probe("/ready")
+    if code in (200, 503):  # the stack's own readiness check
+        view["ready"] = code == 200
+        view["reason"] = None if code == 200 else _reason_of(ready)
+    elif not view["broker"]:
+        view["reason"] = "the broker does not answer the API"
+    elif not view["workers"]:
+        view["reason"] = "no worker is attached to the broker"
+    else:
+        view["ready"] = view["running"]
+    return view
+
+
+def _reason_of(body: Any) -> str:
+    if isinstance(body, dict) and body.get("reasons"):  # /ready (laneserve.api.health)
+        return "; ".join(str(r) for r in body["reasons"])
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        for key in ("reason", "detail", "message"):
+            if body.get(key):
+                return str(body[key])
+    return "not ready"
 
 
 def _hide_password(url: str | None) -> str | None:
@@ -58,7 +113,6 @@ def collect(info: dict[str, Any], timeout_s: float = 3.0) -> dict[str, Any]:
     """The status object (module docstring) for a running stack's `stack.json` dict."""
     from broker.client import broker_status
     from broker.procutil import pid_alive
-    from laneserve.api.health import fetch_readiness
 
     try:
         broker = broker_status(info["broker_front"], timeout_s=timeout_s)
@@ -111,7 +165,6 @@ def collect(info: dict[str, Any], timeout_s: float = 3.0) -> dict[str, Any]:
         "components": components,
         "workers": workers,
         "queues": (broker or {}).get("queues", {}),
-        "ready": fetch_readiness(info.get("api_url"), timeout_s),
     }
 
 
@@ -122,11 +175,13 @@ def _home():
 
 
 def run(args: argparse.Namespace) -> int:
+    from contracts import env
     from laneserve.commands.up import quiet_http_logs
-
-    quiet_http_logs()
     from laneserve.stack import running_stack
 
+    quiet_http_logs()
+    if args.url or env.get("LANESERVE_URL"):
+        return _run_remote(args)
     info = running_stack(ready=False)
     if info is None:
         if args.json:
@@ -139,13 +194,53 @@ def run(args: argparse.Namespace) -> int:
             print(f"no laneserve stack running under {_home()} (start one with `laneserve up`)")
         return 1
     status = collect(info, args.timeout)
+    target = Target(info["api_url"], args.api_key or env.get("LANESERVE_API_KEY"), local=True)
+    try:
+        with StackClient(target, args.timeout) as client:
+            view = api_view(client)
+    except StackError as exc:
+        view = {"ready": False, "reason": str(exc)}
+    status.update(ready=view["ready"], reason=view["reason"])
     ok = status["state"] == "ready" and all(c["healthy"] for c in status["components"])
-    ok = ok and bool((status["ready"] or {}).get("ready"))
+    ok = ok and bool(status["ready"])
     if args.json:
         print(json.dumps(status))
     else:
         _print_table(status)
     return 0 if ok else 1
+
+
+def _run_remote(args: argparse.Namespace) -> int:
+    try:
+        with StackClient(resolve_target(args.url, args.api_key), args.timeout) as client:
+            view = api_view(client)
+    except StackError as exc:
+        print(f"laneserve status: {exc}", file=sys.stderr)
+        return exc.exit_code
+    view["remote"] = True
+    if args.json:
+        print(json.dumps(view))
+    else:
+        _print_remote(view)
+    if not view["running"]:
+        print(f"laneserve status: {view['reason']}", file=sys.stderr)
+        return 2
+    return 0 if view["ready"] else 1
+
+
+def _print_remote(view: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    console = Console()
+    state = "ready" if view["ready"] else f"not ready ({view['reason']})"
+    if not view["running"]:
+        state = "not answering"
+    console.print(
+        f"[bold]laneserve[/bold] at {view['api_url']}: {state}; model {view['model'] or '-'}",
+        markup=True,
+        highlight=False,
+    )
+    _print_workers(console, view)
 
 
 def _print_table(status: dict[str, Any]) -> None:
@@ -162,9 +257,18 @@ def _print_table(status: dict[str, Any]) -> None:
         health = "[green]ok" if c["healthy"] else ("[red]down" if not c["alive"] else "[yellow]?")
         table.add_row(c["name"], str(c["pid"] or "-"), str(c["address"] or "-"), health)
     console.print(table)
-    from laneserve.api.health import format_readiness
+    if status.get("reason"):
+        console.print(f"API not ready: {status['reason']}", markup=False)
+    _print_workers(console, status)
+    console.print(f"API {status['api_url']}/v1   dashboard {status['dashboard_url'] or '(off)'}")
+    console.print(f"database {status['db_url']}")
+    sys.stdout.flush()
 
-    console.print(format_readiness(status.get("ready")))
+
+def _print_workers(console, status: dict[str, Any]) -> None:
+    """The workers table and the queue depths (local and remote reports alike)."""
+    from rich.table import Table
+
     if status["workers"]:
         wt = Table("worker", "pid", "lanes", "model", "in flight", "running", "waiting", "KV use")
         for w in status["workers"]:
@@ -186,6 +290,4 @@ def _print_table(status: dict[str, Any]) -> None:
         f"queues: interactive {q.get('interactive', '-')}, batch {q.get('batch', '-')}, "
         f"in flight {q.get('in_flight', '-')}"
     )
-    console.print(f"API {status['api_url']}/v1   dashboard {status['dashboard_url'] or '(off)'}")
-    console.print(f"database {status['db_url']}")
     sys.stdout.flush()
