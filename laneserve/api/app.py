@@ -126,8 +126,10 @@ class GatewayState:
         logger.info("metrics on http://%s:%d/metrics (no key)", host, sock.getsockname()[1])
 
     async def stop(self) -> None:
-        if self.metrics_server is not None:
+        if self.metrics_server is not None:  # let it close its connections first (<= 2 s)
             self.metrics_server.should_exit = True
+            serving = [t for t in self._tasks if t.get_name() == "gateway-metrics"]
+            await asyncio.wait(serving, timeout=2.0)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -107,6 +107,18 @@ def _stack_json(home: Path) -> dict:
         return {}
 
 
+def _status(home: Path, *args: str) -> subprocess.CompletedProcess:
+    """``laneserve status ARGS`` against the stack in ``home``."""
+    return subprocess.run(
+        [sys.executable, "-m", "laneserve.cli", "status", *args],
+        env=_env(home),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def _get(url: str) -> httpx.Response | None:
     try:
         return httpx.get(url, timeout=3.0)
@@ -188,14 +200,7 @@ def test_readiness_follows_worker_and_broker(tmp_path: Path) -> None:
             assert res.json()["reasons"] == ["the broker does not answer"]
             assert res.json()["broker"] is False
             assert httpx.get(api + "/health", timeout=3).status_code == 200
-            st = subprocess.run(
-                [sys.executable, "-m", "laneserve.cli", "status", "--json", "--timeout", "3"],
-                env=_env(home),
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
+            st = _status(home, "--json", "--timeout", "3")
             assert st.returncode == 1, st.stdout + st.stderr
             report = json.loads(st.stdout)
             assert report["ready"] is False
@@ -209,14 +214,7 @@ def test_readiness_follows_worker_and_broker(tmp_path: Path) -> None:
             up,
             log,
         )
-        st = subprocess.run(
-            [sys.executable, "-m", "laneserve.cli", "status"],
-            env=_env(home),
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        st = _status(home)
         assert st.returncode == 0, st.stdout + st.stderr
         assert "not ready" not in st.stdout
     finally:
