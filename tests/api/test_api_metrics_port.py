@@ -9,8 +9,12 @@ second with ``--no-stack-gauges``), the official ``openai`` client.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -169,3 +173,26 @@ def test_grafana_dashboard_queries_only_exported_names(gateways) -> None:
     job = prom["scrape_configs"][0]
     assert job.get("metrics_path", "/metrics") == "/metrics"
     assert job["static_configs"][0]["targets"]
+
+
+def test_metrics_port_in_use_fails_the_start(tmp_path) -> None:
+    """A taken metrics port stops the gateway at start-up with a message naming it."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), LANESERVE_HOME=str(tmp_path))
+        env.pop("LANESERVE_DB_URL", None)
+        res = subprocess.run(
+            [sys.executable, "-m", "laneserve.commands.api", "--broker",
+             f"ipc://{tmp_path}/none.sock", "--port", str(free_port()),
+             "--db", f"sqlite:///{tmp_path}/db.sqlite", "--metrics-port", str(port)],
+            env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert res.returncode != 0
+    assert f"cannot listen on the metrics port 127.0.0.1:{port}" in res.stderr, res.stderr[-3000:]
+    bad = subprocess.run(
+        [sys.executable, "-m", "laneserve.commands.api", "--ready-lanes", "bulk"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--ready-lanes" in bad.stderr, bad.stderr
