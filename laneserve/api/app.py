@@ -5,7 +5,11 @@ Routes (OpenAI-compatible unless noted)::
     POST /v1/chat/completions        POST /v1/completions          GET /v1/models
     POST /v1/files                   GET  /v1/files/{id}           GET /v1/files/{id}/content
     POST /v1/batches   GET /v1/batches   GET /v1/batches/{id}   POST /v1/batches/{id}/cancel
-    GET  /health  (no key; laneserve)  GET /metrics  (Prometheus text; laneserve)
+    GET  /health  (liveness, no key)   GET /ready  (readiness, no key; laneserve.api.health)
+    GET  /metrics  (Prometheus text; laneserve.api.metrics)
+
+With ``metrics_port`` set, a second listener on ``metrics_host:metrics_port`` serves ``/metrics``
+(and ``/health``, ``/ready``) without the user key; the user routes keep needing it.
 
 Start-up (lifespan): load the model's tokenizer (``tokenizer.json``, no torch), connect the
 broker client, start the status poller (workers per lane for the 503 check, gauges for /metrics,
@@ -20,10 +24,12 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -39,6 +45,7 @@ from laneserve.api.arrival import ArrivalMiddleware
 from laneserve.api.auth import ApiKeyMiddleware
 from laneserve.api.config import ApiConfig
 from laneserve.api.errors import ApiError, error_response, response_for
+from laneserve.api.health import ReadinessProbe
 from laneserve.api.metrics import GatewayMetrics
 from laneserve.api.model_info import load_served_model
 
@@ -61,14 +68,16 @@ class GatewayState:
 
     def __init__(self, config: ApiConfig) -> None:
         self.config = config
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(stack_gauges=config.stack_gauges)
         self.model_info = ServedModel(
             served_name=config.served_model_name, max_model_len=config.max_model_len
         )
         self.client: BrokerClient | None = None
         self.status: dict[str, Any] | None = None
         self.status_at = 0.0  # monotonic s of the last answered status call
+        self.readiness = ReadinessProbe(self._probe_status, config.ready_lanes, config.ready_ttl_s)
         self.jobs: Any = None  # files/batches service (laneserve.api.files)
+        self.metrics_server: Any = None  # uvicorn server of the metrics port
         self._tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -79,11 +88,16 @@ class GatewayState:
         except (ValueError, RuntimeError) as exc:  # TokenizerError, ModelLoadError: say why
             logger.error("cannot load the model %s: %s", self.config.model, exc)
             raise
+        if self.model_info.served_name:
+            self.metrics.model_name = self.model_info.served_name
+            self.metrics.served_name = True
         self.client = BrokerClient(self.config.broker)
         await self.client.start()
         await self.refresh_status()
         self.jobs = await asyncio.to_thread(files.open_jobs_service, self.config)
         self._tasks.append(asyncio.create_task(self._poll(), name="gateway-status-poll"))
+        if self.config.metrics_port is not None:
+            await self._start_metrics_server()
         logger.info(
             "gateway ready: broker %s, model %s, auth %s",
             self.config.broker,
@@ -91,7 +105,31 @@ class GatewayState:
             "on" if self.config.api_key else "off",
         )
 
+    async def _start_metrics_server(self) -> None:
+        """Serve /metrics, /health and /ready without the key on the metrics port. The socket
+        is bound here, so a port in use fails the start-up with OSError."""
+        host, port = self.config.metrics_host, self.config.metrics_port
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"cannot listen on the metrics port {host}:{port}: {exc}") from exc
+        app = metrics_app(self)
+        server = _EmbeddedServer(
+            uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        )
+        self.metrics_server = server
+        self._tasks.append(asyncio.create_task(server.serve([sock]), name="gateway-metrics"))
+        logger.info("metrics on http://%s:%d/metrics (no key)", host, sock.getsockname()[1])
+
     async def stop(self) -> None:
+        if self.metrics_server is not None:  # let it close its connections first (<= 2 s)
+            self.metrics_server.should_exit = True
+            serving = [t for t in self._tasks if t.get_name() == "gateway-metrics"]
+            await asyncio.wait(serving, timeout=2.0)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -115,17 +153,25 @@ class GatewayState:
     async def refresh_status(self) -> bool:
         """Ask the broker for its status; False when it does not answer in time."""
         assert self.client is not None
+        started = time.monotonic()
         try:
             reply = await self.client.status(timeout_s=self.config.broker_timeout_s)
         except TimeoutError:
             logger.warning("broker %s did not answer a status call", self.config.broker)
             self.status = None
             self.metrics.broker.status = None
+            self.readiness.observe(None, time.monotonic())
             return False
         self.status = {"workers": reply.workers, "queues": reply.queues, "epoch": reply.epoch}
         self.status_at = time.monotonic()
         self.metrics.broker.status = self.status
+        self.metrics.model_name = (self.model_names() or [self.metrics.model_name])[0]
+        self.readiness.observe(self.status, started)
         return True
+
+    async def _probe_status(self) -> dict[str, Any] | None:
+        """A fresh broker status for the readiness probe (None: the broker does not answer)."""
+        return self.status if await self.refresh_status() else None
 
     # ------------------------------------------------------------------ checks
 
@@ -163,11 +209,18 @@ class GatewayState:
 
 
 async def health(request: Request) -> Response:
+    """Liveness: 200 while the process answers (never waits on the broker). ``?ready=1``:
+    the readiness answer, as ``/ready``."""
+    if request.query_params.get("ready", "").lower() in ("1", "true", "yes"):
+        return await ready(request)
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    """Readiness (laneserve.api.health): 200 or 503 with the reasons."""
     state: GatewayState = request.app.state.gateway
-    workers = (state.status or {}).get("workers") or []
-    return JSONResponse(
-        {"status": "ok", "broker": state.status is not None, "workers": len(workers)}
-    )
+    answer = await state.readiness.check()
+    return JSONResponse(answer.to_json(), status_code=200 if answer.ready else 503)
 
 
 async def list_models(request: Request) -> Response:
@@ -185,6 +238,7 @@ async def list_models(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
+    """Prometheus text exposition of the gateway's registry (laneserve.api.metrics)."""
     state: GatewayState = request.app.state.gateway
     if time.monotonic() - state.status_at > state.config.status_interval_s / 2:
         await state.refresh_status()
@@ -197,6 +251,25 @@ async def metrics(request: Request) -> Response:
 
 
 # ---------------------------------------------------------------------------- factory
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """A uvicorn server run as a task inside the gateway's loop: the gateway's own server
+    owns the signals, so this one installs no handlers (it stops via ``should_exit``)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def metrics_app(state: GatewayState) -> FastAPI:
+    """The metrics-port app: /metrics, /health and /ready of ``state``, no key."""
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = state
+    app.add_api_route("/health", health, methods=["GET", "HEAD"], include_in_schema=False)
+    app.add_api_route("/ready", ready, methods=["GET", "HEAD"], include_in_schema=False)
+    app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
+    return app
 
 
 def create_app(config: ApiConfig) -> FastAPI:
@@ -220,6 +293,7 @@ def create_app(config: ApiConfig) -> FastAPI:
     )
     app.state.gateway = state
     app.add_api_route("/health", health, methods=["GET", "HEAD"], include_in_schema=False)
+    app.add_api_route("/ready", ready, methods=["GET", "HEAD"], include_in_schema=False)
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/chat/completions", completions.chat_completions, methods=["POST"])

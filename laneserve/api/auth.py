@@ -2,8 +2,8 @@
 
 The key is compared in constant time: both sides are hashed with SHA-256 first, so
 ``hmac.compare_digest`` sees equal-length inputs and the comparison time does not depend on
-where a guess first differs, nor on the key's length. Every path except ``/health`` needs the
-key -- unknown paths too (a 401, not a 404, so routes cannot be enumerated without it).
+where a guess first differs, nor on the key's length. Every path except ``/health`` and
+``/ready`` (probes; laneserve.api.health) needs the key -- unknown paths too (a 401, not a 404, so routes cannot be enumerated without it).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from starlette.requests import Request
 
 from laneserve.api.errors import ApiError, error_response, invalid
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ready"})
 
 
 class ApiKeyMiddleware:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contracts.openai.requests import DEFAULT_MAX_N, DEFAULT_MAX_TOKENS_LIMIT, Limits
+from contracts.openai.requests import DEFAULT_MAX_N, DEFAULT_MAX_TOKENS_LIMIT, LANES, Limits
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # JSON request bodies; a prompt is text, not a file
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file (200 MB)
@@ -23,6 +23,11 @@ class ApiConfig:
     name). ``max_model_len``: tokens (prompt + output); default: the model's config.
     ``db_url``: database for files and batches (default: ``$LANESERVE_DB_URL`` or SQLite in
     ``$LANESERVE_HOME``).
+    ``metrics_port``: when set, ``/metrics`` (and ``/health``, ``/ready``) are also served on
+    ``metrics_host:metrics_port`` without the key (0 picks a free port). ``stack_gauges``: export
+    the broker status and bulk-job gauges (one gateway per broker; laneserve.api.metrics).
+    ``ready_lanes``: lanes that need a live worker for ``/ready`` to answer 200;
+    ``ready_ttl_s``: seconds a readiness answer is reused (laneserve.api.health).
     """
 
     broker: str
@@ -38,6 +43,11 @@ class ApiConfig:
     status_interval_s: float = 1.0  # broker status poll (workers per lane, /metrics gauges)
     broker_timeout_s: float = 2.0  # a status call without answer: broker unavailable (503)
     parent_pid: int | None = None  # exit when this process is gone (supervisor)
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    stack_gauges: bool = True
+    ready_lanes: tuple[str, ...] = LANES
+    ready_ttl_s: float = 1.0
 
     @property
     def limits(self) -> Limits:

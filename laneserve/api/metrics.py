@@ -1,6 +1,12 @@
 """Prometheus metrics of the gateway, named after vLLM's (``vllm:`` -> ``laneserve:``).
 
-Histograms (seconds, label ``lane``), observed by the gateway per choice, i.e. per engine
+Every series carries ``model_name`` as vLLM's do (vLLM labels its metrics ``model_name`` = the
+served model name, plus ``engine``; laneserve's second label is ``lane``, or ``worker_id`` for
+worker gauges). Request metrics use the gateway's served model name (``--served-model-name``, the
+model's name, or else the first worker's model); worker gauges use that served name too, or the
+model each worker reports when the gateway has none.
+
+Histograms (seconds, labels ``model_name``, ``lane``), observed by the gateway per choice, i.e. per engine
 request: ``time_to_first_token_seconds`` and ``e2e_request_latency_seconds`` are measured here at
 the edge (arrival = the gateway accepted the request; DESIGN.md "Per-phase latency");
 ``inter_token_latency_seconds`` is every gap between consecutive content deltas seen here;
@@ -25,6 +31,12 @@ engine through the jobs runner, never through this gateway, and the table holds 
 every runner, across gateway restarts (the broker's status keeps no per-lane history).
 
 Bucket bounds are vLLM's (vllm/v1/metrics/loggers.py).
+
+Who exports what (several gateways on one broker): request metrics are per gateway (each counts
+the requests it served; Prometheus sums them over instances). The *stack gauges* -- the broker
+status gauges and counters and the bulk-job gauges above -- describe the whole stack and read the
+same in every gateway, so exactly one gateway per broker exports them: ``GatewayMetrics(
+stack_gauges=False)`` (``laneserve api --no-stack-gauges``) on every other one. docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -48,15 +60,46 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
 
-class GatewayMetrics:
-    """One registry per app (so several apps in one process do not collide)."""
+UNKNOWN_MODEL = "unknown"  # model_name before the gateway knows which model it serves
 
-    def __init__(self) -> None:
+
+class _ByModel:
+    """A labelled metric whose first label, ``model_name``, is filled in from ``owner``:
+    ``m.labels(lane)`` is ``metric.labels(owner.model_name, lane)``."""
+
+    def __init__(self, owner: GatewayMetrics, metric: Histogram | Counter) -> None:
+        self._owner = owner
+        self.metric = metric
+
+    def labels(self, *values: str) -> Any:
+        return self.metric.labels(self._owner.model_name, *values)
+
+
+class GatewayMetrics:
+    """One registry per app (so several apps in one process do not collide).
+
+    ``model_name``: the ``model_name`` label of request metrics (set by the gateway once it
+    knows its served name). ``stack_gauges``: export the broker status and bulk-job gauges
+    (the module docstring: one gateway per broker).
+    """
+
+    def __init__(self, model_name: str = UNKNOWN_MODEL, *, stack_gauges: bool = True) -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.served_name = False  # model_name is the gateway's --served-model-name / model
+        self.stack_gauges = stack_gauges
         reg = self.registry
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, ["lane"], buckets=buckets, registry=reg)
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> _ByModel:
+            labels = ["model_name", "lane"]
+            return _ByModel(
+                self, Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg)
+            )
+
+        def counter(name: str, doc: str, labels: list[str]) -> _ByModel:
+            return _ByModel(
+                self, Counter(PREFIX + name, doc, ["model_name", *labels], registry=reg)
+            )
 
         self.ttft = hist(
             "time_to_first_token_seconds",
@@ -91,28 +134,25 @@ class GatewayMetrics:
             "decode time / (output tokens - 1).",
             ITL_BUCKETS,
         )
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", ["lane"], registry=reg
+        self.prompt_tokens = counter(
+            "prompt_tokens", "Prompt tokens of finished requests.", ["lane"]
         )
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Output tokens.", ["lane"], registry=reg
-        )
-        self.success = Counter(
-            PREFIX + "request_success",
-            "Finished requests.",
-            ["lane", "finished_reason"],
-            registry=reg,
-        )
-        self.failure = Counter(
-            PREFIX + "request_failure",
-            "Requests ended by an error.",
-            ["lane", "code"],
-            registry=reg,
-        )
-        self.broker = BrokerCollector()
-        reg.register(self.broker)
-        self.jobs = JobsCollector()
-        reg.register(self.jobs)
+        self.generation_tokens = counter("generation_tokens", "Output tokens.", ["lane"])
+        self.success = counter("request_success", "Finished requests.", ["lane", "finished_reason"])
+        self.failure = counter("request_failure", "Requests ended by an error.", ["lane", "code"])
+        self.broker = BrokerCollector(self)
+        self.jobs = JobsCollector(self)
+        if stack_gauges:
+            reg.register(self.broker)
+            reg.register(self.jobs)
+
+    def worker_model_name(self, worker: dict[str, Any]) -> str:
+        """``model_name`` of a worker's series: the served name when the gateway has one (as
+        vLLM labels everything with its served name), else the model the worker reports."""
+        model = worker.get("model")
+        if self.served_name or not isinstance(model, str) or not model:
+            return self.model_name
+        return model
 
     def observe_final(self, lane: str, timings: dict, usage: dict, finish_reason: str) -> None:
         """Engine-side phases from a broker ``final`` (ms -> s) and token counts."""
@@ -133,9 +173,11 @@ class GatewayMetrics:
 
 
 class BrokerCollector:
-    """Gauges from the last broker status (set by the gateway's status poller)."""
+    """Gauges from the last broker status (set by the gateway's status poller); worker series
+    carry the model each worker reports, lane series the gateway's ``owner.model_name``."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: GatewayMetrics) -> None:
+        self.owner = owner
         self.status: dict[str, Any] | None = None
 
     def collect(self) -> Iterator[Any]:
@@ -147,11 +189,8 @@ class BrokerCollector:
             "kv_cache_usage_perc": ("KV-cache usage (1 = full).", "kv_usage"),
         }
         for name, (doc, key) in gauges.items():
-            fam = GaugeMetricFamily(PREFIX + name, doc, labels=["worker_id"])
-            for w in workers:
-                value = (w.get("load") or {}).get(key)
-                if isinstance(value, int | float):
-                    fam.add_metric([str(w.get("worker_id"))], float(value))
+            fam = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", "worker_id"])
+            self._add_workers(fam, workers, key)
             yield fam
         counters = {
             "prefix_cache_hits": ("Prefix-cache hits (tokens).", "prefix_cache_hits"),
@@ -159,27 +198,33 @@ class BrokerCollector:
             "num_preemptions": ("Preemptions.", "num_preemptions"),
         }
         for name, (doc, key) in counters.items():
-            fam = CounterMetricFamily(PREFIX + name, doc, labels=["worker_id"])
-            for w in workers:
-                value = (w.get("load") or {}).get(key)
-                if isinstance(value, int | float):
-                    fam.add_metric([str(w.get("worker_id"))], float(value))
+            fam = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", "worker_id"])
+            self._add_workers(fam, workers, key)
             yield fam
         queued = GaugeMetricFamily(
             PREFIX + "num_requests_queued",
             "Requests waiting in the broker's lane queue.",
-            labels=["lane"],
+            labels=["model_name", "lane"],
         )
         nworkers = GaugeMetricFamily(
-            PREFIX + "num_workers", "Workers serving the lane.", labels=["lane"]
+            PREFIX + "num_workers", "Workers serving the lane.", labels=["model_name", "lane"]
         )
         queues = st.get("queues") or {}
+        model = self.owner.model_name
         for lane in ("interactive", "batch"):
             if isinstance(queues.get(lane), int):
-                queued.add_metric([lane], float(queues[lane]))
-            nworkers.add_metric([lane], float(sum(lane in (w.get("lanes") or []) for w in workers)))
+                queued.add_metric([model, lane], float(queues[lane]))
+            serving = float(sum(lane in (w.get("lanes") or []) for w in workers))
+            nworkers.add_metric([model, lane], serving)
         yield queued
         yield nworkers
+
+    def _add_workers(self, fam: Any, workers: list[dict], key: str) -> None:
+        for w in workers:
+            value = (w.get("load") or {}).get(key)
+            if isinstance(value, int | float):
+                labels = [self.owner.worker_model_name(w), str(w.get("worker_id"))]
+                fam.add_metric(labels, float(value))
 
 
 JOBS_SOURCE = (
@@ -190,10 +235,12 @@ JOBS_SOURCE = (
 
 class JobsCollector:
     """Gauges of bulk-job lines from SQL (see the module docstring); ``rows`` is
-    ``[(lane, status, lines, prompt_tokens, completion_tokens)]`` from :meth:`refresh`."""
+    ``[(model, lane, status, lines, prompt_tokens, completion_tokens)]`` from :meth:`refresh`
+    (a line without a model gets ``owner.model_name``)."""
 
-    def __init__(self) -> None:
-        self.rows: list[tuple[str, str, int, int, int]] = []
+    def __init__(self, owner: GatewayMetrics) -> None:
+        self.owner = owner
+        self.rows: list[tuple[str, str, str, int, int, int]] = []
 
     def refresh(self, engine: Any) -> None:
         """Re-read the job lines' counts (blocking: one grouped query)."""
@@ -204,6 +251,7 @@ class JobsCollector:
 
         query = (
             select(
+                Request.model,
                 Request.lane,
                 Request.status,
                 func.count(),
@@ -211,40 +259,43 @@ class JobsCollector:
                 func.coalesce(func.sum(Request.completion_tokens), 0),
             )
             .where(Request.job_id.is_not(None))
-            .group_by(Request.lane, Request.status)
+            .group_by(Request.model, Request.lane, Request.status)
         )
         with read_session(engine) as session:
             self.rows = [
-                (str(lane), str(status), int(n), int(p), int(c))
-                for lane, status, n, p, c in session.execute(query)
+                (model or self.owner.model_name, str(lane), str(status), int(n), int(p), int(c))
+                for model, lane, status, n, p, c in session.execute(query)
             ]
 
     def collect(self) -> Iterator[Any]:
         lines = GaugeMetricFamily(
             PREFIX + "job_lines",
             "Bulk-job lines by status. " + JOBS_SOURCE,
-            labels=["lane", "status"],
+            labels=["model_name", "lane", "status"],
         )
         prompt = GaugeMetricFamily(
             PREFIX + "job_prompt_tokens",
             "Prompt tokens of finished bulk-job lines. " + JOBS_SOURCE,
-            labels=["lane"],
+            labels=["model_name", "lane"],
         )
         generation = GaugeMetricFamily(
             PREFIX + "job_generation_tokens",
             "Output tokens of finished bulk-job lines. " + JOBS_SOURCE,
-            labels=["lane"],
+            labels=["model_name", "lane"],
         )
-        tokens: dict[str, list[int]] = {}
-        for lane, status, n, p, c in self.rows:
-            lines.add_metric([lane, status], float(n))
+        tokens: dict[tuple[str, str], list[int]] = {}
+        counts: dict[tuple[str, str, str], int] = {}
+        for model, lane, status, n, p, c in self.rows:
+            counts[(model, lane, status)] = counts.get((model, lane, status), 0) + n
             if status in ("completed", "failed"):
-                slot = tokens.setdefault(lane, [0, 0])
+                slot = tokens.setdefault((model, lane), [0, 0])
                 slot[0] += p
                 slot[1] += c
-        for lane, (p, c) in tokens.items():
-            prompt.add_metric([lane], float(p))
-            generation.add_metric([lane], float(c))
+        for key, n in counts.items():
+            lines.add_metric(list(key), float(n))
+        for key, (p, c) in tokens.items():
+            prompt.add_metric(list(key), float(p))
+            generation.add_metric(list(key), float(c))
         yield lines
         yield prompt
         yield generation

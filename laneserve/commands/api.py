@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from contracts import env
+from contracts.openai.requests import LANES
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process is gone"
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="also serve /metrics, /health and /ready here without the API key "
+        "(default: off; /metrics on --port needs the key)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="bind host of --metrics-port (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--no-stack-gauges",
+        dest="stack_gauges",
+        action="store_false",
+        help="do not export the worker, broker-queue and bulk-job gauges: pass it to every "
+        "gateway on a broker but one, so each gauge is exported once (docs/metrics.md)",
+    )
+    parser.add_argument(
+        "--ready-lanes",
+        default=",".join(LANES),
+        help="lanes that need a live worker for /ready to answer 200 (default: %(default)s)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -52,6 +77,14 @@ def _api_key(args: argparse.Namespace) -> str | None:
             raise ValueError(f"{args.api_key_file} is empty")
         return key
     return args.api_key or env.get(API_KEY_ENV)
+
+
+def _lanes(spec: str) -> tuple[str, ...]:
+    """``--ready-lanes``: comma-separated lanes. Raises ValueError for an unknown or no lane."""
+    lanes = tuple(x.strip() for x in spec.split(",") if x.strip())
+    if not lanes or any(lane not in LANES for lane in lanes):
+        raise ValueError(f"--ready-lanes needs lanes from {list(LANES)}, got {spec!r}")
+    return lanes
 
 
 def build_config(args: argparse.Namespace):
@@ -71,6 +104,10 @@ def build_config(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         db_url=args.db,
         parent_pid=args.parent_pid,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        stack_gauges=args.stack_gauges,
+        ready_lanes=_lanes(args.ready_lanes),
         **extra,
     )
 

@@ -23,7 +23,8 @@ prints one JSON object on stdout (logs go to stderr)::
 
 `workers[].pid` is the pid of the process holding the engine (as the worker reported it to the
 broker); `ready` and `reason` are the API's readiness as above. Exit code 0 when every component
-is healthy, 1 when the stack is not running or a component is unhealthy.
+is healthy and the API is ready, 1 when the stack is not running, a component is unhealthy or the
+API is not ready.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def api_view(client: StackClient) -> dict[str, Any]:
 
 
 def _reason_of(body: Any) -> str:
+    if isinstance(body, dict) and body.get("reasons"):  # /ready (laneserve.api.health)
+        return "; ".join(str(r) for r in body["reasons"])
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict) and err.get("message"):
@@ -199,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
         view = {"ready": False, "reason": str(exc)}
     status.update(ready=view["ready"], reason=view["reason"])
     ok = status["state"] == "ready" and all(c["healthy"] for c in status["components"])
+    ok = ok and bool(status["ready"])
     if args.json:
         print(json.dumps(status))
     else:

@@ -266,6 +266,10 @@ def build_specs(args: argparse.Namespace, plan: dict) -> list:
     api += ["--port", str(plan["api_port"]), "--db", plan["db_url"], "--parent-pid", pid]
     if not args.synthetic:
         api += ["--model", engine.model]
+    api += [
+        "--ready-lanes",
+        ",".join(lane for lane in LANES if any(lane in g for g in plan["lanes"])),
+    ]
     specs.append(ChildSpec("api", api, common, stop_group=0))
     if plan["dashboard_port"] is not None:
         dash = [py, "-m", "laneserve.cli", "dashboard", "--port", str(plan["dashboard_port"])]
@@ -287,18 +291,21 @@ def check_ready(plan: dict) -> list[str]:
             waiting.append(f"workers ({len(status['workers'])}/{len(plan['lanes'])})")
     except TimeoutError:
         waiting.append("broker")
-    urls = {"api": plan["api_url"] + "/health"}
+    from laneserve.api.health import fetch_readiness
+
+    ready = fetch_readiness(plan["api_url"], timeout_s=2.0)  # the API's /ready: 200 or 503
+    if ready is None:
+        waiting.append("api")
+    elif not ready["ready"]:
+        waiting.append(f"api ({'; '.join(ready.get('reasons') or [])})")
+    elif ready.get("workers", 0) < len(plan["lanes"]):
+        waiting.append("api (workers)")
     if plan["dashboard_url"]:
-        urls["dashboard"] = plan["dashboard_url"] + "/_stcore/health"
-    for name, url in urls.items():
         try:
-            r = httpx.get(url, timeout=2.0)
-            if r.status_code != 200:
-                waiting.append(name)
-            elif name == "api" and r.json().get("workers", 0) < len(plan["lanes"]):
-                waiting.append("api (workers)")
-        except (httpx.HTTPError, ValueError):
-            waiting.append(name)
+            if httpx.get(plan["dashboard_url"] + "/_stcore/health", timeout=2.0).status_code != 200:
+                waiting.append("dashboard")
+        except httpx.HTTPError:
+            waiting.append("dashboard")
     return waiting
 
 

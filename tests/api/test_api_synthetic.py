@@ -144,12 +144,13 @@ def test_every_route_but_health_refuses_missing_or_wrong_key(synth_stack) -> Non
     assert ("POST", "/v1/chat/completions") in routes and ("GET", "/metrics") in routes
     assert len(routes) >= 13
     checked = 0
-    expected = 2 * (len([r for r in routes if r[1] != "/health"]) + 2)
+    probes = ("/health", "/ready")  # open to probes, no key (laneserve.api.health)
+    expected = 2 * (len([r for r in routes if r[1] not in probes]) + 2)
     for method, path in [*routes, ("GET", "/no/such/route"), ("POST", "/v1/embeddings")]:
         for headers in ({}, {"Authorization": "Bearer wrong-key"}):
             r = httpx.request(method, synth_stack.url + path, headers=headers, timeout=10)
-            if path == "/health":
-                assert r.status_code == 200
+            if path in probes:
+                assert r.status_code in (200, 503)  # /ready: 503 here, no batch-lane worker
             else:
                 assert r.status_code == 401, (method, path, r.status_code)
                 assert r.json()["error"]["code"] == "unauthorized"
@@ -297,26 +298,26 @@ def test_metrics_exposes_vllm_style_names(client, synth_stack) -> None:
         pass
     text = httpx.get(synth_stack.url + "/metrics", headers=AUTH).text
     for name in (
-        'laneserve:time_to_first_token_seconds_count{lane="interactive"}',
-        'laneserve:inter_token_latency_seconds_count{lane="interactive"}',
-        'laneserve:e2e_request_latency_seconds_count{lane="interactive"}',
-        'laneserve:request_queue_time_seconds_count{lane="interactive"}',
-        'laneserve:request_prefill_time_seconds_count{lane="interactive"}',
-        'laneserve:request_decode_time_seconds_count{lane="interactive"}',
-        'laneserve:num_requests_running{worker_id="synth"}',
-        'laneserve:num_requests_waiting{worker_id="synth"}',
-        'laneserve:kv_cache_usage_perc{worker_id="synth"}',
-        'laneserve:prefix_cache_hits_total{worker_id="synth"}',
-        'laneserve:prefix_cache_queries_total{worker_id="synth"}',
-        'laneserve:num_preemptions_total{worker_id="synth"}',
-        'laneserve:prompt_tokens_total{lane="interactive"}',
-        'laneserve:generation_tokens_total{lane="interactive"}',
-        'laneserve:num_workers{lane="interactive"} 1.0',
-        'laneserve:num_workers{lane="batch"} 0.0',
+        'laneserve:time_to_first_token_seconds_count{lane="interactive",model_name="smollm2"}',
+        'laneserve:inter_token_latency_seconds_count{lane="interactive",model_name="smollm2"}',
+        'laneserve:e2e_request_latency_seconds_count{lane="interactive",model_name="smollm2"}',
+        'laneserve:request_queue_time_seconds_count{lane="interactive",model_name="smollm2"}',
+        'laneserve:request_prefill_time_seconds_count{lane="interactive",model_name="smollm2"}',
+        'laneserve:request_decode_time_seconds_count{lane="interactive",model_name="smollm2"}',
+        'laneserve:num_requests_running{model_name="smollm2",worker_id="synth"}',
+        'laneserve:num_requests_waiting{model_name="smollm2",worker_id="synth"}',
+        'laneserve:kv_cache_usage_perc{model_name="smollm2",worker_id="synth"}',
+        'laneserve:prefix_cache_hits_total{model_name="smollm2",worker_id="synth"}',
+        'laneserve:prefix_cache_queries_total{model_name="smollm2",worker_id="synth"}',
+        'laneserve:num_preemptions_total{model_name="smollm2",worker_id="synth"}',
+        'laneserve:prompt_tokens_total{lane="interactive",model_name="smollm2"}',
+        'laneserve:generation_tokens_total{lane="interactive",model_name="smollm2"}',
+        'laneserve:num_workers{lane="interactive",model_name="smollm2"} 1.0',
+        'laneserve:num_workers{lane="batch",model_name="smollm2"} 0.0',
     ):
         assert name in text, name
     ttft = [ln for ln in text.splitlines() if ln.startswith(
-        'laneserve:time_to_first_token_seconds_count{lane="interactive"}')]  # fmt: skip
+        'laneserve:time_to_first_token_seconds_count{lane="interactive",model_name="smollm2"}')]  # fmt: skip
     assert float(ttft[0].split()[-1]) >= 1
 
 
@@ -393,8 +394,12 @@ def test_batch_round_trip_with_the_sdk(client, synth_stack, smollm2_gguf) -> Non
         text = httpx.get(stack.url + "/metrics", headers=AUTH, timeout=10).text
         series = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
                   if ln.startswith("laneserve:job_")}  # fmt: skip
-        assert series['laneserve:job_lines{lane="batch",status="completed"}'] >= 4, series
-        assert series['laneserve:job_generation_tokens{lane="batch"}'] >= 8, series
+        assert (
+            series['laneserve:job_lines{lane="batch",model_name="smollm2",status="completed"}'] >= 4
+        ), series
+        assert series['laneserve:job_generation_tokens{lane="batch",model_name="smollm2"}'] >= 8, (
+            series
+        )
     finally:
         stack.stop_proc("jobs-runner")
         stack.stop_proc("worker-batchw")

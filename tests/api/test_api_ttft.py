@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MSG = [{"role": "user", "content": "List three colors."}]
-TTFT_SUM = 'laneserve:time_to_first_token_seconds_sum{lane="interactive"}'
+TTFT_SUM = 'laneserve:time_to_first_token_seconds_sum{lane="interactive",model_name="smollm2"}'
 
 
 @pytest.fixture(scope="module")
