@@ -41,7 +41,10 @@ class LLM:
     """Run a model offline over a list of prompts with continuous batching.
 
     Arguments are `EngineConfig` fields; see DESIGN.md for their meaning. `dtype="auto"` picks
-    bfloat16 on a GPU or a bf16-capable CPU and float32 otherwise.
+    bfloat16 on a GPU or a bf16-capable CPU and float32 otherwise. `quantization` (vLLM's name):
+    "auto" runs a GGUF's own Q4_0 / Q4_1 / Q8_0 weights on weight-only int4 / int8 kernels on CPU,
+    "none" dequantizes them (`dtype="float32", quantization="none"` is the exactness mode),
+    "int8" / "int4" put every linear on that kernel.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class LLM:
         long_prefill_token_threshold: int | None = None,
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
+        quantization: str = "auto",
         **kwargs: Any,
     ):
         self.engine = LLMEngine(
@@ -72,6 +76,7 @@ class LLM:
                 long_prefill_token_threshold=long_prefill_token_threshold,
                 enable_prefix_caching=enable_prefix_caching,
                 max_model_len=max_model_len,
+                quantization=quantization,
                 **kwargs,
             )
         )

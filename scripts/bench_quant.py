@@ -1,0 +1,160 @@
+"""Weight-only int4/int8 kernels vs dense GEMMs per SmolLM2 linear shape and token count.
+
+For each linear of SmolLM2-135M (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576,
+lm_head 576->49152) and M = 1 .. 512 rows, times `x @ W.T` through:
+
+    dense_fp32 / dense_bf16   F.linear on a float32 / bfloat16 weight
+    int4_fp32 / int4_bf16     _weight_int4pack_mm_for_cpu (group 32), float32 / bfloat16 activations
+    int8_fp32 / int8_bf16     _weight_int8pack_mm (per channel)
+
+Variants are timed round-robin, many rounds per cell (the machine may be shared: read the
+per-round ratios, not absolute times). Prints one JSON object: the CPU model and SIMD flags, torch
+threads, per shape and M each variant's median microseconds and median time ratio to int4_bf16,
+and per shape the smallest M from which dense bf16 is at least as fast as int4 bf16 (the routing
+crossover `gpu_worker.quantization.DENSE_MIN_TOKENS` comes from).
+
+    python scripts/bench_quant.py [--ms 1,2,4,...] [--budget-s 0.1] [--shapes qkv,o] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.quantization import QuantLinear, int4_from_float, int8_from_float
+
+SHAPES = {  # name: (N out, K in)
+    "qkv": (960, 576),
+    "o": (576, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+    "lm_head": (49152, 576),
+}
+MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# torch's int4/int8 CPU kernels are vectorized for bf16 activations only; with float32 ones they
+# run 10-100x slower than a dense fp32 GEMM, so those variants are timed for small M only.
+FP32_QUANT_MAX_M = 4
+SLOW_FP32 = ("int4_fp32", "int8_fp32")
+SIMD_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_vnni",
+    "amx_bf16",
+    "amx_int8",
+)
+
+
+def cpu_info() -> dict:
+    """CPU model name and the SIMD flags that matter here, from /proc/cpuinfo."""
+    model, flags = "?", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model == "?":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"model": model, "flags": [f for f in SIMD_FLAGS if f in flags]}
+
+
+def time_cells(fns: dict, x32: torch.Tensor, budget_s: float, min_rounds: int = 9) -> dict:
+    """Per variant: median microseconds per call, and per-round ratios to `int4_bf16`.
+
+    Variants are timed round-robin (one call each per round, until `budget_s` per variant is
+    spent), so a burst of load from other processes hits every variant of a round alike; the
+    per-round ratio's median is the robust figure on a shared machine.
+    """
+    inputs = {v: x32.to(dt) for v, (dt, _) in fns.items()}
+    for v, (_, f) in fns.items():
+        f(inputs[v])  # warm-up (first call packs / allocates)
+    times: dict[str, list[float]] = {v: [] for v in fns}
+    deadline = time.perf_counter() + budget_s * len(fns)
+    rounds = 0
+    while rounds < min_rounds or (time.perf_counter() < deadline and rounds < 2000):
+        for v, (_, f) in fns.items():
+            t0 = time.perf_counter()
+            f(inputs[v])
+            times[v].append(time.perf_counter() - t0)
+        rounds += 1
+    ref = times.get("int4_bf16")
+    out = {}
+    for v, ts in times.items():
+        cell = {"median_us": round(statistics.median(ts) * 1e6, 1)}
+        if ref is not None:
+            cell["ratio_to_int4_bf16"] = round(
+                statistics.median(t / r for t, r in zip(ts, ref, strict=True)), 3
+            )
+        out[v] = cell
+    return out
+
+
+def variants(n: int, k: int) -> dict:
+    """name -> (activation dtype, callable on x)."""
+    w = torch.randn(n, k) * 0.05
+    groups = int4_from_float(w)
+    q8, s8 = int8_from_float(w)
+    out = {}
+    for dt, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        dense = w.to(dt)
+        out[f"dense_{tag}"] = (dt, lambda x, d=dense: F.linear(x, d))
+        out[f"int4_{tag}"] = (dt, QuantLinear.from_int4(groups, dt))
+        out[f"int8_{tag}"] = (dt, QuantLinear.from_int8(q8, s8, dt))
+    return out
+
+
+def crossover(ratio: dict[int, float]) -> int | None:
+    """Smallest M from which dense bf16 takes at most the int4 kernel's time (ratio <= 1) at
+    every larger M measured; None when the int4 kernel wins throughout."""
+    ms = sorted(ratio)
+    for i, m in enumerate(ms):
+        if all(ratio[mm] <= 1.0 for mm in ms[i:]):
+            return m
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--budget-s", type=float, default=0.1, help="time per variant and M (s)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ms = [int(m) for m in args.ms.split(",")]
+    torch.manual_seed(0)
+    result: dict = {"cpu": cpu_info(), "torch": torch.__version__}
+    result["threads"] = torch.get_num_threads()
+    result["shapes"] = {}
+    with torch.inference_mode():
+        for name in args.shapes.split(","):
+            n, k = SHAPES[name]
+            fns = variants(n, k)
+            cells: dict[int, dict] = {}
+            for m in ms:
+                slow = m > FP32_QUANT_MAX_M
+                run = {v: fv for v, fv in fns.items() if not (slow and v in SLOW_FP32)}
+                cells[m] = time_cells(run, torch.randn(m, k), args.budget_s)
+            ratio = {m: c["dense_bf16"]["ratio_to_int4_bf16"] for m, c in cells.items()}
+            result["shapes"][name] = {
+                "n": n,
+                "k": k,
+                "cells": {str(m): c for m, c in cells.items()},
+                "dense_bf16_time_over_int4_bf16": {str(m): r for m, r in ratio.items()},
+                "crossover_m_bf16": crossover(ratio),
+            }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
