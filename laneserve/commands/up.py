@@ -72,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32")
     )
+    engine.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"))
     engine.add_argument("--block-size", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=None)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -266,6 +267,7 @@ def build_specs(args: argparse.Namespace, plan: dict) -> list:
             argv.append("--synthetic")
         else:
             argv += ["--model", args.model, "--dtype", args.dtype]
+            argv += ["--quantization", args.quantization]
         for flag in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
             value = getattr(args, flag)
             if value is not None:

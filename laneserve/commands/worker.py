@@ -46,6 +46,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", default="smollm2-135m")
     engine.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32")
+    engine.add_argument(
+        "--quantization",
+        default="auto",
+        choices=("auto", "none", "int8", "int4"),
+        help="weight-only kernels: auto = a GGUF's own Q4/Q8 formats on CPU; none = dequantized",
+    )
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument(
@@ -143,6 +149,7 @@ def build_engine(args: argparse.Namespace, lanes: list[str]):
     return LLMEngine.from_args(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
