@@ -300,6 +300,11 @@ def _auto_kind(parts: list) -> str | None:
     return None
 
 
+def build_is_dense(parts: list[torch.Tensor | GGUFQuantTensor], mode: str) -> bool:
+    """Whether `build_linear` returns a plain dense tensor for these parts in this mode."""
+    return mode == "none" or (mode == "auto" and _auto_kind(parts) is None)
+
+
 def build_linear(
     name: str,
     parts: list[torch.Tensor | GGUFQuantTensor],
@@ -313,11 +318,15 @@ def build_linear(
     for any source (round-to-nearest from float). With bf16/fp16 activations a dense copy of the
     source weights rides along for large-M calls (`DENSE_MIN_TOKENS`).
     """
-    kind = _auto_kind(parts) if mode == "auto" else mode
-    if mode == "auto" and kind is None and any(isinstance(p, GGUFQuantTensor) for p in parts):
+    if (
+        mode == "auto"
+        and _auto_kind(parts) is None
+        and any(isinstance(p, GGUFQuantTensor) for p in parts)
+    ):
         logger.info("%s: mixed GGUF types across fused parts; dequantized instead", name)
-    if mode == "none" or kind is None:
+    if build_is_dense(parts, mode):
         return torch.cat([_as_float(p) for p in parts]).to(dtype).contiguous()
+    kind = _auto_kind(parts) if mode == "auto" else mode
     dense = None
     if kind == "int4":
         groups = Int4Groups.cat(

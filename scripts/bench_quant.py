@@ -14,14 +14,25 @@ and per shape the smallest M from which dense bf16 is at least as fast as int4 b
 crossover `gpu_worker.quantization.DENSE_MIN_TOKENS` comes from).
 
     python scripts/bench_quant.py [--ms 1,2,4,...] [--budget-s 0.1] [--shapes qkv,o] [--threads 1]
+
+`--steps` instead times whole engine decode steps (`LLMEngine.step()`, sampling included) of the
+bundled model at batch 1 / 8 / 64 for `--quantization none,auto` (bf16 activations), the engines
+stepped alternately so load from other processes hits both alike, and reports each model's weight
+bytes and the process RSS growth while it loaded:
+
+    python scripts/bench_quant.py --steps [--batches 1,8,64] [--num-steps 30]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import time
+
+# gpu_worker sets the OpenMP wait policy the engine runs under before torch loads
+import gpu_worker  # noqa: F401  # isort: skip
 
 import torch
 import torch.nn.functional as F
@@ -122,19 +133,89 @@ def crossover(ratio: dict[int, float]) -> int | None:
     return None
 
 
+def rss_mb() -> float:
+    """Resident set size of this process now (MB), from /proc/self/statm."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 1e6
+
+
+def step_times(args) -> dict:
+    """Decode step times of whole engine steps, per quantization mode and batch size."""
+    from gpu_worker import LLM, SamplingParams
+
+    llms, memory = {}, {}
+    for mode in args.quantization.split(","):
+        before = rss_mb()
+        t0 = time.perf_counter()
+        llms[mode] = LLM(
+            model=args.model,
+            dtype=args.dtype,
+            quantization=mode,
+            max_model_len=128,  # 32-token prompts + warm-up + timed steps
+            num_blocks=max(args.batches_list) * 128 // 16,
+            enable_prefix_caching=False,
+        )
+        memory[mode] = {
+            "load_s": round(time.perf_counter() - t0, 2),
+            "weight_mb": round(llms[mode].engine.runner.model.weight_bytes() / 1e6, 1),
+            "rss_growth_mb": round(rss_mb() - before, 1),
+        }
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    prompt = list(range(1000, 1032))  # 32 tokens
+    out: dict = {"memory": memory, "decode_step_ms": {}}
+    for batch in args.batches_list:
+        for llm in llms.values():
+            for i in range(batch):
+                llm.engine.add_request(
+                    f"b{batch}-{i}", prompt_token_ids=prompt, sampling_params=params
+                )
+            for _ in range(3):  # the prefill step (batch x 32 tokens), then decodes
+                llm.engine.step()
+        times: dict[str, list[float]] = {mode: [] for mode in llms}
+        for _ in range(args.num_steps):
+            for mode, llm in llms.items():
+                t0 = time.perf_counter()
+                llm.engine.step()
+                times[mode].append((time.perf_counter() - t0) * 1e3)
+        cell = {mode: round(statistics.median(ts), 2) for mode, ts in times.items()}
+        first = next(iter(llms))
+        for mode in llms:
+            if mode != first:
+                ratios = [a / b for a, b in zip(times[first], times[mode], strict=True)]
+                cell[f"{first}_over_{mode}"] = round(statistics.median(ratios), 2)
+        out["decode_step_ms"][str(batch)] = cell
+        for llm in llms.values():
+            for i in range(batch):
+                llm.engine.abort_request(f"b{batch}-{i}")
+            while llm.engine.has_unfinished_requests():
+                llm.engine.step()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--budget-s", type=float, default=0.1, help="time per variant and M (s)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--steps", action="store_true", help="time engine decode steps instead")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default="none,auto", help="modes to compare (--steps)")
+    ap.add_argument("--batches", default="1,8,64", help="decode batch sizes (--steps)")
+    ap.add_argument("--num-steps", type=int, default=30, help="timed steps per batch (<= 90)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.batches_list = [int(b) for b in args.batches.split(",")]
     ms = [int(m) for m in args.ms.split(",")]
     torch.manual_seed(0)
     result: dict = {"cpu": cpu_info(), "torch": torch.__version__}
     result["threads"] = torch.get_num_threads()
+    if args.steps:
+        result.update(step_times(args))
+        print(json.dumps(result, indent=1))
+        return
     result["shapes"] = {}
     with torch.inference_mode():
         for name in args.shapes.split(","):

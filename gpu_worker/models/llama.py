@@ -161,8 +161,9 @@ class LlamaForCausalLM:
         head_name = embed_name
         if not c.tie_word_embeddings and "lm_head.weight" in weights:
             head_name = "lm_head.weight"
-        if self.quantization == "none" and head_name == embed_name:
-            self.lm_head: Linear = self.embed_tokens
+        tied_dense = head_name == embed_name and isinstance(self.embed_tokens, torch.Tensor)
+        if tied_dense and quant.build_is_dense([raw(head_name, vh)], self.quantization):
+            self.lm_head: Linear = self.embed_tokens  # one tensor for both
         else:
             self.lm_head = take_linear([head_name], [vh])
         self.layers: list[LayerWeights] = []
