@@ -4,6 +4,16 @@ DESIGN.md "Quantization": `quantization="auto"|"none"|"int8"|"int4"`. Decode row
 bandwidth-bound (every token reads every weight), so reading 4-bit weights instead of bf16 ones
 cuts the bytes per step about 4x; activations stay in the model's dtype (float32 or bfloat16).
 
+Kernel choice by phase: calls of at least `DENSE_MIN_TOKENS` rows (prefill chunks, big decode
+batches: compute-bound) run as dense GEMMs on a bf16 copy of the same weights when the model's
+activations are bf16; smaller ones (decode) read the 4-bit weights. The copy costs ~2 bytes per
+weight (266 MB for SmolLM2-135M, whose int4/int8 weights and Q8_0 embedding take 129 MB) and buys 2-2.5x on every
+linear from 64 rows up (scripts/bench_quant.py). A float32 model keeps no copy: one kernel for
+every row count, so its outputs do not depend on chunking or batching through a kernel switch.
+The embedding of a GGUF stays in its Q8_0 blocks (exact lookups, 31 MB instead of 57 MB bf16);
+a tied LM head over it runs on int8 per channel (at M = 1, 1.5x the int4 kernel's time but
+requantizing Q8_0 to int4 would cost ~8x the int8 error).
+
 Kernels (torch CPU, ATen):
 
 - `_weight_int4pack_mm_for_cpu(x [M, K], packed [N, K/2] uint8, 32, scale_zeros [K/32, N, 2])`
@@ -178,9 +188,10 @@ def int8_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
 KERNEL_DTYPE = torch.bfloat16  # torch's int4/int8 CPU kernels are vectorized for bf16 only
-# From M rows up, a dense bf16 GEMM beats the int4 kernel (scripts/bench_quant.py, 2-core EPYC with
-# AVX512-BF16, per SmolLM2 shape; the compute-bound side of DESIGN.md's table). Only used when the
-# activations are bf16/fp16: a float32 model keeps one kernel for every M (batch invariance).
+# From this many rows up, a dense bf16 GEMM beats the int4 kernel. Measured crossovers
+# (scripts/bench_quant.py, 1 thread, 2-core EPYC with AVX512-BF16, medians of per-round ratios):
+# qkv 16, o 16, gate_up 32, down 8, lm_head 16; at 16 every shape is within 12 % of its best.
+# Only used when the activations are bf16/fp16 (see the module docstring).
 DENSE_MIN_TOKENS = 16
 
 
