@@ -13,10 +13,32 @@ Usage::
 raised, so a caller sees the broker's code (``overloaded``, ``worker_lost``, ...). Leaving the
 iteration early (``break``, task cancellation, ``aclose()``) sends an ``abort``.
 
-Broker restarts: the client sends ``hello`` every ``heartbeat_interval_s`` while it has requests in
-flight; the broker answers with its epoch. A changed epoch, or silence for ``liveness_s``, ends
-every in-flight request with a retryable ``worker_lost`` error (the new broker does not know
-them). The ZMQ DEALER reconnects by itself, so later submits go to the new broker.
+Broker restarts (DESIGN.md "Scale beyond one machine"): the client talks to the broker over one
+*connection* at a time (a DEALER socket and its ZMQ monitor). A connection is *up* once the
+broker answered its ``hello`` with a heartbeat carrying the broker's epoch; requests are sent
+only on an up connection, and a request submitted while none is up waits for one. The client
+*leaves* a connection when
+
+- ZMQ reports the peer disconnected (a broker killed or restarted: noticed at once),
+- a heartbeat or status reply on it carries another epoch than the one it started with, or
+- the broker stays silent for ``liveness_s`` while requests are in flight (``hello`` goes out
+  every ``heartbeat_interval_s`` meanwhile).
+
+Leaving closes the socket, so nothing the old broker sends afterwards is read (an answer of an
+epoch the client left never reaches a caller), and opens a new connection. A stream that already
+yielded a Delta with content ends with a retryable ``worker_lost`` error; every other request in
+flight (non-streaming ones, streams without a token yet) is resubmitted to the broker on the new
+connection under the same request id, keeping its deadline; the caller sees nothing of it but
+the added latency. A request waiting for a connection ends at its ``deadline`` with
+``deadline_exceeded``, or, without one, after ``connect_timeout_s`` with a retryable
+``no_worker``. A broker that still holds a resubmitted id (a reconnect without a restart) follows
+it on the new connection.
+
+A caller that shows nothing before the end (the gateway for a non-streaming HTTP response, which
+streams from the broker only to time tokens at the edge) submits with ``restartable=True``: such
+a request is resubmitted even after content, on a reconnect and on the broker's retryable
+``worker_lost`` (a lost worker), up to ``MAX_SENDS`` sends; its stream then yields a
+:class:`Restart` before the new run's messages, and the caller drops what it had.
 """
 
 from __future__ import annotations
@@ -26,20 +48,74 @@ import contextlib
 import logging
 import time
 import uuid
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from broker import protocol as p
 
 logger = logging.getLogger(__name__)
 
-Result = p.Delta | p.Final | p.Error
+
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """Yielded by a ``restartable`` request that runs again from the start: drop its output so
+    far. ``reason``: why (a broker restart, a lost worker)."""
+
+    request_id: str
+    reason: str
+
+
+Result = p.Delta | p.Final | p.Error | Restart
+
+MAX_SENDS = 4  # sends of one request (the first + resubmissions) before a server abort is final
+_DRAIN_BATCH = 512  # messages handled per event-loop round
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One request in flight on this client."""
+
+    submit: p.Submit
+    queue: asyncio.Queue
+    submitted_at: float  # time.monotonic() s of the caller's submit
+    deadline: float | None  # time.monotonic() s; None: no caller deadline
+    gen: int = 0  # the connection it was last sent on; 0: waiting for a connection
+    wait_since: float = 0.0  # monotonic s it began waiting for a connection
+    sends: int = 0
+    delivered: bool = False  # a Delta with content reached the caller
+    restartable: bool = False  # the caller can drop its output (it gets a Restart)
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(slots=True)
+class _Conn:
+    """One connection to the broker: a DEALER socket, its monitor and their tasks."""
+
+    gen: int
+    sock: zmq.asyncio.Socket
+    shadow: zmq.Socket  # synchronous view of ``sock`` (drains without event-loop round trips)
+    monitor: zmq.asyncio.Socket
+    opened: float  # monotonic s
+    hello_at: float = 0.0  # monotonic s of the last hello sent
+    epoch: str | None = None  # the broker's epoch as first heard here; None: not up yet
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    closed: bool = False
 
 
 class BrokerClient:
-    """Asyncio client of the broker's front socket. One instance per event loop."""
+    """Asyncio client of the broker's front socket. One instance per event loop.
+
+    ``heartbeat_interval_s``: period of ``hello`` while requests are in flight (s).
+    ``liveness_s``: broker silence (s) after which the connection is replaced.
+    ``connect_timeout_s``: how long a request without a deadline waits for a broker (s).
+    ``counters``: ``connections`` (opened), ``resubmitted`` (requests sent again after a
+    reconnect), ``stream_lost`` (streams ended with ``worker_lost`` by a reconnect),
+    ``stale_messages`` (answers for requests this connection does not carry), ``expired``.
+    """
 
     def __init__(
         self,
@@ -47,20 +123,27 @@ class BrokerClient:
         *,
         heartbeat_interval_s: float = 1.0,
         liveness_s: float = 10.0,
+        connect_timeout_s: float = 30.0,
         ctx: zmq.asyncio.Context | None = None,
     ) -> None:
         self.address = address
         self.heartbeat_interval_s = heartbeat_interval_s
         self.liveness_s = liveness_s
+        self.connect_timeout_s = connect_timeout_s
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.client_id = uuid.uuid4().hex[:12]
-        self.epoch: str | None = None
-        self._sock: zmq.asyncio.Socket | None = None
-        self._streams: dict[str, asyncio.Queue[Result]] = {}
+        self.epoch: str | None = None  # the epoch of the broker last heard
+        self._conn: _Conn | None = None
+        self._up = asyncio.Event()
+        self._streams: dict[str, _Pending] = {}
         self._status_waiters: dict[str, asyncio.Future[p.StatusReply]] = {}
         self._tasks: list[asyncio.Task] = []
         self._last_heard = 0.0
+        self._hello = p.Hello(client_id=self.client_id).to_frames()
         self.invalid_messages = 0
+        self.counters = dict.fromkeys(
+            ("connections", "resubmitted", "stream_lost", "stale_messages", "expired"), 0
+        )
 
     async def __aenter__(self) -> BrokerClient:
         await self.start()
@@ -70,37 +153,31 @@ class BrokerClient:
         await self.close()
 
     async def start(self) -> None:
-        """Connect and start the reader and heartbeat tasks."""
-        if self._sock is not None:
+        """Connect and start the heartbeat task (returns at once; the broker may start later)."""
+        if self._conn is not None:
             return
-        sock = self.ctx.socket(zmq.DEALER)
-        p.secure_socket_options(sock)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        sock.connect(self.address)
-        self._sock = sock
         self._last_heard = time.monotonic()
-        self._tasks = [
-            asyncio.create_task(self._reader(), name="broker-client-reader"),
-            asyncio.create_task(self._heartbeat(), name="broker-client-heartbeat"),
-        ]
-        self._send_nowait(p.Hello(client_id=self.client_id))  # learn the broker epoch
+        self._conn = self._open(1)
+        self._tasks = [asyncio.create_task(self._heartbeat(), name="broker-client-heartbeat")]
 
     async def close(self) -> None:
         """Abort what is in flight (best effort) and close the socket."""
-        for rid in list(self._streams):
-            self._send_nowait(p.Abort(request_id=rid))
-        for task in self._tasks:
+        conn = self._conn
+        for rid, pend in list(self._streams.items()):
+            if conn is not None and pend.gen == conn.gen:
+                self._send(conn, p.Abort(request_id=rid).to_frames())
+            if pend.timer is not None:
+                pend.timer.cancel()
+        for task in self._tasks + (conn.tasks if conn else []):
             task.cancel()
-        for task in self._tasks:
+        for task in self._tasks + (conn.tasks if conn else []):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        if self._sock is not None:
-            self._sock.close(linger=100)
-            self._sock = None
+        if conn is not None:
+            self._close_conn(conn, linger_ms=100)
+            self._conn = None
+        self._up.clear()
 
     # ------------------------------------------------------------------ API
 
@@ -120,12 +197,17 @@ class BrokerClient:
         arrival_monotonic: float | None = None,
         job_id: str | None = None,
         custom_id: str | None = None,
+        deadline: float | None = None,
+        restartable: bool = False,
     ) -> RequestStream:
         """Send a request; returns an async iterator of Delta ... then one Final or Error.
 
         ``arrival_time`` (unix s) and ``arrival_monotonic`` (``time.monotonic()`` s) are when the
-        edge accepted the request (default: now). Raises ProtocolError at once on an invalid
-        request (bad lane, not exactly one prompt form, unknown sampling field, ...).
+        edge accepted the request (default: now). ``deadline`` (``time.monotonic()`` s, optional):
+        a request not finished by then is aborted and ends with ``deadline_exceeded``; it holds
+        across resubmissions. ``restartable``: the caller passes nothing on before the end, so
+        the request may be run again after content (module docstring). Raises ProtocolError at once on an invalid request (bad lane, not
+        exactly one prompt form, unknown sampling field, ...).
         """
         now = time.monotonic()
         msg = p.Submit(
@@ -144,23 +226,45 @@ class BrokerClient:
             custom_id=custom_id,
         )
         p.Submit.from_payload(msg.payload())  # validate here, not at the broker
-        if self._sock is None:
+        if self._conn is None:
             raise RuntimeError("BrokerClient.start() was not called")
-        if msg.request_id in self._streams:
-            raise ValueError(f"request {msg.request_id!r} is already in flight on this client")
+        rid = msg.request_id
+        if rid in self._streams:
+            raise ValueError(f"request {rid!r} is already in flight on this client")
         queue: asyncio.Queue[Result] = asyncio.Queue()
-        self._streams[msg.request_id] = queue
-        self._send_nowait(msg)
-        return RequestStream(self, msg.request_id, queue)
+        pend = _Pending(
+            submit=msg, queue=queue, submitted_at=now, deadline=deadline, restartable=restartable
+        )
+        pend.wait_since = now
+        self._streams[rid] = pend
+        if deadline is not None:
+            pend.timer = asyncio.get_running_loop().call_later(
+                max(0.0, deadline - now), self._expire, rid, pend
+            )
+        if self._conn.epoch is not None:
+            self._send_submit(self._conn, pend, now)
+        return RequestStream(self, rid, queue)
 
     async def status(self, timeout_s: float = 5.0) -> p.StatusReply:
-        """The broker's status (workers, queues, counters). Raises TimeoutError."""
+        """The broker's status (workers, queues, counters). Raises TimeoutError.
+
+        Sent again on a new connection if the client reconnects meanwhile."""
         rid = uuid.uuid4().hex
         fut: asyncio.Future[p.StatusReply] = asyncio.get_running_loop().create_future()
         self._status_waiters[rid] = fut
+        deadline = time.monotonic() + timeout_s
+        sent_on: _Conn | None = None
         try:
-            self._send_nowait(p.StatusRequest(request_id=rid))
-            return await asyncio.wait_for(fut, timeout_s)
+            while not fut.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"broker at {self.address} did not answer in {timeout_s}s")
+                conn = self._conn
+                if conn is not None and conn is not sent_on:
+                    sent_on = conn
+                    self._send(conn, p.StatusRequest(request_id=rid).to_frames())
+                await asyncio.wait({fut}, timeout=min(left, 0.1))
+            return fut.result()
         finally:
             self._status_waiters.pop(rid, None)
 
@@ -168,40 +272,173 @@ class BrokerClient:
     def in_flight(self) -> int:
         return len(self._streams)
 
-    # ------------------------------------------------------------------ internals
+    @property
+    def connected(self) -> bool:
+        """True while a connection is up (the broker answered on it)."""
+        return self._up.is_set()
 
     def report_edge_timings(
         self, request_id: str, ttft_ms: float | None, e2e_ms: float | None
     ) -> None:
         """Tell the broker this edge's TTFT and e2e (ms) for a finished request (stored in SQL)."""
-        self._send_nowait(p.EdgeTimings(request_id=request_id, ttft_ms=ttft_ms, e2e_ms=e2e_ms))
+        if self._conn is not None:
+            msg = p.EdgeTimings(request_id=request_id, ttft_ms=ttft_ms, e2e_ms=e2e_ms)
+            self._send(self._conn, msg.to_frames())
 
-    def _send_nowait(self, msg: p.Message) -> None:
-        if self._sock is None:
+    # ------------------------------------------------------------------ connections
+
+    def _open(self, gen: int) -> _Conn:
+        sock = self.ctx.socket(zmq.DEALER)
+        p.secure_socket_options(sock)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(self.address)
+        conn = _Conn(
+            gen=gen,
+            sock=sock,
+            shadow=zmq.Socket.shadow(sock.underlying),
+            monitor=monitor,
+            opened=time.monotonic(),
+        )
+        conn.tasks = [
+            asyncio.create_task(self._reader(conn), name=f"broker-client-reader-{gen}"),
+            asyncio.create_task(self._watch(conn), name=f"broker-client-monitor-{gen}"),
+        ]
+        self.counters["connections"] += 1
+        self._send_hello(conn)  # queued until connected; the answer brings the epoch
+        return conn
+
+    def _close_conn(self, conn: _Conn, linger_ms: int = 0) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        current = asyncio.current_task()
+        for task in conn.tasks:
+            if task is not current:
+                task.cancel()
+        with contextlib.suppress(zmq.ZMQError):
+            conn.sock.disable_monitor()
+        conn.monitor.close(linger=0)
+        conn.sock.close(linger=linger_ms)
+
+    def _leave(self, conn: _Conn, why: str) -> None:
+        """Stop using ``conn``: fail the streams that delivered content, queue the other requests
+        sent on it for the next connection, and open that connection."""
+        if conn is not self._conn or conn.closed:
+            return
+        self._close_conn(conn)
+        self._up.clear()
+        now = time.monotonic()
+        lost = waiting = 0
+        for rid, pend in list(self._streams.items()):
+            if pend.gen != conn.gen:
+                continue
+            if pend.delivered and not pend.restartable:
+                lost += 1
+                err = p.Error(
+                    request_id=rid,
+                    code="worker_lost",
+                    message=f"{why} while streaming; retry the request",
+                    retryable=True,
+                )
+                self._end(rid, err)
+            else:
+                waiting += 1
+                self._restart(pend, why)
+                pend.gen, pend.wait_since = 0, now
+        self.counters["stream_lost"] += lost
+        logger.warning(
+            "%s: reconnecting (%d streams end with worker_lost, %d requests wait to be resent)",
+            why,
+            lost,
+            waiting,
+        )
+        self._conn = self._open(conn.gen + 1)
+
+    def _on_up(self, conn: _Conn, epoch: str) -> None:
+        """The broker answered on ``conn``: send every request that waits for a connection."""
+        now = time.monotonic()
+        conn.epoch = epoch
+        waiting = [pend for pend in self._streams.values() if pend.gen == 0]
+        if self.epoch is not None and (epoch != self.epoch or waiting):
+            logger.warning(
+                "broker epoch %s (was %s): resubmitting %d requests",
+                epoch,
+                self.epoch,
+                len(waiting),
+            )
+        self.epoch = epoch
+        self._last_heard = now
+        self._up.set()
+        for pend in waiting:
+            self._send_submit(conn, pend, now)
+
+    @staticmethod
+    def _restart(pend: _Pending, why: str) -> None:
+        """Tell the caller of a restartable request to drop the output it got so far."""
+        if pend.delivered:
+            pend.delivered = False
+            pend.queue.put_nowait(Restart(pend.submit.request_id, why))
+
+    def _send_submit(self, conn: _Conn, pend: _Pending, now: float) -> None:
+        msg = pend.submit
+        if pend.sends:
+            # The broker measures queueing from the edge's arrival: count the wait as edge time.
+            edge_ms = msg.edge_ms + (now - pend.submitted_at) * 1000.0
+            msg = replace(msg, edge_ms=min(edge_ms, 1e9))
+            self.counters["resubmitted"] += 1
+        pend.sends += 1
+        pend.gen = conn.gen
+        self._send(conn, msg.to_frames())
+
+    def _send_hello(self, conn: _Conn) -> None:
+        conn.hello_at = time.monotonic()
+        self._send(conn, self._hello)
+
+    def _send(self, conn: _Conn, frames: list[bytes]) -> None:
+        if conn.closed:
             return
         try:
-            self._sock.send_multipart(msg.to_frames(), zmq.NOBLOCK)
+            conn.sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
-            logger.warning("broker client send queue full: dropped %s", msg.KIND)
+            logger.warning("broker client send queue full: dropped a message")
 
-    async def _reader(self) -> None:
-        assert self._sock is not None
-        sock = self._sock
-        # A synchronous shadow of the same socket drains what is already queued without one
-        # event-loop round trip per message (pyzmq re-checks EVENTS on every new async recv).
-        shadow = zmq.Socket.shadow(sock.underlying)
-        while True:
-            batch = [await sock.recv_multipart()]
-            for _ in range(512):
-                try:
-                    batch.append(shadow.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-            self._last_heard = time.monotonic()
-            for frames in batch:
-                self._on_frames(frames)
+    # ------------------------------------------------------------------ reading
 
-    def _on_frames(self, frames: list[bytes]) -> None:
+    async def _reader(self, conn: _Conn) -> None:
+        # Wait for readability, then drain with the synchronous shadow: no message is ever held
+        # in a pending future, so leaving the connection (below) loses nothing already received.
+        while not conn.closed:
+            await conn.sock.poll(flags=zmq.POLLIN)
+            self._drain(conn)
+
+    def _drain(self, conn: _Conn) -> bool:
+        """Handle the messages queued on ``conn``; True if more may be waiting."""
+        for i in range(_DRAIN_BATCH):
+            if conn.closed:
+                return False
+            try:
+                frames = conn.shadow.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            if not i:
+                self._last_heard = time.monotonic()
+            self._on_frames(conn, frames)
+        return True
+
+    async def _watch(self, conn: _Conn) -> None:
+        while not conn.closed:
+            event = parse_monitor_message(await conn.monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED and not conn.closed:
+                while self._drain(conn):  # what the broker sent before it went away counts
+                    pass
+                self._leave(conn, f"lost the connection to the broker (epoch {conn.epoch})")
+                return
+
+    def _on_frames(self, conn: _Conn, frames: list[bytes]) -> None:
         try:
             msg = p.decode(frames, p.BROKER_TO_CLIENT)
         except p.ProtocolError as exc:
@@ -210,39 +447,116 @@ class BrokerClient:
             return
         kind = type(msg)
         if kind is p.Heartbeat:
-            if self.epoch is not None and msg.epoch != self.epoch:
-                self._fail_all(f"broker restarted (epoch {self.epoch} -> {msg.epoch})")
-            self.epoch = msg.epoch
+            self._on_epoch(conn, msg.epoch)
         elif kind is p.StatusReply:
             fut = self._status_waiters.get(msg.request_id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
-            if self.epoch is None:
-                self.epoch = msg.epoch
+            self._on_epoch(conn, msg.epoch)
         else:
-            queue = self._streams.get(msg.request_id)
-            if queue is not None:
-                queue.put_nowait(msg)
+            pend = self._streams.get(msg.request_id)
+            if pend is None or pend.gen != conn.gen:
+                self.counters["stale_messages"] += 1
+            elif kind is p.Delta:
+                if msg.text or msg.token_ids:
+                    pend.delivered = True
+                pend.queue.put_nowait(msg)
+            elif (
+                kind is p.Final
+                and msg.finish_reason == "abort"
+                and 1 < pend.sends < MAX_SENDS
+                and not pend.delivered
+            ):
+                # The broker aborted it for our previous connection before the resubmission
+                # reached it (a reconnect without a restart): the id is free now, send it again.
+                self._send_submit(conn, pend, time.monotonic())
+            elif (
+                kind is p.Error
+                and msg.code == "worker_lost"
+                and msg.retryable
+                and pend.restartable
+                and pend.sends < MAX_SENDS
+            ):
+                self._restart(pend, msg.message)  # its worker was lost after some output
+                self._send_submit(conn, pend, time.monotonic())
+            else:
+                self._end(msg.request_id, msg)
+
+    def _on_epoch(self, conn: _Conn, epoch: str) -> None:
+        if conn.epoch is None:
+            self._on_up(conn, epoch)
+        elif epoch != conn.epoch:  # the socket reconnected to a new broker by itself
+            self._leave(conn, f"broker restarted (epoch {conn.epoch} -> {epoch})")
+
+    # ------------------------------------------------------------------ ending requests
+
+    def _end(self, rid: str, msg: Result) -> None:
+        pend = self._streams.pop(rid, None)
+        if pend is None:
+            return
+        if pend.timer is not None:
+            pend.timer.cancel()
+        pend.queue.put_nowait(msg)
+
+    def _expire(self, rid: str, pend: _Pending) -> None:
+        """The caller's deadline passed: abort the request and end it with deadline_exceeded."""
+        if self._streams.get(rid) is not pend:
+            return
+        conn = self._conn
+        if conn is not None and pend.gen == conn.gen:
+            self._send(conn, p.Abort(request_id=rid).to_frames())
+        self.counters["expired"] += 1
+        waited = time.monotonic() - pend.submitted_at
+        why = f"not finished within its deadline ({waited:.1f}s after submit)"
+        if pend.gen == 0:
+            why += "; no broker connection meanwhile"
+        err = p.Error(request_id=rid, code="deadline_exceeded", message=why)
+        pend.timer = None
+        self._end(rid, err)
+
+    def _abort(self, rid: str) -> None:
+        """The caller left early: forget the request and tell the broker."""
+        pend = self._streams.pop(rid, None)
+        if pend is None:
+            return
+        if pend.timer is not None:
+            pend.timer.cancel()
+        conn = self._conn
+        if conn is not None and pend.gen == conn.gen:
+            self._send(conn, p.Abort(request_id=rid).to_frames())
 
     async def _heartbeat(self) -> None:
-        hello = p.Hello(client_id=self.client_id)
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
-            if not self._streams:
-                self._last_heard = time.monotonic()
+            conn = self._conn
+            if conn is None:
                 continue
-            self._send_nowait(hello)
-            if time.monotonic() - self._last_heard > self.liveness_s:
-                self._fail_all(f"broker silent for more than {self.liveness_s:.1f}s")
+            now = time.monotonic()
+            self._expire_waiting(now)
+            if conn.epoch is None:
+                if now - conn.hello_at > self.liveness_s:
+                    self._send_hello(conn)  # still connecting (the first one is queued)
+                continue
+            busy = self._status_waiters or any(
+                pend.gen == conn.gen for pend in self._streams.values()
+            )
+            if not busy:
+                self._last_heard = now
+                continue
+            self._send_hello(conn)
+            if now - self._last_heard > self.liveness_s:
+                self._leave(conn, f"broker silent for more than {self.liveness_s:.1f}s")
                 self._last_heard = time.monotonic()
 
-    def _fail_all(self, why: str) -> None:
-        logger.warning("%s: failing %d in-flight requests", why, len(self._streams))
-        for rid, queue in list(self._streams.items()):
-            queue.put_nowait(
-                p.Error(request_id=rid, code="worker_lost", message=why, retryable=True)
-            )
-            self._streams.pop(rid, None)
+    def _expire_waiting(self, now: float) -> None:
+        """Requests without a deadline wait at most ``connect_timeout_s`` for a connection."""
+        for rid, pend in list(self._streams.items()):
+            if pend.gen == 0 and pend.deadline is None:
+                if now - pend.wait_since > self.connect_timeout_s:
+                    self.counters["expired"] += 1
+                    why = f"no broker answered at {self.address} for {self.connect_timeout_s:.0f}s"
+                    err = p.Error(request_id=rid, code="no_worker", message=why, retryable=True)
+                    self._end(rid, err)
 
 
 class RequestStream:
@@ -269,9 +583,8 @@ class RequestStream:
         except asyncio.CancelledError:
             self._abort()
             raise
-        if type(item) is not p.Delta:
+        if type(item) is not p.Delta and type(item) is not Restart:
             self._done = True
-            self._client._streams.pop(self.request_id, None)
         return item
 
     async def aclose(self) -> None:
@@ -282,8 +595,7 @@ class RequestStream:
         if self._done:
             return
         self._done = True
-        if self._client._streams.pop(self.request_id, None) is not None:
-            self._client._send_nowait(p.Abort(request_id=self.request_id))
+        self._client._abort(self.request_id)
 
     def __del__(self) -> None:
         self._abort()

@@ -71,6 +71,17 @@ _VARS: tuple[EnvVar, ...] = (
            test_only=True),
     EnvVar("LANESERVE_REQUIRE_ALL", _flag, False,
            "tests that would skip for a missing service fail instead (CI)", test_only=True),
+    EnvVar("LANESERVE_FAULT_STEP", _str, None,
+           "worker: an engine step holding a prompt with this text raises in the model call",
+           test_only=True),
+    EnvVar("LANESERVE_FAULT_CRASH", _str, None,
+           "worker: a request whose prompt has this text makes the worker exit", test_only=True),
+    # Not ours, read to decide what laneserve sets (see gpu_worker/openmp.py, kernels/__init__.py)
+    EnvVar("OMP_WAIT_POLICY", _str, None,
+           "libgomp wait policy, read when torch loads (default here: PASSIVE + a short spin)"),
+    EnvVar("GOMP_SPINCOUNT", _str, None, "libgomp spins before sleeping (default here: 3000)"),
+    EnvVar("TRITON_INTERPRET", _flag, False, "Triton runs kernels in its CPU interpreter"),
+    EnvVar("CUDA_VISIBLE_DEVICES", _str, None, "CUDA devices a process may use"),
 )
 
 REGISTRY: Mapping[str, EnvVar] = {var.name: var for var in _VARS}

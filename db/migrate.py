@@ -18,10 +18,6 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from filelock import FileLock
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.engine import URL
@@ -29,8 +25,14 @@ from sqlalchemy.engine import URL
 from db.session import make_engine, resolve_url, sqlite_path, writer
 
 logger = logging.getLogger(__name__)
-# Alembic logs every plugin and migration step at INFO; keep start-up output readable.
+# Alembic logs every plugin it sets up (at import) and every migration step at INFO; keep
+# start-up output readable. Set before alembic's first import, or its import-time lines show.
 logging.getLogger("alembic").setLevel(logging.WARNING)
+
+from alembic import command  # noqa: E402
+from alembic.config import Config  # noqa: E402
+from alembic.runtime.migration import MigrationContext  # noqa: E402
+from alembic.script import ScriptDirectory  # noqa: E402
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 # Arbitrary 64-bit key for pg_advisory_lock ("laneserv" in ASCII); shared by every process.

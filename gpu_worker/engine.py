@@ -19,7 +19,6 @@ request is accepted and finishes with finish_reason "length" once the sequence r
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,8 +26,9 @@ from typing import Any
 import torch
 
 from gpu_worker.block_manager import BlockManager
+from gpu_worker.config import ENGINE_DEFAULTS, EngineConfig
 from gpu_worker.detokenizer import IncrementalDetokenizer
-from gpu_worker.errors import EngineError, InvalidRequestError, PromptTooLongError
+from gpu_worker.errors import InvalidRequestError, PromptTooLongError
 from gpu_worker.model_files import model_display_name, resolve_model_path
 from gpu_worker.model_loader import load_model_files
 from gpu_worker.model_runner import ModelRunner, choose_num_blocks
@@ -86,30 +86,6 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Engine knobs (DESIGN.md "Engine" vocabulary; counts in tokens, memory in bytes)."""
-
-    model: str = "smollm2-135m"
-    dtype: str = "auto"
-    device: str | None = None
-    block_size: int = 16
-    num_blocks: int | None = None  # default: what kv_cache_memory_bytes holds
-    kv_cache_memory_bytes: int | None = None  # default: ~2 GiB on CPU, 80 % of free GPU memory
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    long_prefill_token_threshold: int | None = None
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None  # default: the model's, capped to what the KV pool holds
-    # batch-lane tokens per step (decodes + prefill chunks) while interactive requests run
-    interactive_batch_token_cap: int | None = 512
-    batch_token_budget: int | None = None  # batch-lane tokens per step at any time (None: all)
-    lanes: tuple[str, ...] = ("interactive", "batch")
-    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only)
-    # weight-only: auto (a GGUF's own Q4_0/Q4_1/Q8_0 on CPU) | none (dequantized) | int8 | int4
-    quantization: str = "auto"
-
-
 @dataclass(slots=True)
 class _RequestState:
     request: Request
@@ -120,7 +96,10 @@ class _RequestState:
 
 
 class LLMEngine:
-    """Continuous-batching engine over one model on one device.
+    """Continuous-batching engine over one model on one device (an `engine_protocol.Engine`).
+
+    Step knobs the config leaves at None take `ENGINE_DEFAULTS` (a worker resolves its lane
+    profile before, see gpu_worker/config.py).
 
     Raises (constructor):
         ModelLoadError: the model cannot be found or loaded.
@@ -128,6 +107,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig):
+        config = config.with_profile(ENGINE_DEFAULTS)  # step knobs left to the lane profile
         self.config = config
         self.device = torch.device(config.device) if config.device else default_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -177,17 +157,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=max_len,
-                long_prefill_token_threshold=config.long_prefill_token_threshold,
-                interactive_batch_token_cap=config.interactive_batch_token_cap,
-                batch_token_budget=config.batch_token_budget,
-            ),
-            self.block_manager,
-        )
+        self.scheduler = Scheduler(SchedulerConfig.from_engine(config, max_len), self.block_manager)
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
         self.sampler = Sampler(sorted(self.eos_token_ids))
         self.states: dict[str, _RequestState] = {}
@@ -204,15 +174,6 @@ class LLMEngine:
             self.runner.kv_cache_bytes() / 2**30,
             max_len,
         )
-
-    @classmethod
-    def from_args(
-        cls, lanes: list[str] | tuple[str, ...] | None = None, **kwargs: Any
-    ) -> LLMEngine:
-        """Build from keyword options named like `EngineConfig` fields (the worker CLI)."""
-        if lanes is not None:
-            kwargs["lanes"] = tuple(lanes)
-        return cls(EngineConfig(**{k: v for k, v in kwargs.items() if v is not None}))
 
     # ------------------------------------------------------------------ requests
 
@@ -346,7 +307,7 @@ class LLMEngine:
             return deltas
         self.num_steps += 1
         try:
-            sampled = self._execute(out)
+            sampled = self.execute_model(out)
         except Exception as exc:  # a failed forward fails this step's requests, not the engine
             logger.exception("engine step failed; failing %d requests", len(out.scheduled))
             for entry in out.scheduled:
@@ -363,7 +324,10 @@ class LLMEngine:
             deltas.append(self._process_token(state, token_id, logprobs, now))
         return deltas
 
-    def _execute(self, out: SchedulerOutput) -> list[tuple[_RequestState, int, dict | None]]:
+    def execute_model(self, out: SchedulerOutput) -> list[tuple[_RequestState, int, dict | None]]:
+        """Run the model on one scheduled step and sample: (state, token id, logprobs) for every
+        request that emits a token. What it raises fails that step's requests (`step`). A
+        wrapper may decorate it on an instance (gpu_worker/faults.py injects test faults so)."""
         entries = out.scheduled
         inputs = self.runner.prepare_inputs(
             [
@@ -376,8 +340,6 @@ class LLMEngine:
             [e.request.block_table for e in entries],
             [e.samples for e in entries],
         )
-        if os.environ.get("LANESERVE_FAULT_STEP") and self._fault_matches(entries):
-            raise EngineError("injected fault (LANESERVE_FAULT_STEP)")
         logits = self.runner.execute(inputs)
         if not inputs.sample_rows:
             return []
@@ -390,16 +352,6 @@ class LLMEngine:
             [s.request.output_token_ids for s in states],
         )
         return list(zip(states, result.token_ids, result.logprobs, strict=True))
-
-    def _fault_matches(self, entries) -> bool:
-        """Test-only fault hook: fail a step whose batch holds a prompt containing the marker."""
-        marker = os.environ.get("LANESERVE_FAULT_STEP", "")
-        ids = self.tokenizer(marker)["input_ids"] if marker else []
-        for e in entries:
-            p = e.request.prompt_token_ids
-            if ids and any(p[i : i + len(ids)] == ids for i in range(len(p) - len(ids) + 1)):
-                return True
-        return False
 
     def _process_token(
         self, state: _RequestState, token_id: int, logprobs: dict | None, now: float

@@ -18,8 +18,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 import sys
+
+from contracts import env
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,12 @@ def tune_for_inference() -> bool:
     if _applied is not None:
         return _applied
     _applied = False
-    if os.environ.get(ENV, "1").strip() == "0" or not sys.platform.startswith("linux"):
+    try:
+        wanted = env.get(ENV)
+    except env.EnvError as exc:
+        logger.warning("%s; tuning malloc anyway", exc)
+        wanted = True
+    if not wanted or not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

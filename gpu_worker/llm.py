@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_worker.engine import EngineConfig, LLMEngine
+from gpu_worker.config import EngineConfig
+from gpu_worker.model_files import DEFAULT_MODEL
+from gpu_worker.openmp import apply_openmp_policy
 from gpu_worker.sampling_params import SamplingParams
 
 
@@ -40,46 +42,19 @@ class RequestOutput:
 class LLM:
     """Run a model offline over a list of prompts with continuous batching.
 
-    Arguments are `EngineConfig` fields; see DESIGN.md for their meaning. `dtype="auto"` picks
-    bfloat16 on a GPU or a bf16-capable CPU and float32 otherwise. `quantization` (vLLM's name):
-    "auto" runs a GGUF's own Q4_0 / Q4_1 / Q8_0 weights on weight-only int4 / int8 kernels on CPU,
-    "none" dequantizes them (`dtype="float32", quantization="none"` is the exactness mode),
-    "int8" / "int4" put every linear on that kernel.
+    Arguments are `EngineConfig` fields (gpu_worker/config.py, with its defaults; the step knobs
+    take `ENGINE_DEFAULTS`); see DESIGN.md for their meaning. `dtype="auto"` picks bfloat16 on a
+    GPU or a bf16-capable CPU and float32 otherwise. `quantization` (vLLM's name): "auto" runs
+    a GGUF's own Q4_0 / Q4_1 / Q8_0 weights on weight-only int4 / int8 kernels on CPU, "none"
+    dequantizes them (`dtype="float32", quantization="none"` is the exactness mode), "int8" /
+    "int4" put every linear on that kernel.
     """
 
-    def __init__(
-        self,
-        model: str = "smollm2-135m",
-        dtype: str = "bfloat16",
-        device: str | None = None,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        long_prefill_token_threshold: int | None = None,
-        enable_prefix_caching: bool = True,
-        max_model_len: int | None = None,
-        quantization: str = "auto",
-        **kwargs: Any,
-    ):
-        self.engine = LLMEngine(
-            EngineConfig(
-                model=model,
-                dtype=dtype,
-                device=device,
-                block_size=block_size,
-                num_blocks=num_blocks,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                long_prefill_token_threshold=long_prefill_token_threshold,
-                enable_prefix_caching=enable_prefix_caching,
-                max_model_len=max_model_len,
-                quantization=quantization,
-                **kwargs,
-            )
-        )
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "bfloat16", **kwargs: Any):
+        apply_openmp_policy()  # takes effect when torch is not loaded yet (gpu_worker/openmp.py)
+        from gpu_worker.engine import LLMEngine
+
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs))
         self._ids = itertools.count()
 
     @property

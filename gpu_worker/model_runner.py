@@ -14,16 +14,18 @@ tokens (a decode, or the last chunk of a prefill), which the scheduler reports a
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from contracts import env
 from gpu_worker import host_memory
+from gpu_worker.config import ENGINE_DEFAULTS
 from gpu_worker.model_loader import ModelConfig
 from gpu_worker.models.llama import AttentionMetadata, LlamaForCausalLM
+from gpu_worker.openmp import openmp_is_purely_passive
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +40,6 @@ DEFAULT_GPU_KV_FRACTION = 0.80  # of the memory free after loading weights
 # at every size (B=1 18 vs 25), so the rule is off then. LANESERVE_CPU_SINGLE_THREAD_TOKENS
 # overrides it either way (0 turns it off).
 CPU_SINGLE_THREAD_TOKENS = 48
-
-
-def openmp_is_purely_passive() -> bool:
-    """Whether libgomp's threads sleep at once at a barrier (no spin before sleeping)."""
-    spin = os.environ.get("GOMP_SPINCOUNT")
-    if spin is not None:
-        return spin.strip() == "0"
-    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -119,7 +113,7 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         use_cuda_graphs: bool = True,
-        max_num_seqs: int = 256,
+        max_num_seqs: int = ENGINE_DEFAULTS.max_num_seqs,
         max_model_len: int = 8192,
     ):
         self.model = model
@@ -138,13 +132,8 @@ class ModelRunner:
         self.cpu_single_thread_tokens = 0
         if self.device.type == "cpu":
             default = CPU_SINGLE_THREAD_TOKENS if openmp_is_purely_passive() else 0
-            raw = os.environ.get("LANESERVE_CPU_SINGLE_THREAD_TOKENS", str(default))
-            try:
-                self.cpu_single_thread_tokens = int(raw)
-            except ValueError:
-                raise ValueError(
-                    f"LANESERVE_CPU_SINGLE_THREAD_TOKENS must be an integer, got {raw!r}"
-                ) from None
+            forced = env.get("LANESERVE_CPU_SINGLE_THREAD_TOKENS")  # EnvError if not an int
+            self.cpu_single_thread_tokens = default if forced is None else forced
         if use_cuda_graphs and self.device.type == "cuda":
             self.graphs = self._capture_graphs(max_num_seqs, -(-max_model_len // block_size))
 

@@ -41,9 +41,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.config import QUANTIZATIONS as QUANTIZATION_MODES
+
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 GROUP_SIZE = 32  # GGUF's block size for Q4_0 / Q4_1 / Q8_0, and the int4 kernel's group size
 GGUF_QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # loaded as quantized linears without dequantizing
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}

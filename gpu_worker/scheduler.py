@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from gpu_worker.block_manager import BlockManager
+from gpu_worker.config import ENGINE_DEFAULTS, EngineConfig
 from gpu_worker.request import Lane, Request, RequestStatus
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
@@ -71,13 +72,26 @@ class SchedulerConfig:
             step, at the cost of batch steps smaller than the budget.
     """
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = ENGINE_DEFAULTS.max_num_seqs
+    max_num_batched_tokens: int = ENGINE_DEFAULTS.max_num_batched_tokens
     max_model_len: int = 8192
     long_prefill_token_threshold: int | None = None
     watermark: float = 0.01
-    interactive_batch_token_cap: int | None = 512
+    interactive_batch_token_cap: int | None = ENGINE_DEFAULTS.interactive_batch_token_cap
     batch_token_budget: int | None = None
+
+    @classmethod
+    def from_engine(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
+        """The scheduling part of an engine config whose step knobs are resolved
+        (`EngineConfig.with_profile`); `max_model_len` is what the engine settled on."""
+        return cls(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            interactive_batch_token_cap=config.interactive_batch_token_cap,
+            batch_token_budget=config.batch_token_budget,
+        )
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

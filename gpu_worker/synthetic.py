@@ -1,8 +1,8 @@
-"""A synthetic engine with the ``LLMEngine`` interface: fake tokens at a configurable rate.
+"""A synthetic engine with the ``Engine`` interface: fake tokens at a configurable rate.
 
 No model, no torch: it exists so the broker and worker processes can be tested and benchmarked
 without weights (``laneserve worker --synthetic``). It mimics what the worker sees from the real
-engine (docs/interfaces.md "gpu_worker engine"):
+engine (`gpu_worker.engine_protocol.Engine`, docs/interfaces.md "gpu_worker engine"):
 
 - ``add_request(request_id, prompt=None, prompt_token_ids=None, messages=None,
   sampling_params=None, lane="batch", priority=0, arrival_time=None)``
@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_worker.config import ENGINE_DEFAULTS
 from gpu_worker.outputs import RequestDelta
 
 
@@ -47,12 +48,14 @@ class SyntheticEngine:
     ``stamp``: each token's text is ``" t<time.monotonic_ns()>"`` at emission, so a benchmark on
     the same host can measure transport latency (CLOCK_MONOTONIC is system-wide on Linux)."""
 
+    model_name = "synthetic"
+
     def __init__(
         self,
         *,
         step_s: float = 0.01,
         prefill_s: float = 0.0,
-        max_num_seqs: int = 256,
+        max_num_seqs: int = ENGINE_DEFAULTS.max_num_seqs,
         num_blocks: int = 4096,
         block_size: int = 16,
         default_max_tokens: int = 16,
@@ -78,7 +81,7 @@ class SyntheticEngine:
         self._errors: list[RequestDelta] = []
         self.num_steps = 0
 
-    # ------------------------------------------------------------------ LLMEngine interface
+    # ------------------------------------------------------------------ Engine interface
 
     def add_request(
         self,

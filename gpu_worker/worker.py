@@ -11,8 +11,8 @@ Two threads::
   broker's heartbeats (silence for ``liveness`` intervals -> reconnect with exponential backoff;
   a new broker ``epoch`` or a ``disconnect`` -> forget all requests and send ``ready`` again), and
   polls the parent pid (``parent_pid``) so the worker exits when its supervisor dies.
-- The **engine loop** drives any object with the ``LLMEngine`` interface (docs/interfaces.md):
-  ``add_request``, ``step() -> list[RequestDelta]``, ``abort_request``,
+- The **engine loop** drives any `gpu_worker.engine_protocol.Engine` (``LLMEngine``,
+  ``SyntheticEngine``): ``add_request``, ``step() -> list[RequestDelta]``, ``abort_request``,
   ``has_unfinished_requests``, ``stats``. It sends exactly **one** ``step_outputs`` message per
   engine step carrying every request's delta/final/error. An aborted request always gets a
   final output with ``finish_reason="abort"`` (synthesized if the engine emits none) so the
@@ -26,9 +26,8 @@ A broker on another host is reached with CurveZMQ: ``curve_server_public`` (the 
 A refused handshake (key not on the broker's allow-list) is logged as an error; the worker keeps
 retrying and never registers.
 
-Test-only fault hook: with ``LANESERVE_FAULT_CRASH=TEXT`` in the environment, a request whose
-prompt or messages contain TEXT kills the worker process (``os._exit(1)``) when it is added, the
-way a request that crashes its worker every time would (tests/reliability, fault scenario 2).
+Test-only faults are an engine wrapper the entry point installs (gpu_worker/faults.py); this
+module knows nothing of them.
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ import zmq
 
 from broker import protocol as p
 from broker.procutil import pid_alive
+from gpu_worker.engine_protocol import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Worker:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         *,
         broker_addr: str,
         lanes: Iterable[str] = ("interactive", "batch"),
@@ -120,6 +120,7 @@ class Worker:
         # thread got onto the broker socket. Each counter has one writer thread.
         self._handed = 0
         self._forwarded = 0
+        self._resets = 0  # IO thread: resets the engine loop has not confirmed yet
         self.max_backlog = 64  # engine steps waiting for the broker before the engine pauses
         self.curve: tuple[str, str] | None = None
         if curve_server_public or curve_client_key:
@@ -133,7 +134,6 @@ class Worker:
                 apply_client(probe, *self.curve)  # fail fast on bad key files
             finally:
                 probe.close(linger=0)
-        self._fault_crash = os.environ.get("LANESERVE_FAULT_CRASH") or None
 
     # ------------------------------------------------------------------ public
 
@@ -210,14 +210,12 @@ class Worker:
                     self._pending_aborts.add(msg.request_id)
             elif type(msg) is p.Disconnect:
                 self._forget_all()
+                self._hand(pipe, _RESET_DONE)  # what follows is for the broker we announce to
 
     def _add(self, pipe: zmq.Socket, msg: p.WorkRequest) -> None:
         rid = msg.request_id
         if rid in self.active:
             return  # duplicate dispatch; already running
-        if self._fault_crash and self._fault_crash in repr((msg.prompt, msg.messages)):
-            logger.error("LANESERVE_FAULT_CRASH matched request %s: exiting", rid)
-            os._exit(1)
         try:
             self.engine.add_request(
                 rid,
@@ -416,11 +414,11 @@ class Worker:
                                 logger.warning(
                                     "broker restarted (epoch %s -> %s)", epoch, msg.epoch
                                 )
-                                self._reset(pipe, dealer)
+                                self._reset(pipe, dealer, outbox)
                             epoch = msg.epoch
                         elif type(msg) is p.Disconnect:
                             logger.warning("broker says disconnect: %s", msg.reason)
-                            self._reset(pipe, dealer)
+                            self._reset(pipe, dealer, outbox)
                             # the broker that said this may be a new one: adopt the epoch of
                             # its next heartbeat instead of resetting a second time for it
                             epoch = None
@@ -438,7 +436,17 @@ class Worker:
                                 int.from_bytes(event[0][:2], "little") if event else "?",
                             )
                 if pipe in events:
-                    outbox.extend(self._recv_all(pipe))
+                    for frames in self._recv_all(pipe):
+                        if not self._resets:
+                            outbox.append(frames)
+                            continue
+                        # output of requests the broker we left gave us: it may share a request
+                        # id with a resubmission the new broker sends (it must not join that)
+                        self._forwarded += 1
+                        if frames == _RESET_DONE:
+                            self._resets -= 1
+                            if not self._resets:
+                                self._announce(dealer)
                 while outbox:
                     try:
                         p.send_frames(dealer, outbox[0])
@@ -469,6 +477,7 @@ class Worker:
                     poller.unregister(self._monitor)
                     self._close_dealer(dealer)
                     pipe.send_multipart(p.Disconnect(reason="broker silent").to_frames())
+                    self._resets += 1
                     self._forwarded += len(outbox)  # outputs for the old broker are moot
                     outbox.clear()
                     dealer = self._connect()
@@ -491,9 +500,15 @@ class Worker:
         self._monitor.close(linger=0)
         dealer.close(linger=0)
 
-    def _reset(self, pipe: zmq.Socket, dealer: zmq.Socket) -> None:
-        """Tell the engine loop to forget everything, then announce ourselves again."""
+    def _reset(self, pipe: zmq.Socket, dealer: zmq.Socket, outbox: collections.deque) -> None:
+        """Tell the engine loop to forget everything; announce ourselves again once it has
+        (``_announce``), dropping what it sends meanwhile."""
         pipe.send_multipart(p.Disconnect(reason="reset").to_frames())
+        self._resets += 1
+        self._forwarded += len(outbox)
+        outbox.clear()
+
+    def _announce(self, dealer: zmq.Socket) -> None:
         ready = p.Ready(
             worker_id=self.worker_id,
             pid=os.getpid(),
@@ -518,29 +533,10 @@ class Worker:
         return out
 
 
+_RESET_DONE = p.Disconnect(reason="reset done").to_frames()  # engine loop -> IO thread
+
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-
-
-def parse_bytes(text: str | int | None) -> int | None:
-    """``"2GiB"``, ``"512MiB"``, ``"1.5GB"`` or a plain integer -> bytes; None passes through.
-    Raises ValueError on anything else."""
-    if text is None or isinstance(text, int):
-        return text
-    s = text.strip().lower().replace(" ", "")
-    units = {
-        "kib": 2**10,
-        "mib": 2**20,
-        "gib": 2**30,
-        "kb": 10**3,
-        "mb": 10**6,
-        "gb": 10**9,
-        "b": 1,
-    }
-    for suffix, mult in units.items():
-        if s.endswith(suffix):
-            return int(float(s[: -len(suffix)]) * mult)
-    return int(s)

@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from contracts import env
 from kernels import _validate, reference
 
 __all__ = [
@@ -43,7 +44,7 @@ def backend_for(t: torch.Tensor) -> str:
     Raises:
         ValueError: ``LANESERVE_ATTENTION_BACKEND`` is set to something other than torch|triton.
     """
-    forced = os.environ.get(BACKEND_ENV, "").strip().lower()
+    forced = env.get(BACKEND_ENV)
     if forced:
         if forced not in _BACKENDS:
             raise ValueError(f"{BACKEND_ENV} must be one of {_BACKENDS}, got {forced!r}")
@@ -56,7 +57,7 @@ def _impl(t: torch.Tensor):
         if "kernels.triton" not in sys.modules and not t.is_cuda and not torch.cuda.is_available():
             # Forced Triton on a machine without a GPU: the kernels can only run interpreted, and
             # triton reads TRITON_INTERPRET when the kernels are defined, i.e. on first import.
-            if os.environ.get("TRITON_INTERPRET") != "1":
+            if not env.get("TRITON_INTERPRET"):
                 logger.info("no CUDA device: running Triton kernels with TRITON_INTERPRET=1")
                 os.environ["TRITON_INTERPRET"] = "1"
         from kernels import triton as triton_backend  # lazy: importing triton costs ~1 s

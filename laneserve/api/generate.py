@@ -8,7 +8,9 @@ reproducible samples).
 
 Every choice is submitted with ``stream=True`` even when the HTTP response is not streamed, so
 the gateway sees each token arrive and measures TTFT and inter-token gaps at the edge for all
-requests. The broker's ``arrival`` is extended back to the gateway's arrival through
+requests. A choice of a non-streaming response is ``restartable``: after a broker restart or a
+lost worker it runs again from the start (the client yields a ``Restart``; its output so far is
+dropped) instead of failing. The broker's ``arrival`` is extended back to the gateway's arrival through
 ``arrival_monotonic`` (the Submit's ``edge_ms``).
 """
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker import protocol as p
-from broker.client import BrokerClient
+from broker.client import BrokerClient, Restart
 from laneserve.api.errors import STATUS_BY_CODE, ApiError
 from laneserve.api.metrics import GatewayMetrics
 from laneserve.api.schemas import ParsedRequest, Prompt
@@ -119,6 +121,7 @@ class Generation:
                     model=req.model,
                     arrival_time=self.arrival_time,
                     arrival_monotonic=self.arrival_monotonic,
+                    restartable=not req.stream,
                 )
             except p.ProtocolError as exc:
                 self.close()
@@ -182,6 +185,11 @@ class Generation:
         if kind is p.Delta:
             self._on_tokens(choice, msg.text, msg.token_ids, msg.logprobs, now)
             return Event(choice, msg.text, msg.logprobs)
+        if kind is Restart:  # never for a streamed response: nothing was sent yet
+            choice.text.clear()
+            choice.logprobs.clear()
+            choice.num_tokens = 0
+            return Event(choice)
         self._open -= 1
         choice.done = True
         if kind is p.Final:

@@ -9,6 +9,10 @@
 4. Shows progress bars (rich), then a per-lane, per-phase latency table (P50/P99 of TTFT, TPOT,
    queue, prefill, decode, e2e from the `requests` table), throughput, the output files and the
    dashboard URL. A JSON summary is written next to the outputs.
+5. Judges both lanes (`lane_failures`): no interactive answer, chat errors beyond
+   `ERROR_TOLERANCE`, a job that did not complete or lost lines beyond it, or a lane with no
+   request in SQL is a failure: the reasons go to stderr and `summary.json` (`ok`, `failures`)
+   and the exit code is 1. The table always has both lanes' columns.
 
 Output lengths are kept modest (summaries 48 tokens, translations 32, chats 32) so the full
 demo finishes in a few minutes on a 2-core CPU with the bundled 135M model.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import threading
@@ -27,6 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
+LANES = ("interactive", "batch")
 PHASES = ("ttft_ms", "tpot_ms", "queue_ms", "prefill_ms", "decode_ms", "e2e_ms")
 CHAT_QUESTIONS = (
     "In one sentence, what is Python's {m} module for?",
@@ -37,6 +45,10 @@ CHAT_MODULES = (
     "json", "csv", "os", "re", "pathlib", "itertools", "collections", "datetime", "random",
     "math", "logging", "asyncio", "threading", "sqlite3", "argparse", "functools", "hashlib",
 )  # fmt: skip
+# Share of the chats sent, and of each job's lines, that may fail before the demo fails
+# (rounded down: the quick demo's 6 chats and 4- and 8-line jobs tolerate none). A healthy
+# stack fails none; the slack is for the full demo on a loaded machine.
+ERROR_TOLERANCE = 0.1
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -57,6 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-dashboard", action="store_true", help="if the demo starts the stack")
     parser.add_argument("--out", type=Path, default=None, help="default: $LANESERVE_HOME/demo/TS")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for the jobs")
+    parser.add_argument(
+        "--chat-timeout", type=float, default=120.0, help="seconds for one chat answer"
+    )
     parser.add_argument(
         "--keep-running", action="store_true", help="leave a stack the demo started running"
     )
@@ -148,6 +163,7 @@ class ChatStats:
     errors: list[str] = field(default_factory=list)
     done: int = 0
     sample: tuple[str, str] | None = None
+    fatal: str | None = None  # why the chat loop itself stopped (None: it ran to its end)
 
 
 def run_chats(
@@ -158,18 +174,25 @@ def run_chats(
     max_chats: int,
     concurrency: int,
     max_tokens: int,
+    timeout_s: float = 120.0,
 ) -> None:
-    """Send chat requests (streamed, OpenAI client) until `stop` is set or `max_chats` sent."""
-    import openai
+    """Send chat requests (streamed, OpenAI client, `timeout_s` seconds each) until `stop` is
+    set or `max_chats` sent; the first `concurrency` are sent even when `stop` is already set,
+    so the lanes always overlap. A failed chat is counted in `stats.errors`; anything that
+    stops the loop itself (no client, no model listed) is recorded in `stats.fatal`."""
 
     async def main() -> None:
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        import openai
+
+        client = openai.AsyncOpenAI(
+            base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s
+        )
         model = (await client.models.list()).data[0].id
         counter = iter(range(max_chats))
 
         async def one_loop() -> None:
             for i in counter:
-                if stop.is_set():
+                if stop.is_set() and i >= concurrency:
                     return
                 module = CHAT_MODULES[i % len(CHAT_MODULES)]
                 question = CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)].format(m=module)
@@ -199,8 +222,8 @@ def run_chats(
                     if choice.delta.content:
                         ttft = ttft if ttft is not None else time.perf_counter() - start
                         parts.append(choice.delta.content)
-        except openai.APIError as exc:
-            stats.errors.append(str(exc))
+        except Exception as exc:  # counted and reported: a failed chat fails the demo
+            stats.errors.append(f"{type(exc).__name__}: {exc}")
             return
         total = time.perf_counter() - start
         stats.done += 1
@@ -212,7 +235,11 @@ def run_chats(
         if stats.sample is None and parts:
             stats.sample = (question, "".join(parts).strip())
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except Exception as exc:  # reported as the interactive lane's failure, never dropped
+        logger.debug("the chat loop stopped", exc_info=True)
+        stats.fatal = f"{type(exc).__name__}: {exc}"
 
 
 # ------------------------------------------------------------------------------ stack
@@ -286,10 +313,6 @@ def run(args: argparse.Namespace) -> int:
 def _demo(
     args: argparse.Namespace, home: Path, info: dict, console, stops_after: bool = False
 ) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from jobs import service
-    from jobs.files import copy_file_content
     from laneserve.commands.submit import open_engine
     from laneserve.demo_corpus import build_corpus, write_jsonl
 
@@ -298,8 +321,10 @@ def _demo(
     max_chats = args.max_chats if args.max_chats is not None else (6 if args.quick else 40)
     out = args.out or home / "demo" / time.strftime("%Y%m%d-%H%M%S")
     corpus = build_corpus(n_docs, n_sents)
-    docs_path = write_jsonl(out / "documents.jsonl", corpus.documents)
-    sents_path = write_jsonl(out / "sentences.jsonl", corpus.sentences)
+    inputs = {
+        "summarize": write_jsonl(out / "documents.jsonl", corpus.documents),
+        "translate": write_jsonl(out / "sentences.jsonl", corpus.sentences),
+    }
     console.print(
         f"corpus from the standard library's docstrings: {len(corpus.documents)} documents "
         f"to summarize, {len(corpus.sentences)} sentences to translate into {args.target_lang} "
@@ -307,21 +332,7 @@ def _demo(
     )
     engine = open_engine(None)  # the stack's db_url from stack.json
     t0 = time.time()
-    jobs = {}
-    for name, path, task, options in (
-        ("summarize", docs_path, "summarize", {"max_tokens": args.summary_tokens}),
-        (
-            "translate",
-            sents_path,
-            "translate",
-            {"max_tokens": args.translation_tokens, "target_lang": args.target_lang},
-        ),
-    ):
-        with path.open("rb") as f:
-            file = service.create_file(engine, f, path.name)
-        jobs[name] = service.create_batch(
-            engine, file.id, "/v1/chat/completions", task=task, task_options=options
-        )
+    jobs = _submit_jobs(engine, inputs, args)
     stop = threading.Event()
     chats = ChatStats()
     key = os.environ.get("LANESERVE_API_KEY") or "none"
@@ -329,56 +340,12 @@ def _demo(
         target=run_chats,
         args=(
             info["api_url"] + "/v1", key, stop, chats, max_chats,
-            args.chat_concurrency, args.chat_tokens,
+            args.chat_concurrency, args.chat_tokens, args.chat_timeout,
         ),
         daemon=True,
     )  # fmt: skip
     chat_thread.start()
-    columns = (
-        TextColumn("{task.description:<34}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[note]}"),
-        TimeElapsedColumn(),
-    )
-    deadline = time.monotonic() + args.timeout
-    final = {}
-    with Progress(*columns, console=console) as bar:
-        bars = {
-            name: bar.add_task(f"{name} job {job.id[-8:]}", total=None, note="validating")
-            for name, job in jobs.items()
-        }
-        chat_bar = bar.add_task("interactive chats (OpenAI client)", total=max_chats, note="")
-        while len(final) < len(jobs):
-            for name, job in jobs.items():
-                if name in final:
-                    continue
-                row = service.get_batch(engine, job.id)
-                c = row.request_counts
-                note = row.status + (f", {c['failed']} failed" if c["failed"] else "")
-                bar.update(
-                    bars[name], total=c["total"] or None, completed=c["completed"] + c["failed"],
-                    note=note,
-                )  # fmt: skip
-                if service.is_terminal(row.status):
-                    final[name] = row
-            ttft = percentile([x * 1000 for x in chats.ttft_s], 50)
-            bar.update(
-                chat_bar, completed=chats.done + len(chats.errors),
-                note=f"TTFT P50 {ttft:.0f} ms" if ttft is not None else "",
-            )  # fmt: skip
-            if time.monotonic() > deadline:
-                for name, job in jobs.items():
-                    if name not in final:
-                        service.cancel_batch(engine, job.id)
-                console.print(f"[red]jobs not done after {args.timeout:.0f}s; cancelled")
-                stop.set()
-                return 1
-            time.sleep(0.5)
-        stop.set()
-        chat_thread.join(timeout=120)
-        sent = chats.done + len(chats.errors)
-        bar.update(chat_bar, completed=sent, total=sent)
+    final, problems = _follow(engine, jobs, chats, stop, chat_thread, max_chats, args, console)
     t1 = time.time()
     # The recorder commits within about a second; wait for every row (bounded).
     total_lines = sum(j.request_counts["total"] for j in final.values())
@@ -388,6 +355,110 @@ def _demo(
             break
         time.sleep(0.5)
     summary = phase_summary(engine, t0 - 1.0, t1)
+    files = _copy_results(engine, final, out)
+    engine.dispose()
+    report = _report(final, chats, summary, files, t1 - t0, info, stops_after)
+    failures = problems + lane_failures(report)
+    report["ok"], report["failures"] = not failures, failures
+    (out / "summary.json").write_text(json.dumps(report, indent=2))
+    from rich.console import Console
+
+    _print_report(report, final, files, chats, out, Console())  # the report goes to stdout
+    if failures:
+        console.print("[bold red]laneserve demo failed:")
+        for reason in failures:
+            console.print(f"  - {reason}", style="red", soft_wrap=True, markup=False)
+        return 1
+    return 0
+
+
+def _submit_jobs(engine, inputs: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
+    """Create the summarize and translate jobs from their input files; {name: jobs row}."""
+    from jobs import service
+
+    options = {
+        "summarize": {"max_tokens": args.summary_tokens},
+        "translate": {"max_tokens": args.translation_tokens, "target_lang": args.target_lang},
+    }
+    jobs = {}
+    for name, path in inputs.items():
+        with path.open("rb") as f:
+            file = service.create_file(engine, f, path.name)
+        jobs[name] = service.create_batch(
+            engine, file.id, "/v1/chat/completions", task=name, task_options=options[name]
+        )
+    return jobs
+
+
+def _follow(
+    engine, jobs: dict, chats: ChatStats, stop: threading.Event, chat_thread: threading.Thread,
+    max_chats: int, args: argparse.Namespace, console,
+) -> tuple[dict, list[str]]:  # fmt: skip
+    """Progress bars until every job ends (or `args.timeout` seconds pass: the rest are
+    cancelled), then stop the chats. Returns ({name: last jobs row}, problems seen)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from jobs import service
+
+    columns = (
+        TextColumn("{task.description:<34}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[note]}"),
+        TimeElapsedColumn(),
+    )
+    deadline = time.monotonic() + args.timeout
+    cancel_deadline = None  # set once the jobs are cancelled: how long to wait for that
+    rows: dict[str, Any] = {}
+    problems: list[str] = []
+    with Progress(*columns, console=console) as bar:
+        bars = {
+            name: bar.add_task(f"{name} job {job.id[-8:]}", total=None, note="validating")
+            for name, job in jobs.items()
+        }
+        chat_bar = bar.add_task("interactive chats (OpenAI client)", total=max_chats, note="")
+        while True:
+            for name, job in jobs.items():
+                rows[name] = row = service.get_batch(engine, job.id)
+                c = row.request_counts
+                note = row.status + (f", {c['failed']} failed" if c["failed"] else "")
+                bar.update(
+                    bars[name], total=c["total"] or None, completed=c["completed"] + c["failed"],
+                    note=note,
+                )  # fmt: skip
+            ttft = percentile([x * 1000 for x in chats.ttft_s], 50)
+            bar.update(
+                chat_bar, completed=chats.done + len(chats.errors),
+                note=f"TTFT P50 {ttft:.0f} ms" if ttft is not None else "",
+            )  # fmt: skip
+            if all(service.is_terminal(r.status) for r in rows.values()):
+                break
+            now = time.monotonic()
+            if cancel_deadline is None and now > deadline:
+                unfinished = [n for n, r in rows.items() if not service.is_terminal(r.status)]
+                for name in unfinished:
+                    service.cancel_batch(engine, jobs[name].id)
+                problems.append(
+                    f"{' and '.join(unfinished)} not done after {args.timeout:.0f} s; cancelled"
+                )
+                cancel_deadline = now + 60.0
+            elif cancel_deadline is not None and now > cancel_deadline:
+                break  # the report shows the status they are stuck in
+            time.sleep(0.5)
+        stop.set()
+        join_s = args.chat_timeout + 30.0  # an in-flight chat ends within its own timeout
+        chat_thread.join(timeout=join_s)
+        if chat_thread.is_alive():
+            problems.append(f"interactive chats still running {join_s:.0f} s after the jobs")
+        sent = chats.done + len(chats.errors)
+        bar.update(chat_bar, completed=sent, total=sent)
+    return rows, problems
+
+
+def _copy_results(engine, final: dict, out: Path) -> dict[str, str]:
+    """Copy each job's output and error file next to the demo's inputs; {"NAME_KIND": path}."""
+    from jobs.files import copy_file_content
+
     files = {}
     for name, job in final.items():
         for kind, file_id in (("output", job.output_file_id), ("errors", job.error_file_id)):
@@ -395,14 +466,22 @@ def _demo(
                 dest = out / f"{name}_{kind}.jsonl"
                 copy_file_content(engine, file_id, dest)
                 files[f"{name}_{kind}"] = str(dest)
-    engine.dispose()
-    wall = t1 - t0
-    report = {
+    return files
+
+
+def _report(
+    final: dict, chats: ChatStats, summary: dict, files: dict, wall: float, info: dict,
+    stops_after: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """The demo's summary.json (without its verdict, `ok` and `failures`)."""
+    return {
         "wall_s": round(wall, 2),
         "jobs": {n: {"id": j.id, "status": j.status, **j.request_counts} for n, j in final.items()},
         "chats": {
             "done": chats.done,
             "errors": len(chats.errors),
+            "first_error": chats.errors[0] if chats.errors else None,
+            "fatal": chats.fatal,
             "client_ttft_ms_p50": _ms(percentile(chats.ttft_s, 50)),
             "client_ttft_ms_p99": _ms(percentile(chats.ttft_s, 99)),
             "client_tpot_ms_p50": _ms(percentile(chats.tpot_s, 50)),
@@ -415,12 +494,39 @@ def _demo(
         "dashboard_url": info.get("dashboard_url"),
         "stack_stops_after_demo": stops_after,
     }
-    (out / "summary.json").write_text(json.dumps(report, indent=2))
-    from rich.console import Console
 
-    _print_report(report, final, files, chats, out, Console())  # the report goes to stdout
-    ok = all(j.status == "completed" for j in final.values())
-    return 0 if ok else 1
+
+def lane_failures(report: dict[str, Any], tolerance: float = ERROR_TOLERANCE) -> list[str]:
+    """Why the demo's run does not show both lanes working, one reason each ([]: it does).
+
+    A lane fails, rather than reporting a figure, when: a job ended other than `completed`,
+    or more than `tolerance` of its lines failed; no chat was answered, the chat loop itself
+    stopped, or more than `tolerance` of the chats sent failed; or a lane that answered has
+    no request with a TTFT in SQL (`report["lanes"]`, from the recorder). Shares round down."""
+    reasons = []
+    for name, job in report["jobs"].items():
+        if job["status"] != "completed":
+            reasons.append(f"{name} job {job['id']} ended {job['status']}")
+        elif job["failed"] > int(tolerance * job["total"]):
+            reasons.append(f"{name} job: {job['failed']} of {job['total']} lines failed")
+    c = report["chats"]
+    sent = c["done"] + c["errors"]
+    first = f"; first error: {c['first_error']}" if c["first_error"] else ""
+    if c["fatal"]:
+        reasons.append(f"interactive chats stopped: {c['fatal']}")
+    if c["done"] == 0:
+        reasons.append(f"interactive lane: no chat answered ({sent} sent{first})")
+    elif c["errors"] > int(tolerance * sent):
+        reasons.append(f"interactive lane: {c['errors']} of {sent} chats failed{first}")
+    answered = {
+        "interactive": c["done"] > 0,
+        "batch": any(j["completed"] > 0 for j in report["jobs"].values()),
+    }
+    for lane in LANES:
+        s = report["lanes"].get(lane)
+        if answered[lane] and (s is None or s["ttft_ms"]["p50"] is None):
+            reasons.append(f"{lane} lane: answered, but SQL has no request with a TTFT")
+    return reasons
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -435,27 +541,39 @@ def _print_report(report, final, files, chats: ChatStats, out: Path, console) ->
     from rich.table import Table
 
     table = Table(title="per-lane, per-phase latency (ms, from SQL)")
-    lanes = list(report["lanes"])
     table.add_column("phase")
-    for lane in lanes:
+    for lane in LANES:  # both lanes always: an empty lane shows as "-", and is named below
         table.add_column(f"{lane} P50", justify="right")
         table.add_column(f"{lane} P99", justify="right")
+    empty = {"p50": None, "p99": None}
     for phase in PHASES:
         name = phase.removesuffix("_ms")
         name = name.upper() if name in ("ttft", "tpot") else name
         cells = []
-        for lane in lanes:
-            s = report["lanes"][lane][phase]
+        for lane in LANES:
+            s = report["lanes"].get(lane, {}).get(phase, empty)
             cells += [_fmt(s["p50"]), _fmt(s["p99"])]
         table.add_row(name, *cells)
     console.print(table)
+    for lane in LANES:
+        s = report["lanes"].get(lane)
+        if s is None:
+            console.print(f"[bold red]{lane} lane: no request recorded in SQL")
+        elif s["ttft_ms"]["p50"] is None:
+            n, e = s["requests"], s["errors"]
+            console.print(f"[bold red]{lane} lane: none of its {n} requests ({e} errors) answered")
     tp = Table(title=f"throughput over {report['wall_s']:.0f} s")
-    for col in ("lane", "requests", "prompt tokens", "cached", "output tokens", "output tok/s"):
+    for col in ("lane", "requests", "errors", "prompt tok", "cached", "output tok", "tok/s"):
         tp.add_column(col, justify="right" if col != "lane" else "left")
-    for lane, s in report["lanes"].items():
+    for lane in LANES:
+        s = report["lanes"].get(lane)
+        if s is None:
+            tp.add_row(lane, "0", "0", "0", "0", "0", "0.0")
+            continue
         tp.add_row(
-            lane, str(s["requests"]), str(s["prompt_tokens"]), str(s["cached_tokens"]),
-            str(s["completion_tokens"]), f"{report['throughput_tokens_per_s'][lane]:.1f}",
+            lane, str(s["requests"]), str(s["errors"]), str(s["prompt_tokens"]),
+            str(s["cached_tokens"]), str(s["completion_tokens"]),
+            f"{report['throughput_tokens_per_s'][lane]:.1f}",
         )  # fmt: skip
     console.print(tp)
     for name, job in final.items():

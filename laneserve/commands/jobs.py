@@ -2,6 +2,7 @@
 
 Finds the database like `laneserve submit` (--db, stack.json's `db_url`, $LANESERVE_DB_URL,
 the default SQLite file). Exit code 1 when the job does not exist or cannot be cancelled.
+`jobs list` fits the terminal's width (`list_table`); `jobs list --json` has every field.
 """
 
 from __future__ import annotations
@@ -48,30 +49,78 @@ def run(args: argparse.Namespace) -> int:
         engine.dispose()
 
 
+# `jobs list` columns from most to least useful; on a narrow terminal the last ones go first.
+# The id is never shortened: it is what `show`, `cancel` and `download` take.
+LIST_COLUMNS = ("id", "status", "lines", "failed", "kind", "created")
+
+
+def _kind(job) -> str:
+    """The task shorthand's name, else the endpoint without its /v1/ prefix."""
+    return job.task or job.endpoint.removeprefix("/v1/")
+
+
+def _list_rows(jobs) -> list[dict[str, str]]:
+    rows = []
+    for j in jobs:
+        c = j.request_counts
+        rows.append(
+            {
+                "id": j.id,
+                "status": j.status,
+                "lines": f"{c['completed'] + c['failed']}/{c['total']}",
+                "failed": str(c["failed"]),
+                "kind": _kind(j),
+                "created": time.strftime("%m-%d %H:%M", time.localtime(j.created_at)),
+            }
+        )
+    return rows
+
+
+def list_table(jobs, width: int):
+    """The `jobs list` table (rich) fitted to `width` columns of text.
+
+    Columns are dropped from the end of `LIST_COLUMNS` until the table fits (the id, status
+    and line counts always stay; a caption names what was dropped). Cells are never cut: on a
+    terminal too narrow even for those three, they fold onto a second line."""
+    from rich.box import SIMPLE_HEAD
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = _list_rows(jobs)
+    measure = Console(width=10_000)
+    for keep in range(len(LIST_COLUMNS), 2, -1):
+        shown, hidden = LIST_COLUMNS[:keep], LIST_COLUMNS[keep:]
+        table = Table(
+            box=SIMPLE_HEAD,
+            show_edge=False,
+            pad_edge=False,
+            padding=(0, 1, 0, 0),
+            caption_justify="left",
+        )
+        for name in shown:  # fold (never cut) only below the three columns' own width
+            justify = "right" if name == "failed" else "left"
+            table.add_column(name, overflow="fold", justify=justify)
+        for row in rows:
+            table.add_row(*(row[name] for name in shown))
+        if hidden:
+            table.caption = f"{', '.join(hidden)} hidden at {width} columns (--json has all)"
+        if measure.measure(table).maximum <= width:
+            break
+    return table
+
+
 def _list(engine, args, service) -> int:
     jobs = service.list_batches(engine, limit=args.limit)
     if args.json:
         print(json.dumps([service.batch_object(j) for j in jobs]))
         return 0
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table("status", "kind", "done/total", "failed", "created")
-    table.add_column(
-        "id", no_wrap=True, overflow="fold"
-    )  # full ids: they are what show/cancel take
-    for j in jobs:
-        c = j.request_counts
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.created_at))
-        table.add_row(
-            j.status,
-            j.task or j.endpoint,
-            f"{c['completed'] + c['failed']}/{c['total']}",
-            str(c["failed"]),
-            created,
-            j.id,
-        )
-    Console().print(table)
+    console = Console()
+    if not jobs:
+        print("no jobs", file=sys.stderr)
+        return 0
+    console.print(list_table(jobs, console.width))
     return 0
 
 
@@ -104,20 +153,26 @@ def _cancel(engine, args, service) -> int:
     return 0
 
 
+def result_files(job) -> list[tuple[str, str, Path]]:
+    """(kind, file id, default download path) of each result file the job has written:
+    "output" -> ./ID_output.jsonl, "errors" -> ./ID_errors.jsonl (none before the job ends,
+    and no error file when no line failed)."""
+    files = (("output", job.output_file_id), ("errors", job.error_file_id))
+    return [(kind, fid, Path(f"{job.id}_{kind}.jsonl")) for kind, fid in files if fid is not None]
+
+
 def _download(engine, args, service) -> int:
     from jobs.files import copy_file_content
 
     job = _resolve(engine, service, args.id)
-    if job.output_file_id is None and job.error_file_id is None:
+    files = result_files(job)
+    if not files:
         print(f"laneserve jobs: {job.id} is {job.status}; no files yet", file=sys.stderr)
         return 1
-    for file_id, dest, kind in (
-        (job.output_file_id, args.output or Path(f"{job.id}_output.jsonl"), "output"),
-        (job.error_file_id, args.errors or Path(f"{job.id}_errors.jsonl"), "errors"),
-    ):
-        if file_id is not None:
-            n = copy_file_content(engine, file_id, dest)
-            print(f"{kind}: {dest} ({n} bytes)")
+    for kind, file_id, default in files:
+        dest = (args.output if kind == "output" else args.errors) or default
+        n = copy_file_content(engine, file_id, dest)
+        print(f"{kind}: {dest} ({n} bytes)")
     return 0
 
 

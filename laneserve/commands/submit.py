@@ -64,9 +64,6 @@ def resolve_db(explicit: str | None) -> str | None:
 
 def open_engine(explicit: str | None):
     """A migrated database engine for the CLI (see `resolve_db`)."""
-    import logging
-
-    logging.getLogger("alembic").setLevel(logging.WARNING)  # before alembic's import-time logs
     from db import migrate
     from db.session import make_engine
 
@@ -106,6 +103,7 @@ def _fail(msg: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from jobs import service
     from jobs.errors import JobsError
+    from laneserve.commands.jobs import result_files
 
     if not args.file.is_file():
         return _fail(f"{args.file}: no such file")
@@ -169,12 +167,10 @@ def run(args: argparse.Namespace) -> int:
     if job.errors:
         for err in job.errors:
             print(f"  {err.get('code')}: {err.get('message')}", file=sys.stderr)
-    if job.output_file_id or job.error_file_id:
-        print(
-            f"results: laneserve jobs download {job.id}  (writes ./{job.id}_output.jsonl and "
-            "_errors.jsonl)",
-            file=sys.stderr,
-        )
+    files = result_files(job)
+    if files:
+        names = " and ".join(f"./{path}" for _, _, path in files)
+        print(f"results: laneserve jobs download {job.id}  (writes {names})", file=sys.stderr)
     return EXIT_CODES.get(job.status, 1)
 
 

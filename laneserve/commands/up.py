@@ -11,12 +11,17 @@ not race to download it. On CPU each worker gets `(cores - 1) / workers` torch t
 (`OMP_NUM_THREADS`, see `threads_per_worker`) and every child `OMP_WAIT_POLICY=PASSIVE` with a short
 spin (`GOMP_SPINCOUNT=3000`) unless either is set already: libgomp's default busy wait makes torch
 10-30x slower on a loaded small CPU, a fully passive team pays a wake-up at every op (see
-gpu_worker/__init__.py).
+gpu_worker/openmp.py).
+
+The engine options are `gpu_worker.config.EngineConfig`'s flags (the same as `laneserve worker`'s,
+but `--lanes`, which here can differ per worker); each worker gets them as one JSON document
+(`--engine-config`) with its lanes and device filled in.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -25,7 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-from gpu_worker import DEFAULT_GOMP_SPINCOUNT
+from contracts import env as lsenv
+from gpu_worker import openmp
+from gpu_worker.config import EngineConfig, add_engine_arguments, config_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +43,8 @@ LANES = ("interactive", "batch")
 # CPU, where a loaded machine can starve the worker's IO thread for seconds.
 LIVENESS_CPU = 30
 LIVENESS_GPU = 5
+# Engine options `up` sets for each worker itself (`--lanes` here takes one list per worker).
+PER_WORKER = ("lanes",)
 # A child that has been restarted this many times before the stack is ready fails `up` at once.
 START_RESTARTS = 3
 
@@ -56,7 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lanes per worker: one list for all workers (default: %(default)s), or one list "
         "per worker separated by ';', e.g. --workers 2 --lanes 'interactive;batch'",
     )
-    parser.add_argument("--model", default="smollm2-135m", help="alias, .gguf or HF directory")
     parser.add_argument("--api-port", type=int, default=DEFAULT_API_PORT, help="0: any free port")
     parser.add_argument(
         "--dashboard-port", type=int, default=DEFAULT_DASHBOARD_PORT, help="0: any free port"
@@ -68,15 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key", default=None, help="key the API requires (default: $LANESERVE_API_KEY; none)"
     )
-    engine = parser.add_argument_group("engine (passed to every worker)")
-    engine.add_argument(
-        "--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32")
-    )
-    engine.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"))
-    engine.add_argument("--block-size", type=int, default=None)
-    engine.add_argument("--max-num-seqs", type=int, default=None)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
-    engine.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB")
+    engine = parser.add_argument_group("engine (passed to every worker, gpu_worker/config.py)")
+    add_engine_arguments(engine, exclude=PER_WORKER)
     engine.add_argument(
         "--threads",
         type=int,
@@ -149,27 +150,15 @@ def parse_lanes(spec: str, workers: int) -> list[list[str]]:
     return groups
 
 
-def check_engine_options(args: argparse.Namespace) -> None:
-    """Reject engine options every worker would fail on, before anything starts.
+def engine_options(args: argparse.Namespace) -> EngineConfig:
+    """Every worker's engine options (lanes and device are set per worker in `build_specs`).
 
     Raises:
-        ValueError: a count below 1 or an unreadable --kv-cache-memory.
+        ValueError: --threads below 1, or an engine option out of range.
     """
-    from gpu_worker.worker import parse_bytes
-
-    for flag in ("block_size", "max_num_seqs", "max_num_batched_tokens", "threads"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    if args.kv_cache_memory is not None:
-        try:
-            size = parse_bytes(args.kv_cache_memory)
-        except ValueError:
-            size = None
-        if not size or size <= 0:
-            raise ValueError(
-                f"--kv-cache-memory {args.kv_cache_memory!r}: expected a size such as 2GiB"
-            )
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    return config_from_args(args, exclude=PER_WORKER)
 
 
 def cpu_cores() -> int:
@@ -192,7 +181,7 @@ def threads_per_worker(cores: int, workers: int) -> int:
 
 def gpu_count() -> int:
     """CUDA devices visible (0 without torch's CUDA build or a driver)."""
-    if not (Path("/dev/nvidiactl").exists() or os.environ.get("CUDA_VISIBLE_DEVICES")):
+    if not (Path("/dev/nvidiactl").exists() or lsenv.get("CUDA_VISIBLE_DEVICES")):
         return 0
     import torch
 
@@ -223,9 +212,7 @@ def child_env(home: Path, threads: int, api_key: str | None) -> dict[str, str]:
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
     )
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        # a short spin (see gpu_worker/__init__.py); an explicit setting of either is passed on
-        env.update(OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT=DEFAULT_GOMP_SPINCOUNT)
+    env.update(openmp.policy_env())  # a short spin; an explicit setting of either is passed on
     env.pop("LANESERVE_DB_URL", None)  # every child gets --db explicitly
     if api_key:
         env["LANESERVE_API_KEY"] = api_key
@@ -259,30 +246,26 @@ def build_specs(args: argparse.Namespace, plan: dict) -> list:
             common, stop_group=2,
         ),
     ]  # fmt: skip
+    engine: EngineConfig = plan["engine"]
     for i, lanes in enumerate(plan["lanes"]):
+        device = engine.device
+        if device is None and plan["gpus"] > 0:
+            device = f"cuda:{i % plan['gpus']}"
+        config = dataclasses.replace(engine, lanes=tuple(lanes), device=device)
         argv = [py, "-m", "laneserve.commands.worker", "--broker", plan["back"]]
-        argv += ["--lanes", ",".join(lanes), "--worker-id", f"worker-{i}"]
+        argv += ["--worker-id", f"worker-{i}", "--engine-config", config.to_json()]
         argv += ["--liveness", liveness, "--parent-pid", pid, "--drain-timeout", "5"]
         if args.synthetic:
             argv.append("--synthetic")
-        else:
-            argv += ["--model", args.model, "--dtype", args.dtype]
-            argv += ["--quantization", args.quantization]
-        for flag in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
-            value = getattr(args, flag)
-            if value is not None:
-                argv += [f"--{flag.replace('_', '-')}", str(value)]
-        if plan["gpus"] > 0:
-            argv += ["--device", f"cuda:{i % plan['gpus']}"]
         specs.append(ChildSpec(f"worker-{i}", argv, worker_env, stop_group=1))
     runner = [py, "-m", "laneserve.commands.jobs_runner", "--broker", plan["front"]]
     runner += ["--db", plan["db_url"], "--parent-pid", pid]
-    runner += ["--no-length-check"] if args.synthetic else ["--model", args.model]
+    runner += ["--no-length-check"] if args.synthetic else ["--model", engine.model]
     specs.append(ChildSpec("jobs-runner", runner, common, stop_group=0))
     api = [py, "-m", "laneserve.commands.api", "--broker", plan["front"]]
     api += ["--port", str(plan["api_port"]), "--db", plan["db_url"], "--parent-pid", pid]
     if not args.synthetic:
-        api += ["--model", args.model]
+        api += ["--model", engine.model]
     specs.append(ChildSpec("api", api, common, stop_group=0))
     if plan["dashboard_port"] is not None:
         dash = [py, "-m", "laneserve.cli", "dashboard", "--port", str(plan["dashboard_port"])]
@@ -336,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         lanes = parse_lanes(args.lanes, args.workers)
-        check_engine_options(args)
+        engine = engine_options(args)
     except ValueError as exc:
         print(f"laneserve up: {exc}", file=sys.stderr)
         return 2
@@ -357,12 +340,14 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     try:
-        return _run_locked(args, home, lanes)
+        return _run_locked(args, home, lanes, engine)
     finally:
         lock.release()
 
 
-def _run_locked(args: argparse.Namespace, home: Path, lanes: list[list[str]]) -> int:
+def _run_locked(
+    args: argparse.Namespace, home: Path, lanes: list[list[str]], engine: EngineConfig
+) -> int:
     from broker.addresses import default_back, default_front, run_dir
     from laneserve import stack
     from laneserve.supervisor import Supervisor
@@ -405,9 +390,9 @@ def _run_locked(args: argparse.Namespace, home: Path, lanes: list[list[str]]) ->
     if not args.synthetic:
         from gpu_worker.errors import ModelLoadError
 
-        say(f"preparing the model {args.model} (downloaded and converted once)")
+        say(f"preparing the model {engine.model} (downloaded and converted once)")
         try:
-            prepare_model(args.model)
+            prepare_model(engine.model)
         except ModelLoadError as exc:
             print(f"laneserve up: {exc}", file=sys.stderr)
             return 1
@@ -422,6 +407,7 @@ def _run_locked(args: argparse.Namespace, home: Path, lanes: list[list[str]]) ->
         "recorder_addr": f"ipc://{run_dir() / 'recorder.sock'}",
         "db_url": db_url,
         "lanes": lanes,
+        "engine": engine,
         "threads": threads,
         "gpus": gpus,
         "liveness": args.liveness or (LIVENESS_GPU if gpus else LIVENESS_CPU),
@@ -431,7 +417,7 @@ def _run_locked(args: argparse.Namespace, home: Path, lanes: list[list[str]]) ->
         "dashboard_url": (
             f"http://127.0.0.1:{ports['dashboard']}" if ports["dashboard"] is not None else None
         ),
-        "api_key": args.api_key or os.environ.get("LANESERVE_API_KEY"),
+        "api_key": args.api_key or lsenv.get("LANESERVE_API_KEY"),
     }
     state = {"state": "starting"}
     started_at = time.time()
@@ -448,7 +434,7 @@ def _run_locked(args: argparse.Namespace, home: Path, lanes: list[list[str]]) ->
                 "broker_back": plan["back"],
                 "recorder_addr": plan["recorder_addr"],
                 "db_url": plan["db_url"],
-                "model": "synthetic" if args.synthetic else args.model,
+                "model": "synthetic" if args.synthetic else engine.model,
                 "workers": [{"name": f"worker-{i}", "lanes": ls} for i, ls in enumerate(lanes)],
                 "threads_per_worker": threads,
                 "api_key_required": bool(plan["api_key"]),

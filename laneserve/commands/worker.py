@@ -5,6 +5,19 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from typing import TYPE_CHECKING
+
+from gpu_worker.config import (
+    EngineConfig,
+    EngineConfigError,
+    add_engine_arguments,
+    config_from_args,
+    lane_profile,
+)
+from gpu_worker.openmp import apply_openmp_policy
+
+if TYPE_CHECKING:
+    from gpu_worker.engine_protocol import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -15,11 +28,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--broker",
         default=None,
         help="broker back endpoint (default: ipc under $LANESERVE_HOME/run)",
-    )
-    parser.add_argument(
-        "--lanes",
-        default="interactive,batch",
-        help="lanes served, comma-separated (default: %(default)s)",
     )
     parser.add_argument("--worker-id", default=None, help="default: HOST-PID")
     parser.add_argument(
@@ -43,40 +51,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     curve.add_argument(
         "--curve-client-key", default=None, help="this worker's key pair (NAME.key_secret)"
     )
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--model", default="smollm2-135m")
-    engine.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32")
+    engine = parser.add_argument_group("engine (gpu_worker/config.py)")
     engine.add_argument(
-        "--quantization",
-        default="auto",
-        choices=("auto", "none", "int8", "int4"),
-        help="weight-only kernels: auto = a GGUF's own Q4/Q8 formats on CPU; none = dequantized",
-    )
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
+        "--engine-config",
+        type=_engine_config_json,
         default=None,
-        help="token budget per engine step (default: the lane profile, see lane_profile)",
+        help="all engine options as one JSON object (what `laneserve up` passes); the flags "
+        "below override its fields",
     )
-    engine.add_argument(
-        "--batch-token-budget",
-        type=int,
-        default=None,
-        help="batch-lane tokens per step even without interactive traffic (default: none; "
-        "DESIGN gives batch the whole budget then)",
-    )
-    engine.add_argument(
-        "--interactive-batch-token-cap",
-        type=int,
-        default=None,
-        help="batch-lane tokens per step while interactive requests run (default: lane profile)",
-    )
-    engine.add_argument(
-        "--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: engine's)"
-    )
-    engine.add_argument("--device", default=None)
+    add_engine_arguments(engine)
     synth = parser.add_argument_group("synthetic engine (tests, benchmarks)")
     synth.add_argument("--synthetic", action="store_true", help="fake tokens, no model")
     synth.add_argument("--synthetic-step-ms", type=float, default=10.0, help="ms per engine step")
@@ -89,100 +72,78 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-# Lane profile of a CPU worker that serves interactive traffic. A new request only enters the
-# engine between steps, so the running step bounds TTFT, and every batch token in a step that
-# also decodes an interactive request lengthens its TPOT. Measured on a 2-core EPYC, bf16
-# SmolLM2-135M, one torch thread (what `laneserve up` gives a worker on 2 cores), ms per step:
-# decode batch 1 / 8 / 32 / 48 / 64 = 25 / 37 / 81 / ~110 / 165; prefill 64 / 128 tokens ~60 / 105.
-# - budget 48: the step an arriving interactive request waits for stays near 110 ms, while
-#   batch decodes stay near their best tokens/s (batch 32-48); longer interactive prompts
-#   prefill in 48-token chunks, which costs them little (prefill is compute-bound from ~64 tokens);
-# - 8 batch tokens beside interactive requests: ~1.5x their idle TPOT.
-# Without interactive traffic batch gets the whole budget (DESIGN.md "Lanes inside one worker").
-CPU_INTERACTIVE_BUDGET = 48
-CPU_INTERACTIVE_BATCH_CAP = 8
-DEFAULT_BUDGET = 2048
-DEFAULT_INTERACTIVE_BATCH_CAP = 512
+def _engine_config_json(text: str) -> EngineConfig:
+    try:
+        return EngineConfig.from_json(text)
+    except EngineConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def lane_profile(lanes: list[str], device: str | None) -> dict[str, int | None]:
-    """Engine step knobs for this worker (DESIGN.md "Lanes"): `max_num_batched_tokens` and
-    `interactive_batch_token_cap` (`batch_token_budget` is left to the operator).
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The worker's engine options: ``--engine-config``, then the flags, then the lane profile
+    for this worker's lanes and device (`gpu_worker.config.lane_profile`).
 
-    A CPU worker serving interactive traffic keeps steps short and batch tokens beside
-    interactive ones few; batch-only and GPU workers take the large budget.
+    Raises:
+        EngineConfigError: an option out of range.
     """
-    import torch
-
-    on_gpu = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
-    if "interactive" in lanes and not on_gpu:
-        return {
-            "max_num_batched_tokens": CPU_INTERACTIVE_BUDGET,
-            "batch_token_budget": None,
-            "interactive_batch_token_cap": CPU_INTERACTIVE_BATCH_CAP,
-        }
-    return {
-        "max_num_batched_tokens": DEFAULT_BUDGET,
-        "batch_token_budget": None,
-        "interactive_batch_token_cap": DEFAULT_INTERACTIVE_BATCH_CAP,
-    }
+    config = config_from_args(args, args.engine_config)
+    return config.with_profile(lane_profile(config.lanes, _on_gpu(config.device, args.synthetic)))
 
 
-def build_engine(args: argparse.Namespace, lanes: list[str]):
-    """The engine for these options: SyntheticEngine with --synthetic, else LLMEngine."""
-    from gpu_worker.worker import parse_bytes
+def _on_gpu(device: str | None, synthetic: bool) -> bool:
+    if device is not None or synthetic:
+        return (device or "").startswith("cuda")
+    import torch  # after the OpenMP policy (run) is in the environment
+
+    return torch.cuda.is_available()
+
+
+def build_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
+    """SyntheticEngine with --synthetic, else LLMEngine, wrapped in the test-only fault
+    injection when its variables are set (gpu_worker/faults.py, read once here)."""
+    from gpu_worker.faults import FaultPlan, with_faults
 
     if args.synthetic:
         from gpu_worker.synthetic import SyntheticEngine
 
-        return SyntheticEngine(
+        engine: Engine = SyntheticEngine(
             step_s=args.synthetic_step_ms / 1000.0,
-            max_num_seqs=args.max_num_seqs,
-            block_size=args.block_size,
+            max_num_seqs=config.max_num_seqs,
+            block_size=config.block_size,
             fail_on=args.synthetic_fail_on,
             stamp=args.synthetic_stamp,
         )
-    from gpu_worker.engine import LLMEngine  # the real engine (issue 3)
+    else:
+        from gpu_worker.engine import LLMEngine
 
-    profile = lane_profile(lanes, args.device)
-
-    return LLMEngine.from_args(
-        model=args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        device=args.device,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens or profile["max_num_batched_tokens"],
-        batch_token_budget=args.batch_token_budget or profile["batch_token_budget"],
-        interactive_batch_token_cap=(
-            args.interactive_batch_token_cap or profile["interactive_batch_token_cap"]
-        ),
-        kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory),
-        lanes=lanes,
-    )
+        engine = LLMEngine(config)
+    return with_faults(engine, FaultPlan.from_env())
 
 
 def run(args: argparse.Namespace) -> int:
+    apply_openmp_policy()  # before anything imports torch (libgomp reads it when it loads)
     from broker.addresses import default_back
     from gpu_worker.worker import Worker
 
-    lanes = [lane.strip() for lane in args.lanes.split(",") if lane.strip()]
     if bool(args.curve_server_public) != bool(args.curve_client_key):
         raise SystemExit("--curve-server-public and --curve-client-key go together")
-    engine = build_engine(args, lanes)
+    try:
+        config = engine_config(args)
+    except EngineConfigError as exc:
+        raise SystemExit(f"laneserve worker: {exc}") from None
+    engine = build_engine(args, config)
     worker = Worker(
         engine,
         broker_addr=args.broker or default_back(),
-        lanes=lanes,
-        capacity=args.capacity or 2 * args.max_num_seqs,
-        model="synthetic" if args.synthetic else getattr(engine, "model_name", args.model),
+        lanes=config.lanes,
+        capacity=args.capacity or 2 * config.max_num_seqs,
+        model=engine.model_name,
         worker_id=args.worker_id,
         heartbeat_interval_s=args.heartbeat_interval,
         liveness=args.liveness,
         parent_pid=args.parent_pid,
         drain_timeout_s=args.drain_timeout,
-        info={"pid": os.getpid(), "synthetic": bool(args.synthetic)},
+        info={"pid": os.getpid(), "synthetic": bool(args.synthetic), "engine": config.to_dict()},
         curve_server_public=args.curve_server_public,
         curve_client_key=args.curve_client_key,
     )

@@ -1,4 +1,6 @@
-"""CPU host tuning: glibc allocator settings and the OpenMP thread policy of the model runner."""
+"""CPU host tuning: glibc allocator settings, the OpenMP wait policy of engine processes (applied by
+the entry points before torch loads, never by importing gpu_worker) and the model runner's thread
+rule."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import sys
 import pytest
 import torch
 
-from gpu_worker import model_runner
+from gpu_worker import openmp
+
+OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def _in_fresh_process(code: str, **env: str) -> str:
@@ -49,17 +53,80 @@ def test_openmp_passive_detection(monkeypatch, env, passive):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert model_runner.openmp_is_purely_passive() is passive
+    assert openmp.openmp_is_purely_passive() is passive
 
 
-def test_gpu_worker_sets_a_short_spin_unless_told_otherwise():
-    code = "import os, gpu_worker; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
-    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=60
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in OMP_VARS}
+    return {**env, "PYTHONPATH": os.getcwd(), **extra}
+
+
+def test_importing_gpu_worker_leaves_the_environment_alone():
+    code = (
+        "import os, json; before = dict(os.environ); "
+        "import gpu_worker, gpu_worker.config, gpu_worker.worker, gpu_worker.synthetic, "
+        "gpu_worker.faults, gpu_worker.llm, gpu_worker.engine, kernels; "
+        "from gpu_worker import LLM, EngineConfig, SamplingParams; "
+        "after = dict(os.environ); "
+        "print(json.dumps({k: [before.get(k), after.get(k)] for k in set(before) | set(after) "
+        "if before.get(k) != after.get(k)}))"
     )
-    assert out.stdout.split() == ["PASSIVE", "3000"]
-    assert _in_fresh_process(code, OMP_WAIT_POLICY="ACTIVE", GOMP_SPINCOUNT="7") == "ACTIVE 7"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True,
+        timeout=120, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == "{}", out.stdout
+
+
+def _libgomp_settings(stderr: str) -> dict[str, str]:
+    """What libgomp printed under OMP_DISPLAY_ENV=verbose when torch loaded it."""
+    found = {}
+    for line in stderr.splitlines():
+        name, sep, value = line.strip().partition(" = ")
+        if sep and name in OMP_VARS:
+            found[name] = value.strip("'")
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # the worker entry point: the policy, then torch (device check), then the model fails
+        ["-m", "laneserve.commands.worker", "--model", "/nonexistent/model.gguf"],
+        # the offline API: LLM() applies it before importing the engine
+        ["-c", "from gpu_worker import LLM; LLM(model='/nonexistent/model.gguf')"],
+    ],
+    ids=["worker", "LLM"],
+)
+def test_entry_points_start_torch_under_the_short_spin(argv):
+    """libgomp reads its policy once, when torch loads: check what it actually runs with."""
+    env = _clean_env(OMP_DISPLAY_ENV="VERBOSE")
+    out = subprocess.run(
+        [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode != 0  # the model does not exist: the process stops after torch loaded
+    assert _libgomp_settings(out.stderr) == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"}
+    explicit = subprocess.run(
+        [sys.executable, *argv], env={**env, "GOMP_SPINCOUNT": "7"}, capture_output=True,
+        text=True, timeout=180,
+    )  # fmt: skip
+    assert _libgomp_settings(explicit.stderr)["GOMP_SPINCOUNT"] == "7"  # an explicit value wins
+
+
+def test_plain_torch_import_keeps_libgomps_long_spin():
+    """The control for the test above: without the entry points libgomp spins 300000 times."""
+    out = subprocess.run(
+        [sys.executable, "-c", "import gpu_worker, torch"],
+        env=_clean_env(OMP_DISPLAY_ENV="VERBOSE"), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert _libgomp_settings(out.stderr)["GOMP_SPINCOUNT"] == "300000"
+
+
+def test_policy_env_for_children():
+    assert openmp.policy_env({}) == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"}
+    assert openmp.policy_env({"GOMP_SPINCOUNT": "0"}) == {}
+    assert openmp.policy_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
 
 
 def test_small_cpu_steps_run_single_threaded_and_restore_threads(base_llm, monkeypatch):

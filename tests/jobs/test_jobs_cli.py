@@ -58,7 +58,23 @@ def test_submit_wait_show_download_and_exit_codes(laneserve_home, tmp_path):
         by_prefix = json.loads(_cli(laneserve_home, "jobs", "show", job_id[:12] + "…").stdout)
         assert by_prefix["id"] == job_id
         assert _cli(laneserve_home, "jobs", "show", "batch_").returncode == 1  # too short
-        assert "laneserve jobs download" in done.stderr  # --wait says where the results are
+        # --wait says where the results are: both files, since one line failed
+        assert (
+            f"laneserve jobs download {job_id}  (writes ./{job_id}_output.jsonl and "
+            f"./{job_id}_errors.jsonl)" in done.stderr
+        )
+        clean = _cli(laneserve_home, "submit", str(write_jsonl(tmp_path / "ok.jsonl", lines[:2])),
+                     "--wait")  # fmt: skip
+        assert clean.returncode == 0, clean.stderr
+        clean_id = clean.stdout.split()[0]
+        assert f"(writes ./{clean_id}_output.jsonl)" in clean.stderr  # no error file promised
+        assert "errors" not in clean.stderr
+        got = _cli(laneserve_home, "jobs", "download", clean_id)
+        assert (
+            got.stdout.startswith(f"output: {clean_id}_output.jsonl (")
+            and "errors" not in got.stdout
+        )
+        assert not (laneserve_home / f"{clean_id}_errors.jsonl").exists()
 
         dl = _cli(
             laneserve_home, "jobs", "download", job_id, "--output", "o.jsonl", "--errors", "e.jsonl"

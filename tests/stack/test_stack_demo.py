@@ -1,17 +1,27 @@
-"""The demo's corpus (fast) and `laneserve demo --quick` end to end on the bundled model (slow);
-a synthetic stack whose supervisor is SIGKILLed leaves no process behind (slow)."""
+"""The demo's corpus and its verdict on the lanes (fast); `laneserve demo --quick` end to end on
+the bundled model, in this environment and in a fresh virtual environment with the runtime
+dependencies only; the demo failing loudly against stacks whose interactive or batch lane
+serves nothing (slow); a synthetic stack whose supervisor is SIGKILLed leaves no process behind
+(slow)."""
 
 from __future__ import annotations
 
+import copy
+import io
 import json
+import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
 import pytest
 
+from laneserve.commands.demo import LANES, PHASES, _print_report, lane_failures
 from laneserve.demo_corpus import build_corpus, write_jsonl
-from tests.stack.stack_helpers import UpProcess, laneserve, processes_mentioning
+from tests.stack.stack_helpers import ROOT, UpProcess, laneserve, link_model, processes_mentioning
 
 
 def test_corpus_is_real_varied_and_deterministic(tmp_path):
@@ -36,14 +46,114 @@ def test_corpus_is_real_varied_and_deterministic(tmp_path):
         build_corpus(100_000, 1)
 
 
+def _healthy_report() -> dict:
+    """A summary.json as a healthy full demo writes it (40 chats, 40 + 64 lines)."""
+    lane = {"requests": 52, "errors": 0, "prompt_tokens": 900, "cached_tokens": 0,
+            "completion_tokens": 1200}  # fmt: skip
+    lane |= {phase: {"p50": 12.0, "p99": 30.0} for phase in PHASES}
+    return {
+        "wall_s": 60.0,
+        "jobs": {
+            "summarize": {
+                "id": "batch_a",
+                "status": "completed",
+                "total": 40,
+                "completed": 40,
+                "failed": 0,
+            },
+            "translate": {
+                "id": "batch_b",
+                "status": "completed",
+                "total": 64,
+                "completed": 64,
+                "failed": 0,
+            },
+        },  # fmt: skip
+        "chats": {
+            "done": 40,
+            "errors": 0,
+            "first_error": None,
+            "fatal": None,
+            "client_ttft_ms_p50": 20.0,
+            "client_ttft_ms_p99": 40.0,
+            "client_tpot_ms_p50": 9.0,
+        },  # fmt: skip
+        "lanes": {"interactive": copy.deepcopy(lane), "batch": copy.deepcopy(lane)},
+        "throughput_tokens_per_s": {"interactive": 20.0, "batch": 20.0},
+        "files": {},
+        "dashboard_url": None,
+        "stack_stops_after_demo": True,
+    }
+
+
+def test_lane_failures_name_each_broken_lane():
+    assert lane_failures(_healthy_report()) == []
+
+    r = _healthy_report()  # the first-run bug: the chat loop died, 0 answered
+    r["chats"] |= {"done": 0, "fatal": "ModuleNotFoundError: No module named 'openai'"}
+    del r["lanes"]["interactive"]
+    reasons = lane_failures(r)
+    assert any("ModuleNotFoundError" in x for x in reasons)
+    assert any("no chat answered (0 sent)" in x for x in reasons)
+
+    r = _healthy_report()  # 4 of 40 failed is within the 10 % tolerance, 5 is not
+    r["chats"] |= {"done": 36, "errors": 4, "first_error": "APITimeoutError: timed out"}
+    assert lane_failures(r) == []
+    r["chats"] |= {"done": 35, "errors": 5}
+    assert lane_failures(r) == [
+        "interactive lane: 5 of 40 chats failed; first error: APITimeoutError: timed out"
+    ]
+
+    r = _healthy_report()
+    r["jobs"]["translate"] |= {"status": "failed", "completed": 0, "failed": 64}
+    r["jobs"]["summarize"] |= {"completed": 35, "failed": 5}  # over int(0.1 * 40) = 4
+    assert lane_failures(r) == [
+        "summarize job: 5 of 40 lines failed",
+        "translate job batch_b ended failed",
+    ]
+
+    r = _healthy_report()  # answered, but the recorder has no timed row of the lane
+    r["lanes"]["batch"]["ttft_ms"] = {"p50": None, "p99": None}
+    assert lane_failures(r) == ["batch lane: answered, but SQL has no request with a TTFT"]
+
+
+def test_report_always_has_both_lanes_columns():
+    r = _healthy_report()
+    del r["lanes"]["interactive"], r["throughput_tokens_per_s"]["interactive"]
+    from rich.console import Console
+
+    from laneserve.commands.demo import ChatStats
+
+    buf = io.StringIO()
+    _print_report(r, {}, {}, ChatStats(), ROOT, Console(file=buf, width=100))
+    text = buf.getvalue()
+    for lane in LANES:
+        assert f"{lane} P50" in text and f"{lane} P99" in text
+    assert "interactive lane: no request recorded in SQL" in text
+
+
+def _assert_both_lanes_answered(summary: dict, lines: int) -> None:
+    assert summary["ok"] is True and summary["failures"] == [], summary["failures"]
+    assert summary["jobs"]["summarize"]["status"] == "completed"
+    assert summary["jobs"]["translate"]["status"] == "completed"
+    assert summary["jobs"]["summarize"]["total"] + summary["jobs"]["translate"]["total"] == lines
+    assert summary["lanes"]["batch"]["requests"] >= lines
+    assert summary["lanes"]["batch"]["ttft_ms"]["p50"] > 0
+    assert summary["chats"]["done"] >= 1 and summary["chats"]["errors"] == 0
+    assert summary["lanes"]["interactive"]["requests"] >= 1
+    assert summary["lanes"]["interactive"]["ttft_ms"]["p50"] > 0
+
+
 @pytest.mark.slow
 def test_demo_quick_completes_and_stops_its_stack(model_home):
     res = laneserve(model_home, "demo", "--quick", "--no-dashboard", timeout=900)
     assert res.returncode == 0, res.stdout + res.stderr[-5000:]
     for needle in ("TTFT", "TPOT", "queue", "prefill", "decode", "interactive", "batch"):
         assert needle in res.stdout, needle
+    assert "INFO alembic" not in res.stderr  # quiet start-up: no migration INFO lines
     (summary_path,) = (model_home / "demo").glob("*/summary.json")
     summary = json.loads(summary_path.read_text())
+    _assert_both_lanes_answered(summary, 12)
     assert summary["jobs"]["summarize"]["status"] == "completed"
     assert summary["jobs"]["translate"]["status"] == "completed"
     assert summary["jobs"]["summarize"]["total"] + summary["jobs"]["translate"]["total"] == 12
@@ -55,6 +165,96 @@ def test_demo_quick_completes_and_stops_its_stack(model_home):
     assert all(o["response"]["body"]["choices"][0]["message"]["content"] for o in outputs)
     assert not (model_home / "stack.json").exists()  # the demo stopped the stack it started
     assert processes_mentioning(str(model_home)) == []
+
+
+def _fresh_env(home, **extra: str) -> dict[str, str]:
+    """This environment without anything that points Python at this checkout or at this
+    environment's packages; `home` as LANESERVE_HOME."""
+    drop = ("PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "VIRTUAL_ENV", "TRITON_INTERPRET",
+            "LANESERVE_DB_URL", "LANESERVE_API_KEY")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    return env | {"LANESERVE_HOME": str(home), "PIP_NO_INPUT": "1", **extra}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_readme_demo_in_a_fresh_venv_with_runtime_dependencies_only(
+    tmp_path, smollm2_gguf, smollm2_dir
+):
+    """The README's first command as a new user runs it: `scripts/demo --quick` with a plain
+    virtual environment's python (it installs torch and `pip install -e .`, no dev extra)."""
+    home, venv = tmp_path / "home", tmp_path / "venv"
+    link_model(home, smollm2_gguf, smollm2_dir)  # the one thing not downloaded again
+    py = venv / "bin" / "python"
+    env = _fresh_env(home, PYTHON=str(py))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+        # the premise: this venv sees none of this environment's packages (dev extra included)
+        probe = subprocess.run([py, "-c", "import pytest"], env=env, capture_output=True)
+        assert probe.returncode != 0, "the fresh venv sees pytest"
+        t0 = time.monotonic()
+        res = subprocess.run(
+            [str(ROOT / "scripts" / "demo"), "--quick"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1800,
+        )  # fmt: skip
+        wall = time.monotonic() - t0
+        assert res.returncode == 0, f"{wall:.0f} s\n{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
+        listed = subprocess.run(
+            [py, "-m", "pip", "list", "--format=json"], env=env, capture_output=True, text=True,
+            timeout=120, check=True,
+        )  # fmt: skip
+        names = {p["name"].lower() for p in json.loads(listed.stdout)}
+        assert {"laneserve", "openai", "torch"} <= names
+        assert not names & {"pytest", "ruff", "psycopg", "accelerate"}  # runtime deps only
+        assert "INFO alembic" not in res.stderr and "Traceback" not in res.stderr
+        (summary_path,) = (home / "demo").glob("*/summary.json")
+        _assert_both_lanes_answered(json.loads(summary_path.read_text()), 12)
+        assert not (home / "stack.json").exists()
+        assert processes_mentioning(str(home)) == []
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)  # 2-3 GB
+
+
+def _demo_against(home, *up_args: str, demo_args: tuple[str, ...] = ()):
+    """`laneserve demo --quick` against a synthetic stack started with `up_args`; returns
+    (the demo's CompletedProcess, its summary.json)."""
+    home.mkdir()
+    up = UpProcess(home, "--synthetic", "--api-port", "0", "--no-dashboard", *up_args)
+    try:
+        up.wait_ready(timeout_s=120)
+        res = laneserve(home, "demo", "--quick", *demo_args, timeout=400)
+    finally:
+        assert up.stop() == 0, up.logs()
+    (summary_path,) = (home / "demo").glob("*/summary.json")
+    return res, json.loads(summary_path.read_text())
+
+
+@pytest.mark.slow
+def test_demo_fails_loudly_when_no_worker_serves_the_interactive_lane(tmp_path):
+    res, summary = _demo_against(tmp_path / "h", "--lanes", "batch")
+    assert res.returncode == 1, res.stdout + res.stderr[-3000:]
+    assert "laneserve demo failed" in res.stderr
+    assert "interactive lane: no chat answered" in res.stderr
+    assert "no worker serves the interactive lane" in res.stderr  # the API's reason, passed on
+    for lane in LANES:  # the table keeps the lane that produced nothing, and says so
+        assert f"{lane} P50" in res.stdout
+    assert "interactive lane: no request recorded in SQL" in res.stdout
+    assert summary["ok"] is False and summary["chats"]["done"] == 0
+    assert summary["chats"]["errors"] >= 2  # the first round of chats is always sent
+    assert [j["status"] for j in summary["jobs"].values()] == ["completed", "completed"]
+    assert all("interactive" in reason for reason in summary["failures"])
+
+
+@pytest.mark.slow
+def test_demo_fails_when_its_jobs_cannot_finish(tmp_path):
+    res, summary = _demo_against(
+        tmp_path / "h", "--lanes", "interactive", demo_args=("--timeout", "15")
+    )
+    assert res.returncode == 1, res.stdout + res.stderr[-3000:]
+    assert "summarize and translate not done after 15 s; cancelled" in res.stderr
+    assert summary["ok"] is False and summary["chats"]["done"] >= 1
+    assert {j["status"] for j in summary["jobs"].values()} <= {"cancelling", "cancelled"}
+    assert "summarize job " in " ".join(summary["failures"])
 
 
 @pytest.mark.slow

@@ -21,11 +21,26 @@ pytestmark = pytest.mark.slow
 PHASE_COLUMNS = ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "tpot_ms", "e2e_ms")
 
 
+# Engine options other than the defaults (and the CPU lane profile), each of which must reach the
+# worker (DESIGN.md "Stack discovery").
+ENGINE_OPTIONS = {
+    "dtype": "float32",
+    "max_num_seqs": 16,
+    "block_size": 32,
+    "max_num_batched_tokens": 64,
+    "kv_cache_memory_bytes": 256 * 2**20,
+    "interactive_batch_token_cap": 6,
+    "batch_token_budget": 48,
+}
+
+
 @pytest.fixture(scope="module")
 def up(model_home):
     stack = UpProcess(
         model_home, "--api-port", "0", "--no-dashboard", "--dtype", "float32",
-        "--max-num-seqs", "16",
+        "--max-num-seqs", "16", "--block-size", "32", "--max-num-batched-tokens", "64",
+        "--kv-cache-memory", "256MiB", "--interactive-batch-token-cap", "6",
+        "--batch-token-budget", "48",
     )  # fmt: skip
     stack.wait_ready()
     yield stack
@@ -69,8 +84,9 @@ def test_stack_json_names_every_component(up):
 
 def test_engine_options_reach_the_worker(up):
     cmd = psutil.Process(up.info["children"]["worker-0"]).cmdline()
-    assert cmd[cmd.index("--max-num-seqs") + 1] == "16"
-    assert cmd[cmd.index("--dtype") + 1] == "float32"
+    config = json.loads(cmd[cmd.index("--engine-config") + 1])  # one typed config per worker
+    assert {k: config[k] for k in ENGINE_OPTIONS} == ENGINE_OPTIONS
+    assert config["lanes"] == ["interactive", "batch"]
     assert cmd[cmd.index("--parent-pid") + 1] == str(up.proc.pid)
     env = psutil.Process(up.info["children"]["worker-0"]).environ()
     assert env["OMP_WAIT_POLICY"] == "PASSIVE"
@@ -144,6 +160,11 @@ def test_status_json(up):
     assert worker["lanes"] == ["interactive", "batch"]
     assert worker["model"] == "smollm2-135m"
     assert "kv_usage" in worker["load"]
+    # what the worker's engine runs with, as it announced it to the broker
+    engine = worker["info"]["engine"]
+    assert {k: engine[k] for k in ENGINE_OPTIONS} == ENGINE_OPTIONS
+    assert worker["capacity"] == 2 * ENGINE_OPTIONS["max_num_seqs"]
+    assert worker["load"]["num_total_blocks"] * 32 * 30 * 3 * 64 * 2 * 4 <= 256 * 2**20
     names = {c["name"]: c for c in status["components"]}
     assert all(c["healthy"] for c in names.values()), names
     assert names["api"]["address"] == up.info["api_url"]

@@ -1,0 +1,64 @@
+"""The interface the worker process drives: `Engine`.
+
+`LLMEngine` (gpu_worker/engine.py, the real model) and `SyntheticEngine` (gpu_worker/synthetic.py,
+fake tokens) implement it, and so does the test-only `FaultInjectingEngine`
+(gpu_worker/faults.py). `gpu_worker.worker.Worker` depends on nothing else, so the worker's IO side
+never imports torch for its own sake. Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from gpu_worker.outputs import RequestDelta
+
+__all__ = ["Engine"]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A streaming engine: requests go in with `add_request`, token deltas come out of `step`.
+
+    Attributes:
+        model_name: the name the worker announces to the broker.
+    """
+
+    model_name: str
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        messages: list[dict] | None = None,
+        sampling_params: Any = None,
+        lane: str = "batch",
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> object:
+        """Queue a request (exactly one of prompt, prompt_token_ids, messages).
+
+        `sampling_params` is a `SamplingParams` or its wire dict; `arrival_time` is
+        `time.monotonic()` seconds when the request reached this process.
+
+        Raises:
+            ValueError (InvalidRequestError, PromptTooLongError): bad input, duplicate id.
+        """
+        ...
+
+    def step(self) -> list[RequestDelta]:
+        """One engine step; the deltas it produced (a token, a final, an error), maybe none."""
+        ...
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free what it holds (unknown ids are ignored)."""
+        ...
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is queued, running, or owes a final delta."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Load figures: num_total_blocks, num_free_blocks, num_running, num_waiting,
+        prefix_cache_queries, prefix_cache_hits, num_preemptions (more are allowed)."""
+        ...

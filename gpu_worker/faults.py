@@ -1,0 +1,123 @@
+"""Test-only fault injection: an `Engine` wrapper the worker entry point installs when asked.
+
+Two faults, each enabled by a registered test-only variable that the worker entry point reads
+once at start (`FaultPlan.from_env`); with neither set the worker drives the engine directly and
+nothing here runs:
+
+- ``LANESERVE_FAULT_STEP=TEXT``: an engine step whose batch holds a request whose prompt or
+  messages contain TEXT raises inside the model call, so the engine's own recovery runs (the
+  step's requests end with an error, their KV blocks are freed, the engine keeps serving). Needs
+  the real engine (`LLMEngine.execute_model`).
+- ``LANESERVE_FAULT_CRASH=TEXT``: a request whose prompt or messages contain TEXT kills the worker
+  process (``os._exit(1)``) when it is added, the way a request that crashes its worker every time
+  would (tests/reliability, fault scenario 2).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from contracts import env
+from gpu_worker.engine_protocol import Engine
+from gpu_worker.outputs import RequestDelta
+
+logger = logging.getLogger(__name__)
+
+STEP_VAR = "LANESERVE_FAULT_STEP"
+CRASH_VAR = "LANESERVE_FAULT_CRASH"
+
+
+@dataclass(frozen=True, slots=True)
+class FaultPlan:
+    """Which faults to inject: prompt texts that trigger them (None: that fault is off)."""
+
+    step_marker: str | None = None
+    crash_marker: str | None = None
+
+    @classmethod
+    def from_env(cls) -> FaultPlan:
+        return cls(step_marker=env.get(STEP_VAR), crash_marker=env.get(CRASH_VAR))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.step_marker or self.crash_marker)
+
+
+def with_faults(engine: Engine, plan: FaultPlan) -> Engine:
+    """`engine` itself when `plan` injects nothing, else a `FaultInjectingEngine` around it."""
+    return FaultInjectingEngine(engine, plan) if plan.enabled else engine
+
+
+class FaultInjectingEngine:
+    """An `Engine` that delegates to `engine` and injects the faults of `plan`.
+
+    Raises (constructor):
+        ValueError: a step fault asked of an engine without `execute_model`.
+    """
+
+    def __init__(self, engine: Engine, plan: FaultPlan) -> None:
+        self.engine = engine
+        self.plan = plan
+        self.model_name = engine.model_name
+        self._marked: set[str] = set()  # live requests whose prompt carries the step marker
+        if plan.step_marker:
+            execute = getattr(engine, "execute_model", None)
+            if execute is None:
+                raise ValueError(f"{STEP_VAR} needs the real engine (no execute_model)")
+            engine.execute_model = self._failing(execute)  # type: ignore[attr-defined]
+        logger.warning("test fault injection on: %s", plan)
+
+    def _failing(self, execute: Any) -> Any:
+        from gpu_worker.errors import EngineError
+
+        def execute_model(out: Any) -> Any:
+            if any(e.request.request_id in self._marked for e in out.scheduled):
+                raise EngineError(f"injected fault ({STEP_VAR})")
+            return execute(out)
+
+        return execute_model
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        messages: list[dict] | None = None,
+        sampling_params: Any = None,
+        lane: str = "batch",
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> object:
+        text = repr((prompt, messages))
+        if self.plan.crash_marker and self.plan.crash_marker in text:
+            logger.error("%s matched request %s: exiting", CRASH_VAR, request_id)
+            os._exit(1)
+        # positional: the protocol fixes the order (tests/engine/test_engine_protocol.py)
+        result = self.engine.add_request(
+            request_id, prompt, prompt_token_ids, messages, sampling_params, lane, priority,
+            arrival_time,
+        )  # fmt: skip
+        if self.plan.step_marker and self.plan.step_marker in text:
+            self._marked.add(request_id)
+        return result
+
+    def step(self) -> list[RequestDelta]:
+        deltas = self.engine.step()
+        if self._marked:
+            for d in deltas:
+                if d.finished:
+                    self._marked.discard(d.request_id)
+        return deltas
+
+    def abort_request(self, request_id: str) -> None:
+        self._marked.discard(request_id)
+        self.engine.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()

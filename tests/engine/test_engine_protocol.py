@@ -1,0 +1,215 @@
+"""The `Engine` protocol the worker drives: both engines (and the fault wrapper) implement it with
+the same signatures, a worker process serves with each, the engine config it was given is what it
+announces, the engine's step reads no environment variable, and the test-only step fault fails
+that step's requests through the engine's own recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpu_worker.config import EngineConfig
+from gpu_worker.engine import LLMEngine
+from gpu_worker.engine_protocol import Engine
+from gpu_worker.faults import FaultInjectingEngine, FaultPlan, with_faults
+from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.synthetic import SyntheticEngine
+
+ROOT = Path(__file__).resolve().parents[2]
+METHODS = ("add_request", "step", "abort_request", "has_unfinished_requests", "stats")
+
+
+def _params(func) -> list[tuple[str, object, object]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(func).parameters.values()]
+
+
+@pytest.mark.parametrize("cls", [LLMEngine, SyntheticEngine, FaultInjectingEngine])
+def test_engine_classes_have_the_protocol_signatures(cls):
+    for name in METHODS:
+        assert _params(getattr(cls, name)) == _params(getattr(Engine, name)), (cls, name)
+
+
+def test_instances_satisfy_the_protocol(base_llm):
+    synthetic = SyntheticEngine(step_s=0)
+    assert isinstance(synthetic, Engine) and synthetic.model_name == "synthetic"
+    assert isinstance(base_llm.engine, Engine) and base_llm.engine.model_name
+    assert with_faults(synthetic, FaultPlan()) is synthetic  # nothing to inject: no wrapper
+    wrapped = with_faults(synthetic, FaultPlan(crash_marker="X"))
+    assert isinstance(wrapped, Engine) and wrapped.model_name == "synthetic"
+
+
+class _TracingEnviron(dict):
+    """os.environ stand-in that records every variable looked up, with the reading file."""
+
+    def __init__(self, data):
+        super().__init__(data)
+        self.reads: list[tuple[str, str]] = []
+
+    def _record(self, key):
+        frame = sys._getframe(2)
+        skip = (os.path.normpath(os.__file__), str(ROOT / "contracts" / "env.py"))
+        while frame is not None and os.path.normpath(frame.f_code.co_filename) in skip:
+            frame = frame.f_back
+        self.reads.append((str(key), frame.f_code.co_filename if frame else "?"))
+
+    def get(self, key, default=None):
+        self._record(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self._record(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self._record(key)
+        return super().__contains__(key)
+
+
+def test_engine_step_reads_no_environment(base_llm, monkeypatch):
+    """Only the kernels' documented per-op backend override is looked up during steps."""
+    engine = base_llm.engine
+    tracing = _TracingEnviron(os.environ)
+    monkeypatch.setattr(os, "environ", tracing)
+    engine.add_request(
+        "env", prompt_token_ids=list(range(200, 240)), sampling_params={"max_tokens": 4}
+    )
+    while engine.has_unfinished_requests():
+        engine.step()
+    kernels_init = str(ROOT / "kernels" / "__init__.py")
+    others = {(name, path) for name, path in tracing.reads if path != kernels_init}
+    assert others == set(), others
+    assert {name for name, _ in tracing.reads} <= {"LANESERVE_ATTENTION_BACKEND"}
+
+
+def test_step_fault_fails_that_step_through_the_engines_recovery(make_llm):
+    llm = make_llm(num_blocks=64)
+    engine = with_faults(llm.engine, FaultPlan(step_marker="POISON"))
+    params = SamplingParams(max_tokens=4)
+    engine.add_request("bad", prompt="a POISON prompt", sampling_params=params)
+    engine.add_request("good", prompt="a fine prompt", sampling_params=params)
+    finals = {}
+    for _ in range(50):
+        for d in engine.step():
+            if d.finished:
+                finals[d.request_id] = d
+        if not engine.has_unfinished_requests():
+            break
+    # both shared the first step: both fail there (the semantics of a forward that raises)
+    assert finals["bad"].finish_reason == "error" and "injected fault" in finals["bad"].error
+    assert finals["good"].finish_reason == "error"
+    stats = engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    engine.add_request("after", prompt="a fine prompt", sampling_params=params)
+    out = []
+    while engine.has_unfinished_requests():
+        out += [d for d in engine.step() if d.finished]
+    assert [d.finish_reason for d in out] == ["length"]
+    llm.check_integrity()
+
+
+# ----------------------------------------------------------------- a worker process with each
+
+
+class _Processes:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.front, self.back = f"ipc://{tmp}/f.sock", f"ipc://{tmp}/b.sock"
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, name: str, module: str, *args: str) -> None:
+        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - the child keeps it
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", module, *args], stdout=log, stderr=log, env=env, cwd=ROOT
+            )
+        )
+        log.close()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in self.tmp.glob("*.log"))
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def procs(tmp_path_factory) -> Iterator[_Processes]:
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="lsp", dir="/tmp"))  # short ipc paths
+    stack = _Processes(tmp)
+    stack.spawn("broker", "laneserve.commands.broker", "--front", stack.front, "--back", stack.back)
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def _wait_worker(stack: _Processes, timeout_s: float) -> dict:
+    from broker.client import broker_status
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            workers = broker_status(stack.front, timeout_s=1.0)["workers"]
+        except TimeoutError:
+            workers = []
+        if workers:
+            return workers[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no worker registered:\n{stack.logs()}")
+
+
+async def _generate(front: str, max_tokens: int) -> tuple[list[str], str, dict]:
+    from broker.client import BrokerClient
+
+    async with BrokerClient(front) as client:
+        stream = client.submit(
+            lane="interactive",
+            prompt="Name a color.",
+            sampling_params={"max_tokens": max_tokens, "ignore_eos": True},
+        )
+        kinds, last = [], None
+        async for item in stream:
+            kinds.append(type(item).__name__)
+            last = item
+    return kinds, getattr(last, "finish_reason", repr(last)), getattr(last, "usage", {})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["synthetic", "real"])
+def test_worker_serves_with_each_engine_and_announces_its_config(engine, procs, smollm2_dir):
+    config = EngineConfig(
+        model=str(smollm2_dir), dtype="float32", block_size=32, max_num_seqs=5,
+        max_num_batched_tokens=40, kv_cache_memory_bytes=32 * 2**20,
+        interactive_batch_token_cap=6, batch_token_budget=24, lanes=("interactive",),
+    )  # fmt: skip
+    args = ["--broker", procs.back, "--worker-id", "w", "--engine-config", config.to_json()]
+    procs.spawn("worker", "laneserve.commands.worker", *args, "--max-num-seqs", "6",
+                *(["--synthetic"] if engine == "synthetic" else []))  # fmt: skip
+    worker = _wait_worker(procs, timeout_s=120)
+    announced = worker["info"]["engine"]
+    assert announced == {**config.to_dict(), "max_num_seqs": 6}  # the flag overrides the JSON
+    assert worker["lanes"] == ["interactive"] and worker["capacity"] == 12
+    assert (worker["model"] == "synthetic") == (engine == "synthetic") and worker["model"]
+    kinds, reason, usage = asyncio.run(asyncio.wait_for(_generate(procs.front, 5), 120))
+    assert kinds[-1] == "Final" and reason == "length", (kinds, reason, procs.logs())
+    assert usage["completion_tokens"] == 5
