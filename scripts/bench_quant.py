@@ -15,19 +15,20 @@ crossover `gpu_worker.quantization.DENSE_MIN_TOKENS` comes from).
 
     python scripts/bench_quant.py [--ms 1,2,4,...] [--budget-s 0.1] [--shapes qkv,o] [--threads 1]
 
-`--steps` instead times whole engine decode steps (`LLMEngine.step()`, sampling included) of the
-bundled model at batch 1 / 8 / 64 for `--quantization none,auto` (bf16 activations), the engines
-stepped alternately so load from other processes hits both alike, and reports each model's weight
-bytes and the process RSS growth while it loaded:
+`--steps` instead times whole engine steps (`LLMEngine.step()`, sampling included) of the bundled
+model: decodes at batch 1 / 8 / 64 and the prefill of one 512-token prompt, for `--quantization
+none,auto,auto-nodense` (bf16 activations; `auto-nodense` drops the dense bf16 copies, so every
+call reads the 4-bit weights), the engines stepped alternately so load from other processes hits
+all alike; it reports each model's weight bytes (quantized blocks, scales, dense copies) and
+load time:
 
-    python scripts/bench_quant.py --steps [--batches 1,8,64] [--num-steps 30]
+    python scripts/bench_quant.py --steps [--batches 1,8,64] [--num-steps 30] [--prefill-reps 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import time
 
@@ -51,6 +52,7 @@ MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # run 10-100x slower than a dense fp32 GEMM, so those variants are timed for small M only.
 FP32_QUANT_MAX_M = 4
 SLOW_FP32 = ("int4_fp32", "int8_fp32")
+PREFILL_TOKENS = 512  # the prompt of the prefill timing (--steps)
 SIMD_FLAGS = (
     "avx2",
     "fma",
@@ -133,62 +135,99 @@ def crossover(ratio: dict[int, float]) -> int | None:
     return None
 
 
-def rss_mb() -> float:
-    """Resident set size of this process now (MB), from /proc/self/statm."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 1e6
+def build_engines(args) -> tuple[dict, dict]:
+    """One `LLM` per mode in `--quantization` (`auto-nodense`: auto with its dense bf16 copies
+    dropped, every call on the quantized kernels) and its memory figures."""
+    from gpu_worker import LLM
+    from gpu_worker.quantization import QuantLinear
+
+    llms, memory = {}, {}
+    for name in args.quantization.split(","):
+        t0 = time.perf_counter()
+        llm = LLM(
+            model=args.model,
+            dtype=args.dtype,
+            quantization=name.removesuffix("-nodense"),
+            max_model_len=PREFILL_TOKENS + 64,
+            num_blocks=max(max(args.batches_list) * 128, 2 * PREFILL_TOKENS + 128) // 16,
+            enable_prefix_caching=False,
+        )
+        model = llm.engine.runner.model
+        if name.endswith("-nodense"):
+            for layer in model.layers:
+                for f in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                    if isinstance(getattr(layer, f), QuantLinear):
+                        getattr(layer, f).dense = None
+            if isinstance(model.lm_head, QuantLinear):
+                model.lm_head.dense = None
+        llms[name] = llm
+        memory[name] = {
+            "load_s": round(time.perf_counter() - t0, 2),
+            "weight_mb": round(model.weight_bytes() / 1e6, 1),
+        }
+    return llms, memory
+
+
+def summarize(times: dict[str, list[float]]) -> dict:
+    """Median ms per engine and the median per-round ratio of the first engine to each other."""
+    cell = {name: round(statistics.median(ts), 2) for name, ts in times.items()}
+    first, *others = times
+    for name in others:
+        ratios = [a / b for a, b in zip(times[first], times[name], strict=True)]
+        cell[f"{first}_over_{name}"] = round(statistics.median(ratios), 2)
+    return cell
+
+
+def decode_step_ms(llms: dict, batch: int, num_steps: int) -> dict:
+    """Median step time of `batch` running decodes (32-token prompts), engines alternating."""
+    from gpu_worker import SamplingParams
+
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    prompt = list(range(1000, 1032))
+    for llm in llms.values():
+        for i in range(batch):
+            llm.engine.add_request(f"b{batch}-{i}", prompt_token_ids=prompt, sampling_params=params)
+        for _ in range(3):  # the prefill step (batch x 32 tokens), then decodes
+            llm.engine.step()
+    times: dict[str, list[float]] = {name: [] for name in llms}
+    for _ in range(num_steps):
+        for name, llm in llms.items():
+            t0 = time.perf_counter()
+            llm.engine.step()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    for llm in llms.values():
+        for i in range(batch):
+            llm.engine.abort_request(f"b{batch}-{i}")
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    return summarize(times)
+
+
+def prefill_step_ms(llms: dict, reps: int) -> dict:
+    """Median time of the one step that prefills a PREFILL_TOKENS-token prompt."""
+    from gpu_worker import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prompt = [1000 + (i * 37) % 20000 for i in range(PREFILL_TOKENS)]
+    times: dict[str, list[float]] = {name: [] for name in llms}
+    for r in range(reps):
+        for name, llm in llms.items():
+            llm.engine.add_request(f"p{r}", prompt_token_ids=prompt, sampling_params=params)
+            t0 = time.perf_counter()
+            llm.engine.step()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+            while llm.engine.has_unfinished_requests():
+                llm.engine.step()
+    return summarize(times)
 
 
 def step_times(args) -> dict:
-    """Decode step times of whole engine steps, per quantization mode and batch size."""
-    from gpu_worker import LLM, SamplingParams
-
-    llms, memory = {}, {}
-    for mode in args.quantization.split(","):
-        before = rss_mb()
-        t0 = time.perf_counter()
-        llms[mode] = LLM(
-            model=args.model,
-            dtype=args.dtype,
-            quantization=mode,
-            max_model_len=128,  # 32-token prompts + warm-up + timed steps
-            num_blocks=max(args.batches_list) * 128 // 16,
-            enable_prefix_caching=False,
-        )
-        memory[mode] = {
-            "load_s": round(time.perf_counter() - t0, 2),
-            "weight_mb": round(llms[mode].engine.runner.model.weight_bytes() / 1e6, 1),
-            "rss_growth_mb": round(rss_mb() - before, 1),
-        }
-    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
-    prompt = list(range(1000, 1032))  # 32 tokens
+    """Decode and prefill step times of whole engine steps, per quantization mode."""
+    llms, memory = build_engines(args)
     out: dict = {"memory": memory, "decode_step_ms": {}}
     for batch in args.batches_list:
-        for llm in llms.values():
-            for i in range(batch):
-                llm.engine.add_request(
-                    f"b{batch}-{i}", prompt_token_ids=prompt, sampling_params=params
-                )
-            for _ in range(3):  # the prefill step (batch x 32 tokens), then decodes
-                llm.engine.step()
-        times: dict[str, list[float]] = {mode: [] for mode in llms}
-        for _ in range(args.num_steps):
-            for mode, llm in llms.items():
-                t0 = time.perf_counter()
-                llm.engine.step()
-                times[mode].append((time.perf_counter() - t0) * 1e3)
-        cell = {mode: round(statistics.median(ts), 2) for mode, ts in times.items()}
-        first = next(iter(llms))
-        for mode in llms:
-            if mode != first:
-                ratios = [a / b for a, b in zip(times[first], times[mode], strict=True)]
-                cell[f"{first}_over_{mode}"] = round(statistics.median(ratios), 2)
-        out["decode_step_ms"][str(batch)] = cell
-        for llm in llms.values():
-            for i in range(batch):
-                llm.engine.abort_request(f"b{batch}-{i}")
-            while llm.engine.has_unfinished_requests():
-                llm.engine.step()
+        out["decode_step_ms"][str(batch)] = decode_step_ms(llms, batch, args.num_steps)
+    out[f"prefill_{PREFILL_TOKENS}_step_ms"] = prefill_step_ms(llms, args.prefill_reps)
     return out
 
 
@@ -201,9 +240,12 @@ def main() -> None:
     ap.add_argument("--steps", action="store_true", help="time engine decode steps instead")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--quantization", default="none,auto", help="modes to compare (--steps)")
+    ap.add_argument(
+        "--quantization", default="none,auto,auto-nodense", help="modes to compare (--steps)"
+    )
     ap.add_argument("--batches", default="1,8,64", help="decode batch sizes (--steps)")
     ap.add_argument("--num-steps", type=int, default=30, help="timed steps per batch (<= 90)")
+    ap.add_argument("--prefill-reps", type=int, default=5, help="timed prefills (--steps)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
