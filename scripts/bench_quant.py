@@ -4,8 +4,10 @@ For each linear of SmolLM2-135M (qkv 576->960, o 576->576, gate_up 576->3072, do
 lm_head 576->49152) and M = 1 .. 512 rows, times `x @ W.T` through:
 
     dense_fp32 / dense_bf16   F.linear on a float32 / bfloat16 weight
-    int4_fp32 / int4_bf16     _weight_int4pack_mm_for_cpu (group 32), float32 / bfloat16 activations
-    int8_fp32 / int8_bf16     _weight_int8pack_mm (per channel)
+    int4_bf16 / int8_bf16     QuantLinear: _weight_int4pack_mm_for_cpu (group 32) /
+                              _weight_int8pack_mm (per channel), bfloat16 activations
+    quant_int4_fp32_in        QuantLinear int4 called with float32 activations (cast in and out)
+    int4_fp32 / int8_fp32     the raw kernels with float32 activations and scales (small M only)
 
 Variants are timed round-robin, many rounds per cell (the machine may be shared: read the
 per-round ratios, not absolute times). Prints one JSON object: the CPU model and SIMD flags, torch
@@ -114,15 +116,25 @@ def time_cells(fns: dict, x32: torch.Tensor, budget_s: float, min_rounds: int = 
 def variants(n: int, k: int) -> dict:
     """name -> (activation dtype, callable on x)."""
     w = torch.randn(n, k) * 0.05
-    groups = int4_from_float(w)
-    q8, s8 = int8_from_float(w)
-    out = {}
-    for dt, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        dense = w.to(dt)
-        out[f"dense_{tag}"] = (dt, lambda x, d=dense: F.linear(x, d))
-        out[f"int4_{tag}"] = (dt, QuantLinear.from_int4(groups, dt))
-        out[f"int8_{tag}"] = (dt, QuantLinear.from_int8(q8, s8, dt))
-    return out
+    int4 = QuantLinear.from_int4(int4_from_float(w))
+    int8 = QuantLinear.from_int8(*int8_from_float(w))
+    # the raw kernels with float32 activations and scales (what QuantLinear avoids by casting)
+    scales4_fp32, scales8_fp32 = int4.scales.float(), int8.scales.float()
+    return {
+        "dense_fp32": (torch.float32, lambda x, d=w: F.linear(x, d)),
+        "dense_bf16": (torch.bfloat16, lambda x, d=w.bfloat16(): F.linear(x, d)),
+        "int4_bf16": (torch.bfloat16, int4),
+        "int8_bf16": (torch.bfloat16, int8),
+        "quant_int4_fp32_in": (torch.float32, int4),  # QuantLinear: cast to bf16 and back
+        "int4_fp32": (
+            torch.float32,
+            lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4.weight, 32, scales4_fp32),
+        ),
+        "int8_fp32": (
+            torch.float32,
+            lambda x: torch.ops.aten._weight_int8pack_mm(x, int8.weight, scales8_fp32),
+        ),
+    }
 
 
 def crossover(ratio: dict[int, float]) -> int | None:
