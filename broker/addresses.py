@@ -12,11 +12,9 @@ import os
 import tempfile
 from pathlib import Path
 
+from contracts.env import laneserve_home
+
 MAX_IPC_PATH = 100
-
-
-def laneserve_home() -> Path:
-    return Path(os.environ.get("LANESERVE_HOME") or Path.home() / ".laneserve")
 
 
 def run_dir() -> Path:

@@ -37,6 +37,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from contracts import env
+
 logger = logging.getLogger(__name__)
 
 SERVER_NAME = "server"
@@ -60,8 +62,7 @@ class KeyPaths:
 
 
 def default_keys_dir() -> Path:
-    home = os.environ.get("LANESERVE_HOME") or Path.home() / ".laneserve"
-    return Path(home) / "keys"
+    return env.laneserve_home() / "keys"
 
 
 def _write_cert(path: Path, public: bytes, secret: bytes | None, force: bool) -> None:
@@ -241,3 +242,26 @@ def apply_client(
     sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+
+
+def curve_server(
+    ctx: zmq.Context, back: str, server_key: str | None, allow: str | None
+) -> CurveServer | None:
+    """The broker back socket's CURVE server, or None for a local-only back socket.
+
+    Raises ValueError when only one of ``server_key``/``allow`` is given, or when the back
+    socket ``back`` would listen beyond loopback without CURVE (remote workers must use
+    CurveZMQ, DESIGN.md "Wire protocol"); :class:`CurveKeyError` on bad key files.
+    """
+    from broker.addresses import is_local_endpoint
+
+    if bool(server_key) != bool(allow):
+        raise ValueError("CURVE needs both a server key (--curve-server-key) and --curve-allow")
+    if not server_key:
+        if not is_local_endpoint(back):
+            raise ValueError(
+                f"back socket {back} is reachable from other hosts: remote workers must "
+                "use CurveZMQ (--curve-server-key and --curve-allow; `laneserve keys generate`)"
+            )
+        return None
+    return CurveServer(ctx, server_key, allow)

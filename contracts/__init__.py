@@ -1,7 +1,11 @@
 """What every laneserve process shares, torch-free and import-light (DESIGN.md, "Import direction").
 
-- :mod:`contracts.env`: every ``LANESERVE_*`` environment variable (type, default, meaning), read in
+- :mod:`contracts.env`: every environment variable laneserve reads (type, default, meaning), read in
   one place, and ``LANESERVE_HOME`` resolution.
+- :mod:`contracts.latency`: the DESIGN per-phase latency fields (one function each, composed from
+  per-hop monotonic intervals) and the one percentile rule.
+- :mod:`contracts.tokens`: tokenizer loading without torch and the one prompt-id rule (the engine's).
+- :mod:`contracts.openai`: the OpenAI request/response layer shared by the gateway and bulk-job lines.
 
 Every package may import ``contracts``; it imports none of them (and never torch).
 """

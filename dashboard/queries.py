@@ -2,7 +2,7 @@
 
 SQL only selects rows (a time window, a lane, a model); every aggregate — percentiles, histograms,
 rates — is computed here in numpy/pandas, so SQLite and PostgreSQL give the same answer.
-Percentiles use numpy's default method (`np.percentile(..., method="linear")`, Hyndman & Fan
+Percentiles use the one rule of `contracts.latency.percentile` (numpy's default, Hyndman & Fan
 definition 7). Time buckets are `floor(t / bucket_s) * bucket_s` over `requests.finished_at` /
 `worker_stats.at` (unix seconds; display only — durations come from the `*_ms` columns).
 
@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Engine, and_, func, or_, select
 
+from contracts.latency import percentile
 from dashboard.diagnose import Figures
 from db.models import Job, Request, WorkerStat
 
@@ -93,12 +94,12 @@ def auto_bucket_s(window_s: float, points: int = 60) -> int:
 
 
 def percentiles(values: np.ndarray | pd.Series, qs: tuple[int, ...] = PERCENTILES) -> list[float]:
-    """`np.percentile(values, qs)` over the non-null values; NaNs when there are none."""
+    """`contracts.latency.percentile` of the non-null values for each q; NaNs when there are none."""
     arr = np.asarray(values, dtype=np.float64)
-    arr = arr[~np.isnan(arr)]
-    if arr.size == 0:
+    kept = arr[~np.isnan(arr)].tolist()
+    if not kept:
         return [float("nan")] * len(qs)
-    return [float(v) for v in np.percentile(arr, qs)]
+    return [float(percentile(kept, q)) for q in qs]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,5 +6,4 @@
 - `db.migrate`: `upgrade(url)` (call at start-up; locked across processes), `downgrade`,
   `current`; Alembic scripts in `db/migrations/`.
 - `db.recorder`: `write_batch`, `prune`, `RecorderServer` (the `laneserve recorder` process).
-- `db.timings`: `compute_timings` for the per-phase latency fields.
 """

@@ -166,7 +166,7 @@ class Request(Base):
     `"in_progress"` before). `attempts` counts dispatches lost to a worker.
 
     Latency fields are milliseconds, per DESIGN.md "Per-phase latency" (see
-    `db.timings.compute_timings`), null when unknown; `tpot_ms` is null when
+    `contracts.latency`), null when unknown; `tpot_ms` is null when
     `completion_tokens < 2`. Token counts are integers. `arrival_at`,
     `first_scheduled_at`, `first_token_at`, `finished_at` are unix seconds (display only).
     """

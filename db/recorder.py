@@ -1,9 +1,11 @@
 """The recorder: writes finished-request records and worker snapshots to SQL in batches.
 
 Data flow (DESIGN.md "Processes and data flow", docs/interfaces.md "Records to SQL"): the
-broker's DEALER sends `broker.protocol.RecordBatch(seq, records, snapshots)` to the recorder's
-ROUTER at `recorder_addr`; the recorder writes the batch and answers `RecordAck(seq)` **only
-after the commit**. The broker keeps unacknowledged batches and resends them, so:
+broker's DEALER sends `broker.protocol.RecordBatch(seq, records, edge_timings, snapshots)` of
+typed items to the recorder's ROUTER at `recorder_addr`; the recorder maps them onto rows
+(`request_row`, `edge_row`, `snapshot_row`: the only place that knows the column names), writes
+the batch and answers `RecordAck(seq)` **only after the commit**. The broker keeps
+unacknowledged batches and resends them, so:
 
 - writes are idempotent: a record is an insert-or-update on `requests.id` (only the columns the
   record carries are updated, so a job line's `body` written by the jobs runner survives); a
@@ -30,14 +32,18 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine, and_, delete, or_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
+from contracts.latency import TIMING_FIELDS
 from db.models import REQUEST_COLUMNS, WORKER_STAT_COLUMNS, Request, WorkerStat
 from db.session import writer
+
+if TYPE_CHECKING:
+    from broker.protocol import EdgeTimings, RecordBatch, RequestRecord, WorkerSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +161,73 @@ def normalize_snapshot(snapshot: dict[str, Any]) -> dict[str, Any]:
     return {
         k: _coerce(k, _SNAPSHOT_KINDS[k], v) for k, v in snap.items() if k in WORKER_STAT_COLUMNS
     }
+
+
+# --------------------------------------------------------------------------------------------
+# Typed records (broker.protocol.recorder) -> rows.
+
+
+def request_row(rec: RequestRecord) -> dict[str, Any]:
+    """The `requests` row of a `RequestRecord`: its fields, `error` as "code: message", and
+    the display timestamps `first_scheduled_at`, `first_token_at`, `finished_at` (unix s) as
+    `arrival_at` plus `queue_ms`, `ttft_ms`, `e2e_ms`. `job_id`/`custom_id` only when set:
+    the jobs runner owns those columns of a job line's row."""
+
+    def at(ms: float | None) -> float | None:
+        return None if ms is None else rec.arrival_at + ms / 1000.0
+
+    row = {name: getattr(rec, name) for name in _RECORD_COLUMNS}
+    row["id"] = rec.request_id
+    row["error"] = None if rec.error_code is None else f"{rec.error_code}: {rec.error_message}"
+    row["first_scheduled_at"] = at(rec.queue_ms)
+    row["first_token_at"] = at(rec.ttft_ms)
+    row["finished_at"] = at(rec.e2e_ms)
+    for key in ("job_id", "custom_id"):
+        if getattr(rec, key) is not None:
+            row[key] = getattr(rec, key)
+    return row
+
+
+def edge_row(msg: EdgeTimings) -> dict[str, Any]:
+    """The partial `requests` row of an `EdgeTimings`: only the fields it carries are updated."""
+    row = {"id": msg.request_id, "ttft_ms": msg.ttft_ms, "e2e_ms": msg.e2e_ms}
+    return {k: v for k, v in row.items() if v is not None}
+
+
+def snapshot_row(snap: WorkerSnapshot) -> dict[str, Any]:
+    """The `worker_stats` row of a `WorkerSnapshot`: every field is the column of its name,
+    `lanes` comma-joined."""
+    return snap.payload() | {"lanes": ",".join(snap.lanes)}
+
+
+def batch_rows(batches: Iterable[RecordBatch]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(request rows, snapshot rows) of `RecordBatch` messages, in order: within a batch the
+    records come before the edge timings that refine them."""
+    requests: list[dict[str, Any]] = []
+    snapshots: list[dict[str, Any]] = []
+    for batch in batches:
+        requests += [request_row(r) for r in batch.records]
+        requests += [edge_row(e) for e in batch.edge_timings]
+        snapshots += [snapshot_row(s) for s in batch.snapshots]
+    return requests, snapshots
+
+
+_RECORD_COLUMNS = (
+    "lane",
+    "priority",
+    "model",
+    "worker_id",
+    "status",
+    "finish_reason",
+    "attempts",
+    "arrival_at",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "preemptions",
+    "prefill_chunks",
+    *TIMING_FIELDS,
+)
 
 
 def _merge_by_key(rows: Iterable[dict[str, Any]], key) -> list[dict[str, Any]]:
@@ -424,14 +497,13 @@ class RecorderServer:
             if not self._pending:
                 self._first_pending_at = time.monotonic()
             self._pending.append((identity, batch))
-            self._pending_items += len(batch.records) + len(batch.snapshots)
+            self._pending_items += batch.num_items()
 
     def _flush(self) -> None:
         if not self._pending:
             return
         pending, self._pending, self._pending_items = self._pending, [], 0
-        records = [r for _, b in pending for r in b.records]
-        snapshots = [s for _, b in pending for s in b.snapshots]
+        records, snapshots = batch_rows(b for _, b in pending)
         try:
             result = write_batch(self.engine, records, snapshots)
         except DBAPIError as exc:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from contracts.tokens import PromptError, PromptTokenizer, prompt_ids
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.config import ENGINE_DEFAULTS, EngineConfig
 from gpu_worker.detokenizer import IncrementalDetokenizer
@@ -117,6 +118,7 @@ class LLMEngine:
         self.model_name = model_display_name(config.model)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.prompt_tokenizer = PromptTokenizer.from_hf(loaded.tokenizer)  # the edge's rule
         self.load_seconds = loaded.load_seconds
         model = LlamaForCausalLM(
             loaded.config, loaded.weights, self.dtype, self.device, quantization
@@ -202,24 +204,20 @@ class LLMEngine:
         else:
             if not isinstance(prompt, str):
                 raise InvalidRequestError("prompt must be a string")
-            ids = list(self.tokenizer(prompt)["input_ids"])
+            ids = prompt_ids(self.prompt_tokenizer, prompt=prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty (0 tokens)")
         return ids
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` ids, no extra BOS."""
+        """`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` ids, no extra BOS
+        (`contracts.tokens.prompt_ids`, the rule the gateway and jobs runner count with)."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise InvalidRequestError("messages must be a list of objects")
         try:
-            out = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        except Exception as exc:  # jinja errors on malformed conversations
+            return prompt_ids(self.prompt_tokenizer, messages=messages)
+        except PromptError as exc:  # jinja errors on malformed conversations
             raise InvalidRequestError(f"chat template failed: {exc}") from exc
-        if isinstance(out, dict):
-            out = out["input_ids"]
-        return list(out)
 
     def add_request(
         self,

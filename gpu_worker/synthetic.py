@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from contracts import latency
 from gpu_worker.config import ENGINE_DEFAULTS
 from gpu_worker.outputs import RequestDelta
 
@@ -215,15 +216,15 @@ class SyntheticEngine:
 
     def _metrics(self, req: _SynthRequest) -> dict[str, Any]:
         times = req.token_times
-        gaps = sorted((b - a) * 1000.0 for a, b in zip(times, times[1:], strict=False))
-        decode_ms = (times[-1] - times[0]) * 1000.0
+        gaps = [latency.interval_ms(a, b) for a, b in zip(times, times[1:], strict=False)]
+        decode_ms = latency.decode_ms(times[0], times[-1])
         n = req.output
         return {
-            "queue_ms": (req.first_scheduled - req.arrival) * 1000.0,
-            "prefill_ms": (times[0] - req.first_scheduled) * 1000.0,
+            "queue_ms": latency.interval_ms(req.arrival, req.first_scheduled),
+            "prefill_ms": latency.prefill_ms(req.first_scheduled, times[0]),
             "decode_ms": decode_ms,
-            "tpot_ms": decode_ms / (n - 1) if n >= 2 else None,
-            "itl_p99_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None,
+            "tpot_ms": latency.tpot_ms(decode_ms, n),
+            "itl_p99_ms": latency.itl_p99_ms(gaps),
             "prompt_tokens": req.prompt_tokens,
             "cached_tokens": 0,
             "completion_tokens": n,

@@ -18,82 +18,91 @@ import time
 from typing import Any
 
 from broker import protocol as p
+from contracts.openai import Limits, parse
+from contracts.openai import responses as fmt
+from contracts.openai.responses import TokenText
 
-SAMPLING_KEYS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_tokens",
-)
+
+def choice_requests(rid: str, request: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """`(request id, BrokerClient.submit keyword arguments)` per choice of a line request
+    `{"url", "body"[, "sampling_params"]}` (`jobs.validate.LineResult.request`).
+
+    A line fans out as the gateway does (`n` samples of each prompt): choice `k = prompt * n +
+    sample` is the line's own request id for `k == 0` and `{rid}-{k}` otherwise, with
+    `ParsedRequest.sampling_for(k)` (`seed + sample`). The sampling params are the validated
+    ones stored with the line; a request without them (a map-reduce piece, a line stored by an
+    older validator) is mapped by the same parser. Raises `contracts.openai.OpenAIError` for a
+    body that parser refuses.
+    """
+    req = parse(request["url"], request["body"], Limits())
+    stored = request.get("sampling_params")
+    if stored is not None:
+        req.sampling = dict(stored)
+    elif req.max_tokens is not None:
+        req.sampling["max_tokens"] = req.max_tokens
+    out = []
+    for i, prompt in enumerate(req.prompts):
+        for j in range(req.n):
+            k = i * req.n + j
+            kwargs: dict[str, Any] = {
+                "sampling_params": req.sampling_for(k),
+                "model": req.model,
+                "priority": req.priority,
+            }
+            if prompt.messages is not None:
+                kwargs["messages"] = prompt.messages
+            elif prompt.token_ids is not None:
+                kwargs["prompt_token_ids"] = prompt.token_ids
+            else:
+                kwargs["prompt"] = prompt.text
+            out.append((rid if k == 0 else f"{rid}-{k}", kwargs))
+    return out
 
 
 def submit_kwargs(request: dict[str, Any]) -> dict[str, Any]:
-    """`BrokerClient.submit` keyword arguments (prompt form, sampling params, model) for a
-    validated line request `{"url", "body"}` (see `jobs.validate.LineResult.request`)."""
-    body = request["body"]
-    sampling = {k: body[k] for k in SAMPLING_KEYS if body.get(k) is not None}
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    if max_tokens is not None:
-        sampling["max_tokens"] = max_tokens
-    if isinstance(sampling.get("stop"), str):
-        sampling["stop"] = [sampling["stop"]]
-    kwargs: dict[str, Any] = {"sampling_params": sampling, "model": body.get("model")}
-    if request["url"] == "/v1/chat/completions":
-        kwargs["messages"] = body["messages"]
-    elif isinstance(body["prompt"], list):
-        kwargs["prompt_token_ids"] = body["prompt"]
-    else:
-        kwargs["prompt"] = body["prompt"]
+    """The submit arguments of a one-choice request (a map-reduce piece)."""
+    ((_, kwargs),) = choice_requests("", request)
     return kwargs
 
 
-def usage(final: p.Final) -> dict[str, int]:
-    prompt = int(final.usage.get("prompt_tokens") or 0)
-    completion = int(final.usage.get("completion_tokens") or len(final.token_ids))
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
+def usage(finals: list[p.Final], n: int = 1) -> dict[str, Any]:
+    """The completion's `usage` (tokens), as the gateway counts it: prompt and cached tokens
+    once per prompt (sample 0 of each), completion tokens over every choice."""
+    prompt = cached = completion = 0
+    for k, final in enumerate(finals):
+        completion += int(final.usage.get("completion_tokens") or len(final.token_ids))
+        if k % n == 0:
+            prompt += int(final.usage.get("prompt_tokens") or 0)
+            cached += int(final.usage.get("cached_tokens") or 0)
+    return fmt.usage_object(prompt, completion, cached)
 
 
 def success_response(
-    rid: str, url: str, model: str | None, final: p.Final, extra: dict | None = None
+    rid: str,
+    url: str,
+    model: str | None,
+    final: p.Final | list[p.Final],
+    extra: dict | None = None,
+    *,
+    n: int = 1,
+    token_text: TokenText | None = None,
 ) -> dict[str, Any]:
-    """The stored `response` of a finished line: the OpenAI completion object as `body`.
+    """The stored `response` of a finished line: the OpenAI completion object as `body`, one
+    choice per `Final` (choice `k` of `choice_requests`; `n` samples per prompt).
 
-    `extra` (e.g. `{"map_reduce": {...}}`) is added to the body under `"laneserve"`.
+    With `token_text` (the line asked for logprobs) each choice carries `logprobs` in the
+    endpoint's form, built from the engine's entries in `final.logprobs`. `extra` (e.g.
+    `{"map_reduce": {...}}`) is added to the body under `"laneserve"`.
     """
-    created = int(time.time())
-    if url == "/v1/chat/completions":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": final.text},
-            "logprobs": None,
-            "finish_reason": final.finish_reason,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {
-            "index": 0,
-            "text": final.text,
-            "logprobs": None,
-            "finish_reason": final.finish_reason,
-        }
-        obj = "text_completion"
-    body = {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model or "",
-        "choices": [choice],
-        "usage": usage(final),
-    }
+    finals = final if isinstance(final, list) else [final]
+    kind = "chat" if url == "/v1/chat/completions" else "completion"
+    choices = []
+    for k, f in enumerate(finals):
+        logprobs = None if token_text is None else fmt.choice_logprobs(kind, f.logprobs, token_text)
+        choices.append(fmt.choice(kind, k, f.text, f.finish_reason, logprobs))
+    body = fmt.completion_object(
+        kind, rid, int(time.time()), model or "", choices, usage(finals, n)
+    )
     if extra:
         body["laneserve"] = extra
     return {"status_code": 200, "request_id": rid, "body": body}

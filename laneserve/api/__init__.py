@@ -1,10 +1,13 @@
 """The OpenAI-compatible HTTP gateway (``laneserve api``).
 
 Modules: ``config`` (ApiConfig), ``app`` (create_app, state, health/models/metrics routes),
-``completions`` (chat and text completions, SSE), ``generate`` (fan-out to the broker, merging,
-disconnect handling), ``schemas`` (body validation), ``model_info`` (tokenizer, prompt-length
-checks), ``format`` (OpenAI response objects, logprobs, SSE framing), ``auth`` (API key, body
-limit), ``files`` (files and batches over jobs.service), ``metrics`` (Prometheus), ``errors``.
+``arrival`` (the request's arrival stamp), ``completions`` (chat and text completions, SSE),
+``generate`` (fan-out to the broker, merging, disconnect handling, edge TTFT), ``model_info``
+(loads the served model), ``auth`` (API key, body limit), ``files`` (files and batches over
+jobs.service), ``metrics`` (Prometheus), ``errors`` (error responses).
+
+Body validation, prompt counting, response objects and error objects are the shared OpenAI layer
+:mod:`contracts.openai` (the same code checks bulk-job lines); the process never imports torch.
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@ Routes (OpenAI-compatible unless noted)::
     POST /v1/batches   GET /v1/batches   GET /v1/batches/{id}   POST /v1/batches/{id}/cancel
     GET  /health  (no key; laneserve)  GET /metrics  (Prometheus text; laneserve)
 
-Start-up (lifespan): load the model's tokenizer (seconds), connect the broker client, start the
-status poller (workers per lane for the 503 check, gauges for /metrics, parent-pid watch).
+Start-up (lifespan): load the model's tokenizer (``tokenizer.json``, no torch), connect the
+broker client, start the status poller (workers per lane for the 503 check, gauges for /metrics,
+parent-pid watch). Every HTTP request is stamped on arrival by the outermost middleware
+(:mod:`laneserve.api.arrival`).
 """
 
 from __future__ import annotations
@@ -30,12 +32,15 @@ from starlette.responses import JSONResponse, Response
 
 from broker.client import BrokerClient
 from broker.procutil import pid_alive
+from contracts.openai.model import ServedModel
 from laneserve.api import completions, files
+from laneserve.api import inspection as inspection_routes
+from laneserve.api.arrival import ArrivalMiddleware
 from laneserve.api.auth import ApiKeyMiddleware
 from laneserve.api.config import ApiConfig
-from laneserve.api.errors import ApiError, error_response
+from laneserve.api.errors import ApiError, error_response, response_for
 from laneserve.api.metrics import GatewayMetrics
-from laneserve.api.model_info import ModelInfo
+from laneserve.api.model_info import load_served_model
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +62,7 @@ class GatewayState:
     def __init__(self, config: ApiConfig) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
-        self.model_info = ModelInfo(
+        self.model_info = ServedModel(
             served_name=config.served_model_name, max_model_len=config.max_model_len
         )
         self.client: BrokerClient | None = None
@@ -69,7 +74,11 @@ class GatewayState:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        self.model_info = await asyncio.to_thread(ModelInfo.load, self.config)
+        try:
+            self.model_info = await asyncio.to_thread(load_served_model, self.config)
+        except (ValueError, RuntimeError) as exc:  # TokenizerError, ModelLoadError: say why
+            logger.error("cannot load the model %s: %s", self.config.model, exc)
+            raise
         self.client = BrokerClient(self.config.broker)
         await self.client.start()
         await self.refresh_status()
@@ -134,9 +143,7 @@ class GatewayState:
             return
         if time.monotonic() - self.status_at > 0.5:
             await self.refresh_status()
-            if model in self.model_names():
-                return
-        raise ApiError("not_found", f"the model '{model}' does not exist", param="model")
+        self.model_info.check_name(model, self.model_names())
 
     def _serves(self, lane: str) -> bool:
         workers = (self.status or {}).get("workers") or []
@@ -181,6 +188,11 @@ async def metrics(request: Request) -> Response:
     state: GatewayState = request.app.state.gateway
     if time.monotonic() - state.status_at > state.config.status_interval_s / 2:
         await state.refresh_status()
+    if state.jobs is not None:
+        try:
+            await asyncio.to_thread(state.metrics.jobs.refresh, state.jobs.engine)
+        except Exception:  # the database is down: serve the last counts, say why in the log
+            logger.exception("reading bulk-job counts for /metrics failed")
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -213,10 +225,11 @@ def create_app(config: ApiConfig) -> FastAPI:
     app.add_api_route("/v1/chat/completions", completions.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions.completions, methods=["POST"])
     files.add_routes(app)
+    inspection_routes.add_routes(app)  # GET /v1/batches/{id}/stats, GET /status (laneserve)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
-        return exc.response()
+        return response_for(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -233,4 +246,5 @@ def create_app(config: ApiConfig) -> FastAPI:
 
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(ArrivalMiddleware)  # added last: the outermost, runs first
     return app

@@ -1,9 +1,11 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``.
 
-Flow of one request: read the body (size limit) -> validate (:mod:`schemas`) -> check the model
-name and count prompt tokens (:mod:`model_info`) -> make sure a worker serves the lane (else 503
-at once, not after the broker's no-worker timeout) -> submit every choice
-(:class:`~laneserve.api.generate.Generation`) -> respond.
+Flow of one request: arrival stamped before anything else (:mod:`laneserve.api.arrival`) ->
+read the body (size limit) -> validate (:func:`contracts.openai.parse`) -> check the model name
+and count prompt tokens (:class:`contracts.openai.ServedModel`) -> make sure a worker serves the
+lane (else 503 at once, not after the broker's no-worker timeout) -> submit every choice
+(:class:`~laneserve.api.generate.Generation`) -> respond with the objects of
+:mod:`contracts.openai.responses`.
 
 Streams decide their HTTP status before the first SSE byte: the response starts only once every
 choice has heard back from the broker (its first token, or an error such as ``overloaded`` ->
@@ -21,10 +23,12 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from laneserve.api import format as fmt
+from contracts.openai import responses as fmt
+from contracts.openai.requests import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, parse
+from laneserve.api.arrival import arrival
 from laneserve.api.auth import read_json
+from laneserve.api.errors import response_for
 from laneserve.api.generate import DISCONNECTED, Event, Generation, race_disconnect
-from laneserve.api.schemas import ParsedRequest, parse_chat, parse_completion
 
 if TYPE_CHECKING:
     from laneserve.api.app import GatewayState
@@ -33,22 +37,23 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def chat_completions(request: Request) -> Response:
-    return await _serve(request, "chat")
+    return await _serve(request, CHAT_ENDPOINT)
 
 
 async def completions(request: Request) -> Response:
-    return await _serve(request, "completion")
+    return await _serve(request, COMPLETIONS_ENDPOINT)
 
 
-async def _serve(request: Request, kind: str) -> Response:
-    arrival_monotonic, arrival_time = time.monotonic(), time.time()
+async def _serve(request: Request, endpoint: str) -> Response:
+    arrival_monotonic, arrival_time = arrival(request.scope)
     state: GatewayState = request.app.state.gateway
     cfg = state.config
     body = await read_json(request, cfg.max_body_bytes)
-    req = parse_chat(body, cfg) if kind == "chat" else parse_completion(body, cfg)
+    req = parse(endpoint, body, cfg.limits)
     await state.check_model(req.model)
-    state.model_info.check(req, cfg)
+    state.model_info.check(req, cfg.limits)
     await state.check_lane(req.lane)
+    kind = req.kind
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     gen: Generation | None = Generation(
         state.client,
@@ -64,13 +69,14 @@ async def _serve(request: Request, kind: str) -> Response:
             if await race_disconnect(request.receive, gen.run_to_end()) is DISCONNECTED:
                 return Response(status_code=499)  # nobody reads it; close() sends the aborts
             if gen.error is not None:
-                return gen.error.response()
-            body_obj = _chat_body(gen, state) if kind == "chat" else _completion_body(gen, state)
-            return Response(fmt.dumps(body_obj), media_type="application/json")
+                return response_for(gen.error)
+            response = Response(fmt.dumps(_body(gen, state)), media_type="application/json")
+            gen.sent()
+            return response
         if await race_disconnect(request.receive, gen.wait_started()) is DISCONNECTED:
             return Response(status_code=499)
         if gen.error is not None:
-            return gen.error.response()
+            return response_for(gen.error)
         body_iter = _chat_stream(gen, state) if kind == "chat" else _completion_stream(gen, state)
         response = _GenerationStream(gen, body_iter)  # owns gen from here on
         gen = None
@@ -102,56 +108,24 @@ def _finish(reason: str | None) -> str:
     return reason or "stop"
 
 
-def _chat_body(gen: Generation, state: GatewayState) -> dict:
+def _body(gen: Generation, state: GatewayState) -> dict:
+    """The whole ``chat.completion`` / ``text_completion`` object of a finished generation."""
     req = gen.req
-    choices = []
-    for c in gen.choices:
-        choices.append(
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": "".join(c.text)},
-                "logprobs": (
-                    fmt.chat_logprobs(c.logprobs, state.model_info)
-                    if req.logprobs is not None
-                    else None
-                ),
-                "finish_reason": _finish(c.finish_reason),
-            }
+    choices = [
+        fmt.choice(
+            req.kind,
+            c.index,
+            "".join(c.text),
+            _finish(c.finish_reason),
+            (
+                fmt.choice_logprobs(req.kind, c.logprobs, state.model_info.token_text)
+                if req.logprobs is not None
+                else None
+            ),
         )
-    return {
-        "id": gen.id,
-        "object": "chat.completion",
-        "created": gen.created,
-        "model": req.model,
-        "choices": choices,
-        "usage": _usage(gen),
-    }
-
-
-def _completion_body(gen: Generation, state: GatewayState) -> dict:
-    req = gen.req
-    choices = []
-    for c in gen.choices:
-        choices.append(
-            {
-                "index": c.index,
-                "text": "".join(c.text),
-                "logprobs": (
-                    fmt.completion_logprobs(c.logprobs, state.model_info)
-                    if req.logprobs is not None
-                    else None
-                ),
-                "finish_reason": _finish(c.finish_reason),
-            }
-        )
-    return {
-        "id": gen.id,
-        "object": "text_completion",
-        "created": gen.created,
-        "model": req.model,
-        "choices": choices,
-        "usage": _usage(gen),
-    }
+        for c in gen.choices
+    ]
+    return fmt.completion_object(req.kind, gen.id, gen.created, req.model, choices, _usage(gen))
 
 
 def _usage(gen: Generation) -> dict:
@@ -212,12 +186,14 @@ async def _sse_stream(
                     choice["finish_reason"] = _finish(c.finish_reason)
                     out.append(fmt.sse(chunk([choice])))
             if out:
+                gen.mark_sent((ev.choice for ev in batch), time.monotonic())
                 yield b"".join(out)
                 out = []
         if gen.req.include_usage:
             out.append(fmt.sse(chunk([], usage=_usage(gen))))
         out.append(fmt.SSE_DONE)
         yield b"".join(out)
+        gen.report(time.monotonic())  # runs once the server has taken the last bytes
     finally:
         gen.close()
 
@@ -227,13 +203,13 @@ def _chat_stream(gen: Generation, state: GatewayState) -> AsyncIterator[bytes]:
     want_lp = req.logprobs is not None
 
     def chunk(choices: list[dict], **kw) -> dict:
-        return fmt.chat_chunk(gen.id, gen.created, req.model, choices, **kw)
+        return fmt.chunk("chat", gen.id, gen.created, req.model, choices, **kw)
 
     def body(text: str | None) -> dict:
         return {"delta": {} if text is None else {"content": text}}
 
     def logprobs(ev) -> dict | None:
-        return fmt.chat_logprobs(ev.logprobs, info) if want_lp and ev.logprobs else None
+        return fmt.chat_logprobs(ev.logprobs, info.token_text) if want_lp and ev.logprobs else None
 
     role = {"role": "assistant", "content": ""}
     opening = [
@@ -249,7 +225,7 @@ def _completion_stream(gen: Generation, state: GatewayState) -> AsyncIterator[by
     offsets: dict[int, int] = {}  # text offset of each choice, for the legacy logprobs
 
     def chunk(choices: list[dict], **kw) -> dict:
-        return fmt.completion_chunk(gen.id, gen.created, req.model, choices, **kw)
+        return fmt.chunk("completion", gen.id, gen.created, req.model, choices, **kw)
 
     def body(text: str | None) -> dict:
         return {"text": text or ""}
@@ -258,11 +234,11 @@ def _completion_stream(gen: Generation, state: GatewayState) -> AsyncIterator[by
         if not (want_lp and ev.logprobs):
             return None
         index = ev.choice.index
-        lp = fmt.completion_logprobs(ev.logprobs, info, offsets.get(index, 0))
+        lp = fmt.completion_logprobs(ev.logprobs, info.token_text, offsets.get(index, 0))
         offsets[index] = offsets.get(index, 0) + sum(map(len, lp["tokens"]))
         return lp
 
     return _sse_stream(gen, chunk, body, logprobs, [])
 
 
-__all__ = ["chat_completions", "completions", "ParsedRequest"]
+__all__ = ["chat_completions", "completions"]

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contracts.openai.requests import DEFAULT_MAX_N, DEFAULT_MAX_TOKENS_LIMIT, Limits
+
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # JSON request bodies; a prompt is text, not a file
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file (200 MB)
-DEFAULT_MAX_N = 16  # choices per request; each is a separate engine request (fan-out)
-DEFAULT_MAX_TOKENS_LIMIT = 4096  # cap on max_tokens / max_completion_tokens per choice
-DEFAULT_COMPLETIONS_MAX_TOKENS = 16  # OpenAI's legacy /v1/completions default
-MAX_PROMPTS = 64  # prompts in one /v1/completions request (list of strings or token lists)
-MAX_STOP_STRINGS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,3 +38,8 @@ class ApiConfig:
     status_interval_s: float = 1.0  # broker status poll (workers per lane, /metrics gauges)
     broker_timeout_s: float = 2.0  # a status call without answer: broker unavailable (503)
     parent_pid: int | None = None  # exit when this process is gone (supervisor)
+
+    @property
+    def limits(self) -> Limits:
+        """The per-request caps shared with bulk-job lines (:mod:`contracts.openai`)."""
+        return Limits(max_n=self.max_n, max_tokens_limit=self.max_tokens_limit)

@@ -6,6 +6,14 @@ and ``{id}-{k}`` otherwise, so the response ``id`` is byte-equal to the ``reques
 first choice. With a ``seed`` and ``n > 1``, sample ``j`` uses ``seed + j`` (distinct but
 reproducible samples).
 
+Arrival is the moment the gateway accepted the HTTP request, before the body was read
+(:mod:`laneserve.api.arrival`). TTFT (DESIGN.md: arrival -> the first content token leaves the
+edge) is stamped when the bytes carrying a choice's first content are handed to the server
+(:meth:`Generation.mark_sent`: a stream's chunk, or a non-streamed response's whole body, which
+is when its first token reaches the client); e2e when the last bytes are
+(:meth:`Generation.report`). The edge's TTFT and e2e replace the broker's in SQL
+(``report_edge_timings``) and feed ``/metrics``.
+
 Every choice is submitted with ``stream=True`` even when the HTTP response is not streamed, so
 the gateway sees each token arrive and measures TTFT and inter-token gaps at the edge for all
 requests. A choice of a non-streaming response is ``restartable``: after a broker restart or a
@@ -20,15 +28,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker import protocol as p
 from broker.client import BrokerClient, Restart
+from contracts import latency
 from laneserve.api.errors import STATUS_BY_CODE, ApiError
 from laneserve.api.metrics import GatewayMetrics
-from laneserve.api.schemas import ParsedRequest, Prompt
+
+if TYPE_CHECKING:
+    from contracts.openai.requests import ParsedRequest, Prompt
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +62,8 @@ class Choice:
     error: ApiError | None = None
     first_token_t: float = 0.0  # monotonic s of the first content delta at the gateway
     last_token_t: float = 0.0
+    first_sent_t: float = 0.0  # monotonic s its first content was handed to the server
+    reported: bool = False  # edge timings sent to the broker
 
 
 @dataclass(slots=True)
@@ -105,9 +118,7 @@ class Generation:
         """Submit every choice. Raises ApiError (400) if the broker client refuses one."""
         req = self.req
         for choice in self.choices:
-            sampling = dict(req.sampling)
-            if req.n > 1 and "seed" in sampling:
-                sampling["seed"] = sampling["seed"] + choice.index % req.n
+            sampling = req.sampling_for(choice.index)
             try:
                 stream = self.client.submit(
                     lane=req.lane,
@@ -201,7 +212,6 @@ class Generation:
             choice.timings = dict(msg.timings)
             if msg.finish_reason in ("stop", "length"):
                 choice.finish_reason = msg.finish_reason
-                self._observe_end(choice, now)
                 self.metrics.observe_final(lane, choice.timings, choice.usage, msg.finish_reason)
                 return Event(choice, tail, tail_lp, final=True)
             code, why = (
@@ -230,19 +240,43 @@ class Generation:
         lane = self.req.lane
         if not choice.first_token_t:
             choice.first_token_t = now
-            self.metrics.ttft.labels(lane).observe(now - self.arrival_monotonic)
         else:
             self.metrics.itl.labels(lane).observe(now - choice.last_token_t)
         choice.last_token_t = now
 
+    def mark_sent(self, choices: Iterable[Choice], now: float) -> None:
+        """The bytes carrying ``choices``' text so far are handed to the server at ``now``
+        (monotonic s): the first content token of each that had text leaves the edge."""
+        for choice in choices:
+            if choice.text and not choice.first_sent_t:
+                choice.first_sent_t = now
+
+    def report(self, now: float) -> None:
+        """The response's last bytes were handed to the server at ``now``: observe and report
+        TTFT and e2e of every choice that finished normally (once each)."""
+        for choice in self.choices:
+            if choice.finish_reason is not None and not choice.reported:
+                choice.reported = True
+                self._observe_end(choice, now)
+
+    def sent(self) -> None:
+        """A non-streamed response's whole body is being handed to the server now."""
+        now = time.monotonic()
+        self.mark_sent(self.choices, now)
+        self.report(now)
+
     def _observe_end(self, choice: Choice, now: float) -> None:
-        e2e = now - self.arrival_monotonic
-        self.metrics.e2e.labels(self.req.lane).observe(e2e)
-        ttft = choice.first_token_t - self.arrival_monotonic if choice.first_token_t else None
-        # DESIGN: TTFT and e2e are measured at the edge; the broker stores these in SQL.
-        self.client.report_edge_timings(
-            choice.request_id, ttft * 1000.0 if ttft is not None else None, e2e * 1000.0
+        lane = self.req.lane
+        # DESIGN: TTFT and e2e are measured at the edge (arrival = this gateway accepting the
+        # HTTP request); the broker stores these in SQL. Prometheus histograms take seconds.
+        e2e_ms = latency.e2e_ms(0.0, latency.interval_ms(self.arrival_monotonic, now))
+        ttft_ms = latency.ttft_ms(
+            0.0, latency.interval_ms(self.arrival_monotonic, choice.first_sent_t or None)
         )
+        self.metrics.e2e.labels(lane).observe(e2e_ms / 1000.0)
+        if ttft_ms is not None:
+            self.metrics.ttft.labels(lane).observe(ttft_ms / 1000.0)
+        self.client.report_edge_timings(choice.request_id, ttft_ms, e2e_ms)
 
     # ------------------------------------------------------------------ results
 

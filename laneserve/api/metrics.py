@@ -17,6 +17,13 @@ Gauges and counters read from the broker's ``status`` (label ``worker_id``):
 and ``num_requests_queued`` (label ``lane``: requests waiting in the broker's lane queue),
 ``num_workers`` (label ``lane``).
 
+Bulk-job lines (label ``lane``; DESIGN.md "Health": /metrics counts API and bulk-job requests
+alike), read from the SQL ``requests`` table at scrape time (:class:`JobsCollector`):
+``job_lines`` (+ ``status``: pending, completed, failed), ``job_prompt_tokens`` and
+``job_generation_tokens`` of finished lines. SQL is the one complete source: job lines reach the
+engine through the jobs runner, never through this gateway, and the table holds every line of
+every runner, across gateway restarts (the broker's status keeps no per-lane history).
+
 Bucket bounds are vLLM's (vllm/v1/metrics/loggers.py).
 """
 
@@ -104,6 +111,8 @@ class GatewayMetrics:
         )
         self.broker = BrokerCollector()
         reg.register(self.broker)
+        self.jobs = JobsCollector()
+        reg.register(self.jobs)
 
     def observe_final(self, lane: str, timings: dict, usage: dict, finish_reason: str) -> None:
         """Engine-side phases from a broker ``final`` (ms -> s) and token counts."""
@@ -171,3 +180,71 @@ class BrokerCollector:
             nworkers.add_metric([lane], float(sum(lane in (w.get("lanes") or []) for w in workers)))
         yield queued
         yield nworkers
+
+
+JOBS_SOURCE = (
+    "From the SQL requests table (rows with a job_id), read at scrape time: every bulk-job line "
+    "of every jobs runner, across gateway restarts; shrinks when retention prunes old rows."
+)
+
+
+class JobsCollector:
+    """Gauges of bulk-job lines from SQL (see the module docstring); ``rows`` is
+    ``[(lane, status, lines, prompt_tokens, completion_tokens)]`` from :meth:`refresh`."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, int, int, int]] = []
+
+    def refresh(self, engine: Any) -> None:
+        """Re-read the job lines' counts (blocking: one grouped query)."""
+        from sqlalchemy import func, select
+
+        from db.models import Request
+        from db.session import read_session
+
+        query = (
+            select(
+                Request.lane,
+                Request.status,
+                func.count(),
+                func.coalesce(func.sum(Request.prompt_tokens), 0),
+                func.coalesce(func.sum(Request.completion_tokens), 0),
+            )
+            .where(Request.job_id.is_not(None))
+            .group_by(Request.lane, Request.status)
+        )
+        with read_session(engine) as session:
+            self.rows = [
+                (str(lane), str(status), int(n), int(p), int(c))
+                for lane, status, n, p, c in session.execute(query)
+            ]
+
+    def collect(self) -> Iterator[Any]:
+        lines = GaugeMetricFamily(
+            PREFIX + "job_lines",
+            "Bulk-job lines by status. " + JOBS_SOURCE,
+            labels=["lane", "status"],
+        )
+        prompt = GaugeMetricFamily(
+            PREFIX + "job_prompt_tokens",
+            "Prompt tokens of finished bulk-job lines. " + JOBS_SOURCE,
+            labels=["lane"],
+        )
+        generation = GaugeMetricFamily(
+            PREFIX + "job_generation_tokens",
+            "Output tokens of finished bulk-job lines. " + JOBS_SOURCE,
+            labels=["lane"],
+        )
+        tokens: dict[str, list[int]] = {}
+        for lane, status, n, p, c in self.rows:
+            lines.add_metric([lane, status], float(n))
+            if status in ("completed", "failed"):
+                slot = tokens.setdefault(lane, [0, 0])
+                slot[0] += p
+                slot[1] += c
+        for lane, (p, c) in tokens.items():
+            prompt.add_metric([lane], float(p))
+            generation.add_metric([lane], float(c))
+        yield lines
+        yield prompt
+        yield generation

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
+
+from contracts import env
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
         if not key:
             raise ValueError(f"{args.api_key_file} is empty")
         return key
-    return args.api_key or os.environ.get(API_KEY_ENV) or None
+    return args.api_key or env.get(API_KEY_ENV)
 
 
 def build_config(args: argparse.Namespace):

@@ -1,9 +1,11 @@
 """`laneserve chat "..."`: stream one interactive answer from the running stack in the terminal.
 
-Finds the API from `$LANESERVE_HOME/stack.json` (or `--url`) and talks to it with the official
-`openai` client, so this is also the smallest example of the Python SDK. The answer goes to
+Finds the API like every CLI command (laneserve/http_client.py: `--url` / `$LANESERVE_URL`, else
+`$LANESERVE_HOME/stack.json`; `--api-key` / `$LANESERVE_API_KEY`) and talks to it with the
+official `openai` client, so this is also the smallest example of the Python SDK. The answer goes to
 stdout as it streams; timing (TTFT at the first content token, TPOT = (total - TTFT) /
-(tokens - 1), in ms) goes to stderr. Exit codes: 0 answered, 1 API error, 2 no stack.
+(tokens - 1), in ms) goes to stderr. Exit codes: 0 answered, 1 API error, 2 no usable API (no
+stack, unreachable, wrong key): one line on stderr.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import argparse
 import sys
 import time
 
-from contracts import env
+from laneserve.http_client import StackError, add_api_arguments, resolve_target
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,22 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--temperature", type=float, default=0.7, help="(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--model", default=None, help="default: the first model the API lists")
-    parser.add_argument("--url", default=None, help="API base URL (default: the running stack's)")
-    parser.add_argument("--api-key", default=None, help="default: $LANESERVE_API_KEY")
+    add_api_arguments(parser)
     parser.add_argument("--quiet", action="store_true", help="no timing line on stderr")
     parser.set_defaults(func=run)
-
-
-def api_base_url(explicit: str | None) -> str:
-    """`explicit`, else the running stack's API URL, as an OpenAI base URL ending in /v1.
-
-    Raises:
-        laneserve.stack.StackNotRunningError: no URL given and no stack running.
-    """
-    from laneserve.stack import require_stack
-
-    url = (explicit or require_stack()["api_url"]).rstrip("/")
-    return url if url.endswith("/v1") else url + "/v1"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,19 +36,19 @@ def run(args: argparse.Namespace) -> int:
     quiet_http_logs()
     import openai
 
-    from laneserve.stack import StackNotRunningError
-
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         print("laneserve chat: empty prompt", file=sys.stderr)
         return 2
     try:
-        base_url = api_base_url(args.url)
-    except StackNotRunningError as exc:
+        target = resolve_target(args.url, args.api_key)
+    except StackError as exc:
         print(f"laneserve chat: {exc}", file=sys.stderr)
-        return 2
-    key = args.api_key or env.get("LANESERVE_API_KEY") or "none"
-    client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=600.0)
+        return exc.exit_code
+    base_url = target.base_url + "/v1"
+    client = openai.OpenAI(
+        base_url=base_url, api_key=target.api_key or "none", max_retries=0, timeout=600.0
+    )
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": prompt})
     try:
@@ -87,8 +76,24 @@ def run(args: argparse.Namespace) -> int:
                     sys.stdout.write(text)
                     sys.stdout.flush()
         total = time.perf_counter() - start
-    except (openai.APIError, IndexError) as exc:
-        print(f"\nlaneserve chat: {exc}", file=sys.stderr)
+    except openai.APIConnectionError as exc:
+        print(
+            f"laneserve chat: cannot reach the laneserve API at {base_url} ({exc})", file=sys.stderr
+        )
+        return 2
+    except openai.AuthenticationError:
+        hint = "wrong API key" if target.api_key else "it needs an API key"
+        print(
+            f"laneserve chat: the laneserve API at {base_url} refused the request ({hint}; "
+            "give --api-key or set $LANESERVE_API_KEY)",
+            file=sys.stderr,
+        )
+        return 2
+    except openai.APIStatusError as exc:
+        print(f"\nlaneserve chat: {_message(exc)}", file=sys.stderr)
+        return 1
+    except IndexError:
+        print(f"laneserve chat: the API at {base_url} serves no model", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # leaving the stream closes it; the server aborts the request
         print(file=sys.stderr)
@@ -104,3 +109,9 @@ def run(args: argparse.Namespace) -> int:
         parts.append(f"total {total:.2f} s")
         print(" · ".join(parts), file=sys.stderr)
     return 0
+
+
+def _message(exc) -> str:
+    """`STATUS: message` of an API error (the SDK's str() repeats the whole body)."""
+    message = exc.body.get("message") if isinstance(exc.body, dict) else None
+    return f"{exc.status_code}: {message or exc.message}"

@@ -24,13 +24,15 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from contracts import env
+from contracts.latency import percentile
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +81,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 # ------------------------------------------------------------------------------ statistics
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0-100) with linear interpolation (numpy's default), None if empty."""
-    import numpy as np
-
-    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else None
 
 
 def phase_summary(engine, since: float, until: float | None = None) -> dict[str, Any]:
@@ -335,7 +330,7 @@ def _demo(
     jobs = _submit_jobs(engine, inputs, args)
     stop = threading.Event()
     chats = ChatStats()
-    key = os.environ.get("LANESERVE_API_KEY") or "none"
+    key = env.get("LANESERVE_API_KEY") or "none"
     chat_thread = threading.Thread(
         target=run_chats,
         args=(

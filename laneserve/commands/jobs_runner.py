@@ -69,23 +69,20 @@ def run(args: argparse.Namespace) -> int:
     except (migrate.MigrationError, DatabaseURLError) as exc:
         print(f"laneserve jobs-runner: {exc}", file=sys.stderr)
         return 1
-    counter = None
-    if not args.no_length_check:
-        from gpu_worker.errors import ModelLoadError
-        from jobs.tokens import PromptCounter
+    from contracts.tokens import TokenizerError
+    from gpu_worker.errors import ModelLoadError
+    from gpu_worker.model_files import model_display_name
+    from jobs.tokens import load_served_model
 
-        try:
-            counter = PromptCounter.load(args.model, args.max_model_len)
-        except ModelLoadError as exc:
-            print(f"laneserve jobs-runner: {exc}", file=sys.stderr)
-            return 1
-        logger.info("tokenizer of %s loaded; max_model_len %d", args.model, counter.max_model_len)
-    if args.model_name:
-        model_name = args.model_name
-    else:
-        from gpu_worker.model_files import model_display_name
-
-        model_name = model_display_name(args.model)
+    model_name = args.model_name or model_display_name(args.model)
+    try:
+        counter = load_served_model(
+            args.model, model_name, args.max_model_len, tokenizer=not args.no_length_check
+        )
+    except (ModelLoadError, TokenizerError) as exc:
+        print(f"laneserve jobs-runner: {exc}", file=sys.stderr)
+        return 1
+    logger.info("served model %s; max_model_len %s", model_name, counter.max_model_len)
     runner = JobsRunner(
         engine,
         args.broker or default_front(),

@@ -1,7 +1,18 @@
-"""`laneserve status [--json]`: each component of the running stack with its pid, address, health.
+"""`laneserve status [--json] [--url URL]`: the stack's health, its workers and queues.
 
-The stack is found from `$LANESERVE_HOME/stack.json` (laneserve/stack.py). `--json` prints one
-JSON object on stdout (logs go to stderr)::
+With `--url` / `$LANESERVE_URL` (a stack on any host) it reports what the HTTP API tells:
+liveness (`/health`), readiness (`/ready` where the stack has it, else derived from the broker
+and its workers), and the broker's workers and queues (`GET /status`, laneserve/api/inspection.py)::
+
+    {"running": true, "remote": true, "api_url": ..., "ready": true, "reason": null,
+     "broker": true, "model": ..., "workers": [...], "queues": {...}}
+
+Exit code 0 when the API answers and is ready, 1 when it is not ready, 2 when it cannot be used
+(unreachable, wrong key).
+
+Without a URL the stack is found from `$LANESERVE_HOME/stack.json` (laneserve/stack.py), and the
+report adds what only its host can see: each component with its pid and health. `--json`
+prints one JSON object on stdout (logs go to stderr)::
 
     {"running": true, "state": "ready", "supervisor_pid": 1, "api_url": ..., "dashboard_url": ...,
      "db_url": ... (password hidden), "model": ..., "home": ...,
@@ -11,8 +22,8 @@ JSON object on stdout (logs go to stderr)::
      "queues": {"interactive": n, "batch": n, "in_flight": n, ...}}
 
 `workers[].pid` is the pid of the process holding the engine (as the worker reported it to the
-broker). Exit code 0 when every component is healthy, 1 when the stack is not running or a
-component is unhealthy.
+broker); `ready` and `reason` are the API's readiness as above. Exit code 0 when every component
+is healthy, 1 when the stack is not running or a component is unhealthy.
 """
 
 from __future__ import annotations
@@ -22,11 +33,14 @@ import json
 import sys
 from typing import Any
 
+from laneserve.http_client import StackClient, StackError, Target, add_api_arguments, resolve_target
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("status", help="show the running stack's components")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds per health probe")
+    add_api_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -39,6 +53,46 @@ def _http_ok(url: str | None, timeout_s: float) -> bool:
         return httpx.get(url, timeout=timeout_s).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def api_view(client: StackClient) -> dict[str, Any]:
+    """What the HTTP API tells about its stack (module docstring). Raises StackError (401)."""
+    view: dict[str, Any] = {"api_url": client.base_url, "running": False, "ready": False}
+    view.update(reason=None, broker=None, model=None, workers=[], queues={})
+    try:
+        code, _ = client.probe("/health")
+    except StackError as exc:
+        if exc.status == 401:
+            raise
+        return view | {"reason": str(exc)}
+    view["running"] = code == 200
+    code, status = client.probe("/status")
+    if code == 200 and isinstance(status, dict):
+        view.update({k: status.get(k) for k in ("broker", "model", "workers", "queues")})
+        models = [w.get("model") for w in view["workers"] or [] if w.get("model")]
+        view["model"] = view["model"] or (models[0] if models else None)
+    code, ready = client.probe("/ready")
+    if code in (200, 503):  # the stack's own readiness check
+        view["ready"] = code == 200
+        view["reason"] = None if code == 200 else _reason_of(ready)
+    elif not view["broker"]:
+        view["reason"] = "the broker does not answer the API"
+    elif not view["workers"]:
+        view["reason"] = "no worker is attached to the broker"
+    else:
+        view["ready"] = view["running"]
+    return view
+
+
+def _reason_of(body: Any) -> str:
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        for key in ("reason", "detail", "message"):
+            if body.get(key):
+                return str(body[key])
+    return "not ready"
 
 
 def _hide_password(url: str | None) -> str | None:
@@ -118,11 +172,13 @@ def _home():
 
 
 def run(args: argparse.Namespace) -> int:
+    from contracts import env
     from laneserve.commands.up import quiet_http_logs
-
-    quiet_http_logs()
     from laneserve.stack import running_stack
 
+    quiet_http_logs()
+    if args.url or env.get("LANESERVE_URL"):
+        return _run_remote(args)
     info = running_stack(ready=False)
     if info is None:
         if args.json:
@@ -135,12 +191,52 @@ def run(args: argparse.Namespace) -> int:
             print(f"no laneserve stack running under {_home()} (start one with `laneserve up`)")
         return 1
     status = collect(info, args.timeout)
+    target = Target(info["api_url"], args.api_key or env.get("LANESERVE_API_KEY"), local=True)
+    try:
+        with StackClient(target, args.timeout) as client:
+            view = api_view(client)
+    except StackError as exc:
+        view = {"ready": False, "reason": str(exc)}
+    status.update(ready=view["ready"], reason=view["reason"])
     ok = status["state"] == "ready" and all(c["healthy"] for c in status["components"])
     if args.json:
         print(json.dumps(status))
     else:
         _print_table(status)
     return 0 if ok else 1
+
+
+def _run_remote(args: argparse.Namespace) -> int:
+    try:
+        with StackClient(resolve_target(args.url, args.api_key), args.timeout) as client:
+            view = api_view(client)
+    except StackError as exc:
+        print(f"laneserve status: {exc}", file=sys.stderr)
+        return exc.exit_code
+    view["remote"] = True
+    if args.json:
+        print(json.dumps(view))
+    else:
+        _print_remote(view)
+    if not view["running"]:
+        print(f"laneserve status: {view['reason']}", file=sys.stderr)
+        return 2
+    return 0 if view["ready"] else 1
+
+
+def _print_remote(view: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    console = Console()
+    state = "ready" if view["ready"] else f"not ready ({view['reason']})"
+    if not view["running"]:
+        state = "not answering"
+    console.print(
+        f"[bold]laneserve[/bold] at {view['api_url']}: {state}; model {view['model'] or '-'}",
+        markup=True,
+        highlight=False,
+    )
+    _print_workers(console, view)
 
 
 def _print_table(status: dict[str, Any]) -> None:
@@ -157,6 +253,18 @@ def _print_table(status: dict[str, Any]) -> None:
         health = "[green]ok" if c["healthy"] else ("[red]down" if not c["alive"] else "[yellow]?")
         table.add_row(c["name"], str(c["pid"] or "-"), str(c["address"] or "-"), health)
     console.print(table)
+    if status.get("reason"):
+        console.print(f"API not ready: {status['reason']}", markup=False)
+    _print_workers(console, status)
+    console.print(f"API {status['api_url']}/v1   dashboard {status['dashboard_url'] or '(off)'}")
+    console.print(f"database {status['db_url']}")
+    sys.stdout.flush()
+
+
+def _print_workers(console, status: dict[str, Any]) -> None:
+    """The workers table and the queue depths (local and remote reports alike)."""
+    from rich.table import Table
+
     if status["workers"]:
         wt = Table("worker", "pid", "lanes", "model", "in flight", "running", "waiting", "KV use")
         for w in status["workers"]:
@@ -178,6 +286,4 @@ def _print_table(status: dict[str, Any]) -> None:
         f"queues: interactive {q.get('interactive', '-')}, batch {q.get('batch', '-')}, "
         f"in flight {q.get('in_flight', '-')}"
     )
-    console.print(f"API {status['api_url']}/v1   dashboard {status['dashboard_url'] or '(off)'}")
-    console.print(f"database {status['db_url']}")
     sys.stdout.flush()

@@ -1,16 +1,18 @@
-"""`laneserve submit FILE`: create a bulk job and (with --wait) follow it with a progress bar.
+"""`laneserve submit FILE`: create a bulk job over the HTTP API and (with --wait) follow it.
 
-The job is created directly in SQL (`jobs.service`); the jobs runner of the running stack
-picks it up. The database is found like every CLI command finds the stack: `--db`, else
-`db_url` in `$LANESERVE_HOME/stack.json` (written by `laneserve up`), else
-`$LANESERVE_DB_URL`, else the default SQLite file under `$LANESERVE_HOME`.
+The file is uploaded (`POST /v1/files`) and the job created (`POST /v1/batches`) on the stack's
+API, found like every CLI command finds it (laneserve/http_client.py): `--url` /
+`$LANESERVE_URL`, else the running stack's `api_url` in `$LANESERVE_HOME/stack.json`; the key
+is `--api-key` / `$LANESERVE_API_KEY`. Nothing is written to the stack's database or files
+directly, so this works from any host.
 
 Input: OpenAI Batch JSONL (endpoint from the first line's `url` unless --endpoint), or with
 `--task summarize|translate` the shorthand `{"id", "text"}` per line; a `.txt` file is one
 document per line (`--txt-mode line`, the default) or one document (`--txt-mode file`).
 
-Exit codes with --wait: 0 completed (failed lines included), 1 failed, 3 cancelled, 4 expired,
-130 interrupted (the job keeps running).
+Exit codes: 0 submitted (with --wait: completed, failed lines included), 1 failed, 3 cancelled,
+4 expired, 2 rejected input or no usable API, 130 interrupted (the job keeps running;
+`laneserve jobs watch ID` re-attaches).
 """
 
 from __future__ import annotations
@@ -18,11 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
-EXIT_CODES = {"completed": 0, "failed": 1, "cancelled": 3, "expired": 4}
-TERMINAL = tuple(EXIT_CODES)
+from laneserve.commands.jobs import watch
+from laneserve.http_client import EXIT_NO_API, StackError, add_api_arguments, client_for
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,31 +44,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--wait", action="store_true", help="follow the job to its end")
     parser.add_argument("--json", action="store_true", help="print the batch object as JSON")
-    parser.add_argument("--db", default=None, help="database URL (default: the running stack's)")
+    add_api_arguments(parser)
     parser.set_defaults(func=run)
 
 
-def stack_info() -> dict:
-    """`$LANESERVE_HOME/stack.json` as a dict ({} when absent or unreadable)."""
-    from db.session import laneserve_home
-
-    try:
-        return json.loads((laneserve_home() / "stack.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
-def resolve_db(explicit: str | None) -> str | None:
-    """--db, else the stack's `db_url`, else None (db.session's default resolution)."""
-    return explicit or stack_info().get("db_url") or None
-
-
 def open_engine(explicit: str | None):
-    """A migrated database engine for the CLI (see `resolve_db`)."""
+    """A migrated engine on the local stack's database (`--db`, else stack.json's `db_url`, else
+    db.session's default), for `laneserve demo`, which starts and reads a stack on this host.
+    The submit/jobs/status/chat commands never use it: they talk HTTP."""
     from db import migrate
     from db.session import make_engine
+    from laneserve.stack import read_stack
 
-    url = resolve_db(explicit)
+    url = explicit or (read_stack() or {}).get("db_url") or None
     migrate.upgrade(url)
     return make_engine(url)
 
@@ -95,146 +84,66 @@ def _txt_as_jsonl(path: Path, mode: str) -> bytes:
     return b"".join(json.dumps({"id": i, "text": t}).encode() + b"\n" for i, t in docs)
 
 
-def _fail(msg: str) -> int:
+def _fail(msg: str, code: int = 2) -> int:
     print(f"laneserve submit: {msg}", file=sys.stderr)
-    return 2
+    return code
 
 
-def run(args: argparse.Namespace) -> int:
-    from jobs import service
-    from jobs.errors import JobsError
-    from laneserve.commands.jobs import result_files
-
-    if not args.file.is_file():
-        return _fail(f"{args.file}: no such file")
-    if args.file.suffix == ".txt" and args.task is None:
-        return _fail(".txt input needs --task summarize|translate")
-    if args.task == "translate" and not args.target_lang:
-        return _fail("--task translate needs --target-lang")
-    metadata = {}
-    for item in args.metadata:
-        key, sep, value = item.partition("=")
-        if not sep:
-            return _fail(f"--metadata {item!r}: expected KEY=VALUE")
-        metadata[key] = value
-    options = None
+def _batch_body(args: argparse.Namespace, file_id: str) -> dict:
+    """The `POST /v1/batches` body (laneserve's extra fields: `model`, `task`, `task_options`)."""
+    metadata = dict(item.split("=", 1) for item in args.metadata)
+    body: dict = {
+        "input_file_id": file_id,
+        "endpoint": args.endpoint
+        or ("/v1/chat/completions" if args.task else _endpoint_of(args.file)),
+        "completion_window": args.completion_window,
+    }
+    if metadata:
+        body["metadata"] = metadata
+    if args.model:
+        body["model"] = args.model
     if args.task:
+        body["task"] = args.task
         options = {"target_lang": args.target_lang, "source_lang": args.source_lang}
         options["max_tokens"] = args.max_tokens
         options = {k: v for k, v in options.items() if v is not None}
-    endpoint = args.endpoint or ("/v1/chat/completions" if args.task else _endpoint_of(args.file))
-    engine = open_engine(args.db)
+        if options:
+            body["task_options"] = options
+    return body
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    if not args.file.is_file():
+        return f"{args.file}: no such file"
+    if args.file.suffix == ".txt" and args.task is None:
+        return ".txt input needs --task summarize|translate"
+    if args.task == "translate" and not args.target_lang:
+        return "--task translate needs --target-lang"
+    bad = [m for m in args.metadata if "=" not in m]
+    return f"--metadata {bad[0]!r}: expected KEY=VALUE" if bad else None
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _check_args(args)
+    if problem:
+        return _fail(problem)
     try:
-        if args.file.suffix == ".txt":
-            file = service.create_file(
-                engine, _txt_as_jsonl(args.file, args.txt_mode), args.file.name
-            )
-        else:
-            with args.file.open("rb") as f:
-                file = service.create_file(engine, f, args.file.name)
-        job = service.create_batch(
-            engine,
-            file.id,
-            endpoint,
-            args.completion_window,
-            metadata or None,
-            task=args.task,
-            task_options=options,
-            model=args.model,
-        )
-    except JobsError as exc:
-        return _fail(str(exc))
-    if args.json:
-        print(json.dumps(service.batch_object(job)), flush=True)
-    else:
-        print(job.id, flush=True)
-    if not args.wait:
-        print(f"follow it with: laneserve jobs show {job.id}", file=sys.stderr)
-        return 0
-    try:
-        job = follow(engine, job.id)
-    except KeyboardInterrupt:
-        print(f"\nstopped waiting; {job.id} keeps running", file=sys.stderr)
+        with client_for(args) as client:
+            if args.file.suffix == ".txt":
+                data = _txt_as_jsonl(args.file, args.txt_mode)
+                file = client.upload_file(data, args.file.name)
+            else:
+                with args.file.open("rb") as f:
+                    file = client.upload_file(f, args.file.name)
+            job = client.create_batch(_batch_body(args, file["id"]))
+            print(json.dumps(job) if args.json else job["id"], flush=True)
+            if not args.wait:
+                print(f"follow it with: laneserve jobs watch {job['id']}", file=sys.stderr)
+                return 0
+            return watch(client, job["id"])
+    except StackError as exc:
+        rejected = exc.status in (400, 404, 409, 413)  # the input (or its file) was refused
+        return _fail(str(exc), EXIT_NO_API if rejected else exc.exit_code)
+    except KeyboardInterrupt:  # before the job exists (the watcher handles its own)
+        print(file=sys.stderr)
         return 130
-    finally:
-        engine.dispose()
-    counts = job.request_counts
-    print(
-        f"{job.id}: {job.status} ({counts['completed']} completed, {counts['failed']} failed"
-        f" of {counts['total']})",
-        file=sys.stderr,
-    )
-    if job.errors:
-        for err in job.errors:
-            print(f"  {err.get('code')}: {err.get('message')}", file=sys.stderr)
-    files = result_files(job)
-    if files:
-        names = " and ".join(f"./{path}" for _, _, path in files)
-        print(f"results: laneserve jobs download {job.id}  (writes {names})", file=sys.stderr)
-    return EXIT_CODES.get(job.status, 1)
-
-
-def _tokens_done(engine, job_id: str) -> int:
-    from sqlalchemy import func, select
-
-    from db.models import Request
-    from db.session import read_session
-
-    with read_session(engine) as session:
-        total = session.scalar(
-            select(func.sum(Request.completion_tokens)).where(
-                Request.job_id == job_id, Request.response.is_not(None)
-            )
-        )
-    return int(total or 0)
-
-
-def follow(engine, job_id: str, poll_s: float = 0.5, console=None):
-    """Show a progress bar (done/total, failed, output tokens/s, ETA) on `console` (default:
-    stderr) until the job ends; return the final `jobs` row."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        SpinnerColumn,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    from jobs import service
-
-    console = console or Console(stderr=True)
-    columns = (
-        SpinnerColumn(),
-        TextColumn("[bold]{task.fields[status]:<11}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("failed {task.fields[failed]}"),
-        TextColumn("{task.fields[tps]:>7.1f} tok/s"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-    )
-    start = time.monotonic()
-    tokens0 = None
-    with Progress(*columns, console=console, transient=not console.is_terminal) as bar:
-        task = bar.add_task(job_id, total=None, status="validating", failed=0, tps=0.0)
-        while True:
-            job = service.get_batch(engine, job_id)
-            c = job.request_counts
-            tokens = _tokens_done(engine, job_id)
-            tokens0 = tokens if tokens0 is None else tokens0
-            elapsed = max(1e-6, time.monotonic() - start)
-            bar.update(
-                task,
-                total=c["total"] or None,
-                completed=c["completed"] + c["failed"],
-                status=job.status,
-                failed=c["failed"],
-                tps=(tokens - tokens0) / elapsed,
-            )
-            if job.status in TERMINAL:
-                return job
-            time.sleep(poll_s)

@@ -5,12 +5,16 @@ Sockets are ipc:// in a short temp directory; the gateway listens on 127.0.0.1 o
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -143,3 +147,30 @@ class ApiStack:
                 proc.wait()
         for log in self._logs:
             log.close()
+
+
+@contextlib.contextmanager
+def real_model_stack(gguf: Path, *, recorder: bool = False) -> Iterator[ApiStack]:
+    """Broker (+ recorder writing SQLite) + one real SmolLM2 worker (float32, up to 16
+    sequences) + gateway with a key, serving ``gguf`` as ``smollm2``."""
+    tmp = Path(tempfile.mkdtemp(prefix="lsr", dir="/tmp"))
+    home = tmp / "home"
+    home.mkdir()
+    stack = ApiStack(tmp, home)
+    try:
+        if recorder:
+            stack.start_recorder()
+            stack.start_broker("--recorder", stack.recorder)
+        else:
+            stack.start_broker()
+        stack.start_worker(
+            "real", "--model", str(gguf), "--dtype", "float32", "--max-num-seqs", "16",
+            "--kv-cache-memory", "256MiB",
+        )  # fmt: skip
+        stack.start_api("--model", str(gguf), "--served-model-name", "smollm2")
+        stack.wait_workers({"real"}, timeout_s=300)
+        stack.wait_api(timeout_s=300)
+        yield stack
+    finally:
+        stack.stop()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from api_stack import ApiStack
+from api_stack import ApiStack, real_model_stack
 
 
 @pytest.fixture(scope="module")
-def synth_stack(smollm2_gguf) -> Iterator[ApiStack]:
+def synth_stack(smollm2_gguf, smollm2_dir) -> Iterator[ApiStack]:
     """Broker + recorder (SQLite) + one synthetic worker (interactive lane only, 10 ms steps,
     capacity 8) + gateway with an API key and the real SmolLM2 tokenizer."""
     tmp = Path(tempfile.mkdtemp(prefix="lsa", dir="/tmp"))
@@ -36,22 +36,7 @@ def synth_stack(smollm2_gguf) -> Iterator[ApiStack]:
 
 
 @pytest.fixture(scope="module")
-def real_stack(smollm2_gguf) -> Iterator[ApiStack]:
+def real_stack(smollm2_gguf, smollm2_dir) -> Iterator[ApiStack]:
     """Broker + one real SmolLM2 worker (float32, up to 16 sequences) + gateway with a key."""
-    tmp = Path(tempfile.mkdtemp(prefix="lsr", dir="/tmp"))
-    home = tmp / "home"
-    home.mkdir()
-    stack = ApiStack(tmp, home)
-    try:
-        stack.start_broker()
-        stack.start_worker(
-            "real", "--model", str(smollm2_gguf), "--dtype", "float32", "--max-num-seqs", "16",
-            "--kv-cache-memory", "256MiB",
-        )  # fmt: skip
-        stack.start_api("--model", str(smollm2_gguf), "--served-model-name", "smollm2")
-        stack.wait_workers({"real"}, timeout_s=300)
-        stack.wait_api(timeout_s=300)
+    with real_model_stack(smollm2_gguf) as stack:
         yield stack
-    finally:
-        stack.stop()
-        shutil.rmtree(tmp, ignore_errors=True)

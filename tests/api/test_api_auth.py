@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from laneserve.api.auth import ApiKeyMiddleware, read_json
-from laneserve.api.errors import ApiError
+from laneserve.api.errors import ApiError, response_for
 
 KEY = "s3cret-key"
 
@@ -20,7 +20,7 @@ async def echo(request: Request) -> JSONResponse:
     try:
         body = await read_json(request, 64)
     except ApiError as exc:
-        return exc.response()
+        return response_for(exc)
     return JSONResponse({"body": body})
 
 

@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from laneserve.api import format as fmt
+from contracts.openai import ServedModel
+from contracts.openai import responses as fmt
 from laneserve.api.errors import ApiError, error_response
-from laneserve.api.model_info import ModelInfo
 
-INFO = ModelInfo()  # no tokenizer: tokens render as "token_id:N"
+INFO = ServedModel().token_text  # no tokenizer: tokens render as "token_id:N"
 
 
 def test_clamp_logprob() -> None:

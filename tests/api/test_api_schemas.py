@@ -1,14 +1,14 @@
-"""Body validation of /v1/chat/completions and /v1/completions (no processes, no tokenizer)."""
+"""Body validation of /v1/chat/completions and /v1/completions (contracts.openai.requests; no
+processes, no tokenizer)."""
 
 from __future__ import annotations
 
 import pytest
 
-from laneserve.api.config import ApiConfig
-from laneserve.api.errors import ApiError
-from laneserve.api.schemas import parse_chat, parse_completion
+from contracts.openai import Limits, OpenAIError, parse_chat, parse_completion
 
-CFG = ApiConfig(broker="ipc:///nowhere", max_n=4, max_tokens_limit=100)
+ApiError = OpenAIError
+CFG = Limits(max_n=4, max_tokens_limit=100)
 MSG = [{"role": "user", "content": "hi"}]
 
 
@@ -134,3 +134,17 @@ def test_body_must_be_an_object_with_a_model() -> None:
     assert err(parse_chat, [1], CFG).status == 400
     assert err(parse_chat, {"messages": MSG}, CFG).param == "model"
     assert err(parse_completion, {"model": 3, "prompt": "x"}, CFG).param == "model"
+
+
+def test_one_list_of_sampling_keys() -> None:
+    """contracts.openai.SAMPLING_KEYS is the wire's list: the broker checks the same keys and
+    the engine's SamplingParams has a field for each."""
+    from dataclasses import fields
+
+    from broker.protocol import SAMPLING_FIELDS
+    from contracts.openai import SAMPLING_KEYS
+    from gpu_worker.sampling_params import SamplingParams
+
+    assert len(set(SAMPLING_KEYS)) == len(SAMPLING_KEYS)
+    assert set(SAMPLING_KEYS) == SAMPLING_FIELDS
+    assert set(SAMPLING_KEYS) <= {f.name for f in fields(SamplingParams)}

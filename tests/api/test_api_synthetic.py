@@ -389,6 +389,12 @@ def test_batch_round_trip_with_the_sdk(client, synth_stack, smollm2_gguf) -> Non
         assert body["choices"][0]["text"] == " w0 w1"
         listed = [x.id for x in client.batches.list(limit=100).data]
         assert b.id in listed
+        # the job's lines count in the gateway's /metrics (from SQL), in the batch lane
+        text = httpx.get(stack.url + "/metrics", headers=AUTH, timeout=10).text
+        series = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                  if ln.startswith("laneserve:job_")}  # fmt: skip
+        assert series['laneserve:job_lines{lane="batch",status="completed"}'] >= 4, series
+        assert series['laneserve:job_generation_tokens{lane="batch"}'] >= 8, series
     finally:
         stack.stop_proc("jobs-runner")
         stack.stop_proc("worker-batchw")

@@ -46,7 +46,21 @@ def test_round_trip_every_kind() -> None:
         p.WorkerError(worker_id="w", code="engine_error", message="boom", request_id="r1"),
         p.WorkRequest(request_id="r1", lane="batch", prompt="x", attempt=2),
         p.Disconnect(reason="bye"),
-        p.RecordBatch(seq=3, records=[{"id": "r1", "lane": "batch"}], snapshots=[]),
+        p.RecordBatch(
+            seq=3,
+            records=[
+                p.RequestRecord(
+                    request_id="r1",
+                    lane="batch",
+                    status="completed",
+                    finish_reason="stop",
+                    attempts=1,
+                    arrival_at=1.7e9,
+                )
+            ],
+            edge_timings=[p.EdgeTimings(request_id="r1", ttft_ms=5.0)],
+            snapshots=[p.WorkerSnapshot(worker_id="w", at=1.7e9, lanes=["batch"])],
+        ),
         p.RecordAck(seq=3),
     ]
     for msg in msgs:

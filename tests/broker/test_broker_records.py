@@ -19,18 +19,6 @@ from broker.client import BrokerClient
 
 pytestmark = pytest.mark.slow
 
-RECORD_KEYS = {
-    "id", "job_id", "custom_id", "lane", "priority", "model", "worker_id", "status",
-    "finish_reason", "error", "attempts", "prompt_tokens", "cached_tokens", "completion_tokens",
-    "preemptions", "prefill_chunks", "arrival_at", "first_scheduled_at", "first_token_at",
-    "finished_at", "queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "tpot_ms", "itl_p99_ms",
-    "e2e_ms",
-}  # fmt: skip
-SNAPSHOT_KEYS = {
-    "worker_id", "lanes", "running", "waiting", "kv_usage", "prefix_hit_rate", "step_ms",
-    "tokens_per_s", "preemptions", "at",
-}  # fmt: skip
-
 
 async def _three_requests(front: str, job_id: str | None = "job-1") -> None:
     async with BrokerClient(front) as c:
@@ -73,8 +61,8 @@ def test_records_resent_until_acknowledged(stack) -> None:
         stack.start_worker("w1", "--synthetic-step-ms", "2")
         stack.wait_workers({"w1"})
         run(_three_requests(stack.front))
-        records: dict[str, dict] = {}
-        snapshots: list[dict] = []
+        records: dict[str, p.RequestRecord] = {}
+        snapshots: list[p.WorkerSnapshot] = []
         first_seq = None
         resent = False
         deadline = time.monotonic() + 15
@@ -84,7 +72,7 @@ def test_records_resent_until_acknowledged(stack) -> None:
                 continue
             ident, batch = got
             for r in batch.records:
-                records[r["id"]] = r
+                records[r.request_id] = r
             snapshots += batch.snapshots
             if first_seq is None and batch.records:
                 first_seq = batch.seq  # do not ack the first batch with records...
@@ -96,18 +84,19 @@ def test_records_resent_until_acknowledged(stack) -> None:
         assert resent, "unacknowledged batch was not resent"
         assert set(records) == {"api-1", "job-1-line-1", "api-2"}, records
         for r in records.values():
-            assert set(r) <= RECORD_KEYS, set(r) - RECORD_KEYS
-            assert r["worker_id"] == "w1" and r["attempts"] == 1 and r["model"] == "synthetic"
+            assert type(r) is p.RequestRecord
+            assert r.worker_id == "w1" and r.attempts == 1 and r.model == "synthetic"
         api, job, aborted = records["api-1"], records["job-1-line-1"], records["api-2"]
-        assert api["lane"] == "interactive" and api["status"] == "completed"
-        assert api["completion_tokens"] == 4 and api["finish_reason"] == "length"
-        assert 0 < api["ttft_ms"] <= api["e2e_ms"] and api["queue_ms"] >= 0
-        assert api["arrival_at"] <= api["first_token_at"] <= api["finished_at"] <= time.time()
-        assert "job_id" not in api
-        assert job["lane"] == "batch" and job["job_id"] == "job-1" and job["custom_id"] == "line-1"
-        assert aborted["status"] == "aborted" and aborted["finish_reason"] == "abort"
-        assert snapshots and set(snapshots[0]) == SNAPSHOT_KEYS
-        assert snapshots[0]["worker_id"] == "w1"
+        assert api.lane == "interactive" and api.status == "completed"
+        assert api.completion_tokens == 4 and api.finish_reason == "length"
+        assert 0 < api.ttft_ms <= api.e2e_ms and api.queue_ms >= 0
+        assert api.queue_ms <= api.ttft_ms and api.tpot_ms is not None
+        assert 0 < api.arrival_at <= time.time() and api.error_code is None
+        assert api.job_id is None and api.custom_id is None
+        assert job.lane == "batch" and job.job_id == "job-1" and job.custom_id == "line-1"
+        assert aborted.status == "aborted" and aborted.finish_reason == "abort"
+        assert snapshots and type(snapshots[0]) is p.WorkerSnapshot
+        assert snapshots[0].worker_id == "w1" and snapshots[0].lanes == ["interactive", "batch"]
         # once acknowledged, nothing is resent
         time.sleep(1.2)
         while (got := _recv_batch(rec, 0.2)) is not None:

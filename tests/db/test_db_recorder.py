@@ -12,9 +12,17 @@ import pytest
 import sqlalchemy as sa
 import zmq
 
-from broker.protocol import RecordAck, RecordBatch, decode
+from broker.protocol import (
+    EdgeTimings,
+    RecordAck,
+    RecordBatch,
+    RequestRecord,
+    WorkerSnapshot,
+    decode,
+)
+from contracts import latency
 from db.models import Job, Request, WorkerStat
-from db.recorder import RecorderServer, prune, write_batch
+from db.recorder import RecorderServer, batch_rows, prune, write_batch
 from db.session import make_engine, read_session, write_session
 
 
@@ -48,6 +56,29 @@ def _snapshot(worker: str, at: float) -> dict:
         "preemptions": 0,
         "at": at,
     }
+
+
+def _rec(i: int, **extra) -> RequestRecord:
+    """The typed record the broker sends for `_record(i)`."""
+    fields = {
+        "request_id": f"chatcmpl-{i}",
+        "lane": "interactive" if i % 2 else "batch",
+        "model": "smollm2",
+        "status": "completed",
+        "finish_reason": "stop",
+        "attempts": 1,
+        "arrival_at": 1_700_000_000.0 + i,
+        "prompt_tokens": 10 + i,
+        "completion_tokens": 5,
+        "ttft_ms": 12.5,
+        "e2e_ms": 40.0,
+    }
+    return RequestRecord.checked(**(fields | extra))
+
+
+def _snap(worker: str, at: float) -> WorkerSnapshot:
+    fields = {k: v for k, v in _snapshot(worker, at).items()}
+    return WorkerSnapshot.checked(**fields)
 
 
 def _count(engine, model) -> int:
@@ -131,6 +162,104 @@ def test_prune_by_age(engine):
         prune(engine, -1)
 
 
+def test_typed_records_map_onto_rows_with_the_latency_fields(engine):
+    """A hand-worked timeline (contracts.latency) stored through the typed record: every DESIGN
+    field lands in its column, display timestamps are arrival_at + the field."""
+    tokens = [500.22, 500.24, 500.27, 500.29, 500.42]  # engine clock, s
+    decode_ms = latency.decode_ms(tokens[0], tokens[-1])
+    gaps = [latency.interval_ms(a, b) for a, b in zip(tokens, tokens[1:], strict=False)]
+    timings = {
+        "queue_ms": latency.queue_ms(30.0, latency.interval_ms(500.0, 500.02)),
+        "prefill_ms": latency.prefill_ms(500.02, tokens[0]),
+        "ttft_ms": latency.ttft_ms(0.0, 260.0),
+        "decode_ms": decode_ms,
+        "tpot_ms": latency.tpot_ms(decode_ms, len(tokens)),
+        "itl_p99_ms": latency.itl_p99_ms(gaps),
+        "e2e_ms": latency.e2e_ms(0.0, 460.0),
+    }
+    expected = {
+        "queue_ms": 50.0,
+        "prefill_ms": 200.0,
+        "ttft_ms": 260.0,
+        "decode_ms": 200.0,
+        "tpot_ms": 50.0,
+        "itl_p99_ms": 127.0,
+        "e2e_ms": 460.0,
+    }
+    failed = _rec(
+        1,
+        completion_tokens=len(tokens),
+        status="failed",
+        finish_reason="error",
+        error_code="worker_lost",
+        error_message="worker lost 3 times",
+        **timings,
+    )
+    job = _rec(2, job_id="batch_1", custom_id="line-7", priority=3)
+    rows, snaps = batch_rows(
+        [RecordBatch(seq=1, records=[failed, job], snapshots=[_snap("w", 9.0)])]
+    )
+    _add_job(engine)
+    result = write_batch(engine, rows, snaps)
+    assert (result.records_written, result.snapshots_written) == (2, 1), result.errors
+    with read_session(engine) as s:
+        row = s.get(Request, "chatcmpl-1")
+        assert {k: getattr(row, k) for k in expected} == pytest.approx(expected)
+        assert row.error == "worker_lost: worker lost 3 times" and row.status == "failed"
+        assert row.first_scheduled_at == pytest.approx(1_700_000_001.0 + 0.050)
+        assert row.first_token_at == pytest.approx(1_700_000_001.0 + 0.260)
+        assert row.finished_at == pytest.approx(1_700_000_001.0 + 0.460)
+        assert row.job_id is None and row.custom_id is None and row.completion_tokens == 5
+        line = s.get(Request, "chatcmpl-2")
+        assert (line.job_id, line.custom_id, line.priority, line.error) == (
+            "batch_1",
+            "line-7",
+            3,
+            None,
+        )
+        snap = s.scalars(sa.select(WorkerStat)).one()
+        assert (snap.worker_id, snap.at, snap.lanes, snap.kv_usage) == (
+            "w",
+            9.0,
+            "interactive,batch",
+            0.25,
+        )
+
+
+def test_job_line_record_keeps_the_runner_columns(engine):
+    """A record without job_id/custom_id does not null the runner's columns of its row."""
+    _add_job(engine)
+    with write_session(engine) as s:
+        s.add(
+            Request(id="chatcmpl-4", job_id="batch_1", custom_id="a", lane="batch", body={"x": 1})
+        )
+    rows, _ = batch_rows([RecordBatch(seq=1, records=[_rec(4)])])
+    assert "job_id" not in rows[0] and "body" not in rows[0]
+    write_batch(engine, rows, [])
+    with read_session(engine) as s:
+        row = s.get(Request, "chatcmpl-4")
+        assert (row.job_id, row.custom_id, row.body, row.status) == (
+            "batch_1",
+            "a",
+            {"x": 1},
+            "completed",
+        )
+
+
+def test_edge_timings_refine_the_record_in_the_same_and_a_later_batch(engine):
+    edge = EdgeTimings(request_id="chatcmpl-1", ttft_ms=20.25, e2e_ms=None)
+    rows, _ = batch_rows([RecordBatch(seq=1, records=[_rec(1)], edge_timings=[edge])])
+    write_batch(engine, rows, [])
+    with read_session(engine) as s:
+        row = s.get(Request, "chatcmpl-1")
+        assert (row.ttft_ms, row.e2e_ms) == (20.25, 40.0)  # e2e not reported: kept
+    later = EdgeTimings(request_id="chatcmpl-1", e2e_ms=45.5)
+    write_batch(engine, batch_rows([RecordBatch(seq=2, edge_timings=[later])])[0], [])
+    with read_session(engine) as s:
+        row = s.get(Request, "chatcmpl-1")
+        assert (row.ttft_ms, row.e2e_ms, row.lane) == (20.25, 45.5, "interactive")
+
+
 class _Broker:
     """A DEALER standing in for the broker's recorder link."""
 
@@ -165,7 +294,7 @@ def test_server_writes_then_acks_and_survives_garbage(engine, tmp_path):
         broker.sock.send_multipart([b"LS1", b"record_batch", b"\xc1garbage"])
         broker.sock.send_multipart([b"junk"])
         for seq in range(3):
-            broker.send(seq, [_record(seq * 10 + i) for i in range(10)], [_snapshot("w0", seq)])
+            broker.send(seq, [_rec(seq * 10 + i) for i in range(10)], [_snap("w0", seq)])
         acked = []
         deadline = time.monotonic() + 10
         while len(acked) < 3 and time.monotonic() < deadline:
@@ -223,25 +352,25 @@ def _integrity_ok(db_url: str) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_mid_write_keeps_every_acknowledged_record(db_url, tmp_path):
+def test_sigkill_mid_write_keeps_every_acknowledged_rec(db_url, tmp_path):
     addr = f"ipc://{tmp_path}/rec.sock"
     proc = _start_recorder(addr, db_url, "--flush-interval", "0.02")
     broker = _Broker(addr)
     batch_size, acked, seq = 200, set(), 0
     try:
-        broker.send(seq, [_record(0)])  # first ack = the recorder is up (migrated, bound)
+        broker.send(seq, [_rec(0)])  # first ack = the recorder is up (migrated, bound)
         acked |= _wait_acks(broker, {0}, 60)
         assert acked == {0}, proc.stdout.read1().decode() if proc.poll() is not None else ""
         deadline = time.monotonic() + 30
         while len(acked) < 30 and time.monotonic() < deadline:  # keep ~8 batches in flight
             if seq - len(acked) < 8:
                 seq += 1
-                records = [_record(seq * batch_size + i) for i in range(batch_size)]
-                broker.send(seq, records, [_snapshot("w", seq)])
+                records = [_rec(seq * batch_size + i) for i in range(batch_size)]
+                broker.send(seq, records, [_snap("w", seq)])
             acked |= set(broker.acks(0.002))
         for _ in range(5):  # more in flight at the moment of the kill
             seq += 1
-            broker.send(seq, [_record(seq * batch_size + i) for i in range(batch_size)])
+            broker.send(seq, [_rec(seq * batch_size + i) for i in range(batch_size)])
         acked |= set(broker.acks(0.01))
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -274,14 +403,14 @@ def test_sigterm_flushes_pooled_batches(db_url, tmp_path):
     proc = _start_recorder(addr, db_url, "--flush-interval", "3600")
     broker = _Broker(addr)
     try:
-        broker.send(0, [_record(0)])
+        broker.send(0, [_rec(0)])
         time.sleep(0.5)
         # Pooled for an hour: only SIGTERM's flush writes and acks it. Wait until it is up.
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not _has_tables(db_url):
             time.sleep(0.2)
         time.sleep(1.0)
-        broker.send(1, [_record(i) for i in range(1, 100)])
+        broker.send(1, [_rec(i) for i in range(1, 100)])
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=30)[0].decode()
@@ -358,11 +487,11 @@ def test_no_ack_while_the_database_is_locked_then_resend_commits(tmp_path):
     holder = sqlite3.connect(tmp_path / "locked.db", isolation_level=None)
     try:
         holder.execute("BEGIN IMMEDIATE")  # another writer holds the lock
-        broker.send(7, [_record(1)])
+        broker.send(7, [_rec(1)])
         assert broker.acks(1.5) == []
         assert server.stats.transient_errors >= 1
         holder.execute("ROLLBACK")
-        broker.send(7, [_record(1)])  # the broker resends unacknowledged batches
+        broker.send(7, [_rec(1)])  # the broker resends unacknowledged batches
         assert _wait_acks(broker, {7}, 10) == {7}
         assert _count(engine, Request) == 1
     finally:

@@ -66,7 +66,10 @@ class JobsStack:
 
     def start_runner(self, *extra: str, model: str | None = None) -> subprocess.Popen:
         args = ["--broker", self.front, "--db", self.db_url, "--poll-interval", "0.2"]
-        args += ["--model", model] if model else ["--no-length-check"]
+        # the lines name the bundled alias, whatever path the worker loads it from
+        args += (
+            ["--model", model, "--model-name", "smollm2-135m"] if model else ["--no-length-check"]
+        )
         return self._spawn("runner", "laneserve.commands.jobs_runner", [*args, *extra])
 
     def wait_workers(self, n: int, timeout_s: float = 120.0) -> None:

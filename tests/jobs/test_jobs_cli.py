@@ -1,5 +1,6 @@
 """`laneserve submit --wait` and `laneserve jobs ...` as real commands against a running stack
-(broker + synthetic worker + jobs runner); the CLI finds the database through stack.json."""
+(broker + synthetic worker + jobs runner + gateway); the CLI finds the gateway through
+stack.json and talks to it over HTTP only."""
 
 from __future__ import annotations
 
@@ -28,17 +29,43 @@ def _cli(home, *args, timeout=120):
     )
 
 
+def start_api(stack: JobsStack) -> str:
+    """The gateway on the stack's broker and database, announced in stack.json as `laneserve
+    up` does (this test process stands in for the supervisor); returns its URL."""
+    import time
+
+    import httpx
+
+    from laneserve.commands.up import free_port
+    from laneserve.stack import write_stack
+
+    url = f"http://127.0.0.1:{free_port()}"
+    args = ["--broker", stack.front, "--db", stack.db_url, "--port", url.rsplit(":", 1)[1]]
+    proc = stack._spawn("api", "laneserve.commands.api", args)
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, stack.logs()
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    info = {"state": "ready", "supervisor_pid": os.getpid(), "api_url": url}
+    write_stack(info | {"db_url": stack.db_url}, stack.home)
+    return url
+
+
 def test_submit_wait_show_download_and_exit_codes(laneserve_home, tmp_path):
     from db import migrate
 
-    db_url = f"sqlite:///{tmp_path / 'stack.db'}"  # not the default path: found via stack.json
+    db_url = f"sqlite:///{tmp_path / 'stack.db'}"
     migrate.upgrade(db_url)
-    (laneserve_home / "stack.json").write_text(json.dumps({"db_url": db_url}))
     stack = JobsStack(laneserve_home, db_url)
     try:
         stack.start_broker()
         stack.start_worker()
         stack.start_runner()
+        start_api(stack)
         lines = [chat_line(f"q{i}", f"question {i}") for i in range(4)] + ["oops"]
         path = write_jsonl(tmp_path / "in.jsonl", lines)
         done = _cli(laneserve_home, "submit", str(path), "--wait")
@@ -48,15 +75,16 @@ def test_submit_wait_show_download_and_exit_codes(laneserve_home, tmp_path):
             job_id.startswith("batch_") and "completed (4 completed, 1 failed of 5)" in done.stderr
         )
 
-        shown = _cli(laneserve_home, "jobs", "show", job_id)
+        shown = _cli(laneserve_home, "jobs", "show", job_id, "--json")
         obj = json.loads(shown.stdout)
         assert obj["status"] == "completed" and obj["request_counts"]["total"] == 5
+        assert obj["stats"]["completion_tokens"] > 0 and obj["stats"]["files"]["errors"]
 
         listed = json.loads(_cli(laneserve_home, "jobs", "list", "--json").stdout)
         assert [b["id"] for b in listed] == [job_id]
         # a unique prefix, as a narrow `jobs list` table may show it, names the job too
-        by_prefix = json.loads(_cli(laneserve_home, "jobs", "show", job_id[:12] + "…").stdout)
-        assert by_prefix["id"] == job_id
+        by_prefix = _cli(laneserve_home, "jobs", "show", job_id[:12] + "…")
+        assert by_prefix.stdout.splitlines()[0] == job_id
         assert _cli(laneserve_home, "jobs", "show", "batch_").returncode == 1  # too short
         # --wait says where the results are: both files, since one line failed
         assert (
@@ -108,13 +136,14 @@ def test_submit_wait_exits_3_when_the_job_is_cancelled(laneserve_home, tmp_path)
 
     from db import migrate
 
-    db_url = f"sqlite:///{laneserve_home / 'laneserve.db'}"  # the default path: no stack.json
+    db_url = f"sqlite:///{laneserve_home / 'laneserve.db'}"
     migrate.upgrade(db_url)
     stack = JobsStack(laneserve_home, db_url)
     try:
         stack.start_broker()
         stack.start_worker("w1", "--synthetic-step-ms", "40")
         stack.start_runner("--max-in-flight", "2")
+        start_api(stack)
         lines = [chat_line(f"x{i}", "hi", max_tokens=25) for i in range(30)]  # ~15 s in all
         path = write_jsonl(tmp_path / "in.jsonl", lines)
         env = dict(os.environ, LANESERVE_HOME=str(laneserve_home), PYTHONPATH=str(ROOT))
@@ -131,7 +160,7 @@ def test_submit_wait_exits_3_when_the_job_is_cancelled(laneserve_home, tmp_path)
         cancel = _cli(laneserve_home, "jobs", "cancel", job_id)
         assert cancel.returncode == 0 and "cancelling" in cancel.stdout
         assert waiter.wait(timeout=60) == 3, waiter.stderr.read()
-        shown = json.loads(_cli(laneserve_home, "jobs", "show", job_id).stdout)
+        shown = json.loads(_cli(laneserve_home, "jobs", "show", job_id, "--json").stdout)
         assert shown["status"] == "cancelled" and shown["request_counts"]["total"] == 30
     finally:
         stack.stop()

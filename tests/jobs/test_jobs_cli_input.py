@@ -1,12 +1,16 @@
-"""`laneserve submit` input handling without a stack: .txt conversion, stack.json discovery;
-`laneserve jobs list` at 80 columns and narrower."""
+"""The CLI without a running stack: `submit`'s .txt conversion, where the CLI finds the API
+(`--url`, `$LANESERVE_URL`, stack.json), a job's figures from SQL (`jobs.stats`) and the
+`jobs show` summary made of them, `jobs list` at 80 columns (against a bare gateway) and
+narrower."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -26,11 +30,28 @@ def test_txt_is_one_document_per_line_or_per_file(tmp_path):
     assert whole == {"id": "notes", "text": txt.read_text()}
 
 
-def test_database_found_through_stack_json(laneserve_home):
-    assert submit.resolve_db(None) is None  # no stack: db.session's default resolution
-    (laneserve_home / "stack.json").write_text(json.dumps({"db_url": "sqlite:////x/y.db"}))
-    assert submit.resolve_db(None) == "sqlite:////x/y.db"
-    assert submit.resolve_db("sqlite:////explicit.db") == "sqlite:////explicit.db"
+def test_api_found_from_url_then_env_then_stack_json(laneserve_home, monkeypatch):
+    from laneserve.http_client import StackError, resolve_target
+
+    monkeypatch.delenv("LANESERVE_URL", raising=False)
+    monkeypatch.delenv("LANESERVE_API_KEY", raising=False)
+    with pytest.raises(StackError) as err:  # no stack, no URL: exit code 2, says what to do
+        resolve_target()
+    assert err.value.exit_code == 2 and "--url" in str(err.value)
+    stack = {"state": "ready", "supervisor_pid": os.getpid(), "api_url": "http://127.0.0.1:9"}
+    (laneserve_home / "stack.json").write_text(json.dumps(stack))
+    local = resolve_target()
+    assert (local.base_url, local.api_key, local.local) == ("http://127.0.0.1:9", None, True)
+    monkeypatch.setenv("LANESERVE_URL", "http://10.1.2.3:8000/v1/")
+    monkeypatch.setenv("LANESERVE_API_KEY", "k-env")
+    remote = resolve_target()
+    assert (remote.base_url, remote.api_key, remote.local) == (
+        "http://10.1.2.3:8000",
+        "k-env",
+        False,
+    )
+    given = resolve_target("gpu-box:8000", "k-flag")  # the flags win; a bare host gets http://
+    assert (given.base_url, given.api_key) == ("http://gpu-box:8000", "k-flag")
 
 
 def test_endpoint_comes_from_the_first_line(tmp_path):
@@ -41,30 +62,101 @@ def test_endpoint_comes_from_the_first_line(tmp_path):
     assert submit._endpoint_of(path) == "/v1/chat/completions"
 
 
-def test_progress_bar_renders_counts_on_a_terminal(engine, laneserve_home):
-    import io
-
-    from rich.console import Console
-
-    from db.models import Job
+def _finished_job(engine, lines: list[dict]) -> str:
+    """A completed job whose `requests` rows carry `lines` (token counts and latencies)."""
+    from db.models import Job, Request
     from db.session import write_session
     from jobs import service
 
-    f = service.create_file(engine, b"{}\n", "in.jsonl")
-    job = service.create_batch(engine, f.id, "/v1/chat/completions")
+    f = service.create_file(engine, b"{}\n" * len(lines), "in.jsonl")
+    job = service.create_batch(engine, f.id, "/v1/chat/completions", model="m")
     with write_session(engine) as s:
         row = s.get(Job, job.id)
-        row.status, row.request_total, row.request_completed, row.request_failed = (
-            "completed",
-            10,
-            7,
-            3,
-        )
-    out = io.StringIO()
-    console = Console(file=out, force_terminal=True, width=120)
-    assert submit.follow(engine, job.id, console=console).status == "completed"
-    text = out.getvalue()
-    assert "10/10" in text and "failed 3" in text and "tok/s" in text and "completed" in text
+        row.status, row.request_total, row.request_completed = "completed", len(lines), len(lines)
+        row.in_progress_at, row.completed_at = 1000.0, 1010.0  # ran 10 s
+        for i, line in enumerate(lines, 1):
+            s.add(Request(id=f"{job.id}-{i}", job_id=job.id, custom_id=f"c{i}", line_no=i,
+                          lane="batch", response={"ok": True}, **line))  # fmt: skip
+    return job.id
+
+
+def test_batch_stats_from_sql(engine):
+    import numpy as np
+
+    from jobs import stats
+
+    rng = np.random.default_rng(7)
+    ttft, e2e = rng.uniform(1, 500, 40), rng.uniform(500, 9000, 40)
+    lines = [
+        {"prompt_tokens": 10 + i, "completion_tokens": 20 + i, "cached_tokens": i % 3,
+         "ttft_ms": float(ttft[i]), "e2e_ms": float(e2e[i])}
+        for i in range(40)
+    ]  # fmt: skip
+    lines[0]["ttft_ms"] = None  # a line without the figure is left out of its percentiles
+    job_id = _finished_job(engine, lines)
+    got = stats.batch_stats(engine, job_id).to_dict()
+    assert got["object"] == "batch.stats" and got["status"] == "completed"
+    assert got["finished_lines"] == 40
+    assert got["prompt_tokens"] == sum(10 + i for i in range(40))
+    assert got["completion_tokens"] == sum(20 + i for i in range(40))
+    assert got["cached_tokens"] == sum(i % 3 for i in range(40))
+    assert got["elapsed_s"] == 10.0 and got["eta_s"] is None  # ended: no ETA
+    assert got["output_tokens_per_s"] == got["completion_tokens"] / 10.0
+    assert got["lines_per_s"] == 4.0
+    for name, values in (("ttft_ms", ttft[1:]), ("e2e_ms", e2e)):
+        summary = got["latency_ms"][name]
+        assert summary["count"] == len(values)
+        for q in (50, 90, 99):  # numpy's default (linear) percentile, to 0.001 ms
+            assert summary[f"p{q}"] == pytest.approx(np.percentile(values, q), abs=1e-3)
+    assert got["files"]["input"]["filename"] == "in.jsonl" and got["files"]["output"] is None
+    cheap = stats.batch_stats(engine, job_id, latency=False)  # what a progress bar polls
+    assert cheap.completion_tokens == got["completion_tokens"]
+    assert cheap.latency_ms["e2e_ms"] == {"count": 0, "p50": None, "p90": None, "p99": None}
+
+
+def test_batch_stats_eta_while_running_and_unknown_batch(engine):
+    from db.models import Job
+    from db.session import write_session
+    from jobs import stats
+    from jobs.errors import NotFoundError
+
+    job_id = _finished_job(engine, [{"completion_tokens": 5}] * 2)
+    with write_session(engine) as s:
+        row = s.get(Job, job_id)
+        row.status, row.completed_at, row.request_total = "in_progress", None, 10
+    running = stats.batch_stats(engine, job_id, now=1004.0)  # 2 of 10 lines in 4 s
+    assert running.elapsed_s == 4.0 and running.lines_per_s == 0.5
+    assert running.eta_s == 16.0  # 8 lines left at 0.5 lines/s
+    assert running.latency_ms["ttft_ms"] == {"count": 0, "p50": None, "p90": None, "p99": None}
+    with pytest.raises(NotFoundError):
+        stats.batch_stats(engine, "batch_nope")
+
+
+def test_show_summary_names_every_figure(engine):
+    from jobs import service, stats
+    from laneserve.commands.jobs import summary_lines
+
+    job_id = _finished_job(engine, [{"prompt_tokens": 7, "completion_tokens": 30,
+                                     "ttft_ms": 12.5, "e2e_ms": 250.0}] * 3)  # fmt: skip
+    batch = service.batch_object(service.get_batch(engine, job_id))
+    text = "\n".join(summary_lines(batch, stats.batch_stats(engine, job_id).to_dict()))
+    assert "completed  (3/3 lines: 3 completed, 0 failed)" in text
+    assert "prompt 21, completion 90" in text and "9.0 output tok/s" in text
+    assert "TTFT ms     p50 12.5  p90 12.5  p99 12.5  (3 lines)" in text
+    assert "e2e ms      p50 250.0" in text and "ETA -" in text and "running     0:00:10" in text
+    assert "in.jsonl" in text and batch["input_file_id"] in text
+    bare = "\n".join(summary_lines(batch, None))  # a stack without the stats route
+    assert "3/3 lines" in bare and batch["input_file_id"] in bare and "TTFT" not in bare
+
+
+def test_plain_progress_line():
+    from laneserve.commands.jobs import plain_progress
+
+    line = plain_progress(
+        "batch_x", {"status": "in_progress", "done": 7, "total": 20, "failed": 1, "tps": 41.25,
+                    "eta": 75.0},
+    )  # fmt: skip
+    assert line == "batch_x: in_progress 7/20, 1 failed, 41.2 tok/s, ETA 0:01:15"
 
 
 def _jobs_in_every_shape(engine) -> list[str]:
@@ -90,19 +182,58 @@ def _jobs_in_every_shape(engine) -> list[str]:
     return ids[::-1]
 
 
+@contextlib.contextmanager
+def bare_gateway(db_url: str, home):
+    """`laneserve api` alone on `db_url` (no broker, workers or runner: jobs stay as written);
+    yields its URL."""
+    import httpx
+
+    from laneserve.commands.up import free_port
+
+    port = free_port()
+    env = dict(os.environ, LANESERVE_HOME=str(home), PYTHONPATH=str(ROOT))
+    log = open(home / "api.log", "ab")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "laneserve.commands.api", "--port", str(port), "--db", db_url,
+         "--broker", f"ipc://{home}/no-broker.sock"],
+        env=env, stdout=log, stderr=log,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                home / "api.log"
+            ).read_text()
+            try:
+                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
 @pytest.mark.slow
-def test_jobs_list_fits_80_columns_with_full_ids(engine, laneserve_home):
+def test_jobs_list_fits_80_columns_with_full_ids(engine, db_url, laneserve_home, tmp_path):
     ids = _jobs_in_every_shape(engine)
-    env = dict(os.environ, LANESERVE_HOME=str(laneserve_home), PYTHONPATH=str(ROOT))
+    empty = tmp_path / "cli-home"  # the CLI reads nothing of the stack's home
+    empty.mkdir()
+    env = dict(os.environ, LANESERVE_HOME=str(empty), PYTHONPATH=str(ROOT))
     env.pop("LANESERVE_DB_URL", None)
+    with bare_gateway(db_url, laneserve_home) as url:
 
-    def jobs_list(columns: int) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "laneserve.cli", "jobs", "list"],
-            env=env | {"COLUMNS": str(columns)}, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        def jobs_list(columns: int) -> subprocess.CompletedProcess:
+            return subprocess.run(
+                [sys.executable, "-m", "laneserve.cli", "jobs", "list", "--url", url],
+                env=env | {"COLUMNS": str(columns)}, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
 
-    narrow = jobs_list(80)
+        narrow, wide = jobs_list(80), jobs_list(200).stdout
+
     assert narrow.returncode == 0, narrow.stderr
     assert "INFO alembic" not in narrow.stderr  # quiet start-up: no migration INFO lines
     lines = narrow.stdout.splitlines()
@@ -116,7 +247,6 @@ def test_jobs_list_fits_80_columns_with_full_ids(engine, laneserve_home):
         assert row.split()[:3] == [job_id, status, lines_cell]
     assert "hidden at 80 columns (--json has all)" in narrow.stdout
 
-    wide = jobs_list(200).stdout
     assert "hidden" not in wide
     for needle in ("created", "kind", "failed", "completions", "summarize", "translate"):
         assert needle in wide
@@ -134,7 +264,8 @@ def test_jobs_list_folds_but_never_cuts_ids_when_very_narrow(engine):
 
     ids = _jobs_in_every_shape(engine)
     out = io.StringIO()
-    Console(file=out, width=50).print(list_table(service.list_batches(engine), 50))
+    batches = [service.batch_object(j) for j in service.list_batches(engine)]
+    Console(file=out, width=50).print(list_table(batches, 50))
     header, _, *body = out.getvalue().splitlines()
     assert header.split() == ["id", "status", "lines"]
     assert max(len(x) for x in body) <= 50 and "…" not in out.getvalue()

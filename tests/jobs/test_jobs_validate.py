@@ -6,14 +6,15 @@ import json
 
 import pytest
 
-from jobs.tokens import PromptCounter
+from contracts.openai import Prompt, ServedModel
+from jobs.tokens import load_served_model
 from jobs.validate import JobValidationError, Validator
 from tests.jobs.jobs_stack import chat_line, write_jsonl
 
 
 @pytest.fixture(scope="module")
-def counter(smollm2_dir) -> PromptCounter:
-    return PromptCounter.load(str(smollm2_dir), max_model_len=64)
+def counter(smollm2_dir) -> ServedModel:
+    return load_served_model(str(smollm2_dir), "smollm2-135m", max_model_len=64)
 
 
 def _validate(tmp_path, lines, **kw):
@@ -32,7 +33,7 @@ def test_line_errors_are_named_and_the_rest_is_kept(tmp_path):
         {**chat_line("wrong-url", "hi"), "url": "/v1/embeddings"},
         {
             **chat_line("tools", "hi"),
-            "body": {"messages": [{"role": "user", "content": "x"}], "tools": []},
+            "body": {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]},
         },
         {"custom_id": "missing-body", "method": "POST", "url": "/v1/chat/completions"},
         "",
@@ -92,10 +93,16 @@ def test_completions_prompt_forms(tmp_path):
         }
 
     lines = [line("s", "Once"), line("ids", [1, 2, 3]), line("one", ["x"]), line("two", ["x", "y"])]
+    lines.append(line("bad", [["x"]]))
     v, results = _validate(tmp_path, lines, endpoint="/v1/completions")
-    errors = {r.custom_id: r.error for r in results}
-    assert errors["s"] is None and errors["ids"] is None and errors["one"] is None
-    assert "one non-empty string" in errors["two"]["message"]
+    by_id = {r.custom_id: r for r in results}
+    assert [by_id[k].error for k in ("s", "ids", "one", "two")] == [None] * 4
+    assert by_id["one"].request["body"]["prompt"] == "x"  # one prompt, stored as itself
+    assert by_id["two"].request["body"]["prompt"] == ["x", "y"]  # two choices (the API's fan-out)
+    assert by_id["bad"].error == {
+        "code": "invalid_request",
+        "message": "token-id prompts must hold non-negative integers",
+    }
 
 
 def test_task_lines(tmp_path):
@@ -114,18 +121,22 @@ def test_task_lines(tmp_path):
     assert results[1].error is not None and results[2].error is None
 
 
-def test_prompt_length_with_the_model_tokenizer(tmp_path, counter):
+def test_prompt_length_with_the_model_tokenizer(tmp_path, counter, smollm2_dir):
+    from transformers import AutoTokenizer  # the engine's tokenizer, as a reference
+
+    hello = [{"role": "user", "content": "Hello there"}]
+    reference = AutoTokenizer.from_pretrained(str(smollm2_dir))
     expected = len(
-        counter.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Hello there"}], add_generation_prompt=True, tokenize=True
-        )["input_ids"]
+        reference.apply_chat_template(
+            hello, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
     )
-    assert counter.count_chat([{"role": "user", "content": "Hello there"}]) == expected
+    assert counter.count(Prompt(messages=hello)) == expected
     lines = [chat_line("short", "Hello there", max_tokens=8), chat_line("long", "word " * 100)]
     v, results = _validate(tmp_path, lines, counter=counter)
     assert results[0].error is None and results[0].prompt_tokens == expected
     assert results[1].error["code"] == "prompt_too_long"
-    assert "max_model_len 64" in results[1].error["message"]
+    assert "maximum context length is 64 tokens" in results[1].error["message"]
     # summarize: a long document is not an error but a map-reduce line
     docs = [{"id": "doc", "text": "word " * 300}]
     v, (r,) = _validate(

@@ -137,7 +137,7 @@ def test_task_job_to_completion_via_submit(up, tmp_path):
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     job_id = json.loads(res.stdout.splitlines()[0])["id"]
-    show = laneserve(up.home, "jobs", "show", job_id)
+    show = laneserve(up.home, "jobs", "show", job_id, "--json")
     batch = json.loads(show.stdout)
     assert batch["status"] == "completed"
     assert batch["request_counts"] == {"total": 2, "completed": 2, "failed": 0}

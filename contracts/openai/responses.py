@@ -1,4 +1,9 @@
-"""OpenAI response objects: chat/text completions, stream chunks, logprobs, SSE framing.
+"""OpenAI response objects: chat/text completions, stream chunks, usage, logprobs, SSE framing.
+
+Used by the gateway (responses and SSE streams) and by bulk-job output lines (the ``body`` of a
+batch output line is the same completion object). ``kind`` is ``"chat"`` or ``"completion"``
+(:attr:`contracts.openai.requests.ParsedRequest.kind`). Logprob builders take ``token_text``, a
+function from a token id to its text (:meth:`contracts.openai.model.ServedModel.token_text`).
 
 JSON never carries ``NaN`` or ``Infinity`` (they are not JSON): a ``-inf`` logprob is sent as
 ``-9999.0``, vLLM's convention (vllm/entrypoints/openai/serving_chat.py clamps to -9999.0), and
@@ -10,9 +15,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
-from laneserve.api.model_info import ModelInfo
+TokenText = Callable[[int], str]
+OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
+CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
 
 LOGPROB_FLOOR = -9999.0
 
@@ -45,16 +53,16 @@ def _entries(raw: list | None) -> list[dict]:
     return [e for e in raw or () if isinstance(e, dict) and isinstance(e.get("token_id"), int)]
 
 
-def chat_logprobs(raw: list | None, info: ModelInfo) -> dict:
+def chat_logprobs(raw: list | None, token_text: TokenText) -> dict:
     """``choice.logprobs`` of a chat completion: ``{"content": [{token, logprob, bytes,
     top_logprobs: [...]}]}``."""
     content = []
     for e in _entries(raw):
-        tok = info.token_text(e["token_id"])
+        tok = token_text(e["token_id"])
         top = []
         for pair in e.get("top") or ():
             if isinstance(pair, list | tuple) and len(pair) == 2 and isinstance(pair[0], int):
-                t = info.token_text(pair[0])
+                t = token_text(pair[0])
                 top.append(
                     {"token": t, "logprob": clamp_logprob(pair[1]), "bytes": list(t.encode())}
                 )
@@ -69,7 +77,7 @@ def chat_logprobs(raw: list | None, info: ModelInfo) -> dict:
     return {"content": content}
 
 
-def completion_logprobs(raw: list | None, info: ModelInfo, offset: int = 0) -> dict:
+def completion_logprobs(raw: list | None, token_text: TokenText, offset: int = 0) -> dict:
     """Legacy ``choice.logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs`` (token ->
     logprob maps), ``text_offset`` (character offsets, starting at ``offset``)."""
     out: dict[str, list] = {
@@ -79,20 +87,28 @@ def completion_logprobs(raw: list | None, info: ModelInfo, offset: int = 0) -> d
         "text_offset": [],
     }
     for e in _entries(raw):
-        tok = info.token_text(e["token_id"])
+        tok = token_text(e["token_id"])
         out["tokens"].append(tok)
         out["token_logprobs"].append(clamp_logprob(e.get("logprob")))
         top = {}
         for pair in e.get("top") or ():
             if isinstance(pair, list | tuple) and len(pair) == 2 and isinstance(pair[0], int):
-                top[info.token_text(pair[0])] = clamp_logprob(pair[1])
+                top[token_text(pair[0])] = clamp_logprob(pair[1])
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(tok)
     return out
 
 
+def choice_logprobs(kind: str, raw: list | None, token_text: TokenText, offset: int = 0) -> dict:
+    """``choice.logprobs`` for ``kind``: the chat form or the legacy form (from ``offset``)."""
+    if kind == "chat":
+        return chat_logprobs(raw, token_text)
+    return completion_logprobs(raw, token_text, offset)
+
+
 def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """``usage`` in tokens (``prompt_tokens_details.cached_tokens``: prefix-cache hits)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -101,29 +117,41 @@ def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int)
     }
 
 
-def chat_chunk(rid: str, created: int, model: str, choices: list[dict], usage: Any = None) -> dict:
-    chunk = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if usage is not None:
-        chunk["usage"] = usage
-    return chunk
-
-
-def completion_chunk(
-    rid: str, created: int, model: str, choices: list[dict], usage: Any = None
+def choice(
+    kind: str, index: int, text: str, finish_reason: str | None, logprobs: dict | None
 ) -> dict:
-    chunk = {
+    """One choice of a whole (non-streamed) completion object."""
+    content = (
+        {"message": {"role": "assistant", "content": text}} if kind == "chat" else {"text": text}
+    )
+    return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_object(
+    kind: str, rid: str, created: int, model: str, choices: list[dict], usage: dict
+) -> dict:
+    """A ``chat.completion`` / ``text_completion`` object (``created``: unix seconds)."""
+    return {
         "id": rid,
-        "object": "text_completion",
+        "object": OBJECT[kind],
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+    }
+
+
+def chunk(
+    kind: str, rid: str, created: int, model: str, choices: list[dict], usage: Any = None
+) -> dict:
+    """One stream chunk (``chat.completion.chunk`` / ``text_completion``)."""
+    out = {
+        "id": rid,
+        "object": CHUNK_OBJECT[kind],
         "created": created,
         "model": model,
         "choices": choices,
     }
     if usage is not None:
-        chunk["usage"] = usage
-    return chunk
+        out["usage"] = usage
+    return out

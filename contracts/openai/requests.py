@@ -1,4 +1,8 @@
-"""Request validation: a JSON body -> :class:`ParsedRequest`, or an :class:`ApiError` (400).
+"""Request parsing and validation: a JSON body -> :class:`ParsedRequest`, or an :class:`OpenAIError`.
+
+One implementation for the HTTP gateway (``/v1/chat/completions``, ``/v1/completions``) and for
+bulk-job lines (the ``body`` of an OpenAI Batch line), so both accept the same bodies and answer
+the same mistakes with the same messages.
 
 Written by hand rather than as pydantic models so that every error is a 400 in OpenAI's shape
 naming the offending field (pydantic would give FastAPI's 422), and so that unknown and
@@ -13,19 +17,65 @@ vLLM's extra sampling fields (``top_k``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``include_stop_str_in_output``). Laneserve extras: ``lane`` ("interactive" |
 "batch") and ``priority`` (int, lower is served first within a lane; or a lane name).
 
-Prompt token counting needs the tokenizer and happens later (:mod:`laneserve.api.model_info`);
+The wire ``sampling_params`` keys are :data:`SAMPLING_KEYS` (the broker's ``SAMPLING_FIELDS``).
+Prompt token counting needs the tokenizer and happens next (:mod:`contracts.openai.lengths`);
 ``max_tokens`` stays None here when the body leaves it out.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.protocol import LANES, MAX_MESSAGES, MAX_TEXT_CHARS
-from laneserve.api.config import MAX_PROMPTS, MAX_STOP_STRINGS, ApiConfig
-from laneserve.api.errors import invalid
+from contracts.openai.checks import (
+    bool_field,
+    given,
+    int_field,
+    num_field,
+    stop_strings,
+    token_ids,
+    type_name,
+)
+from contracts.openai.errors import invalid
+
+LANES = ("interactive", "batch")  # the wire protocol uses these (broker.protocol.LANES)
+MAX_TEXT_CHARS = 8 * 1024 * 1024  # a prompt or message body (also the wire protocol's text cap)
+MAX_MESSAGES = 4096  # chat messages in one request (also the wire protocol's)
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (list of strings or token lists)
+DEFAULT_MAX_N = 16  # choices per request; each is a separate engine request (fan-out)
+DEFAULT_MAX_TOKENS_LIMIT = 4096  # cap on max_tokens / max_completion_tokens per choice
+DEFAULT_COMPLETIONS_MAX_TOKENS = 16  # OpenAI's legacy /v1/completions default
+CHAT_ENDPOINT = "/v1/chat/completions"
+COMPLETIONS_ENDPOINT = "/v1/completions"
+
+# The wire ``sampling_params`` keys, the one list (broker.protocol.SAMPLING_FIELDS is this set;
+# gpu_worker.sampling_params.SamplingParams has a field for each).
+SAMPLING_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "min_tokens",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-request caps of the OpenAI surface (the gateway's flags; bulk-job lines use the
+    same). ``max_n``: choices; ``max_tokens_limit``: tokens per choice."""
+
+    max_n: int = DEFAULT_MAX_N
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
+
 
 # Fields that exist in the OpenAI API (or in vLLM's extensions) and that laneserve does not serve.
 UNSUPPORTED_FIELDS = frozenset(
@@ -136,94 +186,62 @@ class ParsedRequest:
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
 
-
-# ------------------------------------------------------------------------------- type checks
-
-
-def _given(v: Any) -> bool:
-    return not (v is None or v is False or v == [] or v == {})
-
-
-def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if type(v) is float and v.is_integer():  # JSON 2.0 from some clients
-        v = int(v)
-    if type(v) is not int:
-        raise invalid(f"'{name}' must be an integer, got {_tname(v)}", name)
-    if lo is not None and v < lo:
-        raise invalid(f"'{name}' must be >= {lo}, got {v}", name)
-    if hi is not None and v > hi:
-        raise invalid(f"'{name}' must be <= {hi}, got {v}", name)
-    return v
-
-
-def _num(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if type(v) not in (int, float) or not math.isfinite(v):
-        raise invalid(f"'{name}' must be a finite number, got {_tname(v)}", name)
-    if (v <= lo if lo_open else v < lo) or v > hi:
-        bracket = "(" if lo_open else "["
-        raise invalid(f"'{name}' must be in {bracket}{lo}, {hi}], got {v}", name)
-    return float(v)
-
-
-def _bool(body: dict, name: str) -> bool | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if type(v) is not bool:
-        raise invalid(f"'{name}' must be a boolean, got {_tname(v)}", name)
-    return v
-
-
-def _tname(v: Any) -> str:
-    return {
-        dict: "object",
-        list: "array",
-        str: "string",
-        bool: "boolean",
-        int: "integer",
-        float: "number",
-    }.get(type(v), "null" if v is None else type(v).__name__)
+    def sampling_for(self, index: int) -> dict[str, Any]:
+        """The wire ``sampling_params`` of choice ``index``: with a ``seed`` and ``n > 1``,
+        sample ``j`` uses ``seed + j`` (distinct but reproducible samples)."""
+        sampling = dict(self.sampling)
+        if self.n > 1 and "seed" in sampling:
+            sampling["seed"] = sampling["seed"] + index % self.n
+        return sampling
 
 
 # ------------------------------------------------------------------------------- entry points
 
 
-def parse_chat(body: Any, config: ApiConfig) -> ParsedRequest:
-    """Validate a /v1/chat/completions body. Raises ApiError (400)."""
+def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
+    """Validate a /v1/chat/completions body. Raises OpenAIError (400)."""
     body = _check_fields(body, CHAT_FIELDS)
     messages = _messages(body.get("messages"))
     req = ParsedRequest(kind="chat", model=_model(body), prompts=[Prompt(messages=messages)])
-    _common(body, req, config)
-    max_completion = _int(body, "max_completion_tokens", lo=1)
+    _common(body, req, limits)
+    max_completion = int_field(body, "max_completion_tokens", lo=1)
     if max_completion is not None:
         req.max_tokens = max_completion
-    want = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs", lo=0, hi=MAX_CHAT_TOP_LOGPROBS)
+    want = bool_field(body, "logprobs")
+    top = int_field(body, "top_logprobs", lo=0, hi=MAX_CHAT_TOP_LOGPROBS)
     if top is not None and not want:
         raise invalid("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     if want:
         req.logprobs = top or 0
-    _finish(body, req, config)
+    _finish(body, req, limits)
     return req
 
 
-def parse_completion(body: Any, config: ApiConfig) -> ParsedRequest:
-    """Validate a /v1/completions body. Raises ApiError (400)."""
+def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
+    """Validate a /v1/completions body. Raises OpenAIError (400)."""
     body = _check_fields(body, COMPLETION_FIELDS)
     req = ParsedRequest(kind="completion", model=_model(body), prompts=_prompts(body.get("prompt")))
-    _common(body, req, config)
+    _common(body, req, limits)
     if body.get("logprobs") is True:
         raise invalid("'logprobs' of /v1/completions is an integer (0..5)", "logprobs")
     if body.get("logprobs") is not False:
-        req.logprobs = _int(body, "logprobs", lo=0, hi=MAX_LEGACY_LOGPROBS)
-    _finish(body, req, config)
+        req.logprobs = int_field(body, "logprobs", lo=0, hi=MAX_LEGACY_LOGPROBS)
+    _finish(body, req, limits)
     return req
+
+
+def parse(endpoint: str, body: Any, limits: Limits) -> ParsedRequest:
+    """Validate a body for ``endpoint`` (:data:`CHAT_ENDPOINT` or :data:`COMPLETIONS_ENDPOINT`).
+
+    Raises:
+        OpenAIError: 400 ``invalid_request`` naming the field.
+        ValueError: an endpoint that is neither (a caller's bug).
+    """
+    if endpoint == CHAT_ENDPOINT:
+        return parse_chat(body, limits)
+    if endpoint == COMPLETIONS_ENDPOINT:
+        return parse_completion(body, limits)
+    raise ValueError(f"not an OpenAI completion endpoint: {endpoint!r}")
 
 
 # ------------------------------------------------------------------------------- pieces
@@ -231,9 +249,9 @@ def parse_completion(body: Any, config: ApiConfig) -> ParsedRequest:
 
 def _check_fields(body: Any, allowed: frozenset[str]) -> dict:
     if type(body) is not dict:
-        raise invalid(f"the request body must be a JSON object, got {_tname(body)}")
+        raise invalid(f"the request body must be a JSON object, got {type_name(body)}")
     unsupported = sorted(
-        k for k in body if k in UNSUPPORTED_FIELDS and _given(body[k]) and k not in allowed
+        k for k in body if k in UNSUPPORTED_FIELDS and given(body[k]) and k not in allowed
     )
     best_of = body.get("best_of")
     if "best_of" in unsupported and best_of in (1, body.get("n", 1)):
@@ -262,7 +280,7 @@ def _model(body: dict) -> str:
 
 def _messages(v: Any) -> list[dict]:
     if type(v) is not list:
-        raise invalid(f"'messages' must be an array of messages, got {_tname(v)}", "messages")
+        raise invalid(f"'messages' must be an array of messages, got {type_name(v)}", "messages")
     if not v:
         raise invalid("'messages' must not be empty", "messages")
     if len(v) > MAX_MESSAGES:
@@ -271,9 +289,9 @@ def _messages(v: Any) -> list[dict]:
     for i, m in enumerate(v):
         where = f"messages[{i}]"
         if type(m) is not dict:
-            raise invalid(f"{where} must be an object, got {_tname(m)}", "messages")
+            raise invalid(f"{where} must be an object, got {type_name(m)}", "messages")
         role = m.get("role")
-        if role in ("tool", "function") or _given(m.get("tool_calls")):
+        if role in ("tool", "function") or given(m.get("tool_calls")):
             raise invalid(f"{where}: tool messages and tool calls are unsupported", "messages")
         if role not in CHAT_ROLES:
             raise invalid(f"{where}.role must be one of {sorted(CHAT_ROLES)}", "messages")
@@ -328,7 +346,7 @@ def _prompts(v: Any) -> list[Prompt]:
     elif type(v) is list:
         items = v
     else:
-        raise invalid(f"'prompt' must be a string or an array, got {_tname(v)}", "prompt")
+        raise invalid(f"'prompt' must be a string or an array, got {type_name(v)}", "prompt")
     if not items:
         raise invalid("'prompt' must not be empty", "prompt")
     if len(items) > MAX_PROMPTS:
@@ -356,8 +374,8 @@ def _prompts(v: Any) -> list[Prompt]:
     return out
 
 
-def _common(body: dict, req: ParsedRequest, config: ApiConfig) -> None:
-    stream = _bool(body, "stream")
+def _common(body: dict, req: ParsedRequest, limits: Limits) -> None:
+    stream = bool_field(body, "stream")
     req.stream = bool(stream)
     opts = body.get("stream_options")
     if opts is not None:
@@ -372,19 +390,19 @@ def _common(body: dict, req: ParsedRequest, config: ApiConfig) -> None:
             raise invalid(
                 f"unknown stream_options field(s): {', '.join(unknown)}", "stream_options"
             )
-        usage = _bool(opts, "include_usage")
+        usage = bool_field(opts, "include_usage")
         req.include_usage = bool(usage)
-    n = _int(body, "n", lo=1)
-    if n is not None and n > config.max_n:
-        raise invalid(f"'n' must be <= {config.max_n}, got {n}", "n")
+    n = int_field(body, "n", lo=1)
+    if n is not None and n > limits.max_n:
+        raise invalid(f"'n' must be <= {limits.max_n}, got {n}", "n")
     req.n = n or 1
-    if req.num_choices > max(MAX_PROMPTS, config.max_n):
+    if req.num_choices > max(MAX_PROMPTS, limits.max_n):
         raise invalid(
             f"{len(req.prompts)} prompts x n={req.n} is more than "
-            f"{max(MAX_PROMPTS, config.max_n)} choices",
+            f"{max(MAX_PROMPTS, limits.max_n)} choices",
             "n",
         )
-    req.max_tokens = _int(body, "max_tokens", lo=1)
+    req.max_tokens = int_field(body, "max_tokens", lo=1)
     _lane(body, req)
 
 
@@ -400,55 +418,36 @@ def _lane(body: dict, req: ParsedRequest) -> None:
             raise invalid(f"'priority' must be an integer or one of {list(LANES)}", "priority")
         req.lane = prio
     elif prio is not None:
-        req.priority = _int(body, "priority", lo=-(2**31), hi=2**31 - 1) or 0
+        req.priority = int_field(body, "priority", lo=-(2**31), hi=2**31 - 1) or 0
 
 
-def _finish(body: dict, req: ParsedRequest, config: ApiConfig) -> None:
-    if req.max_tokens is not None and req.max_tokens > config.max_tokens_limit:
+def _finish(body: dict, req: ParsedRequest, limits: Limits) -> None:
+    if req.max_tokens is not None and req.max_tokens > limits.max_tokens_limit:
         param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         raise invalid(
-            f"'{param}' must be <= {config.max_tokens_limit}, got {req.max_tokens}", param
+            f"'{param}' must be <= {limits.max_tokens_limit}, got {req.max_tokens}", param
         )
     sp: dict[str, Any] = {}
     for name, value in (
-        ("temperature", _num(body, "temperature", 0.0, 2.0)),
-        ("top_p", _num(body, "top_p", 0.0, 1.0, lo_open=True)),
-        ("top_k", _int(body, "top_k", lo=-1)),
-        ("seed", _int(body, "seed", lo=-(2**63), hi=2**64 - 1)),
-        ("presence_penalty", _num(body, "presence_penalty", -2.0, 2.0)),
-        ("frequency_penalty", _num(body, "frequency_penalty", -2.0, 2.0)),
-        ("repetition_penalty", _num(body, "repetition_penalty", 0.0, 10.0, lo_open=True)),
-        ("ignore_eos", _bool(body, "ignore_eos")),
-        ("include_stop_str_in_output", _bool(body, "include_stop_str_in_output")),
-        ("min_tokens", _int(body, "min_tokens", lo=0, hi=config.max_tokens_limit)),
-        ("stop", _stop(body.get("stop"))),
-        ("stop_token_ids", _token_list(body, "stop_token_ids")),
+        ("temperature", num_field(body, "temperature", 0.0, 2.0)),
+        ("top_p", num_field(body, "top_p", 0.0, 1.0, lo_open=True)),
+        ("top_k", int_field(body, "top_k", lo=-1)),
+        ("seed", int_field(body, "seed", lo=-(2**63), hi=2**64 - 1)),
+        ("presence_penalty", num_field(body, "presence_penalty", -2.0, 2.0)),
+        ("frequency_penalty", num_field(body, "frequency_penalty", -2.0, 2.0)),
+        ("repetition_penalty", num_field(body, "repetition_penalty", 0.0, 10.0, lo_open=True)),
+        ("ignore_eos", bool_field(body, "ignore_eos")),
+        ("include_stop_str_in_output", bool_field(body, "include_stop_str_in_output")),
+        ("min_tokens", int_field(body, "min_tokens", lo=0, hi=limits.max_tokens_limit)),
+        ("stop", stop_strings(body.get("stop"))),
+        ("stop_token_ids", token_ids(body, "stop_token_ids")),
         ("logprobs", req.logprobs),
     ):
         if value is not None:
             sp[name] = value
     if sp.get("top_k") == -1:
         sp["top_k"] = 0
+    assert set(sp) <= set(SAMPLING_KEYS), sorted(set(sp) - set(SAMPLING_KEYS))
     if req.max_tokens is not None and sp.get("min_tokens", 0) > req.max_tokens:
         raise invalid("'min_tokens' must be <= max_tokens", "min_tokens")
     req.sampling = sp
-
-
-def _stop(v: Any) -> list[str] | None:
-    if v is None:
-        return None
-    items = [v] if type(v) is str else v
-    if type(items) is not list or not all(type(s) is str and s for s in items):
-        raise invalid("'stop' must be a non-empty string or an array of them", "stop")
-    if len(items) > MAX_STOP_STRINGS:
-        raise invalid(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
-    return items or None
-
-
-def _token_list(body: dict, name: str) -> list[int] | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if type(v) is not list or not all(type(t) is int and t >= 0 for t in v) or len(v) > 1024:
-        raise invalid(f"'{name}' must be an array of at most 1024 token ids", name)
-    return v or None

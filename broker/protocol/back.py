@@ -1,0 +1,189 @@
+"""Worker <-> broker messages (the broker's back socket).
+
+- worker -> broker: ``ready``, ``worker_heartbeat``, ``step_outputs``, ``worker_error``
+- broker -> worker: ``request``, ``abort``, ``heartbeat``, ``disconnect`` (``abort`` and
+  ``heartbeat`` are the client-side classes of :mod:`broker.protocol.front`)
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, ClassVar, NamedTuple
+
+from broker.protocol.base import Message, message
+from broker.protocol.checks import (
+    ERROR_CODES,
+    FINISH_REASONS,
+    LANES,
+    MAX_ID_CHARS,
+    MAX_STEP_OUTPUTS,
+    MAX_TEXT_CHARS,
+    MAX_TOKEN_ID,
+    MAX_TOKEN_IDS,
+    Check,
+    ProtocolError,
+    fail,
+    spec,
+    t_any,
+    t_bool,
+    t_float,
+    t_int,
+    t_list,
+    t_map,
+    t_opt,
+    t_str,
+    t_token_ids,
+)
+from broker.protocol.front import Abort, Heartbeat, PromptRequest
+
+# worker -> broker
+
+
+@message
+class Ready(Message):
+    """A worker announces itself: its lanes and ``capacity`` (max requests it accepts at once,
+    i.e. its credits). Sent on connect and again after a reconnect."""
+
+    KIND: ClassVar[str] = "ready"
+    worker_id: str = spec(t_str())
+    pid: int = spec(t_int(0, 2**31))
+    lanes: list = spec(t_list(t_str(choices=LANES), 2))
+    capacity: int = spec(t_int(1, 1_000_000))
+    model: str = spec(t_str(), "")
+    info: dict = spec(t_map(), {})
+
+    def validate(self) -> None:
+        if not self.lanes:
+            raise ProtocolError("ready: a worker must serve at least one lane")
+
+
+@message
+class WorkerHeartbeat(Message):
+    """Worker heartbeat from its IO thread. ``stats``: running, waiting, kv_usage (0..1),
+    prefix_hit_rate (0..1), step_ms, tokens_per_s, preemptions (see docs/interfaces.md)."""
+
+    KIND: ClassVar[str] = "worker_heartbeat"
+    worker_id: str = spec(t_str())
+    stats: dict = spec(t_map(), {})
+    draining: bool = spec(t_bool, False)
+
+
+class StepOutput(NamedTuple):
+    """One request's output in one engine step (mirrors gpu_worker ``RequestDelta``).
+
+    On the wire it is a msgpack array in field order (compact: one per request per step).
+    """
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = []  # noqa: RUF012 - NamedTuple default, never mutated
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list | None = None
+    metrics: dict | None = None
+    error: str | None = None
+
+
+_STEP_OUTPUT_CHECKS: tuple[Check, ...] = (
+    t_str(),
+    t_str(MAX_TEXT_CHARS),
+    t_token_ids(),
+    t_bool,
+    t_opt(t_str(choices=FINISH_REASONS)),
+    t_opt(t_list(t_any, MAX_TOKEN_IDS)),
+    t_opt(t_map()),
+    t_opt(t_str(MAX_TEXT_CHARS)),
+)
+
+
+def _step_output(name: str, v: Any) -> StepOutput:
+    if type(v) is not list or len(v) != len(StepOutput._fields):
+        raise fail(name, f"each output must be an array of {len(StepOutput._fields)} items")
+    rid, text, token_ids, finished, reason, logprobs, metrics, error = v
+    # Fast path for the common streaming item: short id, plain text, token ids, no extras.
+    if not (
+        type(rid) is str
+        and 0 < len(rid) <= MAX_ID_CHARS
+        and type(text) is str
+        and len(text) <= MAX_TEXT_CHARS
+        and type(finished) is bool
+        and logprobs is None
+        and metrics is None
+        and error is None
+        and reason is None
+        and type(token_ids) is list
+        and len(token_ids) <= 64
+        and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in token_ids)
+    ):
+        v = [
+            check(f"{name}.{n}", x)
+            for check, n, x in zip(_STEP_OUTPUT_CHECKS, StepOutput._fields, v, strict=True)
+        ]
+    out = StepOutput(*v)
+    if out.finished and out.finish_reason is None:
+        raise fail(name, "finished output without finish_reason")
+    return out
+
+
+@message
+class StepOutputs(Message):
+    """Everything one engine step produced: one :class:`StepOutput` per request touched.
+
+    ``step_ms``: wall time of the engine step (monotonic ms)."""
+
+    KIND: ClassVar[str] = "step_outputs"
+    worker_id: str = spec(t_str())
+    outputs: list = spec(t_list(_step_output, MAX_STEP_OUTPUTS))
+    step_ms: float = spec(t_float(0.0), 0.0)
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id,
+            "outputs": self.outputs,
+            "step_ms": self.step_ms,
+        }
+
+
+@message
+class WorkerError(Message):
+    """A worker-side failure: for one request (``request_id`` set) or the whole worker."""
+
+    KIND: ClassVar[str] = "worker_error"
+    worker_id: str = spec(t_str())
+    code: str = spec(t_str(choices=ERROR_CODES))
+    message: str = spec(t_str(MAX_TEXT_CHARS), "")
+    request_id: str | None = spec(t_opt(t_str()), None)
+
+
+# broker -> worker
+
+
+@message
+class WorkRequest(PromptRequest):
+    """A request dispatched to a worker (kind ``request``): the prompt fields of
+    :class:`~broker.protocol.front.PromptRequest` and the dispatch ``attempt`` (1-based)."""
+
+    KIND: ClassVar[str] = "request"
+    attempt: int = spec(t_int(0, 1000), 1)
+
+    @classmethod
+    def of(cls, submit: PromptRequest, attempt: int) -> WorkRequest:
+        """The work message of a submitted request: its prompt fields and ``attempt``."""
+        shared = {name: getattr(submit, name) for name in _PROMPT_FIELDS}
+        return cls(**shared, attempt=attempt)
+
+
+_PROMPT_FIELDS = tuple(f.name for f in fields(PromptRequest))
+
+
+@message
+class Disconnect(Message):
+    """The broker tells a worker to forget its state and send ``ready`` again (e.g. unknown
+    worker after a broker restart or a missed liveness window)."""
+
+    KIND: ClassVar[str] = "disconnect"
+    reason: str = spec(t_str(MAX_TEXT_CHARS), "")
+
+
+WORKER_TO_BROKER: tuple[type[Message], ...] = (Ready, WorkerHeartbeat, StepOutputs, WorkerError)
+BROKER_TO_WORKER: tuple[type[Message], ...] = (WorkRequest, Abort, Heartbeat, Disconnect)

@@ -1,0 +1,91 @@
+"""Typed field checks of OpenAI request bodies: each names the field in its 400.
+
+``null`` counts as "not given" (the checker returns None); JSON's ``2.0`` is accepted as an
+integer. Used by :mod:`contracts.openai.requests`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from contracts.openai.errors import invalid
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def given(v: Any) -> bool:
+    """False for ``null``, ``[]``, ``{}`` and ``false`` (an optional field left out)."""
+    return not (v is None or v is False or v == [] or v == {})
+
+
+def int_field(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if type(v) is float and v.is_integer():  # JSON 2.0 from some clients
+        v = int(v)
+    if type(v) is not int:
+        raise invalid(f"'{name}' must be an integer, got {type_name(v)}", name)
+    if lo is not None and v < lo:
+        raise invalid(f"'{name}' must be >= {lo}, got {v}", name)
+    if hi is not None and v > hi:
+        raise invalid(f"'{name}' must be <= {hi}, got {v}", name)
+    return v
+
+
+def num_field(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if type(v) not in (int, float) or not math.isfinite(v):
+        raise invalid(f"'{name}' must be a finite number, got {type_name(v)}", name)
+    if (v <= lo if lo_open else v < lo) or v > hi:
+        bracket = "(" if lo_open else "["
+        raise invalid(f"'{name}' must be in {bracket}{lo}, {hi}], got {v}", name)
+    return float(v)
+
+
+def bool_field(body: dict, name: str) -> bool | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if type(v) is not bool:
+        raise invalid(f"'{name}' must be a boolean, got {type_name(v)}", name)
+    return v
+
+
+def type_name(v: Any) -> str:
+    return {
+        dict: "object",
+        list: "array",
+        str: "string",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+    }.get(type(v), "null" if v is None else type(v).__name__)
+
+
+def stop_strings(v: Any) -> list[str] | None:
+    if v is None:
+        return None
+    items = [v] if type(v) is str else v
+    if type(items) is not list or not all(type(s) is str and s for s in items):
+        raise invalid("'stop' must be a non-empty string or an array of them", "stop")
+    if len(items) > MAX_STOP_STRINGS:
+        raise invalid(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+    return items or None
+
+
+def token_ids(body: dict, name: str) -> list[int] | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if (
+        type(v) is not list
+        or not all(type(t) is int and t >= 0 for t in v)
+        or len(v) > MAX_STOP_TOKEN_IDS
+    ):
+        raise invalid(f"'{name}' must be an array of at most {MAX_STOP_TOKEN_IDS} token ids", name)
+    return v or None

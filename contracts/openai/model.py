@@ -1,0 +1,139 @@
+"""The served model as an edge sees it: its names, tokenizer and context length; prompt checks.
+
+DESIGN.md "Edge validation": the gateway and the jobs runner count prompt tokens with the
+model's tokenizer and the engine's rule (:func:`contracts.tokens.prompt_ids`), so an over-length
+prompt is a 400 (an error line in a batch) before any inference, and a stream's status is known
+before its first byte. :meth:`ServedModel.check` settles ``max_tokens`` the same way for both.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from contracts.openai.errors import OpenAIError, invalid, model_not_found
+from contracts.openai.requests import DEFAULT_COMPLETIONS_MAX_TOKENS, Limits, ParsedRequest, Prompt
+from contracts.tokens import PromptError, PromptTokenizer, count_prompt
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ServedModel:
+    """``served_name``: the name clients send as ``model``; ``aliases``: further names served
+    (the models the broker's workers report). ``tokenizer``: None when prompts are not counted
+    at the edge. ``max_model_len`` / ``vocab_size``: tokens, None when unknown. ``created``:
+    unix seconds, for ``/v1/models``."""
+
+    served_name: str | None = None
+    tokenizer: PromptTokenizer | None = None
+    max_model_len: int | None = None
+    vocab_size: int | None = None
+    aliases: tuple[str, ...] = ()
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def load(
+        cls, path: str | Path, served_name: str | None, max_model_len: int | None = None
+    ) -> ServedModel:
+        """Load the tokenizer and context length of a resolved model path (a ``.gguf`` file
+        with its converted cache, or a Hugging Face directory); ``max_model_len`` may only
+        lower the model's own. Raises :class:`contracts.tokens.TokenizerError`."""
+        tokenizer = PromptTokenizer.load(path)
+        max_len = tokenizer.max_model_len
+        if max_model_len is not None:
+            max_len = min(max_len or max_model_len, max_model_len)
+        vocab = tokenizer.vocab_size or tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+        model = cls(served_name, tokenizer, max_len, vocab)
+        logger.info("model %s: tokenizer loaded, max_model_len=%s", served_name, max_len)
+        return model
+
+    # ------------------------------------------------------------------ names
+
+    def check_name(self, model: str, also: Iterable[str] = ()) -> None:
+        """Raises OpenAIError ``not_found`` (404) unless ``model`` is the served name, one of
+        ``aliases`` or one of ``also``."""
+        if model != self.served_name and model not in self.aliases and model not in set(also):
+            raise model_not_found(model)
+
+    # ------------------------------------------------------------------ counting
+
+    def count(self, prompt: Prompt) -> int | None:
+        """Prompt tokens as the engine will see them; None without a tokenizer.
+
+        Raises OpenAIError (400) when the chat template rejects the conversation."""
+        try:
+            return count_prompt(
+                self.tokenizer,
+                prompt=prompt.text,
+                messages=prompt.messages,
+                token_ids=prompt.token_ids,
+            )
+        except PromptError as exc:
+            raise invalid(str(exc), "messages") from exc
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (for logprobs); ``token_id:N`` without a tokenizer (vLLM's
+        ``return_tokens_as_token_ids`` form)."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.token_text(token_id)
+
+    # ------------------------------------------------------------------ checks
+
+    def check(self, req: ParsedRequest, limits: Limits) -> None:
+        """Count every prompt and settle ``req.max_tokens`` (also into ``req.sampling``).
+
+        Raises OpenAIError: ``prompt_too_long`` (400) when a prompt leaves no room for one
+        output token, ``invalid_request`` (400) for an empty prompt, token ids outside the
+        vocabulary, or prompt + max_tokens over ``max_model_len``.
+        """
+        longest = 0
+        for prompt in req.prompts:
+            self._check_ids(prompt)
+            prompt.num_tokens = self.count(prompt)
+            if prompt.num_tokens is None:
+                continue
+            if prompt.num_tokens == 0:
+                raise invalid("the prompt is empty (0 tokens)", _param(req))
+            if self.max_model_len is not None and prompt.num_tokens >= self.max_model_len:
+                raise OpenAIError(
+                    "prompt_too_long",
+                    f"the prompt has {prompt.num_tokens} tokens; this model's maximum context "
+                    f"length is {self.max_model_len} tokens (prompt + at least 1 output token)",
+                    param=_param(req),
+                )
+            longest = max(longest, prompt.num_tokens)
+        room = None if self.max_model_len is None else self.max_model_len - longest
+        if req.max_tokens is None:
+            default = (
+                DEFAULT_COMPLETIONS_MAX_TOKENS
+                if req.kind == "completion"
+                else limits.max_tokens_limit
+            )
+            req.max_tokens = min(default, room) if room is not None else default
+        elif room is not None and req.max_tokens > room:
+            raise invalid(
+                f"max_tokens={req.max_tokens} plus the prompt's {longest} tokens is more than "
+                f"this model's maximum context length of {self.max_model_len} tokens",
+                "max_tokens",
+            )
+        if req.sampling.get("min_tokens", 0) > req.max_tokens:
+            raise invalid("'min_tokens' must be <= max_tokens", "min_tokens")
+        req.sampling["max_tokens"] = req.max_tokens
+
+    def _check_ids(self, prompt: Prompt) -> None:
+        if prompt.token_ids is None or self.vocab_size is None:
+            return
+        bad = [t for t in prompt.token_ids if t >= self.vocab_size]
+        if bad:
+            raise invalid(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt"
+            )
+
+
+def _param(req: ParsedRequest) -> str:
+    return "messages" if req.kind == "chat" else "prompt"

@@ -1,0 +1,170 @@
+"""A bulk job's figures from SQL: tokens, throughput, latency percentiles of its lines, ETA, files.
+
+Served as `GET /v1/batches/{id}/stats` (laneserve/api/inspection.py) for `laneserve jobs show`
+and the progress bar of `jobs watch` / `submit --wait`, which the OpenAI batch object cannot
+feed. One call reads the `jobs` row, one aggregate and two columns of the job's `requests` rows
+and its `files` rows: cost O(lines of the job).
+
+Throughput and ETA use the job's own clock: from `in_progress_at` (set by the jobs runner) to its
+end (`completed_at` / `failed_at` / `cancelled_at` / `expired_at`) or to now while it runs. Those
+are wall-clock seconds, used here as a time window (DESIGN.md "Storage" conventions), never as a
+request's latency; the latency figures come from the per-request `*_ms` columns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sqlalchemy import Engine, func, select
+
+from contracts.latency import percentile
+from db.models import File, Job, Request
+from db.session import read_session
+from jobs.errors import NotFoundError
+
+PERCENTILES = (50, 90, 99)
+LATENCY_FIELDS = ("ttft_ms", "e2e_ms")
+
+
+@dataclass(frozen=True, slots=True)
+class FileInfo:
+    """One of the job's files: id, filename, size in bytes."""
+
+    id: str
+    filename: str
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStats:
+    """Figures of one job (all durations ms, rates per second, times unix seconds).
+
+    `finished_lines`: lines with a result (output or error) recorded in `requests`;
+    `prompt_tokens` / `completion_tokens` / `cached_tokens`: sums over the lines that finished;
+    `elapsed_s`: seconds since the job started running (to its end once ended), None before;
+    `output_tokens_per_s` and `lines_per_s` over `elapsed_s`; `eta_s`: seconds left at the
+    current line rate (None when ended or no line is done yet); `latency_ms`: for `ttft_ms` and
+    `e2e_ms`, `{"count", "p50", "p90", "p99"}` over the job's lines (None values when no line
+    has the figure); `files`: `input` / `output` / `errors` (None when absent).
+    """
+
+    id: str
+    status: str
+    request_counts: dict[str, int]
+    finished_lines: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    started_at: float | None
+    ended_at: float | None
+    elapsed_s: float | None
+    output_tokens_per_s: float | None
+    lines_per_s: float | None
+    eta_s: float | None
+    latency_ms: dict[str, dict[str, float | int | None]]
+    files: dict[str, FileInfo | None]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of the stats route (`"object": "batch.stats"`)."""
+        return {"object": "batch.stats", **asdict(self)}
+
+
+def _ended_at(job: Job) -> float | None:
+    for value in (job.completed_at, job.failed_at, job.cancelled_at, job.expired_at):
+        if value is not None:
+            return value
+    return None
+
+
+def latency_summary(values: Sequence[float]) -> dict[str, float | int | None]:
+    """`{"count", "p50", "p90", "p99"}` of `values` (ms); the percentiles None when empty."""
+    out: dict[str, float | int | None] = {"count": len(values)}
+    for q in PERCENTILES:
+        value = percentile(values, q)  # the one percentile rule (None when empty)
+        out[f"p{q}"] = None if value is None else round(value, 3)
+    return out
+
+
+def _rate(amount: float, elapsed_s: float | None) -> float | None:
+    if elapsed_s is None or elapsed_s <= 0:
+        return None
+    return amount / elapsed_s
+
+
+def batch_stats(
+    engine: Engine, batch_id: str, now: float | None = None, *, latency: bool = True
+) -> BatchStats:
+    """The figures of batch `batch_id` (`now`: unix seconds, default the current time); without
+    `latency` the percentiles are left out (counts 0, values None), which saves reading a column
+    per line on each poll of a progress bar.
+
+    Raises:
+        NotFoundError: no such batch.
+    """
+    finished = Request.response.is_not(None) | Request.error.is_not(None)
+    with read_session(engine) as session:
+        job = session.get(Job, batch_id)
+        if job is None:
+            raise NotFoundError(f"no batch {batch_id!r}")
+        sums = session.execute(
+            select(
+                func.count(Request.id),
+                func.sum(Request.prompt_tokens),
+                func.sum(Request.completion_tokens),
+                func.sum(Request.cached_tokens),
+            ).where(Request.job_id == batch_id, finished)
+        ).one()
+        values = {
+            name: [
+                v
+                for (v,) in session.execute(
+                    select(getattr(Request, name)).where(
+                        Request.job_id == batch_id, getattr(Request, name).is_not(None)
+                    )
+                )
+            ]
+            for name in (LATENCY_FIELDS if latency else ())
+        }
+        file_ids = {
+            "input": job.input_file_id,
+            "output": job.output_file_id,
+            "errors": job.error_file_id,
+        }
+        rows = {f.id: f for f in session.scalars(select(File).where(File.id.in_(
+            [fid for fid in file_ids.values() if fid]
+        )))}  # fmt: skip
+    counts = job.request_counts
+    ended = _ended_at(job)
+    start = job.in_progress_at
+    elapsed = None if start is None else max(0.0, (ended or (now or time.time())) - start)
+    done = counts["completed"] + counts["failed"]
+    lines_per_s = _rate(done, elapsed)
+    eta = None
+    if ended is None and lines_per_s and counts["total"]:
+        eta = max(0, counts["total"] - done) / lines_per_s
+    files = {
+        kind: FileInfo(rows[fid].id, rows[fid].filename, int(rows[fid].bytes or 0))
+        if fid in rows
+        else None
+        for kind, fid in file_ids.items()
+    }
+    return BatchStats(
+        id=job.id,
+        status=job.status,
+        request_counts=counts,
+        finished_lines=int(sums[0] or 0),
+        prompt_tokens=int(sums[1] or 0),
+        completion_tokens=int(sums[2] or 0),
+        cached_tokens=int(sums[3] or 0),
+        started_at=start,
+        ended_at=ended,
+        elapsed_s=elapsed,
+        output_tokens_per_s=_rate(int(sums[2] or 0), elapsed),
+        lines_per_s=lines_per_s,
+        eta_s=eta,
+        latency_ms={name: latency_summary(values.get(name, [])) for name in LATENCY_FIELDS},
+        files=files,
+    )
