@@ -34,13 +34,18 @@ import json
 import statistics
 import time
 
-# gpu_worker sets the OpenMP wait policy the engine runs under before torch loads
-import gpu_worker  # noqa: F401  # isort: skip
+# the OpenMP wait policy the engine runs under, set before torch loads
+from gpu_worker.openmp import apply_openmp_policy  # isort: skip
 
-import torch
-import torch.nn.functional as F
+apply_openmp_policy()
+import torch  # noqa: E402  # isort: skip
+import torch.nn.functional as F  # noqa: E402  # isort: skip
 
-from gpu_worker.quantization import QuantLinear, int4_from_float, int8_from_float
+from gpu_worker.quantization import (  # noqa: E402  # isort: skip
+    QuantLinear,
+    int4_from_float,
+    int8_from_float,
+)
 
 SHAPES = {  # name: (N out, K in)
     "qkv": (960, 576),
