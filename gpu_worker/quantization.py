@@ -7,7 +7,7 @@ cuts the bytes per step about 4x; activations stay in the model's dtype (float32
 Kernel choice by phase: calls of at least `DENSE_MIN_TOKENS` rows (prefill chunks, big decode
 batches: compute-bound) run as dense GEMMs on a bf16 copy of the same weights when the model's
 activations are bf16; smaller ones (decode) read the 4-bit weights. The copy costs ~2 bytes per
-weight (266 MB for SmolLM2-135M, whose int4/int8 weights and Q8_0 embedding take 127 MB) and
+weight (269 MB for SmolLM2-135M, whose int4/int8 weights and Q8_0 embedding take 127 MB) and
 buys 2-2.5x on every linear from 64 rows up (scripts/bench_quant.py). A float32 model keeps no copy: one kernel for
 every row count, so its outputs do not depend on chunking or batching through a kernel switch.
 The embedding of a GGUF stays in its Q8_0 blocks (exact lookups, 31 MB instead of 57 MB bf16);
