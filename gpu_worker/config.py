@@ -40,6 +40,7 @@ __all__ = [
 
 LANES = ("interactive", "batch")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only kernels (gpu_worker/quantization.py)
 
 
 class EngineConfigError(ValueError):
@@ -210,6 +211,9 @@ class EngineConfig:
     )  # fmt: skip
     lanes: tuple[str, ...] = _opt(LANES, "lanes served, comma-separated", parse=_parse_lanes)
     enforce_eager: bool = _opt(False, "no CUDA graphs for decode steps (CUDA only)")
+    quantization: str = _opt("auto", "weight-only kernels: auto = a GGUF's own Q4_0/Q4_1/Q8_0 "
+                             "on CPU (int4 / int8), none = dequantized, int8, int4",
+                             choices=QUANTIZATIONS)  # fmt: skip
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lanes", tuple(self.lanes))

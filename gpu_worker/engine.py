@@ -35,6 +35,7 @@ from gpu_worker.model_loader import load_model_files
 from gpu_worker.model_runner import ModelRunner, choose_num_blocks
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.outputs import RequestDelta
+from gpu_worker.quantization import resolve_mode
 from gpu_worker.request import Lane, Request, RequestStatus
 from gpu_worker.sampler import Sampler
 from gpu_worker.sampling_params import SamplingParams
@@ -112,13 +113,16 @@ class LLMEngine:
         self.device = torch.device(config.device) if config.device else default_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
         path = resolve_model_path(config.model)
-        loaded = load_model_files(path)
+        quantization = resolve_mode(config.quantization, self.device)
+        loaded = load_model_files(path, quantization=quantization)
         self.model_name = model_display_name(config.model)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.prompt_tokenizer = PromptTokenizer.from_hf(loaded.tokenizer)  # the edge's rule
         self.load_seconds = loaded.load_seconds
-        model = LlamaForCausalLM(loaded.config, loaded.weights, self.dtype, self.device)
+        model = LlamaForCausalLM(
+            loaded.config, loaded.weights, self.dtype, self.device, quantization
+        )
         del loaded
         max_len = min(
             config.max_model_len or model.config.max_model_len, model.config.max_model_len

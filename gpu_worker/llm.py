@@ -44,7 +44,10 @@ class LLM:
 
     Arguments are `EngineConfig` fields (gpu_worker/config.py, with its defaults; the step knobs
     take `ENGINE_DEFAULTS`); see DESIGN.md for their meaning. `dtype="auto"` picks bfloat16 on a
-    GPU or a bf16-capable CPU and float32 otherwise.
+    GPU or a bf16-capable CPU and float32 otherwise. `quantization` (vLLM's name): "auto" runs
+    a GGUF's own Q4_0 / Q4_1 / Q8_0 weights on weight-only int4 / int8 kernels on CPU, "none"
+    dequantizes them (`dtype="float32", quantization="none"` is the exactness mode), "int8" /
+    "int4" put every linear on that kernel.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "bfloat16", **kwargs: Any):

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from gpu_worker.errors import ModelLoadError
+from gpu_worker.quantization import GGUF_QUANT_TYPES, GGUFQuantTensor
 
 logger = logging.getLogger(__name__)
 
@@ -304,9 +305,42 @@ def dequantize_gguf_tensor(tensor, path: Path) -> np.ndarray:
     return np.asarray(data, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
 
 
-def load_gguf_weights(reader, config: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a GGUF file, dequantized to float32, in Hugging Face naming."""
-    weights: dict[str, torch.Tensor] = {}
+def _is_llama_qk(config: ModelConfig, hf_name: str) -> int | None:
+    """Head count to undo llama.cpp's Q/K row permutation with, or None for other tensors."""
+    if config.architecture != "llama":
+        return None
+    if ".q_proj." in hf_name:
+        return config.num_attention_heads
+    if ".k_proj." in hf_name:
+        return config.num_key_value_heads
+    return None
+
+
+def _keep_quantized(tensor, hf_name: str, path: Path) -> bool:
+    """Whether a 2-D weight stays in its GGUF blocks (a quantized linear or embedding)."""
+    qtype = tensor.tensor_type.name
+    if not hf_name.endswith(".weight") or "norm" in hf_name or qtype in ("F32", "F16", "BF16"):
+        return False
+    if qtype in GGUF_QUANT_TYPES:
+        return True
+    logger.info(
+        "%s: tensor %s has type %s, which has no quantized kernel; dequantized instead",
+        path.name,
+        tensor.name,
+        qtype,
+    )
+    return False
+
+
+def load_gguf_weights(
+    reader, config: ModelConfig, path: Path, keep_quantized: bool = False
+) -> dict[str, torch.Tensor | GGUFQuantTensor]:
+    """All tensors of a GGUF file in Hugging Face naming, dequantized to float32, or (with
+    `keep_quantized`) Q4_0 / Q4_1 / Q8_0 weights kept as `GGUFQuantTensor` blocks.
+
+    Q/K rows are un-permuted for llama either way (a row is a whole number of blocks).
+    """
+    weights: dict[str, torch.Tensor | GGUFQuantTensor] = {}
     for tensor in reader.tensors:
         hf_name = gguf_to_hf_name(tensor.name)
         if hf_name is None:
@@ -314,12 +348,17 @@ def load_gguf_weights(reader, config: ModelConfig, path: Path) -> dict[str, torc
                 continue  # llama3 rope factors; we recompute them from rope_scaling
             logger.debug("%s: skipping unknown tensor %s", path, tensor.name)
             continue
+        n_head = _is_llama_qk(config, hf_name)
+        if keep_quantized and _keep_quantized(tensor, hf_name, path):
+            blocks = np.asarray(tensor.data)
+            if n_head is not None:
+                blocks = reverse_llama_permute(blocks, n_head)
+            shape = tuple(reversed(tensor.shape.tolist()))
+            weights[hf_name] = GGUFQuantTensor(hf_name, tensor.tensor_type.name, blocks, shape)
+            continue
         array = dequantize_gguf_tensor(tensor, path)
-        if config.architecture == "llama":
-            if ".q_proj." in hf_name:
-                array = reverse_llama_permute(array, config.num_attention_heads)
-            elif ".k_proj." in hf_name:
-                array = reverse_llama_permute(array, config.num_key_value_heads)
+        if n_head is not None:
+            array = reverse_llama_permute(array, n_head)
         if not array.flags.writeable:
             array = array.copy()  # F32 tensors are read-only memmap views of the file
         weights[hf_name] = torch.from_numpy(array)
@@ -379,10 +418,11 @@ def load_hf_tokenizer(path: Path):
 
 @dataclass(slots=True)
 class LoadedModel:
-    """What a loader returns: config, float32 weights in HF naming, tokenizer, where it came from."""
+    """What a loader returns: config, weights in HF naming (float32 tensors, or GGUF blocks when
+    loaded for a quantized path), tokenizer, where it came from."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | GGUFQuantTensor]
     tokenizer: Any
     source: Path
     load_seconds: float = 0.0
@@ -446,10 +486,15 @@ def _check_file(path: Path) -> None:
         raise ModelLoadError(f"{path}: file is truncated ({path.stat().st_size} bytes)")
 
 
-def load_model_files(path: str | os.PathLike[str], use_cache: bool = True) -> LoadedModel:
-    """Load config, weights (float32, HF naming) and tokenizer from a `.gguf` file or HF dir.
+def load_model_files(
+    path: str | os.PathLike[str], use_cache: bool = True, quantization: str = "none"
+) -> LoadedModel:
+    """Load config, weights (HF naming) and tokenizer from a `.gguf` file or HF dir.
 
-    A `.gguf` is converted once into `<stem>.hf/` next to it (when `use_cache`), and read from there.
+    With `quantization="none"` every weight is float32 and a `.gguf` is converted once into
+    `<stem>.hf/` next to it (when `use_cache`), and read from there. With any other mode a `.gguf`'s
+    weights are read from the file itself, Q4_0 / Q4_1 / Q8_0 ones kept as `GGUFQuantTensor`
+    blocks for `gpu_worker.quantization` (the tokenizer still comes from the cached directory).
 
     Raises:
         ModelLoadError: missing/truncated files, unsupported architecture or quant type.
@@ -457,7 +502,12 @@ def load_model_files(path: str | os.PathLike[str], use_cache: bool = True) -> Lo
     start = time.perf_counter()
     path = Path(path)
     _check_file(path)
-    if path.is_file():
+    if path.is_file() and quantization != "none":
+        reader = _open_gguf(path)
+        config = config_from_gguf(reader, path)
+        weights = load_gguf_weights(reader, config, path, keep_quantized=True)
+        tokenizer = _tokenizer_for_gguf(path, use_cache)
+    elif path.is_file():
         if use_cache:
             try:
                 path_dir = convert_gguf(path)
@@ -482,6 +532,16 @@ def load_model_files(path: str | os.PathLike[str], use_cache: bool = True) -> Lo
     if not config.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:
         config = ModelConfig(**{**asdict(config), "eos_token_ids": (tokenizer.eos_token_id,)})
     return LoadedModel(config, weights, tokenizer, path, time.perf_counter() - start)
+
+
+def _tokenizer_for_gguf(path: Path, use_cache: bool):
+    """From the cached conversion (about a second once it exists), else from GGUF metadata."""
+    if use_cache:
+        try:
+            return load_hf_tokenizer(convert_gguf(path))
+        except OSError as exc:
+            logger.warning("cannot write GGUF cache next to %s (%s)", path, exc)
+    return load_gguf_tokenizer(path)
 
 
 def load_tokenizer(path: str | os.PathLike[str]):

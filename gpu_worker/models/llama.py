@@ -7,7 +7,9 @@ from the paged cache through its block table. Layer numerics follow Hugging Face
 transformers to ~1e-5.
 
 Weights use fused projections (`qkv_proj` = cat(q, k, v), `gate_up_proj` = cat(gate, up)), one matmul
-each instead of three/two.
+each instead of three/two. With `quantization` other than "none" the projections and the LM head
+are `gpu_worker.quantization.QuantLinear`s (weight-only int4/int8) and a Q8_0 embedding stays in
+its blocks (DESIGN.md "Quantization").
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 import kernels
+from gpu_worker import quantization as quant
 from gpu_worker.errors import ModelLoadError
 from gpu_worker.model_loader import ModelConfig
+from gpu_worker.quantization import GGUFQuantTensor, QuantLinear
+
+Linear = torch.Tensor | QuantLinear
 
 
 @dataclass(slots=True)
@@ -42,12 +47,12 @@ class AttentionMetadata:
 @dataclass(slots=True)
 class LayerWeights:
     input_layernorm: torch.Tensor  # [H]
-    qkv_proj: torch.Tensor  # [(Hq + 2 Hk) * D, H]
+    qkv_proj: Linear  # [(Hq + 2 Hk) * D, H]
     qkv_bias: torch.Tensor | None  # [(Hq + 2 Hk) * D] (Qwen2)
-    o_proj: torch.Tensor  # [H, Hq * D]
+    o_proj: Linear  # [H, Hq * D]
     post_attention_layernorm: torch.Tensor  # [H]
-    gate_up_proj: torch.Tensor  # [2 I, H]
-    down_proj: torch.Tensor  # [H, I]
+    gate_up_proj: Linear  # [2 I, H]
+    down_proj: Linear  # [H, I]
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -97,23 +102,35 @@ class LlamaForCausalLM:
 
     Args:
         config: the model's shape.
-        weights: float32 tensors in Hugging Face naming (see `model_loader`).
-        dtype: compute and weight dtype (torch.float32 or torch.bfloat16 / float16).
+        weights: float32 tensors in Hugging Face naming, or GGUF blocks (see `model_loader`).
+        dtype: activation dtype (torch.float32 or torch.bfloat16 / float16), and the dense
+            weights' dtype.
         device: where weights live.
+        quantization: "none" (dense weights in `dtype`), "auto" (GGUF Q4_0/Q4_1/Q8_0 weights on
+            their own kernels), "int8" or "int4" (every linear on that kernel); CPU only
+            (`quantization.resolve_mode`).
 
     Raises:
         ModelLoadError: a weight is missing or has the wrong shape.
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor | GGUFQuantTensor],
+        dtype,
+        device,
+        quantization: str = "none",
+    ):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.quantization = quant.resolve_mode(quantization, self.device)
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_attention_heads * config.head_dim
         self.kv_size = config.num_key_value_heads * config.head_dim
 
-        def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        def raw(name: str, shape: tuple[int, ...]) -> torch.Tensor | GGUFQuantTensor:
             tensor = weights.get(name)
             if tensor is None:
                 raise ModelLoadError(f"weight {name} is missing")
@@ -121,22 +138,39 @@ class LlamaForCausalLM:
                 raise ModelLoadError(
                     f"weight {name} has shape {tuple(tensor.shape)}, expected {shape}"
                 )
+            return tensor
+
+        def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            tensor = raw(name, shape)
+            if isinstance(tensor, GGUFQuantTensor):
+                tensor = quant.dequantize(tensor)
             return tensor.to(device=self.device, dtype=dtype).contiguous()
+
+        def take_linear(names: list[str], shapes: list[tuple[int, int]]) -> Linear:
+            parts = [raw(n, s) for n, s in zip(names, shapes, strict=True)]
+            built = quant.build_linear(names[0], parts, self.quantization, dtype)
+            return built.to(self.device) if isinstance(built, torch.Tensor) else built
 
         c = config
         h, inter = c.hidden_size, c.intermediate_size
-        self.embed_tokens = take("model.embed_tokens.weight", (c.vocab_size, h))
+        embed_name, vh = "model.embed_tokens.weight", (c.vocab_size, h)
+        self.embed_tokens = quant.build_embedding(raw(embed_name, vh), self.quantization, dtype)
+        if isinstance(self.embed_tokens, torch.Tensor):
+            self.embed_tokens = self.embed_tokens.to(self.device)
         self.norm = take("model.norm.weight", (h,))
-        if c.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = self.embed_tokens
+        head_name = embed_name
+        if not c.tie_word_embeddings and "lm_head.weight" in weights:
+            head_name = "lm_head.weight"
+        tied_dense = head_name == embed_name and isinstance(self.embed_tokens, torch.Tensor)
+        if tied_dense and quant.build_is_dense([raw(head_name, vh)], self.quantization):
+            self.lm_head: Linear = self.embed_tokens  # one tensor for both
         else:
-            self.lm_head = take("lm_head.weight", (c.vocab_size, h))
+            self.lm_head = take_linear([head_name], [vh])
         self.layers: list[LayerWeights] = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            q = take(p + "self_attn.q_proj.weight", (self.q_size, h))
-            k = take(p + "self_attn.k_proj.weight", (self.kv_size, h))
-            v = take(p + "self_attn.v_proj.weight", (self.kv_size, h))
+            qkv_names = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+            qkv_shapes = [(self.q_size, h), (self.kv_size, h), (self.kv_size, h)]
             bias = None
             if c.attention_bias:
                 bias = torch.cat(
@@ -146,20 +180,28 @@ class LlamaForCausalLM:
                         take(p + "self_attn.v_proj.bias", (self.kv_size,)),
                     ]
                 )
-            gate = take(p + "mlp.gate_proj.weight", (inter, h))
-            up = take(p + "mlp.up_proj.weight", (inter, h))
+            gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
             self.layers.append(
                 LayerWeights(
                     input_layernorm=take(p + "input_layernorm.weight", (h,)),
-                    qkv_proj=torch.cat([q, k, v]).contiguous(),
+                    qkv_proj=take_linear(qkv_names, qkv_shapes),
                     qkv_bias=bias,
-                    o_proj=take(p + "self_attn.o_proj.weight", (h, self.q_size)),
+                    o_proj=take_linear([p + "self_attn.o_proj.weight"], [(h, self.q_size)]),
                     post_attention_layernorm=take(p + "post_attention_layernorm.weight", (h,)),
-                    gate_up_proj=torch.cat([gate, up]).contiguous(),
-                    down_proj=take(p + "mlp.down_proj.weight", (h, inter)),
+                    gate_up_proj=take_linear(gate_up, [(inter, h), (inter, h)]),
+                    down_proj=take_linear([p + "mlp.down_proj.weight"], [(h, inter)]),
                 )
             )
         self.cos_sin_cache = build_cos_sin_cache(c, c.max_model_len, self.device)
+
+    def weight_bytes(self) -> int:
+        """Bytes held by the weights (quantized blocks, scales and dense copies; a tied LM head
+        counted once)."""
+        layers = [getattr(layer, f) for layer in self.layers for f in LayerWeights.__slots__]
+        tensors = [self.embed_tokens, self.norm, *layers]
+        if self.lm_head is not self.embed_tokens:
+            tensors.append(self.lm_head)
+        return sum(quant.nbytes(t) for t in tensors)
 
     @torch.inference_mode()
     def forward(
@@ -172,7 +214,7 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         """Run the decoder over one varlen batch; returns logits [N, vocab] (fp32)."""
         c = self.config
-        x = F.embedding(input_ids, self.embed_tokens)  # [T, H]
+        x = quant.embedding(input_ids, self.embed_tokens)  # [T, H]
         residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             if residual is None:
@@ -180,7 +222,7 @@ class LlamaForCausalLM:
                 h = kernels.rms_norm(x, layer.input_layernorm, c.rms_norm_eps)
             else:
                 h, residual = kernels.rms_norm(x, layer.input_layernorm, c.rms_norm_eps, residual)
-            qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) D]
+            qkv = quant.linear(h, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) D]
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(-1, c.num_attention_heads, c.head_dim)  # [T, Hq, D]
             k = k.reshape(-1, c.num_key_value_heads, c.head_dim)  # [T, Hk, D]
@@ -198,13 +240,14 @@ class LlamaForCausalLM:
                 attn.block_tables,
                 self.scale,
             )  # [T, Hq, D]
-            x = F.linear(o.reshape(-1, self.q_size), layer.o_proj)
+            x = quant.linear(o.reshape(-1, self.q_size), layer.o_proj)
             h, residual = kernels.rms_norm(
                 x, layer.post_attention_layernorm, c.rms_norm_eps, residual
             )
-            x = F.linear(kernels.silu_and_mul(F.linear(h, layer.gate_up_proj)), layer.down_proj)
+            gate_up = quant.linear(h, layer.gate_up_proj)
+            x = quant.linear(kernels.silu_and_mul(gate_up), layer.down_proj)
         # Only rows that emit a token need the final norm and the LM head.
         x = x.index_select(0, logits_indices)
         residual = residual.index_select(0, logits_indices)
         h, _ = kernels.rms_norm(x, self.norm, c.rms_norm_eps, residual)
-        return F.linear(h, self.lm_head).float()  # [N, V]
+        return quant.linear(h, self.lm_head).float()  # [N, V]

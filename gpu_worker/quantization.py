@@ -1,0 +1,390 @@
+"""Weight-only quantized linears (int4 group-32 and int8 per-channel) for the CPU decode path.
+
+DESIGN.md "Quantization": `quantization="auto"|"none"|"int8"|"int4"`. Decode rows are
+bandwidth-bound (every token reads every weight), so reading 4-bit weights instead of bf16 ones
+cuts the bytes per step about 4x; activations stay in the model's dtype (float32 or bfloat16).
+
+Kernel choice by phase: calls of at least `DENSE_MIN_TOKENS` rows (prefill chunks, big decode
+batches: compute-bound) run as dense GEMMs on a bf16 copy of the same weights when the model's
+activations are bf16; smaller ones (decode) read the 4-bit weights. The copy costs ~2 bytes per
+weight (269 MB for SmolLM2-135M, whose int4/int8 weights and Q8_0 embedding take 127 MB) and
+buys 2-2.5x on every linear from 64 rows up (scripts/bench_quant.py). A float32 model keeps no copy: one kernel for
+every row count, so its outputs do not depend on chunking or batching through a kernel switch.
+The embedding of a GGUF stays in its Q8_0 blocks (exact lookups, 31 MB instead of 57 MB bf16);
+a tied LM head over it runs on int8 per channel (at M = 1, 1.5x the int4 kernel's time but
+requantizing Q8_0 to int4 would cost ~8x the int8 error).
+
+Kernels (torch CPU, ATen):
+
+- `_weight_int4pack_mm_for_cpu(x [M, K], packed [N, K/2] uint8, 32, scale_zeros [K/32, N, 2])`
+  computes `x @ W.T` with `W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]`, `g = k // 32`,
+  `q` in 0..15 (torch's convention, checked in tests/kernels/test_kernels_quant.py). GGUF Q4_1
+  (`w = d * q + m`) maps exactly with scale = d, zero = m + 8 d; Q4_0 (`w = d * (q - 8)`) with
+  scale = d, zero = 0.
+- `_weight_int8pack_mm(x [M, K], q [N, K] int8, scale [N])` computes `x @ (q * scale[:, None]).T`.
+  GGUF Q8_0 (32-element blocks with their own fp16 scale) has no exact kernel; it is requantized
+  per output channel (symmetric, max-abs / 127).
+
+GGUF block layouts (ggml `block_q4_0`, `block_q4_1`, `block_q8_0`, 32 weights per block):
+
+    Q4_0: d fp16 | qs[16]            weight j = d * ((qs[j % 16] >> 4 * (j // 16)) & 15) - 8 d
+    Q4_1: d fp16 | m fp16 | qs[16]   weight j = d * ((qs[j % 16] >> 4 * (j // 16)) & 15) + m
+    Q8_0: d fp16 | qs[32] int8       weight j = d * qs[j]
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.config import QUANTIZATIONS as QUANTIZATION_MODES
+
+logger = logging.getLogger(__name__)
+
+GROUP_SIZE = 32  # GGUF's block size for Q4_0 / Q4_1 / Q8_0, and the int4 kernel's group size
+GGUF_QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # loaded as quantized linears without dequantizing
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def check_mode(mode: str) -> str:
+    """Return `mode` if it is one of `QUANTIZATION_MODES`.
+
+    Raises:
+        ValueError: any other value.
+    """
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {mode!r}"
+        )
+    return mode
+
+
+def resolve_mode(mode: str, device: torch.device) -> str:
+    """The mode the model is built with: `auto` means the checkpoint's own format on CPU and
+    `none` elsewhere (the int4/int8 kernels used here are CPU kernels).
+
+    Raises:
+        ValueError: an unknown mode, or `int4`/`int8` on a non-CPU device.
+    """
+    check_mode(mode)
+    if device.type == "cpu" or mode == "none":
+        return mode
+    if mode == "auto":
+        logger.info("quantization=auto on %s: weights are dequantized (CPU kernels only)", device)
+        return "none"
+    raise ValueError(f"quantization={mode!r} is implemented for CPU only, not {device.type}")
+
+
+# --------------------------------------------------------------------------- unpacked forms
+
+
+@dataclass(slots=True)
+class GGUFQuantTensor:
+    """One GGUF tensor kept in its quantized blocks (rows already in Hugging Face order).
+
+    blocks: uint8 [N, K / 32 * block_bytes]   row n holds the K / 32 blocks of output channel n
+    """
+
+    name: str
+    qtype: str  # "Q4_0" | "Q4_1" | "Q8_0"
+    blocks: np.ndarray
+    shape: tuple[int, int]  # (N, K) in Hugging Face layout [out, in]
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        expected = (n, k // GROUP_SIZE * _BLOCK_BYTES[self.qtype])
+        assert self.blocks.shape == expected, (self.name, self.blocks.shape, expected)
+
+
+@dataclass(slots=True)
+class Int4Groups:
+    """Unpacked group-32 int4 weight: W[n, k] = (q[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32].
+
+    q: uint8 [N, K] in 0..15; scale, zero: float32 [N, K / 32].
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]."""
+        n, k = self.q.shape
+        w = self.q.reshape(n, k // GROUP_SIZE, GROUP_SIZE).float().sub_(8.0)
+        return w.mul_(self.scale[..., None]).add_(self.zero[..., None]).reshape(n, k)
+
+    @staticmethod
+    def cat(parts: list[Int4Groups]) -> Int4Groups:
+        """Concatenate along the output dimension (fused qkv / gate_up projections)."""
+        return Int4Groups(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.zero for p in parts]),
+        )
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[N, B, 16] packed bytes -> [N, B * 32] values 0..15 in ggml's order (low nibbles first)."""
+    n, b, _ = qs.shape
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, b * GROUP_SIZE)
+
+
+def int4_from_gguf(t: GGUFQuantTensor) -> Int4Groups:
+    """Q4_0 / Q4_1 blocks as `Int4Groups`, exactly (the GGUF values, no rounding)."""
+    n, k = t.shape
+    raw = t.blocks.reshape(n, k // GROUP_SIZE, _BLOCK_BYTES[t.qtype])
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if t.qtype == "Q4_1":
+        m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero, qs = m + 8.0 * d, raw[..., 4:]
+    elif t.qtype == "Q4_0":
+        zero, qs = np.zeros_like(d), raw[..., 2:]
+    else:
+        raise ValueError(f"{t.name}: {t.qtype} is not a 4-bit type")
+    q = torch.from_numpy(_nibbles(qs))
+    return Int4Groups(q, torch.from_numpy(d), torch.from_numpy(zero))
+
+
+def dequantize_q8_0(t: GGUFQuantTensor) -> torch.Tensor:
+    """Q8_0 blocks -> float32 [N, K] (exact: fp16 scale x int8)."""
+    n, k = t.shape
+    raw = t.blocks.reshape(n, k // GROUP_SIZE, _BLOCK_BYTES["Q8_0"])
+    d = raw[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, B, 1]
+    qs = raw[..., 2:].copy().view(np.int8).astype(np.float32)  # [N, B, 32]
+    return torch.from_numpy((qs * d).reshape(n, k))
+
+
+def dequantize(t: GGUFQuantTensor) -> torch.Tensor:
+    """Any supported GGUF quantized tensor -> float32 [N, K]."""
+    if t.qtype == "Q8_0":
+        return dequantize_q8_0(t)
+    return int4_from_gguf(t).dequantize()
+
+
+def int4_from_float(weight: torch.Tensor) -> Int4Groups:
+    """Round-to-nearest asymmetric group-32 int4 of a float weight [N, K] (K a multiple of 32):
+    per group, scale = (max - min) / 15 and zero = min + 8 scale (torch's int4 convention)."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+    q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return Int4Groups(q.reshape(n, k), scale, lo + 8.0 * scale)
+
+
+def int8_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-channel int8 of a float weight [N, K]: (q int8 [N, K], scale float32 [N])."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+# --------------------------------------------------------------------------- linears
+
+
+INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
+KERNEL_DTYPE = torch.bfloat16  # torch's int4/int8 CPU kernels are vectorized for bf16 only
+# From this many rows up, a dense bf16 GEMM beats the int4 kernel. Measured crossovers
+# (scripts/bench_quant.py, 1 thread, 2-core EPYC with AVX512-BF16, medians of per-round ratios):
+# qkv 16, o 16, gate_up 32, down 8, lm_head 16; at 16 every shape is within 12 % of its best.
+# Only used when the activations are bf16/fp16 (see the module docstring).
+DENSE_MIN_TOKENS = 16
+
+
+class QuantLinear:
+    """`y = x @ W.T` with W held as weight-only int4 (group 32) or int8 (per channel).
+
+    The kernels take bf16 activations: float32 inputs are rounded to bf16 on the way in and the
+    result (accumulated in fp32 by the kernel) comes back as float32. Each output row depends on
+    its input row only (no split-K by M), so results do not depend on the batch.
+
+    Args:
+        kind: "int4" or "int8".
+        weight: int4: packed uint8 [N, K/2] (`_convert_weight_to_int4pack_for_cpu`); int8: [N, K].
+        scales: int4: [K/32, N, 2] (scale, zero) bf16; int8: [N] bf16.
+        shape: (N, K).
+        dense: optional copy of W in the activation dtype, used for calls of at least
+            `dense_min_tokens` rows (compute-bound prefill chunks and big decode batches).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        shape: tuple[int, int],
+        dense: torch.Tensor | None = None,
+        dense_min_tokens: int = DENSE_MIN_TOKENS,
+    ):
+        assert kind in ("int4", "int8"), kind
+        assert scales.dtype == KERNEL_DTYPE, scales.dtype
+        self.kind = kind
+        self.weight = weight
+        self.scales = scales
+        self.shape = shape
+        self.dense = dense
+        self.dense_min_tokens = dense_min_tokens
+
+    @classmethod
+    def from_int4(cls, groups: Int4Groups, **kwargs) -> QuantLinear:
+        """Pack for the CPU kernel; N is padded to a multiple of 16 (the packer's requirement)
+        with all-zero rows that the output drops."""
+        n, k = groups.q.shape
+        pad = -n % INT4_N_MULTIPLE
+        q, scale, zero = groups.q, groups.scale, groups.zero
+        if pad:
+            q = F.pad(q, (0, 0, 0, pad), value=8)  # (8 - 8) * 0 + 0 = 0
+            scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1)  # [K/32, N, 2]
+        return cls("int4", packed, scale_zeros.to(KERNEL_DTYPE).contiguous(), (n, k), **kwargs)
+
+    @classmethod
+    def from_int8(cls, q: torch.Tensor, scale: torch.Tensor, **kwargs) -> QuantLinear:
+        return cls("int8", q.contiguous(), scale.to(KERNEL_DTYPE), tuple(q.shape), **kwargs)
+
+    def nbytes(self) -> int:
+        """Bytes held (quantized weight, scales, dense copy)."""
+        tensors = (self.weight, self.scales, self.dense)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        """W as float32 [N, K] with the kernel's (bf16) scales; int4 through the kernel itself
+        (x = identity), so its values are rounded to bf16 on the way out."""
+        if self.kind == "int8":
+            return self.weight.float() * self.scales.float()[:, None]
+        eye = torch.eye(self.shape[1], dtype=KERNEL_DTYPE)
+        return self._kernel(eye).float().t().contiguous()
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, GROUP_SIZE, self.scales)
+            return y if y.shape[1] == self.shape[0] else y[:, : self.shape[0]]
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] -> [M, N] in x's dtype."""
+        if self.dense is not None and x.shape[0] >= self.dense_min_tokens:
+            return F.linear(x, self.dense, bias)
+        y = self._kernel(x.to(KERNEL_DTYPE)).to(x.dtype)
+        return y if bias is None else y + bias
+
+
+class Q8Embedding:
+    """An embedding table kept in GGUF Q8_0 blocks; lookups are exact (fp16 scale x int8).
+
+    qs: int8 [V, K]; d: float32 [V, K / 32]. 1.06 bytes per weight instead of 2 (bf16) or 4.
+    """
+
+    def __init__(self, t: GGUFQuantTensor, dtype: torch.dtype):
+        assert t.qtype == "Q8_0", t.qtype
+        n, k = t.shape
+        raw = t.blocks.reshape(n, k // GROUP_SIZE, _BLOCK_BYTES["Q8_0"])
+        self.d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+        self.qs = torch.from_numpy(raw[..., 2:].copy().view(np.int8).reshape(n, k))
+        self.dtype = dtype
+
+    def nbytes(self) -> int:
+        return self.qs.numel() + self.d.numel() * 4
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids int64 [T] -> [T, K] in `dtype`."""
+        t = ids.shape[0]
+        qs = self.qs.index_select(0, ids).view(t, -1, GROUP_SIZE).float()
+        return (qs * self.d.index_select(0, ids)[..., None]).view(t, -1).to(self.dtype)
+
+
+def _as_float(part: torch.Tensor | GGUFQuantTensor) -> torch.Tensor:
+    return dequantize(part) if isinstance(part, GGUFQuantTensor) else part.float()
+
+
+def _auto_kind(parts: list) -> str | None:
+    types = {p.qtype if isinstance(p, GGUFQuantTensor) else "float" for p in parts}
+    if types <= {"Q4_0", "Q4_1"}:
+        return "int4"
+    if types == {"Q8_0"}:
+        return "int8"
+    return None
+
+
+def build_is_dense(parts: list[torch.Tensor | GGUFQuantTensor], mode: str) -> bool:
+    """Whether `build_linear` returns a plain dense tensor for these parts in this mode."""
+    return mode == "none" or (mode == "auto" and _auto_kind(parts) is None)
+
+
+def build_linear(
+    name: str,
+    parts: list[torch.Tensor | GGUFQuantTensor],
+    mode: str,
+    dtype: torch.dtype,
+) -> torch.Tensor | QuantLinear:
+    """One (fused) linear from its row blocks `parts` ([N_i, K] each, concatenated along N).
+
+    `none`, or `auto` over float weights: a dense tensor in `dtype`. `auto` over GGUF blocks: int4
+    for Q4_0 / Q4_1 (exact), int8 per channel for Q8_0 (requantized). `int4` / `int8`: that kernel
+    for any source (round-to-nearest from float). With bf16/fp16 activations a dense copy of the
+    source weights rides along for large-M calls (`DENSE_MIN_TOKENS`).
+    """
+    if (
+        mode == "auto"
+        and _auto_kind(parts) is None
+        and any(isinstance(p, GGUFQuantTensor) for p in parts)
+    ):
+        logger.info("%s: mixed GGUF types across fused parts; dequantized instead", name)
+    if build_is_dense(parts, mode):
+        return torch.cat([_as_float(p) for p in parts]).to(dtype).contiguous()
+    kind = _auto_kind(parts) if mode == "auto" else mode
+    dense = None
+    if kind == "int4":
+        groups = Int4Groups.cat(
+            [
+                int4_from_gguf(p)
+                if isinstance(p, GGUFQuantTensor) and p.qtype != "Q8_0"
+                else int4_from_float(_as_float(p))
+                for p in parts
+            ]
+        )
+        if dtype != torch.float32:
+            dense = groups.dequantize().to(dtype)
+        return QuantLinear.from_int4(groups, dense=dense)
+    weight = torch.cat([_as_float(p) for p in parts])
+    if dtype != torch.float32:
+        dense = weight.to(dtype)
+    return QuantLinear.from_int8(*int8_from_float(weight), dense=dense)
+
+
+def build_embedding(
+    table: torch.Tensor | GGUFQuantTensor, mode: str, dtype: torch.dtype
+) -> torch.Tensor | Q8Embedding:
+    """The token embedding: Q8_0 blocks stay quantized (exact lookups) unless `mode == "none"`."""
+    if mode != "none" and isinstance(table, GGUFQuantTensor) and table.qtype == "Q8_0":
+        return Q8Embedding(table, dtype)
+    return _as_float(table).to(dtype).contiguous()
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor | Q8Embedding) -> torch.Tensor:
+    """F.embedding for a dense table, the Q8_0 lookup for a `Q8Embedding`."""
+    if isinstance(table, Q8Embedding):
+        return table(ids)
+    return F.embedding(ids, table)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantLinear, bias=None) -> torch.Tensor:
+    """F.linear for a dense weight, the quantized kernel for a `QuantLinear`."""
+    if isinstance(weight, QuantLinear):
+        return weight(x, bias)
+    return F.linear(x, weight, bias)
+
+
+def nbytes(obj: torch.Tensor | QuantLinear | Q8Embedding | None) -> int:
+    """Bytes held by a weight of any of the forms above."""
+    if obj is None:
+        return 0
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    return obj.nbytes()
