@@ -26,6 +26,7 @@ from gpu_worker.config import ENGINE_DEFAULTS
 from gpu_worker.model_loader import ModelConfig
 from gpu_worker.models.llama import AttentionMetadata, LlamaForCausalLM
 from gpu_worker.openmp import openmp_is_purely_passive
+from kernels import cpu_ext
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class ModelRunner:
         self.device = model.device
         if self.device.type == "cpu":
             host_memory.tune_for_inference()  # stop per-step mmap/page-fault churn (see module)
+            cpu_ext.load()  # build the in-place decode kernel now, not in the first step
         shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=model.dtype, device=self.device)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ext
+
 __all__ = [
     "unified_attention",
     "reshape_and_cache",
@@ -182,6 +184,22 @@ def _sequence_attention(
     return out[0].transpose(0, 1)  # [q_len, Hq, D]
 
 
+def _in_place_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the C++ decode kernel (:mod:`kernels.cpu_ext`) can take these tensors."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k_cache.dtype == v_cache.dtype
+        and q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+        and cpu_ext.load()
+    )
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.int32 and t.stride(-1) == 1:
+        return t
+    return t.to(torch.int32).contiguous()
+
+
 def unified_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -223,6 +241,12 @@ def unified_attention(
     starts = cu_seqlens_q.tolist()
     q_lens = [starts[s + 1] - starts[s] for s in range(num_seqs)]
     decodes = [s for s in range(num_seqs) if q_lens[s] == 1]
+    in_place = bool(decodes) and _in_place_decode(q, k_cache, v_cache)
+    if len(decodes) == num_seqs == num_tokens and in_place:  # pure decode: blocks read in place
+        torch.ops.laneserve.paged_decode_attention(
+            q, k_cache, v_cache, _int32(seq_lens), _int32(block_tables), softmax_scale, out
+        )
+        return out
     if len(decodes) == num_seqs == num_tokens:  # pure decode batch
         groups = _groups_memo.get(
             seq_lens, (cu_seqlens_q,), lambda: _length_groups_tensors(seq_lens_list, q.device)
@@ -244,7 +268,22 @@ def unified_attention(
                 softmax_scale,
             ).to(out.dtype)
         return out
-    if len(decodes) > 1:  # the decodes of a mixed batch still go through the batched path
+    if decodes and in_place:  # the decodes of a mixed batch: one kernel call for all of them
+        seq_idx = torch.tensor(decodes, device=q.device)
+        rows = torch.tensor([starts[s] for s in decodes], device=q.device)
+        res = torch.empty((len(decodes), *q.shape[1:]), dtype=q.dtype)
+        torch.ops.laneserve.paged_decode_attention(
+            q[rows],
+            k_cache,
+            v_cache,
+            _int32(seq_lens[seq_idx]),
+            _int32(block_tables[seq_idx]),
+            softmax_scale,
+            res,
+        )
+        out[rows] = res
+        decodes_done = set(decodes)
+    elif len(decodes) > 1:  # the decodes of a mixed batch still go through the batched path
         seq_idx = torch.tensor(decodes, device=q.device)
         rows = torch.tensor([starts[s] for s in decodes], device=q.device)
         out[rows] = _decode_attention(
