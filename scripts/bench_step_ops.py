@@ -53,6 +53,11 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512, help="longest context per sequence, tokens")
     p.add_argument("--repeats", type=int, default=30, help="timed steps per batch size")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per batch size")
+    p.add_argument(
+        "--threads",
+        help="comma-separated torch thread counts to compare, interleaved step by step in one "
+        "process (e.g. 1,2); default: the process's setting only",
+    )
     return p.parse_args()
 
 
@@ -116,26 +121,35 @@ def count_ops(decode: DecodeBatch) -> dict:
     }
 
 
-def time_steps(decode: DecodeBatch, warmup: int, repeats: int) -> dict:
-    for _ in range(warmup):
-        decode.step()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        decode.step()
-        samples.append((time.perf_counter() - t0) * 1e3)
+def _summary(samples: list[float]) -> dict:
     q = statistics.quantiles(samples, n=4) if len(samples) > 1 else samples * 3
     return {
         "median": round(statistics.median(samples), 3),
         "p25": round(q[0], 3),
         "p75": round(q[2], 3),
-        "repeats": repeats,
+        "repeats": len(samples),
     }
+
+
+def time_steps(decode: DecodeBatch, warmup: int, repeats: int, threads: list[int]) -> dict:
+    """Step times in ms per thread count, the counts taking turns step by step (so a change in
+    the machine's load hits them alike)."""
+    samples: dict[int, list[float]] = {n: [] for n in threads}
+    for i in range(warmup + repeats):
+        for n in threads:
+            torch.set_num_threads(n)
+            t0 = time.perf_counter()
+            decode.step()
+            if i >= warmup:
+                samples[n].append((time.perf_counter() - t0) * 1e3)
+    return {str(n): _summary(xs) for n, xs in samples.items()}
 
 
 def main() -> None:
     args = _parse()
     batches = [int(b) for b in args.batches.split(",")]
+    default_threads = torch.get_num_threads()
+    threads = [int(n) for n in args.threads.split(",")] if args.threads else [default_threads]
     dtype = getattr(torch, args.dtype)
     loaded = load_model_files(args.model or default_model())
     model = LlamaForCausalLM(loaded.config, loaded.weights, dtype, "cpu")
@@ -155,9 +169,11 @@ def main() -> None:
         "step_ms": {},
     }
     for batch in batches:
-        result["step_ms"][str(batch)] = time_steps(
-            DecodeBatch(runner, batch, args.context), args.warmup, args.repeats
+        times = time_steps(
+            DecodeBatch(runner, batch, args.context), args.warmup, args.repeats, threads
         )
+        result["step_ms"][str(batch)] = times if args.threads else times[str(default_threads)]
+    torch.set_num_threads(default_threads)
     print(json.dumps(result, indent=1))
 
 
