@@ -2,10 +2,11 @@
 """ATen ops and step time of one CPU decode step of a model, printed as one JSON object.
 
 Figures:
-- ``ops``: ATen ops dispatched by one batch-1 decode step (``torch.profiler``, CPU activity),
-  counted two ways: ``aten_ops`` every ``aten::`` event, nested ones included (``aten::linear``
-  calling ``aten::addmm`` counts 2), and ``top_level_ops`` only those not called by another ATen
-  op (the dispatches Python makes); ``by_type`` per op name, most frequent first.
+- ``ops_batch1``: dispatcher ops of one batch-1 decode step (``torch.profiler``, CPU activity):
+  ``top_level_ops`` the ops Python dispatches (``aten::`` and the C++ ``laneserve::`` ops of
+  kernels/cpu_ext.py; what an op calls inside is not counted again), ``all_ops`` nested ones
+  included (``aten::linear`` calling ``aten::t`` and ``aten::mm`` counts 3), ``aten_ops`` the
+  ``aten::`` part of that; ``by_type`` / ``top_level_by_type`` per op name, most frequent first.
 - ``step_ms``: median and quartiles of the decode step time at each ``--batches`` size, each
   sequence with a context between ``--context / 2`` and ``--context`` tokens (so the batch is
   ragged, as in serving), ``--repeats`` timed steps after ``--warmup``.
@@ -43,6 +44,7 @@ from gpu_worker.models.llama import LlamaForCausalLM  # noqa: E402
 
 BLOCK_SIZE = 16
 CPU_FLAG_PREFIXES = ("avx2", "avx512", "amx", "fma", "f16c")
+OP_NAMESPACES = ("aten::", "laneserve::")
 
 
 def _parse() -> argparse.Namespace:
@@ -104,19 +106,20 @@ class DecodeBatch:
 
 
 def count_ops(decode: DecodeBatch) -> dict:
+    """Dispatcher ops (``aten::`` and our ``laneserve::``) of one step, from the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     decode.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         decode.step()
-    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    events = [e for e in prof.events() if e.name.startswith(OP_NAMESPACES)]
     ids = {e.id for e in events}
     top = [e for e in events if e.cpu_parent is None or e.cpu_parent.id not in ids]
-    by_type = Counter(e.name for e in events)
     return {
-        "aten_ops": len(events),
+        "aten_ops": sum(e.name.startswith("aten::") for e in events),
+        "all_ops": len(events),
         "top_level_ops": len(top),
-        "by_type": dict(by_type.most_common()),
+        "by_type": dict(Counter(e.name for e in events).most_common()),
         "top_level_by_type": dict(Counter(e.name for e in top).most_common()),
     }
 
