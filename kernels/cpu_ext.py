@@ -347,6 +347,7 @@ TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
 }
 """
 
+BUILD_TIMEOUT_S = 900  # a build takes ~1 min on 2 busy cores; past this, use the PyTorch path
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
@@ -375,24 +376,48 @@ def load() -> bool:
             _state["ok"] = False
             return False
         try:
-            from torch.utils.cpp_extension import load_inline
-
-            load_inline(
-                name=f"laneserve_cpu_{_cpu_flags_tag()}",
-                cpp_sources=[_SOURCE],
-                extra_cflags=[
-                    "-O3",
-                    "-march=native",
-                    "-fopenmp",
-                    "-fno-strict-aliasing",
-                    "-ffp-contract=off",
-                ],
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
+            _build_and_load()
             _state["ok"] = hasattr(torch.ops.laneserve, "paged_decode_attention")
         except Exception as exc:  # no compiler, failed build: the reference path still works
             logger.warning("C++ CPU kernels unavailable, using the PyTorch path: %s", exc)
             _state["ok"] = False
     return _state["ok"]
+
+
+def build_directory() -> Path:
+    """Where this source, for this CPU and torch version, is built (in torch's extension root)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root()) / f"laneserve_cpu_{_cpu_flags_tag()}"
+
+
+def _build_and_load() -> None:
+    """Compile (or reuse) the extension under an OS file lock and load its ops.
+
+    torch guards a build with a lock *file* that a process killed mid-build leaves behind, and
+    every later build then waits for it forever. The OS lock taken here is released when its
+    holder dies, and whoever holds it is the only builder, so a torch lock file found then is
+    stale and is removed.
+    """
+    from filelock import FileLock
+    from torch.utils.cpp_extension import load_inline
+
+    build_dir = build_directory()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(build_dir) + ".lock", timeout=BUILD_TIMEOUT_S):
+        (build_dir / "lock").unlink(missing_ok=True)
+        load_inline(
+            name=build_dir.name,
+            build_directory=str(build_dir),
+            cpp_sources=[_SOURCE],
+            extra_cflags=[
+                "-O3",
+                "-march=native",
+                "-fopenmp",
+                "-fno-strict-aliasing",
+                "-ffp-contract=off",
+            ],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )

@@ -3,7 +3,11 @@ batch-1 decode step of the bundled model."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,3 +136,13 @@ def test_batch1_decode_step_dispatches_at_most_400_ops(smollm2_dir):
     assert top.count("laneserve::paged_decode_attention") == layers
     assert len(top) <= 400, f"{len(top)} ops per decode step"
     assert logits.shape == (1, loaded.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_block_loading():
+    """torch's lock file outlives a build killed half-way; loading must not wait on it forever."""
+    stale = cpu_ext.build_directory() / "lock"
+    stale.write_text("")
+    code = "from kernels import cpu_ext; assert cpu_ext.load()"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    assert not stale.exists()
