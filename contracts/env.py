@@ -64,6 +64,8 @@ _VARS: tuple[EnvVar, ...] = (
            "torch or triton for every kernels op (default: by device)"),
     EnvVar("LANESERVE_MALLOC_TUNING", _flag, True,
            "0 leaves glibc malloc's defaults; otherwise CPU workers keep freed activations"),
+    EnvVar("LANESERVE_CPU_KERNELS", _flag, True,
+           "build and use the C++ CPU kernels (kernels/cpu_ext.py); 0 = the PyTorch path only"),
     EnvVar("LANESERVE_CPU_SINGLE_THREAD_TOKENS", int, None,
            "CPU steps of at most this many tokens run on one torch thread"),
     EnvVar("LANESERVE_CHROMIUM", _str, None, "path of the headless Chromium for browser tests",
