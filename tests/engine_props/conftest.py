@@ -67,3 +67,11 @@ def make_engine(tiny_llama_dir):
         return engine
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_dir):
+    """The bundled SmolLM2 tokenizer (byte-level BPE)."""
+    from gpu_worker.model_loader import load_tokenizer
+
+    return load_tokenizer(smollm2_dir)
