@@ -9,8 +9,10 @@ Order of operations per row (the order vLLM and HF `generate` use):
    tokens only, OpenAI formula `logit - count * frequency_penalty - (count > 0) * presence_penalty`).
 3. greedy rows (temperature < 1e-5): exact `torch.argmax` of the penalised logits (ties -> lowest id).
 4. other rows: divide by temperature, keep top-k, keep top-p (nucleus), softmax, draw one token by
-   inverse-CDF sampling with one uniform number per row (float64 cumsum + `searchsorted`), taken
-   from the row's own `torch.Generator` when the request has a seed.
+   inverse-CDF sampling over the kept tokens in vocabulary order (never in rank order, which
+   near-tied logits reshuffle under float rounding) with one uniform number per row (float64
+   cumsum + `searchsorted`), taken from the row's own `torch.Generator` when the request has a
+   seed.
 
 Batch independence (DESIGN "Sampling contract"): a row's token is a function of its own logits,
 its own parameters and its own generator only. Each sampled row takes the path its parameters
@@ -284,7 +286,7 @@ def _candidate_groups(
     row-wise operations only, so a row's result does not depend on the other rows.
 
     Returns (row indices into `logits`, weights `[G, K]` >= 0, not normalised, at least one > 0
-    per row, candidate token ids `[G, K]` or None when K = V in vocabulary order) per group.
+    per row, candidate token ids `[G, K]` in ascending order, or None when K = V) per group.
     Top-k keeps exactly k tokens (ties at the k-th value broken by `torch.topk` order); top-p
     keeps the smallest prefix of the descending distribution (after top-k) whose mass reaches
     p, always including the top token (HF `TopPLogitsWarper` semantics).
@@ -307,18 +309,32 @@ def _candidate_groups(
         kept = [j for j, ok in enumerate(done) if ok]
         redo = [j for j, ok in enumerate(done) if not ok]
         if not redo:
-            groups.append((group, weights, ids))
+            groups.append((group, *_vocab_order(weights, ids)))
             continue
         if kept:
             sel = torch.tensor(kept, device=device)
-            groups.append(([group[j] for j in kept], weights[sel], ids[sel]))
+            groups.append(([group[j] for j in kept], *_vocab_order(weights[sel], ids[sel])))
         # a nucleus wider than the candidates: those rows sort their whole vocabulary
         sel = torch.tensor(redo, device=device)
         full_w, full_ids, _ = _truncate(
             scaled[sel], [0] * len(redo), [top_p[j] for j in redo], vocab
         )
-        groups.append(([group[j] for j in redo], full_w, full_ids))
+        vocab_w = torch.zeros_like(full_w).scatter_(1, full_ids, full_w)
+        groups.append(([group[j] for j in redo], vocab_w, None))
     return groups
+
+
+def _vocab_order(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates `[G, K]` re-ordered by ascending token id.
+
+    The kept set is chosen by rank, but the draw walks it in vocabulary order: near-tied logits
+    (a flat distribution over a large vocabulary has many) swap ranks under rounding noise of the
+    forward pass (float32 matmuls of other shapes, another chunking), and a draw by rank would
+    then pick the neighbour; in vocabulary order it picks the same token unless the noise moves
+    a cdf boundary across the uniform or a token across the top-k/top-p cutoff.
+    """
+    ids, order = torch.sort(ids, dim=-1)
+    return weights.gather(1, order), ids
 
 
 def _truncate(

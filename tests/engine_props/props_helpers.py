@@ -10,6 +10,7 @@ example found goes into the regression tests as a plain test.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 
@@ -33,6 +34,34 @@ def prop_settings(ci_examples: int, **kwargs) -> settings:
     )
 
 
+def save_tiny_llama(out: Path, tokenizer_dir: Path) -> Path:
+    """Save a tiny random Llama (2 layers, hidden 64, `PADDED_VOCAB` rows, EOS id 2, fixed
+    seed) with the tokenizer of `tokenizer_dir` into `out`; returns `out`."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=PADDED_VOCAB,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.15,  # peaked enough that top-p nuclei are often narrow
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    LlamaForCausalLM(config).eval().save_pretrained(out, safe_serialization=True)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    assert len(tokenizer) == TOKENIZER_LEN
+    tokenizer.save_pretrained(out)
+    return out
+
+
 class Result:
     """What the deltas of one request added up to."""
 
@@ -53,19 +82,22 @@ def run_engine(
     requests: list[dict],
     preempt_at: dict[int, list[str]] | None = None,
     after_add: Callable | None = None,
+    arrive_at: dict[str, int] | None = None,
     max_steps: int = 2000,
 ) -> dict[str, Result]:
-    """Add `requests` (`add_request` keyword dicts with a `request_id`), call `after_add(engine)`,
-    step until all finish, and join every request's deltas. `preempt_at[step]` lists request ids
-    preempted (by recompute) before that step when they are running. Checks the engine's
-    integrity after every step, that a finished request gets no further delta and that every
-    block is free at the end."""
+    """Add `requests` (`add_request` keyword dicts with a `request_id`; request `rid` before
+    step `arrive_at[rid]`, default 0), call `after_add(engine)`, step until all finish, and join
+    every request's deltas. `preempt_at[step]` lists request ids preempted (by recompute) before
+    that step when they are running. Checks the engine's integrity after every step, that a
+    finished request gets no further delta and that every block is free at the end."""
     results = {r["request_id"]: Result() for r in requests}
-    for r in requests:
-        engine.add_request(**r)
-    if after_add is not None:
-        after_add(engine)
+    arrive_at = arrive_at or {}
+    pending = sorted(requests, key=lambda r: arrive_at.get(r["request_id"], 0))
     for step in range(max_steps):
+        while pending and arrive_at.get(pending[0]["request_id"], 0) <= step:
+            engine.add_request(**pending.pop(0))
+        if step == 0 and after_add is not None:
+            after_add(engine)
         for rid in (preempt_at or {}).get(step, []):
             engine.scheduler.preempt_request(rid)
         for d in engine.step():
@@ -77,7 +109,7 @@ def run_engine(
             if d.finished:
                 res.finish_reason, res.error, res.metrics = d.finish_reason, d.error, d.metrics
         engine.check_integrity()
-        if not engine.has_unfinished_requests():
+        if not pending and not engine.has_unfinished_requests():
             break
     else:
         raise AssertionError(f"requests unfinished after {max_steps} steps")
