@@ -39,7 +39,7 @@ def sampling(draw) -> SamplingParams:
 
 @st.composite
 def workloads(draw):
-    prefixes = draw(st.lists(st.lists(token_ids, min_size=8, max_size=40), min_size=1, max_size=2))
+    prefixes = draw(st.lists(st.lists(token_ids, min_size=16, max_size=40), min_size=1, max_size=2))
     requests = []
     for i in range(draw(st.integers(1, 5))):
         prompt = draw(st.sampled_from(prefixes)) + draw(
@@ -60,13 +60,14 @@ def workloads(draw):
         "num_blocks": MAX_MODEL_LEN // block_size * draw(st.sampled_from([1, 2, 6])),
         "max_num_batched_tokens": draw(st.sampled_from([4, 7, 16, 33, 128])),
         "max_num_seqs": draw(st.sampled_from([2, 8])),
-        "enable_prefix_caching": draw(st.booleans()),
+        "enable_prefix_caching": draw(st.sampled_from([True, True, False])),
         "long_prefill_token_threshold": draw(st.sampled_from([None, 5])),
     }
     preempt_at: dict[int, list[str]] = {}
     for step, idx in draw(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 4)), max_size=6)):
         preempt_at.setdefault(step, []).append(f"r{idx % len(requests)}")
-    arrive_at = {r["request_id"]: draw(st.sampled_from([0, 0, 2, 6])) for r in requests}
+    gap = draw(st.sampled_from([0, 3, 8]))  # arrivals in waves let later prompts hit the cache
+    arrive_at = {r["request_id"]: i * gap + draw(st.integers(0, 2)) for i, r in enumerate(requests)}
     return requests, config, preempt_at, arrive_at
 
 
