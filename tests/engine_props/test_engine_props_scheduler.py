@@ -75,6 +75,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.clock = 0.0
         self.num_added = 0
         self.prompts: list[list[int]] = []
+        self.all_requests: list[Request] = []
 
     # ------------------------------------------------------------------ rules
 
@@ -94,6 +95,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.num_added += 1
         req = Request(rid, prompt, None, lane=lane, priority=priority, arrival_time=self.clock)
         self.sched.add_request(req)
+        self.all_requests.append(req)
         self.prompts.append(prompt)
         self.live[rid] = req
         self.max_tokens[rid] = max_tokens
@@ -228,6 +230,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         shared = sum(max(b.ref_count - 1, 0) for b in bm.blocks)
         assert bm.num_free_blocks + used - shared == bm.num_total_blocks, "a block leaked"
         assert bm.prefix_cache_hits <= bm.prefix_cache_queries
+        # the hit rate counts first admissions only, never a re-admission after a preemption
+        admitted = [r for r in self.all_requests if r.first_scheduled_time is not None]
+        queries = sum(r.num_prompt_tokens for r in admitted) if bm.enable_prefix_caching else 0
+        assert bm.prefix_cache_queries == queries
+        assert bm.prefix_cache_hits == sum(max(r.num_cached_tokens, 0) for r in admitted)
 
     def teardown(self):
         if not hasattr(self, "sched"):
