@@ -132,8 +132,6 @@ class LLMEngine:
         self.model_name = model_display_name(config.model)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        # ids a request may carry: the model's rows that the tokenizer can also decode
-        self.token_id_limit = min(loaded.config.vocab_size, len(loaded.tokenizer))
         self.load_seconds = loaded.load_seconds
         model = LlamaForCausalLM(loaded.config, loaded.weights, self.dtype, self.device)
         del loaded
@@ -175,6 +173,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig.from_engine(config, max_len), self.block_manager)
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
         self.sampler = Sampler(sorted(self.eos_token_ids))
+        # ids a request may carry: the model's rows that the tokenizer can also decode
+        self.token_id_limit = min(self.model_config.vocab_size, len(self.tokenizer))
         self.states: dict[str, _RequestState] = {}
         self._pending: list[RequestDelta] = []  # aborts/errors reported at the next step
         self.num_steps = 0
