@@ -91,38 +91,34 @@ def check_stream(deltas, offsets, detok, expected):
 
 
 CHUNKS = st.lists(st.integers(1, 4), min_size=1, max_size=4)
+CUTS = st.lists(st.integers(0, 400), max_size=30)  # byte offsets (mod the length) to split at
 PROMPTS = st.sampled_from(["", "Hello there.", "日本語で", "Say 👍:"])
+
+
+def check_full_decode(tokenizer, ids, text, prompt, chunks):
+    full = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+    assert full == text
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    check_stream(*stream(tokenizer, ids, prompt_ids, chunks), full)
 
 
 @prop_settings(120)
 @given(text=texts, prompt=PROMPTS, chunks=CHUNKS)
 def test_tokenizer_ids_stream_to_the_full_decode(tokenizer, text, prompt, chunks):
     ids = tokenizer.encode(text, add_special_tokens=False)
-    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    full = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
-    assert full == text
-    check_stream(*stream(tokenizer, ids, prompt_ids, chunks), full)
+    check_full_decode(tokenizer, ids, text, prompt, chunks)
 
 
 @prop_settings(150)
-@given(
-    text=texts,
-    cuts=st.lists(st.integers(0, 400), max_size=30),
-    prompt=PROMPTS,
-    chunks=CHUNKS,
-)
+@given(text=texts, cuts=CUTS, prompt=PROMPTS, chunks=CHUNKS)
 def test_random_byte_splits_stream_to_the_full_decode(tokenizer, vocab, text, cuts, prompt, chunks):
-    ids = byte_level_ids(vocab, text.encode(), cuts)
-    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    full = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
-    assert full == text
-    check_stream(*stream(tokenizer, ids, prompt_ids, chunks), full)
+    check_full_decode(tokenizer, byte_level_ids(vocab, text.encode(), cuts), text, prompt, chunks)
 
 
 @prop_settings(120)
 @given(
     text=texts,
-    cuts=st.lists(st.integers(0, 400), max_size=30),
+    cuts=CUTS,
     span=st.tuples(st.integers(0, 100), st.integers(1, 4)),
     include=st.booleans(),
     chunks=CHUNKS,
