@@ -47,12 +47,12 @@ from broker import protocol as p
 from broker.config import BrokerConfig
 from broker.curve import curve_server
 from broker.dispatch import Dispatcher
-from broker.procutil import pid_alive
 from broker.protocol.front import encode_delta
 from broker.protocol.sockets import bind_router
 from broker.records import RecordLink
 from broker.requests import RequestState, outcome, timings, usage
 from broker.workers import WorkerRegistry, WorkerState
+from contracts.procs import parent_gone
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class Broker:
         if not parent or now - self._last_parent_check < 0.5:
             return
         self._last_parent_check = now
-        if os.getppid() != parent and not pid_alive(parent):
+        if parent_gone(parent):
             logger.warning("parent %d died: stopping", parent)
             self.stop()
 

@@ -4,6 +4,8 @@
   one place, and ``LANESERVE_HOME`` resolution.
 - :mod:`contracts.latency`: the DESIGN per-phase latency fields (one function each, composed from
   per-hop monotonic intervals) and the one percentile rule.
+- :mod:`contracts.procs`: ``pid_alive`` and ``parent_gone``, the one rule by which every process
+  watches its parent.
 
 Every package may import ``contracts``; it imports none of them (and never torch).
 """

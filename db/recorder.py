@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -39,6 +38,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from contracts.latency import TIMING_FIELDS
+from contracts.procs import parent_gone
 from db.models import REQUEST_COLUMNS, WORKER_STAT_COLUMNS, Request, WorkerStat
 from db.session import writer
 
@@ -403,7 +403,7 @@ class RecorderServer:
     """Binds a ROUTER at `addr`, pools `RecordBatch` messages, writes, then acks.
 
     `run()` returns when `stop()` is called (e.g. from a SIGTERM handler), or when
-    `parent_pid` is given and `os.getppid()` no longer equals it; pooled batches are flushed
+    `contracts.procs.parent_gone(parent_pid)` says the parent is gone; pooled batches are flushed
     first. Counters are in `stats`.
     """
 
@@ -446,7 +446,7 @@ class RecorderServer:
         self._stop.set()
 
     def _parent_gone(self) -> bool:
-        return self.parent_pid is not None and os.getppid() != self.parent_pid
+        return parent_gone(self.parent_pid)
 
     def run(self) -> RecorderStats:
         """Serve until stopped; returns the final counters."""

@@ -46,7 +46,7 @@ from typing import Any
 import zmq
 
 from broker import protocol as p
-from broker.procutil import pid_alive
+from contracts.procs import parent_gone
 from gpu_worker.engine_protocol import Engine
 
 logger = logging.getLogger(__name__)
@@ -488,7 +488,7 @@ class Worker:
                     backoff = min(backoff * 2, 30.0)
                 if self.parent_pid and now - last_parent_check >= 0.5:
                     last_parent_check = now
-                    if os.getppid() != self.parent_pid and not pid_alive(self.parent_pid):
+                    if parent_gone(self.parent_pid):
                         logger.warning("parent %d died: stopping", self.parent_pid)
                         self._stop.set()
         finally:

@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +40,7 @@ from sqlalchemy import Engine
 from broker import protocol as p
 from broker.client import BrokerClient
 from contracts.openai import ServedModel
+from contracts.procs import parent_gone
 from jobs import prompts, results, store
 
 logger = logging.getLogger(__name__)
@@ -167,15 +167,7 @@ class JobsRunner:
             self._db.shutdown(wait=True)
 
     def _parent_gone(self) -> bool:
-        if self.parent_pid is None:
-            return False
-        try:
-            os.kill(self.parent_pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
+        return parent_gone(self.parent_pid)
 
     # ------------------------------------------------------------------ polling
 
