@@ -16,10 +16,10 @@ import time
 import pytest
 import zmq
 import zmq.asyncio
-from broker_stack import HB, run
 
 from broker import protocol as p
 from broker.client import BrokerClient
+from tests.harness import HB, run
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.jobs.jobs_stack import ROOT, JobsStack, chat_line, write_jsonl
+from tests.harness import ROOT, Stack, chat_line, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -34,11 +34,11 @@ def test_submit_wait_show_download_and_exit_codes(laneserve_home, tmp_path):
     db_url = f"sqlite:///{tmp_path / 'stack.db'}"  # not the default path: found via stack.json
     migrate.upgrade(db_url)
     (laneserve_home / "stack.json").write_text(json.dumps({"db_url": db_url}))
-    stack = JobsStack(laneserve_home, db_url)
+    stack = Stack.for_jobs(laneserve_home, db_url)
     try:
         stack.start_broker()
         stack.start_worker()
-        stack.start_runner()
+        stack.start_jobs_runner()
         lines = [chat_line(f"q{i}", f"question {i}") for i in range(4)] + ["oops"]
         path = write_jsonl(tmp_path / "in.jsonl", lines)
         done = _cli(laneserve_home, "submit", str(path), "--wait")
@@ -110,11 +110,11 @@ def test_submit_wait_exits_3_when_the_job_is_cancelled(laneserve_home, tmp_path)
 
     db_url = f"sqlite:///{laneserve_home / 'laneserve.db'}"  # the default path: no stack.json
     migrate.upgrade(db_url)
-    stack = JobsStack(laneserve_home, db_url)
+    stack = Stack.for_jobs(laneserve_home, db_url)
     try:
         stack.start_broker()
         stack.start_worker("w1", "--synthetic-step-ms", "40")
-        stack.start_runner("--max-in-flight", "2")
+        stack.start_jobs_runner("--max-in-flight", "2")
         lines = [chat_line(f"x{i}", "hi", max_tokens=25) for i in range(30)]  # ~15 s in all
         path = write_jsonl(tmp_path / "in.jsonl", lines)
         env = dict(os.environ, LANESERVE_HOME=str(laneserve_home), PYTHONPATH=str(ROOT))

@@ -21,7 +21,7 @@ import pytest
 
 from laneserve.commands.demo import LANES, PHASES, _print_report, lane_failures
 from laneserve.demo_corpus import build_corpus, write_jsonl
-from tests.stack.stack_helpers import ROOT, UpProcess, laneserve, link_model, processes_mentioning
+from tests.harness import ROOT, UpProcess, laneserve, link_model, processes_mentioning
 
 
 def test_corpus_is_real_varied_and_deterministic(tmp_path):
