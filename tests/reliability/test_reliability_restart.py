@@ -6,7 +6,7 @@ Real processes on ipc:// sockets with the production liveness settings (heartbea
 beats): a broker and one synthetic worker (``gpu_worker/synthetic.py``, 20 ms per engine step,
 8 sequences at a time); the HTTP scenario adds ``laneserve api`` and the official ``openai``
 client (no client-side retries). The test plays the supervisor: it SIGKILLs a process and starts it again at once. Each
-scenario reports its figures (``rel_stack.report``; docs/reliability.md).
+scenario reports its figures (``tests.harness.report``; docs/reliability.md).
 """
 
 from __future__ import annotations
