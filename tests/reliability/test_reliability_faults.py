@@ -88,7 +88,11 @@ def test_sigkill_worker_mid_job_requeues_and_job_completes(tmpdir_short) -> None
         _start_jobs_stack(stack, ["w1", "w2"], *step)
         engine = _db(stack)
         ids = [f"line-{i:04d}" for i in range(300)]
-        job = submit_job(engine, tmpdir_short, [chat_line(cid, f"doc {cid}", 50) for cid in ids])
+        job = submit_job(
+            engine,
+            tmpdir_short,
+            [chat_line(cid, f"doc {cid}", 50, temperature=None) for cid in ids],
+        )
         wait_for(
             lambda: (st := stack.try_status()) and st["workers"] and st["queues"]["in_flight"] > 20,
             30,
@@ -141,8 +145,10 @@ def test_request_that_crashes_its_worker_fails_after_3_attempts(tmpdir_short) ->
         _start_jobs_stack(stack, ["w1", "w2"], *step, env=env)
         engine = _db(stack)
         ids = [f"ok-{i:03d}" for i in range(40)]
-        lines = [chat_line(cid, f"fine {cid}", 5) for cid in ids]
-        lines.insert(20, chat_line("poison", "this one has a POISON-PILL inside", 5))
+        lines = [chat_line(cid, f"fine {cid}", 5, temperature=None) for cid in ids]
+        lines.insert(
+            20, chat_line("poison", "this one has a POISON-PILL inside", 5, temperature=None)
+        )
         restarts = collections.Counter()
 
         def supervise() -> None:
@@ -208,7 +214,9 @@ def test_broker_sigkill_restart_everyone_reconnects_and_job_completes(tmpdir_sho
         stack.wait_workers({"wb", "wi"})
         engine = _db(stack)
         ids = [f"l{i:04d}" for i in range(200)]
-        job = submit_job(engine, tmpdir_short, [chat_line(cid, f"d {cid}", 40) for cid in ids])
+        job = submit_job(
+            engine, tmpdir_short, [chat_line(cid, f"d {cid}", 40, temperature=None) for cid in ids]
+        )
         figures = {}
 
         async def main():
@@ -269,7 +277,9 @@ def test_jobs_runner_sigkill_restart_no_duplicate_no_missing(tmpdir_short) -> No
         _start_jobs_stack(stack, ["w1"], "--synthetic-step-ms", "10")
         engine = _db(stack)
         ids = [f"r{i:04d}" for i in range(400)]
-        job = submit_job(engine, tmpdir_short, [chat_line(cid, f"t {cid}", 30) for cid in ids])
+        job = submit_job(
+            engine, tmpdir_short, [chat_line(cid, f"t {cid}", 30, temperature=None) for cid in ids]
+        )
         wait_for(
             lambda: job_state(engine, job.id).request_counts["completed"] >= 60,
             60,

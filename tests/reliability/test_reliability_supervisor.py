@@ -97,7 +97,9 @@ def test_worker_sigkill_mid_job_supervisor_restarts_it(up, tmp_path) -> None:
     info = up.info()
     engine = make_engine(info["db_url"])
     ids = [f"s{i:04d}" for i in range(300)]
-    job = submit_job(engine, tmp_path, [chat_line(cid, f"doc {cid}", 40) for cid in ids])
+    job = submit_job(
+        engine, tmp_path, [chat_line(cid, f"doc {cid}", 40, temperature=None) for cid in ids]
+    )
     wait_for(lambda: job_state(engine, job.id).request_counts["completed"] >= 30, 60, "progress")
     old = info["children"]["worker-0"]
     t_kill = time.monotonic()
