@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,10 @@ def test_submit_watch_twice_show_download_cancel(cli, remote, tmp_path):
 
     second = cli("submit", str(path))
     other = second.stdout.strip()
+    deadline = time.monotonic() + 60  # cancel a job whose lines exist (validated), as a user would
+    while json.loads(cli("jobs", "show", other, "--json").stdout)["status"] == "validating":
+        assert time.monotonic() < deadline, "the second job was never validated"
+        time.sleep(0.2)
     cancel = cli("jobs", "cancel", other)
     assert cancel.returncode == 0 and f"{other}: cancelling" in cancel.stdout, cancel.stderr
     ended = cli("jobs", "watch", other, timeout=120)
