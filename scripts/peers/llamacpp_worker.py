@@ -2,8 +2,9 @@
 scripts/setup_peers.sh), on the GGUF file itself (Q4_1).
 
 `llama-cpp-python`'s high-level `Llama` serves one sequence at a time, so the offline run is the
-prompts one after another (its default way to run a list of prompts). Greedy (top-k 1); the
-end-of-generation tokens are masked so every prompt gets exactly the forced length.
+prompts one after another (its default way to run a list of prompts). Greedy (top-k 1).
+`Llama.generate` does not stop at an end-of-generation token; taking exactly N tokens from it is
+the forced length (as vLLM's and laneserve's ``ignore_eos``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from common import Engine, run_worker
 
 def build(spec: dict[str, Any]) -> Engine:
     import llama_cpp
-    import numpy as np
-    from llama_cpp import Llama, LogitsProcessorList
+    from llama_cpp import Llama
 
     threads = spec.get("threads") or 2
     llm = Llama(
@@ -27,23 +27,13 @@ def build(spec: dict[str, Any]) -> Engine:
         seed=0,
         verbose=False,
     )
-    vocab = llm._model.vocab  # noqa: SLF001 - no public accessor for the vocabulary handle
-    eog = [t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
-
-    def no_eog(_ids: Any, logits: np.ndarray) -> np.ndarray:
-        logits[eog] = -np.inf
-        return logits
-
-    processors = LogitsProcessorList([no_eog])
 
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
         outs: list[list[int]] = []
         for prompt in prompts:
             new: list[int] = []
             llm.reset()  # no reuse of the previous prompt's KV: every run prefills its prompt
-            for tok in llm.generate(
-                prompt, top_k=1, temp=0.0, reset=True, logits_processor=processors
-            ):
+            for tok in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
                 new.append(int(tok))
                 if len(new) == n:
                     break
@@ -58,7 +48,6 @@ def build(spec: dict[str, Any]) -> Engine:
             "dtype": "gguf (as stored)",
             "threads": threads,
             "batching": "one sequence at a time (llama-cpp-python Llama)",
-            "eog_tokens_masked": len(eog),
         },
     )
 

@@ -32,14 +32,14 @@ def build(spec: dict[str, Any]) -> Engine:
         outs = llm.generate(requests, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    model_config = llm.llm_engine.model_config
+    model_config = getattr(llm.llm_engine, "model_config", None)
     return Engine(
         generate,
         {
             "name": "vllm",
             "version": vllm.__version__,
             "torch": torch.__version__,
-            "dtype": str(model_config.dtype).removeprefix("torch."),
+            "dtype": str(getattr(model_config, "dtype", "unknown")).removeprefix("torch."),
             "threads": "vLLM default (its own OpenMP binding)",
             "environment": spec.get("environment", {}),
             "batching": f"continuous, max_num_seqs={len(spec['prompts'])}",
