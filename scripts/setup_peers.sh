@@ -30,12 +30,18 @@ make_venv() {
     nice -n 19 "$PYTHON" -m venv "$dir" && nice -n 19 "$dir/bin/python" -m pip install -q -U pip
 }
 
-setup_vllm() {
-    local dir="$PEERS_DIR/vllm"
-    if [ -x "$dir/bin/python" ] && "$dir/bin/python" -c 'import vllm' >/dev/null 2>&1; then
-        log "vllm: reusing $dir"
+# reusable DIR MODULE: whether DIR is a venv that imports MODULE already (then say so).
+reusable() {
+    if [ -x "$1/bin/python" ] && "$1/bin/python" -c "import $2" >/dev/null 2>&1; then
+        log "$2: reusing $1"
         return 0
     fi
+    return 1
+}
+
+setup_vllm() {
+    local dir="$PEERS_DIR/vllm"
+    reusable "$dir" vllm && return 0
     log "vllm: installing $VLLM_SPEC into $dir"
     make_venv "$dir" || return 1
     nice -n 19 "$dir/bin/python" -m pip install "$VLLM_SPEC" || return 1
@@ -46,10 +52,7 @@ setup_vllm() {
 
 setup_llamacpp() {
     local dir="$PEERS_DIR/llamacpp"
-    if [ -x "$dir/bin/python" ] && "$dir/bin/python" -c 'import llama_cpp' >/dev/null 2>&1; then
-        log "llamacpp: reusing $dir"
-        return 0
-    fi
+    reusable "$dir" llama_cpp && return 0
     log "llamacpp: building $LLAMACPP_SPEC from source into $dir (several minutes)"
     make_venv "$dir" || return 1
     CMAKE_ARGS="$LLAMACPP_CMAKE_ARGS" nice -n 19 "$dir/bin/python" -m pip install \

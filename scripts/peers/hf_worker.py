@@ -6,9 +6,13 @@ Hugging Face directory laneserve converts the GGUF into, under the same OpenMP p
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 from common import Engine, run_worker
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/: bench_offline
 
 from gpu_worker.openmp import apply_openmp_policy  # isort: skip
 
@@ -18,6 +22,7 @@ apply_openmp_policy()  # same libgomp policy as the laneserve side of the compar
 def build(spec: dict[str, Any]) -> Engine:
     import torch
     import transformers
+    from bench_offline import run_transformers
     from transformers import AutoModelForCausalLM
 
     opts = spec.get("options", {})
@@ -30,26 +35,7 @@ def build(spec: dict[str, Any]) -> Engine:
     batch_size = opts.get("batch_size", 32)
 
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
-        outs: list[list[int]] = []
-        for i in range(0, len(prompts), batch_size):
-            chunk = prompts[i : i + batch_size]
-            width = max(len(p) for p in chunk)
-            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for r, p in enumerate(chunk):  # left padding
-                ids[r, width - len(p) :] = torch.tensor(p)
-                mask[r, width - len(p) :] = 1
-            with torch.inference_mode():
-                gen = model.generate(
-                    ids,
-                    attention_mask=mask,
-                    max_new_tokens=n,
-                    min_new_tokens=n,
-                    do_sample=False,
-                    pad_token_id=pad_id,
-                )
-            outs.extend(gen[:, width:].tolist())
-        return outs
+        return run_transformers(model, prompts, n, batch_size, pad_id)[0]
 
     return Engine(
         generate,
