@@ -33,7 +33,7 @@ make_venv() {
 # reusable DIR MODULE: whether DIR is a venv that imports MODULE already (then say so).
 reusable() {
     if [ -x "$1/bin/python" ] && "$1/bin/python" -c "import $2" >/dev/null 2>&1; then
-        log "$2: reusing $1"
+        log "$(basename "$1"): reusing $1"
         return 0
     fi
     return 1
