@@ -68,6 +68,8 @@ _VARS: tuple[EnvVar, ...] = (
            "build and use the C++ CPU kernels (kernels/cpu_ext.py); 0 = the PyTorch path only"),
     EnvVar("LANESERVE_CPU_SINGLE_THREAD_TOKENS", int, None,
            "CPU steps of at most this many tokens run on one torch thread"),
+    EnvVar("LANESERVE_PEERS_DIR", _path, None,
+           "benchmark peers' venvs (scripts/setup_peers.sh; default ~/.cache/laneserve-peers)"),
     EnvVar("LANESERVE_CHROMIUM", _str, None, "path of the headless Chromium for browser tests",
            test_only=True),
     EnvVar("LANESERVE_TEST_PG_URL", _str, None, "PostgreSQL URL for the postgres tests",

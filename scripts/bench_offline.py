@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Offline throughput: laneserve's engine vs transformers `generate`, same process, same model.
+"""Offline throughput: laneserve's engine vs transformers `generate` (and, with --peers, vLLM's
+CPU build and llama.cpp), same model, same prompts.
 
 One set of summarization prompts (the project's sample set: module docstrings of the Python
 standard library, chat-templated "Summarize ..." requests) goes through
@@ -11,6 +12,16 @@ then both run a single stream (batch 1) for the decode-speed comparison. Prints 
 tokens, seconds, tok/s, the ratios, and how many outputs agree token for token.
 
     python scripts/bench_offline.py [--num-prompts 64] [--max-tokens 64] [--dtype auto]
+
+With ``--peers hf,vllm,llamacpp`` every engine (laneserve first, then each named peer) runs in its
+own process instead, one after another: the vLLM and llama.cpp peers in their own virtual
+environments (``scripts/setup_peers.sh``, under ``$LANESERVE_PEERS_DIR``), each started twice
+(cold start: the full measured run; warm start: process start to first token again). The JSON then
+holds, per engine, offline tok/s, single-stream decode tok/s, cold- and warm-start seconds, the
+ratios laneserve/peer, the CPU model and flags, the load average and the versions. A peer that is
+not installed, fails or runs past ``--peer-timeout`` is reported as ``"skipped": "reason"``.
+
+    python scripts/bench_offline.py --peers hf,vllm,llamacpp [--num-prompts 64] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -20,7 +31,14 @@ import importlib
 import json
 import os
 import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 # The engines' OpenMP wait policy, for both sides of the comparison, before torch loads (libgomp
 # reads it once, at load).
@@ -153,6 +171,248 @@ def run_transformers(model, prompts, max_tokens, batch_size, pad_id):
     return outs, time.perf_counter() - start
 
 
+# --- --peers: one process per engine -----------------------------------------------------------
+
+PEERS = ("hf", "vllm", "llamacpp")
+REPO = Path(__file__).resolve().parent.parent
+WORKERS = REPO / "scripts" / "peers"
+DEFAULT_PEERS_DIR = Path.home() / ".cache" / "laneserve-peers"
+VENV_PEERS = {"vllm": "vllm", "llamacpp": "llamacpp"}  # peer -> venv name under the peers dir
+LOG_TAIL_CHARS = 1500
+VLLM_KV_CACHE_GIB = "1"  # vLLM CPU's default reserves 4 GiB; 1 GiB holds 64 x 2048 tokens here
+
+
+def peers_dir() -> Path:
+    """Where scripts/setup_peers.sh puts the peers' virtual environments."""
+    from contracts import env
+
+    return env.get("LANESERVE_PEERS_DIR") or DEFAULT_PEERS_DIR
+
+
+def cpu_info() -> dict[str, Any]:
+    """CPU model, flags and core count from /proc/cpuinfo (Linux), plus the load average now."""
+    model, flags = platform.processor() or platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("", platform.machine()):
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = value.strip()
+    except OSError:
+        pass
+    simd = [f for f in flags.split() if f.startswith(("avx", "amx", "fma", "f16c", "sse4"))]
+    return {
+        "model": model,
+        "cores": os.cpu_count(),
+        "simd_flags": simd,
+        "flags": flags,
+        "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def thread_settings() -> dict[str, Any]:
+    """The OpenMP policy this run's torch engines start under (each engine's thread count is in
+    its own entry)."""
+    from contracts import env
+
+    return {name: env.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
+
+def _tail(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+    except OSError:
+        return ""
+
+
+def run_engine_process(
+    engine: str, python: str, spec: dict[str, Any], workdir: Path, label: str, timeout_s: float
+) -> dict[str, Any]:
+    """Run one engine's worker once; returns its result, or ``{"error": ...}``.
+
+    ``start_s`` in the result is process start -> first token (the parent's spawn time to the
+    worker's first-token wall clock).
+    """
+    spec_path, out_path = workdir / f"{label}.spec.json", workdir / f"{label}.out.json"
+    log_path = workdir / f"{label}.log"
+    spec_path.write_text(json.dumps(spec))
+    out_path.unlink(missing_ok=True)
+    child_env = dict(os.environ)
+    if engine in VENV_PEERS:  # the peer's own environment: nothing of the project's on the path
+        for name in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
+            child_env.pop(name, None)
+        child_env.update(spec.get("environment", {}))
+    else:
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO), child_env.get("PYTHONPATH", "")) if p
+        )
+    script = WORKERS / f"{engine}_worker.py"
+    cmd = [python, str(script), "--spec", str(spec_path), "--out", str(out_path)]
+    print(f"[bench] {label}: starting ({timeout_s:.0f} s limit)", file=sys.stderr, flush=True)
+    with open(log_path, "w") as log:
+        spawned_at = time.time()
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the worker and whatever it started
+            proc.wait()
+            return {"error": f"timed out after {timeout_s:.0f} s", "log_tail": _tail(log_path)}
+    wall_s = time.time() - spawned_at
+    try:
+        result = json.loads(out_path.read_text())
+    except (OSError, ValueError):
+        return {"error": f"worker exited {rc} without a result", "log_tail": _tail(log_path)}
+    if "error" in result:
+        result["log_tail"] = _tail(log_path)
+        return result
+    result["start_s"] = round(result.pop("first_token_at") - spawned_at, 2)
+    result["load_s"] = round(result.pop("loaded_at") - spawned_at, 2)
+    result["process_wall_s"] = round(wall_s, 1)
+    return result
+
+
+def bench_engine(
+    engine: str, python: str, spec: dict[str, Any], workdir: Path, timeout_s: float
+) -> dict[str, Any]:
+    """Cold run (full measurement) then warm run (start only) of one engine, as report fields."""
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    cold = run_engine_process(engine, python, {**spec, "mode": "full"}, workdir, engine, timeout_s)
+    if "error" in cold:
+        return {"skipped": f"{engine} failed: {cold['error']}", "log_tail": cold.get("log_tail")}
+    warm_spec = {**spec, "mode": "start"}
+    warm = run_engine_process(engine, python, warm_spec, workdir, f"{engine}-warm", timeout_s)
+    out = {
+        **cold["engine"],
+        "python": cold["python"],
+        "offline_tok_s": cold["offline"]["tok_s"],
+        "offline_s": cold["offline"]["seconds"],
+        "single_stream_decode_tok_s": cold["single_stream_decode"]["tok_s"],
+        "single_stream_prefill_s": cold["single_stream_decode"]["prefill_s"],
+        "cold_start_s": cold["start_s"],
+        "cold_load_s": cold["load_s"],
+        "warm_start_s": warm.get("start_s"),
+        "load_avg_before": load_before,
+        "first_output_ids": cold["first_output_ids"],
+    }
+    if "error" in warm:
+        out["warm_start_error"] = warm["error"]
+    return out
+
+
+def peer_python(peer: str) -> tuple[str | None, str | None]:
+    """The interpreter that runs `peer`'s worker, or None and why it cannot run."""
+    if peer not in VENV_PEERS:
+        return sys.executable, None
+    venv = peers_dir() / VENV_PEERS[peer]
+    python = venv / "bin" / "python"
+    if not python.exists():
+        return (
+            None,
+            f"not installed: no virtual environment at {venv} (scripts/setup_peers.sh {peer})",
+        )
+    return str(python), None
+
+
+def ratios(lane: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None]:
+    """laneserve / peer for every figure: > 1 means laneserve is faster for tok/s, slower for
+    start seconds."""
+
+    def ratio(key: str) -> float | None:
+        a, b = lane.get(key), peer.get(key)
+        return (
+            round(a / b, 2)
+            if isinstance(a, int | float) and isinstance(b, int | float) and b
+            else None
+        )
+
+    keys = ("offline_tok_s", "single_stream_decode_tok_s", "cold_start_s", "warm_start_s")
+    return {key: ratio(key) for key in keys}
+
+
+def run_peers(args: argparse.Namespace) -> dict[str, Any]:
+    """The --peers benchmark: laneserve and each peer in its own process; returns the report."""
+    from transformers import AutoTokenizer
+
+    from gpu_worker.model_files import resolve_model_path
+    from gpu_worker.model_loader import convert_gguf
+
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise SystemExit(f"--peers: unknown peer(s) {unknown}; expected a subset of {list(PEERS)}")
+    path = resolve_model_path(args.model)
+    hf_dir = convert_gguf(path) if path.is_file() else path
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    prompts = build_prompts(tokenizer, args.num_prompts)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 2
+    base = {
+        "prompts": prompts,
+        "max_tokens": args.max_tokens,
+        "single_tokens": args.single_tokens,
+        "threads": args.threads,
+    }
+    specs = {
+        "laneserve": {**base, "model": args.model, "options": {"dtype": args.dtype}},
+        "hf": {
+            **base,
+            "model": str(hf_dir),
+            "options": {"dtype": "auto", "pad_id": pad_id, "batch_size": args.batch_size},
+        },
+        "vllm": {
+            **base,
+            "model": str(hf_dir),
+            "threads": None,  # vLLM binds its own OpenMP threads (its default)
+            "environment": {"VLLM_CPU_KVCACHE_SPACE": VLLM_KV_CACHE_GIB},
+        },
+        "llamacpp": {**base, "model": str(path), "threads": args.threads or 2},
+    }
+    if not path.is_file():
+        specs["llamacpp"] = None  # llama.cpp needs the GGUF file
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpu": cpu_info(),
+        "threads": thread_settings(),
+        "model": {"name": args.model, "gguf": str(path), "hf_dir": str(hf_dir)},
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1),
+            "max_tokens": args.max_tokens,
+            "single_tokens": args.single_tokens,
+            "forced_length": True,
+            "greedy": True,
+        },
+        "engines": {},
+    }
+    workdir = Path(tempfile.mkdtemp(prefix="laneserve-bench-"))
+    try:
+        for engine in ["laneserve", *peers]:
+            python, why = peer_python(engine)
+            if specs.get(engine) is None:
+                why = "llama.cpp needs a .gguf model file"
+            if why is not None:
+                report["engines"][engine] = {"skipped": why}
+                print(f"[bench] {engine}: skipped: {why}", file=sys.stderr, flush=True)
+                continue
+            entry = bench_engine(engine, python, specs[engine], workdir, args.peer_timeout)
+            report["engines"][engine] = entry
+            if "skipped" in entry:
+                print(f"[bench] {engine}: skipped: {entry['skipped']}", file=sys.stderr)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    lane = report["engines"]["laneserve"]
+    report["ratios_laneserve_over_peer"] = {
+        peer: ratios(lane, entry)
+        for peer, entry in report["engines"].items()
+        if peer != "laneserve" and "skipped" not in entry and "skipped" not in lane
+    }
+    report["load_avg_end_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -162,7 +422,18 @@ def main() -> None:
     ap.add_argument("--single-tokens", type=int, default=64, help="tokens for the batch-1 run")
     ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--peers",
+        default=None,
+        help="comma list of hf,vllm,llamacpp: run laneserve and these peers, one process each",
+    )
+    ap.add_argument(
+        "--peer-timeout", type=float, default=1800.0, help="seconds per engine process (--peers)"
+    )
     args = ap.parse_args()
+    if args.peers is not None:
+        print(json.dumps(run_peers(args), indent=2))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
 
