@@ -7,6 +7,7 @@ Order of operations per row (the order vLLM and HF `generate` use):
    `ignore_eos`) and `stop_token_ids` get logit -inf.
 2. penalties: repetition (over prompt + output tokens), then frequency and presence (over output
    tokens only, OpenAI formula `logit - count * frequency_penalty - (count > 0) * presence_penalty`).
+   `logit_bias` is added right after the min_tokens mask; `min_p` filters after temperature.
 3. greedy rows (temperature < 1e-5): exact `torch.argmax` of the penalised logits (ties -> lowest id).
 4. other rows: divide by temperature, keep top-k, keep top-p (nucleus), softmax, draw one token by
    inverse-CDF sampling with one uniform number per row (float64 cumsum + `searchsorted`), taken
@@ -161,6 +162,7 @@ class Sampler:
         """
         out = logits.to(torch.float32, copy=True)  # [B, V]
         self._mask_min_tokens(out, params, output_token_ids)
+        _apply_logit_bias(out, params)
         _apply_penalties(out, params, prompt_token_ids, output_token_ids)
         return out
 
@@ -194,7 +196,7 @@ class Sampler:
     ) -> bool:
         """All rows greedy, no penalties, no min_tokens mask active: the argmax needs no copy."""
         return all(
-            p.greedy and not p.has_penalties and len(out) >= p.min_tokens
+            p.greedy and not p.has_penalties and not p.has_logit_bias and len(out) >= p.min_tokens
             for p, out in zip(params, output_token_ids, strict=True)
         )
 
@@ -242,6 +244,34 @@ def _apply_penalties(
     logits[index] = sub
 
 
+def _apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """In place: add each row's OpenAI `logit_bias` ({token_id: bias}; ids >= vocab ignored)."""
+    vocab = logits.shape[1]
+    for i, p in enumerate(params):
+        if not p.logit_bias:
+            continue
+        ids = [t for t in p.logit_bias if t < vocab]
+        if ids:
+            bias = torch.tensor([p.logit_bias[t] for t in ids], device=logits.device)
+            logits[i, ids] += bias
+
+
+def _apply_min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`[S, V]` temperature-scaled logits with tokens below `min_p * max prob` set to -inf (rows
+    whose `min_p` is 0 untouched; vLLM applies min_p after temperature, as here)."""
+    rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if not rows:
+        return logits
+    index = torch.tensor(rows, device=logits.device)
+    min_p = torch.tensor([params[i].min_p for i in rows], device=logits.device)[:, None]
+    sub = logits[index]  # [R, V]
+    probs = torch.softmax(sub, dim=-1)
+    keep = probs >= min_p * probs.max(dim=-1, keepdim=True).values
+    logits = logits.clone()
+    logits[index] = sub.masked_fill(~keep, float("-inf"))
+    return logits
+
+
 def _token_counts(token_lists: list[Sequence[int]], vocab: int, device) -> torch.Tensor:
     """`[len(token_lists), vocab]` float32 occurrence counts (ids >= vocab are ignored)."""
     counts = torch.zeros(len(token_lists), vocab, dtype=torch.float32, device=device)
@@ -272,7 +302,7 @@ def _candidates(
     """
     device, vocab = logits.device, logits.shape[1]
     temps = torch.tensor([p.temperature for p in params], device=device)[:, None]  # [S, 1]
-    logits = logits / temps
+    logits = _apply_min_p(logits / temps, params)
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     top_p = [p.top_p for p in params]
     if all(k == 0 for k in top_k) and all(p >= 1.0 for p in top_p):
