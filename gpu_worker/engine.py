@@ -94,7 +94,7 @@ class _RequestState:
     generator: torch.Generator | None
     params: SamplingParams
     text_parts: list[str] = field(default_factory=list)
-    # prompt_logprobs requested: entries so far ([None] for position 0); sent once complete
+    # prompt_logprobs requested: entries so far (one per position); sent once complete
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
 
@@ -313,7 +313,9 @@ class LLMEngine:
             req, IncrementalDetokenizer(self.tokenizer, ids, params), generator, params
         )
         if params.prompt_logprobs is not None:
-            self.states[request_id].prompt_logprobs = [None]
+            # position 0 has no logprob; its entry names the token (the API's echo needs it)
+            first = {"token_id": ids[0], "logprob": None, "rank": None, "top": []}
+            self.states[request_id].prompt_logprobs = [first]
         return req
 
     def abort_request(self, request_id: str) -> None:

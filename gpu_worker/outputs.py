@@ -15,9 +15,10 @@ class RequestDelta:
     final delta; `finish_reason` is "stop" | "length" | "abort" | "error" when `finished`.
 
     `prompt_logprobs` (only when `SamplingParams.prompt_logprobs` is set, on the request's first
-    token delta, once): one entry per prompt position, None for position 0, else
+    token delta, once): one entry per prompt position,
     `{"token_id", "logprob", "rank", "top": [(token_id, logprob), ...]}` -- the prompt token's
-    raw log-softmax value, its 1-based rank in the distribution, and the top-n, best first.
+    raw log-softmax value, its 1-based rank in the distribution, and the top-n, best first;
+    position 0 has `logprob` and `rank` None and no top (nothing predicts it).
     """
 
     request_id: str
@@ -46,7 +47,7 @@ class Logprob:
 
 def prompt_logprob_dicts(entries: list | None, decode) -> list[dict[int, Logprob] | None] | None:
     """The engine's `RequestDelta.prompt_logprobs` entries as vLLM's shape: per position None
-    (position 0) or `{token_id: Logprob}` holding the prompt token and the top-n (ranks 1..n).
+    (position 0, whose entry has no logprob) or `{token_id: Logprob}` holding the prompt token and the top-n (ranks 1..n).
 
     `decode(token_id) -> str` gives `decoded_token`.
     """
@@ -54,7 +55,7 @@ def prompt_logprob_dicts(entries: list | None, decode) -> list[dict[int, Logprob
         return None
     out: list[dict[int, Logprob] | None] = []
     for e in entries:
-        if e is None:
+        if e is None or e.get("logprob") is None:
             out.append(None)
             continue
         d = {

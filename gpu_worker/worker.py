@@ -294,6 +294,7 @@ class Worker:
                     d.logprobs,
                     d.metrics,
                     d.error,
+                    d.prompt_logprobs,
                 )
             )
             if d.finished:
