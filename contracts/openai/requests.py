@@ -251,6 +251,8 @@ def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
     req.prompt_logprobs = int_field(body, "prompt_logprobs", lo=0, hi=MAX_PROMPT_LOGPROBS)
     if echo and req.stream:
         raise invalid("'echo' is not supported with 'stream': true", "echo")
+    if req.prompt_logprobs is not None and req.stream:
+        raise invalid("'prompt_logprobs' is not supported with 'stream': true", "prompt_logprobs")
     _finish(body, req, limits)
     prompt_n = req.prompt_logprobs
     if echo and req.logprobs is not None:
