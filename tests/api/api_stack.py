@@ -150,9 +150,10 @@ class ApiStack:
 
 
 @contextlib.contextmanager
-def real_model_stack(gguf: Path, *, recorder: bool = False) -> Iterator[ApiStack]:
+def real_model_stack(gguf: Path, *worker_extra: str, recorder: bool = False) -> Iterator[ApiStack]:
     """Broker (+ recorder writing SQLite) + one real SmolLM2 worker (float32, up to 16
-    sequences) + gateway with a key, serving ``gguf`` as ``smollm2``."""
+    sequences, plus ``worker_extra`` flags) + gateway with a key, serving ``gguf`` as
+    ``smollm2``."""
     tmp = Path(tempfile.mkdtemp(prefix="lsr", dir="/tmp"))
     home = tmp / "home"
     home.mkdir()
@@ -165,7 +166,7 @@ def real_model_stack(gguf: Path, *, recorder: bool = False) -> Iterator[ApiStack
             stack.start_broker()
         stack.start_worker(
             "real", "--model", str(gguf), "--dtype", "float32", "--max-num-seqs", "16",
-            "--kv-cache-memory", "256MiB",
+            "--kv-cache-memory", "256MiB", *worker_extra,
         )  # fmt: skip
         stack.start_api("--model", str(gguf), "--served-model-name", "smollm2")
         stack.wait_workers({"real"}, timeout_s=300)
@@ -174,3 +175,14 @@ def real_model_stack(gguf: Path, *, recorder: bool = False) -> Iterator[ApiStack
     finally:
         stack.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def wait_batch(client, batch_id: str, stack: ApiStack, timeout_s: float = 120.0):
+    """Poll ``batch_id`` with the openai client until it ends; returns the batch object."""
+    deadline = time.monotonic() + timeout_s
+    b = client.batches.retrieve(batch_id)
+    while b.status not in ("completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() < deadline, (b, stack.logs())
+        time.sleep(0.3)
+        b = client.batches.retrieve(batch_id)
+    return b

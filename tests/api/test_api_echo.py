@@ -7,16 +7,12 @@ worker in float32 with `quantization="none"`, gateway, jobs runner), driven by t
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from api_stack import API_KEY, ApiStack
+from api_stack import API_KEY, ApiStack, real_model_stack, wait_batch
 
 from gpu_worker import LLM, SamplingParams
 
@@ -30,23 +26,8 @@ CONTINUATIONS = [" Paris", " London", " a city in Europe", " banana bread", " th
 
 @pytest.fixture(scope="module")
 def stack(smollm2_gguf, smollm2_dir) -> Iterator[ApiStack]:
-    tmp = Path(tempfile.mkdtemp(prefix="lse", dir="/tmp"))
-    home = tmp / "home"
-    home.mkdir()
-    st = ApiStack(tmp, home)
-    try:
-        st.start_broker()
-        st.start_worker(
-            "real", "--model", str(smollm2_gguf), "--dtype", "float32", "--quantization", "none",
-            "--max-num-seqs", "8", "--kv-cache-memory", "128MiB",
-        )  # fmt: skip
-        st.start_api("--model", str(smollm2_gguf), "--served-model-name", MODEL)
-        st.wait_workers({"real"}, timeout_s=300)
-        st.wait_api(timeout_s=300)
+    with real_model_stack(smollm2_gguf, "--quantization", "none") as st:
         yield st
-    finally:
-        st.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -212,11 +193,7 @@ def test_batch_line_with_echo_and_logprobs(client, stack, smollm2_gguf, llm) -> 
         b = client.batches.create(
             input_file_id=f.id, endpoint="/v1/completions", completion_window="24h"
         )
-        deadline = time.monotonic() + 120
-        while b.status not in ("completed", "failed", "cancelled", "expired"):
-            assert time.monotonic() < deadline, (b, stack.logs())
-            time.sleep(0.3)
-            b = client.batches.retrieve(b.id)
+        b = wait_batch(client, b.id, stack)
         assert b.status == "completed" and b.request_counts.completed == 1, (b, stack.logs())
         out = json.loads(client.files.content(b.output_file_id).content.decode().splitlines()[0])
     finally:
