@@ -405,6 +405,9 @@ class LLMEngine:
         out: list[_PromptRows] = []
         offset = 0  # first flat row of each entry in the step's varlen batch
         for e in entries:
+            if e.request.sampling_params.prompt_logprobs is None:  # the common case: no lookup
+                offset += e.num_new_tokens
+                continue
             state = self.states.get(e.request.request_id)
             if state is not None and state.prompt_logprobs is not None:
                 start = max(e.num_computed_tokens, len(state.prompt_logprobs) - 1)
