@@ -16,9 +16,14 @@ Prefix caching (the scheme of vLLM v1's KVCacheManager and nano-vllm's BlockMana
   first; a request's blocks are freed tail-first so its deepest blocks are evicted before
   its shared preamble). Freed blocks without a hash go to the head: they carry nothing
   worth keeping, so they are reused before any cached block is evicted.
-- A hit is confirmed by comparing the block's stored token ids (collision guard), covers
-  whole blocks only, and never includes the request's last token (at least one token is
-  computed so the step produces logits).
+- A hit is confirmed link by link against everything the hash claims (collision guard): a
+  cached block stores the whole input of its hash -- parent hash, token ids, extra keys -- and
+  a hit on block i needs all three to equal the request's (its parent hash being that of the
+  hit block i - 1, already confirmed), so a hit confirms the chain, not just one block's tokens.
+  A block is only registered when its parent link is confirmed too: when a request's block
+  hashes to an entry that holds other content, none of its later blocks are registered.
+  A hit covers whole blocks only and never includes the request's last token (at least one
+  token is computed so the step produces logits).
 - Blocks shared by several requests (ref count > 1) are always full, hashed blocks; new tokens
   are only ever written into the request's own trailing block, so a shared block is never written.
 
@@ -26,9 +31,10 @@ Blocks are registered (`cache_full_blocks`) after the step that computed them, s
 admitted in the same step as an identical prefix do not hit it; they compute their own copy
 and the first registered copy serves later requests.
 
-Counters `prefix_cache_queries` and `prefix_cache_hits` are in **tokens**: each admission of a
-request (first schedule, or re-admission after preemption) adds its `num_tokens` to the
-queries and its hit tokens to the hits; they stay 0 with prefix caching disabled.
+Counters `prefix_cache_queries` and `prefix_cache_hits` are in **tokens**: the first admission
+of a request adds its `num_tokens` to the queries and its hit tokens to the hits. Re-admission
+after a preemption is not counted (it mostly finds the request's own freed blocks, which would
+make preemption thrash look like cache success). They stay 0 with prefix caching disabled.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ from gpu_worker.request import Request
 __all__ = ["BlockManager", "KVBlock", "hash_block_tokens"]
 
 logger = logging.getLogger(__name__)
+
+# `_num_registered` value of a request whose chain hit a collision: no block of it registers again.
+_STOP_REGISTERING = 1 << 62
 
 
 def hash_block_tokens(
@@ -75,12 +84,33 @@ def hash_block_tokens(
 
 @dataclass(slots=True)
 class KVBlock:
-    """One physical KV block: `ref_count` users; `block_hash`/`token_ids` set while cached."""
+    """One physical KV block: `ref_count` users; while cached, `block_hash` and the inputs it
+    was computed from (`parent_hash`, `token_ids`, `extra_keys`), which the collision guard
+    compares."""
 
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] = field(default_factory=tuple)
+    parent_hash: bytes | None = None
+    extra_keys: tuple[str | int, ...] = ()
+
+    def holds(
+        self, parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: Sequence | None
+    ) -> bool:
+        """True when this cached block's hash input equals the given one (no collision)."""
+        return (
+            self.parent_hash == parent_hash
+            and self.token_ids == tuple(token_ids)
+            and self.extra_keys == tuple(extra_keys or ())
+        )
+
+    def forget(self) -> None:
+        """Drop the cached identity (eviction or cache reset)."""
+        self.block_hash = None
+        self.parent_hash = None
+        self.token_ids = ()
+        self.extra_keys = ()
 
 
 class BlockManager:
@@ -167,8 +197,8 @@ class BlockManager:
         """Longest cached prefix of a request that holds no blocks yet.
 
         Looks up the request's full blocks in order and stops at the first miss or at the
-        first hash whose stored token ids differ (a collision, counted in
-        `num_hash_collisions`). At most `(num_tokens - 1) // block_size` blocks, so the last
+        first hash whose block holds another parent hash, other token ids or other extra keys
+        (a collision, counted in `num_hash_collisions`). At most `(num_tokens - 1) // block_size` blocks, so the last
         token is always computed. Changes no state besides `request.block_hashes`.
 
         Returns:
@@ -186,9 +216,9 @@ class BlockManager:
             block_id = self._cached.get(request.block_hashes[i])
             if block_id is None:
                 break
-            if self.blocks[block_id].token_ids != tuple(
-                request.token_ids_slice(i * bs, (i + 1) * bs)
-            ):
+            parent = request.block_hashes[i - 1] if i else None
+            tokens = request.token_ids_slice(i * bs, (i + 1) * bs)
+            if not self.blocks[block_id].holds(parent, tokens, self._extra_keys(request, i)):
                 self.num_hash_collisions += 1
                 logger.warning("prefix-cache hash collision on block %d refused", block_id)
                 break
@@ -251,7 +281,7 @@ class BlockManager:
         if request.request_id not in self._live:
             self._live[request.request_id] = request
             self._num_registered[request.request_id] = len(computed)
-            if self.enable_prefix_caching:
+            if self.enable_prefix_caching and request.num_preemptions == 0:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += len(computed) * self.block_size
         for block_id in computed:
@@ -277,8 +307,7 @@ class BlockManager:
         assert block.ref_count == 0, f"block {block_id} in the free list with ref {block.ref_count}"
         if block.block_hash is not None:  # evict: its KV is about to be overwritten
             del self._cached[block.block_hash]
-            block.block_hash = None
-            block.token_ids = ()
+            block.forget()
             self.num_evictions += 1
         block.ref_count = 1
         return block_id
@@ -288,7 +317,9 @@ class BlockManager:
 
         Call after a step with the request's new `num_computed_tokens`. A block whose hash is
         already cached under another block (two identical prefixes computed at once) stays
-        unregistered; the first copy serves later hits.
+        unregistered; the first copy serves later hits. When that other block holds different
+        content (a hash collision), the request registers nothing from there on: its later
+        blocks would claim a chain through content that is not theirs.
         """
         if not self.enable_prefix_caching or request.request_id not in self._live:
             return
@@ -301,10 +332,23 @@ class BlockManager:
         for i in range(start, num_full):
             block = self.blocks[request.block_table[i]]
             block_hash = request.block_hashes[i]
-            if block.block_hash is not None or block_hash in self._cached:
+            parent = request.block_hashes[i - 1] if i else None
+            tokens = request.token_ids_slice(i * bs, (i + 1) * bs)
+            extra = self._extra_keys(request, i)
+            other = self._cached.get(block_hash)
+            if other is not None and other != block.block_id:
+                if not self.blocks[other].holds(parent, tokens, extra):
+                    self.num_hash_collisions += 1
+                    logger.warning("prefix-cache hash collision on block %d: not registered", other)
+                    num_full = _STOP_REGISTERING
+                    break
+                continue
+            if block.block_hash is not None:
                 continue
             block.block_hash = block_hash
-            block.token_ids = tuple(request.token_ids_slice(i * bs, (i + 1) * bs))
+            block.parent_hash = parent
+            block.token_ids = tuple(tokens)
+            block.extra_keys = tuple(extra or ())
             self._cached[block_hash] = block.block_id
         self._num_registered[request.request_id] = num_full
 
@@ -333,8 +377,7 @@ class BlockManager:
         """
         n = len(self._cached)
         for block_id in self._cached.values():
-            self.blocks[block_id].block_hash = None
-            self.blocks[block_id].token_ids = ()
+            self.blocks[block_id].forget()
         self._cached.clear()
         return n
 

@@ -167,8 +167,12 @@ class IncrementalDetokenizer:
     # ---- internals ---------------------------------------------------------------------------
 
     def _to_tokens(self, ids: list[int]) -> list[str]:
+        """Token strings of `ids`; an id the tokenizer does not know (a padded model vocabulary
+        row beyond the tokenizer) decodes to "" (as vLLM), never to a decode error."""
         ids = [i for i in ids if i not in self._special_ids]
-        return self.tokenizer.convert_ids_to_tokens(ids) if ids else []
+        if not ids:
+            return []
+        return [t if t is not None else "" for t in self.tokenizer.convert_ids_to_tokens(ids)]
 
     def _decode_new(self, final: bool) -> str:
         """Text of `tokens[read_offset:]`, or "" while it ends in a partial character."""

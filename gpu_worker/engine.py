@@ -10,6 +10,13 @@ One `step()` is DESIGN.md's `schedule -> execute -> process outputs`:
 
 It returns one `RequestDelta` per request that produced something (a token, a final, an error).
 
+Fault isolation: an exception in the forward pass fails the requests of that step; everything
+after it is per request -- a request whose sampling or output processing (detokenizer, stop
+checks) raises ends alone with finish_reason "error" (the broker's `engine_error`), and the other
+requests keep running. Prompt token ids are checked at admission against the tokenizer's length
+as well as the model's `vocab_size` (which may be padded beyond the tokenizer), so an id the
+tokenizer cannot decode is an `InvalidRequestError` and never reaches a step.
+
 Length contract: a prompt longer than `max_model_len - 1` tokens raises `PromptTooLongError`
 (at least one output token must fit). When prompt + max_tokens exceeds `max_model_len`, the
 request is accepted and finishes with finish_reason "length" once the sequence reaches
@@ -85,6 +92,16 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(slots=True)
+class _Sampled:
+    """One sampled row of a step: the token and its logprobs, or the error that ended it."""
+
+    state: _RequestState
+    token_id: int = -1
+    logprobs: dict | None = None
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -192,6 +209,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig.from_engine(config, max_len), self.block_manager)
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
         self.sampler = Sampler(sorted(self.eos_token_ids))
+        # ids a request may carry: the model's rows that the tokenizer can also decode
+        self.token_id_limit = min(self.model_config.vocab_size, len(self.tokenizer))
         self.states: dict[str, _RequestState] = {}
         self._pending: list[RequestDelta] = []  # aborts/errors reported at the next step
         self.num_steps = 0
@@ -218,17 +237,23 @@ class LLMEngine:
         """Token ids of a prompt given as text, ids, or chat messages (chat template applied).
 
         Raises:
-            InvalidRequestError: none or several given, empty prompt, ids outside the vocabulary,
-                or messages the chat template rejects.
+            InvalidRequestError: none or several given, empty prompt, ids outside
+                `[0, token_id_limit)` (the model's vocabulary and the tokenizer's length, the
+                smaller), or messages the chat template rejects.
         """
         given = [x is not None for x in (prompt, prompt_token_ids, messages)]
         if sum(given) != 1:
             raise InvalidRequestError("give exactly one of prompt, prompt_token_ids, messages")
         if prompt_token_ids is not None:
             ids = list(prompt_token_ids)
-            vocab = self.model_config.vocab_size
-            if any(type(t) is not int or not 0 <= t < vocab for t in ids):
-                raise InvalidRequestError(f"prompt_token_ids must be ints in [0, {vocab})")
+            limit = self.token_id_limit
+            bad = [t for t in ids if type(t) is not int or not 0 <= t < limit]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt_token_ids must be ints in [0, {limit}) (the model has "
+                    f"{self.model_config.vocab_size} embedding rows, the tokenizer "
+                    f"{len(self.tokenizer)} tokens); got {bad[0]!r}"
+                )
         elif messages is not None:
             ids = self.apply_chat_template(messages)
         else:
@@ -352,15 +377,31 @@ class LLMEngine:
             return deltas
         self.scheduler.update_after_step(out)
         now = time.monotonic()
-        for state, token_id, logprobs in sampled:
-            deltas.append(self._process_token(state, token_id, logprobs, now))
-            _attach_prompt_logprobs(state, deltas[-1])
+        for row in sampled:
+            if row.error is None:
+                try:
+                    deltas.append(self._process_token(row.state, row.token_id, row.logprobs, now))
+                    _attach_prompt_logprobs(row.state, deltas[-1])
+                    continue
+                except Exception as exc:  # this request's output only: the others go on
+                    logger.exception(
+                        "output processing failed for %s", row.state.request.request_id
+                    )
+                    row.error = f"output processing failed: {type(exc).__name__}: {exc}"
+            deltas.append(self._fail(row.state, row.error))
         return deltas
 
-    def execute_model(self, out: SchedulerOutput) -> list[tuple[_RequestState, int, dict | None]]:
-        """Run the model on one scheduled step and sample: (state, token id, logprobs) for every
-        request that emits a token. What it raises fails that step's requests (`step`). A
-        wrapper may decorate it on an instance (gpu_worker/faults.py injects test faults so)."""
+    def _fail(self, state: _RequestState, error: str) -> RequestDelta:
+        """End one request with finish_reason "error" (the broker reports `engine_error`)."""
+        self.states.pop(state.request.request_id, None)
+        self.scheduler.finish_request(state.request, RequestStatus.FINISHED_ERROR)
+        return self._final(state, "", [], "error", error=error[:2000])
+
+    def execute_model(self, out: SchedulerOutput) -> list[_Sampled]:
+        """Run the model on one scheduled step and sample one token for every request that
+        emits one. What it raises fails that step's requests (`step`); a row whose sampling
+        fails comes back with its error (`_sample`). A wrapper may decorate it on an instance
+        (gpu_worker/faults.py injects test faults so)."""
         entries = out.scheduled
         inputs = self.runner.prepare_inputs(
             [
@@ -386,6 +427,33 @@ class LLMEngine:
         if not inputs.sample_rows:
             return []
         states = [self.states[entries[i].request.request_id] for i in inputs.sample_rows]
+        return self._sample(logits, states)
+
+    def _sample(self, logits: torch.Tensor, states: list[_RequestState]) -> list[_Sampled]:
+        """Sample the `[S, V]` logits of `states` as one batch; when that raises, restore the
+        seeded generators and sample row by row, so only the rows that fail on their own end
+        (with their error) and the others get the tokens the batch would have given them."""
+        saved = [None if s.generator is None else s.generator.get_state() for s in states]
+        try:
+            result = self._sample_rows(logits, states)
+            return [_Sampled(s, t, lp) for s, t, lp in zip(states, *result, strict=True)]
+        except Exception:
+            logger.exception("batched sampling failed; sampling %d rows one by one", len(states))
+        rows: list[_Sampled] = []
+        for i, state in enumerate(states):
+            if saved[i] is not None:
+                state.generator.set_state(saved[i])
+            try:
+                (token_id,), (logprobs,) = self._sample_rows(logits[i : i + 1], [state])
+                rows.append(_Sampled(state, token_id, logprobs))
+            except Exception as exc:
+                logger.exception("sampling failed for %s", state.request.request_id)
+                rows.append(_Sampled(state, error=f"sampling failed: {type(exc).__name__}: {exc}"))
+        return rows
+
+    def _sample_rows(
+        self, logits: torch.Tensor, states: list[_RequestState]
+    ) -> tuple[list[int], list[dict | None]]:
         result = self.sampler(
             logits,
             [s.params for s in states],
@@ -393,7 +461,7 @@ class LLMEngine:
             [s.request.prompt_token_ids for s in states],
             [s.request.output_token_ids for s in states],
         )
-        return list(zip(states, result.token_ids, result.logprobs, strict=True))
+        return result.token_ids, result.logprobs
 
     def _prompt_logprob_rows(self, entries) -> list[_PromptRows]:
         """The prompt positions still lacking logprobs that this step computes, per request.

@@ -55,7 +55,7 @@ class LLM:
     "int4" put every linear on that kernel.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "bfloat16", **kwargs: Any):
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", **kwargs: Any):
         apply_openmp_policy()  # takes effect when torch is not loaded yet (gpu_worker/openmp.py)
         from gpu_worker.engine import LLMEngine
 

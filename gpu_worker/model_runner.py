@@ -26,6 +26,7 @@ from gpu_worker.config import ENGINE_DEFAULTS
 from gpu_worker.model_loader import ModelConfig
 from gpu_worker.models.llama import AttentionMetadata, LlamaForCausalLM
 from gpu_worker.openmp import openmp_is_purely_passive
+from kernels import cpu_ext
 
 logger = logging.getLogger(__name__)
 
@@ -123,11 +124,15 @@ class ModelRunner:
         self.device = model.device
         if self.device.type == "cpu":
             host_memory.tune_for_inference()  # stop per-step mmap/page-fault churn (see module)
+            cpu_ext.load()  # build the C++ CPU kernels now (once per machine), not in a step
         shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=model.dtype, device=self.device)
             for _ in range(c.num_hidden_layers)
         ]
+        # (k_cache, v_cache) views per layer, made once: indexing a tensor per layer per step
+        # costs two ATen ops a layer; indexing a tuple costs none.
+        self.kv_views = [(t[0], t[1]) for t in self.kv_caches]
         self.graphs = None
         self.cpu_single_thread_tokens = 0
         if self.device.type == "cpu":
@@ -161,7 +166,7 @@ class ModelRunner:
     def _decode_fn(self, input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, block_tables):
         attn = AttentionMetadata(slot_mapping, cu_seqlens_q, seq_lens, block_tables)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-        return self.model.forward(input_ids, positions, attn, self.kv_caches, rows)
+        return self.model.forward(input_ids, positions, attn, self.kv_views, rows)
 
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv_caches)
@@ -248,5 +253,5 @@ class ModelRunner:
             )
             return logits[:batch]
         return self.model.forward(
-            inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, inputs.logits_indices
+            inputs.input_ids, inputs.positions, inputs.attn, self.kv_views, inputs.logits_indices
         )

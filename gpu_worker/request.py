@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from contracts import latency
+
 __all__ = ["Lane", "Request", "RequestStatus"]
 
 
@@ -162,26 +164,28 @@ class Request:
         happen (e.g. aborted before the first token): `queue_ms` (arrival -> first scheduled),
         `prefill_ms` (first scheduled -> first token), `decode_ms` (first -> last token),
         `tpot_ms` (decode_ms / (completion_tokens - 1), None below 2 tokens), `itl_p99_ms`
-        (99th percentile of `token_gaps_ms`, linear interpolation as numpy's default),
+        (99th percentile of `token_gaps_ms`), all as `contracts.latency` defines them,
         `first_scheduled_delay_ms` and `first_token_delay_ms` (arrival at the engine -> first
         scheduled / first token); counts `prompt_tokens, cached_tokens, completion_tokens,
         preemptions, prefill_chunks`.
         """
         n_out = self.num_output_tokens
-        decode_ms = _ms(self.first_token_time, self.last_token_time)
+        decode_ms = latency.decode_ms(self.first_token_time, self.last_token_time)
         return {
-            "queue_ms": _ms(self.arrival_time, self.first_scheduled_time),
-            "prefill_ms": _ms(self.first_scheduled_time, self.first_token_time),
+            "queue_ms": latency.interval_ms(self.arrival_time, self.first_scheduled_time),
+            "prefill_ms": latency.prefill_ms(self.first_scheduled_time, self.first_token_time),
             "decode_ms": decode_ms,
-            "tpot_ms": decode_ms / (n_out - 1) if decode_ms is not None and n_out >= 2 else None,
-            "itl_p99_ms": percentile(self.token_gaps_ms, 99.0),
+            "tpot_ms": latency.tpot_ms(decode_ms, n_out),
+            "itl_p99_ms": latency.itl_p99_ms(self.token_gaps_ms),
             "prompt_tokens": self.num_prompt_tokens,
             "cached_tokens": max(self.num_cached_tokens, 0),
             "completion_tokens": n_out,
             "preemptions": self.num_preemptions,
             "prefill_chunks": self.num_prefill_chunks,
-            "first_scheduled_delay_ms": _ms(self.arrival_time, self.first_scheduled_time),
-            "first_token_delay_ms": _ms(self.arrival_time, self.first_token_time),
+            "first_scheduled_delay_ms": latency.interval_ms(
+                self.arrival_time, self.first_scheduled_time
+            ),
+            "first_token_delay_ms": latency.interval_ms(self.arrival_time, self.first_token_time),
         }
 
     # --- engine hooks ---
@@ -200,26 +204,8 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
         elif self.last_token_time is not None:
-            self.token_gaps_ms.append((now - self.last_token_time) * 1000.0)
+            self.token_gaps_ms.append(latency.interval_ms(self.last_token_time, now))
         # Several tokens in one step arrive together: their gaps are 0 ms.
         self.token_gaps_ms.extend([0.0] * (len(token_ids) - 1))
         self.last_token_time = now
         self.output_token_ids.extend(token_ids)
-
-
-def _ms(start: float | None, end: float | None) -> float | None:
-    """Milliseconds from `start` to `end` (monotonic seconds), None when either is missing."""
-    if start is None or end is None:
-        return None
-    return (end - start) * 1000.0
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """q-th percentile (0..100) with linear interpolation (numpy's default); None when empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    rank = (len(xs) - 1) * q / 100.0
-    lo = int(rank)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)

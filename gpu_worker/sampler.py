@@ -10,9 +10,18 @@ Order of operations per row (the order vLLM and HF `generate` use):
    `logit_bias` is added right after the min_tokens mask; `min_p` filters after temperature.
 3. greedy rows (temperature < 1e-5): exact `torch.argmax` of the penalised logits (ties -> lowest id).
 4. other rows: divide by temperature, keep top-k, keep top-p (nucleus), softmax, draw one token by
-   inverse-CDF sampling with one uniform number per row (float64 cumsum + `searchsorted`), taken
-   from the row's own `torch.Generator` when the request has a seed, so the draw depends only on
-   (seed, number of tokens drawn before, logits) and not on the batch.
+   inverse-CDF sampling over the kept tokens in vocabulary order (never in rank order, which
+   near-tied logits reshuffle under float rounding) with one uniform number per row (float64
+   cumsum + `searchsorted`), taken from the row's own `torch.Generator` when the request has a
+   seed.
+
+Batch independence (DESIGN "Sampling contract"): a row's token is a function of its own logits,
+its own parameters and its own generator only. Each sampled row takes the path its parameters
+choose -- plain (softmax in vocabulary order), top-k with its own k, or top-p only (the best
+`TOP_P_CANDIDATES`, or the whole sorted row when its nucleus is wider) -- and never a path or a
+candidate count chosen by another row of the batch; rows on the same path with the same shape are
+vectorised together (every operation is row-wise). So a seeded request gives the same tokens
+alone or beside any other requests.
 
 Speed (CPU matters here): no full-vocabulary sort in the common cases. Truncated rows work on
 `torch.topk` candidates: exactly `top_k` of them, or for top-p-only rows the best
@@ -134,13 +143,10 @@ class Sampler:
 
         token_ids = torch.argmax(logits, dim=-1)  # [B]; final for greedy rows
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=logits.device)
-            sub_params = [params[i] for i in sampled_rows]
-            weights, cand_ids = _candidates(logits[rows], sub_params)  # [S, K], [S, K] | None
-            pos = _inverse_cdf(weights, [generators[i] for i in sampled_rows])  # [S]
+        for group, weights, cand_ids in _candidate_groups(logits, params, sampled_rows):
+            pos = _inverse_cdf(weights, [generators[i] for i in group])  # [G]
             chosen = pos if cand_ids is None else cand_ids.gather(1, pos[:, None]).squeeze(1)
-            token_ids[rows] = chosen
+            token_ids[torch.tensor(group, device=logits.device)] = chosen
 
         token_list = token_ids.tolist()
         logprobs: list[dict | None] = [None] * batch
@@ -182,13 +188,14 @@ class Sampler:
         for i, p in enumerate(params):
             if p.greedy:
                 probs[i, torch.argmax(logits[i])] = 1.0
-                continue
-            weights, cand_ids = _candidates(logits[i : i + 1], [p])
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        for group, weights, cand_ids in _candidate_groups(logits, params, sampled_rows):
             weights = weights / weights.sum(dim=-1, keepdim=True)
+            rows = torch.tensor(group, device=logits.device)
             if cand_ids is None:
-                probs[i] = weights[0]
+                probs[rows] = weights
             else:
-                probs[i].scatter_(0, cand_ids[0], weights[0])
+                probs[rows] = probs[rows].scatter_(1, cand_ids, weights)
         return probs
 
     def _plain_greedy(
@@ -289,39 +296,76 @@ def _token_counts(token_lists: list[Sequence[int]], vocab: int, device) -> torch
 TOP_P_CANDIDATES = 1024
 
 
-def _candidates(
-    logits: torch.Tensor, params: list[SamplingParams]
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Temperature, top-k, top-p for `[S, V]` fp32 logits.
+def _path(p: SamplingParams, vocab: int) -> tuple[str, int]:
+    """The sampling path of one row, from its own parameters only: ("all", 0) for a softmax over
+    the whole vocabulary in vocabulary order, ("top_k", k) for its own k (top-p applies inside),
+    ("top_p", 0) for top-p alone."""
+    if 0 < p.top_k < vocab:
+        return ("top_k", p.top_k)
+    if p.top_p < 1.0:
+        return ("top_p", 0)
+    return ("all", 0)
 
-    Returns (weights `[S, K]` >= 0, not normalised, at least one > 0 per row; candidate token ids
-    `[S, K]` or None when K = V in vocabulary order). Top-k keeps exactly k tokens (ties at the
-    k-th value broken by `torch.topk` order); top-p keeps the smallest prefix of the descending
-    distribution (after top-k) whose mass reaches p, always including the top token (HF
-    `TopPLogitsWarper` semantics).
+
+def _candidate_groups(
+    logits: torch.Tensor, params: Sequence[SamplingParams], rows: list[int]
+) -> list[tuple[list[int], torch.Tensor, torch.Tensor | None]]:
+    """Temperature, top-k, top-p for the sampled `rows` of `[B, V]` fp32 logits, by path.
+
+    Rows are grouped by `_path` (each row's own parameters) and every group is computed with
+    row-wise operations only, so a row's result does not depend on the other rows.
+
+    Returns (row indices into `logits`, weights `[G, K]` >= 0, not normalised, at least one > 0
+    per row, candidate token ids `[G, K]` in ascending order, or None when K = V) per group.
+    Top-k keeps exactly k tokens (ties at the k-th value broken by `torch.topk` order); top-p
+    keeps the smallest prefix of the descending distribution (after top-k) whose mass reaches
+    p, always including the top token (HF `TopPLogitsWarper` semantics).
     """
     device, vocab = logits.device, logits.shape[1]
-    temps = torch.tensor([p.temperature for p in params], device=device)[:, None]  # [S, 1]
-    logits = _apply_min_p(logits / temps, params)
-    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    top_p = [p.top_p for p in params]
-    if all(k == 0 for k in top_k) and all(p >= 1.0 for p in top_p):
-        return torch.softmax(logits, dim=-1), None
-    num = min(vocab, max(k if k > 0 else TOP_P_CANDIDATES for k in top_k))
-    weights, ids, complete = _truncate(logits, top_k, top_p, num)
-    if not complete.all():  # some top-p-only nucleus is wider than `num`: sort those rows fully
-        if num < vocab:
-            weights = torch.nn.functional.pad(weights, (0, vocab - num))
-            ids = torch.nn.functional.pad(ids, (0, vocab - num))
-        redo = torch.nonzero(~complete).flatten()
+    paths: dict[tuple[str, int], list[int]] = {}
+    for i in rows:
+        paths.setdefault(_path(params[i], vocab), []).append(i)
+    groups: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
+    for (kind, k), group in paths.items():
+        temps = torch.tensor([params[i].temperature for i in group], device=device)[:, None]
+        scaled = logits[torch.tensor(group, device=device)] / temps  # [G, V]
+        scaled = _apply_min_p(scaled, [params[i] for i in group])
+        if kind == "all":
+            groups.append((group, torch.softmax(scaled, dim=-1), None))
+            continue
+        top_p = [params[i].top_p for i in group]
+        num = k if kind == "top_k" else min(vocab, TOP_P_CANDIDATES)
+        weights, ids, complete = _truncate(scaled, [k] * len(group), top_p, num)
+        done = complete.tolist()
+        kept = [j for j, ok in enumerate(done) if ok]
+        redo = [j for j, ok in enumerate(done) if not ok]
+        if not redo:
+            groups.append((group, *_vocab_order(weights, ids)))
+            continue
+        if kept:
+            sel = torch.tensor(kept, device=device)
+            groups.append(([group[j] for j in kept], *_vocab_order(weights[sel], ids[sel])))
+        # a nucleus wider than the candidates: those rows sort their whole vocabulary
+        sel = torch.tensor(redo, device=device)
         full_w, full_ids, _ = _truncate(
-            logits[redo],
-            [top_k[i] for i in redo.tolist()],
-            [top_p[i] for i in redo.tolist()],
-            vocab,
+            scaled[sel], [0] * len(redo), [top_p[j] for j in redo], vocab
         )
-        weights[redo], ids[redo] = full_w, full_ids
-    return weights, ids
+        vocab_w = torch.zeros_like(full_w).scatter_(1, full_ids, full_w)
+        groups.append(([group[j] for j in redo], vocab_w, None))
+    return groups
+
+
+def _vocab_order(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates `[G, K]` re-ordered by ascending token id.
+
+    The kept set is chosen by rank, but the draw walks it in vocabulary order: near-tied logits
+    (a flat distribution over a large vocabulary has many) swap ranks under rounding noise of the
+    forward pass (float32 matmuls of other shapes, another chunking), and a draw by rank would
+    then pick the neighbour; in vocabulary order it picks the same token unless the noise moves
+    a cdf boundary across the uniform or a token across the top-k/top-p cutoff.
+    """
+    ids, order = torch.sort(ids, dim=-1)
+    return weights.gather(1, order), ids
 
 
 def _truncate(

@@ -35,6 +35,14 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 class SamplingParams:
     """How to pick output tokens and when to stop.
 
+    Reproducibility contract (DESIGN "Sampling contract"): with a `seed`, a request's output is
+    a function of its prompt, these parameters and the seed only -- the same seed, prompt and
+    parameters give the same tokens on the same model, dtype and device, whatever other requests
+    share the batch, the prefill chunking, the prefix cache or a preemption. Each sampled row
+    takes its own path with its own generator (one draw per output token). Greedy requests
+    (temperature 0) are deterministic without a seed; unseeded sampled requests draw from the
+    engine's shared generator and are not reproducible.
+
     Attributes:
         n: completions per prompt (>= 1). The gateway fans `n > 1` out as n requests; the engine
             itself generates one sequence per request.
@@ -46,8 +54,8 @@ class SamplingParams:
         top_p: nucleus sampling, keep the smallest set of tokens whose probability sums to
             >= top_p (0 < top_p <= 1; 1 = off). Holtzman et al. 2019, arXiv:1904.09751.
         top_k: keep the k most likely tokens (0 or -1 = off, normalised to 0; else >= 1).
-        seed: per-request RNG seed (int64 or uint64 range) for reproducible sampling; None = the
-            engine's shared generator.
+        seed: per-request RNG seed (int64 or uint64 range) for reproducible sampling (see the
+            contract above); None = the engine's shared generator.
         stop: stop strings, matched on the detokenized text (not in the output unless
             `include_stop_str_in_output`). Accepts a str, a list of str, or None.
         stop_token_ids: token ids that end generation (finish_reason "stop"); the stop token is

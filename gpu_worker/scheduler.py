@@ -277,6 +277,16 @@ class Scheduler:
             self.finish_request(request, RequestStatus.FINISHED_ABORTED)
         return request
 
+    def preempt_request(self, request_id: str) -> bool:
+        """Preempt a running request by recompute between steps (as when blocks run out: its
+        blocks are freed, `num_computed_tokens` goes back to 0 and it waits again). For tests
+        and operators; returns False when the request is not running."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            return False
+        self._preempt(_StepState(0, None), request)
+        return True
+
     # --- one step ---
     def schedule(self) -> SchedulerOutput:
         """Build the next step (see the module docstring for the algorithm)."""

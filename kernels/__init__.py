@@ -5,7 +5,10 @@ Each op has a Triton implementation (``kernels.triton``) and a plain-PyTorch ref
 (see :mod:`kernels._validate`) and dispatch: Triton for CUDA tensors, the reference elsewhere.
 ``LANESERVE_ATTENTION_BACKEND=torch|triton`` overrides the choice for every op (``triton`` on CPU
 tensors runs them in the Triton interpreter: on a machine without CUDA the first forced call sets
-``TRITON_INTERPRET=1`` before ``kernels.triton`` is imported).
+``TRITON_INTERPRET=1`` before ``kernels.triton`` is imported). On CPU the torch backend runs the
+fused layer ops (RMSNorm with its residual add, SiLU-mul, RoPE with the cache write) and decode
+attention as one C++ op each (:mod:`kernels.cpu_ext`, same numerics as the reference) when that
+extension is built, the reference otherwise.
 
 Note: this top-level package shadows Hugging Face's optional ``kernels`` package; never install
 both in one environment (see DESIGN.md).
@@ -20,7 +23,7 @@ import sys
 import torch
 
 from contracts import env
-from kernels import _validate, reference
+from kernels import _validate, cpu_ext, reference
 
 __all__ = [
     "unified_attention",
@@ -28,6 +31,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "rope_and_cache",
     "backend_for",
     "reference",
 ]
@@ -121,6 +125,10 @@ def rms_norm(
     See :func:`kernels.reference.rms_norm`. Raises TypeError / ValueError on bad input.
     """
     _validate.rms_norm_args(x, weight, eps, residual)
+    if residual is None and _cpu_fused(x, weight):
+        return torch.ops.laneserve.rms_norm(x, weight, eps)
+    if residual is not None and _cpu_fused(x, weight, residual):
+        return torch.ops.laneserve.fused_add_rms_norm(x, residual, weight, eps)
     return _impl(x).rms_norm(x, weight, eps, residual)
 
 
@@ -142,4 +150,68 @@ def rotary_embedding(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``[..., 2I] -> [..., I]`` = silu(x[..., :I]) * x[..., I:]. See :func:`kernels.reference.silu_and_mul`."""
     _validate.silu_and_mul_args(x)
+    if _cpu_fused(x):
+        return torch.ops.laneserve.silu_and_mul(x)
     return _impl(x).silu_and_mul(x)
+
+
+def rope_and_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """RoPE on the q and k parts of a fused projection, k and v written to the cache: returns q.
+
+    ``qkv`` ``[T, (Hq + 2 Hk) * D]`` = cat(q, k, v) per token; positions int64 ``[T]``;
+    cos_sin_cache fp32 ``[max_pos, rot_dim]``; caches ``[num_blocks, block_size, Hk, D]``;
+    slot_mapping int64 ``[T]`` (negative: not written). Returns the rotated q ``[T, Hq, D]``.
+    Same numerics as :func:`rotary_embedding` followed by :func:`reshape_and_cache`, which is what
+    runs when the C++ op cannot take the tensors. Raises TypeError / ValueError on bad input.
+    """
+    head_dim = k_cache.shape[-1]
+    _validate.rope_and_cache_args(qkv, num_q_heads, num_kv_heads, head_dim)
+    if (
+        _cpu_fused(qkv, k_cache, v_cache, dense=False)
+        and qkv.is_contiguous()
+        and positions.dtype == slot_mapping.dtype == torch.int64
+        and cos_sin_cache.dtype == torch.float32
+        and positions.shape[0] == slot_mapping.shape[0] == qkv.shape[0]
+    ):
+        return torch.ops.laneserve.rope_and_cache(
+            qkv,
+            positions,
+            cos_sin_cache,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            num_q_heads,
+            num_kv_heads,
+        )
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.reshape(-1, num_q_heads, head_dim).contiguous()  # [T, Hq, D]
+    k = k.reshape(-1, num_kv_heads, head_dim).contiguous()  # [T, Hk, D]
+    v = v.reshape(-1, num_kv_heads, head_dim).contiguous()
+    rotary_embedding(positions, q, k, cos_sin_cache)
+    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def _cpu_fused(first: torch.Tensor, *others: torch.Tensor, dense: bool = True) -> bool:
+    """Whether the C++ CPU op can take these tensors: CPU, one dtype, torch backend, 2-D dense
+    (``dense``) or with a contiguous last dimension, and the extension built."""
+    if first.device.type != "cpu" or backend_for(first) != "torch":
+        return False
+    for t in (first, *others):
+        if t.dtype != first.dtype or t.stride(-1) != 1 or t.device.type != "cpu":
+            return False
+        if dense and t is first and (t.dim() != 2 or not t.is_contiguous()):
+            return False
+        if dense and not t.is_contiguous():
+            return False
+    return cpu_ext.load()

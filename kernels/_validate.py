@@ -143,3 +143,17 @@ def silu_and_mul_args(x):
     tensor("x", x, None, FLOAT_DTYPES)
     if x.dim() < 1 or x.shape[-1] % 2:
         raise ValueError(f"x last dim must be even ([..., 2 * intermediate]), got {tuple(x.shape)}")
+
+
+def rope_and_cache_args(qkv, num_q_heads, num_kv_heads, head_dim):
+    tensor("qkv", qkv, 2, FLOAT_DTYPES)
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    width = (num_q_heads + 2 * num_kv_heads) * head_dim
+    if qkv.shape[1] != width:
+        raise ValueError(
+            f"qkv [T, (Hq + 2 Hk) * D] must be {width} wide for Hq={num_q_heads}, "
+            f"Hk={num_kv_heads}, D={head_dim}; got {tuple(qkv.shape)}"
+        )

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ext
+
 __all__ = [
     "unified_attention",
     "reshape_and_cache",
@@ -62,6 +64,7 @@ class _StepMemo:
 
 _rope_memo = _StepMemo()
 _groups_memo = _StepMemo()
+_layout_memo = _StepMemo()  # host-side lists of the batch layout, read once per step
 
 # Decode sequences are padded to the longest one in their group; grouping by length (up to this
 # many groups) pays off once padding would waste more than a fifth of the gathered context.
@@ -182,6 +185,35 @@ def _sequence_attention(
     return out[0].transpose(0, 1)  # [q_len, Hq, D]
 
 
+def _version(t: torch.Tensor) -> object:
+    """``t``'s in-place version, or a fresh object (never equal) for an inference tensor."""
+    return object() if t.is_inference() else t._version
+
+
+def _layout(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor) -> tuple:
+    """``(seq_lens list, cu_seqlens_q list, indices of the sequences with one query token)``."""
+    seq_lens_list = seq_lens.tolist()
+    starts = cu_seqlens_q.tolist()
+    decodes = [s for s in range(len(seq_lens_list)) if starts[s + 1] - starts[s] == 1]
+    return seq_lens_list, starts, decodes
+
+
+def _in_place_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the C++ decode kernel (:mod:`kernels.cpu_ext`) can take these tensors."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k_cache.dtype == v_cache.dtype
+        and q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+        and cpu_ext.load()
+    )
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.int32 and t.stride(-1) == 1:
+        return t
+    return t.to(torch.int32).contiguous()
+
+
 def unified_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -214,15 +246,20 @@ def unified_attention(
         ``out`` (or a new tensor) ``[num_tokens, num_q_heads, head_dim]`` in ``q.dtype``.
     """
     num_tokens = q.shape[0]
+    if num_tokens == 0:
+        return torch.empty_like(q) if out is None else out
+    seq_lens_list, starts, decodes = _layout_memo.get(
+        seq_lens, (cu_seqlens_q, _version(cu_seqlens_q)), lambda: _layout(seq_lens, cu_seqlens_q)
+    )
+    num_seqs = len(seq_lens_list)
+    in_place = bool(decodes) and _in_place_decode(q, k_cache, v_cache)
+    if len(decodes) == num_seqs == num_tokens and in_place:  # pure decode: blocks read in place
+        res = torch.ops.laneserve.paged_decode_attention(
+            q, k_cache, v_cache, _int32(seq_lens), _int32(block_tables), softmax_scale
+        )
+        return res if out is None else out.copy_(res)
     if out is None:
         out = torch.empty_like(q)
-    if num_tokens == 0:
-        return out
-    seq_lens_list = seq_lens.tolist()
-    num_seqs = len(seq_lens_list)
-    starts = cu_seqlens_q.tolist()
-    q_lens = [starts[s + 1] - starts[s] for s in range(num_seqs)]
-    decodes = [s for s in range(num_seqs) if q_lens[s] == 1]
     if len(decodes) == num_seqs == num_tokens:  # pure decode batch
         groups = _groups_memo.get(
             seq_lens, (cu_seqlens_q,), lambda: _length_groups_tensors(seq_lens_list, q.device)
@@ -244,7 +281,19 @@ def unified_attention(
                 softmax_scale,
             ).to(out.dtype)
         return out
-    if len(decodes) > 1:  # the decodes of a mixed batch still go through the batched path
+    if decodes and in_place:  # the decodes of a mixed batch: one kernel call for all of them
+        seq_idx = torch.tensor(decodes, device=q.device)
+        rows = torch.tensor([starts[s] for s in decodes], device=q.device)
+        out[rows] = torch.ops.laneserve.paged_decode_attention(
+            q[rows],
+            k_cache,
+            v_cache,
+            _int32(seq_lens[seq_idx]),
+            _int32(block_tables[seq_idx]),
+            softmax_scale,
+        )
+        decodes_done = set(decodes)
+    elif len(decodes) > 1:  # the decodes of a mixed batch still go through the batched path
         seq_idx = torch.tensor(decodes, device=q.device)
         rows = torch.tensor([starts[s] for s in decodes], device=q.device)
         out[rows] = _decode_attention(

@@ -37,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from contracts.latency import percentile  # noqa: E402
+
 
 def _client_proc(front: str, streams: int, start_at: float, duration: float, queue) -> None:
     try:
@@ -100,12 +102,6 @@ def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _percentile(sorted_vals: list[float], q: float) -> float | None:
-    if not sorted_vals:
-        return None
-    return sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))]
 
 
 def run_phase(args, tmp: Path, name: str, step_ms: float, stamp: bool) -> dict:
@@ -202,9 +198,9 @@ def run_phase(args, tmp: Path, name: str, step_ms: float, stamp: bool) -> dict:
     if lat:
         out.update(
             latency_samples=len(lat),
-            latency_p50_ms=round(_percentile(lat, 0.50), 3),
-            latency_p90_ms=round(_percentile(lat, 0.90), 3),
-            latency_p99_ms=round(_percentile(lat, 0.99), 3),
+            latency_p50_ms=round(percentile(lat, 50), 3),
+            latency_p90_ms=round(percentile(lat, 90), 3),
+            latency_p99_ms=round(percentile(lat, 99), 3),
         )
     return out
 

@@ -223,14 +223,16 @@ class LlamaForCausalLM:
             else:
                 h, residual = kernels.rms_norm(x, layer.input_layernorm, c.rms_norm_eps, residual)
             qkv = quant.linear(h, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) D]
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.reshape(-1, c.num_attention_heads, c.head_dim)  # [T, Hq, D]
-            k = k.reshape(-1, c.num_key_value_heads, c.head_dim)  # [T, Hk, D]
-            v = v.reshape(-1, c.num_key_value_heads, c.head_dim)
-            q = q.contiguous()
-            k = k.contiguous()
-            kernels.rotary_embedding(positions, q, k, self.cos_sin_cache)
-            kernels.reshape_and_cache(k, v.contiguous(), cache[0], cache[1], attn.slot_mapping)
+            q = kernels.rope_and_cache(  # [T, Hq, D]; rotated k and v go to the cache
+                qkv,
+                positions,
+                self.cos_sin_cache,
+                cache[0],
+                cache[1],
+                attn.slot_mapping,
+                c.num_attention_heads,
+                c.num_key_value_heads,
+            )
             o = kernels.unified_attention(
                 q,
                 cache[0],

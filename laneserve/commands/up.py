@@ -7,7 +7,7 @@ and prints the URLs. A crashed child is restarted with backoff; Ctrl-C / SIGTERM
 (children get `--parent-pid`, so they also exit if this process is killed).
 
 The model is pulled and converted (file-locked, atomic) before any worker starts, so N workers do
-not race to download it. On CPU each worker gets `(cores - 1) / workers` torch threads
+not race to download it. On CPU each worker gets `cores / workers` torch threads
 (`OMP_NUM_THREADS`, see `threads_per_worker`) and every child `OMP_WAIT_POLICY=PASSIVE` with a short
 spin (`GOMP_SPINCOUNT=3000`) unless either is set already: libgomp's default busy wait makes torch
 10-30x slower on a loaded small CPU, a fully passive team pays a wake-up at every op (see
@@ -169,14 +169,15 @@ def cpu_cores() -> int:
 
 
 def threads_per_worker(cores: int, workers: int) -> int:
-    """torch threads for each worker: the cores left after one for the rest of the stack (broker,
-    API, jobs runner), split between the workers, at least 1.
+    """torch threads for each worker: the cores split evenly between the workers, at least 1.
 
-    Why one core is kept back: an OpenMP team whose threads lose their core to another process
-    stalls at every barrier. Measured on a loaded 2-core box (SmolLM2-135M float32, one stream):
-    1 thread 7.7 tokens/s, 2 threads 1.6 tokens/s.
+    The broker, API and jobs runner sleep on their sockets while the stack is idle and take little
+    CPU while it serves, so a lone worker gets every core; libgomp's short spin
+    (gpu_worker/openmp.py) gives a core back ~30 us after each parallel region. On a machine whose
+    cores other busy processes share, fewer threads can be faster (an OpenMP team whose threads
+    lose their core stalls at every barrier): set `--threads` there.
     """
-    return max(1, (cores - 1) // workers) if cores > 1 else 1
+    return max(1, cores // max(1, workers))
 
 
 def gpu_count() -> int:

@@ -261,3 +261,33 @@ def test_cuda_logits_match_cpu():
         gens = [make_generator(p.seed) for p in params]
         outs.append(run(Sampler(), logits.to(device), params, gens).token_ids)
     assert outs[0] == outs[1]
+
+
+NEIGHBOURS = [
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=0.7, top_k=3000),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=0.0),
+]
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.9, top_p=0.95),
+        SamplingParams(temperature=1.2, top_k=40),
+        SamplingParams(temperature=5.0, top_p=0.99),  # flat: nucleus wider than the candidates
+    ],
+    ids=["plain", "top_p", "top_k", "wide_top_p"],
+)
+def test_seeded_row_ignores_neighbours_parameters(target):
+    """The issue's case: a plain seeded row beside a top_p row went down the truncation path
+    and drew from a probability-sorted list (0 of 20 seeds matched)."""
+    torch.manual_seed(3)
+    logits = torch.randn(1 + len(NEIGHBOURS), 4096) * 2
+    sampler = Sampler()
+    for seed in range(20):
+        alone = run(sampler, logits[:1], [target], [seeded(seed)]).token_ids[0]
+        mixed = run(sampler, logits, [target, *NEIGHBOURS], [seeded(seed)] + [None] * 4)
+        assert mixed.token_ids[0] == alone, f"seed {seed}"

@@ -225,3 +225,46 @@ def test_bad_sizes():
         block_manager_mod.BlockManager(0, 16)
     with pytest.raises(ValueError, match="block_size"):
         block_manager_mod.BlockManager(4, 0)
+
+
+def test_collision_guard_confirms_the_parent_chain(make_bm, monkeypatch):
+    """A hash that ignores the parent (a forced chain collision): a block with the right tokens
+    but another prefix in front must not serve as a later block of the chain."""
+    import hashlib
+
+    def tokens_only(parent, tokens, extra=None):
+        return hashlib.sha256(repr(list(tokens)).encode()).digest()
+
+    monkeypatch.setattr(block_manager_mod, "hash_block_tokens", tokens_only)
+    bm = make_bm(num_blocks=16, block_size=4)
+    c = Request("c", [5, 6, 7, 8, 5, 6, 7, 8, 0])  # block 0 registers hash([5, 6, 7, 8])
+    admit(bm, c)
+    assert bm.num_hash_collisions == 1  # its block 1 has that hash with another parent
+    a = Request("a", [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    admit(bm, a)  # block 1 collides with c's block 0: not registered
+    assert bm.num_hash_collisions == 2
+    q = Request("q", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    hit, num_hit = bm.get_computed_blocks(q)
+    assert hit == a.block_table[:1] and num_hit == 4  # c's block 0 is not position 4..7
+    assert bm.num_hash_collisions == 3
+    for r in (a, c):
+        bm.free(r)
+
+
+def test_hit_rate_ignores_readmission_after_preemption(make_bm):
+    bm = make_bm(num_blocks=16, block_size=4)
+    a = Request("a", list(range(1, 11)))
+    admit(bm, a)
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (10, 0)
+    bm.free(a)  # what a preemption does, then the scheduler re-admits the request
+    a.num_computed_tokens = 0
+    a.num_preemptions = 1
+    hit, num_hit = bm.get_computed_blocks(a)
+    assert num_hit == 8  # its own blocks are still cached and reused
+    compute(bm, a, hit, num_hit)
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (10, 0)
+    b = Request("b", list(range(1, 11)))  # another request's hit counts
+    admit(bm, b)
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (20, 8)
+    bm.free(a)
+    bm.free(b)

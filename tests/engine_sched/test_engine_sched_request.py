@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_worker.request import Lane, Request, RequestStatus, percentile
+from gpu_worker.request import Lane, Request, RequestStatus
 
 
 def test_status_finish_reasons():
@@ -50,12 +50,3 @@ def test_metrics_dict():
     unscheduled = Request("u", [1]).metrics()
     assert unscheduled["queue_ms"] is None and unscheduled["tpot_ms"] is None
     assert unscheduled["cached_tokens"] == 0 and unscheduled["itl_p99_ms"] is None
-
-
-def test_percentile_matches_numpy():
-    rng = np.random.default_rng(0)
-    for n in (1, 2, 5, 101):
-        xs = list(rng.random(n) * 100)
-        for q in (0, 50, 90, 99, 100):
-            assert percentile(xs, q) == pytest.approx(np.percentile(xs, q))
-    assert percentile([], 99) is None

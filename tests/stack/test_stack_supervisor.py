@@ -125,9 +125,10 @@ def test_parse_lanes_and_threads():
         parse_lanes("interactive;batch;batch", 2)
     with pytest.raises(ValueError, match="lanes"):
         parse_lanes("interactive,bulk", 1)
-    assert threads_per_worker(2, 1) == 1  # one core kept for broker/API/runner
-    assert threads_per_worker(16, 1) == 15
-    assert threads_per_worker(16, 4) == 3
+    assert threads_per_worker(2, 1) == 2  # one worker uses every core
+    assert threads_per_worker(16, 1) == 16
+    assert threads_per_worker(16, 4) == 4
+    assert threads_per_worker(3, 2) == 1
     assert threads_per_worker(1, 3) == 1
 
 

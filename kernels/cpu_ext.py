@@ -1,0 +1,423 @@
+"""A small C++ CPU kernel, built on first use: paged decode attention that reads K/V in place.
+
+``torch.ops.laneserve.paged_decode_attention`` computes one query token per sequence against its
+context, walking the block table and reading each block where it lies in the cache: no gather, no
+padding to the longest sequence. One ``at::parallel_for`` task per (sequence, KV head) keeps the
+``g = Hq / Hk`` query heads of the group together, so each K/V row is read once per group. Scores,
+softmax and the weighted sum of V are in fp32 (two passes: K then V); the output is rounded once
+to the output dtype. float32, bfloat16 and float16 caches; any cache strides with a contiguous
+head dimension.
+
+The source is compiled with ``torch.utils.cpp_extension.load_inline`` into torch's extension cache
+(``~/.cache/torch_extensions`` or ``TORCH_EXTENSIONS_DIR``) the first time :func:`load` runs on a
+machine (about a minute on 2 cores, then loaded in milliseconds). ``-march=native`` is used, so the
+module name carries a hash of the CPU's flags. Without a C++ compiler, or with
+``LANESERVE_CPU_KERNELS=0``, :func:`load` returns False and callers use the PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from contracts import env
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* bits = reinterpret_cast<uint32_t*>(dst);  // bf16 is the high half of an fp32
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) bits[i] = static_cast<uint32_t>(raw[i]) << 16;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hk, D]; seq_lens int32 [B];
+// block_tables int32 [B, max_blocks]; out [B, Hq, D]
+// One task = one sequence and a range of its KV heads [h0, h1): all heads when the batch alone
+// keeps the threads busy (each token's K/V row is then read whole, once), one head otherwise.
+template <typename T>
+void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                 const at::Tensor& seq_lens, const at::Tensor& bt, double scale,
+                 at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = kc.size(1), Hk = kc.size(2), g = Hq / Hk;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* btp = bt.data_ptr<int32_t>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
+  const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
+  const int64_t bts0 = bt.stride(0);
+  const float fscale = static_cast<float>(scale);
+  const int64_t per_task = B >= 4 * at::get_num_threads() ? Hk : 1;
+  const int64_t tasks_per_seq = Hk / per_task;
+  at::parallel_for(0, B * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(Hq * D), acc(Hq * D), row(D), scores, inv_sum(Hq);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / tasks_per_seq;
+      const int64_t h0 = (w % tasks_per_seq) * per_task, h1 = h0 + per_task;
+      const int64_t r0 = h0 * g, r1 = h1 * g;  // query heads of this task
+      const int64_t len = sl[b];
+      for (int64_t r = r0; r < r1; ++r) {
+        load_row(qp + b * qs0 + r * qs1, qf.data() + r * D, D);
+        for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= fscale;
+      }
+      scores.resize(Hq * len);
+      // pass 1: scores[r, t] = scale * q_r . k_t, read block by block where it lies
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t base = btp[b * bts0 + t / bs] * ks0 + (t % bs) * ks1;
+        for (int64_t h = h0; h < h1; ++h) {
+          load_row(kp + base + h * ks2, row.data(), D);
+          for (int64_t r = h * g; r < (h + 1) * g; ++r)
+            scores[r * len + t] = dot(qf.data() + r * D, row.data(), D);
+        }
+      }
+      for (int64_t r = r0; r < r1; ++r) {
+        float* s = scores.data() + r * len;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - m);
+          sum += s[t];
+        }
+        inv_sum[r] = 1.f / sum;
+      }
+      // pass 2: acc[r] = sum_t p[r, t] * v_t
+      std::fill(acc.begin() + r0 * D, acc.begin() + r1 * D, 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t base = btp[b * bts0 + t / bs] * vs0 + (t % bs) * vs1;
+        for (int64_t h = h0; h < h1; ++h) {
+          load_row(vp + base + h * vs2, row.data(), D);
+          for (int64_t r = h * g; r < (h + 1) * g; ++r) {
+            const float p = scores[r * len + t];
+            float* a = acc.data() + r * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+          }
+        }
+      }
+      for (int64_t r = r0; r < r1; ++r) {
+        T* o = op + b * os0 + r * os1;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r * D + d] * inv_sum[r]);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& seq_lens,
+                                  const at::Tensor& block_tables, double scale) {
+  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [B, Hq, D], k_cache [N, bs, Hk, D]");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 &&
+              v_cache.stride(3) == 1, "the head dimension must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches share one dtype");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && block_tables.scalar_type() == at::kInt &&
+              block_tables.stride(1) == 1 && seq_lens.is_contiguous(), "int32 metadata");
+  TORCH_CHECK(seq_lens.size(0) == q.size(0) && block_tables.size(0) == q.size(0),
+              "one query row, length and table row per sequence");
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1);
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {  // every block a sequence reads must exist
+    TORCH_CHECK(sl[b] >= 1 && (sl[b] + bs - 1) / bs <= block_tables.size(1),
+                "seq_lens[", b, "] = ", sl[b], " does not fit its block table");
+    for (int64_t j = 0; j < (sl[b] + bs - 1) / bs; ++j) {
+      const int32_t id = block_tables.data_ptr<int32_t>()[b * block_tables.stride(0) + j];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block id ", id, " outside [0, ", num_blocks, ")");
+    }
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    decode_impl<scalar_t>(q, k_cache, v_cache, seq_lens, block_tables, scale, out);
+  });
+  return out;
+}
+
+// Round a float to T and back (the rounding a torch op in dtype T applies to its result).
+template <typename T>
+inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
+
+// x [T, H] (+ residual [T, H]) -> out [T, H], new_residual [T, H], transformers' LlamaRMSNorm:
+// r = x + residual in T; h = float(r); out = T(w * T(h * rsqrt(mean(h^2) + eps))).
+template <typename T>
+void rms_impl(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& w, double eps,
+              at::Tensor& out, at::Tensor* new_res) {
+  const int64_t rows = x.size(0), H = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* rp = residual ? residual->data_ptr<T>() : nullptr;
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  T* np = new_res ? new_res->data_ptr<T>() : nullptr;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(H);
+    for (int64_t i = begin; i < end; ++i) {
+      const T* xi = xp + i * H;
+      for (int64_t j = 0; j < H; ++j) h[j] = static_cast<float>(xi[j]);
+      if (rp) {
+        const T* ri = rp + i * H;
+        T* ni = np + i * H;
+        for (int64_t j = 0; j < H; ++j) {
+          ni[j] = static_cast<T>(h[j] + static_cast<float>(ri[j]));
+          h[j] = static_cast<float>(ni[j]);
+        }
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < H; ++j) ss += h[j] * h[j];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      T* oi = op + i * H;
+      for (int64_t j = 0; j < H; ++j)
+        oi[j] = static_cast<T>(static_cast<float>(wp[j]) * rnd<T>(h[j] * inv));
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x,
+                                                      const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.dim() == 2, "x [T, H] dense");
+  auto out = at::empty_like(x);
+  auto new_res = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms", [&] {
+    rms_impl<scalar_t>(x, &residual, weight, eps, out, &new_res);
+  });
+  return {out, new_res};
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2, "x [T, H] dense");
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms", [&] {
+    rms_impl<scalar_t>(x, nullptr, weight, eps, out, nullptr);
+  });
+  return out;
+}
+
+// x [T, 2I] -> [T, I] = T(T(silu(gate)) * up), transformers' act_fn(gate) * up in dtype T.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2, "x [T, 2I] dense");
+  const int64_t rows = x.size(0), I = x.size(1) / 2;
+  auto out = at::empty({rows, I}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows * I, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t e = begin; e < end; ++e) {
+        const int64_t i = e / I, j = e % I;
+        const float g = static_cast<float>(xp[i * 2 * I + j]);
+        const float u = static_cast<float>(xp[i * 2 * I + I + j]);
+        op[e] = static_cast<scalar_t>(rnd<scalar_t>(g / (1.f + std::exp(-g))) * u);
+      }
+    });
+  });
+  return out;
+}
+
+// qkv [T, (Hq + 2 Hk) D] -> q [T, Hq, D] rotated; k rotated and v written to the caches'
+// slot_mapping[t] (negative: skipped). Rotate-half RoPE with transformers' numerics in dtype T:
+// x * T(cos) + rotate_half(x) * T(sin), each product and the sum rounded to T. cos_sin [P, rot].
+template <typename T>
+void rope_cache_impl(const at::Tensor& qkv, const at::Tensor& pos, const at::Tensor& cs,
+                     at::Tensor& kc, at::Tensor& vc, const at::Tensor& slots, int64_t Hq,
+                     int64_t Hk, at::Tensor& q_out) {
+  const int64_t T_ = qkv.size(0), D = q_out.size(2), rot = cs.size(1), half = rot / 2;
+  const int64_t width = qkv.size(1), bs = kc.size(1);
+  const T* xp = qkv.data_ptr<T>();
+  const float* csp = cs.data_ptr<float>();
+  const int64_t css = cs.stride(0);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  T* qp = q_out.data_ptr<T>();
+  T* kp = kc.data_ptr<T>();
+  T* vp = vc.data_ptr<T>();
+  const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
+  const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
+  auto rotate = [&](const T* src, T* dst, const float* c, const float* s) {
+    for (int64_t d = 0; d < rot; ++d) {
+      const float x = static_cast<float>(src[d]);
+      const float r = d < half ? -static_cast<float>(src[d + half]) : static_cast<float>(src[d - half]);
+      const float cd = rnd<T>(c[d % half]), sd = rnd<T>(s[d % half]);
+      dst[d] = static_cast<T>(rnd<T>(x * cd) + rnd<T>(r * sd));
+    }
+    for (int64_t d = rot; d < D; ++d) dst[d] = src[d];
+  };
+  at::parallel_for(0, T_, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = xp + t * width;
+      const float* c = csp + pp[t] * css;
+      const float* s = c + half;
+      for (int64_t h = 0; h < Hq; ++h) rotate(row + h * D, qp + (t * Hq + h) * D, c, s);
+      const int64_t slot = sp[t];
+      if (slot < 0) continue;
+      const int64_t blk = slot / bs, off = slot % bs;
+      for (int64_t h = 0; h < Hk; ++h) {
+        rotate(row + (Hq + h) * D, kp + blk * ks0 + off * ks1 + h * ks2, c, s);
+        const T* v = row + (Hq + Hk + h) * D;
+        T* vd = vp + blk * vs0 + off * vs1 + h * vs2;
+        for (int64_t d = 0; d < D; ++d) vd[d] = v[d];
+      }
+    }
+  });
+}
+
+at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions,
+                          const at::Tensor& cos_sin_cache, at::Tensor k_cache, at::Tensor v_cache,
+                          const at::Tensor& slot_mapping, int64_t num_q_heads,
+                          int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.is_contiguous() && qkv.dim() == 2, "qkv [T, (Hq + 2 Hk) D] dense");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+              positions.is_contiguous() && slot_mapping.is_contiguous(), "int64 positions/slots");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.stride(1) == 1,
+              "fp32 cos_sin_cache");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && k_cache.stride(3) == 1 &&
+              v_cache.scalar_type() == qkv.scalar_type() && v_cache.stride(3) == 1,
+              "caches share qkv's dtype, head dimension contiguous");
+  const int64_t D = k_cache.size(3);
+  TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * D, "qkv width");
+  TORCH_CHECK(positions.size(0) == qkv.size(0) && slot_mapping.size(0) == qkv.size(0),
+              "positions and slot_mapping need one entry per token");
+  const int64_t max_pos = cos_sin_cache.size(0), max_slot = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < qkv.size(0); ++t) {
+    const int64_t p = positions.data_ptr<int64_t>()[t], s = slot_mapping.data_ptr<int64_t>()[t];
+    TORCH_CHECK(p >= 0 && p < max_pos, "position ", p, " outside cos_sin_cache [0, ", max_pos, ")");
+    TORCH_CHECK(s < max_slot, "slot ", s, " outside the cache's ", max_slot, " slots");
+  }
+  auto q = at::empty({qkv.size(0), num_q_heads, D}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_cache", [&] {
+    rope_cache_impl<scalar_t>(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                              num_q_heads, num_kv_heads, q);
+  });
+  return q;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(laneserve, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, "
+        "Tensor block_tables, float scale) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) "
+        "-> (Tensor, Tensor)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rope_and_cache(Tensor qkv, Tensor positions, Tensor cos_sin_cache, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slot_mapping, int num_q_heads, int num_kv_heads) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rope_and_cache", &rope_and_cache);
+}
+"""
+
+BUILD_TIMEOUT_S = 900  # a build takes ~1 min on 2 busy cores; past this, use the PyTorch path
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def _cpu_flags_tag() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    digest = hashlib.sha256((_SOURCE + flags + torch.__version__).encode()).hexdigest()
+    return digest[:12]
+
+
+def load() -> bool:
+    """Build (first time on this machine) and load the extension; True when its ops are usable.
+
+    Never raises: a failed build is logged once as a warning and the PyTorch path is used.
+    """
+    if "ok" in _state:
+        return _state["ok"]
+    with _lock:
+        if "ok" in _state:
+            return _state["ok"]
+        if not env.get("LANESERVE_CPU_KERNELS"):
+            _state["ok"] = False
+            return False
+        try:
+            _build_and_load()
+            _state["ok"] = hasattr(torch.ops.laneserve, "paged_decode_attention")
+        except Exception as exc:  # no compiler, failed build: the reference path still works
+            logger.warning("C++ CPU kernels unavailable, using the PyTorch path: %s", exc)
+            _state["ok"] = False
+    return _state["ok"]
+
+
+def build_directory() -> Path:
+    """Where this source, for this CPU and torch version, is built (in torch's extension root)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root()) / f"laneserve_cpu_{_cpu_flags_tag()}"
+
+
+def _build_and_load() -> None:
+    """Compile (or reuse) the extension under an OS file lock and load its ops.
+
+    torch guards a build with a lock *file* that a process killed mid-build leaves behind, and
+    every later build then waits for it forever. The OS lock taken here is released when its
+    holder dies, and whoever holds it is the only builder, so a torch lock file found then is
+    stale and is removed.
+    """
+    from filelock import FileLock
+    from torch.utils.cpp_extension import load_inline
+
+    build_dir = build_directory()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(build_dir) + ".lock", timeout=BUILD_TIMEOUT_S):
+        (build_dir / "lock").unlink(missing_ok=True)
+        load_inline(
+            name=build_dir.name,
+            build_directory=str(build_dir),
+            cpp_sources=[_SOURCE],
+            extra_cflags=[
+                "-O3",
+                "-march=native",
+                "-fopenmp",
+                "-fno-strict-aliasing",
+                "-ffp-contract=off",
+            ],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )

@@ -1,0 +1,148 @@
+"""The C++ CPU layer ops (kernels.cpu_ext) against the PyTorch reference, and the op count of a
+batch-1 decode step of the bundled model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import kernels
+from kernels import cpu_ext, reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+
+
+@pytest.fixture(autouse=True)
+def built():
+    assert cpu_ext.load(), "the C++ CPU kernels failed to build (see the warning logged)"
+
+
+def _ops(fn) -> list[str]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events() if e.cpu_parent is None]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_residual_add_match_reference(dtype, gen):
+    x = torch.randn(7, 576, generator=gen).to(dtype)
+    residual = torch.randn(7, 576, generator=gen).to(dtype)
+    weight = torch.randn(576, generator=gen).to(dtype)
+    out, new_res = kernels.rms_norm(x, weight, 1e-5, residual)
+    ref_out, ref_res = reference.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(new_res, ref_res)  # one rounding of x + residual, as torch adds
+    # the mean of squares sums in another order: within one rounding of the output dtype
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(out, ref_out, **tol)
+    torch.testing.assert_close(
+        kernels.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), **tol
+    )
+    assert _ops(lambda: kernels.rms_norm(x, weight, 1e-5, residual)) == [
+        "laneserve::fused_add_rms_norm"
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(dtype, gen):
+    x = torch.randn(5, 2 * 1536, generator=gen).to(dtype) * 4
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {}
+    torch.testing.assert_close(kernels.silu_and_mul(x), reference.silu_and_mul(x), **tol)
+    assert _ops(lambda: kernels.silu_and_mul(x)) == ["laneserve::silu_and_mul"]
+
+
+def _cos_sin(max_pos: int, rot_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, rot_dim, 2).float() / rot_dim)
+    freqs = torch.outer(torch.arange(max_pos).float(), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hq", "hk", "dim", "rot_dim"), [(9, 3, 64, 64), (4, 4, 32, 16)])
+def test_rope_and_cache_equals_rotary_then_cache_write(dtype, hq, hk, dim, rot_dim, gen):
+    tokens, block_size = 6, 4
+    qkv = torch.randn(tokens, (hq + 2 * hk) * dim, generator=gen).to(dtype)
+    positions = torch.tensor([0, 5, 17, 299, 3, 40])
+    slots = torch.tensor([3, 9, -1, 20, 0, 31])  # one padded token writes nothing
+    cos_sin = _cos_sin(300, rot_dim)
+    shape = (2, 8, block_size, hk, dim)
+    fast, slow = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+
+    q = kernels.rope_and_cache(qkv, positions, cos_sin, fast[0], fast[1], slots, hq, hk)
+    with pytest.MonkeyPatch.context() as mp:  # the composed PyTorch path, as without the build
+        mp.setitem(cpu_ext._state, "ok", False)
+        q_ref = kernels.rope_and_cache(qkv, positions, cos_sin, slow[0], slow[1], slots, hq, hk)
+    assert q.shape == (tokens, hq, dim)
+    assert torch.equal(q, q_ref)  # the same products and sums, rounded the same way
+    assert torch.equal(fast, slow)
+    assert int((fast[0] != 0).any(-1).any(-1).sum()) == tokens - 1
+
+
+def test_rope_and_cache_rejects_bad_input(gen):
+    qkv = torch.randn(2, (4 + 2 * 2) * 32, generator=gen)
+    cache = torch.zeros(2, 4, 4, 2, 32)
+    cos_sin = _cos_sin(10, 32)
+    args = (cos_sin, cache[0], cache[1], torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="position 10 outside"):
+        kernels.rope_and_cache(qkv, torch.tensor([1, 10]), *args, 4, 2)
+    with pytest.raises(ValueError, match="wide"):
+        kernels.rope_and_cache(qkv, torch.tensor([1, 2]), *args, 4, 1)
+    with pytest.raises(RuntimeError, match="slot 16 outside"):
+        kernels.rope_and_cache(
+            qkv, torch.tensor([1, 2]), cos_sin, cache[0], cache[1], torch.tensor([0, 16]), 4, 2
+        )
+
+
+def test_decode_attention_rejects_a_block_id_outside_the_pool():
+    q = torch.randn(1, 4, 32)
+    cache = torch.randn(3, 8, 2, 32)
+    with pytest.raises(RuntimeError, match="block id 3 outside"):
+        torch.ops.laneserve.paged_decode_attention(
+            q,
+            cache,
+            cache,
+            torch.tensor([9], dtype=torch.int32),
+            torch.tensor([[0, 3]], dtype=torch.int32),
+            0.1,
+        )
+
+
+def test_batch1_decode_step_dispatches_at_most_400_ops(smollm2_dir):
+    """Issue target: <= 400 ops dispatched from Python per batch-1 decode step (was ~2,750)."""
+    from gpu_worker.model_loader import load_model_files
+    from gpu_worker.model_runner import ModelRunner
+    from gpu_worker.models.llama import LlamaForCausalLM
+
+    loaded = load_model_files(smollm2_dir)
+    model = LlamaForCausalLM(loaded.config, loaded.weights, torch.bfloat16, "cpu")
+    runner = ModelRunner(model, block_size=16, num_blocks=40)
+    inputs = runner.prepare_inputs([[1, 2, 3, 4, 5]], [0], [[0]], [True])
+    runner.execute(inputs)
+    step = runner.prepare_inputs([[6]], [5], [[0]], [True])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        logits = runner.execute(step)
+    ops = [e for e in prof.events() if e.name.startswith(("aten::", "laneserve::"))]
+    ids = {e.id for e in ops}
+    top = [e.name for e in ops if e.cpu_parent is None or e.cpu_parent.id not in ids]
+    layers = loaded.config.num_hidden_layers
+    assert top.count("laneserve::paged_decode_attention") == layers
+    assert len(top) <= 400, f"{len(top)} ops per decode step"
+    assert logits.shape == (1, loaded.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_block_loading():
+    """torch's lock file outlives a build killed half-way; loading must not wait on it forever."""
+    stale = cpu_ext.build_directory() / "lock"
+    stale.write_text("")
+    code = "from kernels import cpu_ext; assert cpu_ext.load()"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    assert not stale.exists()
