@@ -15,8 +15,9 @@ keeps no durable state: a restart changes its ``epoch`` so peers notice.
 
 Modules: ``config.py`` (``BrokerConfig``), ``workers.py`` (registry, liveness), ``dispatch.py``
 (lane queues, credits, the batch share, solo reservations), ``requests.py`` (request state,
-final/error and timings), ``records.py`` (the recorder link); this module is the event loop
-that routes messages between them.
+final/error and timings), ``records.py`` (the recorder link), ``worker_side.py`` (the handlers of
+worker messages: ready, step outputs, errors, worker loss and requeue); this module is the event
+loop that routes messages between them and handles the clients.
 
 Worker loss: a request that has sent nothing to its client yet (any batch request without
 streamed output, an interactive one before its first token) is requeued at the head of its
@@ -47,19 +48,19 @@ from broker import protocol as p
 from broker.config import BrokerConfig
 from broker.curve import curve_server
 from broker.dispatch import Dispatcher
-from broker.procutil import pid_alive
-from broker.protocol.front import encode_delta
 from broker.protocol.sockets import bind_router
 from broker.records import RecordLink
 from broker.requests import RequestState, outcome, timings, usage
+from broker.worker_side import WorkerSide
 from broker.workers import WorkerRegistry, WorkerState
+from contracts.procs import parent_gone
 
 logger = logging.getLogger(__name__)
 
 _NOBLOCK = zmq.NOBLOCK
 
 
-class Broker:
+class Broker(WorkerSide):
     """The broker event loop. ``run()`` blocks until ``stop()`` (thread-safe flag) is called.
 
     Public state for tests and status: ``counters`` (dict of ints), ``workers``, ``requests``.
@@ -219,7 +220,7 @@ class Broker:
         if not parent or now - self._last_parent_check < 0.5:
             return
         self._last_parent_check = now
-        if os.getppid() != parent and not pid_alive(parent):
+        if parent_gone(parent):
             logger.warning("parent %d died: stopping", parent)
             self.stop()
 
@@ -319,142 +320,6 @@ class Broker:
             if exc.errno != errno.EHOSTUNREACH:
                 raise
             self.counters[f"{peer}_unreachable"] += 1
-        return False
-
-    # ----------------------------------------------------------------------------- workers
-
-    def _on_worker_frames(self, identity: bytes, frames: list[bytes]) -> None:
-        msg = p.decode(frames, p.WORKER_TO_BROKER)
-        worker = self.workers.get(identity)
-        kind = type(msg)
-        if kind is p.Ready:
-            self._on_ready(identity, msg)
-            return
-        if worker is None:
-            self._on_unknown_worker(identity)
-            return
-        worker.last_seen = time.monotonic()
-        if kind is p.StepOutputs:
-            self._on_step_outputs(worker, msg)
-        elif kind is p.WorkerHeartbeat:
-            self.registry.on_heartbeat(worker, msg)
-        elif kind is p.WorkerError:
-            self._on_worker_error(worker, msg)
-
-    def _on_unknown_worker(self, identity: bytes) -> None:
-        """A message from a worker not registered (e.g. this broker restarted): tell it once
-        per liveness window to forget its state and announce itself again."""
-        self.counters["unknown_worker_messages"] += 1
-        now = time.monotonic()
-        if self.registry.may_tell_disconnect(identity, now):
-            bye = p.Disconnect(reason="unknown worker").to_frames()
-            if self._send_worker(identity, bye, quiet=True):
-                self.registry.told_disconnect(identity, now)
-
-    def _on_ready(self, identity: bytes, msg: p.Ready) -> None:
-        if identity in self.workers:
-            self._worker_lost(identity)  # it restarted: whatever it held is gone
-        self.registry.register(identity, msg, time.monotonic())
-        self._send_worker(identity, self._heartbeat_frames())
-        self._dispatch()
-
-    def _on_step_outputs(self, worker: WorkerState, msg: p.StepOutputs) -> None:
-        freed = False
-        now = time.monotonic()
-        for out in msg.outputs:
-            rid = out.request_id
-            req = self.requests.get(rid)
-            if req is None or req.worker != worker.identity:
-                self.counters["stale_outputs"] += 1
-                if not out.finished and rid not in worker.in_flight:
-                    self._send_worker(worker.identity, p.Abort(request_id=rid).to_frames())
-                continue
-            if out.token_ids or out.text:
-                self._on_output(req, out, now)
-            if out.finished:
-                self.dispatcher.release(worker, req)
-                freed = True
-                self._on_finished_output(req, out)
-        if freed:
-            self._dispatch()
-
-    def _on_finished_output(self, req: RequestState, out: p.StepOutput) -> None:
-        metrics = out.metrics or {}
-        if out.finish_reason == "error" or out.error:
-            error = ("engine_error", out.error or "engine error")
-            self._finish(req, "error", error, metrics, status="failed")
-            return
-        status = "aborted" if out.finish_reason == "abort" else "completed"
-        self._finish(req, out.finish_reason or "stop", None, metrics, status=status)
-
-    def _on_output(self, req: RequestState, out: p.StepOutput, now: float) -> None:
-        req.num_tokens += len(out.token_ids)
-        if out.text and not req.first_token:
-            req.first_token = now
-        if req.aborted:
-            return
-        if out.prompt_logprobs is not None:
-            req.prompt_logprobs = out.prompt_logprobs
-        if req.submit.stream:
-            frames = encode_delta(out.request_id, out.text, out.token_ids, out.logprobs)
-            if self._send_client(req.client, frames):
-                req.sent_output = True
-                self.counters["deltas"] += 1
-        else:
-            req.text.append(out.text)
-            req.token_ids.extend(out.token_ids)
-            if out.logprobs is not None:
-                req.logprobs = (req.logprobs or []) + list(out.logprobs)
-
-    def _on_worker_error(self, worker: WorkerState, msg: p.WorkerError) -> None:
-        if msg.request_id is None:
-            logger.error("worker %s error %s: %s", worker.worker_id, msg.code, msg.message[:500])
-            return
-        req = self.requests.get(msg.request_id)
-        if req is None or req.worker != worker.identity:
-            return
-        self.dispatcher.release(worker, req)
-        self._finish(req, "error", (msg.code, msg.message), {}, status="failed")
-        self._dispatch()
-
-    def _worker_lost(self, identity: bytes) -> None:
-        worker = self.registry.remove(identity)
-        if worker is None:
-            return
-        self.counters["workers_lost"] += 1
-        requeue: dict[str, list[str]] = {"interactive": [], "batch": []}
-        for rid in list(worker.in_flight):
-            req = self.requests.get(rid)
-            if req is None:
-                continue
-            self.dispatcher.release(worker, req)
-            if req.aborted:
-                self._finish(req, "abort", None, {}, status="aborted")
-            elif req.sent_output:
-                msg = "worker lost while streaming; retry the request"
-                self._finish(
-                    req, "error", ("worker_lost", msg), {}, status="failed", retryable=True
-                )
-            elif req.attempts >= self.config.max_attempts:
-                msg = f"worker lost {req.attempts} times"
-                self._finish(req, "error", ("worker_lost", msg), {}, status="failed")
-            else:
-                self.counters["requeued"] += 1
-                req.lost += 1
-                # forget the lost attempt's partial output (stream=False accumulates it)
-                req.text, req.token_ids, req.logprobs = [], [], None
-                req.prompt_logprobs = None
-                req.num_tokens, req.first_token = 0, 0.0
-                requeue[req.submit.lane].append(rid)
-        self.dispatcher.requeue_at_head(requeue)  # head of the queue, original order
-        self._dispatch()
-
-    def _send_worker(self, identity: bytes, frames: list[bytes], *, quiet: bool = False) -> bool:
-        if self._send(self.back, identity, frames, "worker"):
-            return True
-        if not quiet and identity in self.workers:
-            logger.warning("worker %r unreachable: treating as lost", identity[:32])
-            self._worker_lost(identity)
         return False
 
     # ----------------------------------------------------------------------------- dispatch

@@ -13,26 +13,8 @@ Usage::
 raised, so a caller sees the broker's code (``overloaded``, ``worker_lost``, ...). Leaving the
 iteration early (``break``, task cancellation, ``aclose()``) sends an ``abort``.
 
-Broker restarts (DESIGN.md "Scale beyond one machine"): the client talks to the broker over one
-*connection* at a time (a DEALER socket and its ZMQ monitor). A connection is *up* once the
-broker answered its ``hello`` with a heartbeat carrying the broker's epoch; requests are sent
-only on an up connection, and a request submitted while none is up waits for one. The client
-*leaves* a connection when
-
-- ZMQ reports the peer disconnected (a broker killed or restarted: noticed at once),
-- a heartbeat or status reply on it carries another epoch than the one it started with, or
-- the broker stays silent for ``liveness_s`` while requests are in flight (``hello`` goes out
-  every ``heartbeat_interval_s`` meanwhile).
-
-Leaving closes the socket, so nothing the old broker sends afterwards is read (an answer of an
-epoch the client left never reaches a caller), and opens a new connection. A stream that already
-yielded a Delta with content ends with a retryable ``worker_lost`` error; every other request in
-flight (non-streaming ones, streams without a token yet) is resubmitted to the broker on the new
-connection under the same request id, keeping its deadline; the caller sees nothing of it but
-the added latency. A request waiting for a connection ends at its ``deadline`` with
-``deadline_exceeded``, or, without one, after ``connect_timeout_s`` with a retryable
-``no_worker``. A broker that still holds a resubmitted id (a reconnect without a restart) follows
-it on the new connection.
+Broker restarts (DESIGN.md "Scale beyond one machine"): the connection and reconnect machinery is
+:mod:`broker.client_conn`; requests in flight survive a broker restart as described there.
 
 A caller that shows nothing before the end (the gateway for a non-streaming HTTP response, which
 streams from the broker only to time tokens at the edge) submits with ``restartable=True``: such
@@ -48,14 +30,14 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from broker import protocol as p
+from broker.client_conn import Conn, Connections
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +54,6 @@ class Restart:
 Result = p.Delta | p.Final | p.Error | Restart
 
 MAX_SENDS = 4  # sends of one request (the first + resubmissions) before a server abort is final
-_DRAIN_BATCH = 512  # messages handled per event-loop round
 
 
 @dataclass(slots=True)
@@ -91,22 +72,7 @@ class _Pending:
     timer: asyncio.TimerHandle | None = None
 
 
-@dataclass(slots=True)
-class _Conn:
-    """One connection to the broker: a DEALER socket, its monitor and their tasks."""
-
-    gen: int
-    sock: zmq.asyncio.Socket
-    shadow: zmq.Socket  # synchronous view of ``sock`` (drains without event-loop round trips)
-    monitor: zmq.asyncio.Socket
-    opened: float  # monotonic s
-    hello_at: float = 0.0  # monotonic s of the last hello sent
-    epoch: str | None = None  # the broker's epoch as first heard here; None: not up yet
-    tasks: list[asyncio.Task] = field(default_factory=list)
-    closed: bool = False
-
-
-class BrokerClient:
+class BrokerClient(Connections):
     """Asyncio client of the broker's front socket. One instance per event loop.
 
     ``heartbeat_interval_s``: period of ``hello`` while requests are in flight (s).
@@ -133,7 +99,7 @@ class BrokerClient:
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.client_id = uuid.uuid4().hex[:12]
         self.epoch: str | None = None  # the epoch of the broker last heard
-        self._conn: _Conn | None = None
+        self._conn: Conn | None = None
         self._up = asyncio.Event()
         self._streams: dict[str, _Pending] = {}
         self._status_waiters: dict[str, asyncio.Future[p.StatusReply]] = {}
@@ -206,8 +172,9 @@ class BrokerClient:
         edge accepted the request (default: now). ``deadline`` (``time.monotonic()`` s, optional):
         a request not finished by then is aborted and ends with ``deadline_exceeded``; it holds
         across resubmissions. ``restartable``: the caller passes nothing on before the end, so
-        the request may be run again after content (module docstring). Raises ProtocolError at once on an invalid request (bad lane, not
-        exactly one prompt form, unknown sampling field, ...).
+        the request may be run again after content (module docstring). Raises ProtocolError at
+        once on an invalid request (bad lane, not exactly one prompt form, unknown sampling
+        field, ...).
         """
         now = time.monotonic()
         msg = p.Submit(
@@ -228,22 +195,33 @@ class BrokerClient:
         p.Submit.from_payload(msg.payload())  # validate here, not at the broker
         if self._conn is None:
             raise RuntimeError("BrokerClient.start() was not called")
+        pend = self._track(msg, now, deadline, restartable)
+        if self._conn.epoch is not None:
+            self._send_submit(self._conn, pend, now)
+        return RequestStream(self, msg.request_id, pend.queue)
+
+    def _track(
+        self, msg: p.Submit, now: float, deadline: float | None, restartable: bool
+    ) -> _Pending:
+        """Register a request in flight (and its deadline timer). Raises ValueError on a
+        request id already in flight here."""
         rid = msg.request_id
         if rid in self._streams:
             raise ValueError(f"request {rid!r} is already in flight on this client")
-        queue: asyncio.Queue[Result] = asyncio.Queue()
         pend = _Pending(
-            submit=msg, queue=queue, submitted_at=now, deadline=deadline, restartable=restartable
+            submit=msg,
+            queue=asyncio.Queue(),
+            submitted_at=now,
+            deadline=deadline,
+            restartable=restartable,
+            wait_since=now,
         )
-        pend.wait_since = now
         self._streams[rid] = pend
         if deadline is not None:
             pend.timer = asyncio.get_running_loop().call_later(
                 max(0.0, deadline - now), self._expire, rid, pend
             )
-        if self._conn.epoch is not None:
-            self._send_submit(self._conn, pend, now)
-        return RequestStream(self, rid, queue)
+        return pend
 
     async def status(self, timeout_s: float = 5.0) -> p.StatusReply:
         """The broker's status (workers, queues, counters). Raises TimeoutError.
@@ -253,7 +231,7 @@ class BrokerClient:
         fut: asyncio.Future[p.StatusReply] = asyncio.get_running_loop().create_future()
         self._status_waiters[rid] = fut
         deadline = time.monotonic() + timeout_s
-        sent_on: _Conn | None = None
+        sent_on: Conn | None = None
         try:
             while not fut.done():
                 left = deadline - time.monotonic()
@@ -285,97 +263,6 @@ class BrokerClient:
             msg = p.EdgeTimings(request_id=request_id, ttft_ms=ttft_ms, e2e_ms=e2e_ms)
             self._send(self._conn, msg.to_frames())
 
-    # ------------------------------------------------------------------ connections
-
-    def _open(self, gen: int) -> _Conn:
-        sock = self.ctx.socket(zmq.DEALER)
-        p.secure_socket_options(sock)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(self.address)
-        conn = _Conn(
-            gen=gen,
-            sock=sock,
-            shadow=zmq.Socket.shadow(sock.underlying),
-            monitor=monitor,
-            opened=time.monotonic(),
-        )
-        conn.tasks = [
-            asyncio.create_task(self._reader(conn), name=f"broker-client-reader-{gen}"),
-            asyncio.create_task(self._watch(conn), name=f"broker-client-monitor-{gen}"),
-        ]
-        self.counters["connections"] += 1
-        self._send_hello(conn)  # queued until connected; the answer brings the epoch
-        return conn
-
-    def _close_conn(self, conn: _Conn, linger_ms: int = 0) -> None:
-        if conn.closed:
-            return
-        conn.closed = True
-        current = asyncio.current_task()
-        for task in conn.tasks:
-            if task is not current:
-                task.cancel()
-        with contextlib.suppress(zmq.ZMQError):
-            conn.sock.disable_monitor()
-        conn.monitor.close(linger=0)
-        conn.sock.close(linger=linger_ms)
-
-    def _leave(self, conn: _Conn, why: str) -> None:
-        """Stop using ``conn``: fail the streams that delivered content, queue the other requests
-        sent on it for the next connection, and open that connection."""
-        if conn is not self._conn or conn.closed:
-            return
-        self._close_conn(conn)
-        self._up.clear()
-        now = time.monotonic()
-        lost = waiting = 0
-        for rid, pend in list(self._streams.items()):
-            if pend.gen != conn.gen:
-                continue
-            if pend.delivered and not pend.restartable:
-                lost += 1
-                err = p.Error(
-                    request_id=rid,
-                    code="worker_lost",
-                    message=f"{why} while streaming; retry the request",
-                    retryable=True,
-                )
-                self._end(rid, err)
-            else:
-                waiting += 1
-                self._restart(pend, why)
-                pend.gen, pend.wait_since = 0, now
-        self.counters["stream_lost"] += lost
-        logger.warning(
-            "%s: reconnecting (%d streams end with worker_lost, %d requests wait to be resent)",
-            why,
-            lost,
-            waiting,
-        )
-        self._conn = self._open(conn.gen + 1)
-
-    def _on_up(self, conn: _Conn, epoch: str) -> None:
-        """The broker answered on ``conn``: send every request that waits for a connection."""
-        now = time.monotonic()
-        conn.epoch = epoch
-        waiting = [pend for pend in self._streams.values() if pend.gen == 0]
-        if self.epoch is not None and (epoch != self.epoch or waiting):
-            logger.warning(
-                "broker epoch %s (was %s): resubmitting %d requests",
-                epoch,
-                self.epoch,
-                len(waiting),
-            )
-        self.epoch = epoch
-        self._last_heard = now
-        self._up.set()
-        for pend in waiting:
-            self._send_submit(conn, pend, now)
-
     @staticmethod
     def _restart(pend: _Pending, why: str) -> None:
         """Tell the caller of a restartable request to drop the output it got so far."""
@@ -383,7 +270,7 @@ class BrokerClient:
             pend.delivered = False
             pend.queue.put_nowait(Restart(pend.submit.request_id, why))
 
-    def _send_submit(self, conn: _Conn, pend: _Pending, now: float) -> None:
+    def _send_submit(self, conn: Conn, pend: _Pending, now: float) -> None:
         msg = pend.submit
         if pend.sends:
             # The broker measures queueing from the edge's arrival: count the wait as edge time.
@@ -394,51 +281,7 @@ class BrokerClient:
         pend.gen = conn.gen
         self._send(conn, msg.to_frames())
 
-    def _send_hello(self, conn: _Conn) -> None:
-        conn.hello_at = time.monotonic()
-        self._send(conn, self._hello)
-
-    def _send(self, conn: _Conn, frames: list[bytes]) -> None:
-        if conn.closed:
-            return
-        try:
-            conn.sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            logger.warning("broker client send queue full: dropped a message")
-
-    # ------------------------------------------------------------------ reading
-
-    async def _reader(self, conn: _Conn) -> None:
-        # Wait for readability, then drain with the synchronous shadow: no message is ever held
-        # in a pending future, so leaving the connection (below) loses nothing already received.
-        while not conn.closed:
-            await conn.sock.poll(flags=zmq.POLLIN)
-            self._drain(conn)
-
-    def _drain(self, conn: _Conn) -> bool:
-        """Handle the messages queued on ``conn``; True if more may be waiting."""
-        for i in range(_DRAIN_BATCH):
-            if conn.closed:
-                return False
-            try:
-                frames = conn.shadow.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return False
-            if not i:
-                self._last_heard = time.monotonic()
-            self._on_frames(conn, frames)
-        return True
-
-    async def _watch(self, conn: _Conn) -> None:
-        while not conn.closed:
-            event = parse_monitor_message(await conn.monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED and not conn.closed:
-                while self._drain(conn):  # what the broker sent before it went away counts
-                    pass
-                self._leave(conn, f"lost the connection to the broker (epoch {conn.epoch})")
-                return
-
-    def _on_frames(self, conn: _Conn, frames: list[bytes]) -> None:
+    def _on_frames(self, conn: Conn, frames: list[bytes]) -> None:
         try:
             msg = p.decode(frames, p.BROKER_TO_CLIENT)
         except p.ProtocolError as exc:
@@ -482,12 +325,6 @@ class BrokerClient:
             else:
                 self._end(msg.request_id, msg)
 
-    def _on_epoch(self, conn: _Conn, epoch: str) -> None:
-        if conn.epoch is None:
-            self._on_up(conn, epoch)
-        elif epoch != conn.epoch:  # the socket reconnected to a new broker by itself
-            self._leave(conn, f"broker restarted (epoch {conn.epoch} -> {epoch})")
-
     # ------------------------------------------------------------------ ending requests
 
     def _end(self, rid: str, msg: Result) -> None:
@@ -524,29 +361,6 @@ class BrokerClient:
         conn = self._conn
         if conn is not None and pend.gen == conn.gen:
             self._send(conn, p.Abort(request_id=rid).to_frames())
-
-    async def _heartbeat(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_interval_s)
-            conn = self._conn
-            if conn is None:
-                continue
-            now = time.monotonic()
-            self._expire_waiting(now)
-            if conn.epoch is None:
-                if now - conn.hello_at > self.liveness_s:
-                    self._send_hello(conn)  # still connecting (the first one is queued)
-                continue
-            busy = self._status_waiters or any(
-                pend.gen == conn.gen for pend in self._streams.values()
-            )
-            if not busy:
-                self._last_heard = now
-                continue
-            self._send_hello(conn)
-            if now - self._last_heard > self.liveness_s:
-                self._leave(conn, f"broker silent for more than {self.liveness_s:.1f}s")
-                self._last_heard = time.monotonic()
 
     def _expire_waiting(self, now: float) -> None:
         """Requests without a deadline wait at most ``connect_timeout_s`` for a connection."""

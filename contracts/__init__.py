@@ -6,6 +6,8 @@
   per-hop monotonic intervals) and the one percentile rule.
 - :mod:`contracts.tokens`: tokenizer loading without torch and the one prompt-id rule (the engine's).
 - :mod:`contracts.openai`: the OpenAI request/response layer shared by the gateway and bulk-job lines.
+- :mod:`contracts.procs`: ``pid_alive`` and ``parent_gone``, the one rule by which every process
+  watches its parent.
 
 Every package may import ``contracts``; it imports none of them (and never torch).
 """

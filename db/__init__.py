@@ -5,5 +5,7 @@
   (SQLite with WAL, busy_timeout, foreign keys, BEGIN IMMEDIATE for writes; PostgreSQL alike).
 - `db.migrate`: `upgrade(url)` (call at start-up; locked across processes), `downgrade`,
   `current`; Alembic scripts in `db/migrations/`.
-- `db.recorder`: `write_batch`, `prune`, `RecorderServer` (the `laneserve recorder` process).
+- `db.recorder`: `RecorderServer` (the `laneserve recorder` process); it writes through
+  `db.record_writes` (`write_batch`, `prune`, re-exported by `db.recorder`) the rows of
+  `db.record_rows` (typed records -> rows, the only place that knows the column names).
 """

@@ -3,7 +3,7 @@
 Data flow (DESIGN.md "Processes and data flow", docs/interfaces.md "Records to SQL"): the
 broker's DEALER sends `broker.protocol.RecordBatch(seq, records, edge_timings, snapshots)` of
 typed items to the recorder's ROUTER at `recorder_addr`; the recorder maps them onto rows
-(`request_row`, `edge_row`, `snapshot_row`: the only place that knows the column names), writes
+(`db.record_rows`: the only place that knows the column names), writes (`db.record_writes`)
 the batch and answers `RecordAck(seq)` **only after the commit**. The broker keeps
 unacknowledged batches and resends them, so:
 
@@ -26,24 +26,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, delete, or_, update
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
 
-from contracts.latency import TIMING_FIELDS
-from db.models import REQUEST_COLUMNS, WORKER_STAT_COLUMNS, Request, WorkerStat
-from db.session import writer
-
-if TYPE_CHECKING:
-    from broker.protocol import EdgeTimings, RecordBatch, RequestRecord, WorkerSnapshot
+from contracts.procs import parent_gone
+from db.record_rows import batch_rows
+from db.record_writes import prune, write_batch
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +53,6 @@ PRUNE_EVERY_S = 3600.0
 STATS_LOG_EVERY_S = 60.0
 
 
-class RecordError(ValueError):
-    """A record or snapshot that cannot be written (missing key, wrong type)."""
-
-
 @dataclass(slots=True)
 class RecorderStats:
     """Counters since start-up (all counts)."""
@@ -76,325 +66,6 @@ class RecorderStats:
     transient_errors: int = 0
 
 
-@dataclass(slots=True)
-class WriteResult:
-    """Outcome of one `write_batch`: rows written and items that could not be written."""
-
-    records_written: int = 0
-    snapshots_written: int = 0
-    records_failed: int = 0
-    snapshots_failed: int = 0
-    errors: list[str] = field(default_factory=list)
-
-
-# --------------------------------------------------------------------------------------------
-# Normalization: the same type rules on SQLite (lax) and PostgreSQL (strict).
-
-_INT, _FLOAT, _STR, _JSON = "int", "float", "str", "json"
-
-
-def _kinds(table) -> dict[str, str]:
-    """Column name -> the value kind a record may carry for it."""
-    out = {}
-    for col in table.columns:
-        if col.name in ("body", "response"):
-            out[col.name] = _JSON
-        else:
-            out[col.name] = {int: _INT, float: _FLOAT}.get(col.type.python_type, _STR)
-    return out
-
-
-_REQUEST_KINDS = _kinds(Request.__table__)
-_SNAPSHOT_KINDS = _kinds(WorkerStat.__table__)
-_NOT_NULL_REQUEST = {"lane", "priority", "attempts"}
-
-
-def _coerce(name: str, kind: str, value: Any) -> Any:
-    if value is None:
-        return None
-    if kind == _INT and type(value) is int:
-        return value
-    if kind == _INT and type(value) is float and value.is_integer():
-        return int(value)
-    if kind == _FLOAT and type(value) in (int, float):
-        if not math.isfinite(value):
-            raise RecordError(f"{name}={value!r} is not finite")
-        return float(value)
-    if kind == _STR and isinstance(value, str):
-        return value
-    if kind == _JSON and isinstance(value, dict | list):
-        return value
-    raise RecordError(f"{name}: expected {kind}, got {type(value).__name__}")
-
-
-def normalize_record(record: dict[str, Any]) -> dict[str, Any]:
-    """A `requests` row from a record dict: known columns only, types checked.
-
-    Unknown keys are ignored; a None `lane`/`priority`/`attempts` is dropped (column default).
-
-    Raises:
-        RecordError: no string `id`, or a value of the wrong type.
-    """
-    if not isinstance(record.get("id"), str) or not record["id"]:
-        raise RecordError("record without a string 'id'")
-    row = {}
-    for key, value in record.items():
-        if key not in REQUEST_COLUMNS:
-            continue
-        if value is None and key in _NOT_NULL_REQUEST:
-            continue
-        row[key] = _coerce(key, _REQUEST_KINDS[key], value)
-    return row
-
-
-def normalize_snapshot(snapshot: dict[str, Any]) -> dict[str, Any]:
-    """A `worker_stats` row from a snapshot dict; a `lanes` list is comma-joined.
-
-    Raises:
-        RecordError: no string `worker_id`, no numeric `at`, or a value of the wrong type.
-    """
-    snap = dict(snapshot)
-    if isinstance(snap.get("lanes"), list | tuple):
-        snap["lanes"] = ",".join(str(lane) for lane in snap["lanes"])
-    if not isinstance(snap.get("worker_id"), str) or snap.get("at") is None:
-        raise RecordError("snapshot without 'worker_id' and 'at'")
-    return {
-        k: _coerce(k, _SNAPSHOT_KINDS[k], v) for k, v in snap.items() if k in WORKER_STAT_COLUMNS
-    }
-
-
-# --------------------------------------------------------------------------------------------
-# Typed records (broker.protocol.recorder) -> rows.
-
-
-def request_row(rec: RequestRecord) -> dict[str, Any]:
-    """The `requests` row of a `RequestRecord`: its fields, `error` as "code: message", and
-    the display timestamps `first_scheduled_at`, `first_token_at`, `finished_at` (unix s) as
-    `arrival_at` plus `queue_ms`, `ttft_ms`, `e2e_ms`. `job_id`/`custom_id` only when set:
-    the jobs runner owns those columns of a job line's row."""
-
-    def at(ms: float | None) -> float | None:
-        return None if ms is None else rec.arrival_at + ms / 1000.0
-
-    row = {name: getattr(rec, name) for name in _RECORD_COLUMNS}
-    row["id"] = rec.request_id
-    row["error"] = None if rec.error_code is None else f"{rec.error_code}: {rec.error_message}"
-    row["first_scheduled_at"] = at(rec.queue_ms)
-    row["first_token_at"] = at(rec.ttft_ms)
-    row["finished_at"] = at(rec.e2e_ms)
-    for key in ("job_id", "custom_id"):
-        if getattr(rec, key) is not None:
-            row[key] = getattr(rec, key)
-    return row
-
-
-def edge_row(msg: EdgeTimings) -> dict[str, Any]:
-    """The partial `requests` row of an `EdgeTimings`: only the fields it carries are updated."""
-    row = {"id": msg.request_id, "ttft_ms": msg.ttft_ms, "e2e_ms": msg.e2e_ms}
-    return {k: v for k, v in row.items() if v is not None}
-
-
-def snapshot_row(snap: WorkerSnapshot) -> dict[str, Any]:
-    """The `worker_stats` row of a `WorkerSnapshot`: every field is the column of its name,
-    `lanes` comma-joined."""
-    return snap.payload() | {"lanes": ",".join(snap.lanes)}
-
-
-def batch_rows(batches: Iterable[RecordBatch]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(request rows, snapshot rows) of `RecordBatch` messages, in order: within a batch the
-    records come before the edge timings that refine them."""
-    requests: list[dict[str, Any]] = []
-    snapshots: list[dict[str, Any]] = []
-    for batch in batches:
-        requests += [request_row(r) for r in batch.records]
-        requests += [edge_row(e) for e in batch.edge_timings]
-        snapshots += [snapshot_row(s) for s in batch.snapshots]
-    return requests, snapshots
-
-
-_RECORD_COLUMNS = (
-    "lane",
-    "priority",
-    "model",
-    "worker_id",
-    "status",
-    "finish_reason",
-    "attempts",
-    "arrival_at",
-    "prompt_tokens",
-    "cached_tokens",
-    "completion_tokens",
-    "preemptions",
-    "prefill_chunks",
-    *TIMING_FIELDS,
-)
-
-
-def _merge_by_key(rows: Iterable[dict[str, Any]], key) -> list[dict[str, Any]]:
-    """Merge rows with the same key (later values win) so one statement touches a row once."""
-    merged: dict[Any, dict[str, Any]] = {}
-    for row in rows:
-        merged.setdefault(key(row), {}).update(row)
-    return list(merged.values())
-
-
-# --------------------------------------------------------------------------------------------
-# SQL writes.
-
-
-def _insert(conn: Connection, table):
-    return (postgresql if conn.dialect.name == "postgresql" else sqlite).insert(table)
-
-
-def _upsert_requests(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
-    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault(tuple(sorted(row)), []).append(row)
-    table = Request.__table__
-    for keys, group in groups.items():
-        stmt = _insert(conn, table)
-        updates = {k: stmt.excluded[k] for k in keys if k != "id"}
-        if updates:
-            stmt = stmt.on_conflict_do_update(index_elements=["id"], set_=updates)
-        else:
-            stmt = stmt.on_conflict_do_nothing(index_elements=["id"])
-        conn.execute(stmt, group)
-
-
-def _upsert_request_one(conn: Connection, row: dict[str, Any]) -> None:
-    """One record; a job line whose (job_id, custom_id) row exists under another id is
-    updated in place (its id is kept)."""
-    try:
-        with conn.begin_nested():
-            _upsert_requests(conn, [row])
-    except IntegrityError:
-        if row.get("job_id") is None or row.get("custom_id") is None:
-            raise
-        table = Request.__table__
-        values = {k: v for k, v in row.items() if k != "id"}
-        where = and_(table.c.job_id == row["job_id"], table.c.custom_id == row["custom_id"])
-        with conn.begin_nested():
-            if conn.execute(update(table).where(where).values(values)).rowcount != 1:
-                raise
-
-
-def _insert_snapshots(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
-    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault(tuple(sorted(row)), []).append(row)
-    for group in groups.values():
-        stmt = _insert(conn, WorkerStat.__table__).on_conflict_do_nothing(
-            index_elements=["worker_id", "at"]
-        )
-        conn.execute(stmt, group)
-
-
-def write_batch(
-    engine: Engine, records: Sequence[dict[str, Any]], snapshots: Sequence[dict[str, Any]]
-) -> WriteResult:
-    """Write records and snapshots in one transaction; returns what was written and failed.
-
-    Invalid items are counted in the result and skipped. If the bulk statement fails on a
-    constraint, items are retried one by one under savepoints so only the bad ones fail.
-
-    Raises:
-        OperationalError (or another DBAPIError that is not an integrity/data error): the
-            database is unavailable or locked; nothing was committed, retry later.
-    """
-    result = WriteResult()
-    req_rows, snap_rows = [], []
-    for rec in records:
-        try:
-            req_rows.append(normalize_record(rec))
-        except RecordError as exc:
-            result.records_failed += 1
-            result.errors.append(f"record {str(rec.get('id'))[:64]!r}: {exc}")
-    for snap in snapshots:
-        try:
-            snap_rows.append(normalize_snapshot(snap))
-        except RecordError as exc:
-            result.snapshots_failed += 1
-            result.errors.append(f"snapshot: {exc}")
-    req_rows = _merge_by_key(req_rows, lambda r: r["id"])
-    snap_rows = _merge_by_key(snap_rows, lambda r: (r["worker_id"], r["at"]))
-    if not req_rows and not snap_rows:
-        return result
-    with writer(engine).begin() as conn:
-        try:
-            with conn.begin_nested():
-                if req_rows:
-                    _upsert_requests(conn, req_rows)
-                if snap_rows:
-                    _insert_snapshots(conn, snap_rows)
-            result.records_written += len(req_rows)
-            result.snapshots_written += len(snap_rows)
-        except OperationalError:
-            raise
-        except DBAPIError as bulk_exc:
-            logger.info("bulk write failed (%s); writing one by one", type(bulk_exc).__name__)
-            _write_one_by_one(conn, req_rows, snap_rows, result)
-    return result
-
-
-def _write_one_by_one(
-    conn: Connection,
-    req_rows: Sequence[dict[str, Any]],
-    snap_rows: Sequence[dict[str, Any]],
-    result: WriteResult,
-) -> None:
-    for row in req_rows:
-        try:
-            _upsert_request_one(conn, row)
-            result.records_written += 1
-        except OperationalError:
-            raise
-        except DBAPIError as exc:
-            result.records_failed += 1
-            result.errors.append(f"record {row['id'][:64]!r}: {str(exc.orig)[:200]}")
-    for row in snap_rows:
-        try:
-            with conn.begin_nested():
-                _insert_snapshots(conn, [row])
-            result.snapshots_written += 1
-        except OperationalError:
-            raise
-        except DBAPIError as exc:
-            result.snapshots_failed += 1
-            result.errors.append(f"snapshot {row['worker_id'][:64]!r}: {str(exc.orig)[:200]}")
-
-
-def prune(
-    engine: Engine, older_than: float, *, now: float | None = None, include_job_lines: bool = False
-) -> tuple[int, int]:
-    """Delete request rows and worker snapshots older than `older_than` seconds.
-
-    A request's age is taken from `finished_at` (or `arrival_at` when unfinished); job lines
-    (`job_id` set) belong to their job and are kept unless `include_job_lines`. `now` is unix
-    seconds (default: `time.time()`).
-
-    Returns:
-        (requests deleted, snapshots deleted).
-
-    Raises:
-        ValueError: `older_than` negative or not finite.
-    """
-    if not math.isfinite(older_than) or older_than < 0:
-        raise ValueError(f"older_than={older_than} must be a non-negative number of seconds")
-    cutoff = (time.time() if now is None else now) - older_than
-    req = Request.__table__
-    age = or_(
-        req.c.finished_at < cutoff, and_(req.c.finished_at.is_(None), req.c.arrival_at < cutoff)
-    )
-    if not include_job_lines:
-        age = and_(age, req.c.job_id.is_(None))
-    with writer(engine).begin() as conn:
-        n_req = conn.execute(delete(req).where(age)).rowcount
-        n_snap = conn.execute(
-            delete(WorkerStat.__table__).where(WorkerStat.__table__.c.at < cutoff)
-        ).rowcount
-    return n_req, n_snap
-
-
 # --------------------------------------------------------------------------------------------
 # The process: a ZMQ ROUTER in front of write_batch.
 
@@ -403,7 +74,7 @@ class RecorderServer:
     """Binds a ROUTER at `addr`, pools `RecordBatch` messages, writes, then acks.
 
     `run()` returns when `stop()` is called (e.g. from a SIGTERM handler), or when
-    `parent_pid` is given and `os.getppid()` no longer equals it; pooled batches are flushed
+    `contracts.procs.parent_gone(parent_pid)` says the parent is gone; pooled batches are flushed
     first. Counters are in `stats`.
     """
 
@@ -446,7 +117,7 @@ class RecorderServer:
         self._stop.set()
 
     def _parent_gone(self) -> bool:
-        return self.parent_pid is not None and os.getppid() != self.parent_pid
+        return parent_gone(self.parent_pid)
 
     def run(self) -> RecorderStats:
         """Serve until stopped; returns the final counters."""

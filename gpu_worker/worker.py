@@ -4,8 +4,8 @@ Two threads::
 
     broker ROUTER <--DEALER--> [IO thread] <--inproc PAIR--> [engine loop (main thread)]
 
-- The **IO thread** owns the ZMQ DEALER. It forwards ``request``/``abort`` from the broker to the
-  engine loop, forwards the engine loop's ``step_outputs`` to the broker, sends ``ready`` on
+- The **IO thread** (``gpu_worker.worker_io.IoLoop``) owns the ZMQ DEALER. It forwards
+  ``request``/``abort`` from the broker to the engine loop, forwards the engine loop's ``step_outputs`` to the broker, sends ``ready`` on
   connect and a ``worker_heartbeat`` with load stats every ``heartbeat_interval_s`` (from this
   thread, never the engine loop, so a long step cannot make the worker look dead), watches the
   broker's heartbeats (silence for ``liveness`` intervals -> reconnect with exponential backoff;
@@ -32,7 +32,6 @@ module knows nothing of them.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import signal
@@ -46,8 +45,8 @@ from typing import Any
 import zmq
 
 from broker import protocol as p
-from broker.procutil import pid_alive
 from gpu_worker.engine_protocol import Engine
+from gpu_worker.worker_io import RESET_DONE, IoLoop
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +61,27 @@ def _plain_stats(stats: dict) -> dict[str, Any]:
     return {
         str(k)[:64]: v for k, v in stats.items() if v is None or type(v) in (int, float, str, bool)
     }
+
+
+def _curve_keys(
+    ctx: zmq.Context, server_public: str | None, client_key: str | None
+) -> tuple[str, str] | None:
+    """The CURVE key pair to connect with (None: plain), checked now so bad key files fail fast.
+
+    Raises ValueError when only one of the two is given.
+    """
+    if not (server_public or client_key):
+        return None
+    from broker.curve import apply_client
+
+    if not (server_public and client_key):
+        raise ValueError("CURVE needs both the server public key and a client key")
+    probe = ctx.socket(zmq.DEALER)
+    try:
+        apply_client(probe, server_public, client_key)  # fail fast on bad key files
+    finally:
+        probe.close(linger=0)
+    return server_public, client_key
 
 
 class Worker:
@@ -122,18 +142,7 @@ class Worker:
         self._forwarded = 0
         self._resets = 0  # IO thread: resets the engine loop has not confirmed yet
         self.max_backlog = 64  # engine steps waiting for the broker before the engine pauses
-        self.curve: tuple[str, str] | None = None
-        if curve_server_public or curve_client_key:
-            from broker.curve import apply_client
-
-            if not (curve_server_public and curve_client_key):
-                raise ValueError("CURVE needs both the server public key and a client key")
-            self.curve = (curve_server_public, curve_client_key)
-            probe = self.ctx.socket(zmq.DEALER)
-            try:
-                apply_client(probe, *self.curve)  # fail fast on bad key files
-            finally:
-                probe.close(linger=0)
+        self.curve = _curve_keys(self.ctx, curve_server_public, curve_client_key)
 
     # ------------------------------------------------------------------ public
 
@@ -210,7 +219,7 @@ class Worker:
                     self._pending_aborts.add(msg.request_id)
             elif type(msg) is p.Disconnect:
                 self._forget_all()
-                self._hand(pipe, _RESET_DONE)  # what follows is for the broker we announce to
+                self._hand(pipe, RESET_DONE)  # what follows is for the broker we announce to
 
     def _add(self, pipe: zmq.Socket, msg: p.WorkRequest) -> None:
         rid = msg.request_id
@@ -346,198 +355,7 @@ class Worker:
 
     def _io_main(self) -> None:
         try:
-            self._io_loop()
+            IoLoop(self).run()
         except Exception:
             logger.exception("worker IO thread crashed; stopping")
             self._stop.set()
-
-    def _connect(self) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        p.secure_socket_options(sock)
-        sock.setsockopt(zmq.IDENTITY, self.worker_id.encode()[:255])
-        sock.setsockopt(zmq.SNDHWM, 64)  # backpressure reaches the engine loop quickly
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
-        if self.curve is not None:
-            from broker.curve import apply_client
-
-            apply_client(sock, *self.curve)
-        self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
-        sock.connect(self.broker_addr)
-        ready = p.Ready(
-            worker_id=self.worker_id,
-            pid=os.getpid(),
-            lanes=self.lanes,
-            capacity=self.capacity,
-            model=self.model,
-            info=self.info,
-        )
-        sock.send_multipart(ready.to_frames(), zmq.NOBLOCK)
-        return sock
-
-    def _io_loop(self) -> None:
-        pipe = self.ctx.socket(zmq.PAIR)
-        pipe.connect(self._pipe_addr)
-        dealer = self._connect()
-        poller = zmq.Poller()
-        poller.register(pipe, zmq.POLLIN)
-        poller.register(dealer, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        last_refusal_log = 0.0
-        epoch: str | None = None
-        now = time.monotonic()
-        last_heard = now
-        last_hb = 0.0
-        backoff = self.heartbeat_interval_s
-        hb_every = self.heartbeat_interval_s
-        announced_drain = False
-        silence = self.heartbeat_interval_s * self.liveness
-        last_parent_check = now
-        outbox: collections.deque[list[bytes]] = collections.deque()
-        try:
-            while not self._stop.is_set():
-                events = dict(poller.poll(50))
-                now = time.monotonic()
-                if dealer in events:
-                    for frames in self._recv_all(dealer):
-                        try:
-                            msg = p.decode(frames, p.BROKER_TO_WORKER)
-                        except p.ProtocolError as exc:
-                            self.counters["invalid_messages"] += 1
-                            logger.warning("invalid message from broker: %s", exc)
-                            continue
-                        last_heard = now
-                        backoff = self.heartbeat_interval_s
-                        if type(msg) is p.Heartbeat:
-                            # beat at least as often as the broker does (its liveness window)
-                            hb_every = min(self.heartbeat_interval_s, msg.interval_s or hb_every)
-                            if epoch is not None and msg.epoch != epoch:
-                                logger.warning(
-                                    "broker restarted (epoch %s -> %s)", epoch, msg.epoch
-                                )
-                                self._reset(pipe, dealer, outbox)
-                            epoch = msg.epoch
-                        elif type(msg) is p.Disconnect:
-                            logger.warning("broker says disconnect: %s", msg.reason)
-                            self._reset(pipe, dealer, outbox)
-                            # the broker that said this may be a new one: adopt the epoch of
-                            # its next heartbeat instead of resetting a second time for it
-                            epoch = None
-                        else:
-                            pipe.send_multipart(frames)
-                if self._monitor in events:
-                    for event in self._recv_all(self._monitor):
-                        if now - last_refusal_log >= 5.0:
-                            last_refusal_log = now
-                            logger.error(
-                                "broker %s refused the connection (handshake failed, event %s): "
-                                "check --curve-server-public/--curve-client-key and the "
-                                "broker's --curve-allow list",
-                                self.broker_addr,
-                                int.from_bytes(event[0][:2], "little") if event else "?",
-                            )
-                if pipe in events:
-                    for frames in self._recv_all(pipe):
-                        if not self._resets:
-                            outbox.append(frames)
-                            continue
-                        # output of requests the broker we left gave us: it may share a request
-                        # id with a resubmission the new broker sends (it must not join that)
-                        self._forwarded += 1
-                        if frames == _RESET_DONE:
-                            self._resets -= 1
-                            if not self._resets:
-                                self._announce(dealer)
-                while outbox:
-                    try:
-                        p.send_frames(dealer, outbox[0])
-                    except zmq.Again:
-                        break  # broker slow or away: keep it; the engine pauses meanwhile
-                    outbox.popleft()
-                    self._forwarded += 1
-                if self._draining.is_set() and not announced_drain:
-                    announced_drain, last_hb = True, 0.0  # tell the broker at once
-                if now - last_hb >= hb_every:
-                    last_hb = now
-                    hb = p.WorkerHeartbeat(
-                        worker_id=self.worker_id,
-                        stats=self._stats,
-                        draining=self._draining.is_set(),
-                    )
-                    try:
-                        dealer.send_multipart(hb.to_frames(), zmq.NOBLOCK)
-                    except zmq.Again:
-                        pass
-                if now - last_heard > max(silence, backoff):
-                    logger.warning(
-                        "broker silent %.1fs: reconnecting to %s",
-                        now - last_heard,
-                        self.broker_addr,
-                    )
-                    poller.unregister(dealer)
-                    poller.unregister(self._monitor)
-                    self._close_dealer(dealer)
-                    pipe.send_multipart(p.Disconnect(reason="broker silent").to_frames())
-                    self._resets += 1
-                    self._forwarded += len(outbox)  # outputs for the old broker are moot
-                    outbox.clear()
-                    dealer = self._connect()
-                    poller.register(dealer, zmq.POLLIN)
-                    poller.register(self._monitor, zmq.POLLIN)
-                    epoch = None
-                    last_heard = now
-                    backoff = min(backoff * 2, 30.0)
-                if self.parent_pid and now - last_parent_check >= 0.5:
-                    last_parent_check = now
-                    if os.getppid() != self.parent_pid and not pid_alive(self.parent_pid):
-                        logger.warning("parent %d died: stopping", self.parent_pid)
-                        self._stop.set()
-        finally:
-            self._close_dealer(dealer)
-            pipe.close(linger=0)
-
-    def _close_dealer(self, dealer: zmq.Socket) -> None:
-        dealer.disable_monitor()
-        self._monitor.close(linger=0)
-        dealer.close(linger=0)
-
-    def _reset(self, pipe: zmq.Socket, dealer: zmq.Socket, outbox: collections.deque) -> None:
-        """Tell the engine loop to forget everything; announce ourselves again once it has
-        (``_announce``), dropping what it sends meanwhile."""
-        pipe.send_multipart(p.Disconnect(reason="reset").to_frames())
-        self._resets += 1
-        self._forwarded += len(outbox)
-        outbox.clear()
-
-    def _announce(self, dealer: zmq.Socket) -> None:
-        ready = p.Ready(
-            worker_id=self.worker_id,
-            pid=os.getpid(),
-            lanes=self.lanes,
-            capacity=self.capacity,
-            model=self.model,
-            info=self.info,
-        )
-        try:
-            dealer.send_multipart(ready.to_frames(), zmq.NOBLOCK)
-        except zmq.Again:
-            pass
-
-    @staticmethod
-    def _recv_all(sock: zmq.Socket, limit: int = 1000) -> list[list[bytes]]:
-        out = []
-        for _ in range(limit):
-            try:
-                out.append(sock.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                break
-        return out
-
-
-_RESET_DONE = p.Disconnect(reason="reset done").to_frames()  # engine loop -> IO thread
-
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)

@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +42,7 @@ from sqlalchemy import Engine
 from broker import protocol as p
 from broker.client import BrokerClient
 from contracts.openai import ServedModel
+from contracts.procs import parent_gone
 from jobs import prompts, results, retention, store
 
 logger = logging.getLogger(__name__)
@@ -192,15 +192,7 @@ class JobsRunner:
         return counts
 
     def _parent_gone(self) -> bool:
-        if self.parent_pid is None:
-            return False
-        try:
-            os.kill(self.parent_pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
+        return parent_gone(self.parent_pid)
 
     # ------------------------------------------------------------------ polling
 

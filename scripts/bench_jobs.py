@@ -85,14 +85,14 @@ def run_one(n: int, args) -> dict:
     from db import migrate
     from db.session import make_engine
     from jobs import service
-    from tests.jobs.jobs_stack import JobsStack, wait_job
+    from tests.harness import Stack, wait_job
 
     home = Path(tempfile.mkdtemp(prefix="lsbench"))
     os.environ["LANESERVE_HOME"] = str(home)
     url = f"sqlite:///{home / 'laneserve.db'}"
     migrate.upgrade(url)
     engine = make_engine(url)
-    stack = JobsStack(home, url)
+    stack = Stack.for_jobs(home, url)
     try:
         stack.start_broker()
         worker_args = ["--max-num-seqs", str(args.max_num_seqs)]
@@ -100,7 +100,7 @@ def run_one(n: int, args) -> dict:
             worker_args += ["--synthetic-step-ms", str(args.step_ms)]
         stack.start_worker("w1", *worker_args, model=args.model)
         runner_args = ["--max-in-flight", str(args.max_in_flight)]
-        runner = stack.start_runner(*runner_args, model=args.tokenizer)
+        runner = stack.start_jobs_runner(*runner_args, model=args.tokenizer)
         stack.wait_workers(1, timeout_s=300)
         time.sleep(args.settle_s)  # runner start-up (imports, tokenizer) before measuring
         sampler = RssSampler(runner.pid)

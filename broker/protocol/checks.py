@@ -43,7 +43,6 @@ ERROR_CODES = (
     "worker_lost",
     "deadline_exceeded",
     "engine_error",
-    "client_too_slow",
     "internal",
 )
 

@@ -26,7 +26,6 @@ STATUS_BY_CODE: dict[str, int] = {
     "engine_error": 500,
     "no_worker": 503,
     "worker_lost": 503,
-    "client_too_slow": 503,
     "deadline_exceeded": 504,
 }
 

@@ -37,8 +37,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from broker.client import BrokerClient
-from broker.procutil import pid_alive
 from contracts.openai.model import ServedModel
+from contracts.procs import parent_gone
 from laneserve.api import completions, files, tokenize
 from laneserve.api import inspection as inspection_routes
 from laneserve.api.arrival import ArrivalMiddleware
@@ -144,7 +144,7 @@ class GatewayState:
         parent = self.config.parent_pid
         while True:
             await asyncio.sleep(self.config.status_interval_s)
-            if parent is not None and not pid_alive(parent):
+            if parent_gone(parent):
                 logger.warning("parent process %d is gone: stopping", parent)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return

@@ -11,21 +11,27 @@ logger = logging.getLogger(__name__)
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("broker", help="run the broker (lanes, credits, heartbeats)")
-    parser.add_argument(
-        "--front",
-        default=None,
-        help="client endpoint to bind (default: ipc under $LANESERVE_HOME/run)",
-    )
-    parser.add_argument(
-        "--back",
-        default=None,
-        help="worker endpoint to bind (default: ipc under $LANESERVE_HOME/run)",
-    )
+    _add_endpoints(parser)
+    _add_liveness(parser)
+    _add_limits(parser)
+    _add_curve(parser)
+    parser.set_defaults(func=run)
+
+
+def _add_endpoints(parser: argparse.ArgumentParser) -> None:
+    """Where the broker binds (edges, workers) and the recorder it sends records to."""
+    default = "(default: ipc under $LANESERVE_HOME/run)"
+    parser.add_argument("--front", default=None, help=f"client endpoint to bind {default}")
+    parser.add_argument("--back", default=None, help=f"worker endpoint to bind {default}")
     parser.add_argument(
         "--recorder",
         default=None,
         help="recorder endpoint to connect (records to SQL); none: no records",
     )
+
+
+def _add_liveness(parser: argparse.ArgumentParser) -> None:
+    """Heartbeats, timeouts and periods (seconds), and the parent watch."""
     parser.add_argument(
         "--heartbeat-interval", type=float, default=1.0, help="seconds (default: %(default)s)"
     )
@@ -35,6 +41,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=3,
         help="missed heartbeats before a worker is lost (default: %(default)s)",
     )
+    parser.add_argument(
+        "--record-resend",
+        type=float,
+        default=5.0,
+        help="seconds before an unacknowledged record batch is resent (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--snapshot-interval",
+        type=float,
+        default=5.0,
+        help="seconds between worker_stats snapshots (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--no-worker-timeout",
+        type=float,
+        default=30.0,
+        help="seconds an interactive request waits with no worker serving its lane",
+    )
+    parser.add_argument(
+        "--parent-pid", type=int, default=None, help="exit when this process is gone"
+    )
+
+
+def _add_limits(parser: argparse.ArgumentParser) -> None:
+    """Queue bounds, dispatch attempts and the per-client send queue (messages)."""
     parser.add_argument(
         "--max-interactive-queue",
         type=int,
@@ -51,32 +82,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="dispatches before worker_lost is final (default: %(default)s)",
     )
     parser.add_argument(
-        "--record-resend",
-        type=float,
-        default=5.0,
-        help="seconds before an unacknowledged record batch is resent (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--snapshot-interval",
-        type=float,
-        default=5.0,
-        help="seconds between worker_stats snapshots (default: %(default)s)",
-    )
-    parser.add_argument(
         "--client-sndhwm",
         type=int,
         default=100_000,
         help="messages queued per client before it counts as not reading (default: %(default)s)",
     )
-    parser.add_argument(
-        "--no-worker-timeout",
-        type=float,
-        default=30.0,
-        help="seconds an interactive request waits with no worker serving its lane",
-    )
-    parser.add_argument(
-        "--parent-pid", type=int, default=None, help="exit when this process is gone"
-    )
+
+
+def _add_curve(parser: argparse.ArgumentParser) -> None:
     curve = parser.add_argument_group("CurveZMQ for remote workers (`laneserve keys generate`)")
     curve.add_argument(
         "--curve-server-key",
@@ -88,7 +101,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="directory of allowed worker public keys (keys/allowed); others are refused",
     )
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

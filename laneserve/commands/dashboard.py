@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from broker.procutil import pid_alive
+from contracts.procs import parent_gone
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     while child.poll() is None:
-        if args.parent_pid is not None and not stopping and not pid_alive(args.parent_pid):
+        if not stopping and parent_gone(args.parent_pid):
             logger.info("parent %d is gone; stopping the dashboard", args.parent_pid)
             stop()
         if time.monotonic() > kill_at:

@@ -112,7 +112,7 @@ def _hide_password(url: str | None) -> str | None:
 def collect(info: dict[str, Any], timeout_s: float = 3.0) -> dict[str, Any]:
     """The status object (module docstring) for a running stack's `stack.json` dict."""
     from broker.client import broker_status
-    from broker.procutil import pid_alive
+    from contracts.procs import pid_alive
 
     try:
         broker = broker_status(info["broker_front"], timeout_s=timeout_s)

@@ -501,10 +501,10 @@ def _run_locked(
 
 
 def _watch(sup, parent_pid: int | None, stop: _Stop) -> None:
-    from broker.procutil import pid_alive
+    from contracts.procs import parent_gone
 
     sup.poll()
-    if parent_pid is not None and not pid_alive(parent_pid):
+    if parent_gone(parent_pid):
         logger.info("parent %d is gone; stopping", parent_pid)
         stop.requested = True
 

@@ -9,20 +9,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from api_stack import ApiStack, real_model_stack
+
+from tests.harness import Stack, real_model_stack
 
 
 @pytest.fixture(scope="module")
-def synth_stack(smollm2_gguf, smollm2_dir) -> Iterator[ApiStack]:
+def synth_stack(smollm2_gguf, smollm2_dir) -> Iterator[Stack]:
     """Broker + recorder (SQLite) + one synthetic worker (interactive lane only, 10 ms steps,
     capacity 8) + gateway with an API key and the real SmolLM2 tokenizer."""
     tmp = Path(tempfile.mkdtemp(prefix="lsa", dir="/tmp"))
     home = tmp / "home"
     home.mkdir()
-    stack = ApiStack(tmp, home)
+    stack = Stack.for_api(tmp, home)
     try:
         stack.start_recorder()
-        stack.start_broker("--max-interactive-queue", "24", "--recorder", stack.recorder)
+        stack.start_broker("--max-interactive-queue", "24", "--recorder", stack.recorder_addr)
         stack.start_worker(
             "synth", "--synthetic", "--capacity", "8", "--max-num-seqs", "8", lanes="interactive"
         )
@@ -36,7 +37,7 @@ def synth_stack(smollm2_gguf, smollm2_dir) -> Iterator[ApiStack]:
 
 
 @pytest.fixture(scope="module")
-def real_stack(smollm2_gguf, smollm2_dir) -> Iterator[ApiStack]:
+def real_stack(smollm2_gguf, smollm2_dir) -> Iterator[Stack]:
     """Broker + one real SmolLM2 worker (float32, up to 16 sequences) + gateway with a key."""
     with real_model_stack(smollm2_gguf) as stack:
         yield stack

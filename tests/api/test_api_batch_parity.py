@@ -18,12 +18,11 @@ from typing import Any
 
 import httpx
 import pytest
-from api_stack import ApiStack
 
 from jobs.results import choice_requests
 from jobs.tokens import load_served_model
 from jobs.validate import Validator
-from tests.jobs.jobs_stack import write_jsonl
+from tests.harness import Stack, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -161,7 +160,7 @@ class Gateway:
 
 
 @pytest.fixture(scope="module")
-def gateway(synth_stack: ApiStack, smollm2_gguf, tmp_path_factory) -> Iterator[Gateway]:
+def gateway(synth_stack: Stack, smollm2_gguf, tmp_path_factory) -> Iterator[Gateway]:
     """The real app on its own event loop thread, in front of the stack's broker."""
     from laneserve.api.app import create_app
     from laneserve.api.config import ApiConfig

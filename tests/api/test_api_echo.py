@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from api_stack import API_KEY, ApiStack, real_model_stack, wait_batch
 
 from gpu_worker import LLM, SamplingParams
+from tests.harness import API_KEY, TERMINAL, Stack, real_model_stack, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -25,13 +25,13 @@ CONTINUATIONS = [" Paris", " London", " a city in Europe", " banana bread", " th
 
 
 @pytest.fixture(scope="module")
-def stack(smollm2_gguf, smollm2_dir) -> Iterator[ApiStack]:
+def stack(smollm2_gguf, smollm2_dir) -> Iterator[Stack]:
     with real_model_stack(smollm2_gguf, "--quantization", "none") as st:
         yield st
 
 
 @pytest.fixture(scope="module")
-def client(stack: ApiStack) -> openai.OpenAI:
+def client(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.url + "/v1", api_key=API_KEY, max_retries=0)
 
 
@@ -193,7 +193,9 @@ def test_batch_line_with_echo_and_logprobs(client, stack, smollm2_gguf, llm) -> 
         b = client.batches.create(
             input_file_id=f.id, endpoint="/v1/completions", completion_window="24h"
         )
-        b = wait_batch(client, b.id, stack)
+        b = wait_for(
+            lambda: (x := client.batches.retrieve(b.id)).status in TERMINAL and x, 120, "the batch"
+        )
         assert b.status == "completed" and b.request_counts.completed == 1, (b, stack.logs())
         out = json.loads(client.files.content(b.output_file_id).content.decode().splitlines()[0])
     finally:

@@ -9,7 +9,8 @@ import time
 import httpx
 import openai
 import pytest
-from api_stack import API_KEY, ApiStack
+
+from tests.harness import API_KEY, Stack
 
 MODEL = "smollm2"
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def client(synth_stack: ApiStack) -> openai.OpenAI:
+def client(synth_stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=synth_stack.url + "/v1", api_key=API_KEY, max_retries=0)
 
 
@@ -34,7 +35,7 @@ def _jsonl(n: int, tag: str) -> bytes:
     return "".join(json.dumps(x) + "\n" for x in lines).encode()
 
 
-def _wait_batch(client: openai.OpenAI, batch_id: str, statuses: set[str], stack: ApiStack):
+def _wait_batch(client: openai.OpenAI, batch_id: str, statuses: set[str], stack: Stack):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         batch = client.batches.retrieve(batch_id)

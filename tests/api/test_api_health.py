@@ -20,9 +20,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from api_stack import ROOT
 
 from laneserve.api.health import ReadinessProbe, assess
+from tests.harness import ROOT
 
 READY_WITHIN_S = 5.0  # the brief's bound: worker killed -> /ready 503
 

@@ -23,8 +23,9 @@ import httpx
 import openai
 import pytest
 import yaml
-from api_stack import API_KEY, ROOT, ApiStack, free_port
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.harness import API_KEY, ROOT, Stack, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,7 @@ STACK_GAUGES = ("laneserve:kv_cache_usage_perc", "laneserve:num_requests_running
 
 
 class TwoGateways:
-    def __init__(self, stack: ApiStack, second: ApiStack, metrics_port: int, second_port: int):
+    def __init__(self, stack: Stack, second: Stack, metrics_port: int, second_port: int):
         self.stack, self.second = stack, second
         self.metrics_url = f"http://127.0.0.1:{metrics_port}"
         self.second_metrics_url = f"http://127.0.0.1:{second_port}"
@@ -45,8 +46,8 @@ def gateways() -> Iterator[TwoGateways]:
     home = tmp / "home"
     home.mkdir()
     (tmp / "second").mkdir()
-    stack = ApiStack(tmp, home)
-    second = ApiStack(tmp / "second", home)  # its own port and logs, the same broker and db
+    stack = Stack.for_api(tmp, home)
+    second = Stack.for_api(tmp / "second", home)  # its own port and logs, the same broker and db
     second.front = stack.front
     mport, mport2 = free_port(), free_port()
     try:
@@ -83,7 +84,7 @@ def exported_names(families: dict) -> set[str]:
     return names
 
 
-def one_request(stack: ApiStack) -> str:
+def one_request(stack: Stack) -> str:
     """A streamed chat completion through the key-protected user port; returns the model."""
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key=API_KEY, max_retries=0)
     model = client.models.list().data[0].id

@@ -9,8 +9,9 @@ import time
 import httpx
 import openai
 import pytest
-from api_stack import API_KEY, ApiStack
 from test_api_synthetic import kill_streaming_clients, wait_idle
+
+from tests.harness import API_KEY, Stack
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +21,7 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture
-def client(real_stack: ApiStack) -> openai.OpenAI:
+def client(real_stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=real_stack.url + "/v1", api_key=API_KEY, max_retries=0)
 
 

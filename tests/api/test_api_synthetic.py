@@ -13,7 +13,8 @@ import time
 import httpx
 import openai
 import pytest
-from api_stack import API_KEY, ROOT, ApiStack
+
+from tests.harness import API_KEY, ROOT, Stack
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +24,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture
-def client(synth_stack: ApiStack) -> openai.OpenAI:
+def client(synth_stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=synth_stack.url + "/v1", api_key=API_KEY, max_retries=0)
 
 
@@ -90,7 +91,7 @@ def test_response_id_is_the_sql_request_id(client, synth_stack) -> None:
     assert row[3] is not None and row[4] >= row[3] > 0
 
 
-def _post(stack: ApiStack, path: str, body, headers=AUTH) -> httpx.Response:
+def _post(stack: Stack, path: str, body, headers=AUTH) -> httpx.Response:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(stack.url + path, content=data, headers=headers, timeout=30)
 
@@ -125,7 +126,7 @@ def test_documented_4xx_then_still_serving(synth_stack, client, path, body, stat
     assert r.choices[0].message.content == " w0"
 
 
-def _route_table(stack: ApiStack) -> list[tuple[str, str]]:
+def _route_table(stack: Stack) -> list[tuple[str, str]]:
     """Every (method, path) the app serves, from the app object itself."""
     from laneserve.api.app import create_app
     from laneserve.api.config import ApiConfig
@@ -205,7 +206,7 @@ time.sleep(600)
 """
 
 
-def kill_streaming_clients(stack: ApiStack, n: int, after_s: float) -> None:
+def kill_streaming_clients(stack: Stack, n: int, after_s: float) -> None:
     """Start n streaming clients in one process; SIGKILL it `after_s` after all stream."""
     proc = subprocess.Popen(
         [sys.executable, "-c", CLIENTS, stack.url, API_KEY, str(n)],
@@ -220,11 +221,11 @@ def kill_streaming_clients(stack: ApiStack, n: int, after_s: float) -> None:
         proc.wait()
 
 
-def worker_load(stack: ApiStack) -> dict:
+def worker_load(stack: Stack) -> dict:
     return stack.status()["workers"][0]["load"]
 
 
-def wait_idle(stack: ApiStack, timeout_s: float = 30.0) -> dict:
+def wait_idle(stack: Stack, timeout_s: float = 30.0) -> dict:
     """Wait until the broker holds nothing and the worker runs nothing; return its load."""
     deadline = time.monotonic() + timeout_s
     st: dict = {}

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from api_stack import API_KEY, ApiStack, real_model_stack
+
+from tests.harness import API_KEY, Stack, real_model_stack
 
 pytestmark = pytest.mark.slow
 
@@ -22,13 +23,13 @@ TTFT_SUM = 'laneserve:time_to_first_token_seconds_sum{lane="interactive",model_n
 
 
 @pytest.fixture(scope="module")
-def stack(smollm2_gguf, smollm2_dir) -> Iterator[ApiStack]:
+def stack(smollm2_gguf, smollm2_dir) -> Iterator[Stack]:
     """A fresh stack per module, so the first request below is the first after start-up."""
     with real_model_stack(smollm2_gguf, recorder=True) as s:
         yield s
 
 
-def client_ttft(stack: ApiStack, path: str, body: dict) -> tuple[str, float]:
+def client_ttft(stack: Stack, path: str, body: dict) -> tuple[str, float]:
     """(response id, seconds from sending the request to the first content token received),
     on a new connection, as a client measures it."""
     with httpx.Client(base_url=stack.url, headers=AUTH, timeout=120) as http:
@@ -52,13 +53,13 @@ def client_ttft(stack: ApiStack, path: str, body: dict) -> tuple[str, float]:
     return rid, elapsed
 
 
-def metrics_ttft_sum(stack: ApiStack) -> float:
+def metrics_ttft_sum(stack: Stack) -> float:
     text = httpx.get(stack.url + "/metrics", headers=AUTH, timeout=10).text
     lines = [ln for ln in text.splitlines() if ln.startswith(TTFT_SUM)]
     return float(lines[0].split()[-1]) if lines else 0.0
 
 
-def sql_ttft_ms(stack: ApiStack, rid: str, metrics_ms: float) -> float:
+def sql_ttft_ms(stack: Stack, rid: str, metrics_ms: float) -> float:
     """The row's ttft_ms once the gateway's value (the one /metrics observed) is stored."""
     deadline = time.monotonic() + 20
     value = None

@@ -8,13 +8,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from broker_stack import Stack
+
+from tests.harness import Stack
 
 
 @pytest.fixture
 def stack() -> Iterator[Stack]:
     tmp = Path(tempfile.mkdtemp(prefix="lsb", dir="/tmp"))
-    s = Stack(tmp)
+    s = Stack.for_broker(tmp)
     try:
         yield s
     finally:

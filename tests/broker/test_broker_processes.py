@@ -11,10 +11,10 @@ import sys
 import time
 
 import pytest
-from broker_stack import HB, run
 
 from broker import protocol as p
 from broker.client import BrokerClient
+from tests.harness import HB, run
 
 pytestmark = pytest.mark.slow
 

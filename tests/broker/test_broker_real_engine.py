@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from broker_stack import run
 
 from broker import protocol as p
 from broker.client import BrokerClient
+from tests.harness import run
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import zmq
-from broker_stack import ROOT, run
 
 from broker import protocol as p
 from broker.client import BrokerClient
+from tests.harness import ROOT, run
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """BrokerClient across broker restarts, silences and absences (issue 24): what waits, what is
 resubmitted, what ends with which error, and when.
 
-Real broker and synthetic worker processes on ipc:// sockets (``broker_stack``). One test plays
+Real broker and synthetic worker processes on ipc:// sockets (``tests.harness.Stack``). One test plays
 the broker itself on a real ROUTER socket: an epoch change on a live connection (the DEALER
 reconnected to a new broker by itself) and an answer racing in for the left connection cannot
 be produced on demand with a real broker.
@@ -16,10 +16,10 @@ import time
 import pytest
 import zmq
 import zmq.asyncio
-from broker_stack import HB, run
 
 from broker import protocol as p
 from broker.client import BrokerClient
+from tests.harness import HB, run
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.jobs.jobs_stack import ROOT, JobsStack, chat_line, write_jsonl
+from tests.harness import ROOT, Stack, chat_line, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def _cli(home, *args, timeout=120):
     )
 
 
-def start_api(stack: JobsStack) -> str:
+def start_api(stack: Stack) -> str:
     """The gateway on the stack's broker and database, announced in stack.json as `laneserve
     up` does (this test process stands in for the supervisor); returns its URL."""
     import time
@@ -41,7 +41,7 @@ def start_api(stack: JobsStack) -> str:
 
     url = f"http://127.0.0.1:{free_port()}"
     args = ["--broker", stack.front, "--db", stack.db_url, "--port", url.rsplit(":", 1)[1]]
-    proc = stack._spawn("api", "laneserve.commands.api", args)
+    proc = stack.spawn("api", ["laneserve.commands.api", *args])
     deadline = time.monotonic() + 60
     while True:
         assert proc.poll() is None and time.monotonic() < deadline, stack.logs()
@@ -60,11 +60,11 @@ def test_submit_wait_show_download_and_exit_codes(laneserve_home, tmp_path):
 
     db_url = f"sqlite:///{tmp_path / 'stack.db'}"
     migrate.upgrade(db_url)
-    stack = JobsStack(laneserve_home, db_url)
+    stack = Stack.for_jobs(laneserve_home, db_url)
     try:
         stack.start_broker()
         stack.start_worker()
-        stack.start_runner()
+        stack.start_jobs_runner()
         start_api(stack)
         lines = [chat_line(f"q{i}", f"question {i}") for i in range(4)] + ["oops"]
         path = write_jsonl(tmp_path / "in.jsonl", lines)
@@ -138,11 +138,11 @@ def test_submit_wait_exits_3_when_the_job_is_cancelled(laneserve_home, tmp_path)
 
     db_url = f"sqlite:///{laneserve_home / 'laneserve.db'}"
     migrate.upgrade(db_url)
-    stack = JobsStack(laneserve_home, db_url)
+    stack = Stack.for_jobs(laneserve_home, db_url)
     try:
         stack.start_broker()
         stack.start_worker("w1", "--synthetic-step-ms", "40")
-        stack.start_runner("--max-in-flight", "2")
+        stack.start_jobs_runner("--max-in-flight", "2")
         start_api(stack)
         lines = [chat_line(f"x{i}", "hi", max_tokens=25) for i in range(30)]  # ~15 s in all
         path = write_jsonl(tmp_path / "in.jsonl", lines)

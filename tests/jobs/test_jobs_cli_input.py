@@ -15,7 +15,7 @@ import time
 import pytest
 
 from laneserve.commands import submit
-from tests.jobs.jobs_stack import ROOT
+from tests.harness import ROOT
 
 
 def test_txt_is_one_document_per_line_or_per_file(tmp_path):

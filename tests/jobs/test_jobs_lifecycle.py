@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.jobs.jobs_stack import JobsStack, chat_line, read_lines, submit, wait_job, write_jsonl
+from tests.harness import Stack, chat_line, read_lines, submit, wait_job, write_jsonl
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 def stack(laneserve_home, db_url):
-    s = JobsStack(laneserve_home, db_url)
+    s = Stack.for_jobs(laneserve_home, db_url)
     yield s
     s.stop()
 
@@ -24,7 +24,7 @@ def stack(laneserve_home, db_url):
 def test_good_overlength_malformed_nonobject(stack, engine, laneserve_home, smollm2_dir):
     stack.start_broker()
     stack.start_worker("w1", "--max-num-seqs", "8", model=str(smollm2_dir))  # the real model
-    stack.start_runner("--max-model-len", "64", model=str(smollm2_dir))
+    stack.start_jobs_runner("--max-model-len", "64", model=str(smollm2_dir))
     lines = [chat_line(f"good-{i}", f"Say hello number {i}.") for i in range(5)]
     lines.insert(2, chat_line("too-long", "word " * 200))
     lines.insert(4, '{"custom_id": "broken", "method": "POST", ')  # malformed: not JSON
@@ -60,7 +60,7 @@ def _custom_ids(engine, job) -> list[str]:
 def test_duplicate_custom_id_fails_at_validation_and_sends_nothing(stack, engine, laneserve_home):
     stack.start_broker()
     stack.start_worker()
-    stack.start_runner()
+    stack.start_jobs_runner()
     lines = [chat_line(f"c{i}", "hi") for i in range(6)]
     lines[4]["custom_id"] = "c1"  # line 5 repeats line 2's id
     job = submit(engine, write_jsonl(laneserve_home / "dup.jsonl", lines))
@@ -98,7 +98,7 @@ def test_cancel_keeps_finished_results(stack, engine, laneserve_home):
     from jobs import service
 
     job = _slow_job(stack, engine, laneserve_home, n=40, max_tokens=25)  # ~1 s a line
-    stack.start_runner("--max-in-flight", "4")
+    stack.start_jobs_runner("--max-in-flight", "4")
     _wait_progress(engine, job.id, 4, stack)
     service.cancel_batch(engine, job.id)
     job = wait_job(engine, job.id, ("cancelled",), stack, timeout_s=60)
@@ -114,10 +114,10 @@ def test_cancel_keeps_finished_results(stack, engine, laneserve_home):
 
 def test_runner_sigkill_then_restart_completes_each_line_once(stack, engine, laneserve_home):
     job = _slow_job(stack, engine, laneserve_home, n=30, max_tokens=20, recorder=True)
-    stack.start_runner("--max-in-flight", "6")
+    stack.start_jobs_runner("--max-in-flight", "6")
     before = _wait_progress(engine, job.id, 6, stack).request_completed
-    stack.kill("runner")
-    stack.start_runner("--max-in-flight", "6")
+    stack.kill("jobs-runner")
+    stack.start_jobs_runner("--max-in-flight", "6")
     job = wait_job(engine, job.id, ("completed", "failed"), stack, timeout_s=120)
     assert job.status == "completed"
     assert job.request_counts == {"total": 30, "completed": 30, "failed": 0}
@@ -159,14 +159,14 @@ def test_worker_lost_after_max_attempts_goes_to_error_file(stack, engine, lanese
 
     stack.start_broker("--max-attempts", "1")
     stack.start_worker("w1", "--synthetic-step-ms", "200")
-    stack.start_runner()
+    stack.start_jobs_runner()
     lines = [chat_line("only", "hello", max_tokens=200)]  # ~40 s on this worker
     job = submit(engine, write_jsonl(laneserve_home / "lost.jsonl", lines))
     deadline = time.monotonic() + 60
     while stack.broker_counters().get("dispatched", 0) < 1:
         assert time.monotonic() < deadline, stack.logs()
         time.sleep(0.2)
-    stack.kill("w1")
+    stack.kill("worker-w1")
     job = wait_job(engine, job.id, ("completed", "failed"), stack, timeout_s=60)
     assert job.request_counts == {"total": 1, "completed": 0, "failed": 1}
     (err,) = read_lines(engine, job.error_file_id)
@@ -181,17 +181,17 @@ def test_lifecycle_on_postgresql_with_runner_restart(laneserve_home, pg_url):
 
     migrate.upgrade(pg_url)
     engine = make_engine(pg_url)
-    stack = JobsStack(laneserve_home, pg_url)
+    stack = Stack.for_jobs(laneserve_home, pg_url)
     try:
         stack.start_broker(recorder=True)
         stack.start_worker("w1", "--synthetic-step-ms", "40")
         lines = [chat_line(f"pg-{i:02d}", f"line {i}", max_tokens=20) for i in range(20)]
         lines[3:3] = ["{broken", '"a string"']
         job = submit(engine, write_jsonl(laneserve_home / "pg.jsonl", lines))
-        stack.start_runner("--max-in-flight", "4")
+        stack.start_jobs_runner("--max-in-flight", "4")
         _wait_progress(engine, job.id, 4, stack)
-        stack.kill("runner")
-        stack.start_runner("--max-in-flight", "4")
+        stack.kill("jobs-runner")
+        stack.start_jobs_runner("--max-in-flight", "4")
         job = wait_job(engine, job.id, ("completed", "failed"), stack, timeout_s=120)
         assert job.status == "completed"
         assert job.request_counts == {"total": 22, "completed": 20, "failed": 2}
@@ -208,7 +208,7 @@ def test_expired_job_ends_with_batch_expired_lines(stack, engine, laneserve_home
     from db.models import Job
     from db.session import write_session
 
-    stack.start_runner("--max-in-flight", "2")
+    stack.start_jobs_runner("--max-in-flight", "2")
     _wait_progress(engine, job.id, 1, stack)
     with write_session(engine) as s:  # the 24 h window, run out early
         s.get(Job, job.id).expires_at = 0.0
@@ -223,21 +223,21 @@ def test_expired_job_ends_with_batch_expired_lines(stack, engine, laneserve_home
 
 def test_broker_restart_mid_job_resubmits_without_counting_attempts(stack, engine, laneserve_home):
     job = _slow_job(stack, engine, laneserve_home, n=24, max_tokens=20)
-    stack.start_runner("--max-in-flight", "6")
+    stack.start_jobs_runner("--max-in-flight", "6")
     _wait_progress(engine, job.id, 4, stack)
     stack.kill("broker")
     stack.start_broker("--max-attempts", "1")  # a counted attempt would now fail the line
     job = wait_job(engine, job.id, ("completed", "failed"), stack, timeout_s=120)
     assert job.request_counts == {"total": 24, "completed": 24, "failed": 0}, stack.logs()
     assert sorted(_custom_ids(engine, job)) == [f"id-{i:03d}" for i in range(24)]
-    assert "worker_lost" in (laneserve_home / "runner.log").read_text()  # lines were resubmitted
+    assert "worker_lost" in stack.log("jobs-runner")  # lines were resubmitted
 
 
 def test_jobs_share_the_window_round_robin(stack, engine, laneserve_home):
     big = _slow_job(stack, engine, laneserve_home, n=60, max_tokens=10)  # ~0.4 s a line
     small_lines = [chat_line(f"s{i}", "hi", max_tokens=10) for i in range(4)]
     small = submit(engine, write_jsonl(laneserve_home / "small.jsonl", small_lines))
-    stack.start_runner("--max-in-flight", "4")
+    stack.start_jobs_runner("--max-in-flight", "4")
     small = wait_job(engine, small.id, ("completed",), stack, timeout_s=60)
     big_now = wait_job(engine, big.id, ("in_progress", "finalizing", "completed"), stack)
     assert big_now.status == "in_progress" and big_now.request_completed < 60  # small overtook
@@ -252,7 +252,7 @@ def test_runner_exits_when_its_parent_dies(stack):
     parent = subprocess.Popen(["sleep", "60"])
     try:
         stack.start_broker()
-        runner = stack.start_runner("--parent-pid", str(parent.pid))
+        runner = stack.start_jobs_runner("--parent-pid", str(parent.pid))
         time.sleep(1.0)
         assert runner.poll() is None
         parent.kill()
@@ -274,10 +274,10 @@ def test_runner_sigkill_on_the_real_model(stack, engine, laneserve_home, smollm2
         lines.append(line)
     job = submit(engine, write_jsonl(laneserve_home / "real.jsonl", lines))
     stack.wait_workers(1, timeout_s=300)
-    stack.start_runner("--max-in-flight", "2")
+    stack.start_jobs_runner("--max-in-flight", "2")
     before = _wait_progress(engine, job.id, 2, stack, timeout_s=180).request_completed
-    stack.kill("runner")
-    stack.start_runner("--max-in-flight", "4")
+    stack.kill("jobs-runner")
+    stack.start_jobs_runner("--max-in-flight", "4")
     job = wait_job(engine, job.id, ("completed", "failed"), stack, timeout_s=300)
     assert before < 40 and job.request_counts == {"total": 40, "completed": 40, "failed": 0}
     out = read_lines(engine, job.output_file_id)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.jobs.jobs_stack import JobsStack, read_lines, submit, wait_job, write_jsonl
+from tests.harness import Stack, read_lines, submit, wait_job, write_jsonl
 
 pytestmark = pytest.mark.slow
 
-MODEL = "smollm2-135m"  # the runner's --model-name in JobsStack
+MODEL = "smollm2-135m"  # the runner's --model-name in Stack
 MSG = [{"role": "user", "content": "Name a color."}]
 
 
@@ -21,10 +21,10 @@ def line(custom_id: str, url: str, **body) -> dict:
 
 @pytest.fixture
 def stack(laneserve_home, db_url, smollm2_dir):
-    s = JobsStack(laneserve_home, db_url)
+    s = Stack.for_jobs(laneserve_home, db_url)
     s.start_broker()
     s.start_worker("w1", "--max-num-seqs", "8", model=str(smollm2_dir))
-    s.start_runner(model=str(smollm2_dir))
+    s.start_jobs_runner(model=str(smollm2_dir))
     yield s
     s.stop()
 

@@ -21,7 +21,7 @@ from db.session import read_session, write_session
 from jobs import results, retention, service, store
 from jobs.errors import NotFoundError
 from jobs.runner import JobsRunner
-from tests.jobs.jobs_stack import JobsStack, chat_line, submit, wait_job, write_jsonl
+from tests.harness import Stack, chat_line, submit, wait_job, write_jsonl
 
 DAY_S = 86400.0
 
@@ -194,11 +194,11 @@ def test_input_of_a_recently_ended_job_is_kept_and_bad_windows_raise(engine, lan
 
 @pytest.mark.slow
 def test_runner_process_prunes_with_retention_days(laneserve_home, db_url, engine):
-    stack = JobsStack(laneserve_home, db_url)
+    stack = Stack.for_jobs(laneserve_home, db_url)
     try:
         stack.start_broker()
         stack.start_worker()
-        stack.start_runner("--retention-days", "30", "--retention-interval", "0.3")
+        stack.start_jobs_runner("--retention-days", "30", "--retention-interval", "0.3")
         stack.wait_workers(1)
         lines = [chat_line(f"c{i}", f"q{i}") for i in range(4)]
         old = submit(engine, write_jsonl(laneserve_home / "a.jsonl", lines))
@@ -222,7 +222,7 @@ def test_runner_process_prunes_with_retention_days(laneserve_home, db_url, engin
         log = ""
         while "deleted 2 files" not in log and time.monotonic() < deadline:
             time.sleep(0.2)
-            log = (laneserve_home / "runner.log").read_text(errors="replace")
+            log = stack.log("jobs-runner")
         assert "retention pass (older than 30 days): deleted 2 files" in log, log[-3000:]
         assert "cleared the bodies of 4 lines of 1 ended jobs" in log
     finally:

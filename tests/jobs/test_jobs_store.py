@@ -7,7 +7,7 @@ import json
 from db.models import Job, Request
 from db.session import read_session, write_session
 from jobs import results, store
-from tests.jobs.jobs_stack import chat_line, read_lines, submit, write_jsonl
+from tests.harness import chat_line, read_lines, submit, write_jsonl
 
 
 def _validated_job(engine, home, n_good=3, bad=("nope",)):

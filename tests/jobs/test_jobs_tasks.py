@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.jobs.jobs_stack import JobsStack, read_lines, submit, wait_job, write_jsonl
+from tests.harness import Stack, read_lines, submit, wait_job, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -21,12 +21,12 @@ PARAGRAPHS = [
 
 
 def test_summarize_translate_and_map_reduce(laneserve_home, db_url, engine, smollm2_dir):
-    stack = JobsStack(laneserve_home, db_url)
+    stack = Stack.for_jobs(laneserve_home, db_url)
     try:
         stack.start_broker()
         stack.start_worker("w1", "--max-num-seqs", "16", model=str(smollm2_dir))
         # A low context for the runner so a ~900-token document needs map-reduce.
-        stack.start_runner("--max-model-len", "320", model=str(smollm2_dir))
+        stack.start_jobs_runner("--max-model-len", "320", model=str(smollm2_dir))
         docs = [{"id": f"p{i}", "text": t} for i, t in enumerate(PARAGRAPHS)]
         summ = submit(
             engine,

@@ -9,7 +9,7 @@ import pytest
 from contracts.openai import Prompt, ServedModel
 from jobs.tokens import load_served_model
 from jobs.validate import JobValidationError, Validator
-from tests.jobs.jobs_stack import chat_line, write_jsonl
+from tests.harness import chat_line, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ Real processes on ipc:// sockets: recorder, broker, synthetic workers (batch lan
 runner on a SQLite database. Synthetic workers are enough: these scenarios are about process
 death and delivery, not tokens. Scenarios 1 and 4 use the production liveness settings
 (heartbeat 1 s, 3 missed beats) so the measured detection times are the real ones. The worker
-restart a supervisor would do is done by the test (``RelStack.restart_dead``).
+restart a supervisor would do is done by the test (``Stack.restart_dead``).
 """
 
 from __future__ import annotations
@@ -19,20 +19,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rel_stack import (
-    RelStack,
+
+from broker import protocol as p
+from broker.client import BrokerClient
+from tests.harness import (
+    Stack,
     chat_line,
     job_state,
-    read_file_lines,
+    read_lines,
     report,
     run,
     submit_job,
     wait_for,
-    wait_job,
+    wait_job_done,
 )
-
-from broker import protocol as p
-from broker.client import BrokerClient
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def tmpdir_short() -> Iterator[Path]:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _db(stack: RelStack):
+def _db(stack: Stack):
     from db import migrate
     from db.session import make_engine
 
@@ -53,8 +53,8 @@ def _db(stack: RelStack):
 
 
 def _check_exactly_once(engine, job, ids: list[str]) -> tuple[list[dict], list[dict]]:
-    out = read_file_lines(engine, job.output_file_id)
-    err = read_file_lines(engine, job.error_file_id)
+    out = read_lines(engine, job.output_file_id)
+    err = read_lines(engine, job.error_file_id)
     seen = collections.Counter(line["custom_id"] for line in out + err)
     dup = [cid for cid, n in seen.items() if n > 1]
     missing = sorted(set(ids) - set(seen))
@@ -62,7 +62,7 @@ def _check_exactly_once(engine, job, ids: list[str]) -> tuple[list[dict], list[d
     return out, err
 
 
-def _start_jobs_stack(stack: RelStack, workers: list[str], *worker_args: str, env=None) -> None:
+def _start_jobs_stack(stack: Stack, workers: list[str], *worker_args: str, env=None) -> None:
     stack.start_recorder()
     stack.start_broker("--recorder", stack.recorder_addr)
     for name in workers:
@@ -71,7 +71,7 @@ def _start_jobs_stack(stack: RelStack, workers: list[str], *worker_args: str, en
     stack.wait_workers(set(workers))
 
 
-def _counter(stack: RelStack, key: str) -> int:
+def _counter(stack: Stack, key: str) -> int:
     st = stack.try_status()
     return st["counters"].get(key, 0) if st else -1
 
@@ -82,13 +82,17 @@ def _counter(stack: RelStack, key: str) -> int:
 def test_sigkill_worker_mid_job_requeues_and_job_completes(tmpdir_short) -> None:
     """Scenario 1: SIGKILL one of two workers mid-job -> the broker notices (heartbeat 1 s x 3),
     requeues its lines, the restarted worker rejoins, every custom_id lands exactly once."""
-    stack = RelStack(tmpdir_short, hb=1.0, liveness=3)
+    stack = Stack(tmpdir_short, hb=1.0, liveness=3)
     try:
         step = ["--synthetic-step-ms", "20"]
         _start_jobs_stack(stack, ["w1", "w2"], *step)
         engine = _db(stack)
         ids = [f"line-{i:04d}" for i in range(300)]
-        job = submit_job(engine, tmpdir_short, [chat_line(cid, f"doc {cid}", 50) for cid in ids])
+        job = submit_job(
+            engine,
+            tmpdir_short,
+            [chat_line(cid, f"doc {cid}", 50, temperature=None) for cid in ids],
+        )
         wait_for(
             lambda: (st := stack.try_status()) and st["workers"] and st["queues"]["in_flight"] > 20,
             30,
@@ -103,7 +107,7 @@ def test_sigkill_worker_mid_job_requeues_and_job_completes(tmpdir_short) -> None
         stack.start_worker("w1", *step, lanes="batch")  # what the supervisor does
         stack.wait_workers({"w1", "w2"})
         rejoin_s = time.monotonic() - t_kill
-        job = wait_job(engine, job.id, 120, stack)
+        job = wait_job_done(engine, job.id, 120, stack)
         done_s = time.monotonic() - t_kill
         assert job.status == "completed", job.status
         out, err = _check_exactly_once(engine, job, ids)
@@ -134,15 +138,17 @@ def test_request_that_crashes_its_worker_fails_after_3_attempts(tmpdir_short) ->
     hook in gpu_worker/worker.py). The test restarts dead workers like the supervisor would.
     After 3 attempts the line is in the error file with ``worker_lost`` and its attempt count;
     every other line is in the output file."""
-    stack = RelStack(tmpdir_short, hb=0.2, liveness=5)
+    stack = Stack(tmpdir_short, hb=0.2, liveness=5)
     env = dict(stack.env, LANESERVE_FAULT_CRASH="POISON-PILL")
     step = ["--synthetic-step-ms", "10"]
     try:
         _start_jobs_stack(stack, ["w1", "w2"], *step, env=env)
         engine = _db(stack)
         ids = [f"ok-{i:03d}" for i in range(40)]
-        lines = [chat_line(cid, f"fine {cid}", 5) for cid in ids]
-        lines.insert(20, chat_line("poison", "this one has a POISON-PILL inside", 5))
+        lines = [chat_line(cid, f"fine {cid}", 5, temperature=None) for cid in ids]
+        lines.insert(
+            20, chat_line("poison", "this one has a POISON-PILL inside", 5, temperature=None)
+        )
         restarts = collections.Counter()
 
         def supervise() -> None:
@@ -153,7 +159,7 @@ def test_request_that_crashes_its_worker_fails_after_3_attempts(tmpdir_short) ->
 
         t0 = time.monotonic()
         job = submit_job(engine, tmpdir_short, lines)
-        job = wait_job(engine, job.id, 120, stack, tick=supervise)
+        job = wait_job_done(engine, job.id, 120, stack, tick=supervise)
         done_s = time.monotonic() - t0
         assert job.status == "completed", job.status
         out, err = _check_exactly_once(engine, job, [*ids, "poison"])
@@ -197,7 +203,7 @@ def test_broker_sigkill_restart_everyone_reconnects_and_job_completes(tmpdir_sho
     """Scenario 4: SIGKILL the broker during a job and an interactive stream, start it again.
     Workers re-register and the jobs runner's client reconnects within 10 s; the job completes
     with each line exactly once; the interactive stream ends with a retryable error."""
-    stack = RelStack(tmpdir_short, hb=1.0, liveness=3)
+    stack = Stack(tmpdir_short, hb=1.0, liveness=3)
     step = ["--synthetic-step-ms", "20"]
     try:
         stack.start_recorder()
@@ -208,7 +214,9 @@ def test_broker_sigkill_restart_everyone_reconnects_and_job_completes(tmpdir_sho
         stack.wait_workers({"wb", "wi"})
         engine = _db(stack)
         ids = [f"l{i:04d}" for i in range(200)]
-        job = submit_job(engine, tmpdir_short, [chat_line(cid, f"d {cid}", 40) for cid in ids])
+        job = submit_job(
+            engine, tmpdir_short, [chat_line(cid, f"d {cid}", 40, temperature=None) for cid in ids]
+        )
         figures = {}
 
         async def main():
@@ -241,7 +249,7 @@ def test_broker_sigkill_restart_everyone_reconnects_and_job_completes(tmpdir_sho
         n, err = run(main(), timeout_s=120)
         assert isinstance(err, p.Error) and err.retryable and err.code == "worker_lost", err
         assert n > 0
-        job = wait_job(engine, job.id, 120, stack)
+        job = wait_job_done(engine, job.id, 120, stack)
         assert job.status == "completed", job.status
         out, errs = _check_exactly_once(engine, job, ids)
         assert len(out) == len(ids) and errs == [], errs[:3]
@@ -264,12 +272,14 @@ def test_broker_sigkill_restart_everyone_reconnects_and_job_completes(tmpdir_sho
 def test_jobs_runner_sigkill_restart_no_duplicate_no_missing(tmpdir_short) -> None:
     """Scenario 5: SIGKILL the jobs runner mid-job and start it again: it resumes; every line
     exactly once in the files and exactly one `requests` row per line."""
-    stack = RelStack(tmpdir_short)
+    stack = Stack(tmpdir_short)
     try:
         _start_jobs_stack(stack, ["w1"], "--synthetic-step-ms", "10")
         engine = _db(stack)
         ids = [f"r{i:04d}" for i in range(400)]
-        job = submit_job(engine, tmpdir_short, [chat_line(cid, f"t {cid}", 30) for cid in ids])
+        job = submit_job(
+            engine, tmpdir_short, [chat_line(cid, f"t {cid}", 30, temperature=None) for cid in ids]
+        )
         wait_for(
             lambda: job_state(engine, job.id).request_counts["completed"] >= 60,
             60,
@@ -287,7 +297,7 @@ def test_jobs_runner_sigkill_restart_no_duplicate_no_missing(tmpdir_short) -> No
             "the job to resume",
         )
         resumed_s = time.monotonic() - t_kill
-        job = wait_job(engine, job.id, 120, stack)
+        job = wait_job_done(engine, job.id, 120, stack)
         assert job.status == "completed", job.status
         out, err = _check_exactly_once(engine, job, ids)
         assert len(out) == len(ids) and err == []

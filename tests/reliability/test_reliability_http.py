@@ -30,7 +30,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from rel_stack import RelStack
+
+from tests.harness import Stack
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +42,9 @@ MODEL = "smollm2"
 
 
 @pytest.fixture(scope="module")
-def api(smollm2_gguf) -> Iterator[RelStack]:
+def api(smollm2_gguf) -> Iterator[Stack]:
     tmp = Path(tempfile.mkdtemp(prefix="lsh", dir="/tmp"))
-    stack = RelStack(tmp, liveness=25)
+    stack = Stack(tmp, liveness=25)
     try:
         stack.start_recorder()
         stack.start_broker("--recorder", stack.recorder_addr)
@@ -69,7 +70,7 @@ def _valid_chat() -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-def _assert_serving(stack: RelStack) -> None:
+def _assert_serving(stack: Stack) -> None:
     for name in ("api", "broker", "worker-synth", "recorder"):
         assert stack.alive(name), f"{name} died:\n{stack.logs()}"
     with httpx.Client(base_url=stack.url, timeout=20) as c:

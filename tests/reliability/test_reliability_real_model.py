@@ -29,7 +29,8 @@ import httpx
 import psutil
 import pytest
 import sqlalchemy as sa
-from rel_stack import RelStack, report, wait_for
+
+from tests.harness import Stack, report, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +42,9 @@ LOAD_SECONDS = float(os.environ.get("LANESERVE_LOAD_SECONDS", "20"))
 
 
 @pytest.fixture(scope="module")
-def real(smollm2_gguf) -> Iterator[RelStack]:
+def real(smollm2_gguf) -> Iterator[Stack]:
     tmp = Path(tempfile.mkdtemp(prefix="lsm", dir="/tmp"))
-    stack = RelStack(tmp, liveness=30)  # generous: a CPU busy with 64 streams is not dead
+    stack = Stack(tmp, liveness=30)  # generous: a CPU busy with 64 streams is not dead
     try:
         stack.start_recorder()
         stack.start_broker("--recorder", stack.recorder_addr, "--max-interactive-queue", "512")
@@ -71,11 +72,11 @@ def _body(content: str, max_tokens: int = 8, stream: bool = False) -> dict:
     }
 
 
-def _load(stack: RelStack) -> dict:
+def _load(stack: Stack) -> dict:
     return stack.status()["workers"][0]["load"]
 
 
-def _wait_idle(stack: RelStack, timeout_s: float = 60.0) -> dict:
+def _wait_idle(stack: Stack, timeout_s: float = 60.0) -> dict:
     def idle():
         st = stack.status()
         load = st["workers"][0]["load"]

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from rel_stack import RelStack, report, run, wait_for
 
 from broker import protocol as p
 from broker.client import BrokerClient
+from tests.harness import Stack, report, run, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def test_recorder_sigkill_during_writes_loses_no_acknowledged_record(db_url) -> 
     from db.session import make_engine
 
     tmp = Path(tempfile.mkdtemp(prefix="lsr", dir="/tmp"))
-    stack = RelStack(tmp)
+    stack = Stack(tmp)
     engine = make_engine(db_url)
     prefix = f"rec-{uuid.uuid4().hex[:8]}-"
     figures: dict = {}

@@ -6,7 +6,7 @@ Real processes on ipc:// sockets with the production liveness settings (heartbea
 beats): a broker and one synthetic worker (``gpu_worker/synthetic.py``, 20 ms per engine step,
 8 sequences at a time); the HTTP scenario adds ``laneserve api`` and the official ``openai``
 client (no client-side retries). The test plays the supervisor: it SIGKILLs a process and starts it again at once. Each
-scenario reports its figures (``rel_stack.report``; docs/reliability.md).
+scenario reports its figures (``tests.harness.report``; docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from rel_stack import RelStack, report, run
 
 from broker import protocol as p
 from broker.client import BrokerClient
+from tests.harness import Stack, report, run
 
 pytestmark = pytest.mark.slow
 
@@ -36,9 +36,9 @@ AFTER_TOKENS = 8  # max_tokens of the requests sent after a kill
 
 
 @pytest.fixture
-def stack() -> Iterator[RelStack]:
+def stack() -> Iterator[Stack]:
     tmp = Path(tempfile.mkdtemp(prefix="lsr", dir="/tmp"))
-    s = RelStack(tmp, hb=1.0, liveness=3)
+    s = Stack(tmp, hb=1.0, liveness=3)
     try:
         yield s
     finally:
@@ -99,19 +99,19 @@ async def call(
     return out
 
 
-def _start(stack: RelStack) -> None:
+def _start(stack: Stack) -> None:
     stack.start_broker()
     stack.start_worker("w1", *WORKER_ARGS)
     stack.wait_workers({"w1"})
 
 
-def kill_broker(stack: RelStack) -> None:
+def kill_broker(stack: Stack) -> None:
     """SIGKILL the broker and start a new one at once, as the supervisor does."""
     stack.kill("broker")
     stack.start_broker()
 
 
-def kill_worker(stack: RelStack) -> None:
+def kill_worker(stack: Stack) -> None:
     """SIGKILL the worker and start it again under the same id, as the supervisor does."""
     stack.kill("worker-w1")
     stack.start_worker("w1", *WORKER_ARGS)
@@ -123,7 +123,7 @@ KILLS = {"broker": kill_broker, "worker": kill_worker}
 # ------------------------------------------------------------------------- requests after
 
 
-def _after_kill(stack: RelStack, kill: Callable[[RelStack], None]) -> dict:
+def _after_kill(stack: Stack, kill: Callable[[Stack], None]) -> dict:
     """Kill, then 20 requests (every other one streaming) spread over the next 5 s."""
     _start(stack)
     seen: dict[str, int] = {}
@@ -184,7 +184,7 @@ async def _wave(c: BrokerClient, tag: str, seen: dict[str, int]) -> dict[str, as
     return tasks
 
 
-def _kill_under_way(stack: RelStack, kill: Callable[[RelStack], None]) -> dict:
+def _kill_under_way(stack: Stack, kill: Callable[[Stack], None]) -> dict:
     """8 streaming and 8 non-streaming requests in flight, then the kill."""
     _start(stack)
     seen: dict[str, int] = {}

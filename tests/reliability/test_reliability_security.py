@@ -18,12 +18,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from rel_stack import ROOT, RelStack, free_port, run, wait_for
 
 from broker import protocol as p
 from broker.broker import Broker, BrokerConfig
 from broker.client import BrokerClient
 from broker.curve import CurveKeyError, generate_keys, load_public, load_secret
+from tests.harness import ROOT, Stack, free_port, run, wait_for
 
 
 def _mode(path: Path) -> int:
@@ -119,7 +119,7 @@ def test_default_endpoints_are_ipc_in_private_dir(laneserve_home) -> None:
     """`laneserve broker` without address flags binds ipc:// sockets in a 0700 directory under
     $LANESERVE_HOME and listens on no TCP port at all; a worker with defaults finds it."""
     tmp = Path(tempfile.mkdtemp(prefix="lsy", dir="/tmp"))
-    stack = RelStack(tmp)
+    stack = Stack(tmp)
     stack.env["LANESERVE_HOME"] = str(laneserve_home)
     try:
         broker = stack.spawn("broker", ["laneserve.commands.broker"])
@@ -151,7 +151,7 @@ def test_curve_allows_listed_worker_and_refuses_the_others(tmp_path) -> None:
     keys = generate_keys(tmp_path / "keys", ["good"])
     other = generate_keys(tmp_path / "other", ["stranger"])
     tmp = Path(tempfile.mkdtemp(prefix="lsc", dir="/tmp"))
-    stack = RelStack(tmp)
+    stack = Stack(tmp)
     back = f"tcp://127.0.0.1:{free_port()}"
     try:
         curve = [

@@ -21,15 +21,16 @@ from pathlib import Path
 
 import psutil
 import pytest
-from rel_stack import (
+
+from tests.harness import (
     ROOT,
     chat_line,
     job_state,
-    read_file_lines,
+    read_lines,
     report,
     submit_job,
     wait_for,
-    wait_job,
+    wait_job_done,
 )
 
 pytestmark = pytest.mark.slow
@@ -96,7 +97,9 @@ def test_worker_sigkill_mid_job_supervisor_restarts_it(up, tmp_path) -> None:
     info = up.info()
     engine = make_engine(info["db_url"])
     ids = [f"s{i:04d}" for i in range(300)]
-    job = submit_job(engine, tmp_path, [chat_line(cid, f"doc {cid}", 40) for cid in ids])
+    job = submit_job(
+        engine, tmp_path, [chat_line(cid, f"doc {cid}", 40, temperature=None) for cid in ids]
+    )
     wait_for(lambda: job_state(engine, job.id).request_counts["completed"] >= 30, 60, "progress")
     old = info["children"]["worker-0"]
     t_kill = time.monotonic()
@@ -108,11 +111,11 @@ def test_worker_sigkill_mid_job_supervisor_restarts_it(up, tmp_path) -> None:
 
     new = wait_for(restarted, 60, "the supervisor to restart worker-0", poll_s=0.2)
     restart_s = time.monotonic() - t_kill
-    job = wait_job(engine, job.id, 180)
+    job = wait_job_done(engine, job.id, 180)
     done_s = time.monotonic() - t_kill
     assert job.status == "completed", (job.status, up.logs())
-    out = read_file_lines(engine, job.output_file_id)
-    err = read_file_lines(engine, job.error_file_id)
+    out = read_lines(engine, job.output_file_id)
+    err = read_lines(engine, job.error_file_id)
     assert sorted(o["custom_id"] for o in out) == ids and err == [], err[:3]
     engine.dispose()
     report(

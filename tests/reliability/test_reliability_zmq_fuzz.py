@@ -22,10 +22,10 @@ import msgpack
 import psutil
 import pytest
 import zmq
-from rel_stack import RelStack, run
 
 from broker import protocol as p
 from broker.client import BrokerClient
+from tests.harness import Stack, run
 
 pytestmark = pytest.mark.slow
 
@@ -200,7 +200,7 @@ async def _probe(client: BrokerClient, i: int) -> tuple[int, float, object]:
 
 def test_zmq_fuzz_broker_survives_and_keeps_serving() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="lsz", dir="/tmp"))
-    stack = RelStack(tmp)
+    stack = Stack(tmp)
     ctx = zmq.Context()
     socks: list[zmq.Socket] = []
     try:

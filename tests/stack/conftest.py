@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.stack.stack_helpers import link_model
+from tests.harness import link_model
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ import time
 import psutil
 import pytest
 
-from laneserve.commands.demo import LANES, PHASES, _print_report, lane_failures
 from laneserve.demo_corpus import build_corpus, write_jsonl
-from tests.stack.stack_helpers import ROOT, UpProcess, laneserve, link_model, processes_mentioning
+from laneserve.demo_report import LANES, PHASES, lane_failures, print_report
+from tests.harness import ROOT, UpProcess, laneserve, link_model, processes_mentioning
 
 
 def test_corpus_is_real_varied_and_deterministic(tmp_path):
@@ -122,10 +122,10 @@ def test_report_always_has_both_lanes_columns():
     del r["lanes"]["interactive"], r["throughput_tokens_per_s"]["interactive"]
     from rich.console import Console
 
-    from laneserve.commands.demo import ChatStats
+    from laneserve.demo_chats import ChatStats
 
     buf = io.StringIO()
-    _print_report(r, {}, {}, ChatStats(), ROOT, Console(file=buf, width=100))
+    print_report(r, {}, {}, ChatStats(), ROOT, Console(file=buf, width=100))
     text = buf.getvalue()
     for lane in LANES:
         assert f"{lane} P50" in text and f"{lane} P99" in text

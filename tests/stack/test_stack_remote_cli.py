@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.stack.stack_helpers import ROOT, UpProcess
+from tests.harness import ROOT, UpProcess
 
 pytestmark = pytest.mark.slow
 

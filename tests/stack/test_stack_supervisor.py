@@ -133,7 +133,7 @@ def test_parse_lanes_and_threads():
 
 
 def test_up_rejects_bad_options_before_starting_anything(tmp_path):
-    from tests.stack.stack_helpers import laneserve
+    from tests.harness import laneserve
 
     for args, needle in (
         (["--kv-cache-memory", "lots"], "--kv-cache-memory"),

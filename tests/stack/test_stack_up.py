@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import create_engine, select
 
 from db.models import Request
-from tests.stack.stack_helpers import UpProcess, laneserve, processes_mentioning
+from tests.harness import UpProcess, laneserve, processes_mentioning
 
 pytestmark = pytest.mark.slow
 

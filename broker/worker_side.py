@@ -1,0 +1,160 @@
+"""The broker's worker side (a mixin of :class:`broker.broker.Broker`): messages from workers
+on the back socket -- ``ready`` (register; a restarted worker's old requests are lost),
+``step_outputs`` (stream deltas or accumulate text, finish requests, free credits), errors, and
+worker loss (requeue at the head of the lane, or a final ``worker_lost``; see broker/broker.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from broker import protocol as p
+from broker.protocol.front import encode_delta
+
+if TYPE_CHECKING:
+    from broker.requests import RequestState
+    from broker.workers import WorkerState
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    """Handlers of worker messages. The host (:class:`~broker.broker.Broker`) provides
+    ``config``, ``counters``, ``registry``, ``workers``, ``requests``, ``dispatcher``, ``back``
+    and ``_send``, ``_send_client``, ``_heartbeat_frames``, ``_dispatch``, ``_finish``."""
+
+    def _on_worker_frames(self, identity: bytes, frames: list[bytes]) -> None:
+        msg = p.decode(frames, p.WORKER_TO_BROKER)
+        worker = self.workers.get(identity)
+        kind = type(msg)
+        if kind is p.Ready:
+            self._on_ready(identity, msg)
+            return
+        if worker is None:
+            self._on_unknown_worker(identity)
+            return
+        worker.last_seen = time.monotonic()
+        if kind is p.StepOutputs:
+            self._on_step_outputs(worker, msg)
+        elif kind is p.WorkerHeartbeat:
+            self.registry.on_heartbeat(worker, msg)
+        elif kind is p.WorkerError:
+            self._on_worker_error(worker, msg)
+
+    def _on_unknown_worker(self, identity: bytes) -> None:
+        """A message from a worker not registered (e.g. this broker restarted): tell it once
+        per liveness window to forget its state and announce itself again."""
+        self.counters["unknown_worker_messages"] += 1
+        now = time.monotonic()
+        if self.registry.may_tell_disconnect(identity, now):
+            bye = p.Disconnect(reason="unknown worker").to_frames()
+            if self._send_worker(identity, bye, quiet=True):
+                self.registry.told_disconnect(identity, now)
+
+    def _on_ready(self, identity: bytes, msg: p.Ready) -> None:
+        if identity in self.workers:
+            self._worker_lost(identity)  # it restarted: whatever it held is gone
+        self.registry.register(identity, msg, time.monotonic())
+        self._send_worker(identity, self._heartbeat_frames())
+        self._dispatch()
+
+    def _on_step_outputs(self, worker: WorkerState, msg: p.StepOutputs) -> None:
+        freed = False
+        now = time.monotonic()
+        for out in msg.outputs:
+            rid = out.request_id
+            req = self.requests.get(rid)
+            if req is None or req.worker != worker.identity:
+                self.counters["stale_outputs"] += 1
+                if not out.finished and rid not in worker.in_flight:
+                    self._send_worker(worker.identity, p.Abort(request_id=rid).to_frames())
+                continue
+            if out.token_ids or out.text:
+                self._on_output(req, out, now)
+            if out.finished:
+                self.dispatcher.release(worker, req)
+                freed = True
+                self._on_finished_output(req, out)
+        if freed:
+            self._dispatch()
+
+    def _on_finished_output(self, req: RequestState, out: p.StepOutput) -> None:
+        metrics = out.metrics or {}
+        if out.finish_reason == "error" or out.error:
+            error = ("engine_error", out.error or "engine error")
+            self._finish(req, "error", error, metrics, status="failed")
+            return
+        status = "aborted" if out.finish_reason == "abort" else "completed"
+        self._finish(req, out.finish_reason or "stop", None, metrics, status=status)
+
+    def _on_output(self, req: RequestState, out: p.StepOutput, now: float) -> None:
+        req.num_tokens += len(out.token_ids)
+        if out.text and not req.first_token:
+            req.first_token = now
+        if req.aborted:
+            return
+        if out.prompt_logprobs is not None:
+            req.prompt_logprobs = out.prompt_logprobs
+        if req.submit.stream:
+            frames = encode_delta(out.request_id, out.text, out.token_ids, out.logprobs)
+            if self._send_client(req.client, frames):
+                req.sent_output = True
+                self.counters["deltas"] += 1
+        else:
+            req.text.append(out.text)
+            req.token_ids.extend(out.token_ids)
+            if out.logprobs is not None:
+                req.logprobs = (req.logprobs or []) + list(out.logprobs)
+
+    def _on_worker_error(self, worker: WorkerState, msg: p.WorkerError) -> None:
+        if msg.request_id is None:
+            logger.error("worker %s error %s: %s", worker.worker_id, msg.code, msg.message[:500])
+            return
+        req = self.requests.get(msg.request_id)
+        if req is None or req.worker != worker.identity:
+            return
+        self.dispatcher.release(worker, req)
+        self._finish(req, "error", (msg.code, msg.message), {}, status="failed")
+        self._dispatch()
+
+    def _worker_lost(self, identity: bytes) -> None:
+        worker = self.registry.remove(identity)
+        if worker is None:
+            return
+        self.counters["workers_lost"] += 1
+        requeue: dict[str, list[str]] = {"interactive": [], "batch": []}
+        for rid in list(worker.in_flight):
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            self.dispatcher.release(worker, req)
+            if req.aborted:
+                self._finish(req, "abort", None, {}, status="aborted")
+            elif req.sent_output:
+                msg = "worker lost while streaming; retry the request"
+                self._finish(
+                    req, "error", ("worker_lost", msg), {}, status="failed", retryable=True
+                )
+            elif req.attempts >= self.config.max_attempts:
+                msg = f"worker lost {req.attempts} times"
+                self._finish(req, "error", ("worker_lost", msg), {}, status="failed")
+            else:
+                self.counters["requeued"] += 1
+                req.lost += 1
+                # forget the lost attempt's partial output (stream=False accumulates it)
+                req.text, req.token_ids, req.logprobs = [], [], None
+                req.prompt_logprobs = None
+                req.num_tokens, req.first_token = 0, 0.0
+                requeue[req.submit.lane].append(rid)
+        self.dispatcher.requeue_at_head(requeue)  # head of the queue, original order
+        self._dispatch()
+
+    def _send_worker(self, identity: bytes, frames: list[bytes], *, quiet: bool = False) -> bool:
+        if self._send(self.back, identity, frames, "worker"):
+            return True
+        if not quiet and identity in self.workers:
+            logger.warning("worker %r unreachable: treating as lost", identity[:32])
+            self._worker_lost(identity)
+        return False
