@@ -36,6 +36,7 @@ class RequestState:
     text: list[str] = field(default_factory=list)  # stream=False accumulation
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None
+    prompt_logprobs: list | None = None  # held for the Final, streamed or not
     num_tokens: int = 0
     lost: int = 0  # times its worker was lost before it sent anything
     solo: bool = False  # dispatched alone (its last attempt after a worker loss)
@@ -115,4 +116,5 @@ def outcome(
         logprobs=req.logprobs,
         worker_id=req.worker_id,
         attempts=req.attempts,
+        prompt_logprobs=req.prompt_logprobs,
     )

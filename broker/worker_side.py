@@ -95,6 +95,8 @@ class WorkerSide:
             req.first_token = now
         if req.aborted:
             return
+        if out.prompt_logprobs is not None:
+            req.prompt_logprobs = out.prompt_logprobs
         if req.submit.stream:
             frames = encode_delta(out.request_id, out.text, out.token_ids, out.logprobs)
             if self._send_client(req.client, frames):
@@ -143,6 +145,7 @@ class WorkerSide:
                 req.lost += 1
                 # forget the lost attempt's partial output (stream=False accumulates it)
                 req.text, req.token_ids, req.logprobs = [], [], None
+                req.prompt_logprobs = None
                 req.num_tokens, req.first_token = 0, 0.0
                 requeue[req.submit.lane].append(rid)
         self.dispatcher.requeue_at_head(requeue)  # head of the queue, original order

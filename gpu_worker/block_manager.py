@@ -205,8 +205,9 @@ class BlockManager:
             (block ids of the hit, in order; number of hit tokens = len(ids) * block_size).
         """
         assert not request.block_table, f"{request.request_id} already holds blocks"
-        if not self.enable_prefix_caching:
-            return [], 0
+        params = request.sampling_params
+        if not self.enable_prefix_caching or getattr(params, "prompt_logprobs", None) is not None:
+            return [], 0  # prompt_logprobs need every prompt position computed (vLLM does so)
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._update_block_hashes(request, max_blocks * self.block_size)
         bs = self.block_size

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -111,6 +111,36 @@ class _RequestState:
     generator: torch.Generator | None
     params: SamplingParams
     text_parts: list[str] = field(default_factory=list)
+    # prompt_logprobs requested: entries so far (one per position); sent once complete
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
+
+
+class _PromptRows(NamedTuple):
+    """Prompt positions [start, end) of one request computed this step, from flat row `row`."""
+
+    state: _RequestState
+    row: int
+    start: int
+    end: int
+
+
+def _flat_rows(rows: list[_PromptRows], device: torch.device) -> torch.Tensor:
+    """The varlen-batch row indices of `rows`, in order: `[sum(end - start)]` int64."""
+    flat = [r.row + k for r in rows for k in range(r.end - r.start)]
+    return torch.tensor(flat, dtype=torch.int64, device=device)
+
+
+def _attach_prompt_logprobs(state: _RequestState, delta: RequestDelta) -> None:
+    """Put a request's complete prompt logprobs on `delta`, once (not again after a recompute)."""
+    if state.prompt_logprobs is None or state.prompt_logprobs_sent:
+        return
+    assert len(state.prompt_logprobs) == state.request.num_prompt_tokens, (
+        f"{state.request.request_id}: {len(state.prompt_logprobs)} prompt logprobs for "
+        f"{state.request.num_prompt_tokens} prompt tokens"
+    )
+    delta.prompt_logprobs = state.prompt_logprobs
+    state.prompt_logprobs_sent = True
 
 
 class LLMEngine:
@@ -307,6 +337,10 @@ class LLMEngine:
         self.states[request_id] = _RequestState(
             req, IncrementalDetokenizer(self.tokenizer, ids, params), generator, params
         )
+        if params.prompt_logprobs is not None:
+            # position 0 has no logprob; its entry names the token (the API's echo needs it)
+            first = {"token_id": ids[0], "logprob": None, "rank": None, "top": []}
+            self.states[request_id].prompt_logprobs = [first]
         return req
 
     def abort_request(self, request_id: str) -> None:
@@ -347,6 +381,7 @@ class LLMEngine:
             if row.error is None:
                 try:
                     deltas.append(self._process_token(row.state, row.token_id, row.logprobs, now))
+                    _attach_prompt_logprobs(row.state, deltas[-1])
                     continue
                 except Exception as exc:  # this request's output only: the others go on
                     logger.exception(
@@ -379,7 +414,16 @@ class LLMEngine:
             [e.request.block_table for e in entries],
             [e.samples for e in entries],
         )
+        prompt_rows = self._prompt_logprob_rows(entries)
+        if prompt_rows:  # extra logits rows for the prompt positions of requests that ask
+            inputs.logits_indices = torch.cat(
+                [inputs.logits_indices, _flat_rows(prompt_rows, inputs.logits_indices.device)]
+            )
         logits = self.runner.execute(inputs)
+        if prompt_rows:
+            num_sampled = len(inputs.sample_rows)
+            self._record_prompt_logprobs(prompt_rows, logits[num_sampled:])
+            logits = logits[:num_sampled]
         if not inputs.sample_rows:
             return []
         states = [self.states[entries[i].request.request_id] for i in inputs.sample_rows]
@@ -418,6 +462,64 @@ class LLMEngine:
             [s.request.output_token_ids for s in states],
         )
         return result.token_ids, result.logprobs
+
+    def _prompt_logprob_rows(self, entries) -> list[_PromptRows]:
+        """The prompt positions still lacking logprobs that this step computes, per request.
+
+        Position p's logits give the logprob of prompt token p + 1, so a request needs positions
+        [0, P - 1). Positions already recorded (before a preemption) are not asked for again.
+        Requests without `prompt_logprobs` cost nothing.
+        """
+        out: list[_PromptRows] = []
+        offset = 0  # first flat row of each entry in the step's varlen batch
+        for e in entries:
+            if e.request.sampling_params.prompt_logprobs is None:  # the common case: no lookup
+                offset += e.num_new_tokens
+                continue
+            state = self.states.get(e.request.request_id)
+            if state is not None and state.prompt_logprobs is not None:
+                start = max(e.num_computed_tokens, len(state.prompt_logprobs) - 1)
+                end = min(e.num_computed_tokens + e.num_new_tokens, e.request.num_prompt_tokens - 1)
+                if end > start:
+                    assert start == len(state.prompt_logprobs) - 1, (
+                        f"{e.request.request_id}: prompt logprobs skip positions "
+                        f"{len(state.prompt_logprobs) - 1}..{start}"
+                    )
+                    out.append(
+                        _PromptRows(state, offset + start - e.num_computed_tokens, start, end)
+                    )
+            offset += e.num_new_tokens
+        return out
+
+    def _record_prompt_logprobs(self, rows: list[_PromptRows], logits: torch.Tensor) -> None:
+        """Append the entries of `rows` from their logits `[sum(end - start), V]` (fp32)."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+        targets = [
+            t for r in rows for t in r.state.request.prompt_token_ids[r.start + 1 : r.end + 1]
+        ]
+        target = torch.tensor(targets, dtype=torch.int64, device=logprobs.device)
+        chosen = logprobs.gather(1, target[:, None])  # [R, 1]
+        ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+        chosen_list = chosen.squeeze(1).tolist()
+        max_n = max(r.state.params.prompt_logprobs for r in rows)
+        top_vals: list[list[float]] = [[] for _ in targets]
+        top_ids: list[list[int]] = [[] for _ in targets]
+        if max_n > 0:
+            vals, ids = torch.topk(logprobs, max_n, dim=-1)
+            top_vals, top_ids = vals.tolist(), ids.tolist()
+        i = 0
+        for r in rows:
+            n = r.state.params.prompt_logprobs
+            for _ in range(r.end - r.start):
+                r.state.prompt_logprobs.append(
+                    {
+                        "token_id": targets[i],
+                        "logprob": chosen_list[i],
+                        "rank": ranks[i],
+                        "top": list(zip(top_ids[i][:n], top_vals[i][:n], strict=True)),
+                    }
+                )
+                i += 1
 
     def _process_token(
         self, state: _RequestState, token_id: int, logprobs: dict | None, now: float

@@ -10,6 +10,7 @@ from typing import Any
 from gpu_worker.config import EngineConfig
 from gpu_worker.model_files import DEFAULT_MODEL
 from gpu_worker.openmp import apply_openmp_policy
+from gpu_worker.outputs import Logprob, prompt_logprob_dicts
 from gpu_worker.sampling_params import SamplingParams
 
 
@@ -26,6 +27,9 @@ class RequestOutput:
         metrics: DESIGN.md per-phase fields measured in the engine (ms) and token counts.
         logprobs: per output token `{"token_id", "logprob", "top": [(id, logprob), ...]}` when
             requested.
+        prompt_logprobs: with `SamplingParams.prompt_logprobs`, vLLM's shape: per prompt
+            position None (the first) or `{token_id: Logprob(logprob, rank, decoded_token)}`
+            with the prompt's token and the top-n.
     """
 
     request_id: str
@@ -37,6 +41,7 @@ class RequestOutput:
     metrics: dict[str, Any] = field(default_factory=dict)
     logprobs: list[dict] | None = None
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class LLM:
@@ -118,6 +123,8 @@ class LLM:
                         continue
                     out.token_ids.extend(d.new_token_ids)
                     out.text += d.new_text
+                    if d.prompt_logprobs is not None:
+                        out.prompt_logprobs = prompt_logprob_dicts(d.prompt_logprobs, self._decode)
                     if d.logprobs and out.logprobs is not None:
                         out.logprobs.extend(d.logprobs)
                     if d.finished:
@@ -133,6 +140,9 @@ class LLM:
             while engine.has_unfinished_requests():  # report the aborts so no state lingers
                 engine.step()
         return [outputs[rid] for rid in order]
+
+    def _decode(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
 
     def stats(self) -> dict[str, Any]:
         """num_total_blocks, num_free_blocks, num_running, num_waiting, prefix_cache_queries,

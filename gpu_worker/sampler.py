@@ -7,6 +7,7 @@ Order of operations per row (the order vLLM and HF `generate` use):
    `ignore_eos`) and `stop_token_ids` get logit -inf.
 2. penalties: repetition (over prompt + output tokens), then frequency and presence (over output
    tokens only, OpenAI formula `logit - count * frequency_penalty - (count > 0) * presence_penalty`).
+   `logit_bias` is added right after the min_tokens mask; `min_p` filters after temperature.
 3. greedy rows (temperature < 1e-5): exact `torch.argmax` of the penalised logits (ties -> lowest id).
 4. other rows: divide by temperature, keep top-k, keep top-p (nucleus), softmax, draw one token by
    inverse-CDF sampling over the kept tokens in vocabulary order (never in rank order, which
@@ -167,6 +168,7 @@ class Sampler:
         """
         out = logits.to(torch.float32, copy=True)  # [B, V]
         self._mask_min_tokens(out, params, output_token_ids)
+        _apply_logit_bias(out, params)
         _apply_penalties(out, params, prompt_token_ids, output_token_ids)
         return out
 
@@ -201,7 +203,7 @@ class Sampler:
     ) -> bool:
         """All rows greedy, no penalties, no min_tokens mask active: the argmax needs no copy."""
         return all(
-            p.greedy and not p.has_penalties and len(out) >= p.min_tokens
+            p.greedy and not p.has_penalties and not p.has_logit_bias and len(out) >= p.min_tokens
             for p, out in zip(params, output_token_ids, strict=True)
         )
 
@@ -247,6 +249,34 @@ def _apply_penalties(
     sub = torch.where(seen, penalised, sub)
     sub = sub - freq * output_counts - pres * (output_counts > 0).float()
     logits[index] = sub
+
+
+def _apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """In place: add each row's OpenAI `logit_bias` ({token_id: bias}; ids >= vocab ignored)."""
+    vocab = logits.shape[1]
+    for i, p in enumerate(params):
+        if not p.logit_bias:
+            continue
+        ids = [t for t in p.logit_bias if t < vocab]
+        if ids:
+            bias = torch.tensor([p.logit_bias[t] for t in ids], device=logits.device)
+            logits[i, ids] += bias
+
+
+def _apply_min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`[S, V]` temperature-scaled logits with tokens below `min_p * max prob` set to -inf (rows
+    whose `min_p` is 0 untouched; vLLM applies min_p after temperature, as here)."""
+    rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if not rows:
+        return logits
+    index = torch.tensor(rows, device=logits.device)
+    min_p = torch.tensor([params[i].min_p for i in rows], device=logits.device)[:, None]
+    sub = logits[index]  # [R, V]
+    probs = torch.softmax(sub, dim=-1)
+    keep = probs >= min_p * probs.max(dim=-1, keepdim=True).values
+    logits = logits.clone()
+    logits[index] = sub.masked_fill(~keep, float("-inf"))
+    return logits
 
 
 def _token_counts(token_lists: list[Sequence[int]], vocab: int, device) -> torch.Tensor:
@@ -299,6 +329,7 @@ def _candidate_groups(
     for (kind, k), group in paths.items():
         temps = torch.tensor([params[i].temperature for i in group], device=device)[:, None]
         scaled = logits[torch.tensor(group, device=device)] / temps  # [G, V]
+        scaled = _apply_min_p(scaled, [params[i] for i in group])
         if kind == "all":
             groups.append((group, torch.softmax(scaled, dim=-1), None))
             continue

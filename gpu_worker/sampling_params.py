@@ -17,10 +17,13 @@ from typing import Any
 
 from gpu_worker.errors import InvalidRequestError
 
-__all__ = ["MAX_LOGPROBS", "SAMPLING_EPS", "SamplingParams"]
+__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "SAMPLING_EPS", "SamplingParams"]
 
 # Top-n logprobs cap; the OpenAI API allows 0..20 `top_logprobs`.
 MAX_LOGPROBS = 20
+# OpenAI's `logit_bias`: each bias in [-100, 100], at most this many entries per request.
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = 100.0
 # Temperatures below this are treated as greedy (vLLM's `_SAMPLING_EPS`): dividing logits by ~0
 # only overflows, and the argmax is what such a temperature means.
 SAMPLING_EPS = 1e-5
@@ -68,6 +71,16 @@ class SamplingParams:
         logprobs: None = no logprobs; n in 0..20 = the sampled token's logprob plus the top-n
             (raw model log-softmax, see `gpu_worker.sampler`).
         skip_special_tokens: leave special tokens (e.g. `<|im_end|>`) out of the text.
+        prompt_logprobs: None = off; n in 0..20 = for every prompt position after the first, the
+            logprob of the prompt's actual token (with its 1-based rank) plus the top-n, from the
+            raw log-softmax of the previous position's logits (vLLM's field). Requests that ask
+            skip the prefix cache (every prompt position must be computed).
+        min_p: 0..1; after temperature, drop tokens whose probability is below
+            `min_p * max probability` (Nguyen et al. 2024, arXiv:2407.01082; vLLM's field).
+            0 = off. No effect on greedy rows (the argmax always survives).
+        logit_bias: {token_id: bias} added to the logits before penalties and sampling (OpenAI
+            API; bias in [-100, 100], at most 300 entries). On the wire a list of
+            `[token_id, bias]` pairs (msgpack maps keep string keys only).
 
     Raises:
         InvalidRequestError (a ValueError) naming the field when a value has the wrong type or is
@@ -90,6 +103,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, lo=1)
@@ -118,6 +134,12 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int(
+                "prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS
+            )
+        self.min_p = _float("min_p", self.min_p, lo=0.0, hi=1.0)
+        self.logit_bias = _logit_bias(self.logit_bias)
 
     # ---- derived flags the sampler uses to pick fast paths -------------------------------------
 
@@ -135,6 +157,11 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
+    @property
+    def has_logit_bias(self) -> bool:
+        """True when `logit_bias` changes at least one logit."""
+        return bool(self.logit_bias)
+
     # ---- wire format ---------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -142,6 +169,8 @@ class SamplingParams:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, dict):  # logit_bias: [[token_id, bias], ...] on the wire
+                value = [[k, v] for k, v in value.items()]
             out[f.name] = list(value) if isinstance(value, list) else value
         return out
 
@@ -226,3 +255,27 @@ def _token_ids(name: str, value: Any) -> list[int]:
     if not isinstance(value, list | tuple):
         raise InvalidRequestError(f"{name} must be a list of integers, got {value!r}")
     return [_int(name, v, lo=0) for v in value]
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """A `{token_id: bias}` map, from a dict (int or decimal-string keys, the OpenAI JSON form) or
+    a list of `[token_id, bias]` pairs (the wire form). Empty -> None."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list | tuple):
+        if not all(isinstance(p, list | tuple) and len(p) == 2 for p in value):
+            raise InvalidRequestError("logit_bias must be a map or a list of [token_id, bias]")
+        items = [tuple(p) for p in value]
+    else:
+        raise InvalidRequestError(f"logit_bias must be a map, got {type(value).__name__}")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"logit_bias has more than {MAX_LOGIT_BIAS} entries")
+    out: dict[int, float] = {}
+    for key, bias in items:
+        if isinstance(key, str) and key.isdigit():
+            key = int(key)
+        token = _int("logit_bias token id", key, lo=0)
+        out[token] = _float("logit_bias value", bias, lo=-LOGIT_BIAS_RANGE, hi=LOGIT_BIAS_RANGE)
+    return out or None

@@ -303,6 +303,7 @@ class Worker:
                     d.logprobs,
                     d.metrics,
                     d.error,
+                    d.prompt_logprobs,
                 )
             )
             if d.finished:

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from broker import protocol as p
-from contracts.openai import Limits, parse
+from contracts.openai import Limits, ServedModel, parse
 from contracts.openai import responses as fmt
 from contracts.openai.responses import TokenText
 
@@ -86,26 +86,47 @@ def success_response(
     *,
     n: int = 1,
     token_text: TokenText | None = None,
+    body: dict | None = None,
+    served: ServedModel | None = None,
 ) -> dict[str, Any]:
     """The stored `response` of a finished line: the OpenAI completion object as `body`, one
     choice per `Final` (choice `k` of `choice_requests`; `n` samples per prompt).
 
     With `token_text` (the line asked for logprobs) each choice carries `logprobs` in the
     endpoint's form, built from the engine's entries in `final.logprobs`. `extra` (e.g.
-    `{"map_reduce": {...}}`) is added to the body under `"laneserve"`.
+    `{"map_reduce": {...}}`) is added to the body under `"laneserve"`. `body` (the line's
+    request body) applies `echo` / `prompt_logprobs` as the API does; `served` decodes token-id
+    prompts for `echo`.
     """
     finals = final if isinstance(final, list) else [final]
     kind = "chat" if url == "/v1/chat/completions" else "completion"
+    served = served or ServedModel()
+    req = None
+    if (
+        body is not None
+        and kind == "completion"
+        and (body.get("echo") or "prompt_logprobs" in body)
+    ):
+        req = parse(url, body, Limits())  # validated before it ran: the flags of echo
     choices = []
     for k, f in enumerate(finals):
         logprobs = None if token_text is None else fmt.choice_logprobs(kind, f.logprobs, token_text)
-        choices.append(fmt.choice(kind, k, f.text, f.finish_reason, logprobs))
-    body = fmt.completion_object(
-        kind, rid, int(time.time()), model or "", choices, usage(finals, n)
-    )
+        one = fmt.choice(kind, k, f.text, f.finish_reason, logprobs)
+        if req is not None and k // n < len(req.prompts):
+            text = served.prompt_text(req.prompts[k // n]) if req.echo else ""
+            one = fmt.echo_choice(
+                one, req, text, f.prompt_logprobs, token_text or served.token_text
+            )
+        choices.append(one)
+    totals = usage(finals, n)
+    if req is not None and req.echo_only:  # the one token run is not part of the answer
+        totals = fmt.usage_object(
+            totals["prompt_tokens"], 0, totals["prompt_tokens_details"]["cached_tokens"]
+        )
+    out = fmt.completion_object(kind, rid, int(time.time()), model or "", choices, totals)
     if extra:
-        body["laneserve"] = extra
-    return {"status_code": 200, "request_id": rid, "body": body}
+        out["laneserve"] = extra
+    return {"status_code": 200, "request_id": rid, "body": out}
 
 
 def error_response(code: str, message: str, attempts: int | None = None) -> dict[str, Any]:

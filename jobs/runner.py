@@ -346,11 +346,20 @@ class JobsRunner:
         finals = final if isinstance(final, list) else [final]
         model = line.request["body"].get("model") or info.model
         token_text = None
-        if "logprobs" in (line.request.get("sampling_params") or {}):
+        sampling = line.request.get("sampling_params") or {}
+        if "logprobs" in sampling or "prompt_logprobs" in sampling:
             token_text = self.counter.token_text if self.counter else ServedModel().token_text
         n = int(line.request["body"].get("n") or 1)
         response = results.success_response(
-            line.rid, line.request["url"], model, finals, extra, n=n, token_text=token_text
+            line.rid,
+            line.request["url"],
+            model,
+            finals,
+            extra,
+            n=n,
+            token_text=token_text,
+            body=line.request["body"],
+            served=self.counter,
         )
         usage = response["body"]["usage"]
         return store.Outcome(

@@ -334,15 +334,22 @@ class Stack:
 
 
 @contextlib.contextmanager
-def real_model_stack(gguf: Path, *, recorder: bool = False) -> Iterator[Stack]:
+def real_model_stack(gguf: Path, *worker_extra: str, recorder: bool = False) -> Iterator[Stack]:
     """Broker (+ recorder writing SQLite) + one real SmolLM2 worker (float32, up to 16
-    sequences) + gateway with a key, serving ``gguf`` as ``smollm2``."""
+    sequences, plus the `worker_extra` flags) + gateway with a key, serving ``gguf`` as
+    ``smollm2``."""
     tmp = Path(tempfile.mkdtemp(prefix="lsr", dir="/tmp"))
     stack = Stack.for_api(tmp, tmp / "home")
     try:
         stack.start_broker(recorder=recorder)
         stack.start_worker(
-            "real", "--max-num-seqs", "16", "--kv-cache-memory", "256MiB", model=str(gguf)
+            "real",
+            "--max-num-seqs",
+            "16",
+            "--kv-cache-memory",
+            "256MiB",
+            *worker_extra,
+            model=str(gguf),
         )
         stack.start_api("--model", str(gguf), "--served-model-name", "smollm2")
         stack.wait_workers({"real"}, timeout_s=300)

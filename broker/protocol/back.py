@@ -82,6 +82,9 @@ class StepOutput(NamedTuple):
     logprobs: list | None = None
     metrics: dict | None = None
     error: str | None = None
+    # SamplingParams.prompt_logprobs: per prompt position None or {token_id, logprob, rank, top},
+    # on the request's first token (gpu_worker RequestDelta.prompt_logprobs). Optional 9th item.
+    prompt_logprobs: list | None = None
 
 
 _STEP_OUTPUT_CHECKS: tuple[Check, ...] = (
@@ -93,13 +96,20 @@ _STEP_OUTPUT_CHECKS: tuple[Check, ...] = (
     t_opt(t_list(t_any, MAX_TOKEN_IDS)),
     t_opt(t_map()),
     t_opt(t_str(MAX_TEXT_CHARS)),
+    t_opt(t_list(t_any, MAX_TOKEN_IDS)),
 )
+_STEP_OUTPUT_MIN_ITEMS = 8  # without prompt_logprobs (what workers before it sent)
 
 
 def _step_output(name: str, v: Any) -> StepOutput:
-    if type(v) is not list or len(v) != len(StepOutput._fields):
-        raise fail(name, f"each output must be an array of {len(StepOutput._fields)} items")
-    rid, text, token_ids, finished, reason, logprobs, metrics, error = v
+    if type(v) is not list or not _STEP_OUTPUT_MIN_ITEMS <= len(v) <= len(StepOutput._fields):
+        raise fail(
+            name,
+            f"each output must be an array of {_STEP_OUTPUT_MIN_ITEMS}.."
+            f"{len(StepOutput._fields)} items",
+        )
+    rid, text, token_ids, finished, reason, logprobs, metrics, error = v[:_STEP_OUTPUT_MIN_ITEMS]
+    extra = v[_STEP_OUTPUT_MIN_ITEMS:]
     # Fast path for the common streaming item: short id, plain text, token ids, no extras.
     if not (
         type(rid) is str
@@ -111,13 +121,14 @@ def _step_output(name: str, v: Any) -> StepOutput:
         and metrics is None
         and error is None
         and reason is None
+        and (not extra or extra[0] is None)
         and type(token_ids) is list
         and len(token_ids) <= 64
         and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in token_ids)
     ):
         v = [
             check(f"{name}.{n}", x)
-            for check, n, x in zip(_STEP_OUTPUT_CHECKS, StepOutput._fields, v, strict=True)
+            for check, n, x in zip(_STEP_OUTPUT_CHECKS, StepOutput._fields, v, strict=False)
         ]
     out = StepOutput(*v)
     if out.finished and out.finish_reason is None:

@@ -188,7 +188,9 @@ class Final(Message):
     ``timings``: the DESIGN per-phase fields in ms (queue_ms, prefill_ms, decode_ms, tpot_ms,
     itl_p99_ms, ...) as far as known at the broker. ``text``/``token_ids`` hold the whole output
     for ``stream=False`` requests and any tail not yet sent as a delta for streaming ones
-    (normally empty).
+    (normally empty). ``prompt_logprobs``: with ``sampling_params.prompt_logprobs``, one entry
+    per prompt position (None for the first, else ``{token_id, logprob, rank, top}``), streamed
+    or not.
     """
 
     KIND: ClassVar[str] = "final"
@@ -201,6 +203,7 @@ class Final(Message):
     logprobs: list | None = spec(t_opt(t_list(t_any, MAX_TOKEN_IDS)), None)
     worker_id: str | None = spec(t_opt(t_str()), None)
     attempts: int = spec(t_int(0, 1000), 1)
+    prompt_logprobs: list | None = spec(t_opt(t_list(t_any, MAX_TOKEN_IDS)), None)
 
 
 @message

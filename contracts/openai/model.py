@@ -82,6 +82,15 @@ class ServedModel:
             return f"token_id:{token_id}"
         return self.tokenizer.token_text(token_id)
 
+    def prompt_text(self, prompt: Prompt) -> str:
+        """The text ``echo`` prepends: the prompt as given, or its token ids decoded (special
+        tokens kept); "" for token ids without a tokenizer or for chat messages."""
+        if prompt.text is not None:
+            return prompt.text
+        if prompt.token_ids is not None and self.tokenizer is not None:
+            return self.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+        return ""
+
     # ------------------------------------------------------------------ checks
 
     def check(self, req: ParsedRequest, limits: Limits) -> None:
@@ -120,6 +129,13 @@ class ServedModel:
                 f"max_tokens={req.max_tokens} plus the prompt's {longest} tokens is more than "
                 f"this model's maximum context length of {self.max_model_len} tokens",
                 "max_tokens",
+            )
+        bias = req.sampling.get("logit_bias") or ()
+        bad = [t for t, _ in bias if self.vocab_size is not None and t >= self.vocab_size]
+        if bad:
+            raise invalid(
+                f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                "logit_bias",
             )
         if req.sampling.get("min_tokens", 0) > req.max_tokens:
             raise invalid("'min_tokens' must be <= max_tokens", "min_tokens")

@@ -65,6 +65,9 @@ SAMPLING_KEYS = (
     "frequency_penalty",
     "logprobs",
     "min_tokens",
+    "prompt_logprobs",
+    "min_p",
+    "logit_bias",
 )
 
 
@@ -138,13 +141,18 @@ _COMMON = frozenset(
         "include_stop_str_in_output",
         "lane",
         "priority",
+        "min_p",
+        "logit_bias",
     }
 )
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
-COMPLETION_FIELDS = _COMMON | {"prompt"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "prompt_logprobs"}
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI chat: top_logprobs 0..20
 MAX_LEGACY_LOGPROBS = 5  # OpenAI legacy completions: logprobs <= 5
+MAX_PROMPT_LOGPROBS = 20  # vLLM's prompt_logprobs cap (its max_logprobs default)
+MAX_LOGIT_BIAS = 300  # OpenAI: at most 300 logit_bias entries
+LOGIT_BIAS_RANGE = 100.0  # OpenAI: each bias in [-100, 100]
 
 
 @dataclass(slots=True)
@@ -168,6 +176,12 @@ class ParsedRequest:
     without ``max_tokens`` until lengths are checked; ``max_tokens``: per choice, None = default.
     ``logprobs``: top-n count (None: no logprobs). Choice index of prompt ``i``, sample ``j`` is
     ``i * n + j`` (vLLM's order).
+
+    ``echo`` (/v1/completions): the prompt text is prepended to each choice's text, and with
+    ``logprobs`` the prompt tokens' logprobs precede the generated ones (the first token's is
+    null, as OpenAI sends it). ``echo_only``: ``echo`` with ``max_tokens=0`` -- the engine runs
+    one token (vLLM does the same) that the response leaves out. ``prompt_logprobs``: vLLM's
+    extension field, each choice then carries ``prompt_logprobs`` in vLLM's form.
     """
 
     kind: str  # "chat" | "completion"
@@ -181,6 +195,9 @@ class ParsedRequest:
     max_tokens: int | None = None
     logprobs: int | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    echo: bool = False
+    echo_only: bool = False
+    prompt_logprobs: int | None = None
 
     @property
     def num_choices(self) -> int:
@@ -201,7 +218,7 @@ class ParsedRequest:
 def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
     """Validate a /v1/chat/completions body. Raises OpenAIError (400)."""
     body = _check_fields(body, CHAT_FIELDS)
-    messages = _messages(body.get("messages"))
+    messages = parse_messages(body.get("messages"))
     req = ParsedRequest(kind="chat", model=_model(body), prompts=[Prompt(messages=messages)])
     _common(body, req, limits)
     max_completion = int_field(body, "max_completion_tokens", lo=1)
@@ -220,13 +237,28 @@ def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
 def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
     """Validate a /v1/completions body. Raises OpenAIError (400)."""
     body = _check_fields(body, COMPLETION_FIELDS)
+    echo = bool(bool_field(body, "echo"))
+    echo_only = echo and body.get("max_tokens") == 0 and type(body["max_tokens"]) is int
+    if echo_only:  # the engine runs one token the response leaves out (vLLM's way)
+        body = {**body, "max_tokens": 1}
     req = ParsedRequest(kind="completion", model=_model(body), prompts=_prompts(body.get("prompt")))
+    req.echo, req.echo_only = echo, echo_only
     _common(body, req, limits)
     if body.get("logprobs") is True:
         raise invalid("'logprobs' of /v1/completions is an integer (0..5)", "logprobs")
     if body.get("logprobs") is not False:
         req.logprobs = int_field(body, "logprobs", lo=0, hi=MAX_LEGACY_LOGPROBS)
+    req.prompt_logprobs = int_field(body, "prompt_logprobs", lo=0, hi=MAX_PROMPT_LOGPROBS)
+    if echo and req.stream:
+        raise invalid("'echo' is not supported with 'stream': true", "echo")
+    if req.prompt_logprobs is not None and req.stream:
+        raise invalid("'prompt_logprobs' is not supported with 'stream': true", "prompt_logprobs")
     _finish(body, req, limits)
+    prompt_n = req.prompt_logprobs
+    if echo and req.logprobs is not None:
+        prompt_n = max(prompt_n or 0, req.logprobs)
+    if prompt_n is not None:
+        req.sampling["prompt_logprobs"] = prompt_n
     return req
 
 
@@ -278,7 +310,8 @@ def _model(body: dict) -> str:
     return model
 
 
-def _messages(v: Any) -> list[dict]:
+def parse_messages(v: Any) -> list[dict]:
+    """Validate chat ``messages`` (roles, text-only content); raises OpenAIError (400)."""
     if type(v) is not list:
         raise invalid(f"'messages' must be an array of messages, got {type_name(v)}", "messages")
     if not v:
@@ -442,6 +475,8 @@ def _finish(body: dict, req: ParsedRequest, limits: Limits) -> None:
         ("stop", stop_strings(body.get("stop"))),
         ("stop_token_ids", token_ids(body, "stop_token_ids")),
         ("logprobs", req.logprobs),
+        ("min_p", num_field(body, "min_p", 0.0, 1.0)),
+        ("logit_bias", logit_bias(body.get("logit_bias"))),
     ):
         if value is not None:
             sp[name] = value
@@ -451,3 +486,25 @@ def _finish(body: dict, req: ParsedRequest, limits: Limits) -> None:
     if req.max_tokens is not None and sp.get("min_tokens", 0) > req.max_tokens:
         raise invalid("'min_tokens' must be <= max_tokens", "min_tokens")
     req.sampling = sp
+
+
+def logit_bias(v: Any) -> list[list] | None:
+    """OpenAI ``logit_bias`` (a map of token id strings to a bias in [-100, 100], at most 300)
+    as the wire form: ``[[token_id, bias], ...]`` (msgpack maps keep string keys only). None
+    when absent or empty."""
+    if v is None:
+        return None
+    if type(v) is not dict:
+        raise invalid(f"'logit_bias' must be an object, got {type_name(v)}", "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise invalid(f"'logit_bias' has more than {MAX_LOGIT_BIAS} entries", "logit_bias")
+    out = []
+    for key, bias in v.items():
+        if type(key) is not str or not key.isdigit():
+            raise invalid(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        if type(bias) not in (int, float) or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+            raise invalid(
+                f"'logit_bias' values must be numbers in [-100, 100], got {bias!r}", "logit_bias"
+            )
+        out.append([int(key), float(bias)])
+    return out or None

@@ -16,7 +16,10 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from contracts.openai.requests import ParsedRequest
 
 TokenText = Callable[[int], str]
 OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
@@ -98,6 +101,90 @@ def completion_logprobs(raw: list | None, token_text: TokenText, offset: int = 0
         out["text_offset"].append(offset)
         offset += len(tok)
     return out
+
+
+def prompt_completion_logprobs(prompt_raw: list | None, token_text: TokenText) -> dict:
+    """Legacy ``choice.logprobs`` of the prompt's tokens (``echo`` with ``logprobs``): the
+    engine's prompt entries (the first has ``logprob`` None) -> ``tokens``, ``token_logprobs``
+    (the first null, as OpenAI sends it), ``top_logprobs`` (the first null), ``text_offset``."""
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    offset = 0
+    for e in _entries(prompt_raw):
+        if e.get("logprob") is None:
+            tok = token_text(e["token_id"])
+            for key, value in (("tokens", tok), ("token_logprobs", None), ("top_logprobs", None)):
+                out[key].append(value)
+            out["text_offset"].append(offset)
+            offset += len(tok)
+            continue
+        one = completion_logprobs([e], token_text, offset)
+        for key in out:
+            out[key].extend(one[key])
+        offset += len(one["tokens"][0])
+    return out
+
+
+def vllm_prompt_logprobs(prompt_raw: list | None, token_text: TokenText) -> list:
+    """``choice.prompt_logprobs`` in vLLM's form: per prompt position null (the first) or
+    ``{"<token_id>": {"logprob", "rank", "decoded_token"}}`` for the prompt token and the top-n
+    (ranks 1..n)."""
+    out: list[dict | None] = []
+    for e in _entries(prompt_raw):
+        if e.get("logprob") is None:
+            out.append(None)
+            continue
+        d: dict[str, dict] = {}
+        for rank, pair in enumerate(e.get("top") or (), start=1):
+            if isinstance(pair, list | tuple) and len(pair) == 2 and isinstance(pair[0], int):
+                d[str(pair[0])] = {
+                    "logprob": clamp_logprob(pair[1]),
+                    "rank": rank,
+                    "decoded_token": token_text(pair[0]),
+                }
+        d[str(e["token_id"])] = {
+            "logprob": clamp_logprob(e["logprob"]),
+            "rank": e.get("rank"),
+            "decoded_token": token_text(e["token_id"]),
+        }
+        out.append(d)
+    return out
+
+
+def echo_choice(
+    choice_: dict,
+    req: ParsedRequest,
+    prompt_text: str,
+    prompt_raw: list | None,
+    token_text: TokenText,
+) -> dict:
+    """A ``text_completion`` choice (:func:`choice`) with ``req``'s OpenAI ``echo`` applied --
+    the prompt text before the output (instead of it when ``req.echo_only``: ``max_tokens=0``),
+    the prompt tokens' logprobs before the output's -- and vLLM's ``prompt_logprobs`` field.
+    ``prompt_raw``: the engine's prompt entries (``Final.prompt_logprobs``). Unchanged when the
+    request asked for neither."""
+    echo_only = req.echo_only
+    if req.echo:
+        generated = "" if echo_only else choice_["text"]
+        choice_["text"] = prompt_text + generated
+        if req.logprobs is not None:
+            merged = prompt_completion_logprobs(prompt_raw, token_text)
+            if not echo_only and choice_.get("logprobs"):
+                gen = choice_["logprobs"]
+                shift = len(prompt_text)
+                gen["text_offset"] = [o + shift for o in gen["text_offset"]]
+                for key in merged:
+                    merged[key].extend(gen[key])
+            choice_["logprobs"] = merged
+        if echo_only:
+            choice_["finish_reason"] = "length"
+    if req.prompt_logprobs is not None:
+        choice_["prompt_logprobs"] = vllm_prompt_logprobs(prompt_raw, token_text)
+    return choice_
 
 
 def choice_logprobs(kind: str, raw: list | None, token_text: TokenText, offset: int = 0) -> dict:

@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, Response
 from broker.client import BrokerClient
 from contracts.openai.model import ServedModel
 from contracts.procs import parent_gone
-from laneserve.api import completions, files
+from laneserve.api import completions, files, tokenize
 from laneserve.api import inspection as inspection_routes
 from laneserve.api.arrival import ArrivalMiddleware
 from laneserve.api.auth import ApiKeyMiddleware
@@ -223,8 +223,8 @@ async def ready(request: Request) -> Response:
     return JSONResponse(answer.to_json(), status_code=200 if answer.ready else 503)
 
 
-async def list_models(request: Request) -> Response:
-    state: GatewayState = request.app.state.gateway
+async def model_objects(state: GatewayState) -> list[dict]:
+    """The OpenAI model objects of every served name (``/v1/models``, ``/v1/models/{id}``)."""
     if state.status is None:
         await state.refresh_status()
     created = state.model_info.created
@@ -234,6 +234,11 @@ async def list_models(request: Request) -> Response:
         if name == state.model_info.served_name and state.model_info.max_model_len:
             entry["max_model_len"] = state.model_info.max_model_len
         data.append(entry)
+    return data
+
+
+async def list_models(request: Request) -> Response:
+    data = await model_objects(request.app.state.gateway)
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -296,6 +301,9 @@ def create_app(config: ApiConfig) -> FastAPI:
     app.add_api_route("/ready", ready, methods=["GET", "HEAD"], include_in_schema=False)
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
     app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", tokenize.retrieve_model, methods=["GET"])
+    app.add_api_route("/tokenize", tokenize.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", tokenize.detokenize, methods=["POST"])
     app.add_api_route("/v1/chat/completions", completions.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions.completions, methods=["POST"])
     files.add_routes(app)

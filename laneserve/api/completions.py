@@ -111,26 +111,29 @@ def _finish(reason: str | None) -> str:
 def _body(gen: Generation, state: GatewayState) -> dict:
     """The whole ``chat.completion`` / ``text_completion`` object of a finished generation."""
     req = gen.req
-    choices = [
-        fmt.choice(
+    info = state.model_info
+    choices = []
+    for c in gen.choices:
+        one = fmt.choice(
             req.kind,
             c.index,
             "".join(c.text),
             _finish(c.finish_reason),
             (
-                fmt.choice_logprobs(req.kind, c.logprobs, state.model_info.token_text)
+                fmt.choice_logprobs(req.kind, c.logprobs, info.token_text)
                 if req.logprobs is not None
                 else None
             ),
         )
-        for c in gen.choices
-    ]
+        text = info.prompt_text(c.prompt) if req.echo else ""
+        choices.append(fmt.echo_choice(one, req, text, c.prompt_logprobs, info.token_text))
     return fmt.completion_object(req.kind, gen.id, gen.created, req.model, choices, _usage(gen))
 
 
 def _usage(gen: Generation) -> dict:
     u = gen.usage()
-    return fmt.usage_object(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
+    completion = 0 if gen.req.echo_only else u["completion_tokens"]  # the run token is dropped
+    return fmt.usage_object(u["prompt_tokens"], completion, u["cached_tokens"])
 
 
 # ---------------------------------------------------------------------------- streamed

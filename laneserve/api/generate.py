@@ -53,6 +53,7 @@ class Choice:
     prompt: Prompt
     text: list[str] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None  # the engine's prompt entries (from the Final)
     num_tokens: int = 0
     started: bool = False  # the broker said something about it (delta, final or error)
     done: bool = False
@@ -210,6 +211,7 @@ class Generation:
                 self._on_tokens(choice, tail, msg.token_ids, tail_lp, now)
             choice.usage = dict(msg.usage)
             choice.timings = dict(msg.timings)
+            choice.prompt_logprobs = msg.prompt_logprobs
             if msg.finish_reason in ("stop", "length"):
                 choice.finish_reason = msg.finish_reason
                 self.metrics.observe_final(lane, choice.timings, choice.usage, msg.finish_reason)

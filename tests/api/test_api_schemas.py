@@ -76,7 +76,8 @@ def test_unsupported_fields_are_named() -> None:
     # not given, in any of the usual spellings: accepted
     chat(tools=None, response_format=None, tool_choice=None, logit_bias={}, user="u")
     assert "frobnicate" in err(chat, frobnicate=1).message
-    assert err(completion, prompt="x", echo=True).param == "echo"
+    assert err(completion, prompt="x", suffix="y").param == "suffix"
+    assert err(chat, echo=True).param == "echo"  # a /v1/completions field only
     completion(prompt="x", echo=False, best_of=1)
 
 

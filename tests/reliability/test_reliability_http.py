@@ -247,6 +247,9 @@ _ROUTES = [
     ("GET", "/v1/batches/batch_nope/stats"),
     ("GET", "/status"),
     ("GET", "/metrics"),
+    ("GET", "/v1/models/smollm2"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
 ]
 _ODD_PATHS = [
     "/",
@@ -282,6 +285,11 @@ _FIELDS = [
     "max_completion_tokens",
     "user",
     "frequency_penalty",
+    "echo",
+    "prompt_logprobs",
+    "min_p",
+    "logit_bias",
+    "tokens",
 ]
 
 
