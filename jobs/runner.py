@@ -10,8 +10,9 @@ One asyncio loop, one broker client (lane `batch`, `stream=False`):
   does not grow with the file (the rest waits in SQL, DESIGN.md "Lanes");
 - writes results in small batched transactions that only fill unfinished lines
   (`jobs.store.write_outcomes`), so a replay after a crash never duplicates a line;
-- retries: a `worker_lost` error marked retryable (broker restart or silence seen by the
-  client) or `overloaded` is resubmitted with the same request id without counting an attempt;
+- retries: a broker restart reaches its lines only as latency (`broker.client` resubmits what had
+  not finished, docs/reliability.md); a `worker_lost` error still marked retryable, or
+  `overloaded`, is resubmitted with the same request id without counting an attempt;
   the broker's final `worker_lost` (after its 3 dispatches) goes to the error file with the
   attempt count;
 - cancel (`cancelling`): in-flight lines are aborted, finished results kept, the rest get
