@@ -13,9 +13,11 @@ Without PostgreSQL or Chromium the tests that need them skip, unless `LANESERVE_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -96,24 +98,41 @@ def pg_server_url() -> str:
     return url
 
 
-@pytest.fixture(scope="session")
-def pg_url(pg_server_url) -> str:
-    """A fresh, empty PostgreSQL database for this test session (dropped at the end)."""
+@contextlib.contextmanager
+def fresh_pg_database(server_url: str) -> Iterator[str]:
+    """A new, empty PostgreSQL database on `server_url` (its URL), dropped afterwards."""
     import sqlalchemy as sa
 
     name = f"laneserve_test_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(pg_server_url, isolation_level="AUTOCOMMIT")
+    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as conn:
             conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
     except Exception as exc:  # server down or refusing: skip (fail in CI)
         admin.dispose()
-        skip_or_fail(f"cannot create a PostgreSQL database at {pg_server_url}: {exc}")
-    url = sa.engine.make_url(pg_server_url).set(database=name)
-    yield url.render_as_string(hide_password=False)
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+        skip_or_fail(f"cannot create a PostgreSQL database at {server_url}: {exc}")
+    try:
+        yield (
+            sa.engine.make_url(server_url).set(database=name).render_as_string(hide_password=False)
+        )
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_url(pg_server_url) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for this test session (dropped at the end)."""
+    with fresh_pg_database(pg_server_url) as url:
+        yield url
+
+
+@pytest.fixture
+def own_pg_url(pg_server_url) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test, for tests that read global totals."""
+    with fresh_pg_database(pg_server_url) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

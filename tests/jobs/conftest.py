@@ -25,11 +25,14 @@ def engine(db_url):
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def any_db_url(request, laneserve_home) -> str:
-    """A migrated database on each backend (PostgreSQL through the shared `pg_url`)."""
+    """A migrated database on each backend (PostgreSQL through the shared `pg_url`, or a database of
+    its own for a test marked `own_database`)."""
     from db import migrate
 
     if request.param == "sqlite":
         url = f"sqlite:///{laneserve_home / 'laneserve.db'}"
+    elif request.node.get_closest_marker("own_database"):
+        url = request.getfixturevalue("own_pg_url")
     else:
         url = request.getfixturevalue("pg_url")
     migrate.upgrade(url)

@@ -100,6 +100,7 @@ def _prune_through_runner(engine, days: float) -> retention.PruneCounts | None:
         runner._db.shutdown(wait=True)
 
 
+@pytest.mark.own_database  # the dashboard totals below are over the whole database
 def test_pass_prunes_what_is_older_than_the_window_and_nothing_newer(
     any_engine, laneserve_home, caplog, monkeypatch
 ):
