@@ -76,7 +76,7 @@ def _generate(dtype: str, enforce_eager: bool, max_tokens: int) -> list[list[int
     llm = LLM(MODEL, dtype=dtype, device="cuda", enforce_eager=enforce_eager)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate(_prompt_ids(), params)
-    ids = [list(o.outputs[0].token_ids) for o in outs]
+    ids = [list(o.token_ids) for o in outs]
     del llm
     import torch
 
@@ -154,7 +154,7 @@ def step_throughput() -> dict:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     ours_s = time.perf_counter() - t0
-    ours_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    ours_tokens = sum(len(o.token_ids) for o in outs)
     del llm
     torch.cuda.empty_cache()
 
