@@ -39,7 +39,7 @@ from gpu_worker.detokenizer import IncrementalDetokenizer
 from gpu_worker.errors import InvalidRequestError, PromptTooLongError
 from gpu_worker.model_files import model_display_name, resolve_model_path
 from gpu_worker.model_loader import load_model_files
-from gpu_worker.model_runner import ModelRunner, choose_num_blocks
+from gpu_worker.model_runner import ModelRunner, choose_num_blocks, profile_activation_bytes
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.outputs import RequestDelta
 from gpu_worker.quantization import resolve_mode
@@ -174,6 +174,14 @@ class LLMEngine:
         max_len = min(
             config.max_model_len or model.config.max_model_len, model.config.max_model_len
         )
+        activation_bytes = 0
+        if self.device.type == "cuda" and not (config.num_blocks or config.kv_cache_memory_bytes):
+            activation_bytes = profile_activation_bytes(
+                model,
+                min(config.max_num_batched_tokens, max_len),
+                config.max_num_seqs,
+                config.block_size,
+            )
         num_blocks = config.num_blocks or choose_num_blocks(
             model.config,
             config.block_size,
@@ -182,6 +190,7 @@ class LLMEngine:
             config.kv_cache_memory_bytes,
             config.max_num_seqs,
             max_len,
+            activation_bytes,
         )
         pool_tokens = num_blocks * config.block_size
         if max_len > pool_tokens:

@@ -26,12 +26,13 @@ from gpu_worker.config import ENGINE_DEFAULTS
 from gpu_worker.model_loader import ModelConfig
 from gpu_worker.models.llama import AttentionMetadata, LlamaForCausalLM
 from gpu_worker.openmp import openmp_is_purely_passive
+from gpu_worker.step_upload import StepUploader
 from kernels import cpu_ext
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3  # DESIGN: the CPU KV pool is bounded (about 2 GiB)
-DEFAULT_GPU_KV_FRACTION = 0.80  # of the memory free after loading weights
+DEFAULT_GPU_KV_FRACTION = 0.90  # of the memory free after the weights and the profiled activations
 # Under a purely passive OpenMP wait policy (OMP_WAIT_POLICY=PASSIVE with no GOMP_SPINCOUNT, or
 # GOMP_SPINCOUNT=0) every parallel region pays ~40 us to wake its threads, ~240 regions per decode
 # step, so CPU steps of at most this many tokens run on one intra-op thread: they are memory-bound
@@ -64,14 +65,24 @@ def choose_num_blocks(
     kv_cache_memory_bytes: int | None,
     max_num_seqs: int,
     max_model_len: int,
+    activation_bytes: int = 0,
 ) -> int:
-    """Blocks that fit in `kv_cache_memory_bytes` (default: ~2 GiB on CPU, 80 % of free GPU memory),
-    capped at what `max_num_seqs` sequences of `max_model_len` tokens could ever use."""
+    """Blocks that fit in `kv_cache_memory_bytes`, capped at what `max_num_seqs` sequences of
+    `max_model_len` tokens could ever use. Default budget: ~2 GiB on CPU; on a GPU 90 % of the
+    memory free after the weights less `activation_bytes` (the peak of a profiled forward at the
+    largest step, :func:`profile_activation_bytes`)."""
     per_block = kv_bytes_per_block(config, block_size, dtype)
     if kv_cache_memory_bytes is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            kv_cache_memory_bytes = int(free * DEFAULT_GPU_KV_FRACTION)
+            kv_cache_memory_bytes = int(max(free - activation_bytes, 0) * DEFAULT_GPU_KV_FRACTION)
+            logger.info(
+                "KV pool sizing: %.2f GiB free after weights, %.2f GiB activation peak "
+                "(profiled), %.2f GiB for KV",
+                free / 2**30,
+                activation_bytes / 2**30,
+                kv_cache_memory_bytes / 2**30,
+            )
         else:
             kv_cache_memory_bytes = DEFAULT_CPU_KV_BYTES
     blocks = int(kv_cache_memory_bytes // per_block)
@@ -83,6 +94,50 @@ def choose_num_blocks(
             "need at least 2"
         )
     return blocks
+
+
+def profile_activation_bytes(
+    model: LlamaForCausalLM, num_tokens: int, num_samples: int, block_size: int
+) -> int | None:
+    """Memory one forward of the largest step needs beyond what is allocated now (vLLM's profile run).
+
+    The step is `num_tokens` prompt tokens of one sequence with `num_samples` logits rows, over a
+    throwaway one-block cache: every slot is -1 (nothing is written) and every block-table entry
+    is block 0, so attention reads as many keys as a real step of that size. Returns the CUDA peak
+    in bytes, or None on other devices (the CPU pool has a fixed size; the forward still runs, so
+    the path is exercised everywhere).
+    """
+    c = model.config
+    dev = model.device
+    num_tokens = max(1, num_tokens)
+    blocks = -(-num_tokens // block_size)
+    shape = (1, block_size, c.num_key_value_heads, c.head_dim)
+    caches = [
+        (torch.zeros(shape, dtype=model.dtype, device=dev),) * 2 for _ in range(c.num_hidden_layers)
+    ]
+    attn = AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+        cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+        block_tables=torch.zeros((1, blocks), dtype=torch.int32, device=dev),
+    )
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+    positions = torch.arange(num_tokens, dtype=torch.int64, device=dev)
+    rows = torch.arange(num_tokens - min(num_samples, num_tokens), num_tokens, device=dev)
+    if dev.type != "cuda":
+        with torch.inference_mode():
+            model.forward(ids, positions, attn, caches, rows)
+        return None
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    with torch.inference_mode():
+        model.forward(ids, positions, attn, caches, rows)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - before
+    del caches, attn, ids, positions, rows
+    torch.cuda.empty_cache()
+    return int(peak)
 
 
 @dataclass(slots=True)
@@ -134,6 +189,7 @@ class ModelRunner:
         # costs two ATen ops a layer; indexing a tuple costs none.
         self.kv_views = [(t[0], t[1]) for t in self.kv_caches]
         self.graphs = None
+        self.uploader = StepUploader(self.device)  # one pinned, non-blocking copy per step on CUDA
         self.cpu_single_thread_tokens = 0
         if self.device.type == "cpu":
             default = CPU_SINGLE_THREAD_TOKENS if openmp_is_purely_passive() else 0
@@ -206,21 +262,17 @@ class ModelRunner:
         for b, table in enumerate(block_tables):
             tables[b, : len(table)] = table
         sample_rows = [b for b in range(num_reqs) if samples[b]]
-        logits_indices = [int(cu[b + 1]) - 1 for b in sample_rows]
+        logits_indices = cu[1:][sample_rows].astype(np.int64) - 1
         # slot of token at position p of request b = table[b, p // bs] * bs + p % bs
         slots = tables[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        dev = self.device
-        attn = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            cu_seqlens_q=torch.from_numpy(cu).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
+        ids_t, pos_t, slots_t, cu_t, lens_t, tables_t, logits_t = self.uploader.upload(
+            [input_ids, positions, slots, cu, seq_lens, tables, logits_indices]
         )
         return StepInputs(
-            input_ids=torch.from_numpy(input_ids).to(dev),
-            positions=torch.from_numpy(positions).to(dev),
-            attn=attn,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            input_ids=ids_t,
+            positions=pos_t,
+            attn=AttentionMetadata(slots_t, cu_t, lens_t, tables_t),
+            logits_indices=logits_t,
             sample_rows=sample_rows,
         )
 

@@ -412,11 +412,13 @@ def _inverse_cdf(weights: torch.Tensor, generators: list[torch.Generator | None]
         u[torch.tensor(unseeded, device=device)] = torch.rand(
             len(unseeded), dtype=torch.float64, device=device
         )
-    for i, gen in enumerate(generators):
-        if gen is not None:
-            u[i] = torch.rand(1, dtype=torch.float64, device=gen.device, generator=gen).to(device)[
-                0
-            ]
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if seeded:  # one draw per generator (the engine's are CPU ones), then one copy for all rows
+        draws = [
+            torch.rand(1, dtype=torch.float64, device=generators[i].device, generator=generators[i])
+            for i in seeded
+        ]
+        u[torch.tensor(seeded, device=device)] = torch.cat([d.cpu() for d in draws]).to(device)
     target = (u * cdf[:, -1])[:, None]  # [S, 1]
     pos = torch.searchsorted(cdf, target, right=True).clamp_(max=weights.shape[1] - 1)
     # step back over zero-weight entries (flat cdf): the first index reaching this cdf value

@@ -35,6 +35,11 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--step-layers", type=int, default=32, help="layers of the decode-step stack")
     p.add_argument("--skip-step", action="store_true", help="skip the 8B decode-step figure")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter)")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="only the decode-attention sweep: batch 1/8/64 x context 1k/8k/32k, split-KV vs not",
+    )
     return p.parse_args()
 
 
@@ -125,6 +130,44 @@ def bench_decode_attention(device: str, gen: torch.Generator) -> tuple[dict, dic
         "peak_gbps": ARGS.peak_gbps,
     }
     return figures, {"decode_max_abs_err_vs_sdpa": err}
+
+
+def sweep_decode_attention(device: str, gen: torch.Generator) -> list[dict]:
+    """Decode attention GB/s at batch x context, one pass vs split-KV (Llama-3-8B heads, bf16)."""
+    from kernels.triton.attention import SPLIT_KV_SEGMENTS, choose_num_segments
+
+    hq, hk, d = (32, 8, 128) if not ARGS.smoke else (4, 2, 32)
+    grid = [(b, c) for b in (1, 8, 64) for c in (1024, 8192, 32768)]
+    if ARGS.smoke:
+        grid = [(1, 64), (4, 96)]
+    rows = []
+    for batch, context in grid:
+        args = _decode_batch(
+            batch, context, hq, hk, d, ARGS.block_size, torch.bfloat16, device, gen
+        )
+        kv_bytes = 2 * batch * context * hk * d * args["k_cache"].element_size()
+        out = torch.empty_like(args["q"])
+        row = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
+        row["auto_segments"] = choose_num_segments(torch.device(device), batch, hk, 1)
+        results = {}
+        for label, segments in (("one_pass", 1), ("split_kv", SPLIT_KV_SEGMENTS)):
+
+            def run(a=args, o=out, n=segments):
+                return triton_attention(**a, out=o, num_segments=n)
+
+            ms = _time_ms(run, device)
+            results[label] = triton_attention(**args, num_segments=segments).float()
+            gbps = kv_bytes / (ms * 1e-3) / 1e9
+            row[label] = {
+                "ms": round(ms, 4),
+                "gbps": round(gbps, 1),
+                "pct_of_peak": round(100 * gbps / ARGS.peak_gbps, 1),
+            }
+        row["max_abs_diff"] = (results["one_pass"] - results["split_kv"]).abs().max().item()
+        rows.append(row)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
 
 
 def check_mixed(device: str, gen: torch.Generator) -> dict:
@@ -227,6 +270,11 @@ def main() -> int:
         os.environ["LANESERVE_ATTENTION_BACKEND"] = "triton"
     gen = torch.Generator().manual_seed(0)
     report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)"}
+    if ARGS.sweep:
+        report["peak_gbps"] = ARGS.peak_gbps
+        report["decode_attention_sweep"] = sweep_decode_attention(device, gen)
+        print(json.dumps(report, indent=2))
+        return 0
     report["decode_attention"], correctness = bench_decode_attention(device, gen)
     correctness.update(check_mixed(device, gen))
     report["correctness"] = correctness

@@ -6,8 +6,12 @@ Algorithm: FlashAttention-2 style online softmax (Dao, 2023) over a paged KV cac
 KV head, so every K/V tile is read once per GQA group. Programs find their sequence by binary search
 over ``cu_seqlens_q`` on the device (no host sync, so the launch can be captured in a CUDA graph).
 
-Grid: ``(num_tokens // BLOCK_Q + num_seqs, num_kv_heads)``; the ``+ num_seqs`` covers each
-sequence's partial last q-block, and programs past a sequence's queries return at once.
+Grid: ``(num_tokens // BLOCK_Q + num_seqs, num_kv_heads, num_segments)``; the ``+ num_seqs``
+covers each sequence's partial last q-block, and programs past a sequence's queries return at once.
+With ``num_segments > 1`` (split-KV, for decode batches too small to fill the GPU, as vLLM's 3D
+launch) each program reads one segment of its sequence's key tiles and stores its unnormalised
+accumulator with the running max and sum (fp32); a second kernel combines the segments
+(Dao et al., "Flash-Decoding", 2023).
 
 Row ``m`` of a program's tile holds query token ``q_block * BLOCK_Q + m // G`` and query head
 ``kv_head * G + m % G`` (``G = num_queries_per_kv``).
@@ -54,6 +58,8 @@ def _unified_attention_kernel(
     cu_seqlens_q_ptr,  # [num_seqs + 1]
     seq_lens_ptr,  # [num_seqs]
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq]
+    part_acc_ptr,  # split-KV only: fp32 [num_tokens, num_q_heads, NUM_SEGMENTS, HEAD_PAD]
+    part_ml_ptr,  # split-KV only: fp32 [num_tokens, num_q_heads, NUM_SEGMENTS, 2] (max, sum)
     num_seqs,
     scale_log2,  # softmax_scale * log2(e): scores are kept in base 2
     stride_q_t,
@@ -76,9 +82,11 @@ def _unified_attention_kernel(
     TILE_N: tl.constexpr,  # keys per inner iteration
     FP32_DOT: tl.constexpr,  # cast tiles to fp32 before tl.dot (the interpreter lacks bf16 dot)
     IEEE_DOT: tl.constexpr,  # fp32 inputs: full-precision dot instead of TF32
+    NUM_SEGMENTS: tl.constexpr,  # 1: write the output; > 1: split-KV partials for the reduce
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
 
     seq_idx = _find_seq_idx(cu_seqlens_q_ptr, pid_q, num_seqs, BLOCK_Q)
     q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
@@ -112,9 +120,15 @@ def _unified_attention_kernel(
     last_q = tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
     num_keys = context_len + last_q + 1
     num_tiles = tl.cdiv(num_keys, TILE_N)
+    tile_lo = 0
+    tile_hi = num_tiles
+    if NUM_SEGMENTS > 1:  # this program reads only its segment of the context's tiles
+        tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
+        tile_lo = segment * tiles_per_segment
+        tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
     bt_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
     offs_n0 = tl.arange(0, TILE_N)
-    for tile in range(0, num_tiles):
+    for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + offs_n0  # key positions
         n_ok = offs_n < num_keys
         block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
@@ -159,6 +173,14 @@ def _unified_attention_kernel(
             acc += tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    if NUM_SEGMENTS > 1:
+        # Unnormalised partials and their (max, sum) stats; _reduce_segments_kernel combines them.
+        row_ok_d = row_ok[:, None] & d_ok[None, :]
+        part_rows = (q_rows * (G * tl.num_programs(1)) + q_head) * NUM_SEGMENTS + segment
+        tl.store(part_acc_ptr + part_rows[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok_d)
+        tl.store(part_ml_ptr + part_rows * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part_rows * 2 + 1, l_i, mask=row_ok)
+        return
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_i[:, None]
     o_offs = q_rows[:, None] * stride_o_t + q_head[:, None] * stride_o_h + offs_d[None, :]
@@ -168,6 +190,69 @@ def _unified_attention_kernel(
         round_to(acc, out_dtype).to(out_dtype),
         mask=row_ok[:, None] & d_ok[None, :],
     )
+
+
+@triton.jit
+def _reduce_segments_kernel(
+    part_acc_ptr,  # fp32 [num_tokens, num_q_heads, NUM_SEGMENTS, HEAD_PAD]
+    part_ml_ptr,  # fp32 [num_tokens, num_q_heads, NUM_SEGMENTS, 2]
+    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    num_q_heads,
+    stride_o_t,
+    stride_o_h,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+):
+    """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, with M = max_s m_s (base 2).
+
+    A segment with no visible keys has m_s = -inf and l_s = 0 and contributes nothing.
+    """
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    row = token.to(tl.int64) * num_q_heads + head
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    m = tl.load(part_ml_ptr + (row * NUM_SEGMENTS + offs_s) * 2)
+    s_sum = tl.load(part_ml_ptr + (row * NUM_SEGMENTS + offs_s) * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_safe))
+    total = tl.sum(s_sum * w, axis=0)
+    total = tl.where(total == 0.0, 1.0, total)
+    acc = tl.load(
+        part_acc_ptr + (row * NUM_SEGMENTS + offs_s)[:, None] * HEAD_PAD + offs_d[None, :]
+    )
+    o = tl.sum(acc * w[:, None], axis=0) / total
+    out_dtype = out_ptr.dtype.element_ty
+    tl.store(
+        out_ptr + token.to(tl.int64) * stride_o_t + head * stride_o_h + offs_d,
+        round_to(o, out_dtype).to(out_dtype),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+# Split-KV decode (vLLM's "3D" launch): segments per sequence, chosen when a pure-decode grid of
+# (sequences x KV heads) programs would leave most of the GPU's SMs idle.
+SPLIT_KV_SEGMENTS = 16
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_segments(
+    device: torch.device, num_seqs: int, num_kv_heads: int, max_query_len: int | None
+) -> int:
+    """1 (one pass) unless the batch is pure decode and has fewer (sequence, KV head) programs
+    than the GPU has SMs; then :data:`SPLIT_KV_SEGMENTS`. On CPU (interpreter) always 1."""
+    if max_query_len != 1:
+        return 1
+    if num_seqs * num_kv_heads >= _sm_count(device):
+        return 1
+    return SPLIT_KV_SEGMENTS
 
 
 def _launch_config(
@@ -195,6 +280,7 @@ def unified_attention(
     softmax_scale: float,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    num_segments: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`kernels.reference.unified_attention` (same shapes and semantics).
 
@@ -227,7 +313,21 @@ def unified_attention(
     if max_query_len is None and num_tokens == num_seqs:
         max_query_len = 1
     block_m, block_q, tile_n = _launch_config(g, max_query_len, q.dtype == torch.float32)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    if num_segments is None:
+        num_segments = choose_num_segments(q.device, num_seqs, num_kv_heads, max_query_len)
+    if num_segments < 1 or num_segments & (num_segments - 1):
+        raise ValueError(f"num_segments must be a power of two >= 1, got {num_segments}")
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    if num_segments > 1:
+        part_acc = torch.empty(
+            num_tokens, num_q_heads, num_segments, head_pad, device=q.device, dtype=torch.float32
+        )
+        part_ml = torch.empty(
+            num_tokens, num_q_heads, num_segments, 2, device=q.device, dtype=torch.float32
+        )
+    else:
+        part_acc = part_ml = out  # unused
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
     _unified_attention_kernel[grid](
         q,
         k_cache,
@@ -236,6 +336,8 @@ def unified_attention(
         cu_seqlens_q,
         seq_lens,
         block_tables,
+        part_acc,
+        part_ml,
         num_seqs,
         float(softmax_scale) * LOG2E,
         q.stride(0),
@@ -250,7 +352,7 @@ def unified_attention(
         v_cache.stride(2),
         block_tables.stride(0),
         HEAD_DIM=head_dim,
-        HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size,
         G=g,
         BLOCK_M=block_m,
@@ -258,5 +360,18 @@ def unified_attention(
         TILE_N=tile_n,
         FP32_DOT=INTERPRET,
         IEEE_DOT=q.dtype == torch.float32 and k_cache.dtype == torch.float32,
+        NUM_SEGMENTS=num_segments,
     )
+    if num_segments > 1:
+        _reduce_segments_kernel[(num_tokens, num_q_heads)](
+            part_acc,
+            part_ml,
+            out,
+            num_q_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad,
+            NUM_SEGMENTS=num_segments,
+        )
     return out

@@ -32,6 +32,7 @@ def _cases():
                 )
                 sig = {n: f"*{dt}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
                 sig.update(cu_seqlens_q_ptr="*i32", seq_lens_ptr="*i32", block_tables_ptr="*i32")
+                sig.update(part_acc_ptr="*fp32", part_ml_ptr="*fp32")
                 sig.update(num_seqs="i32", scale_log2="fp32")
                 for n in (
                     "q_t",
@@ -58,8 +59,19 @@ def _cases():
                     FP32_DOT=False,
                     IEEE_DOT=dt == "fp32",
                 )
-                name = f"attention[{dt},Hq={hq},Hk={hk},D={d},max_q={max_query_len}]"
-                yield name, attention._unified_attention_kernel, sig, consts
+                segment_counts = (1, attention.SPLIT_KV_SEGMENTS) if max_query_len == 1 else (1,)
+                for segments in segment_counts:
+                    name = (
+                        f"attention[{dt},Hq={hq},Hk={hk},D={d},max_q={max_query_len},"
+                        f"segments={segments}]"
+                    )
+                    consts_s = dict(consts, NUM_SEGMENTS=segments)
+                    yield name, attention._unified_attention_kernel, sig, consts_s
+            sig = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": f"*{dt}"}
+            sig.update(num_q_heads="i32", stride_o_t="i32", stride_o_h="i32")
+            consts = dict(HEAD_DIM=d, HEAD_PAD=d, NUM_SEGMENTS=attention.SPLIT_KV_SEGMENTS)
+            name = f"attention_reduce[{dt},D={d}]"
+            yield name, attention._reduce_segments_kernel, sig, consts
 
             sig = {n: f"*{dt}" for n in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")}
             sig["slot_mapping_ptr"] = "*i64"

@@ -131,3 +131,58 @@ def test_bad_attention_arguments_raise_named_errors(gen):
     strided_q = torch.randn(2, 4, 64)[..., ::2]
     with pytest.raises(ValueError, match="q must be contiguous in its last dimension"):
         triton_attention(**{**args, "q": strided_q})
+
+
+@pytest.mark.parametrize(
+    ("pairs", "num_q_heads", "num_kv_heads", "head_dim", "dtype", "num_segments"),
+    [
+        ([(1, 1), (1, 17), (1, 100), (1, 300)], 8, 2, 64, torch.float32, 4),  # decode, GQA 4
+        ([(1, 3), (1, 129)], 4, 4, 128, torch.bfloat16, 16),  # more segments than tiles
+        (MIXED, 6, 2, 64, torch.float32, 2),  # prefill chunks through the split path too
+    ],
+)
+def test_split_kv_matches_one_pass(
+    pairs, num_q_heads, num_kv_heads, head_dim, dtype, num_segments, gen, device
+):
+    """Split-KV (segments + reduce) gives the one-pass kernel's rows, including sequences whose
+    context is shorter than the segment count (empty segments) and GQA groups."""
+    args = make_paged_batch(pairs, num_q_heads, num_kv_heads, head_dim, 16, dtype, gen, device)
+    expected = naive_attention(**args)
+    one_pass = triton_attention(**args, num_segments=1)
+    split = triton_attention(**args, num_segments=num_segments)
+    torch.testing.assert_close(split.float().cpu(), expected, **_tolerance(dtype))
+    torch.testing.assert_close(split.float(), one_pass.float(), **_tolerance(dtype))
+
+
+def test_split_kv_large_pool_and_in_place_output(gen, device):
+    args = make_paged_batch(
+        [(1, 70), (1, 33)],
+        4,
+        2,
+        32,
+        8,
+        torch.float32,
+        gen,
+        device,
+        num_blocks=40_000,
+        use_last_blocks=True,
+    )
+    out = torch.full_like(args["q"], float("nan"))
+    result = triton_attention(**args, out=out, num_segments=8)
+    assert result is out
+    torch.testing.assert_close(out.cpu(), naive_attention(**args), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="num_segments"):
+        triton_attention(**args, num_segments=3)
+
+
+def test_split_kv_is_chosen_only_for_small_decode_grids():
+    from kernels.triton.attention import SPLIT_KV_SEGMENTS, choose_num_segments
+
+    cpu = torch.device("cpu")
+    assert choose_num_segments(cpu, 1, 8, 1) == 1  # no SMs to fill on the CPU interpreter
+    if torch.cuda.is_available():
+        gpu = torch.device("cuda")
+        sms = torch.cuda.get_device_properties(gpu).multi_processor_count
+        assert choose_num_segments(gpu, 1, 8, 1) == SPLIT_KV_SEGMENTS
+        assert choose_num_segments(gpu, sms, 8, 1) == 1  # the grid already fills the GPU
+        assert choose_num_segments(gpu, 1, 8, None) == 1  # prefill chunks: one pass

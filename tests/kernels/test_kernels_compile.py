@@ -33,6 +33,7 @@ def test_triton_kernels_compile_for_sm90():
     kernels = {row["kernel"].split("[")[0] for row in rows}
     assert kernels == {
         "attention",
+        "attention_reduce",
         "reshape_and_cache",
         "rms_norm",
         "rotary_embedding",
