@@ -48,6 +48,8 @@ from typing import NamedTuple
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.config import ENGINE_DEFAULTS, EngineConfig
 from gpu_worker.request import Lane, Request, RequestStatus
+from gpu_worker.step_budget import BudgetController, StepView
+from gpu_worker.step_cost import StepFeatures
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
 
@@ -192,7 +194,12 @@ class Scheduler:
         ValueError: when the KV pool cannot hold one `max_model_len` sequence.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        step_budget: BudgetController | None = None,
+    ) -> None:
         need = block_manager.num_blocks_for(config.max_model_len)
         if need > block_manager.num_total_blocks:
             raise ValueError(
@@ -213,6 +220,9 @@ class Scheduler:
         self._num_steps = 0  # schedule() calls
         self._protected_until: dict[str, int] = {}  # ping-pong guard: request id -> step
         self._last_batch_key: tuple | None = None  # last batch request served under a cap
+        # SLO-driven budgets (gpu_worker/step_budget.py); None: the fixed knobs alone
+        self.step_budget = step_budget
+        self.last_features: StepFeatures | None = None  # what the last non-empty step ran
 
     # --- queue views ---
     @property
@@ -242,7 +252,7 @@ class Scheduler:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
-        }
+        } | (self.step_budget.stats() if self.step_budget is not None else {})
 
     def _key(self, req: Request) -> tuple[int, int, float, int]:
         """Scheduling order: lane rank, priority, arrival time, add order (ascending = first)."""
@@ -291,6 +301,8 @@ class Scheduler:
         del self._keys[request.request_id]
         self._protected_until.pop(request.request_id, None)
         self._num_interactive -= request.lane is Lane.INTERACTIVE
+        if self.step_budget is not None:
+            self.step_budget.on_finish(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort an unfinished request; returns it, or None if unknown or already finished."""
@@ -312,24 +324,61 @@ class Scheduler:
     # --- one step ---
     def schedule(self) -> SchedulerOutput:
         """Build the next step (see the module docstring for the algorithm)."""
+        budget = self.config.max_num_batched_tokens
         cap = self.config.batch_token_budget
         inter_cap = self.config.interactive_batch_token_cap
         if inter_cap is not None and self._has_interactive():
             # leave at least half the step to interactive (waiting ones come last)
             inter_cap = max(1, min(inter_cap, self.config.max_num_batched_tokens // 2))
             cap = inter_cap if cap is None else min(cap, inter_cap)
+        ctl = self.step_budget
+        if ctl is not None:  # the SLO plan, within the fixed knobs
+            ctl.observe_pending(time.monotonic())
+            plan = ctl.plan(self._step_view())
+            budget = min(budget, plan.token_budget)
+            if plan.batch_tokens is not None:
+                cap = plan.batch_tokens if cap is None else min(cap, plan.batch_tokens)
         self._num_steps += 1
-        step = _StepState(self.config.max_num_batched_tokens, cap)
+        step = _StepState(budget, cap)
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
         keys = self._keys
         scheduled = sorted(step.entries.values(), key=lambda e: keys[e.request.request_id])
-        return SchedulerOutput(
+        out = SchedulerOutput(
             scheduled=scheduled,
             preempted=step.preempted,
             num_batched_tokens=sum(e.num_new_tokens for e in scheduled),
         )
+        self.last_features = None
+        if scheduled:
+            self.last_features = StepFeatures(
+                out.num_batched_tokens,
+                sum(e.samples for e in scheduled),
+                sum(e.num_computed_tokens + e.num_new_tokens for e in scheduled),
+            )
+            if ctl is not None:
+                ctl.on_scheduled(self.last_features)
+        return out
+
+    def _step_view(self) -> StepView:
+        """The running interactive streams (requests already emitting tokens), the running
+        batch requests, their KV context, and the prompt tokens interactive requests still
+        have to prefill (waiting ones and running ones without output)."""
+        streams = batch = context = prompt = 0
+        for r in self.running:
+            context += r.num_computed_tokens
+            if r.lane is Lane.BATCH:
+                batch += 1
+            elif r.num_output_tokens:
+                streams += 1
+            else:
+                prompt += r.num_tokens - r.num_computed_tokens
+        for r in self.waiting:
+            if r.lane is not Lane.INTERACTIVE:
+                break  # interactive requests come first in the waiting order
+            prompt += r.num_tokens
+        return StepView(streams, batch, context, prompt)
 
     def _chunk(self, step: _StepState, req: Request, remaining: int) -> int:
         """Tokens `req` may compute this step, given `remaining` tokens to catch up."""
@@ -503,6 +552,8 @@ class Scheduler:
         Call once per step, after the model ran and before appending the sampled tokens.
         Requests finished or aborted since `schedule()` are skipped.
         """
+        if self.step_budget is not None:
+            self.step_budget.on_step_done()
         for entry in output.scheduled:
             req = entry.request
             if req.status is not RequestStatus.RUNNING:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -81,13 +82,17 @@ def _engine_config_json(text: str) -> EngineConfig:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The worker's engine options: ``--engine-config``, then the flags, then the lane profile
-    for this worker's lanes and device (`gpu_worker.config.lane_profile`).
+    for this worker's lanes and device (`gpu_worker.config.lane_profile`). SLO control is on
+    unless ``--no-slo-control`` (or the synthetic engine, which has no scheduler).
 
     Raises:
         EngineConfigError: an option out of range.
     """
     config = config_from_args(args, args.engine_config)
-    return config.with_profile(lane_profile(config.lanes, _on_gpu(config.device, args.synthetic)))
+    if config.slo_control is None:  # a worker sizes its steps from SLO targets by default
+        config = dataclasses.replace(config, slo_control=not args.synthetic)
+    on_gpu = _on_gpu(config.device, args.synthetic)
+    return config.with_profile(lane_profile(config.lanes, on_gpu, config.slo_control))
 
 
 def _on_gpu(device: str | None, synthetic: bool) -> bool:
