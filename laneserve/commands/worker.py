@@ -70,6 +70,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="token text carries its emission time (bench)",
     )
     synth.add_argument("--synthetic-fail-on", default=None, help="prompts containing this fail")
+    synth.add_argument(
+        "--synthetic-cost-scale",
+        type=float,
+        default=1.0,
+        help="multiply the synthetic step cost (2: a machine twice as slow)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -117,6 +123,7 @@ def build_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
             block_size=config.block_size,
             fail_on=args.synthetic_fail_on,
             stamp=args.synthetic_stamp,
+            cost_scale=args.synthetic_cost_scale,
         )
     else:
         from gpu_worker.engine import LLMEngine
