@@ -16,8 +16,9 @@ a TPOT target (P99, ms), ``--slo interactive:ttft=800,tpot=60 batch:tpot=400``. 
   target: step time <= ``headroom x (ttft - predicted prefill of a typical prompt)``, and at
   least the interactive TPOT target.
 
-``headroom`` (0.5 .. 1.0) follows the measured step times: when more than 1 % of the steps with
-a target ran over it in the last window, it shrinks by 10 %; when none came near, it grows back.
+The plan aims at ``headroom x`` the step's target; ``headroom`` (0.5 .. 1.0) follows the
+measured step times: when more than 1 % of the last window's steps with a target ran over the
+target itself, it shrinks by 10 %; when none came within 10 % of it, it grows back by 3 %.
 The fixed knobs (``max_num_batched_tokens``, ``interactive_batch_token_cap``,
 ``batch_token_budget``) stay hard upper bounds, applied by the scheduler.
 
@@ -210,8 +211,8 @@ class BudgetController:
         ttft = self.targets.interactive.ttft_ms
         h = self.headroom
         if view.interactive_running:
-            target = h * tpot
-            room = self._batch_share(view.interactive_running, view.context, target)
+            target = tpot
+            room = self._batch_share(view.interactive_running, view.context, h * target)
             budget = view.interactive_running + max(room, 1)
             batch = max(self.min_batch_tokens, room - view.interactive_waiting_tokens)
         elif view.interactive_waiting_tokens:
@@ -220,13 +221,12 @@ class BudgetController:
             batch = max(self.min_batch_tokens, self._batch_share(1, view.context, h * tpot))
         else:
             prefill = self.model.predict(StepFeatures(TYPICAL_PROMPT, 1, TYPICAL_PROMPT))
-            target = h * max(tpot, ttft - prefill)
+            target = max(tpot, ttft - prefill)
             rows = view.batch_running
-            budget = max(rows, 1) if rows else 1
-            budget = max(budget, self.model.max_tokens_within(target, rows, view.context))
+            budget = max(rows, 1, self.model.max_tokens_within(h * target, rows, view.context))
             batch = None
         self.last = StepBudget(max(1, min(budget, self.max_tokens)), batch)
-        self.last_target_ms = target
+        self.last_target_ms = target  # the target itself; the plan aimed at headroom x it
         return self.last
 
     # --- measuring ---
