@@ -365,20 +365,21 @@ class Scheduler:
         """The running interactive streams (requests already emitting tokens), the running
         batch requests, their KV context, and the prompt tokens interactive requests still
         have to prefill (waiting ones and running ones without output)."""
-        streams = batch = context = prompt = 0
+        streams = batch = context = batch_context = prompt = 0
         for r in self.running:
-            context += r.num_computed_tokens
             if r.lane is Lane.BATCH:
                 batch += 1
+                batch_context += r.num_computed_tokens
             elif r.num_output_tokens:
                 streams += 1
+                context += r.num_computed_tokens
             else:
                 prompt += r.num_tokens - r.num_computed_tokens
         for r in self.waiting:
             if r.lane is not Lane.INTERACTIVE:
                 break  # interactive requests come first in the waiting order
             prompt += r.num_tokens
-        return StepView(streams, batch, context, prompt)
+        return StepView(streams, batch, context, prompt, batch_context)
 
     def _chunk(self, step: _StepState, req: Request, remaining: int) -> int:
         """Tokens `req` may compute this step, given `remaining` tokens to catch up."""

@@ -139,14 +139,15 @@ def default_targets(model: StepCostModel, given: dict[str, dict[str, float]]) ->
 
 
 class StepView(NamedTuple):
-    """What the scheduler holds before a step: running requests per lane (each decodes one
-    token or prefills a chunk), the KV tokens they attend to (`context`), and the prompt tokens
-    of waiting interactive requests."""
+    """What the scheduler holds before a step: running interactive streams and batch requests,
+    the KV tokens each group attends to (`context`, `batch_context`), and the prompt tokens
+    interactive requests still have to prefill."""
 
     interactive_running: int
     batch_running: int
     context: int
     interactive_waiting_tokens: int
+    batch_context: int = 0
 
 
 class StepBudget(NamedTuple):
@@ -196,13 +197,14 @@ class BudgetController:
         self._last_update = 0.0
 
     # --- planning ---
-    def _batch_share(self, rows: int, context: int, target_ms: float) -> int:
-        """Tokens that fit in a step of `rows` interactive rows within `target_ms`, counting a
-        batch token as a decode row (the dearer kind: a row and its context read)."""
+    def _batch_share(self, rows: int, view: StepView, target_ms: float) -> int:
+        """Batch tokens that fit beside `rows` interactive decodes (over `view.context`) within
+        `target_ms`, each counted as a batch decode row (the dearer kind: a token, a row and
+        an average batch request's context read)."""
         coef = self.model.coefficients
-        avg_ctx = context / max(rows, 1)
+        avg_ctx = view.batch_context / max(view.batch_running, 1)
         per_token = max(coef[1] + coef[2] + coef[3] * avg_ctx / 1000.0, 1e-6)
-        base = self.model.predict(StepFeatures(rows, rows, context))
+        base = self.model.predict(StepFeatures(rows, rows, view.context))
         return max(0, int((target_ms - base) / per_token))
 
     def plan(self, view: StepView) -> StepBudget:
@@ -212,18 +214,20 @@ class BudgetController:
         h = self.headroom
         if view.interactive_running:
             target = tpot
-            room = self._batch_share(view.interactive_running, view.context, h * target)
+            room = self._batch_share(view.interactive_running, view, h * target)
             budget = view.interactive_running + max(room, 1)
             batch = max(self.min_batch_tokens, room - view.interactive_waiting_tokens)
         elif view.interactive_waiting_tokens:
             target = None  # the prompt's prefill: TTFT, as fast as the budget allows
             budget = self.max_tokens
-            batch = max(self.min_batch_tokens, self._batch_share(1, view.context, h * tpot))
+            batch = max(self.min_batch_tokens, self._batch_share(1, view, h * tpot))
         else:
             prefill = self.model.predict(StepFeatures(TYPICAL_PROMPT, 1, TYPICAL_PROMPT))
             target = max(tpot, ttft - prefill)
             rows = view.batch_running
-            budget = max(rows, 1, self.model.max_tokens_within(h * target, rows, view.context))
+            budget = max(
+                rows, 1, self.model.max_tokens_within(h * target, rows, view.batch_context)
+            )
             batch = None
         self.last = StepBudget(max(1, min(budget, self.max_tokens)), batch)
         self.last_target_ms = target  # the target itself; the plan aimed at headroom x it
