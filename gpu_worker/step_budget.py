@@ -5,10 +5,11 @@ a TPOT target (P99, ms), ``--slo interactive:ttft=800,tpot=60 batch:tpot=400``. 
 `BudgetController` reads the scheduler's state and the worker's own step-cost model
 (`gpu_worker.step_cost.StepCostModel`, fitted online from every step) and picks:
 
-- **interactive streams running**: the step must stay within ``headroom x`` the interactive TPOT
-  target, so the token budget is what the model predicts fits in it on top of the interactive
-  decodes; an arriving interactive prompt prefills in chunks of that size first, batch gets the
-  rest (at least ``min_batch_tokens``, so it never stops);
+- **interactive streams running**: batch gets what the model predicts fits beside the
+  interactive decodes within ``headroom x`` the interactive TPOT target (at least
+  ``min_batch_tokens``, so it never stops); an arriving interactive prompt prefills in chunks of
+  up to what fits in half its TTFT target, so it is not starved by the TPOT pacing (TPOT is a
+  mean over a stream's tokens: one longer step moves it little, many short ones cost TTFT);
 - **an interactive prompt waiting, no stream yet**: the prompt gets the whole budget (TTFT), batch
   the share it would get beside one stream;
 - **no interactive traffic**: batch steps grow for throughput, but only so long that an
@@ -57,7 +58,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-TPOT_MULTIPLE = 1.4  # interactive TPOT target / idle single-stream step (issue 19: <= 1.5x)
+TPOT_MULTIPLE = 1.45  # interactive TPOT target / idle single-stream step (issue 19: <= 1.5x)
 TTFT_MULTIPLE = 1.8  # interactive TTFT target / idle TTFT (issue 19: <= 2.0x)
 TYPICAL_PROMPT = 256  # tokens: the prompt an interactive arrival is assumed to bring
 BATCH_MULTIPLE = 10.0  # batch targets / interactive targets
@@ -183,7 +184,7 @@ class BudgetController:
         self.model = model
         self.max_tokens = max_tokens
         self.min_batch_tokens = min_batch_tokens
-        self.headroom = 0.9
+        self.headroom = 1.0  # the feedback lowers it when steps run over their target
         self.last = StepBudget(max_tokens, None)
         self.last_target_ms: float | None = None
         self.predicted_ms = 0.0  # of the last step scheduled
@@ -214,9 +215,16 @@ class BudgetController:
         h = self.headroom
         if view.interactive_running:
             target = tpot
-            room = self._batch_share(view.interactive_running, view, h * target)
-            budget = view.interactive_running + max(room, 1)
-            batch = max(self.min_batch_tokens, room - view.interactive_waiting_tokens)
+            rows = view.interactive_running
+            room = self._batch_share(rows, view, h * target)
+            # An arriving prompt prefills in as few steps as its TTFT allows: one long step
+            # barely moves a stream's TPOT (a mean over its tokens), many short ones cost TTFT.
+            chunk = min(
+                view.interactive_waiting_tokens,
+                max(room, self.model.max_tokens_within(0.5 * ttft, rows, view.context)),
+            )
+            budget = rows + chunk + max(room, 1)
+            batch = max(self.min_batch_tokens, room)
         elif view.interactive_waiting_tokens:
             target = None  # the prompt's prefill: TTFT, as fast as the budget allows
             budget = self.max_tokens
