@@ -13,8 +13,8 @@ text, TPOT = (total - TTFT) / (tokens - 1)) in three phases:
    one first-in-first-out queue with the bulk lines (the single-lane contrast).
 
 4. batch alone: the same kind of job with no interactive traffic, for as long as phase 2 sent
-   requests: the batch lane's throughput (bulk lines completed per second) to compare phase 2's
-   with.
+   requests: the batch lane's throughput (output tokens per second: the engines' generated
+   tokens minus the interactive requests') to compare phase 2's with.
 
 A job is cancelled after its phase and the stack drains before the next one. Targets (issue 19,
 no engine flags): with lanes, TTFT P99 under load <= 2x idle TTFT P50, TPOT P99 under load <=
@@ -214,6 +214,7 @@ def run_phases(args, extra: list[str], rng: random.Random) -> dict:
                 st = wait_busy(front, saturated)
                 log(f"{phase}: bulk job {job_id} running, queues {st['queues']}")
                 done0, t0 = _completed(service, engine, job_id), time.perf_counter()
+                tokens0 = _generated(front)
             if lane is None:  # batch alone, as long as the interactive phases send
                 time.sleep(args.interactive / args.rate)
                 results, wall = [], 0.0
@@ -237,9 +238,13 @@ def run_phases(args, extra: list[str], rng: random.Random) -> dict:
                 log(f"  TTFT {c['ttft_ms']}, TPOT {c['tpot_ms']}, errors {c['errors']}")
                 log(f"  server queue {srv['queue_ms']}, prefill {srv['prefill_ms']}")
             if job_id:
+                span = time.perf_counter() - t0
                 lines = _completed(service, engine, job_id) - done0
-                entry["batch_lines_per_s"] = round(lines / (time.perf_counter() - t0), 3)
-                log(f"  batch lane: {entry['batch_lines_per_s']} lines/s")
+                # engine output tokens minus the interactive requests' own
+                tokens = _generated(front) - tokens0 - sum(r.tokens or 0 for r in results)
+                entry["batch_lines_per_s"] = round(lines / span, 3)
+                entry["batch_tok_s"] = round(tokens / span, 1)
+                log(f"  batch lane: {entry['batch_tok_s']} tok/s, {lines / span:.2f} lines/s")
                 row = service.get_batch(engine, job_id)
                 entry["bulk_job"] = {"id": job_id, "status": row.status, **row.request_counts}
                 if not service.is_terminal(row.status):
@@ -248,6 +253,14 @@ def run_phases(args, extra: list[str], rng: random.Random) -> dict:
             phases[phase] = entry
         engine.dispose()
     return phases
+
+
+def _generated(front: str) -> int:
+    """Output tokens the workers generated so far (their engines' cumulative count)."""
+    from broker.client import broker_status
+
+    workers = broker_status(front, timeout_s=5.0)["workers"]
+    return sum(int((w.get("load") or {}).get("num_generated_tokens") or 0) for w in workers)
 
 
 def _completed(service, engine, job_id: str) -> int:
@@ -267,7 +280,7 @@ def verdict(phases: dict) -> dict:
         "fifo_ttft_p99_over_idle_p50": ratio(fifo["ttft_ms"]["p99"], idle["ttft_ms"]["p50"]),
         "fifo_tpot_p99_over_idle_p50": ratio(fifo["tpot_ms"]["p99"], idle["tpot_ms"]["p50"]),
         "batch_with_interactive_over_alone": ratio(
-            phases["lanes"]["batch_lines_per_s"], phases["batch_alone"]["batch_lines_per_s"]
+            phases["lanes"]["batch_tok_s"], phases["batch_alone"]["batch_tok_s"]
         ),
     }
     met = all(
