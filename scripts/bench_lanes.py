@@ -120,7 +120,10 @@ def wait_busy(front: str, min_in_flight: int, timeout_s: float = 120.0) -> dict:
     deadline = time.monotonic() + timeout_s
     st = {}
     while time.monotonic() < deadline:
-        st = broker_status(front, timeout_s=5.0)
+        try:
+            st = broker_status(front, timeout_s=5.0)
+        except TimeoutError:  # a busy machine: ask again
+            continue
         if st["queues"].get("in_flight", 0) >= min_in_flight:
             return st
         time.sleep(0.5)
@@ -132,7 +135,10 @@ def wait_idle(front: str, timeout_s: float = 180.0) -> None:
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        q = broker_status(front, timeout_s=5.0)["queues"]
+        try:
+            q = broker_status(front, timeout_s=5.0)["queues"]
+        except TimeoutError:  # a busy machine: ask again
+            continue
         if q.get("in_flight", 0) == 0 and q.get("batch", 0) == 0 and q.get("interactive", 0) == 0:
             return
         time.sleep(0.5)
@@ -259,7 +265,7 @@ def _generated(front: str) -> int:
     """Output tokens the workers generated so far (their engines' cumulative count)."""
     from broker.client import broker_status
 
-    workers = broker_status(front, timeout_s=5.0)["workers"]
+    workers = broker_status(front, timeout_s=30.0)["workers"]
     return sum(int((w.get("load") or {}).get("num_generated_tokens") or 0) for w in workers)
 
 
