@@ -1,6 +1,8 @@
 """Dispatch: the two lane queues, credits, the batch share and solo reservations.
 
-Order: interactive first whenever a worker serving it has credit; batch fills the rest, and
+Each lane's queue is ordered by the submit's ``priority`` (lower = more urgent), then by arrival
+at the broker; requests of a lost worker go back to the head. Order between lanes: interactive
+first whenever a worker serving it has credit; batch fills the rest, and
 after ``batch_every`` consecutive interactive dispatches a waiting batch request goes first (the
 minimum batch share, so batch never starves). On a worker serving both lanes, batch may use at
 most ``capacity - interactive_reserve`` credits so an interactive arrival can always be sent to
@@ -15,6 +17,7 @@ a time; other solo requests wait their turn at the head of their queue.
 
 from __future__ import annotations
 
+import bisect
 import collections
 from typing import TYPE_CHECKING
 
@@ -76,8 +79,20 @@ class Dispatcher:
         """Waiting requests per lane."""
         return {lane: len(q) for lane, q in self.queues.items()}
 
+    def _queue_key(self, rid: str) -> tuple[int, float]:
+        req = self.requests[rid]
+        return req.submit.priority, req.received
+
     def enqueue(self, req: RequestState) -> None:
-        self.queues[req.lane].append(req.request_id)
+        """Queue ``req`` behind every request of its lane with a more or equally urgent
+        ``priority`` (equal priorities keep arrival order)."""
+        queue = self.queues[req.lane]
+        key = (req.submit.priority, req.received)
+        if not queue or self._queue_key(queue[-1]) <= key:  # the common case: append
+            queue.append(req.request_id)
+            return
+        pos = bisect.bisect_right(queue, key, key=self._queue_key)
+        queue.insert(pos, req.request_id)
 
     def remove(self, req: RequestState) -> None:
         """Take a waiting request out of its queue (it may already be gone)."""
@@ -95,15 +110,15 @@ class Dispatcher:
         """Interactive requests that waited ``no_worker_timeout_s`` with no worker serving
         the lane, taken out of the queue (oldest first)."""
         queue = self.queues["interactive"]
-        expired: list[RequestState] = []
-        if serves_interactive:
-            return expired
-        while queue:
-            req = self.requests[queue[0]]
-            if now - req.received < self.config.no_worker_timeout_s:
-                break
-            queue.popleft()
-            expired.append(req)
+        if serves_interactive or not queue:
+            return []
+        limit = self.config.no_worker_timeout_s
+        expired = [self.requests[rid] for rid in queue]
+        expired = sorted(
+            (r for r in expired if now - r.received >= limit), key=lambda r: r.received
+        )
+        for req in expired:
+            queue.remove(req.request_id)
         return expired
 
     # ------------------------------------------------------------------------- choice

@@ -42,7 +42,9 @@ _SNAPSHOT_STATS = tuple(
     for f in dataclasses.fields(p.WorkerSnapshot)
     if f.name not in ("worker_id", "at", "lanes")
 )
-_INT_STATS = frozenset({"running", "waiting", "preemptions"})
+_INT_STATS = frozenset(
+    {"running", "waiting", "preemptions", "step_token_budget", "step_batch_tokens"}
+)
 
 
 def request_record(

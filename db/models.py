@@ -226,6 +226,11 @@ class WorkerStat(Base):
     KV blocks in use (0..1); `prefix_hit_rate` the fraction of prompt tokens served from the
     prefix cache (0..1); `step_ms` the mean engine step time in ms; `tokens_per_s` output
     tokens per second; `preemptions` the worker's cumulative preemption count.
+    SLO-driven steps (null under fixed knobs): the targets `slo_{interactive,batch}_{ttft,tpot}_ms`
+    (P99 ms), the attainment `slo_{interactive,batch}_attainment` (fraction of the lane's recent
+    requests within both targets, 0..1), the last step's `step_token_budget` and
+    `step_batch_tokens` (tokens), `predicted_step_ms` and `measured_step_ms` (the step-cost
+    model's prediction vs the measured moving average).
     (`worker_id`, `at`) is unique so a resent snapshot is written once.
     """
 
@@ -242,6 +247,16 @@ class WorkerStat(Base):
     step_ms: Mapped[float | None] = mapped_column(Float)
     tokens_per_s: Mapped[float | None] = mapped_column(Float)
     preemptions: Mapped[int | None] = mapped_column(Integer)
+    slo_interactive_ttft_ms: Mapped[float | None] = mapped_column(Float)
+    slo_interactive_tpot_ms: Mapped[float | None] = mapped_column(Float)
+    slo_batch_ttft_ms: Mapped[float | None] = mapped_column(Float)
+    slo_batch_tpot_ms: Mapped[float | None] = mapped_column(Float)
+    slo_interactive_attainment: Mapped[float | None] = mapped_column(Float)
+    slo_batch_attainment: Mapped[float | None] = mapped_column(Float)
+    step_token_budget: Mapped[int | None] = mapped_column(Integer)
+    step_batch_tokens: Mapped[int | None] = mapped_column(Integer)
+    predicted_step_ms: Mapped[float | None] = mapped_column(Float)
+    measured_step_ms: Mapped[float | None] = mapped_column(Float)
 
     __table_args__ = (
         UniqueConstraint("worker_id", "at", name="uq_worker_stats_worker_id_at"),

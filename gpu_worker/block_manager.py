@@ -27,9 +27,16 @@ Prefix caching (the scheme of vLLM v1's KVCacheManager and nano-vllm's BlockMana
 - Blocks shared by several requests (ref count > 1) are always full, hashed blocks; new tokens
   are only ever written into the request's own trailing block, so a shared block is never written.
 
-Blocks are registered (`cache_full_blocks`) after the step that computed them, so requests
-admitted in the same step as an identical prefix do not hit it; they compute their own copy
-and the first registered copy serves later requests.
+Prompt blocks are registered when they are allocated (`allocate_slots`), as vLLM v1 does: a
+block that this step fills with prompt tokens is hashed and cached before its KV exists, so an
+identical prompt admitted later in the same step (siblings, `n > 1`) hits it and computes only
+its own tail. That is sound because a step writes every new token's K/V of a layer before that
+layer's attention reads the cache. Until the step that computes it has run, such a block is
+*uncomputed*: if its writer is freed first (an engine step failed, a preemption), a block no one
+else holds forgets its hash, and the scheduler never preempts a writer whose uncomputed blocks
+another request already shares (`shares_uncomputed`). Output blocks are registered after the
+step that computed them (`cache_full_blocks`), so speculative or rolled-back tokens never enter
+the cache.
 
 Counters `prefix_cache_queries` and `prefix_cache_hits` are in **tokens**: the first admission
 of a request adds its `num_tokens` to the queries and its hit tokens to the hits. Re-admission
@@ -147,6 +154,7 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         self._live: dict[str, Request] = {}  # requests holding blocks, by request id
         self._num_registered: dict[str, int] = {}  # leading blocks already hashed, per request
+        self._uncomputed: set[int] = set()  # registered at allocation, KV not yet computed
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of which found in the cache
         self.num_hash_collisions = 0  # hash matched but token ids differed (refused)
@@ -273,6 +281,8 @@ class BlockManager:
                 assert last.ref_count == 1 or num_new_tokens == 0, (
                     f"{request.request_id} would write shared block {last.block_id}"
                 )
+                if request.num_computed_tokens < request.num_prompt_tokens:
+                    self._register_prompt_blocks(request, total)
                 return True
         computed = list(new_computed_blocks or ())
         assert not computed or not request.block_table, "hits only for a request without blocks"
@@ -299,7 +309,37 @@ class BlockManager:
             assert self.blocks[block_id].ref_count == 1 or num_new_tokens == 0, (
                 f"{request.request_id} would write shared block {block_id}"
             )
+        self._register_prompt_blocks(request, total)
         return True
+
+    def _register_prompt_blocks(self, request: Request, total: int) -> None:
+        """Register the prompt blocks that are full once the step computing up to `total`
+        tokens has run; the ones not computed yet are marked uncomputed until then."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(total, request.num_prompt_tokens) // self.block_size
+        start = self._num_registered[request.request_id]  # blocks before it: computed or hits
+        if num_full <= start:
+            return
+        self._register(request, num_full)
+        for block_id in request.block_table[start:num_full]:
+            if self.blocks[block_id].block_hash is not None:
+                self._uncomputed.add(block_id)
+
+    def is_uncomputed(self, block_id: int) -> bool:
+        """True for a block registered at allocation whose KV the current step computes."""
+        return block_id in self._uncomputed
+
+    def shares_uncomputed(self, request: Request) -> bool:
+        """True when another request holds a block that `request` registered this step but has
+        not computed yet (freeing `request` now would leave that request reading no KV)."""
+        if not self._uncomputed:
+            return False
+        first = request.num_computed_tokens // self.block_size
+        return any(
+            b in self._uncomputed and self.blocks[b].ref_count > 1
+            for b in request.block_table[first:]
+        )
 
     def _pop_free_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)
@@ -324,9 +364,14 @@ class BlockManager:
         if not self.enable_prefix_caching or request.request_id not in self._live:
             return
         num_full = min(num_computed_tokens // self.block_size, len(request.block_table))
+        if self._uncomputed:
+            self._uncomputed.difference_update(request.block_table[:num_full])
+        if num_full > self._num_registered[request.request_id]:
+            self._register(request, num_full)
+
+    def _register(self, request: Request, num_full: int) -> None:
+        """Register the request's blocks `[_num_registered, num_full)` under their hashes."""
         start = self._num_registered[request.request_id]
-        if num_full <= start:
-            return
         self._update_block_hashes(request, num_full * self.block_size)
         bs = self.block_size
         for i in range(start, num_full):
@@ -364,6 +409,10 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+                if block_id in self._uncomputed:  # its KV was never written: not a hit
+                    self._uncomputed.discard(block_id)
+                    del self._cached[block.block_hash]
+                    block.forget()
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
         request.block_table.clear()
@@ -379,6 +428,7 @@ class BlockManager:
         for block_id in self._cached.values():
             self.blocks[block_id].forget()
         self._cached.clear()
+        self._uncomputed.clear()
         return n
 
     # --- invariants ---
@@ -419,5 +469,9 @@ class BlockManager:
         for block_hash, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == block_hash, (
                 f"cache entry for block {block_id} disagrees with the block's hash"
+            )
+        for block_id in self._uncomputed:
+            assert counts[block_id] and self.blocks[block_id].block_hash is not None, (
+                f"uncomputed block {block_id} is free or not cached"
             )
         assert len(self._free) + sum(1 for c in counts if c) == self.num_blocks, "block count"

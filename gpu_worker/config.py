@@ -130,11 +130,25 @@ CPU_INTERACTIVE_PROFILE = LaneProfile(
 CPU_BATCH_PROFILE = LaneProfile(max_num_seqs=64)
 
 
-def lane_profile(lanes: Iterable[str], on_gpu: bool) -> LaneProfile:
-    """The step knobs of a worker serving `lanes` on a GPU (`on_gpu`) or a CPU."""
+def lane_profile(lanes: Iterable[str], on_gpu: bool, slo_control: bool = False) -> LaneProfile:
+    """The step knobs of a worker serving `lanes` on a GPU (`on_gpu`) or a CPU. Under SLO
+    control (gpu_worker/step_budget.py) the controller sizes every step and the knobs are only
+    upper bounds: the engine defaults, with the CPU's seat count on a CPU."""
     if on_gpu:
         return ENGINE_DEFAULTS
+    if slo_control:
+        return CPU_BATCH_PROFILE
     return CPU_INTERACTIVE_PROFILE if "interactive" in lanes else CPU_BATCH_PROFILE
+
+
+def _parse_slo(text: str) -> str:
+    from gpu_worker.step_budget import parse_slo
+
+    try:
+        parse_slo(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 # ------------------------------------------------------------------------------ the options
@@ -147,9 +161,10 @@ def _opt(
     flag: str | None = None,
     parse: Callable[[str], Any] | None = None,
     choices: tuple[str, ...] | None = None,
+    nargs: str | None = None,
 ) -> Any:
     """A field of `EngineConfig` with what its command-line flag needs."""
-    meta = {"help": help, "flag": flag, "parse": parse, "choices": choices}
+    meta = {"help": help, "flag": flag, "parse": parse, "choices": choices, "nargs": nargs}
     return field(default=default, metadata=meta)
 
 
@@ -209,6 +224,17 @@ class EngineConfig:
         None, "batch-lane tokens per step even without interactive traffic (default: none, "
         "batch gets the whole budget then)"
     )  # fmt: skip
+    slo: str | None = _opt(
+        None, "per-lane latency targets (P99 ms), e.g. 'interactive:ttft=800,tpot=60 "
+        "batch:tpot=400' (default: derived from a start-up profile of this worker)",
+        parse=_parse_slo,
+        nargs="+",
+    )  # fmt: skip
+    slo_control: bool | None = _opt(
+        None, "size every step from the SLO targets and the measured step cost (default: on "
+        "for `laneserve worker` and `up`, off for an offline LLM); the step flags above "
+        "stay upper bounds"
+    )  # fmt: skip
     lanes: tuple[str, ...] = _opt(LANES, "lanes served, comma-separated", parse=_parse_lanes)
     enforce_eager: bool = _opt(False, "no CUDA graphs for decode steps (CUDA only)")
     quantization: str = _opt("auto", "weight-only kernels: auto = a GGUF's own Q4_0/Q4_1/Q8_0 "
@@ -227,6 +253,13 @@ class EngineConfig:
             )
         if len(set(self.lanes)) != len(self.lanes):
             raise EngineConfigError(f"lanes repeat: {self.lanes}")
+        if self.slo is not None:
+            from gpu_worker.step_budget import parse_slo
+
+            try:
+                parse_slo(self.slo)
+            except ValueError as exc:
+                raise EngineConfigError(str(exc)) from None
 
     def with_profile(self, profile: LaneProfile = ENGINE_DEFAULTS) -> EngineConfig:
         """This config with every step knob left at None taken from `profile`."""
@@ -307,12 +340,14 @@ def add_engine_arguments(
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
         if meta["flag"]:
             kwargs["metavar"] = meta["flag"].lstrip("-").replace("-", "_").upper()
-        if f.type == "bool":
+        if f.type.startswith("bool"):
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = meta["parse"] or (_cli_count if "int" in f.type else str)
             if meta["choices"]:
                 kwargs["choices"] = meta["choices"]
+            if meta.get("nargs"):
+                kwargs["nargs"] = meta["nargs"]
         parser.add_argument(flag, **kwargs)
 
 
@@ -331,4 +366,6 @@ def config_from_args(
         for f in dataclasses.fields(EngineConfig)
         if f.name not in skip and getattr(args, f.name, None) is not None
     }
+    if isinstance(given.get("slo"), list):  # --slo interactive:... batch:...
+        given["slo"] = " ".join(given["slo"])
     return dataclasses.replace(base or EngineConfig(), **given)

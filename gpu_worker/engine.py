@@ -224,6 +224,10 @@ class LLMEngine:
         self._pending: list[RequestDelta] = []  # aborts/errors reported at the next step
         self.num_steps = 0
         self.num_generated_tokens = 0
+        if config.slo_control:  # SLO-driven step budgets, from a start-up profile of this engine
+            from gpu_worker.step_budget import profile_engine
+
+            self.scheduler.step_budget = profile_engine(self, config.slo)
         logger.info(
             "engine ready: model=%s dtype=%s device=%s blocks=%d x %d (KV %.2f GiB) max_model_len=%d",
             self.model_name,

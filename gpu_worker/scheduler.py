@@ -14,9 +14,13 @@ chunks and decodes share one step. One `schedule()`:
    That victim may be the request itself.
 2. **Waiting requests**, in the same order, only when step 1 preempted nothing (as in vLLM):
    prefix-cache lookup, then admission under `max_num_seqs`, the token budget and a free-block
-   watermark. An interactive request that cannot be admitted because `max_num_seqs` or the KV
-   blocks are taken by batch requests preempts the newest batch request (undoing its slot in
-   this step when it had one). A request that does not fit blocks the ones behind it (no
+   watermark. A request that cannot be admitted because `max_num_seqs` or the KV blocks are
+   taken preempts the lowest-ranked running request it outranks -- any batch request for an
+   interactive one, a less urgent `priority` of its own lane otherwise (undoing its slot in
+   this step when it had one) -- but only when preempting all of those would make room,
+   counting only blocks that freeing really returns. A request preempted
+   `priority_preemption_limit` times is protected from priority preemption for a while after it
+   runs again (the ping-pong guard). A request that does not fit blocks the ones behind it (no
    overtaking inside the order, so batch never jumps an interactive request).
 
 Lanes inside one worker (DESIGN.md): while any interactive request is running or waiting, the
@@ -24,6 +28,8 @@ batch lane's tokens per step (decodes and prefill chunks alike, in scheduling or
 at `interactive_batch_token_cap` (and at half the budget); batch requests beyond the cap keep
 their KV and seats and simply skip the step. Without interactive traffic batch gets the whole
 budget, unless an operator sets `batch_token_budget` (an opt-in limit on every batch step).
+Under a cap, batch requests take turns: each capped step starts after the last batch request
+the previous one served, so the skipped ones differ from step to step.
 
 The engine loop is ``out = schedule(); run the model on out.scheduled; update_after_step(out);
 append the sampled token of every entry with samples=True; finish_request(...) the ones that stop``.
@@ -42,6 +48,8 @@ from typing import NamedTuple
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.config import ENGINE_DEFAULTS, EngineConfig
 from gpu_worker.request import Lane, Request, RequestStatus
+from gpu_worker.step_budget import BudgetController, StepView
+from gpu_worker.step_cost import StepFeatures
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
 
@@ -70,6 +78,11 @@ class SchedulerConfig:
             DESIGN asks) for the whole budget when no interactive request is present. Opt-in:
             it bounds how long a newly arrived interactive request waits for a running batch
             step, at the cost of batch steps smaller than the budget.
+        priority_preemption_limit: the ping-pong guard of priority preemption inside a lane:
+            a request preempted this many times for a more urgent one of its lane is not
+            preempted so again for `priority_preemption_cooldown_steps` steps after it runs
+            again (it keeps its seat and makes progress; the urgent request waits).
+        priority_preemption_cooldown_steps: length of that protection, in engine steps.
     """
 
     max_num_seqs: int = ENGINE_DEFAULTS.max_num_seqs
@@ -79,6 +92,8 @@ class SchedulerConfig:
     watermark: float = 0.01
     interactive_batch_token_cap: int | None = ENGINE_DEFAULTS.interactive_batch_token_cap
     batch_token_budget: int | None = None
+    priority_preemption_limit: int = 2
+    priority_preemption_cooldown_steps: int = 64
 
     @classmethod
     def from_engine(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
@@ -94,7 +109,12 @@ class SchedulerConfig:
         )
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "priority_preemption_limit",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
@@ -174,7 +194,12 @@ class Scheduler:
         ValueError: when the KV pool cannot hold one `max_model_len` sequence.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        step_budget: BudgetController | None = None,
+    ) -> None:
         need = block_manager.num_blocks_for(config.max_model_len)
         if need > block_manager.num_total_blocks:
             raise ValueError(
@@ -192,6 +217,12 @@ class Scheduler:
         self._keys: dict[str, tuple[int, int, float, int]] = {}  # fixed at add_request
         self._num_interactive = 0  # unfinished interactive requests (running or waiting)
         self._watermark_blocks = int(config.watermark * block_manager.num_total_blocks)
+        self._num_steps = 0  # schedule() calls
+        self._protected_until: dict[str, int] = {}  # ping-pong guard: request id -> step
+        self._last_batch_key: tuple | None = None  # last batch request served under a cap
+        # SLO-driven budgets (gpu_worker/step_budget.py); None: the fixed knobs alone
+        self.step_budget = step_budget
+        self.last_features: StepFeatures | None = None  # what the last non-empty step ran
 
     # --- queue views ---
     @property
@@ -221,7 +252,7 @@ class Scheduler:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
-        }
+        } | (self.step_budget.stats() if self.step_budget is not None else {})
 
     def _key(self, req: Request) -> tuple[int, int, float, int]:
         """Scheduling order: lane rank, priority, arrival time, add order (ascending = first)."""
@@ -268,7 +299,10 @@ class Scheduler:
         request.finished_time = time.monotonic()
         del self.requests[request.request_id]
         del self._keys[request.request_id]
+        self._protected_until.pop(request.request_id, None)
         self._num_interactive -= request.lane is Lane.INTERACTIVE
+        if self.step_budget is not None:
+            self.step_budget.on_finish(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort an unfinished request; returns it, or None if unknown or already finished."""
@@ -290,23 +324,62 @@ class Scheduler:
     # --- one step ---
     def schedule(self) -> SchedulerOutput:
         """Build the next step (see the module docstring for the algorithm)."""
+        budget = self.config.max_num_batched_tokens
         cap = self.config.batch_token_budget
         inter_cap = self.config.interactive_batch_token_cap
         if inter_cap is not None and self._has_interactive():
             # leave at least half the step to interactive (waiting ones come last)
             inter_cap = max(1, min(inter_cap, self.config.max_num_batched_tokens // 2))
             cap = inter_cap if cap is None else min(cap, inter_cap)
-        step = _StepState(self.config.max_num_batched_tokens, cap)
+        ctl = self.step_budget
+        if ctl is not None:  # the SLO plan, within the fixed knobs
+            ctl.observe_pending(time.monotonic())
+            plan = ctl.plan(self._step_view())
+            budget = min(budget, plan.token_budget)
+            if plan.batch_tokens is not None:
+                cap = plan.batch_tokens if cap is None else min(cap, plan.batch_tokens)
+        self._num_steps += 1
+        step = _StepState(budget, cap)
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
         keys = self._keys
         scheduled = sorted(step.entries.values(), key=lambda e: keys[e.request.request_id])
-        return SchedulerOutput(
+        out = SchedulerOutput(
             scheduled=scheduled,
             preempted=step.preempted,
             num_batched_tokens=sum(e.num_new_tokens for e in scheduled),
         )
+        self.last_features = None
+        if scheduled:
+            self.last_features = StepFeatures(
+                out.num_batched_tokens,
+                sum(e.samples for e in scheduled),
+                sum(e.num_computed_tokens + e.num_new_tokens for e in scheduled),
+            )
+            if ctl is not None:
+                ctl.on_scheduled(self.last_features)
+        return out
+
+    def _step_view(self) -> StepView:
+        """The running interactive streams (requests already emitting tokens), the running
+        batch requests, their KV context, and the prompt tokens interactive requests still
+        have to prefill (waiting ones and running ones without output)."""
+        streams = batch = context = batch_context = prompt = 0
+        for r in self.running:
+            if r.lane is Lane.BATCH:
+                batch += 1
+                batch_context += r.num_computed_tokens
+            elif r.num_output_tokens:
+                streams += 1
+                context += r.num_computed_tokens
+            else:
+                prompt += r.num_tokens - r.num_computed_tokens
+        for r in self.waiting:
+            if r.lane is not Lane.INTERACTIVE:
+                break  # interactive requests come first in the waiting order
+            prompt += r.num_tokens
+        return StepView(streams, batch, context, prompt, batch_context)
 
     def _chunk(self, step: _StepState, req: Request, remaining: int) -> int:
         """Tokens `req` may compute this step, given `remaining` tokens to catch up."""
@@ -331,9 +404,27 @@ class Scheduler:
         samples = start + n >= req.num_tokens
         step.entries[req.request_id] = ScheduledRequest(req, n, samples, start)
 
-    def _schedule_running(self, step: _StepState) -> None:
+    def _running_order(self, step: _StepState) -> list[Request]:
+        """Running requests in scheduling order. Under a batch cap, the batch decodes come
+        first, starting after the last one the previous capped step served (round robin, so
+        the decodes a cap skips change every step and every batch request progresses), then
+        the batch prefills in order."""
         self.running.sort(key=self._key)  # nearly sorted already: O(n)
-        order = collections.deque(self.running)  # lowest ranked (victims) at the end
+        if step.batch_cap_left is None:
+            return list(self.running)
+        first = next((i for i, r in enumerate(self.running) if r.lane is Lane.BATCH), None)
+        if first is None:
+            return list(self.running)
+        batch = self.running[first:]
+        decodes = [r for r in batch if _is_decode(r, r.num_computed_tokens)]
+        prefills = [r for r in batch if not _is_decode(r, r.num_computed_tokens)]
+        cut = 0
+        if self._last_batch_key is not None:
+            cut = bisect.bisect_right(decodes, self._last_batch_key, key=self._key)
+        return self.running[:first] + decodes[cut:] + decodes[:cut] + prefills
+
+    def _schedule_running(self, step: _StepState) -> None:
+        order = collections.deque(self._running_order(step))
         while order and step.budget > 0:
             req = order.popleft()
             remaining = req.num_tokens - req.num_computed_tokens
@@ -346,18 +437,22 @@ class Scheduler:
             if n <= 0:
                 continue
             while not self.block_manager.allocate_slots(req, n):
-                victim = order.pop() if order else req
+                victim = max(order, key=self._key) if order else req  # lowest ranked left
+                if victim is not req:
+                    order.remove(victim)
                 self._preempt(step, victim)
                 if victim is req:
                     break
             else:
                 self._commit(step, req, n)
+                capped_batch = step.batch_cap_left is not None and req.lane is Lane.BATCH
+                if capped_batch and _is_decode(req, req.num_computed_tokens):
+                    self._last_batch_key = self._key(req)
 
     def _schedule_waiting(self, step: _StepState) -> None:
         bm = self.block_manager
         while self.waiting and step.budget > 0:
             req = self.waiting[0]
-            interactive = req.lane is Lane.INTERACTIVE
             assert req.num_computed_tokens == 0, f"waiting {req.request_id} has computed tokens"
             hit_blocks, num_hit = bm.get_computed_blocks(req)
             n = self._chunk(step, req, req.num_tokens - num_hit)
@@ -366,16 +461,20 @@ class Scheduler:
             seats_full = len(self.running) >= self.config.max_num_seqs
             reserve = self._watermark_blocks if self.running else 0
             while seats_full or not bm.allocate_slots(req, n, hit_blocks, reserve_blocks=reserve):
-                # Only an interactive request preempts, and only when that can make room.
-                if not (interactive and self._batch_can_make_room(req, n, hit_blocks, reserve)):
+                # Preempt a lower-ranked request only when preempting them all makes room.
+                victims = self._victims(req)
+                if not self._can_make_room(req, n, hit_blocks, reserve, victims):
                     return
-                self._preempt_newest_batch(step)
+                self._preempt_lowest(step, req, victims)
                 seats_full = len(self.running) >= self.config.max_num_seqs
                 # Preemption may free (and then evict) the blocks of the hit: look up again.
                 hit_blocks, num_hit = bm.get_computed_blocks(req)
                 n = self._chunk(step, req, req.num_tokens - num_hit)
                 reserve = self._watermark_blocks if self.running else 0
             self.waiting.pop(0)
+            if req.num_preemptions >= self.config.priority_preemption_limit:
+                until = self._num_steps + self.config.priority_preemption_cooldown_steps
+                self._protected_until[req.request_id] = until
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -383,35 +482,58 @@ class Scheduler:
             self.running.append(req)
             self._commit(step, req, n)
 
-    def _batch_can_make_room(
-        self, req: Request, n: int, hit_blocks: list[int], reserve: int
-    ) -> bool:
-        """Whether preempting every running batch request would let `req` allocate `n` tokens."""
+    def _victims(self, req: Request) -> list[Request]:
+        """Running requests that waiting `req` may preempt: any of a lower lane (interactive
+        preempts batch), and those of its own lane with a less urgent `priority` unless the
+        ping-pong guard protects them. Never a request whose prompt blocks computed this step
+        are already shared (freeing it would leave the sharer without KV)."""
         bm = self.block_manager
-        uses = collections.Counter(
-            b for r in self.running if r.lane is Lane.BATCH for b in r.block_table
-        )
-        if not any(r.lane is Lane.BATCH for r in self.running):
+        out = []
+        for r in self.running:
+            if r.lane.rank > req.lane.rank:
+                pass
+            elif r.lane is not req.lane or r.priority <= req.priority:
+                continue
+            elif self._protected_until.get(r.request_id, 0) > self._num_steps:
+                continue
+            if not bm.shares_uncomputed(r):
+                out.append(r)
+        return out
+
+    def _can_make_room(
+        self, req: Request, n: int, hit_blocks: list[int], reserve: int, victims: list[Request]
+    ) -> bool:
+        """Whether preempting every one of `victims` would let `req` allocate `n` tokens.
+
+        Only blocks that freeing would really return count: the victims must hold all of a
+        block's references, and a block of `req`'s own prefix hit does not count (freeing it
+        returns it to the free list, but `req` takes it straight back).
+        """
+        if not victims:
             return False
-        # A block returns to the free list when batch requests hold all its references.
-        reclaim = sum(1 for b, c in uses.items() if bm.blocks[b].ref_count == c)
+        bm = self.block_manager
+        uses = collections.Counter(b for r in victims for b in r.block_table)
+        hit = set(hit_blocks)
+        reclaim = sum(1 for b, c in uses.items() if bm.blocks[b].ref_count == c and b not in hit)
         return bm.num_free_after(req, n, hit_blocks) + reclaim >= reserve
 
-    def _preempt_newest_batch(self, step: _StepState) -> bool:
-        """Preempt the lowest-ranked running batch request; False when there is none."""
-        batch = [r for r in self.running if r.lane is Lane.BATCH]
-        if not batch:
-            return False
-        victim = max(batch, key=self._key)
+    def _preempt_lowest(self, step: _StepState, req: Request, victims: list[Request]) -> None:
+        """Preempt the lowest-ranked of `victims`, undoing its share of this step if it had one;
+        a same-lane (priority) preemption counts towards the ping-pong guard."""
+        victim = max(victims, key=self._key)
         entry = step.entries.pop(victim.request_id, None)
         if entry is not None:  # undo its share of this step
             step.budget += entry.num_new_tokens
             if not _is_decode(victim, entry.num_computed_tokens):
                 victim.num_prefill_chunks -= 1
-            if step.batch_cap_left is not None:
+            if victim.lane is Lane.BATCH and step.batch_cap_left is not None:
                 step.batch_cap_left += entry.num_new_tokens
+        if victim.lane is req.lane:
+            logger.info(
+                "priority preemption: %s (priority %d) for %s (priority %d)",
+                victim.request_id, victim.priority, req.request_id, req.priority,
+            )  # fmt: skip
         self._preempt(step, victim)
-        return True
 
     def _preempt(self, step: _StepState, req: Request) -> None:
         """Preempt `req` by recompute: free its blocks and put it back in the waiting queue."""
@@ -431,6 +553,8 @@ class Scheduler:
         Call once per step, after the model ran and before appending the sampled tokens.
         Requests finished or aborted since `schedule()` are skipped.
         """
+        if self.step_budget is not None:
+            self.step_budget.on_step_done()
         for entry in output.scheduled:
             req = entry.request
             if req.status is not RequestStatus.RUNNING:

@@ -47,7 +47,9 @@ class SyntheticEngine:
     step, so ``1 / step_s`` tokens/s per stream); ``prefill_s``: extra delay of a request's first
     step; ``fail_on``: a prompt containing this string finishes with an engine error (tests);
     ``stamp``: each token's text is ``" t<time.monotonic_ns()>"`` at emission, so a benchmark on
-    the same host can measure transport latency (CLOCK_MONOTONIC is system-wide on Linux)."""
+    the same host can measure transport latency (CLOCK_MONOTONIC is system-wide on Linux);
+    ``cost_scale``: multiplies ``step_s`` and ``prefill_s`` (a 2x slower machine for adaptation
+    benchmarks, ``laneserve worker --synthetic-cost-scale 2``)."""
 
     model_name = "synthetic"
 
@@ -63,11 +65,14 @@ class SyntheticEngine:
         max_model_len: int = 8192,
         fail_on: str | None = None,
         stamp: bool = False,
+        cost_scale: float = 1.0,
     ) -> None:
         if step_s < 0 or max_num_seqs < 1 or num_blocks < 1 or block_size < 1:
             raise ValueError("step_s >= 0, max_num_seqs, num_blocks, block_size >= 1 required")
-        self.step_s = step_s
-        self.prefill_s = prefill_s
+        if not cost_scale > 0:
+            raise ValueError(f"cost_scale must be > 0, got {cost_scale}")
+        self.step_s = step_s * cost_scale
+        self.prefill_s = prefill_s * cost_scale
         self.max_num_seqs = max_num_seqs
         self.num_blocks = num_blocks
         self.block_size = block_size

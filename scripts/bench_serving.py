@@ -63,6 +63,22 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("/tmp"), help="directory for the PNG")
+    parser.add_argument(
+        "--variants",
+        default="default=",
+        help="side-by-side stacks in one run, 'NAME=UP ARGS;NAME=UP ARGS', e.g. "
+        "'slo=;fixed=--no-slo-control' (default: one stack, no extra flags)",
+    )
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """`--variants` as [(name, extra `laneserve up` args)]."""
+    out = []
+    for item in args.variants.split(";"):
+        if item.strip():
+            name, _, extra = item.partition("=")
+            out.append((name.strip(), extra.split()))
+    return out
 
 
 def model_path(model: str) -> str:
@@ -360,8 +376,6 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     add_stack_args(parser)
     args = parser.parse_args()
-    levels_c = [int(x) for x in args.concurrency.split(",") if x.strip()]
-    rng = random.Random(args.seed)
     report: dict[str, Any] = {
         "benchmark": "serving",
         "machine": machine(),
@@ -374,8 +388,38 @@ def main() -> int:
             "mode": f"poisson {args.rate} req/s" if args.rate else "closed loop",
         },
         "levels": [],
+        "variants": {},
     }
-    with bench_stack(args) as info:
+    for name, extra in variants(args):
+        log(f"variant {name}: laneserve up {' '.join(extra) or '(no extra flags)'}")
+        report["variants"][name] = {
+            "up_args": extra,
+            "levels": sweep_stack(args, extra, random.Random(args.seed)),
+        }
+    report["levels"] = next(iter(report["variants"].values()))["levels"]
+    if len(report["variants"]) > 1:
+        report["side_by_side"] = {
+            name: [
+                {"concurrency": lv["concurrency"], "tok_s": lv["client"]["throughput_tok_s"],
+                 "ttft_p50_ms": lv["client"]["ttft_ms"]["p50"]}
+                for lv in v["levels"]
+            ]
+            for name, v in report["variants"].items()
+        }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    png = args.out / "bench_serving.png"
+    plot(report["levels"], png, f"laneserve serving ({args.input_tokens} in / "
+         f"{args.output_tokens} out, {report['machine']['cores']} cores)")  # fmt: skip
+    report["plot"] = str(png)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def sweep_stack(args: argparse.Namespace, extra: list[str], rng: random.Random) -> list[dict]:
+    """One stack (`laneserve up` + `extra`), the whole sweep against it; its levels."""
+    levels: list[dict] = []
+    levels_c = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    with bench_stack(args, extra) as info:
         api = info["api_url"]
 
         async def warm() -> str:
@@ -406,19 +450,13 @@ def main() -> int:
             }
             if args.rate:
                 entry["concurrency"] = level
-            report["levels"].append(entry)
+            levels.append(entry)
             c = entry["client"]
             log(
                 f"  TTFT p50 {c['ttft_ms']['p50']} ms, TPOT p50 {c['tpot_ms']['p50']} ms, "
                 f"{c['throughput_tok_s']} tok/s, errors {c['errors']}"
             )
-    args.out.mkdir(parents=True, exist_ok=True)
-    png = args.out / "bench_serving.png"
-    plot(report["levels"], png, f"laneserve serving ({args.input_tokens} in / "
-         f"{args.output_tokens} out, {report['machine']['cores']} cores)")  # fmt: skip
-    report["plot"] = str(png)
-    print(json.dumps(report, indent=2))
-    return 0
+    return levels
 
 
 if __name__ == "__main__":

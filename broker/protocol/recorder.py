@@ -89,7 +89,11 @@ class WorkerSnapshot(Message):
     """One worker's load at ``at`` (unix seconds): ``running``/``waiting`` request counts,
     ``kv_usage`` (fraction of KV blocks in use, 0..1), ``prefix_hit_rate`` (fraction of prompt
     tokens served from the prefix cache, 0..1), ``step_ms`` (mean engine step, ms),
-    ``tokens_per_s`` (output tokens per second), ``preemptions`` (cumulative count)."""
+    ``tokens_per_s`` (output tokens per second), ``preemptions`` (cumulative count). SLO-driven
+    steps (gpu_worker/step_budget.py; None under fixed knobs): the lanes' targets
+    ``slo_{lane}_{ttft,tpot}_ms`` (P99 ms), their attainment ``slo_{lane}_attainment`` (0..1),
+    the last step's ``step_token_budget`` and ``step_batch_tokens`` (tokens), and the step-cost
+    model's ``predicted_step_ms`` vs ``measured_step_ms``."""
 
     KIND: ClassVar[str] = "worker_snapshot"
     worker_id: str = spec(t_str())
@@ -102,6 +106,16 @@ class WorkerSnapshot(Message):
     step_ms: float | None = spec(_MS, None)
     tokens_per_s: float | None = spec(t_opt(t_float(0.0, 1e12)), None)
     preemptions: int | None = spec(_COUNT, None)
+    slo_interactive_ttft_ms: float | None = spec(_MS, None)
+    slo_interactive_tpot_ms: float | None = spec(_MS, None)
+    slo_batch_ttft_ms: float | None = spec(_MS, None)
+    slo_batch_tpot_ms: float | None = spec(_MS, None)
+    slo_interactive_attainment: float | None = spec(_FRACTION, None)
+    slo_batch_attainment: float | None = spec(_FRACTION, None)
+    step_token_budget: int | None = spec(_COUNT, None)
+    step_batch_tokens: int | None = spec(_COUNT, None)
+    predicted_step_ms: float | None = spec(_MS, None)
+    measured_step_ms: float | None = spec(_MS, None)
 
 
 @message

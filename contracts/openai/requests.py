@@ -15,7 +15,9 @@ unsupported fields are told apart:
 Field names and ranges follow the OpenAI API reference (chat/completions, completions) and
 vLLM's extra sampling fields (``top_k``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``include_stop_str_in_output``). Laneserve extras: ``lane`` ("interactive" |
-"batch") and ``priority`` (int, lower is served first within a lane; or a lane name).
+"batch") and ``priority`` (int, lower is served first within a lane; or a lane name). OpenAI's
+own ``service_tier`` picks the lane too: ``"flex"`` -> batch; ``"auto"``, ``"default"``,
+``"priority"``, ``"scale"`` -> interactive (`SERVICE_TIER_LANES`).
 
 The wire ``sampling_params`` keys are :data:`SAMPLING_KEYS` (the broker's ``SAMPLING_FIELDS``).
 Prompt token counting needs the tokenizer and happens next (:mod:`contracts.openai.lengths`);
@@ -116,9 +118,7 @@ UNSUPPORTED_FIELDS = frozenset(
         "chat_template_kwargs",
     }
 )
-IGNORED_FIELDS = frozenset(
-    {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
-)
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "safety_identifier", "prompt_cache_key"})
 _COMMON = frozenset(
     {
         "model",
@@ -141,6 +141,7 @@ _COMMON = frozenset(
         "include_stop_str_in_output",
         "lane",
         "priority",
+        "service_tier",
         "min_p",
         "logit_bias",
     }
@@ -439,12 +440,36 @@ def _common(body: dict, req: ParsedRequest, limits: Limits) -> None:
     _lane(body, req)
 
 
+# OpenAI's `service_tier` values -> lane: "flex" (slower, cheaper) is the batch lane.
+SERVICE_TIER_LANES = {
+    "auto": "interactive",
+    "default": "interactive",
+    "priority": "interactive",
+    "scale": "interactive",
+    "flex": "batch",
+}
+
+
 def _lane(body: dict, req: ParsedRequest) -> None:
     lane = body.get("lane")
     if lane is not None:
         if lane not in LANES:
             raise invalid(f"'lane' must be one of {list(LANES)}, got {lane!r}", "lane")
         req.lane = lane
+    tier = body.get("service_tier")
+    if tier is not None:
+        tier_lane = SERVICE_TIER_LANES.get(tier) if type(tier) is str else None
+        if tier_lane is None:
+            raise invalid(
+                f"'service_tier' must be one of {list(SERVICE_TIER_LANES)}, got {tier!r}",
+                "service_tier",
+            )
+        if lane is not None and lane != tier_lane:
+            raise invalid(
+                f"'service_tier' {tier!r} means the {tier_lane} lane but 'lane' is {lane!r}",
+                "service_tier",
+            )
+        req.lane = tier_lane
     prio = body.get("priority")
     if type(prio) is str:
         if prio not in LANES:

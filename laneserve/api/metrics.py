@@ -20,7 +20,9 @@ Counters (label ``lane``): ``prompt_tokens_total``, ``generation_tokens_total``,
 Gauges and counters read from the broker's ``status`` (label ``worker_id``):
 ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (0..1, as vLLM),
 ``prefix_cache_hits_total`` / ``prefix_cache_queries_total`` (tokens), ``num_preemptions_total``,
-and ``num_requests_queued`` (label ``lane``: requests waiting in the broker's lane queue),
+the SLO controller's ``step_token_budget``, ``step_batch_tokens``, ``step_predicted_ms``,
+``step_measured_ms``, ``slo_interactive_attainment``, ``slo_batch_attainment`` (0..1),
+``slo_interactive_ttft_target_ms``, ``slo_interactive_tpot_target_ms``, and ``num_requests_queued`` (label ``lane``: requests waiting in the broker's lane queue),
 ``num_workers`` (label ``lane``).
 
 Bulk-job lines (label ``lane``; DESIGN.md "Health": /metrics counts API and bulk-job requests
@@ -187,7 +189,23 @@ class BrokerCollector:
             "num_requests_running": ("Requests running in the engine.", "running"),
             "num_requests_waiting": ("Requests waiting in the engine.", "waiting"),
             "kv_cache_usage_perc": ("KV-cache usage (1 = full).", "kv_usage"),
-        }
+            # SLO-driven steps (gpu_worker/step_budget.py); absent under fixed knobs
+            "step_token_budget": ("Token budget the SLO controller chose.", "step_token_budget"),
+            "step_batch_tokens": ("Batch-lane tokens per step it allowed.", "step_batch_tokens"),
+            "step_predicted_ms": ("Predicted time of the last step (ms).", "predicted_step_ms"),
+            "step_measured_ms": ("Measured step time, moving average (ms).", "measured_step_ms"),
+            "slo_interactive_attainment": (
+                "Recent interactive requests within both targets (0..1).",
+                "slo_interactive_attainment",
+            ),
+            "slo_batch_attainment": (
+                "Recent batch requests within both targets (0..1).", "slo_batch_attainment"
+            ),
+            "slo_interactive_ttft_target_ms": ("Interactive TTFT target, P99 (ms).",
+                                               "slo_interactive_ttft_ms"),
+            "slo_interactive_tpot_target_ms": ("Interactive TPOT target, P99 (ms).",
+                                               "slo_interactive_tpot_ms"),
+        }  # fmt: skip
         for name, (doc, key) in gauges.items():
             fam = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", "worker_id"])
             self._add_workers(fam, workers, key)

@@ -265,6 +265,39 @@ def _print_table(status: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def _ms(value: Any) -> str:
+    return f"{value:.0f}" if isinstance(value, int | float) else "-"
+
+
+def _pct(value: Any) -> str:
+    return f"{value:.0%}" if isinstance(value, int | float) else "-"
+
+
+def _print_slo(console, workers: list[dict[str, Any]]) -> None:
+    """Per worker under SLO control: the targets (P99 ms), attainment, the chosen budget and
+    the step-cost model's predicted vs measured step time (gpu_worker/step_budget.py)."""
+    from rich.table import Table
+
+    rows = [w for w in workers if (w.get("load") or {}).get("slo_interactive_tpot_ms")]
+    if not rows:
+        return
+    table = Table("worker", "interactive ttft/tpot ms", "met", "batch ttft/tpot ms", "met",
+                  "budget", "batch tok", "step ms pred/meas", title="SLO")  # fmt: skip
+    for w in rows:
+        ld = w["load"]
+        table.add_row(
+            str(w.get("worker_id")),
+            f"{_ms(ld.get('slo_interactive_ttft_ms'))}/{_ms(ld.get('slo_interactive_tpot_ms'))}",
+            _pct(ld.get("slo_interactive_attainment")),
+            f"{_ms(ld.get('slo_batch_ttft_ms'))}/{_ms(ld.get('slo_batch_tpot_ms'))}",
+            _pct(ld.get("slo_batch_attainment")),
+            str(ld.get("step_token_budget", "-")),
+            str(ld.get("step_batch_tokens") or "all"),
+            f"{ld.get('predicted_step_ms', 0):.1f}/{ld.get('measured_step_ms', 0):.1f}",
+        )
+    console.print(table)
+
+
 def _print_workers(console, status: dict[str, Any]) -> None:
     """The workers table and the queue depths (local and remote reports alike)."""
     from rich.table import Table
@@ -285,6 +318,7 @@ def _print_workers(console, status: dict[str, Any]) -> None:
                 f"{kv:.1%}" if isinstance(kv, (int, float)) else "-",
             )
         console.print(wt)
+        _print_slo(console, status["workers"])
     q = status.get("queues") or {}
     console.print(
         f"queues: interactive {q.get('interactive', '-')}, batch {q.get('batch', '-')}, "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -69,6 +70,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="token text carries its emission time (bench)",
     )
     synth.add_argument("--synthetic-fail-on", default=None, help="prompts containing this fail")
+    synth.add_argument(
+        "--synthetic-cost-scale",
+        type=float,
+        default=1.0,
+        help="multiply the synthetic step cost (2: a machine twice as slow)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -81,13 +88,17 @@ def _engine_config_json(text: str) -> EngineConfig:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The worker's engine options: ``--engine-config``, then the flags, then the lane profile
-    for this worker's lanes and device (`gpu_worker.config.lane_profile`).
+    for this worker's lanes and device (`gpu_worker.config.lane_profile`). SLO control is on
+    unless ``--no-slo-control`` (or the synthetic engine, which has no scheduler).
 
     Raises:
         EngineConfigError: an option out of range.
     """
     config = config_from_args(args, args.engine_config)
-    return config.with_profile(lane_profile(config.lanes, _on_gpu(config.device, args.synthetic)))
+    if config.slo_control is None:  # a worker sizes its steps from SLO targets by default
+        config = dataclasses.replace(config, slo_control=not args.synthetic)
+    on_gpu = _on_gpu(config.device, args.synthetic)
+    return config.with_profile(lane_profile(config.lanes, on_gpu, config.slo_control))
 
 
 def _on_gpu(device: str | None, synthetic: bool) -> bool:
@@ -112,6 +123,7 @@ def build_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
             block_size=config.block_size,
             fail_on=args.synthetic_fail_on,
             stamp=args.synthetic_stamp,
+            cost_scale=args.synthetic_cost_scale,
         )
     else:
         from gpu_worker.engine import LLMEngine

@@ -152,3 +152,29 @@ def test_sixteen_killed_streaming_clients_return_kv_blocks(real_stack) -> None:
             break
         time.sleep(0.2)
     assert load.get("num_free_blocks") == baseline and load.get("num_running") == 0, load
+
+
+def test_slo_controller_runs_by_default_and_is_exported(client, real_stack) -> None:
+    """A worker started with no SLO flags profiles itself, derives targets, sizes its steps and
+    exports the figures; a `service_tier="flex"` call runs on the batch lane of the same worker."""
+    r = client.chat.completions.create(
+        model=MODEL, messages=MSG, max_tokens=4, temperature=0, service_tier="flex"
+    )
+    assert r.usage.completion_tokens == 4
+    for _ in client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=4, stream=True):
+        pass
+    names = ("slo_interactive_tpot_target_ms", "slo_interactive_ttft_target_ms",
+             "step_token_budget", "step_predicted_ms", "step_measured_ms")  # fmt: skip
+    deadline, values = time.monotonic() + 30, {}
+    while time.monotonic() < deadline and len(values) < len(names):
+        text = httpx.get(
+            real_stack.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}
+        ).text
+        for line in text.splitlines():
+            for name in names:
+                if line.startswith(f"laneserve:{name}{{") and 'worker_id="real"' in line:
+                    values[name] = float(line.split()[-1])
+        time.sleep(0.5)
+    assert set(values) == set(names), text
+    assert 0 < values["slo_interactive_tpot_target_ms"] < values["slo_interactive_ttft_target_ms"]
+    assert values["step_token_budget"] >= 1 and values["step_measured_ms"] > 0

@@ -91,6 +91,38 @@ def test_response_id_is_the_sql_request_id(client, synth_stack) -> None:
     assert row[3] is not None and row[4] >= row[3] > 0
 
 
+def test_service_tier_picks_the_lane(client, synth_stack) -> None:
+    """OpenAI's own `service_tier` chooses the lane from an unmodified SDK call: "priority" and
+    "default" are interactive (served and recorded so); "flex" is the batch lane, which no
+    worker of this stack serves (503 no_worker); an unknown tier is a 400 naming the field."""
+    ids = []
+    for tier in ("priority", "default", "auto"):
+        r = client.chat.completions.create(
+            model=MODEL, messages=MSG, max_tokens=1, service_tier=tier
+        )
+        assert r.choices[0].message.content == " w0"
+        ids.append(r.id)
+    with pytest.raises(openai.APIStatusError) as exc:
+        client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, service_tier="flex")
+    assert exc.value.status_code == 503 and exc.value.body["code"] == "no_worker"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt="hi", extra_body={"service_tier": "gold"})
+    assert exc.value.body["param"] == "service_tier"
+    with pytest.raises(openai.BadRequestError) as exc:  # contradicting the laneserve extra
+        client.chat.completions.create(
+            model=MODEL, messages=MSG, service_tier="flex", extra_body={"lane": "interactive"}
+        )
+    assert exc.value.body["param"] == "service_tier"
+    deadline = time.monotonic() + 20
+    lanes: list = []
+    while time.monotonic() < deadline and len(lanes) < len(ids):
+        with sqlite3.connect(synth_stack.db_path) as db:
+            marks = ",".join("?" * len(ids))
+            lanes = db.execute(f"SELECT lane FROM requests WHERE id IN ({marks})", ids).fetchall()
+        time.sleep(0.2)
+    assert sorted(lanes) == [("interactive",)] * 3, synth_stack.logs()
+
+
 def _post(stack: Stack, path: str, body, headers=AUTH) -> httpx.Response:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(stack.url + path, content=data, headers=headers, timeout=30)

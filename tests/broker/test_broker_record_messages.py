@@ -45,6 +45,16 @@ SNAPSHOT = {
     "step_ms": 8.0,
     "tokens_per_s": 120.0,
     "preemptions": 2,
+    "slo_interactive_ttft_ms": 480.5,
+    "slo_interactive_tpot_ms": 38.0,
+    "slo_batch_ttft_ms": 4805.0,
+    "slo_batch_tpot_ms": 380.0,
+    "slo_interactive_attainment": 0.99,
+    "slo_batch_attainment": 1.0,
+    "step_token_budget": 96,
+    "step_batch_tokens": 12,
+    "predicted_step_ms": 31.5,
+    "measured_step_ms": 33.25,
 }
 
 

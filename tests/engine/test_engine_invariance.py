@@ -103,3 +103,14 @@ def test_block_size_8_equals_16(make_llm, prompts, alone):
     llm = make_llm(block_size=8)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == alone
     llm.check_integrity()
+
+
+def test_identical_prompts_in_one_step_share_the_prefill(make_llm, prompts, alone):
+    """n > 1 / siblings: the copies admitted in the same step as the first hit its prompt blocks
+    (registered at allocation) and still produce exactly the tokens of the prompt run alone."""
+    llm = make_llm(enable_prefix_caching=True)
+    p, expect = prompts[14], alone[14]  # 100 tokens: 6 full blocks of 16
+    outs = llm.generate([p, p, p], GREEDY)
+    assert [o.token_ids for o in outs] == [expect] * 3
+    assert [o.num_cached_tokens for o in outs] == [0, 96, 96]
+    llm.check_integrity()

@@ -213,3 +213,15 @@ def test_worker_serves_with_each_engine_and_announces_its_config(engine, procs, 
     kinds, reason, usage = asyncio.run(asyncio.wait_for(_generate(procs.front, 5), 120))
     assert kinds[-1] == "Final" and reason == "length", (kinds, reason, procs.logs())
     assert usage["completion_tokens"] == 5
+
+
+def test_synthetic_cost_scale_paces_every_step():
+    engine = SyntheticEngine(step_s=0.01, prefill_s=0.002, cost_scale=2.0)
+    assert (engine.step_s, engine.prefill_s) == (0.02, 0.004)
+    engine.add_request("r", prompt="a b c", sampling_params={"max_tokens": 4})
+    t0 = time.monotonic()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert time.monotonic() - t0 >= 3 * 0.02  # paced steps: 4 tokens, 3 waits at least
+    with pytest.raises(ValueError):
+        SyntheticEngine(cost_scale=0)

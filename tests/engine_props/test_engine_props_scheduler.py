@@ -188,19 +188,28 @@ class SchedulerMachine(RuleBasedStateMachine):
         return len(entries)
 
     def _play_model(self, entries) -> None:
+        """All of a step's writes land before its reads (each layer writes the new K/V before
+        its attention reads the cache), so a request may read a prompt block an identical
+        prompt computes in the same step; a block is only written by its own request, or while
+        it is uncomputed (registered this step, shared by a sibling that hit it)."""
         bs = self.bm.block_size
         for e in entries:
             req, start, n = e.request, e.num_computed_tokens, e.num_new_tokens
             tokens, table = req.all_token_ids, req.block_table
             assert len(table) * bs >= start + n, f"{req.request_id}: too few blocks"
+            for pos in range(start, start + n):
+                block = table[pos // bs]
+                assert self.bm.blocks[block].ref_count == 1 or self.bm.is_uncomputed(block), (
+                    f"write into shared computed block {block}"
+                )
+                self.kv[(block, pos % bs)] = (tokens[pos], pos)
+        for e in entries:
+            req, start = e.request, e.num_computed_tokens
+            tokens, table = req.all_token_ids, req.block_table
             for pos in range(start):
                 assert self.kv.get((table[pos // bs], pos % bs)) == (tokens[pos], pos), (
                     f"{req.request_id} reads stale KV at position {pos}"
                 )
-            for pos in range(start, start + n):
-                block = table[pos // bs]
-                assert self.bm.blocks[block].ref_count == 1, f"write into shared block {block}"
-                self.kv[(block, pos % bs)] = (tokens[pos], pos)
 
     def _finished(self, rid: str) -> None:
         req = self.live.pop(rid)

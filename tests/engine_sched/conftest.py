@@ -55,7 +55,11 @@ class EngineSim:
 
         Every position a request attends to ([0, start)) must hold its own token, whether it
         was computed by the request itself or came from a prefix-cache hit; new tokens are
-        written at [start, start + n) into blocks no other request holds.
+        written at [start, start + n) into blocks no other request holds (or, for a prompt
+        block registered this step, that a sibling hit but nobody has computed yet). As in the model
+        (each layer writes the step's new K/V before its attention reads the cache), all
+        writes of a step land before any read, so a request may read prompt blocks that an
+        identical prompt computes in the same step.
         """
         bs = self.bm.block_size
         for entry in out.scheduled:
@@ -63,15 +67,20 @@ class EngineSim:
             tokens = req.all_token_ids
             table = req.block_table
             assert len(table) * bs >= start + n, f"{req.request_id}: too few blocks"
+            for pos in range(start, start + n):
+                block = table[pos // bs]
+                assert self.bm.blocks[block].ref_count == 1 or self.bm.is_uncomputed(block), (
+                    f"write into shared computed block {block}"
+                )
+                self.kv[(block, pos % bs)] = (tokens[pos], pos)
+        for entry in out.scheduled:
+            req, start = entry.request, entry.num_computed_tokens
+            tokens, table = req.all_token_ids, req.block_table
             for pos in range(start):
                 slot = (table[pos // bs], pos % bs)
                 assert self.kv.get(slot) == (tokens[pos], pos), (
                     f"{req.request_id} reads stale KV at position {pos}"
                 )
-            for pos in range(start, start + n):
-                block = table[pos // bs]
-                assert self.bm.blocks[block].ref_count == 1, f"write into shared block {block}"
-                self.kv[(block, pos % bs)] = (tokens[pos], pos)
 
     def step(self) -> SchedulerOutput:
         out = self.sched.schedule()

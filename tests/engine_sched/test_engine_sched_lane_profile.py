@@ -34,6 +34,27 @@ def test_batch_only_and_gpu_workers_take_the_large_budget():
         assert lane_profile(lanes, on_gpu=True) == ENGINE_DEFAULTS
 
 
+def test_under_slo_control_the_knobs_are_only_upper_bounds():
+    """A worker sizes its steps from SLO targets by default: the profile's knobs become the
+    engine's large bounds (the CPU keeps its seat count), and `--no-slo-control` restores the
+    short fixed CPU profile."""
+    from laneserve.commands.worker import engine_config, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    on = engine_config(parser.parse_args(["worker", "--device", "cpu"]))
+    assert on.slo_control is True
+    assert (on.max_num_batched_tokens, on.interactive_batch_token_cap, on.max_num_seqs) == (
+        2048, 512, 64,
+    )  # fmt: skip
+    off = engine_config(parser.parse_args(["worker", "--device", "cpu", "--no-slo-control"]))
+    assert off.slo_control is False
+    assert (off.max_num_batched_tokens, off.interactive_batch_token_cap) == (48, 8)
+    synthetic = engine_config(parser.parse_args(["worker", "--synthetic"]))
+    assert synthetic.slo_control is False  # no scheduler to control
+    assert EngineConfig().slo_control is None  # an offline LLM: fixed knobs
+
+
 def test_given_knobs_win_over_the_profile():
     profile = lane_profile(["interactive"], on_gpu=False)
     config = EngineConfig(max_num_batched_tokens=300, lanes=("interactive",))

@@ -1,0 +1,381 @@
+"""SLO-driven step budgets: per-lane latency targets -> each step's token budget and batch share.
+
+Operators state targets, not knobs (DESIGN.md "Lanes", "SLO-driven steps"): per lane a TTFT and
+a TPOT target (P99, ms), ``--slo interactive:ttft=800,tpot=60 batch:tpot=400``. Each step the
+`BudgetController` reads the scheduler's state and the worker's own step-cost model
+(`gpu_worker.step_cost.StepCostModel`, fitted online from every step) and picks:
+
+- **interactive streams running**: batch gets what the model predicts fits beside the
+  interactive decodes within ``headroom x`` the interactive TPOT target (at least
+  ``min_batch_tokens``, so it never stops); an arriving interactive prompt prefills in chunks of
+  up to what fits in half its TTFT target, so it is not starved by the TPOT pacing (TPOT is a
+  mean over a stream's tokens: one longer step moves it little, many short ones cost TTFT);
+- **an interactive prompt waiting, no stream yet**: the prompt gets the whole budget (TTFT), batch
+  the share it would get beside one stream;
+- **no interactive traffic**: batch steps grow for throughput, but only so long that an
+  interactive arrival, which waits for the running step and then prefills, still meets its TTFT
+  target: step time <= ``headroom x (ttft - predicted prefill of a typical prompt)``, and at
+  least the interactive TPOT target.
+
+The plan aims at ``headroom x`` the step's target; ``headroom`` (0.5 .. 1.0) follows the
+measured step times: when more than 1 % of the last window's steps with a target ran over the
+target itself, it shrinks by 10 %; when none came within 10 % of it, it grows back by 3 %.
+The fixed knobs (``max_num_batched_tokens``, ``interactive_batch_token_cap``,
+``batch_token_budget``) stay hard upper bounds, applied by the scheduler.
+
+Defaults: targets the operator does not give come from the start-up profile (`profile_engine`):
+interactive TPOT = `TPOT_MULTIPLE` x the idle single-stream step, interactive TTFT =
+`TTFT_MULTIPLE` x the idle TTFT of a `TYPICAL_PROMPT`-token prompt; batch targets are
+`BATCH_MULTIPLE` times the interactive ones (batch is judged on throughput; its attainment is
+reported).
+
+Per-lane attainment is the fraction of the last `ATTAINMENT_WINDOW` finished requests of the lane
+whose engine-side TTFT and TPOT both met the targets.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from gpu_worker.step_cost import StepCostModel, StepFeatures, fit_least_squares
+
+if TYPE_CHECKING:
+    from gpu_worker.request import Request
+
+__all__ = [
+    "BudgetController",
+    "LaneSlo",
+    "SloTargets",
+    "StepBudget",
+    "StepView",
+    "parse_slo",
+    "profile_engine",
+]
+
+logger = logging.getLogger(__name__)
+
+TPOT_MULTIPLE = 1.45  # interactive TPOT target / idle single-stream step (issue 19: <= 1.5x)
+TTFT_MULTIPLE = 1.8  # interactive TTFT target / idle TTFT (issue 19: <= 2.0x)
+TYPICAL_PROMPT = 256  # tokens: the prompt an interactive arrival is assumed to bring
+BATCH_MULTIPLE = 10.0  # batch targets / interactive targets
+ATTAINMENT_WINDOW = 200  # finished requests per lane
+_HEADROOM_WINDOW = 64  # steps with a target between headroom updates
+_LANES = ("interactive", "batch")
+
+
+# ------------------------------------------------------------------------------ targets
+
+
+@dataclass(frozen=True, slots=True)
+class LaneSlo:
+    """One lane's targets (P99, ms)."""
+
+    ttft_ms: float
+    tpot_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class SloTargets:
+    interactive: LaneSlo
+    batch: LaneSlo
+
+    def lane(self, name: str) -> LaneSlo:
+        return self.interactive if name == "interactive" else self.batch
+
+
+def parse_slo(text: str | None) -> dict[str, dict[str, float]]:
+    """``"interactive:ttft=800,tpot=60 batch:tpot=400"`` -> ``{"interactive": {"ttft": 800.0,
+    "tpot": 60.0}, "batch": {"tpot": 400.0}}``. Lane specs are separated by spaces or ``;``;
+    a target left out is derived at start-up.
+
+    Raises:
+        ValueError: an unknown lane or target, a repeated lane, or a value that is not a
+            positive number of milliseconds.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for spec in (text or "").replace(";", " ").split():
+        lane, sep, body = spec.partition(":")
+        if lane not in _LANES or not sep:
+            raise ValueError(f"SLO {spec!r}: expected LANE:ttft=MS,tpot=MS with LANE in {_LANES}")
+        if lane in out:
+            raise ValueError(f"SLO for the {lane} lane given twice")
+        targets: dict[str, float] = {}
+        for item in body.split(","):
+            name, eq, value = item.partition("=")
+            if name not in ("ttft", "tpot") or not eq:
+                raise ValueError(f"SLO {spec!r}: targets are ttft=MS and tpot=MS, got {item!r}")
+            try:
+                ms = float(value)
+            except ValueError:
+                ms = -1.0
+            if not ms > 0 or ms == float("inf"):
+                raise ValueError(f"SLO {spec!r}: {name} must be a positive number of ms")
+            targets[name] = ms
+        out[lane] = targets
+    return out
+
+
+def default_targets(model: StepCostModel, given: dict[str, dict[str, float]]) -> SloTargets:
+    """Targets from the measured step cost where `given` (`parse_slo`) leaves them out."""
+    idle_step = model.predict(StepFeatures(1, 1, TYPICAL_PROMPT))
+    idle_ttft = model.predict(StepFeatures(TYPICAL_PROMPT, 1, TYPICAL_PROMPT))
+    inter = given.get("interactive", {})
+    i_slo = LaneSlo(
+        inter.get("ttft", round(TTFT_MULTIPLE * idle_ttft, 1)),
+        inter.get("tpot", round(TPOT_MULTIPLE * idle_step, 1)),
+    )
+    batch = given.get("batch", {})
+    b_slo = LaneSlo(
+        batch.get("ttft", round(BATCH_MULTIPLE * i_slo.ttft_ms, 1)),
+        batch.get("tpot", round(BATCH_MULTIPLE * i_slo.tpot_ms, 1)),
+    )
+    return SloTargets(i_slo, b_slo)
+
+
+# ------------------------------------------------------------------------------ the controller
+
+
+class StepView(NamedTuple):
+    """What the scheduler holds before a step: running interactive streams and batch requests,
+    the KV tokens each group attends to (`context`, `batch_context`), and the prompt tokens
+    interactive requests still have to prefill."""
+
+    interactive_running: int
+    batch_running: int
+    context: int
+    interactive_waiting_tokens: int
+    batch_context: int = 0
+
+
+class StepBudget(NamedTuple):
+    """A step's plan: `token_budget` (all lanes) and `batch_tokens` (the batch lane's share,
+    None for no separate cap)."""
+
+    token_budget: int
+    batch_tokens: int | None
+
+
+class BudgetController:
+    """Picks each step's budget from the targets and the cost model (module docstring).
+
+    Args:
+        targets: the per-lane targets.
+        model: the step-cost model (updated by `observe`).
+        max_tokens: the scheduler's `max_num_batched_tokens` (a hard bound).
+        min_batch_tokens: batch tokens per step while interactive traffic is present.
+        wall_clock: time each step itself (from one `schedule()` to the next); False when the
+            caller reports step times through `observe` (tests replaying step-cost traces).
+    """
+
+    def __init__(
+        self,
+        targets: SloTargets,
+        model: StepCostModel,
+        max_tokens: int,
+        min_batch_tokens: int = 1,
+        wall_clock: bool = True,
+    ) -> None:
+        self.wall_clock = wall_clock
+        self.targets = targets
+        self.model = model
+        self.max_tokens = max_tokens
+        self.min_batch_tokens = min_batch_tokens
+        self.headroom = 1.0  # the feedback lowers it when steps run over their target
+        self.last = StepBudget(max_tokens, None)
+        self.last_target_ms: float | None = None
+        self.predicted_ms = 0.0  # of the last step scheduled
+        self.measured_ms = 0.0  # EMA of measured steps
+        self.prediction_error_ms = 0.0  # EMA of |measured - predicted|
+        self._ratios: list[float] = []  # measured / target of steps with a target
+        self._met: dict[str, collections.deque[bool]] = {
+            lane: collections.deque(maxlen=ATTAINMENT_WINDOW) for lane in _LANES
+        }
+        self._pending: tuple[StepFeatures, float, float | None, float] | None = None
+        self._last_update = 0.0
+
+    # --- planning ---
+    def _batch_share(self, rows: int, view: StepView, target_ms: float) -> int:
+        """Batch tokens that fit beside `rows` interactive decodes (over `view.context`) within
+        `target_ms`, each counted as a batch decode row (the dearer kind: a token, a row and
+        an average batch request's context read)."""
+        coef = self.model.coefficients
+        avg_ctx = view.batch_context / max(view.batch_running, 1)
+        per_token = max(coef[1] + coef[2] + coef[3] * avg_ctx / 1000.0, 1e-6)
+        base = self.model.predict(StepFeatures(rows, rows, view.context))
+        return max(0, int((target_ms - base) / per_token))
+
+    def plan(self, view: StepView) -> StepBudget:
+        """The budget of the next step."""
+        tpot = self.targets.interactive.tpot_ms
+        ttft = self.targets.interactive.ttft_ms
+        h = self.headroom
+        if view.interactive_running:
+            target = tpot
+            rows = view.interactive_running
+            room = self._batch_share(rows, view, h * target)
+            # An arriving prompt prefills in as few steps as its TTFT allows: one long step
+            # barely moves a stream's TPOT (a mean over its tokens), many short ones cost TTFT.
+            chunk = min(
+                view.interactive_waiting_tokens,
+                max(room, self.model.max_tokens_within(0.5 * ttft, rows, view.context)),
+            )
+            budget = rows + chunk + max(room, 1)
+            batch = max(self.min_batch_tokens, room)
+        elif view.interactive_waiting_tokens:
+            target = None  # the prompt's prefill: TTFT, as fast as the budget allows
+            budget = self.max_tokens
+            batch = max(self.min_batch_tokens, self._batch_share(1, view, h * tpot))
+        else:
+            prefill = self.model.predict(StepFeatures(TYPICAL_PROMPT, 1, TYPICAL_PROMPT))
+            target = max(tpot, ttft - prefill)
+            rows = view.batch_running
+            budget = max(
+                rows, 1, self.model.max_tokens_within(h * target, rows, view.batch_context)
+            )
+            batch = None
+        self.last = StepBudget(max(1, min(budget, self.max_tokens)), batch)
+        self.last_target_ms = target  # the target itself; the plan aimed at headroom x it
+        return self.last
+
+    # --- measuring ---
+    def on_scheduled(self, features: StepFeatures) -> None:
+        """The step just built runs `features`: remember its prediction and start time."""
+        self.predicted_ms = self.model.predict(features)
+        self._pending = (features, time.monotonic(), self.last_target_ms, self.predicted_ms)
+
+    def on_step_done(self) -> None:
+        """The scheduled step computed (`Scheduler.update_after_step`)."""
+        self._last_update = time.monotonic()
+
+    def observe_pending(self, now: float) -> None:
+        """Fold the previous step's measured time into the model: from its schedule to this
+        schedule when the engine went straight on, else to its update (idle gaps excluded)."""
+        if self._pending is None or not self.wall_clock:
+            return
+        features, start, target, predicted = self._pending
+        self._pending = None
+        done = self._last_update
+        if done < start:
+            return  # never completed (engine step failed)
+        gap = now - done
+        ms = (now - start if gap < max(0.005, 0.5 * (done - start)) else done - start) * 1000.0
+        self.observe(features, ms, target, predicted)
+
+    def observe(
+        self,
+        features: StepFeatures,
+        measured_ms: float,
+        target_ms: float | None = None,
+        predicted_ms: float | None = None,
+    ) -> None:
+        """Fold one measured step in: the cost model, the EMAs, and the headroom feedback."""
+        predicted = self.model.predict(features) if predicted_ms is None else predicted_ms
+        self.model.update(features, measured_ms)
+        a = 0.1
+        self.measured_ms = measured_ms if not self.measured_ms else (
+            (1 - a) * self.measured_ms + a * measured_ms
+        )  # fmt: skip
+        self.prediction_error_ms = (1 - a) * self.prediction_error_ms + a * abs(
+            measured_ms - predicted
+        )
+        if target_ms:
+            self._ratios.append(measured_ms / target_ms)
+            if len(self._ratios) >= _HEADROOM_WINDOW:
+                self._adjust_headroom()
+
+    def _adjust_headroom(self) -> None:
+        ratios = sorted(self._ratios)
+        self._ratios.clear()
+        p99 = ratios[min(len(ratios) - 1, int(0.99 * len(ratios)))]
+        if p99 > 1.0:
+            self.headroom = max(0.5, self.headroom * 0.9)
+        elif p99 < 0.9:
+            self.headroom = min(1.0, self.headroom * 1.03)
+
+    def on_finish(self, request: Request) -> None:
+        """Count a finished request towards its lane's attainment (engine-side TTFT, TPOT)."""
+        if request.first_token_time is None:
+            return
+        slo = self.targets.lane(str(request.lane))
+        ttft = (request.first_token_time - request.arrival_time) * 1000.0
+        n = request.num_output_tokens
+        ok = ttft <= slo.ttft_ms
+        if n >= 2 and request.last_token_time is not None:
+            tpot = (request.last_token_time - request.first_token_time) * 1000.0 / (n - 1)
+            ok = ok and tpot <= slo.tpot_ms
+        self._met[str(request.lane)].append(ok)
+
+    def attainment(self, lane: str) -> float | None:
+        """Fraction (0..1) of the lane's recent finished requests that met both targets."""
+        met = self._met[lane]
+        return sum(met) / len(met) if met else None
+
+    def stats(self) -> dict[str, Any]:
+        """Figures for worker stats / worker_stats (targets in ms, attainment 0..1)."""
+        t = self.targets
+        return {
+            "slo_interactive_ttft_ms": t.interactive.ttft_ms,
+            "slo_interactive_tpot_ms": t.interactive.tpot_ms,
+            "slo_batch_ttft_ms": t.batch.ttft_ms,
+            "slo_batch_tpot_ms": t.batch.tpot_ms,
+            "slo_interactive_attainment": self.attainment("interactive"),
+            "slo_batch_attainment": self.attainment("batch"),
+            "step_token_budget": self.last.token_budget,
+            "step_batch_tokens": self.last.batch_tokens,
+            "predicted_step_ms": round(self.predicted_ms, 3),
+            "measured_step_ms": round(self.measured_ms, 3),
+            "step_cost_error_ms": round(self.prediction_error_ms, 3),
+            "slo_headroom": round(self.headroom, 3),
+        }
+
+
+# ------------------------------------------------------------------------------ start-up
+
+
+# (prompt tokens, requests, output tokens): an idle stream, a decode batch, prefills
+_PROFILE = ((8, 1, 6), (16, 8, 4), (64, 1, 1), (TYPICAL_PROMPT, 1, 1), (TYPICAL_PROMPT, 4, 2))
+
+
+def profile_engine(engine: Any, slo_text: str | None) -> BudgetController:
+    """Measure a short start-up profile on `engine` (an `LLMEngine` whose scheduler has no
+    controller yet): a warm-up, then a few steps of `_PROFILE`'s shapes, each timed; fit the
+    prior of the cost model by least squares, derive the targets the operator left out, and
+    return the controller (the caller attaches it to the scheduler). Costs about a second on a
+    2-core CPU with the bundled model."""
+    from gpu_worker.sampling_params import SamplingParams
+
+    given = parse_slo(slo_text)
+    sched = engine.scheduler
+    vocab = engine.token_id_limit
+    samples: list[tuple[StepFeatures, float]] = []
+    for round_ in range(2):  # round 0 warms up (first-call costs), round 1 is measured
+        for k, (prompt, n, out) in enumerate(_PROFILE):
+            params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
+            for j in range(n):
+                ids = [(7 + 31 * (k * 17 + j + 97 * round_) + i) % vocab for i in range(prompt)]
+                engine.add_request(f"__profile-{round_}-{k}-{j}", prompt_token_ids=ids,
+                                   sampling_params=params)  # fmt: skip
+            while engine.has_unfinished_requests():
+                t0 = time.perf_counter()
+                engine.step()
+                ms = (time.perf_counter() - t0) * 1000.0
+                if sched.last_features is not None and round_:
+                    samples.append((sched.last_features, ms))
+    bm = engine.block_manager
+    bm.reset_prefix_cache()  # the profile's counters and cached blocks are not traffic
+    bm.prefix_cache_queries = bm.prefix_cache_hits = 0
+    engine.num_steps = engine.num_generated_tokens = 0
+    theta = fit_least_squares(samples)
+    theta[0] = max(theta[0], 0.01)
+    theta[1:] = [max(c, 0.0) for c in theta[1:]]
+    model = StepCostModel(theta)
+    targets = default_targets(model, given)
+    logger.info(
+        "step cost prior %s (ms, ms/token, ms/row, ms/ktoken) from %d steps; SLO %s",
+        [round(c, 4) for c in theta], len(samples), targets,
+    )  # fmt: skip
+    return BudgetController(targets, model, sched.config.max_num_batched_tokens)
