@@ -18,11 +18,17 @@ One asyncio loop, one broker client (lane `batch`, `stream=False`):
 - cancel (`cancelling`): in-flight lines are aborted, finished results kept, the rest get
   `batch_cancelled` error lines, status `cancelled`; expiry alike with `batch_expired`;
 - when every line of a job has a result: `finalizing`, output + error files, `completed`;
+- several runners share one database through expiring leases (`jobs.leases`): a runner
+  validates, ends or finalizes a job only while it holds the job's control lease, and feeds only
+  the line ranges it has claimed; it renews its leases every `lease_s / 3`, abandons the lines of
+  a lease it lost, releases them all when it stops, and takes over the lapsed leases of a
+  runner that died (after `lease_s`);
 - with `retention_s` > 0, a pruning pass (`jobs.retention.prune`) at start and every
   `retention_interval_s`, on the SQL thread, logged as one line with its counts.
 
 A runner killed at any point resumes on restart: a half-validated job is validated again, the
-unfinished lines of running jobs are resubmitted with their ids, finalization is redone.
+unfinished lines of running jobs are resubmitted with their ids, finalization is redone. A
+restart with the same `runner_id` reclaims its own leases at once; another id waits `lease_s`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
+import socket
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +52,7 @@ from broker import protocol as p
 from broker.client import BrokerClient
 from contracts.openai import ServedModel
 from contracts.procs import parent_gone
-from jobs import prompts, results, retention, store
+from jobs import leases, prompts, results, retention, store
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +70,11 @@ class ActiveJob:
     """Runner-side state of one in_progress job."""
 
     info: store.JobInfo
-    cursor: str = ""  # last request id read from SQL
+    cursor: str = ""  # last request id read from SQL, inside `lease`
+    lease: leases.Lease | None = None  # the claimed line range being read
     buffer: deque[store.PendingLine] = field(default_factory=deque)
-    exhausted: bool = False
+    exhausted: bool = False  # no line range left to claim (until the next poll)
+    idle: bool = False  # every claimable line is done; others' lines are open (until next poll)
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
 
 
@@ -87,9 +97,13 @@ class JobsRunner:
         client_liveness_s: float = 10.0,
         retention_s: float = 0.0,
         retention_interval_s: float = retention.DEFAULT_INTERVAL_S,
+        runner_id: str | None = None,
+        lease_s: float = leases.DEFAULT_LEASE_S,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
+        if lease_s <= 0:
+            raise ValueError("lease_s must be > 0")
         self.engine = engine
         self.broker_addr = broker_addr
         self.counter = counter
@@ -101,12 +115,19 @@ class JobsRunner:
         self.client_liveness_s = client_liveness_s
         self.retention_s = retention_s  # 0: keep everything
         self.retention_interval_s = retention_interval_s
+        self.runner_id = runner_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.lease_s = lease_s
         self.active: dict[str, ActiveJob] = {}
+        self.held: dict[tuple[str, int], leases.Lease] = {}  # line ranges claimed
+        self.controls: set[str] = set()  # jobs whose control lease this runner holds
         self.counters: dict[str, int] = {
             "lines_sent": 0,
             "resubmitted": 0,
             "results": 0,
             "flushes": 0,
+            "ranges_claimed": 0,
+            "ranges_taken_over": 0,
+            "leases_lost": 0,
         }
         self.client: BrokerClient | None = None
         self._validating: asyncio.Task | None = None
@@ -143,6 +164,7 @@ class JobsRunner:
         self.client = BrokerClient(self.broker_addr, liveness_s=self.client_liveness_s)
         await self.client.start()
         writer = asyncio.create_task(self._writer_loop(), name="jobs-writer")
+        renewer = asyncio.create_task(self._renew_loop(), name="jobs-leases")
         next_poll = next_prune = 0.0
         try:
             while not self._stop.is_set():
@@ -158,6 +180,7 @@ class JobsRunner:
                     await self._poll()
                     next_poll = time.monotonic() + self.poll_interval_s
                 await self._feed()
+                await self._settle_ranges()
                 await self._check_done()
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
@@ -168,10 +191,12 @@ class JobsRunner:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await writer
+            for bg in (writer, renewer):
+                bg.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await bg
             await self._flush()
+            await self._release_all()
             if self._validating is not None:
                 with contextlib.suppress(Exception):
                     await self._validating
@@ -199,38 +224,50 @@ class JobsRunner:
 
     async def _poll(self) -> None:
         now = time.time()
+        to_validate = []
         for info in await self._sql(store.active_jobs):
             if info.status == "validating":
-                self._maybe_validate(info)
+                to_validate.append(info.id)
             elif info.status == "in_progress":
                 if info.expires_at is not None and now > info.expires_at:
                     await self._end_early(info, "expired")
                 elif info.id not in self.active:
                     self.active[info.id] = ActiveJob(info)
                     logger.info("job %s: running", info.id)
+                else:  # look again for line ranges freed or lapsed since
+                    self.active[info.id].exhausted = self.active[info.id].idle = False
             elif info.status == "cancelling" and info.id != self._validating_id:
                 await self._end_early(info, "cancelled")
             elif info.status == "finalizing":
                 await self._finish(info.id)
+        if to_validate:
+            self._maybe_validate(to_validate)
 
-    def _maybe_validate(self, info: store.JobInfo) -> None:
+    def _maybe_validate(self, job_ids: list[str]) -> None:
+        """Validate the first of `job_ids` (oldest first) whose control this runner can claim."""
         if self._validating is not None and not self._validating.done():
             return
         if self._validating is not None and self._validating.exception() is not None:
             logger.error("validation failed: %r", self._validating.exception())
-        self._validating_id = info.id
 
         async def validate() -> None:
+            for job_id in job_ids:
+                if await self._claim_control(job_id):
+                    break
+            else:
+                return  # other runners validate them
+            self._validating_id = job_id
             try:
                 served = await self._served_model()
                 await asyncio.to_thread(
-                    store.validate_job, self.engine, info.id, served, self.default_model
+                    store.validate_job, self.engine, job_id, served, self.default_model
                 )
             finally:
                 self._validating_id = None
+                await self._release_control(job_id)
                 self._wake.set()
 
-        self._validating = asyncio.create_task(validate(), name=f"validate-{info.id}")
+        self._validating = asyncio.create_task(validate(), name="validate")
 
     async def _served_model(self) -> ServedModel | None:
         """The counter with the models the broker's workers report as further names (the
@@ -268,13 +305,66 @@ class JobsRunner:
                     progress = True
 
     async def _refill(self, aj: ActiveJob) -> None:
-        lines = await self._sql(store.pending_lines, aj.info.id, aj.cursor, LINE_PAGE)
-        if len(lines) < LINE_PAGE:
-            aj.exhausted = True
-        if lines:
-            aj.cursor = lines[-1].rid
-        queued = {pl.rid for pl in aj.buffer}
-        aj.buffer.extend(pl for pl in lines if pl.rid not in aj.tasks and pl.rid not in queued)
+        """Read the next page of the line range being read, claiming a new range when it is
+        read out; `exhausted` when no range is left to claim."""
+        job_id = aj.info.id
+        while not aj.buffer:
+            if aj.lease is None:
+                mine = {part for (j, part) in self.held if j == job_id}
+                lease = await self._sql(
+                    leases.claim_range, job_id, self.runner_id, self.lease_s, mine
+                )
+                if lease is None:
+                    aj.exhausted = True
+                    return
+                self.held[lease.key] = lease
+                self.counters["ranges_claimed"] += 1
+                self.counters["ranges_taken_over"] += lease.previous_owner is not None
+                aj.lease, aj.cursor = lease, store.request_id(job_id, lease.first_line - 1)
+            lines = await self._sql(
+                store.pending_lines, job_id, aj.cursor, LINE_PAGE, aj.lease.last_rid
+            )
+            if len(lines) < LINE_PAGE:
+                aj.lease = None  # read out; `_settle_ranges` ends it once its lines are done
+            if lines:
+                aj.cursor = lines[-1].rid
+            aj.buffer.extend(pl for pl in lines if pl.rid not in aj.tasks)
+
+    def _lease_of(self, job_id: str, rid: str) -> leases.Lease | None:
+        return next(
+            (
+                lease
+                for (j, _), lease in self.held.items()
+                if j == job_id and lease.first_rid <= rid <= lease.last_rid
+            ),
+            None,
+        )
+
+    def _busy_parts(self) -> set[tuple[str, int]]:
+        """Held ranges still being read or with lines buffered or in flight."""
+        busy = set()
+        for aj in self.active.values():
+            if aj.lease is not None:
+                busy.add(aj.lease.key)
+            for rid in [*aj.tasks, *(pl.rid for pl in aj.buffer)]:
+                lease = self._lease_of(aj.info.id, rid)
+                if lease is not None:
+                    busy.add(lease.key)
+        return busy
+
+    async def _settle_ranges(self) -> None:
+        """End each held range whose lines are all read and finished: done, or released to be
+        read again when a line is still open."""
+        idle = [key for key in self.held if key not in self._busy_parts()]
+        if not idle:
+            return
+        await self._flush()
+        for key in idle:
+            lease = self.held.pop(key)
+            if not await self._sql(leases.finish_range, lease, self.runner_id):
+                aj = self.active.get(lease.job_id)
+                if aj is not None:
+                    aj.exhausted = aj.idle = False  # claim it again
 
     def _start_line(self, aj: ActiveJob, line: store.PendingLine) -> None:
         task = asyncio.create_task(self._run_line(aj.info, line), name=line.rid)
@@ -289,14 +379,16 @@ class JobsRunner:
 
     async def _check_done(self) -> None:
         for aj in list(self.active.values()):
-            if not aj.exhausted or aj.buffer or aj.tasks:
+            if not aj.exhausted or aj.idle or aj.buffer or aj.tasks:
                 continue
+            if any(j == aj.info.id for j, _ in self.held):
+                continue  # `_settle_ranges` has not ended them yet
             await self._flush()
             total, completed, failed = await self._sql(store.counts, aj.info.id)
             if completed + failed < total:
                 unfinished, rows = await self._sql(store.recount, aj.info.id)
-                if unfinished:
-                    aj.exhausted, aj.cursor = False, ""  # a line is still open: read again
+                if unfinished:  # lines of other runners' ranges: look again at the next poll
+                    aj.idle = True
                     continue
                 logger.error(
                     "job %s: counters disagreed with its %d rows; recounted", aj.info.id, rows
@@ -489,12 +581,18 @@ class JobsRunner:
             self.counters["flushes"] += 1
 
     async def _finish(self, job_id: str) -> None:
-        """in_progress/finalizing -> finalizing -> files -> completed."""
-        if not await self._sql(store.begin_finalizing, job_id):
+        """in_progress/finalizing -> finalizing -> files -> completed, under the job's control
+        lease (another runner holding it finishes the job instead)."""
+        if not await self._claim_control(job_id):
             return
-        file_ids = await self._sql(store.write_result_files, job_id)
-        status = await self._sql(store.end_job, job_id, "completed", ("finalizing",), file_ids)
-        logger.info("job %s: %s", job_id, status)
+        try:
+            if not await self._sql(store.begin_finalizing, job_id):
+                return
+            file_ids = await self._sql(store.write_result_files, job_id)
+            status = await self._sql(store.end_job, job_id, "completed", ("finalizing",), file_ids)
+            logger.info("job %s: %s", job_id, status)
+        finally:
+            await self._release_control(job_id)
 
     async def _end_early(self, info: store.JobInfo, status: str) -> None:
         """Cancel or expire a job: abort its lines, keep finished results, error lines for the
@@ -506,10 +604,81 @@ class JobsRunner:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         await self._flush()
-        code = "batch_cancelled" if status == "cancelled" else "batch_expired"
-        message = "the batch was cancelled" if status == "cancelled" else "the batch expired"
-        n = await self._sql(store.fail_unfinished, info.id, code, message, status)
-        file_ids = await self._sql(store.write_result_files, info.id)
-        from_statuses = ("cancelling",) if status == "cancelled" else ("in_progress", "validating")
-        final = await self._sql(store.end_job, info.id, status, from_statuses, file_ids)
-        logger.info("job %s: %s (%d unfinished lines)", info.id, final, n)
+        mine = [key for key in self.held if key[0] == info.id]
+        for key in mine:
+            del self.held[key]
+        if mine:
+            await self._sql(leases.release, self.runner_id, mine)
+        if not await self._claim_control(info.id):
+            return  # the runner holding the job's control ends it
+        try:
+            code = "batch_cancelled" if status == "cancelled" else "batch_expired"
+            message = "the batch was cancelled" if status == "cancelled" else "the batch expired"
+            n = await self._sql(store.fail_unfinished, info.id, code, message, status)
+            file_ids = await self._sql(store.write_result_files, info.id)
+            from_statuses = (
+                ("cancelling",) if status == "cancelled" else ("in_progress", "validating")
+            )
+            final = await self._sql(store.end_job, info.id, status, from_statuses, file_ids)
+            logger.info("job %s: %s (%d unfinished lines)", info.id, final, n)
+        finally:
+            await self._release_control(info.id)
+
+    # ------------------------------------------------------------------ leases
+
+    async def _claim_control(self, job_id: str) -> bool:
+        if await self._sql(leases.claim_control, job_id, self.runner_id, self.lease_s):
+            self.controls.add(job_id)
+            return True
+        return False
+
+    async def _release_control(self, job_id: str) -> None:
+        self.controls.discard(job_id)
+        await self._sql(leases.release, self.runner_id, [(job_id, leases.CONTROL)])
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            keys = [*self.held, *((job_id, leases.CONTROL) for job_id in self.controls)]
+            if not keys:
+                continue
+            try:
+                lost = await self._sql(leases.renew, self.runner_id, keys, self.lease_s)
+            except Exception:  # database unreachable: retry; a lapsed lease shows up as lost
+                logger.exception("renewing leases failed; retrying")
+                continue
+            for key in lost:
+                self._abandon(key)
+
+    def _abandon(self, key: tuple[str, int]) -> None:
+        """Another runner took over lease `key` (ours lapsed): stop running its lines."""
+        job_id, part = key
+        self.counters["leases_lost"] += 1
+        if part == leases.CONTROL:
+            self.controls.discard(job_id)
+            logger.warning("job %s: lost its control lease", job_id)
+            return
+        lease = self.held.pop(key, None)
+        aj = self.active.get(job_id)
+        if lease is None or aj is None:
+            return
+        logger.warning("job %s: lost lines %d-%d to another runner", job_id, lease.first_line,
+                       lease.last_line)  # fmt: skip
+        if aj.lease is not None and aj.lease.key == key:
+            aj.lease = None
+        aj.buffer = deque(pl for pl in aj.buffer if not lease.first_rid <= pl.rid <= lease.last_rid)
+        for rid, task in list(aj.tasks.items()):
+            if lease.first_rid <= rid <= lease.last_rid:
+                task.cancel()
+
+    async def _release_all(self) -> None:
+        """A clean stop: hand every lease back so other runners take the lines at once."""
+        keys = [*self.held, *((job_id, leases.CONTROL) for job_id in self.controls)]
+        self.held.clear()
+        self.controls.clear()
+        if not keys:
+            return
+        try:
+            await self._sql(leases.release, self.runner_id, keys)
+        except Exception:  # they lapse after lease_s instead
+            logger.exception("releasing %d leases failed", len(keys))

@@ -208,12 +208,16 @@ class Stack:
         args = ["recorder", "--recorder-addr", self.recorder_addr, "--db", db_url or self.db_url]
         return self.spawn("recorder", ["laneserve.cli", *args, "--flush-interval", "0.1"])
 
-    def start_jobs_runner(self, *extra: str, model: str | None = None) -> subprocess.Popen:
-        """The jobs runner: counting prompts with `model`'s tokenizer (lines name the bundled
-        alias, whatever path the worker loads), or without a length check."""
+    def start_jobs_runner(
+        self, *extra: str, model: str | None = None, name: str = "jobs-runner"
+    ) -> subprocess.Popen:
+        """Jobs runner `name` (also its lease id, so a restart resumes its lines at once):
+        counting prompts with `model`'s tokenizer (lines name the bundled alias, whatever path
+        the worker loads), or without a length check."""
         args = ["--broker", self.front, "--db", self.db_url, "--poll-interval", "0.2"]
         args += ["--model", model, "--model-name", MODEL_ALIAS] if model else ["--no-length-check"]
-        return self.spawn("jobs-runner", ["laneserve.commands.jobs_runner", *args, *extra])
+        args += ["--runner-id", name]
+        return self.spawn(name, ["laneserve.commands.jobs_runner", *args, *extra])
 
     def start_api(self, *extra: str) -> subprocess.Popen:
         args = ["--broker", self.front, "--port", str(self.port), "--db", self.db_url]
