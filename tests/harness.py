@@ -19,6 +19,7 @@ without the caller's database URL, API key or fault-injection variables.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -447,6 +448,18 @@ def read_lines(engine, file_id: str | None) -> list[dict]:
     if file_id is None:
         return []
     return [json.loads(x) for x in service.file_content(engine, file_id).decode().splitlines()]
+
+
+def check_exactly_once(engine, job, ids: list[str]) -> tuple[list[dict], list[dict]]:
+    """Each of `ids` appears exactly once across the job's output and error files; returns
+    (output lines, error lines)."""
+    out = read_lines(engine, job.output_file_id)
+    err = read_lines(engine, job.error_file_id)
+    seen = collections.Counter(line["custom_id"] for line in out + err)
+    dup = [cid for cid, n in seen.items() if n > 1]
+    missing = sorted(set(ids) - set(seen))
+    assert not dup and not missing, {"duplicates": dup[:10], "missing": missing[:10]}
+    return out, err
 
 
 def report(scenario: str, **figures) -> None:
