@@ -451,14 +451,22 @@ def read_lines(engine, file_id: str | None) -> list[dict]:
 
 
 def check_exactly_once(engine, job, ids: list[str]) -> tuple[list[dict], list[dict]]:
-    """Each of `ids` appears exactly once across the job's output and error files; returns
-    (output lines, error lines)."""
+    """Each of `ids` appears exactly once across the job's output and error files and has one
+    `requests` row; returns (output lines, error lines)."""
     out = read_lines(engine, job.output_file_id)
     err = read_lines(engine, job.error_file_id)
     seen = collections.Counter(line["custom_id"] for line in out + err)
     dup = [cid for cid, n in seen.items() if n > 1]
     missing = sorted(set(ids) - set(seen))
     assert not dup and not missing, {"duplicates": dup[:10], "missing": missing[:10]}
+    from sqlalchemy import text
+
+    with engine.connect() as conn:  # and one `requests` row per line
+        rows = conn.execute(
+            text("SELECT custom_id, COUNT(*) FROM requests WHERE job_id = :j GROUP BY custom_id"),
+            {"j": job.id},
+        ).all()
+    assert len(rows) == len(ids) and all(n == 1 for _, n in rows), rows[:10]
     return out, err
 
 

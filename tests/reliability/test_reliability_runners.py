@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from sqlalchemy import text
 
 from jobs import leases
 from tests.harness import (
@@ -67,14 +66,6 @@ def test_two_runners_share_a_job_and_survive_one_killed(own_pg_url, laneserve_ho
         assert job.status == "completed", job.status
         out, err = check_exactly_once(engine, job, ids)
         assert len(out) == len(ids) and err == [], err[:3]
-        with engine.connect() as conn:
-            rows = conn.execute(
-                text(
-                    "SELECT custom_id, COUNT(*) FROM requests WHERE job_id = :j GROUP BY custom_id"
-                ),
-                {"j": job.id},
-            ).all()
-        assert len(rows) == len(ids) and all(n == 1 for _, n in rows)
         assert all(r.done for r in leases.leases_of(engine, job.id) if r.part > leases.CONTROL)
         assert takeover_s >= LEASE_S * 0.5  # not before the dead runner's lease could lapse
         report(

@@ -162,7 +162,7 @@ def test_up_jobs_runners_start_with_distinct_stable_lease_ids(tmp_path):
     runners = [s for s in up.build_specs(args, plan) if s.name.startswith("jobs-runner")]
     assert [s.name for s in runners] == ["jobs-runner-0", "jobs-runner-1", "jobs-runner-2"]
     ids = [s.argv[s.argv.index("--runner-id") + 1] for s in runners]
-    assert len(set(ids)) == 3 and all(i.endswith(s.name) for i, s in zip(ids, runners))
+    assert len(set(ids)) == 3 and all(i.endswith(s.name) for i, s in zip(ids, runners, strict=True))
     # Built again (a restart), each runner keeps its lease id.
     again = [s for s in up.build_specs(args, plan) if s.name.startswith("jobs-runner")]
     assert [s.argv[s.argv.index("--runner-id") + 1] for s in again] == ids
