@@ -136,6 +136,7 @@ class Stack:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen] = {}
+        self.wraps: dict[str, list[str]] = {}  # child name -> command prefix (tests/netns.py)
         self._logs: list = []
         self.env = child_env(self.home)
 
@@ -165,12 +166,12 @@ class Stack:
     # ------------------------------------------------------------------ processes
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        """Start ``python -m ARGV`` as child `name` (replacing an earlier child of that name)."""
+        """Start ``python -m ARGV`` as child `name` (replacing an earlier child of that name),
+        behind `wraps[name]` when set (e.g. ``ip netns exec NS``)."""
         log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", *argv], stdout=log, stderr=log, cwd=ROOT, env=env or self.env
-        )
+        cmd = [*self.wraps.get(name, []), sys.executable, "-m", *argv]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=ROOT, env=env or self.env)
         self.procs[name] = proc
         return proc
 
