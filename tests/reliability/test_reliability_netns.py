@@ -32,65 +32,20 @@ from tests.harness import (
     wait_for,
     wait_job_done,
 )
-from tests.netns import NetRig, netem_available, rig_or_skip
+from tests.netns import BROKER_LIVENESS, HB, WORKERS, NetRig, RigStack, netem_available
 
 pytestmark = pytest.mark.slow
 
-HB = 0.5  # s between heartbeats, both ways
-BROKER_LIVENESS = 4  # the broker loses a silent worker after 2 s
-WORKER_LIVENESS = 30  # a worker gives up on a silent broker after 15 s: it outlives a partition
-WORKERS = ("w1", "w2")
-
-
-class Rig:
-    """A running multi-host stack: `stack` (children in namespaces), `rig` (the namespaces)."""
-
-    def __init__(self, tmp: Path, rig: NetRig) -> None:
-        from broker.curve import generate_keys
-
-        self.rig, self.tmp = rig, tmp
-        self.keys = generate_keys(tmp / "keys", list(WORKERS))
-        self.front_port, self.back_port = free_port(), free_port()
-        self.stack = Stack(tmp, liveness=BROKER_LIVENESS, hb=HB, lanes="batch", wait_s=60.0)
-        self.stack.front = f"tcp://{rig.addr('root')}:{self.front_port}"  # for the test's status
-        self.stack.wraps = {"broker": rig.wrap("broker"), "jobs-runner": rig.wrap("edge")}
-        self.stack.wraps |= {f"worker-{w}": rig.wrap(w) for w in WORKERS}
-
-    def start(self) -> None:
-        self.stack.start_broker(
-            "--front", f"tcp://0.0.0.0:{self.front_port}",
-            "--back", f"tcp://0.0.0.0:{self.back_port}",
-            "--curve-server-key", str(self.keys.server_secret),
-            "--curve-allow", str(self.keys.allow_dir),
-        )  # fmt: skip
-        edge_front = f"tcp://{self.rig.addr('edge')}:{self.front_port}"
-        self.stack.start_jobs_runner("--broker", edge_front, "--max-in-flight", "16")
-
-    def start_worker(self, name: str, port: int | None = None) -> None:
-        back = f"tcp://{self.rig.addr(name)}:{port or self.back_port}"
-        curve = ["--curve-server-public", str(self.keys.server_public)]
-        curve += ["--curve-client-key", str(self.keys.clients[name])]
-        self.stack.start_worker(name, "--synthetic-step-ms", "20", *curve, back=back,
-                                liveness=WORKER_LIVENESS)  # fmt: skip
-
-    def counter(self, key: str) -> int:
-        st = self.stack.try_status()
-        return st["counters"].get(key, 0) if st else -1
-
 
 @pytest.fixture
-def rig() -> Iterator[Rig]:
-    rig_or_skip()
+def rig(netns_rig: NetRig) -> Iterator[RigStack]:
     tmp = Path(tempfile.mkdtemp(prefix="lsn", dir="/tmp"))
+    r = RigStack(tmp, netns_rig)
     try:
-        with NetRig() as net:
-            r = Rig(tmp, net)
-            try:
-                r.start()
-                yield r
-            finally:
-                r.stack.stop()  # before the namespaces go
+        r.start()
+        yield r
     finally:
+        r.stack.stop()  # before the namespaces go
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -102,7 +57,7 @@ def _engine(stack: Stack):
     return make_engine(stack.db_url)
 
 
-def _run_job(rig: Rig, engine, n: int, tag: str, during=None) -> tuple[object, float]:
+def _run_job(rig: RigStack, engine, n: int, tag: str, during=None) -> tuple[object, float]:
     ids = [f"{tag}{i:04d}" for i in range(n)]
     job = submit_job(engine, rig.tmp, [chat_line(c, f"t {c}", 16, temperature=None) for c in ids])
     if during is not None:
@@ -114,7 +69,7 @@ def _run_job(rig: Rig, engine, n: int, tag: str, during=None) -> tuple[object, f
     return job, n / (job.finalizing_at - job.in_progress_at)
 
 
-def test_partitioned_worker_requeued_late_results_dropped_same_identity(rig: Rig) -> None:
+def test_partitioned_worker_requeued_late_results_dropped_same_identity(rig: RigStack) -> None:
     for name in WORKERS:
         rig.start_worker(name)
     rig.stack.wait_workers(set(WORKERS))
@@ -153,7 +108,7 @@ def test_partitioned_worker_requeued_late_results_dropped_same_identity(rig: Rig
     )
 
 
-def test_job_completes_over_slow_lossy_links(rig: Rig) -> None:
+def test_job_completes_over_slow_lossy_links(rig: RigStack) -> None:
     engine = _engine(rig.stack)
     for name in WORKERS:
         rig.start_worker(name)
