@@ -52,7 +52,8 @@ from broker import protocol as p
 from broker.client import BrokerClient
 from contracts.openai import ServedModel
 from contracts.procs import parent_gone
-from jobs import leases, prompts, results, retention, store
+from jobs import leases, results, retention, store
+from jobs.map_reduce import MapReduce
 from jobs.runner_leases import LeaseKeeping
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,6 @@ LINE_PAGE = 128  # lines read from SQL at a time per job
 FLUSH_INTERVAL_S = 0.1  # result writes are pooled this long
 FLUSH_MAX = 256  # ... or until this many results wait
 RETRY_BACKOFF_S = (0.2, 5.0)  # first and max sleep before resubmitting a retryable error
-MAX_REDUCE_LEVELS = 6  # map-reduce levels before a document is given up
 RETRYABLE = ("worker_lost", "overloaded", "no_worker")
 
 
@@ -79,7 +79,7 @@ class ActiveJob:
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
 
 
-class JobsRunner(LeaseKeeping):
+class JobsRunner(LeaseKeeping, MapReduce):
     """Runs jobs until `stop()`. `counter` is the served model (`contracts.openai.ServedModel`:
     names, tokenizer; None skips model-name and prompt-length checks); `default_model` names
     the model of lines that give none."""
@@ -226,7 +226,8 @@ class JobsRunner(LeaseKeeping):
     async def _poll(self) -> None:
         now = time.time()
         to_validate = []
-        for info in await self._sql(store.active_jobs):
+        infos = await self._sql(store.active_jobs)
+        for info in infos:
             if info.status == "validating":
                 to_validate.append(info.id)
             elif info.status == "in_progress":
@@ -243,6 +244,22 @@ class JobsRunner(LeaseKeeping):
                 await self._finish(info.id)
         if to_validate:
             self._maybe_validate(to_validate)
+        running = {info.id for info in infos if info.status == "in_progress"}
+        for job_id in [j for j in self.active if j not in running]:
+            await self._forget(job_id)  # ended by another runner
+
+    async def _forget(self, job_id: str) -> None:
+        """Drop a job this runner no longer runs: its lines stop, its leases go back."""
+        aj = self.active.pop(job_id)
+        tasks = list(aj.tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        mine = [key for key in self.held if key[0] == job_id]
+        for key in mine:
+            del self.held[key]
+        if mine:
+            await self._sql(leases.release, self.runner_id, mine)
 
     def _maybe_validate(self, job_ids: list[str]) -> None:
         """Validate the first of `job_ids` (oldest first) whose control this runner can claim."""
@@ -468,61 +485,6 @@ class JobsRunner(LeaseKeeping):
             attempts = last.attempts if last.code == "worker_lost" else None
             return None, results.error_response(last.code, last.message, attempts)
 
-    async def _map_reduce(self, info: store.JobInfo, line: store.PendingLine) -> store.Outcome:
-        """Summarize a document longer than the context: split by tokens, summarize the pieces,
-        then the joined summaries, until one piece remains (module docstring of jobs.prompts)."""
-        assert self.counter is not None and self.counter.tokenizer is not None, "map-reduce lines"
-        tokenizer = self.counter.tokenizer
-        body = line.request["body"]
-        max_tokens = body["max_tokens"]
-        size = prompts.piece_tokens(self.counter.max_model_len, max_tokens)
-        token_ids = await asyncio.to_thread(tokenizer.encode, line.request["map_reduce"]["text"])
-        first_pieces, calls, document_tokens = 0, 0, len(token_ids)
-        for level in range(MAX_REDUCE_LEVELS):
-            pieces = prompts.split_tokens(token_ids, size)
-            first_pieces = first_pieces or len(pieces)
-            texts = [tokenizer.decode(piece) for piece in pieces]
-            if len(pieces) == 1:
-                kwargs = results.submit_kwargs(
-                    {
-                        "url": line.request["url"],
-                        "body": {
-                            **body,
-                            "messages": prompts.summarize_messages(texts[0], reduce=level > 0),
-                        },
-                    }
-                )
-                final, error = await self._call(line.rid, kwargs, info.id, line.custom_id)
-                extra = {
-                    "map_reduce": {
-                        "pieces": first_pieces,
-                        "levels": level + 1,
-                        "requests": calls + 1,
-                        "document_tokens": document_tokens,
-                    }
-                }
-                return self._outcome(info, line, final, error, extra)
-            coros = []
-            for i, text in enumerate(texts):
-                sub = {**body, "messages": prompts.summarize_messages(text, reduce=level > 0)}
-                kwargs = results.submit_kwargs({"url": line.request["url"], "body": sub})
-                coros.append(self._call(f"mr_{line.rid}_{level}_{i}", kwargs))
-            answers = await asyncio.gather(*coros)
-            calls += len(answers)
-            for final, error in answers:
-                if final is None:
-                    return store.Outcome(info.id, line.rid, error)
-            joined = "\n\n".join(final.text.strip() for final, _ in answers)
-            token_ids = await asyncio.to_thread(tokenizer.encode, joined)
-        return store.Outcome(
-            info.id,
-            line.rid,
-            results.error_response(
-                "prompt_too_long",
-                f"document did not fit after {MAX_REDUCE_LEVELS} map-reduce levels",
-            ),
-        )
-
     # ------------------------------------------------------------------ writing and ending
 
     async def _writer_loop(self) -> None:
@@ -562,18 +524,9 @@ class JobsRunner(LeaseKeeping):
     async def _end_early(self, info: store.JobInfo, status: str) -> None:
         """Cancel or expire a job: abort its lines, keep finished results, error lines for the
         rest (`batch_cancelled` / `batch_expired`), files, terminal status."""
-        aj = self.active.pop(info.id, None)
-        if aj is not None:
-            tasks = list(aj.tasks.values())
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        if info.id in self.active:
+            await self._forget(info.id)
         await self._flush()
-        mine = [key for key in self.held if key[0] == info.id]
-        for key in mine:
-            del self.held[key]
-        if mine:
-            await self._sql(leases.release, self.runner_id, mine)
         if not await self._claim_control(info.id):
             return  # the runner holding the job's control ends it
         try:

@@ -53,6 +53,8 @@ def test_two_runners_share_a_job_and_survive_one_killed(own_pg_url, laneserve_ho
         )
         wait_for(lambda: {"runner-a", "runner-b"} <= _owners(engine, job.id), 60,
                  "both runners holding a line range")  # fmt: skip
+        wait_for(lambda: job_state(engine, job.id).request_counts["completed"] >= 20, 60,
+                 "job progress")  # fmt: skip
         t_kill = time.monotonic()
         stack.kill("runner-a")
         done_at_kill = job_state(engine, job.id).request_counts["completed"]
