@@ -270,11 +270,12 @@ class JobsRunner(LeaseKeeping, MapReduce):
 
         async def validate() -> None:
             for job_id in job_ids:
+                self._validating_id = job_id  # set first: a poll meanwhile must not end it
                 if await self._claim_control(job_id):
                     break
             else:
+                self._validating_id = None
                 return  # other runners validate them
-            self._validating_id = job_id
             try:
                 served = await self._served_model()
                 await asyncio.to_thread(

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 
 from tests.harness import API_KEY
 
-MAX_EXAMPLES = 12  # per operation: ~15 operations, seconds each on 2 cores
+MAX_EXAMPLES = 8  # per operation: 16 operations, seconds each on 2 cores
 
 _MESSAGE = {
     "type": "object",

@@ -113,7 +113,7 @@ def test_job_completes_over_slow_lossy_links(rig: RigStack) -> None:
     for name in WORKERS:
         rig.start_worker(name)
     rig.stack.wait_workers(set(WORKERS))
-    _, clean = _run_job(rig, engine, 200, "c")
+    _, clean = _run_job(rig, engine, 150, "c")
     for name in WORKERS:  # the same workers again, now through slow, lossy links
         rig.stack.stop_proc(f"worker-{name}")
     rig.stack.wait_status(lambda st: not st["workers"], 30)
@@ -122,10 +122,10 @@ def test_job_completes_over_slow_lossy_links(rig: RigStack) -> None:
         port = rig.rig.relay(name, free_port(), rig.back_port, delay_ms=100, loss=0.05)
         rig.start_worker(name, port)
     rig.stack.wait_workers(set(WORKERS), timeout_s=60)
-    _, slow = _run_job(rig, engine, 200, "s")
+    _, slow = _run_job(rig, engine, 150, "s")
     report(
         "22.3 job over 100 ms + 5% loss worker links vs clean (namespaces, TCP + CURVE)",
-        lines=200,
+        lines=150,
         runner_max_in_flight=16,
         clean_lines_per_s=round(clean, 1),
         slow_lossy_lines_per_s=round(slow, 1),

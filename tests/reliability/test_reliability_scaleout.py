@@ -103,7 +103,7 @@ def test_two_runners_two_gateways_two_workers_survive_kills_and_a_partition(
     for url in urls:
         wait_for(lambda u=url: _ok(u), 60, f"gateway {url}")
     ids = [f"r{i:05d}" for i in range(LINES)]
-    job = submit_job(engine, rig.tmp, [chat_line(c, f"t {c}", 24, temperature=None) for c in ids])
+    job = submit_job(engine, rig.tmp, [chat_line(c, f"t {c}", 12, temperature=None) for c in ids])
     traffic = Traffic(urls)
     traffic.start()
     survivors = {n: psutil.Process(stack.procs[n].pid) for n in ("runner-b", "api-2", "broker")}
