@@ -42,7 +42,7 @@ _counter = itertools.count()
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=20)
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=90)
 
 
 def rig_missing() -> str | None:
@@ -52,7 +52,10 @@ def rig_missing() -> str | None:
     if shutil.which("ip") is None:
         return "the network-namespace rig needs iproute2 (`ip`)"
     probe = f"lsprobe{os.getpid()}"
-    res = _ip("netns", "add", probe, check=False)
+    try:
+        res = _ip("netns", "add", probe, check=False)
+    except subprocess.TimeoutExpired:
+        return "`ip netns add` did not return within 90 s (the host is stuck on namespaces)"
     if res.returncode != 0:
         return f"`ip netns add` failed: {res.stderr.strip()}"
     _ip("netns", "del", probe, check=False)

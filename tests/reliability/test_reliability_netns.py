@@ -34,7 +34,7 @@ from tests.harness import (
 )
 from tests.netns import BROKER_LIVENESS, HB, WORKERS, NetRig, RigStack, netem_available
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_partitioned_worker_requeued_late_results_dropped_same_identity(rig: Rig
     figures = {}
 
     def partition_w1(job) -> None:
-        wait_for(lambda: job_state(engine, job.id).request_counts["completed"] >= 20, 60,
+        wait_for(lambda: job_state(engine, job.id).request_counts["completed"] >= 20, 180,
                  "job progress")  # fmt: skip
         wait_for(lambda: rig.stack.status()["workers"] and all(
             w["in_flight"] for w in rig.stack.status()["workers"]), 30, "both workers busy")  # fmt: skip

@@ -53,7 +53,7 @@ def test_two_runners_share_a_job_and_survive_one_killed(own_pg_url, laneserve_ho
         )
         wait_for(lambda: {"runner-a", "runner-b"} <= _owners(engine, job.id), 60,
                  "both runners holding a line range")  # fmt: skip
-        wait_for(lambda: job_state(engine, job.id).request_counts["completed"] >= 20, 60,
+        wait_for(lambda: job_state(engine, job.id).request_counts["completed"] >= 20, 180,
                  "job progress")  # fmt: skip
         t_kill = time.monotonic()
         stack.kill("runner-a")

@@ -33,7 +33,7 @@ from tests.harness import (
 )
 from tests.netns import WORKERS, NetRig, RigStack
 
-pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(600)]
 
 LINES = 2000
 LEASE_S = 3.0
@@ -110,7 +110,7 @@ def test_two_runners_two_gateways_two_workers_survive_kills_and_a_partition(
     survivors["worker-w2"] = psutil.Process(stack.procs["worker-w2"].pid)
     figures: dict[str, float] = {}
     try:
-        wait_for(lambda: job_state(engine, job.id).request_counts["completed"] >= 100, 120,
+        wait_for(lambda: job_state(engine, job.id).request_counts["completed"] >= 100, 180,
                  "job progress")  # fmt: skip
         before = _footprint(survivors)
         # 1. kill a runner: the other takes its line ranges once their leases lapse
