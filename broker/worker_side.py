@@ -32,7 +32,9 @@ class WorkerSide:
         if kind is p.Ready:
             self._on_ready(identity, msg)
             return
-        if worker is None:
+        if worker is None:  # e.g. lost (partitioned) and not yet announced again
+            if kind is p.StepOutputs:
+                self.counters["stale_outputs"] += len(msg.outputs)  # late results: dropped
             self._on_unknown_worker(identity)
             return
         worker.last_seen = time.monotonic()

@@ -9,6 +9,7 @@ Tables (see DESIGN.md "Storage"):
   `response`.
 - `worker_stats`: time series of worker snapshots (running, waiting, KV usage, ...).
 - `retention_passes`: one row per pruning pass of the jobs runner, with its counts.
+- `job_leases`: which jobs runner holds a job's control or a range of its lines, until when.
 
 Conventions:
 
@@ -32,6 +33,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Float,
     ForeignKey,
     Index,
@@ -40,6 +42,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -287,3 +290,24 @@ class RetentionPass(Base):
 
 REQUEST_COLUMNS = frozenset(c.name for c in Request.__table__.columns)
 WORKER_STAT_COLUMNS = frozenset(c.name for c in WorkerStat.__table__.columns) - {"id"}
+
+
+class JobLease(Base):
+    """An expiring claim of a jobs runner on part of a job (`jobs.leases`).
+
+    `part` 0 is the job's control (validation, cancel, expiry, finalization); part k >= 1 is
+    the line range `[(k-1)*lines_per_part + 1, k*lines_per_part]` (1-based line numbers,
+    `lines_per_part` in the row so it never depends on the runner's version). `owner` is the
+    runner id holding it (NULL: free), `expires_at` unix seconds when the claim lapses; `done`
+    marks a line range whose every line has a result.
+    """
+
+    __tablename__ = "job_leases"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    part: Mapped[int] = mapped_column(Integer, primary_key=True)
+    lines_per_part: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    owner: Mapped[str | None] = mapped_column(String(255))
+    expires_at: Mapped[float | None] = mapped_column(Float)
+    done: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    takeovers: Mapped[int] = mapped_column(Integer, default=0, server_default="0")

@@ -18,11 +18,17 @@ One asyncio loop, one broker client (lane `batch`, `stream=False`):
 - cancel (`cancelling`): in-flight lines are aborted, finished results kept, the rest get
   `batch_cancelled` error lines, status `cancelled`; expiry alike with `batch_expired`;
 - when every line of a job has a result: `finalizing`, output + error files, `completed`;
+- several runners share one database through expiring leases (`jobs.leases`): a runner
+  validates, ends or finalizes a job only while it holds the job's control lease, and feeds only
+  the line ranges it has claimed; it renews its leases every `lease_s / 3`, abandons the lines of
+  a lease it lost, releases them all when it stops, and takes over the lapsed leases of a
+  runner that died (after `lease_s`);
 - with `retention_s` > 0, a pruning pass (`jobs.retention.prune`) at start and every
   `retention_interval_s`, on the SQL thread, logged as one line with its counts.
 
 A runner killed at any point resumes on restart: a half-validated job is validated again, the
-unfinished lines of running jobs are resubmitted with their ids, finalization is redone.
+unfinished lines of running jobs are resubmitted with their ids, finalization is redone. A
+restart with the same `runner_id` reclaims its own leases at once; another id waits `lease_s`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
+import socket
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +52,9 @@ from broker import protocol as p
 from broker.client import BrokerClient
 from contracts.openai import ServedModel
 from contracts.procs import parent_gone
-from jobs import prompts, results, retention, store
+from jobs import leases, results, retention, store
+from jobs.map_reduce import MapReduce
+from jobs.runner_leases import LeaseKeeping
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +63,6 @@ LINE_PAGE = 128  # lines read from SQL at a time per job
 FLUSH_INTERVAL_S = 0.1  # result writes are pooled this long
 FLUSH_MAX = 256  # ... or until this many results wait
 RETRY_BACKOFF_S = (0.2, 5.0)  # first and max sleep before resubmitting a retryable error
-MAX_REDUCE_LEVELS = 6  # map-reduce levels before a document is given up
 RETRYABLE = ("worker_lost", "overloaded", "no_worker")
 
 
@@ -62,13 +71,15 @@ class ActiveJob:
     """Runner-side state of one in_progress job."""
 
     info: store.JobInfo
-    cursor: str = ""  # last request id read from SQL
+    cursor: str = ""  # last request id read from SQL, inside `lease`
+    lease: leases.Lease | None = None  # the claimed line range being read
     buffer: deque[store.PendingLine] = field(default_factory=deque)
-    exhausted: bool = False
+    exhausted: bool = False  # no line range left to claim (until the next poll)
+    idle: bool = False  # every claimable line is done; others' lines are open (until next poll)
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
 
 
-class JobsRunner:
+class JobsRunner(LeaseKeeping, MapReduce):
     """Runs jobs until `stop()`. `counter` is the served model (`contracts.openai.ServedModel`:
     names, tokenizer; None skips model-name and prompt-length checks); `default_model` names
     the model of lines that give none."""
@@ -87,9 +98,13 @@ class JobsRunner:
         client_liveness_s: float = 10.0,
         retention_s: float = 0.0,
         retention_interval_s: float = retention.DEFAULT_INTERVAL_S,
+        runner_id: str | None = None,
+        lease_s: float = leases.DEFAULT_LEASE_S,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
+        if lease_s <= 0:
+            raise ValueError("lease_s must be > 0")
         self.engine = engine
         self.broker_addr = broker_addr
         self.counter = counter
@@ -101,12 +116,19 @@ class JobsRunner:
         self.client_liveness_s = client_liveness_s
         self.retention_s = retention_s  # 0: keep everything
         self.retention_interval_s = retention_interval_s
+        self.runner_id = runner_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.lease_s = lease_s
         self.active: dict[str, ActiveJob] = {}
+        self.held: dict[tuple[str, int], leases.Lease] = {}  # line ranges claimed
+        self.controls: set[str] = set()  # jobs whose control lease this runner holds
         self.counters: dict[str, int] = {
             "lines_sent": 0,
             "resubmitted": 0,
             "results": 0,
             "flushes": 0,
+            "ranges_claimed": 0,
+            "ranges_taken_over": 0,
+            "leases_lost": 0,
         }
         self.client: BrokerClient | None = None
         self._validating: asyncio.Task | None = None
@@ -143,6 +165,7 @@ class JobsRunner:
         self.client = BrokerClient(self.broker_addr, liveness_s=self.client_liveness_s)
         await self.client.start()
         writer = asyncio.create_task(self._writer_loop(), name="jobs-writer")
+        renewer = asyncio.create_task(self._renew_loop(), name="jobs-leases")
         next_poll = next_prune = 0.0
         try:
             while not self._stop.is_set():
@@ -158,6 +181,7 @@ class JobsRunner:
                     await self._poll()
                     next_poll = time.monotonic() + self.poll_interval_s
                 await self._feed()
+                await self._settle_ranges()
                 await self._check_done()
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
@@ -168,10 +192,12 @@ class JobsRunner:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await writer
+            for bg in (writer, renewer):
+                bg.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await bg
             await self._flush()
+            await self._release_all()
             if self._validating is not None:
                 with contextlib.suppress(Exception):
                     await self._validating
@@ -199,38 +225,68 @@ class JobsRunner:
 
     async def _poll(self) -> None:
         now = time.time()
-        for info in await self._sql(store.active_jobs):
+        to_validate = []
+        infos = await self._sql(store.active_jobs)
+        for info in infos:
             if info.status == "validating":
-                self._maybe_validate(info)
+                to_validate.append(info.id)
             elif info.status == "in_progress":
                 if info.expires_at is not None and now > info.expires_at:
                     await self._end_early(info, "expired")
                 elif info.id not in self.active:
                     self.active[info.id] = ActiveJob(info)
                     logger.info("job %s: running", info.id)
+                else:  # look again for line ranges freed or lapsed since
+                    self.active[info.id].exhausted = self.active[info.id].idle = False
             elif info.status == "cancelling" and info.id != self._validating_id:
                 await self._end_early(info, "cancelled")
             elif info.status == "finalizing":
                 await self._finish(info.id)
+        if to_validate:
+            self._maybe_validate(to_validate)
+        running = {info.id for info in infos if info.status == "in_progress"}
+        for job_id in [j for j in self.active if j not in running]:
+            await self._forget(job_id)  # ended by another runner
 
-    def _maybe_validate(self, info: store.JobInfo) -> None:
+    async def _forget(self, job_id: str) -> None:
+        """Drop a job this runner no longer runs: its lines stop, its leases go back."""
+        aj = self.active.pop(job_id)
+        tasks = list(aj.tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        mine = [key for key in self.held if key[0] == job_id]
+        for key in mine:
+            del self.held[key]
+        if mine:
+            await self._sql(leases.release, self.runner_id, mine)
+
+    def _maybe_validate(self, job_ids: list[str]) -> None:
+        """Validate the first of `job_ids` (oldest first) whose control this runner can claim."""
         if self._validating is not None and not self._validating.done():
             return
         if self._validating is not None and self._validating.exception() is not None:
             logger.error("validation failed: %r", self._validating.exception())
-        self._validating_id = info.id
 
         async def validate() -> None:
+            for job_id in job_ids:
+                self._validating_id = job_id  # set first: a poll meanwhile must not end it
+                if await self._claim_control(job_id):
+                    break
+            else:
+                self._validating_id = None
+                return  # other runners validate them
             try:
                 served = await self._served_model()
                 await asyncio.to_thread(
-                    store.validate_job, self.engine, info.id, served, self.default_model
+                    store.validate_job, self.engine, job_id, served, self.default_model
                 )
             finally:
                 self._validating_id = None
+                await self._release_control(job_id)
                 self._wake.set()
 
-        self._validating = asyncio.create_task(validate(), name=f"validate-{info.id}")
+        self._validating = asyncio.create_task(validate(), name="validate")
 
     async def _served_model(self) -> ServedModel | None:
         """The counter with the models the broker's workers report as further names (the
@@ -268,13 +324,30 @@ class JobsRunner:
                     progress = True
 
     async def _refill(self, aj: ActiveJob) -> None:
-        lines = await self._sql(store.pending_lines, aj.info.id, aj.cursor, LINE_PAGE)
-        if len(lines) < LINE_PAGE:
-            aj.exhausted = True
-        if lines:
-            aj.cursor = lines[-1].rid
-        queued = {pl.rid for pl in aj.buffer}
-        aj.buffer.extend(pl for pl in lines if pl.rid not in aj.tasks and pl.rid not in queued)
+        """Read the next page of the line range being read, claiming a new range when it is
+        read out; `exhausted` when no range is left to claim."""
+        job_id = aj.info.id
+        while not aj.buffer:
+            if aj.lease is None:
+                mine = {part for (j, part) in self.held if j == job_id}
+                lease = await self._sql(
+                    leases.claim_range, job_id, self.runner_id, self.lease_s, mine
+                )
+                if lease is None:
+                    aj.exhausted = True
+                    return
+                self.held[lease.key] = lease
+                self.counters["ranges_claimed"] += 1
+                self.counters["ranges_taken_over"] += lease.previous_owner is not None
+                aj.lease, aj.cursor = lease, store.request_id(job_id, lease.first_line - 1)
+            lines = await self._sql(
+                store.pending_lines, job_id, aj.cursor, LINE_PAGE, aj.lease.last_rid
+            )
+            if len(lines) < LINE_PAGE:
+                aj.lease = None  # read out; `_settle_ranges` ends it once its lines are done
+            if lines:
+                aj.cursor = lines[-1].rid
+            aj.buffer.extend(pl for pl in lines if pl.rid not in aj.tasks)
 
     def _start_line(self, aj: ActiveJob, line: store.PendingLine) -> None:
         task = asyncio.create_task(self._run_line(aj.info, line), name=line.rid)
@@ -289,14 +362,16 @@ class JobsRunner:
 
     async def _check_done(self) -> None:
         for aj in list(self.active.values()):
-            if not aj.exhausted or aj.buffer or aj.tasks:
+            if not aj.exhausted or aj.idle or aj.buffer or aj.tasks:
                 continue
+            if any(j == aj.info.id for j, _ in self.held):
+                continue  # `_settle_ranges` has not ended them yet
             await self._flush()
             total, completed, failed = await self._sql(store.counts, aj.info.id)
             if completed + failed < total:
                 unfinished, rows = await self._sql(store.recount, aj.info.id)
-                if unfinished:
-                    aj.exhausted, aj.cursor = False, ""  # a line is still open: read again
+                if unfinished:  # lines of other runners' ranges: look again at the next poll
+                    aj.idle = True
                     continue
                 logger.error(
                     "job %s: counters disagreed with its %d rows; recounted", aj.info.id, rows
@@ -411,61 +486,6 @@ class JobsRunner:
             attempts = last.attempts if last.code == "worker_lost" else None
             return None, results.error_response(last.code, last.message, attempts)
 
-    async def _map_reduce(self, info: store.JobInfo, line: store.PendingLine) -> store.Outcome:
-        """Summarize a document longer than the context: split by tokens, summarize the pieces,
-        then the joined summaries, until one piece remains (module docstring of jobs.prompts)."""
-        assert self.counter is not None and self.counter.tokenizer is not None, "map-reduce lines"
-        tokenizer = self.counter.tokenizer
-        body = line.request["body"]
-        max_tokens = body["max_tokens"]
-        size = prompts.piece_tokens(self.counter.max_model_len, max_tokens)
-        token_ids = await asyncio.to_thread(tokenizer.encode, line.request["map_reduce"]["text"])
-        first_pieces, calls, document_tokens = 0, 0, len(token_ids)
-        for level in range(MAX_REDUCE_LEVELS):
-            pieces = prompts.split_tokens(token_ids, size)
-            first_pieces = first_pieces or len(pieces)
-            texts = [tokenizer.decode(piece) for piece in pieces]
-            if len(pieces) == 1:
-                kwargs = results.submit_kwargs(
-                    {
-                        "url": line.request["url"],
-                        "body": {
-                            **body,
-                            "messages": prompts.summarize_messages(texts[0], reduce=level > 0),
-                        },
-                    }
-                )
-                final, error = await self._call(line.rid, kwargs, info.id, line.custom_id)
-                extra = {
-                    "map_reduce": {
-                        "pieces": first_pieces,
-                        "levels": level + 1,
-                        "requests": calls + 1,
-                        "document_tokens": document_tokens,
-                    }
-                }
-                return self._outcome(info, line, final, error, extra)
-            coros = []
-            for i, text in enumerate(texts):
-                sub = {**body, "messages": prompts.summarize_messages(text, reduce=level > 0)}
-                kwargs = results.submit_kwargs({"url": line.request["url"], "body": sub})
-                coros.append(self._call(f"mr_{line.rid}_{level}_{i}", kwargs))
-            answers = await asyncio.gather(*coros)
-            calls += len(answers)
-            for final, error in answers:
-                if final is None:
-                    return store.Outcome(info.id, line.rid, error)
-            joined = "\n\n".join(final.text.strip() for final, _ in answers)
-            token_ids = await asyncio.to_thread(tokenizer.encode, joined)
-        return store.Outcome(
-            info.id,
-            line.rid,
-            results.error_response(
-                "prompt_too_long",
-                f"document did not fit after {MAX_REDUCE_LEVELS} map-reduce levels",
-            ),
-        )
-
     # ------------------------------------------------------------------ writing and ending
 
     async def _writer_loop(self) -> None:
@@ -489,27 +509,36 @@ class JobsRunner:
             self.counters["flushes"] += 1
 
     async def _finish(self, job_id: str) -> None:
-        """in_progress/finalizing -> finalizing -> files -> completed."""
-        if not await self._sql(store.begin_finalizing, job_id):
+        """in_progress/finalizing -> finalizing -> files -> completed, under the job's control
+        lease (another runner holding it finishes the job instead)."""
+        if not await self._claim_control(job_id):
             return
-        file_ids = await self._sql(store.write_result_files, job_id)
-        status = await self._sql(store.end_job, job_id, "completed", ("finalizing",), file_ids)
-        logger.info("job %s: %s", job_id, status)
+        try:
+            if not await self._sql(store.begin_finalizing, job_id):
+                return
+            file_ids = await self._sql(store.write_result_files, job_id)
+            status = await self._sql(store.end_job, job_id, "completed", ("finalizing",), file_ids)
+            logger.info("job %s: %s", job_id, status)
+        finally:
+            await self._release_control(job_id)
 
     async def _end_early(self, info: store.JobInfo, status: str) -> None:
         """Cancel or expire a job: abort its lines, keep finished results, error lines for the
         rest (`batch_cancelled` / `batch_expired`), files, terminal status."""
-        aj = self.active.pop(info.id, None)
-        if aj is not None:
-            tasks = list(aj.tasks.values())
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        if info.id in self.active:
+            await self._forget(info.id)
         await self._flush()
-        code = "batch_cancelled" if status == "cancelled" else "batch_expired"
-        message = "the batch was cancelled" if status == "cancelled" else "the batch expired"
-        n = await self._sql(store.fail_unfinished, info.id, code, message, status)
-        file_ids = await self._sql(store.write_result_files, info.id)
-        from_statuses = ("cancelling",) if status == "cancelled" else ("in_progress", "validating")
-        final = await self._sql(store.end_job, info.id, status, from_statuses, file_ids)
-        logger.info("job %s: %s (%d unfinished lines)", info.id, final, n)
+        if not await self._claim_control(info.id):
+            return  # the runner holding the job's control ends it
+        try:
+            code = "batch_cancelled" if status == "cancelled" else "batch_expired"
+            message = "the batch was cancelled" if status == "cancelled" else "the batch expired"
+            n = await self._sql(store.fail_unfinished, info.id, code, message, status)
+            file_ids = await self._sql(store.write_result_files, info.id)
+            from_statuses = (
+                ("cancelling",) if status == "cancelled" else ("in_progress", "validating")
+            )
+            final = await self._sql(store.end_job, info.id, status, from_statuses, file_ids)
+            logger.info("job %s: %s (%d unfinished lines)", info.id, final, n)
+        finally:
+            await self._release_control(info.id)

@@ -243,12 +243,16 @@ def _set_failed(engine: Engine, job_id: str, errors: list[dict]) -> str:
 # --------------------------------------------------------------------------------- lines
 
 
-def pending_lines(engine: Engine, job_id: str, after_rid: str, limit: int) -> list[PendingLine]:
-    """Up to `limit` unfinished lines of a job with request id > `after_rid`, in line order."""
+def pending_lines(
+    engine: Engine, job_id: str, after_rid: str, limit: int, upto_rid: str | None = None
+) -> list[PendingLine]:
+    """Up to `limit` unfinished lines of a job with request id > `after_rid` (and <= `upto_rid`
+    when given: the end of a leased line range), in line order."""
     low, high = _id_range(job_id)
+    upper = Request.id < high if upto_rid is None else Request.id <= upto_rid
     query = (
         select(Request.id, Request.custom_id, Request.line_no, Request.body)
-        .where(Request.id > max(low, after_rid), Request.id < high, Request.response.is_(None))
+        .where(Request.id > max(low, after_rid), upper, Request.response.is_(None))
         .order_by(Request.id)
         .limit(limit)
     )

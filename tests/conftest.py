@@ -6,9 +6,10 @@
 - `pg_url`: a fresh PostgreSQL database per test session, from `LANESERVE_TEST_PG_URL` (a server
   URL such as `postgresql+psycopg://postgres@127.0.0.1:5432/postgres`).
 - `chromium_path`: a headless-capable Chromium binary.
+- `netns_rig`: a multi-host rig of network namespaces (tests/netns.py), removed afterwards.
 
-Without PostgreSQL or Chromium the tests that need them skip, unless `LANESERVE_REQUIRE_ALL=1`
-(set by `.ci/run`), under which they fail.
+Without PostgreSQL, Chromium or root (network namespaces) the tests that need them skip, unless
+`LANESERVE_REQUIRE_ALL=1` (set by `.ci/run`), under which they fail.
 """
 
 from __future__ import annotations
@@ -146,3 +147,15 @@ def chromium_path() -> str:
         if candidate and shutil.which(candidate):
             return shutil.which(candidate)
     skip_or_fail("no Chromium binary (install Debian's chromium or set LANESERVE_CHROMIUM)")
+
+
+@pytest.fixture
+def netns_rig():
+    """A `tests.netns.NetRig` (needs root and iproute2), deleted with its namespaces after."""
+    from tests.netns import NetRig, rig_missing
+
+    reason = rig_missing()
+    if reason:
+        skip_or_fail(reason)
+    with NetRig() as rig:
+        yield rig

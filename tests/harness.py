@@ -19,6 +19,7 @@ without the caller's database URL, API key or fault-injection variables.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -135,6 +136,7 @@ class Stack:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen] = {}
+        self.wraps: dict[str, list[str]] = {}  # child name -> command prefix (tests/netns.py)
         self._logs: list = []
         self.env = child_env(self.home)
 
@@ -164,12 +166,12 @@ class Stack:
     # ------------------------------------------------------------------ processes
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        """Start ``python -m ARGV`` as child `name` (replacing an earlier child of that name)."""
+        """Start ``python -m ARGV`` as child `name` (replacing an earlier child of that name),
+        behind `wraps[name]` when set (e.g. ``ip netns exec NS``)."""
         log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", *argv], stdout=log, stderr=log, cwd=ROOT, env=env or self.env
-        )
+        cmd = [*self.wraps.get(name, []), sys.executable, "-m", *argv]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=ROOT, env=env or self.env)
         self.procs[name] = proc
         return proc
 
@@ -208,12 +210,16 @@ class Stack:
         args = ["recorder", "--recorder-addr", self.recorder_addr, "--db", db_url or self.db_url]
         return self.spawn("recorder", ["laneserve.cli", *args, "--flush-interval", "0.1"])
 
-    def start_jobs_runner(self, *extra: str, model: str | None = None) -> subprocess.Popen:
-        """The jobs runner: counting prompts with `model`'s tokenizer (lines name the bundled
-        alias, whatever path the worker loads), or without a length check."""
+    def start_jobs_runner(
+        self, *extra: str, model: str | None = None, name: str = "jobs-runner"
+    ) -> subprocess.Popen:
+        """Jobs runner `name` (also its lease id, so a restart resumes its lines at once):
+        counting prompts with `model`'s tokenizer (lines name the bundled alias, whatever path
+        the worker loads), or without a length check."""
         args = ["--broker", self.front, "--db", self.db_url, "--poll-interval", "0.2"]
         args += ["--model", model, "--model-name", MODEL_ALIAS] if model else ["--no-length-check"]
-        return self.spawn("jobs-runner", ["laneserve.commands.jobs_runner", *args, *extra])
+        args += ["--runner-id", name]
+        return self.spawn(name, ["laneserve.commands.jobs_runner", *args, *extra])
 
     def start_api(self, *extra: str) -> subprocess.Popen:
         args = ["--broker", self.front, "--port", str(self.port), "--db", self.db_url]
@@ -443,6 +449,26 @@ def read_lines(engine, file_id: str | None) -> list[dict]:
     if file_id is None:
         return []
     return [json.loads(x) for x in service.file_content(engine, file_id).decode().splitlines()]
+
+
+def check_exactly_once(engine, job, ids: list[str]) -> tuple[list[dict], list[dict]]:
+    """Each of `ids` appears exactly once across the job's output and error files and has one
+    `requests` row; returns (output lines, error lines)."""
+    out = read_lines(engine, job.output_file_id)
+    err = read_lines(engine, job.error_file_id)
+    seen = collections.Counter(line["custom_id"] for line in out + err)
+    dup = [cid for cid, n in seen.items() if n > 1]
+    missing = sorted(set(ids) - set(seen))
+    assert not dup and not missing, {"duplicates": dup[:10], "missing": missing[:10]}
+    from sqlalchemy import text
+
+    with engine.connect() as conn:  # and one `requests` row per line
+        rows = conn.execute(
+            text("SELECT custom_id, COUNT(*) FROM requests WHERE job_id = :j GROUP BY custom_id"),
+            {"j": job.id},
+        ).all()
+    assert len(rows) == len(ids) and all(n == 1 for _, n in rows), rows[:10]
+    return out, err
 
 
 def report(scenario: str, **figures) -> None:

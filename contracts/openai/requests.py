@@ -327,7 +327,7 @@ def parse_messages(v: Any) -> list[dict]:
         role = m.get("role")
         if role in ("tool", "function") or given(m.get("tool_calls")):
             raise invalid(f"{where}: tool messages and tool calls are unsupported", "messages")
-        if role not in CHAT_ROLES:
+        if type(role) is not str or role not in CHAT_ROLES:  # {} or [] are unhashable
             raise invalid(f"{where}.role must be one of {sorted(CHAT_ROLES)}", "messages")
         extra = sorted(set(m) - {"role", "content", "name", "tool_calls", "refusal"})
         if extra:

@@ -10,6 +10,7 @@ from laneserve.commands.recorder import default_retention_days
 
 # Same value as jobs.retention.DEFAULT_INTERVAL_S (building the parser imports no SQLAlchemy).
 RETENTION_INTERVAL_S = 3600.0
+LEASE_S = 15.0  # jobs.leases.DEFAULT_LEASE_S
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--poll-interval", type=float, default=0.5, help="seconds between SQL polls"
     )
     parser.add_argument(
+        "--runner-id",
+        default=None,
+        help="this runner's name in job leases; a restart with the same id resumes its lines at "
+        "once (default: HOSTNAME-PID, unique per process)",
+    )
+    parser.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=LEASE_S,
+        help="seconds a claimed job or line range stays this runner's without a renewal; a dead "
+        "runner's lines are taken over after this (default: %(default)s)",
+    )
+    parser.add_argument(
         "--retention-days",
         type=float,
         default=default_retention_days(),
@@ -82,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
     from db.session import DatabaseURLError, make_engine
     from jobs.runner import JobsRunner
 
+    if args.lease_timeout <= 0:
+        print("laneserve jobs-runner: --lease-timeout must be > 0", file=sys.stderr)
+        return 2
     try:
         migrate.upgrade(args.db)
         engine = make_engine(args.db)
@@ -113,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         parent_pid=args.parent_pid,
         retention_s=max(0.0, args.retention_days) * 86400,
         retention_interval_s=args.retention_interval,
+        runner_id=args.runner_id,
+        lease_s=args.lease_timeout,
     )
 
     async def main() -> None:

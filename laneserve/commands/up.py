@@ -60,6 +60,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="engine workers (default: 1)")
     parser.add_argument(
+        "--jobs-runners",
+        type=int,
+        default=1,
+        help="jobs runners sharing the database through leases (default: 1)",
+    )
+    parser.add_argument(
         "--lanes",
         default="interactive,batch",
         help="lanes per worker: one list for all workers (default: %(default)s), or one list "
@@ -259,10 +265,15 @@ def build_specs(args: argparse.Namespace, plan: dict) -> list:
         if args.synthetic:
             argv.append("--synthetic")
         specs.append(ChildSpec(f"worker-{i}", argv, worker_env, stop_group=1))
-    runner = [py, "-m", "laneserve.commands.jobs_runner", "--broker", plan["front"]]
-    runner += ["--db", plan["db_url"], "--parent-pid", pid]
-    runner += ["--no-length-check"] if args.synthetic else ["--model", engine.model]
-    specs.append(ChildSpec("jobs-runner", runner, common, stop_group=0))
+    n_runners = args.jobs_runners
+    for i in range(n_runners):
+        name = "jobs-runner" if n_runners == 1 else f"jobs-runner-{i}"
+        runner = [py, "-m", "laneserve.commands.jobs_runner", "--broker", plan["front"]]
+        runner += ["--db", plan["db_url"], "--parent-pid", pid]
+        # A stable lease id: the restarted child takes its own leases back at once.
+        runner += ["--runner-id", f"{socket.gethostname()}-{name}"]
+        runner += ["--no-length-check"] if args.synthetic else ["--model", engine.model]
+        specs.append(ChildSpec(name, runner, common, stop_group=0))
     api = [py, "-m", "laneserve.commands.api", "--broker", plan["front"]]
     api += ["--port", str(plan["api_port"]), "--db", plan["db_url"], "--parent-pid", pid]
     if not args.synthetic:
@@ -322,6 +333,9 @@ def run(args: argparse.Namespace) -> int:
     quiet_http_logs()
     from laneserve import stack
 
+    if args.jobs_runners < 1:
+        print("laneserve up: --jobs-runners must be >= 1", file=sys.stderr)
+        return 2
     if args.workers < 1:
         print("laneserve up: --workers must be >= 1", file=sys.stderr)
         return 2

@@ -149,3 +149,10 @@ def test_one_list_of_sampling_keys() -> None:
     assert len(set(SAMPLING_KEYS)) == len(SAMPLING_KEYS)
     assert set(SAMPLING_KEYS) == SAMPLING_FIELDS
     assert set(SAMPLING_KEYS) <= {f.name for f in fields(SamplingParams)}
+
+
+@pytest.mark.parametrize("role", [{}, [], 3, None])
+def test_chat_role_of_the_wrong_type_is_a_400(role) -> None:
+    # Found by Schemathesis (tests/api/test_api_schemathesis.py): an unhashable role was a 500.
+    e = err(chat, messages=[{"role": role, "content": "x"}])
+    assert e.code == "invalid_request" and "role" in e.message

@@ -13,7 +13,7 @@ from db import migrate
 from db.session import make_engine
 from laneserve.cli import main
 
-TABLES = {"files", "jobs", "requests", "retention_passes", "worker_stats"}
+TABLES = {"files", "job_leases", "jobs", "requests", "retention_passes", "worker_stats"}
 
 
 def _tables(url: str) -> set[str]:

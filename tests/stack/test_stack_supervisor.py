@@ -143,3 +143,26 @@ def test_up_rejects_bad_options_before_starting_anything(tmp_path):
         res = laneserve(tmp_path, "up", "--synthetic", *args, timeout=60)
         assert res.returncode == 2 and needle in res.stderr, res.stderr
     assert not (tmp_path / "stack.json").exists() and not (tmp_path / "logs").exists()
+
+
+def test_up_jobs_runners_start_with_distinct_stable_lease_ids(tmp_path):
+    import argparse
+
+    from gpu_worker.config import EngineConfig
+    from laneserve.commands import up
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    args = parser.parse_args(["--jobs-runners", "3", "--synthetic"])
+    plan = {
+        "home": tmp_path, "front": "ipc://f", "back": "ipc://b", "recorder_addr": "ipc://r",
+        "db_url": "sqlite://", "lanes": [["batch"]], "engine": EngineConfig(), "threads": 1,
+        "gpus": 0, "liveness": 5, "api_port": 1, "dashboard_port": None, "api_key": None,
+    }  # fmt: skip
+    runners = [s for s in up.build_specs(args, plan) if s.name.startswith("jobs-runner")]
+    assert [s.name for s in runners] == ["jobs-runner-0", "jobs-runner-1", "jobs-runner-2"]
+    ids = [s.argv[s.argv.index("--runner-id") + 1] for s in runners]
+    assert len(set(ids)) == 3 and all(i.endswith(s.name) for i, s in zip(ids, runners, strict=True))
+    # Built again (a restart), each runner keeps its lease id.
+    again = [s for s in up.build_specs(args, plan) if s.name.startswith("jobs-runner")]
+    assert [s.argv[s.argv.index("--runner-id") + 1] for s in again] == ids

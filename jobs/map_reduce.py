@@ -1,0 +1,71 @@
+"""Map-reduce summaries of documents longer than the context (a mixin of `jobs.runner.JobsRunner`;
+the prompts and the split are `jobs.prompts`'). It uses the runner's `counter` (the served model:
+tokenizer, `max_model_len`), `_call` (one request through the batch lane) and `_outcome`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from jobs import prompts, results, store
+
+MAX_REDUCE_LEVELS = 6  # map-reduce levels before a document is given up
+
+
+class MapReduce:
+    """`_map_reduce`: split by tokens, summarize the pieces, then the joined summaries."""
+
+    async def _map_reduce(self, info: store.JobInfo, line: store.PendingLine) -> store.Outcome:
+        """Summarize a document longer than the context: split by tokens, summarize the pieces,
+        then the joined summaries, until one piece remains (module docstring of jobs.prompts)."""
+        assert self.counter is not None and self.counter.tokenizer is not None, "map-reduce lines"
+        tokenizer = self.counter.tokenizer
+        body = line.request["body"]
+        max_tokens = body["max_tokens"]
+        size = prompts.piece_tokens(self.counter.max_model_len, max_tokens)
+        token_ids = await asyncio.to_thread(tokenizer.encode, line.request["map_reduce"]["text"])
+        first_pieces, calls, document_tokens = 0, 0, len(token_ids)
+        for level in range(MAX_REDUCE_LEVELS):
+            pieces = prompts.split_tokens(token_ids, size)
+            first_pieces = first_pieces or len(pieces)
+            texts = [tokenizer.decode(piece) for piece in pieces]
+            if len(pieces) == 1:
+                kwargs = results.submit_kwargs(
+                    {
+                        "url": line.request["url"],
+                        "body": {
+                            **body,
+                            "messages": prompts.summarize_messages(texts[0], reduce=level > 0),
+                        },
+                    }
+                )
+                final, error = await self._call(line.rid, kwargs, info.id, line.custom_id)
+                extra = {
+                    "map_reduce": {
+                        "pieces": first_pieces,
+                        "levels": level + 1,
+                        "requests": calls + 1,
+                        "document_tokens": document_tokens,
+                    }
+                }
+                return self._outcome(info, line, final, error, extra)
+            coros = []
+            for i, text in enumerate(texts):
+                sub = {**body, "messages": prompts.summarize_messages(text, reduce=level > 0)}
+                kwargs = results.submit_kwargs({"url": line.request["url"], "body": sub})
+                coros.append(self._call(f"mr_{line.rid}_{level}_{i}", kwargs))
+            answers = await asyncio.gather(*coros)
+            calls += len(answers)
+            for final, error in answers:
+                if final is None:
+                    return store.Outcome(info.id, line.rid, error)
+            joined = "\n\n".join(final.text.strip() for final, _ in answers)
+            token_ids = await asyncio.to_thread(tokenizer.encode, joined)
+        return store.Outcome(
+            info.id,
+            line.rid,
+            results.error_response(
+                "prompt_too_long",
+                f"document did not fit after {MAX_REDUCE_LEVELS} map-reduce levels",
+            ),
+        )
