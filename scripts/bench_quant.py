@@ -183,7 +183,8 @@ def crossover(ratio: dict[int, float]) -> int | None:
 def build_engines(args) -> tuple[dict, dict]:
     """One `LLM` per mode in `--quantization` (`auto-nodense`: auto with its dense bf16 copies
     dropped, every call on the quantized kernels; `auto-nogemv`: without the C++ GEMV blocks,
-    float32 activations on torch's kernels) and its memory figures."""
+    float32 activations on torch's kernels; both: `auto-nodense-nogemv`) and its memory
+    figures."""
     from gpu_worker import LLM
     from gpu_worker.quantization import QuantLinear
 
@@ -193,18 +194,17 @@ def build_engines(args) -> tuple[dict, dict]:
         llm = LLM(
             model=args.model,
             dtype=args.dtype,
-            quantization=name.removesuffix("-nodense").removesuffix("-nogemv"),
+            quantization=name.split("-")[0],
             max_model_len=PREFILL_TOKENS + 64,
             num_blocks=max(max(args.batches_list) * 128, 2 * PREFILL_TOKENS + 128) // 16,
             enable_prefix_caching=False,
         )
         model = llm.engine.runner.model
-        drop = {"-nodense": "dense", "-nogemv": "gemv"}.get(name[name.rfind("-") :])
-        if drop:
-            linears = [getattr(layer, f) for layer in model.layers for f in LINEARS]
+        linears = [getattr(layer, f) for layer in model.layers for f in LINEARS]
+        for drop in name.split("-")[1:]:  # "nodense", "nogemv"
             for lin in [*linears, model.lm_head]:
                 if isinstance(lin, QuantLinear):
-                    setattr(lin, drop, None)
+                    setattr(lin, drop.removeprefix("no"), None)
         llms[name] = llm
         memory[name] = {
             "load_s": round(time.perf_counter() - t0, 2),
