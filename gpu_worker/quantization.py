@@ -4,15 +4,24 @@ DESIGN.md "Quantization": `quantization="auto"|"none"|"int8"|"int4"`. Decode row
 bandwidth-bound (every token reads every weight), so reading 4-bit weights instead of bf16 ones
 cuts the bytes per step about 4x; activations stay in the model's dtype (float32 or bfloat16).
 
-Kernel choice by phase: calls of at least `DENSE_MIN_TOKENS` rows (prefill chunks, big decode
-batches: compute-bound) run as dense GEMMs on a bf16 copy of the same weights when the model's
-activations are bf16; smaller ones (decode) read the 4-bit weights. The copy costs ~2 bytes per
-weight (269 MB for SmolLM2-135M, whose int4/int8 weights and Q8_0 embedding take 127 MB) and
-buys 2-2.5x on every linear from 64 rows up (scripts/bench_quant.py). A float32 model keeps no copy: one kernel for
-every row count, so its outputs do not depend on chunking or batching through a kernel switch.
+Kernel choice by phase and CPU (measured with scripts/bench_quant.py, docs/benchmarks.md):
+
+- bf16 activations (`dtype="auto"` on a CPU with AMX/AVX512-BF16): calls of at least
+  `DENSE_MIN_TOKENS` rows (prefill chunks, big decode batches: compute-bound) run as dense GEMMs
+  on a bf16 copy of the same weights; smaller ones (decode) read the 4-bit weights through
+  torch's int4 kernel. The copy costs ~2 bytes per weight (269 MB for SmolLM2-135M, whose
+  int4/int8 weights and Q8_0 embedding take 127 MB) and buys 2-2.5x on every linear from 64 rows
+  up. On a CPU without native bf16 no copy is kept: its bf16 GEMMs are slower than the int4
+  kernel at every row count.
+- float32 activations (`dtype="auto"` on an AVX2-only CPU): up to `GEMV_MAX_TOKENS` rows the C++
+  GEMVs (kernels/cpu_ext_quant.py) read the GGUF blocks with float32 activations; from
+  `DENSE_MIN_TOKENS_FP32` rows a dense float32 copy (4 bytes per weight) runs oneDNN's GEMM. Both
+  use the exact GGUF values, so kernel switches change outputs by float32 rounding only.
+
 The embedding of a GGUF stays in its Q8_0 blocks (exact lookups, 31 MB instead of 57 MB bf16);
-a tied LM head over it runs on int8 per channel (at M = 1, 1.5x the int4 kernel's time but
-requantizing Q8_0 to int4 would cost ~8x the int8 error).
+a tied LM head over it runs on int8 per channel with bf16 activations (at M = 1, 1.5x the int4
+kernel's time but requantizing Q8_0 to int4 would cost ~8x the int8 error), and on the Q8_0
+blocks themselves (exact) through the C++ GEMV with float32 ones.
 
 Kernels (torch CPU, ATen):
 
@@ -42,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.config import QUANTIZATIONS as QUANTIZATION_MODES
+from kernels import cpu_ext
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +194,52 @@ def int8_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def q8_0_arrays(t: GGUFQuantTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks as (qs int8 [N, K], d float32 [N, K / 32]): w = qs * d, exactly."""
+    n, k = t.shape
+    raw = t.blocks.reshape(n, k // GROUP_SIZE, _BLOCK_BYTES["Q8_0"])
+    d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    return torch.from_numpy(raw[..., 2:].copy().view(np.int8).reshape(n, k)), d
+
+
+@dataclass(slots=True)
+class GemvBlocks:
+    """A weight in the layout of the C++ GEMVs (kernels/cpu_ext_quant.py), float32 activations.
+
+    int4: qs uint8 [N, K/2] (ggml's nibble order), scale and offset float32 [N, K/32] with
+    W = q * scale + offset (the GGUF's own d and m: no bf16 rounding); q8_0: qs int8 [N, K],
+    scale float32 [N, K/32] (the Q8_0 blocks, exact), offset None.
+    """
+
+    kind: str  # "int4" | "q8_0"
+    qs: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None = None
+
+    @staticmethod
+    def from_int4(groups: Int4Groups) -> GemvBlocks:
+        n, k = groups.q.shape
+        q = groups.q.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+        qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+        offset = groups.zero - 8.0 * groups.scale  # (q - 8) * s + z = q * s + (z - 8 s)
+        return GemvBlocks("int4", qs, groups.scale.contiguous(), offset.contiguous())
+
+    @staticmethod
+    def from_q8_0(parts: list[GGUFQuantTensor]) -> GemvBlocks:
+        qs, d = zip(*(q8_0_arrays(p) for p in parts), strict=True)
+        return GemvBlocks("q8_0", torch.cat(qs).contiguous(), torch.cat(d).contiguous())
+
+    def nbytes(self) -> int:
+        tensors = (self.qs, self.scale, self.offset)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x float32 [M, K] -> float32 [M, N] (needs `kernels.cpu_ext.load()`)."""
+        if self.kind == "int4":
+            return torch.ops.laneserve.int4_gemv(x, self.qs, self.scale, self.offset)
+        return torch.ops.laneserve.q8_0_gemv(x, self.qs, self.scale)
+
+
 # --------------------------------------------------------------------------- linears
 
 
@@ -192,8 +248,38 @@ KERNEL_DTYPE = torch.bfloat16  # torch's int4/int8 CPU kernels are vectorized fo
 # From this many rows up, a dense bf16 GEMM beats the int4 kernel. Measured crossovers
 # (scripts/bench_quant.py, 1 thread, 2-core EPYC with AVX512-BF16, medians of per-round ratios):
 # qkv 16, o 16, gate_up 32, down 8, lm_head 16; at 16 every shape is within 12 % of its best.
-# Only used when the activations are bf16/fp16 (see the module docstring).
+# Only used when the activations are bf16/fp16 on a CPU with native bf16 (`dense_copy_dtype`):
+# on an AVX2-only CPU a dense bf16 GEMM is 2-7x slower than the int4 kernel at every M measured.
 DENSE_MIN_TOKENS = 16
+# float32 activations (an AVX2-only CPU's `dtype="auto"`): up to GEMV_MAX_TOKENS rows run the
+# C++ GEMVs (kernels/cpu_ext_quant.py: the GGUF's exact weights, float32 activations), from
+# DENSE_MIN_TOKENS_FP32 rows a dense float32 GEMM on a float32 copy. Measured on a 2-core EPYC
+# with AVX2/FMA/F16C only (scripts/bench_quant.py, 1 thread, per-round ratios to torch's int4
+# kernel on float32 inputs): the GEMVs take 0.75-0.95x (int4) and 0.55-0.85x (Q8_0) of its time
+# from 1 to 16 rows; dense float32 is 1.7-12x slower up to 16 rows and 0.15-0.9x from 32 rows
+# (0.95-1.4x for the LM head). So a float32 model never rounds its activations to bf16, and its
+# outputs change across kernels only by float32 summation order.
+DENSE_MIN_TOKENS_FP32 = 32
+GEMV_MAX_TOKENS = DENSE_MIN_TOKENS_FP32 - 1
+
+
+def dense_copy_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype of the dense copy kept for large-M calls, or None for no copy.
+
+    float32 activations keep a float32 copy (large calls on oneDNN's float32 GEMM, see
+    DENSE_MIN_TOKENS_FP32); bf16/fp16 ones a copy in their dtype only on a CPU with AMX or
+    AVX512-BF16, where those GEMMs beat the int4 kernel from DENSE_MIN_TOKENS rows.
+    """
+    from gpu_worker.engine import cpu_has_fast_bf16  # lazy: engine imports the model code
+
+    if dtype == torch.float32 or cpu_has_fast_bf16():
+        return dtype
+    return None
+
+
+def dense_min_tokens(dtype: torch.dtype) -> int:
+    """From how many rows a call runs on the dense copy (see `dense_copy_dtype`)."""
+    return DENSE_MIN_TOKENS_FP32 if dtype == torch.float32 else DENSE_MIN_TOKENS
 
 
 class QuantLinear:
@@ -210,6 +296,8 @@ class QuantLinear:
         shape: (N, K).
         dense: optional copy of W in the activation dtype, used for calls of at least
             `dense_min_tokens` rows (compute-bound prefill chunks and big decode batches).
+        gemv: optional `GemvBlocks` of the same W, used for float32 calls of at most
+            `gemv_max_tokens` rows when the C++ kernels are built (`kernels.cpu_ext`).
     """
 
     def __init__(
@@ -220,6 +308,8 @@ class QuantLinear:
         shape: tuple[int, int],
         dense: torch.Tensor | None = None,
         dense_min_tokens: int = DENSE_MIN_TOKENS,
+        gemv: GemvBlocks | None = None,
+        gemv_max_tokens: int = GEMV_MAX_TOKENS,
     ):
         assert kind in ("int4", "int8"), kind
         assert scales.dtype == KERNEL_DTYPE, scales.dtype
@@ -229,6 +319,8 @@ class QuantLinear:
         self.shape = shape
         self.dense = dense
         self.dense_min_tokens = dense_min_tokens
+        self.gemv = gemv
+        self.gemv_max_tokens = gemv_max_tokens
 
     @classmethod
     def from_int4(cls, groups: Int4Groups, **kwargs) -> QuantLinear:
@@ -249,9 +341,10 @@ class QuantLinear:
         return cls("int8", q.contiguous(), scale.to(KERNEL_DTYPE), tuple(q.shape), **kwargs)
 
     def nbytes(self) -> int:
-        """Bytes held (quantized weight, scales, dense copy)."""
+        """Bytes held (quantized weight, scales, dense copy, GEMV blocks)."""
         tensors = (self.weight, self.scales, self.dense)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        held = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return held + (self.gemv.nbytes() if self.gemv is not None else 0)
 
     def dequantize(self) -> torch.Tensor:
         """W as float32 [N, K] with the kernel's (bf16) scales; int4 through the kernel itself
@@ -271,6 +364,14 @@ class QuantLinear:
         """x [M, K] -> [M, N] in x's dtype."""
         if self.dense is not None and x.shape[0] >= self.dense_min_tokens:
             return F.linear(x, self.dense, bias)
+        if (
+            self.gemv is not None
+            and x.dtype == torch.float32
+            and x.shape[0] <= self.gemv_max_tokens
+            and cpu_ext.load()
+        ):
+            y = self.gemv(x.contiguous())
+            return y if bias is None else y + bias
         y = self._kernel(x.to(KERNEL_DTYPE)).to(x.dtype)
         return y if bias is None else y + bias
 
@@ -283,10 +384,7 @@ class Q8Embedding:
 
     def __init__(self, t: GGUFQuantTensor, dtype: torch.dtype):
         assert t.qtype == "Q8_0", t.qtype
-        n, k = t.shape
-        raw = t.blocks.reshape(n, k // GROUP_SIZE, _BLOCK_BYTES["Q8_0"])
-        self.d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
-        self.qs = torch.from_numpy(raw[..., 2:].copy().view(np.int8).reshape(n, k))
+        self.qs, self.d = q8_0_arrays(t)
         self.dtype = dtype
 
     def nbytes(self) -> int:
@@ -327,8 +425,9 @@ def build_linear(
 
     `none`, or `auto` over float weights: a dense tensor in `dtype`. `auto` over GGUF blocks: int4
     for Q4_0 / Q4_1 (exact), int8 per channel for Q8_0 (requantized). `int4` / `int8`: that kernel
-    for any source (round-to-nearest from float). With bf16/fp16 activations a dense copy of the
-    source weights rides along for large-M calls (`DENSE_MIN_TOKENS`).
+    for any source (round-to-nearest from float). A dense copy of the source weights rides along
+    for large-M calls where it is faster (`dense_copy_dtype`); a float32 model also gets
+    `GemvBlocks` (the exact GGUF values; Q8_0 ones only from Q8_0 sources) for few-row calls.
     """
     if (
         mode == "auto"
@@ -339,7 +438,8 @@ def build_linear(
     if build_is_dense(parts, mode):
         return torch.cat([_as_float(p) for p in parts]).to(dtype).contiguous()
     kind = _auto_kind(parts) if mode == "auto" else mode
-    dense = None
+    dense_dtype = dense_copy_dtype(dtype)
+    gemv = None
     if kind == "int4":
         groups = Int4Groups.cat(
             [
@@ -349,13 +449,23 @@ def build_linear(
                 for p in parts
             ]
         )
-        if dtype != torch.float32:
-            dense = groups.dequantize().to(dtype)
-        return QuantLinear.from_int4(groups, dense=dense)
+        dense = groups.dequantize().to(dense_dtype) if dense_dtype else None
+        if dtype == torch.float32:
+            gemv = GemvBlocks.from_int4(groups)
+        return QuantLinear.from_int4(groups, **_routes(dtype, dense, gemv))
     weight = torch.cat([_as_float(p) for p in parts])
-    if dtype != torch.float32:
-        dense = weight.to(dtype)
-    return QuantLinear.from_int8(*int8_from_float(weight), dense=dense)
+    dense = weight.to(dense_dtype) if dense_dtype else None
+    if dtype == torch.float32 and all(_is_q8_0(p) for p in parts):
+        gemv = GemvBlocks.from_q8_0(parts)  # the Q8_0 blocks themselves: exact weights
+    return QuantLinear.from_int8(*int8_from_float(weight), **_routes(dtype, dense, gemv))
+
+
+def _routes(dtype: torch.dtype, dense: torch.Tensor | None, gemv: GemvBlocks | None) -> dict:
+    return {"dense": dense, "dense_min_tokens": dense_min_tokens(dtype), "gemv": gemv}
+
+
+def _is_q8_0(part: torch.Tensor | GGUFQuantTensor) -> bool:
+    return isinstance(part, GGUFQuantTensor) and part.qtype == "Q8_0"
 
 
 def build_embedding(

@@ -1,5 +1,8 @@
 """A small C++ CPU kernel, built on first use: paged decode attention that reads K/V in place.
 
+The same build holds the fused layer ops below and the quantized GEMVs of
+:mod:`kernels.cpu_ext_quant` (``int4_gemv``, ``q8_0_gemv``).
+
 ``torch.ops.laneserve.paged_decode_attention`` computes one query token per sequence against its
 context, walking the block table and reading each block where it lies in the cache: no gather, no
 padding to the longest sequence. One ``at::parallel_for`` task per (sequence, KV head) keeps the
@@ -10,7 +13,7 @@ head dimension.
 
 The source is compiled with ``torch.utils.cpp_extension.load_inline`` into torch's extension cache
 (``~/.cache/torch_extensions`` or ``TORCH_EXTENSIONS_DIR``) the first time :func:`load` runs on a
-machine (about a minute on 2 cores, then loaded in milliseconds). ``-march=native`` is used, so the
+machine (1-4 minutes on 2 cores, then loaded in milliseconds). ``-march=native`` is used, so the
 module name carries a hash of the CPU's flags. Without a C++ compiler, or with
 ``LANESERVE_CPU_KERNELS=0``, :func:`load` returns False and callers use the PyTorch reference.
 """
@@ -25,6 +28,7 @@ from pathlib import Path
 import torch
 
 from contracts import env
+from kernels import cpu_ext_quant
 
 logger = logging.getLogger(__name__)
 
@@ -348,7 +352,9 @@ TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
 """
 
 BUILD_TIMEOUT_S = 900  # a build takes ~1 min on 2 busy cores; past this, use the PyTorch path
+_SOURCES = [_SOURCE, cpu_ext_quant.SOURCE]  # one build: the layer ops, the quantized GEMVs
 _lock = threading.Lock()
+_background = threading.Event()  # set while a background build is pending
 _state: dict[str, bool] = {}
 
 
@@ -358,30 +364,67 @@ def _cpu_flags_tag() -> str:
     except OSError:
         text = ""
     flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    digest = hashlib.sha256((_SOURCE + flags + torch.__version__).encode()).hexdigest()
+    digest = hashlib.sha256(("".join(_SOURCES) + flags + torch.__version__).encode()).hexdigest()
     return digest[:12]
 
 
 def load() -> bool:
     """Build (first time on this machine) and load the extension; True when its ops are usable.
 
+    While a build started by :func:`load_or_build_in_background` runs, returns False at once
+    (callers take the PyTorch path meanwhile) instead of waiting for it.
     Never raises: a failed build is logged once as a warning and the PyTorch path is used.
     """
     if "ok" in _state:
         return _state["ok"]
+    if _background.is_set():
+        return False
     with _lock:
-        if "ok" in _state:
-            return _state["ok"]
-        if not env.get("LANESERVE_CPU_KERNELS"):
-            _state["ok"] = False
-            return False
-        try:
-            _build_and_load()
-            _state["ok"] = hasattr(torch.ops.laneserve, "paged_decode_attention")
-        except Exception as exc:  # no compiler, failed build: the reference path still works
-            logger.warning("C++ CPU kernels unavailable, using the PyTorch path: %s", exc)
-            _state["ok"] = False
+        if "ok" not in _state:
+            _state["ok"] = _try_build()
     return _state["ok"]
+
+
+def _try_build() -> bool:
+    if not env.get("LANESERVE_CPU_KERNELS"):
+        return False
+    try:
+        _build_and_load()
+        return hasattr(torch.ops.laneserve, "paged_decode_attention")
+    except Exception as exc:  # no compiler, failed build: the reference path still works
+        logger.warning("C++ CPU kernels unavailable, using the PyTorch path: %s", exc)
+        return False
+
+
+def is_built() -> bool:
+    """Whether this source is already compiled for this CPU and torch (loading then takes
+    milliseconds); False means :func:`load` would compile (about 1-4 minutes on 2 cores)."""
+    build_dir = build_directory()
+    return (build_dir / f"{build_dir.name}.so").exists()
+
+
+def load_or_build_in_background() -> bool:
+    """Load the extension now when it is built; otherwise compile it in a background thread and
+    return False, so a fresh machine serves its first tokens on the PyTorch path instead of
+    waiting for the compiler (`laneserve model pull` builds it ahead, see laneserve/commands/
+    model.py). The ops switch to C++ once the build is loaded."""
+    if "ok" in _state or not env.get("LANESERVE_CPU_KERNELS") or is_built():
+        return load()
+    if not _background.is_set():
+        _background.set()
+        logger.info("building the C++ CPU kernels in the background (once per machine)")
+        threading.Thread(target=_background_build, name="cpu-ext-build", daemon=True).start()
+    return False
+
+
+def _background_build() -> None:
+    try:
+        with _lock:
+            if "ok" not in _state:
+                _state["ok"] = _try_build()
+                logger.info("C++ CPU kernels %s", "loaded" if _state["ok"] else "unavailable")
+    finally:
+        _background.clear()
 
 
 def build_directory() -> Path:
@@ -409,7 +452,7 @@ def _build_and_load() -> None:
         load_inline(
             name=build_dir.name,
             build_directory=str(build_dir),
-            cpp_sources=[_SOURCE],
+            cpp_sources=list(_SOURCES),  # load_inline inserts its include into the list
             extra_cflags=[
                 "-O3",
                 "-march=native",

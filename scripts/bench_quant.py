@@ -8,19 +8,24 @@ lm_head 576->49152) and M = 1 .. 512 rows, times `x @ W.T` through:
                               _weight_int8pack_mm (per channel), bfloat16 activations
     quant_int4_fp32_in        QuantLinear int4 called with float32 activations (cast in and out)
     int4_fp32 / int8_fp32     the raw kernels with float32 activations and scales (small M only)
+    gemv_int4_fp32            laneserve's C++ int4 GEMV (kernels/cpu_ext_quant.py), float32
+                              activations, the same int4 weight
+    gemv_q8_0_fp32            its Q8_0 GEMV over per-channel scales (the LM head's kernel)
 
 Variants are timed round-robin, many rounds per cell (the machine may be shared: read the
 per-round ratios, not absolute times). Prints one JSON object: the CPU model and SIMD flags, torch
 threads, per shape and M each variant's median microseconds and median time ratio to int4_bf16,
 and per shape the smallest M from which dense bf16 is at least as fast as int4 bf16 (the routing
-crossover `gpu_worker.quantization.DENSE_MIN_TOKENS` comes from).
+crossover `gpu_worker.quantization.DENSE_MIN_TOKENS` comes from), and the largest M up to which
+the C++ GEMV beats the torch kernel on float32 activations (`GEMV_MAX_TOKENS`).
 
     python scripts/bench_quant.py [--ms 1,2,4,...] [--budget-s 0.1] [--shapes qkv,o] [--threads 1]
 
 `--steps` instead times whole engine steps (`LLMEngine.step()`, sampling included) of the bundled
 model: decodes at batch 1 / 8 / 64 and the prefill of one 512-token prompt, for `--quantization
-none,auto,auto-nodense` (bf16 activations; `auto-nodense` drops the dense bf16 copies, so every
-call reads the 4-bit weights), the engines stepped alternately so load from other processes hits
+none,auto,auto-nodense` (`--dtype`, default bf16; `auto-nodense` drops the dense bf16 copies, so
+every call reads the 4-bit weights; `auto-nogemv` drops the C++ GEMV blocks a float32 model
+uses for few rows), the engines stepped alternately so load from other processes hits
 all alike; it reports each model's weight bytes (quantized blocks, scales, dense copies) and
 load time:
 
@@ -41,7 +46,9 @@ apply_openmp_policy()
 import torch  # noqa: E402  # isort: skip
 import torch.nn.functional as F  # noqa: E402  # isort: skip
 
+from kernels import cpu_ext  # noqa: E402  # isort: skip
 from gpu_worker.quantization import (  # noqa: E402  # isort: skip
+    GemvBlocks,
     QuantLinear,
     int4_from_float,
     int8_from_float,
@@ -60,6 +67,7 @@ MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 FP32_QUANT_MAX_M = 4
 SLOW_FP32 = ("int4_fp32", "int8_fp32")
 PREFILL_TOKENS = 512  # the prompt of the prefill timing (--steps)
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 SIMD_FLAGS = (
     "avx2",
     "fma",
@@ -106,14 +114,15 @@ def time_cells(fns: dict, x32: torch.Tensor, budget_s: float, min_rounds: int = 
             f(inputs[v])
             times[v].append(time.perf_counter() - t0)
         rounds += 1
-    ref = times.get("int4_bf16")
     out = {}
     for v, ts in times.items():
         cell = {"median_us": round(statistics.median(ts) * 1e6, 1)}
-        if ref is not None:
-            cell["ratio_to_int4_bf16"] = round(
-                statistics.median(t / r for t, r in zip(ts, ref, strict=True)), 3
-            )
+        for ref_name in ("int4_bf16", "quant_int4_fp32_in"):
+            ref = times.get(ref_name)
+            if ref is not None:
+                cell[f"ratio_to_{ref_name}"] = round(
+                    statistics.median(t / r for t, r in zip(ts, ref, strict=True)), 3
+                )
         out[v] = cell
     return out
 
@@ -121,11 +130,15 @@ def time_cells(fns: dict, x32: torch.Tensor, budget_s: float, min_rounds: int = 
 def variants(n: int, k: int) -> dict:
     """name -> (activation dtype, callable on x)."""
     w = torch.randn(n, k) * 0.05
-    int4 = QuantLinear.from_int4(int4_from_float(w))
-    int8 = QuantLinear.from_int8(*int8_from_float(w))
+    groups = int4_from_float(w)
+    int4 = QuantLinear.from_int4(groups)
+    q8, s8 = int8_from_float(w)
+    int8 = QuantLinear.from_int8(q8, s8)
+    gemv4 = GemvBlocks.from_int4(groups)
+    gemv8 = GemvBlocks("q8_0", q8, s8[:, None].expand(n, k // 32).contiguous())
     # the raw kernels with float32 activations and scales (what QuantLinear avoids by casting)
     scales4_fp32, scales8_fp32 = int4.scales.float(), int8.scales.float()
-    return {
+    fns = {
         "dense_fp32": (torch.float32, lambda x, d=w: F.linear(x, d)),
         "dense_bf16": (torch.bfloat16, lambda x, d=w.bfloat16(): F.linear(x, d)),
         "int4_bf16": (torch.bfloat16, int4),
@@ -140,6 +153,21 @@ def variants(n: int, k: int) -> dict:
             lambda x: torch.ops.aten._weight_int8pack_mm(x, int8.weight, scales8_fp32),
         ),
     }
+    if cpu_ext.load():
+        fns["gemv_int4_fp32"] = (torch.float32, gemv4)
+        fns["gemv_q8_0_fp32"] = (torch.float32, gemv8)
+    return fns
+
+
+def gemv_max_m(ratio: dict[int, float]) -> int | None:
+    """Largest M up to which the C++ GEMV takes at most the time of what float32 activations
+    run on otherwise (QuantLinear's torch kernel, ratio <= 1) at every smaller M measured."""
+    best = None
+    for m in sorted(ratio):
+        if ratio[m] > 1.0:
+            break
+        best = m
+    return best
 
 
 def crossover(ratio: dict[int, float]) -> int | None:
@@ -154,7 +182,9 @@ def crossover(ratio: dict[int, float]) -> int | None:
 
 def build_engines(args) -> tuple[dict, dict]:
     """One `LLM` per mode in `--quantization` (`auto-nodense`: auto with its dense bf16 copies
-    dropped, every call on the quantized kernels) and its memory figures."""
+    dropped, every call on the quantized kernels; `auto-nogemv`: without the C++ GEMV blocks,
+    float32 activations on torch's kernels; both: `auto-nodense-nogemv`) and its memory
+    figures."""
     from gpu_worker import LLM
     from gpu_worker.quantization import QuantLinear
 
@@ -164,19 +194,17 @@ def build_engines(args) -> tuple[dict, dict]:
         llm = LLM(
             model=args.model,
             dtype=args.dtype,
-            quantization=name.removesuffix("-nodense"),
+            quantization=name.split("-")[0],
             max_model_len=PREFILL_TOKENS + 64,
             num_blocks=max(max(args.batches_list) * 128, 2 * PREFILL_TOKENS + 128) // 16,
             enable_prefix_caching=False,
         )
         model = llm.engine.runner.model
-        if name.endswith("-nodense"):
-            for layer in model.layers:
-                for f in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                    if isinstance(getattr(layer, f), QuantLinear):
-                        getattr(layer, f).dense = None
-            if isinstance(model.lm_head, QuantLinear):
-                model.lm_head.dense = None
+        linears = [getattr(layer, f) for layer in model.layers for f in LINEARS]
+        for drop in name.split("-")[1:]:  # "nodense", "nogemv"
+            for lin in [*linears, model.lm_head]:
+                if isinstance(lin, QuantLinear):
+                    setattr(lin, drop.removeprefix("no"), None)
         llms[name] = llm
         memory[name] = {
             "load_s": round(time.perf_counter() - t0, 2),
@@ -293,6 +321,16 @@ def main() -> None:
                 "dense_bf16_time_over_int4_bf16": {str(m): r for m, r in ratio.items()},
                 "crossover_m_bf16": crossover(ratio),
             }
+            if "gemv_int4_fp32" in fns:
+                g = {
+                    m: c["gemv_int4_fp32"]["ratio_to_quant_int4_fp32_in"] for m, c in cells.items()
+                }
+                d = {m: c["dense_fp32"]["ratio_to_quant_int4_fp32_in"] for m, c in cells.items()}
+                result["shapes"][name].update(
+                    gemv_int4_time_over_quant_int4_fp32_in={str(m): r for m, r in g.items()},
+                    dense_fp32_time_over_quant_int4_fp32_in={str(m): r for m, r in d.items()},
+                    gemv_max_m_fp32=gemv_max_m(g),
+                )
     print(json.dumps(result, indent=1))
 
 

@@ -1,12 +1,17 @@
-"""`laneserve model pull|path|list`: fetch the bundled model and convert it once for fast loads."""
+"""`laneserve model pull|path|list`: fetch the bundled model and convert it once for fast loads
+(and build the C++ CPU kernels once per machine)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from gpu_worker.model_files import BUNDLED_MODELS, DEFAULT_MODEL, models_dir, pull_model
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -50,12 +55,30 @@ def run_pull(args: argparse.Namespace) -> int:
             progress.update(task, total=1, completed=1)
         else:
             cache = None
+        kernels = _build_cpu_kernels(progress)
     print(
         json.dumps(
-            {"alias": args.alias, "path": str(path), "converted": str(cache) if cache else None}
+            {
+                "alias": args.alias,
+                "path": str(path),
+                "converted": str(cache) if cache else None,
+                "cpu_kernels": kernels,
+            }
         )
     )
     return 0
+
+
+def _build_cpu_kernels(progress: Progress) -> str:
+    """Compile the C++ CPU kernels once per machine here, at install time, so that a worker's
+    first start does not spend minutes in the compiler (kernels/cpu_ext.py): "built", or
+    "unavailable" (no compiler, or LANESERVE_CPU_KERNELS=0: workers use the PyTorch path)."""
+    from kernels import cpu_ext
+
+    task = progress.add_task("build C++ CPU kernels (once per machine)", total=None)
+    built = cpu_ext.load()
+    progress.update(task, total=1, completed=1)
+    return "built" if built else "unavailable"
 
 
 def run_list(args: argparse.Namespace) -> int:

@@ -127,7 +127,10 @@ def build_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
         )
     else:
         from gpu_worker.engine import LLMEngine
+        from kernels import cpu_ext
 
+        # a fresh machine serves on the PyTorch path while the C++ CPU kernels compile
+        cpu_ext.load_or_build_in_background()
         engine = LLMEngine(config)
     return with_faults(engine, FaultPlan.from_env())
 

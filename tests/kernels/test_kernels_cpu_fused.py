@@ -146,3 +146,37 @@ def test_a_build_lock_left_by_a_killed_build_does_not_block_loading():
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
     assert not stale.exists()
+
+
+def test_an_unbuilt_extension_compiles_in_the_background_without_blocking(tmp_path):
+    """On a machine where the extension is not built yet (a fresh extension root here), the
+    worker's start asks for it in the background: `load()` answers False at once while the
+    compiler runs (the ops take the PyTorch path), so the first tokens do not wait minutes; a
+    failed build leaves the PyTorch path in place."""
+    code = """if True:
+        import threading
+        import time
+        from kernels import cpu_ext
+        assert cpu_ext.is_built() is False
+        t0 = time.perf_counter()
+        assert cpu_ext.load_or_build_in_background() is False
+        assert cpu_ext.load() is False and cpu_ext._background.is_set()
+        assert time.perf_counter() - t0 < 5, "the build must not block the caller"
+        assert cpu_ext.load_or_build_in_background() is False  # one build thread, not two
+        builds = [t for t in threading.enumerate() if t.name == "cpu-ext-build"]
+        assert len(builds) == 1
+        builds[0].join(120)  # CXX=false: the build fails at once
+        assert cpu_ext.load() is False and not cpu_ext._background.is_set()
+        print("ok")
+    """
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        "XDG_CACHE_HOME": str(tmp_path),  # torch's extension root: an empty one
+        "CXX": "false",  # a compiler that fails at once: no build outlives the test
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert cpu_ext.is_built()  # this process's build is unaffected

@@ -112,7 +112,7 @@ def test_fused_linear_matches_dequantized_matmul(loaded, m):
     names = [hf + f"{p}_proj.weight" for p in "qkv"]
     lin = quant.build_linear("qkv", [kept[n] for n in names], "auto", torch.float32)
     assert isinstance(lin, QuantLinear) and lin.kind == ("int8" if qtype == "Q8_0" else "int4")
-    assert lin.shape == (88, K) and lin.dense is None  # float32 activations: no dense copy
+    assert lin.shape == (88, K) and lin.dense.dtype == torch.float32  # for >= 32 rows
     w = torch.cat([dense[n] for n in names])  # dequantize-then-matmul reference
     x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
     ref = x @ w.T
@@ -165,10 +165,11 @@ def test_rows_do_not_depend_on_the_batch():
 
 
 def test_dense_copy_routes_large_calls():
-    """bf16 activations keep a dense copy; calls of >= dense_min_tokens rows use F.linear on it."""
+    """A dense copy (kept for bf16 activations on CPUs with native bf16: `dense_copy_dtype`)
+    takes calls of >= dense_min_tokens rows through F.linear."""
     w = torch.randn(72, K, generator=torch.Generator().manual_seed(4)) * 0.05
-    lin = quant.build_linear("w", [w], "int4", torch.bfloat16)
-    assert lin.dense is not None and lin.dense.dtype == torch.bfloat16
+    groups = quant.int4_from_float(w)
+    lin = QuantLinear.from_int4(groups, dense=groups.dequantize().bfloat16())
     x = torch.randn(lin.dense_min_tokens, K).bfloat16()
     assert torch.equal(lin(x), F.linear(x, lin.dense))
     assert torch.equal(lin(x[:1]), lin._kernel(x[:1]))  # below the threshold: the int4 kernel

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from gpu_worker import LLM, SamplingParams
-from gpu_worker.quantization import DENSE_MIN_TOKENS, Q8Embedding, QuantLinear
+from gpu_worker.quantization import DENSE_MIN_TOKENS, GEMV_MAX_TOKENS, Q8Embedding, QuantLinear
 from laneserve.demo_corpus import build_corpus
 
 NUM_TOKENS = 2048
@@ -102,6 +102,33 @@ def test_perplexity_within_2_percent_of_float32(reference, quantized, text_ids):
     )
     assert abs(kernels / ref - 1) < 0.02
     assert abs(dense / ref - 1) < 0.02
+
+
+@pytest.fixture(scope="module")
+def quantized_fp32(smollm2_gguf) -> LLM:
+    return make(smollm2_gguf, "float32", "auto")
+
+
+@pytest.mark.slow
+def test_float32_activations_perplexity_within_2_percent_of_float32(
+    reference, quantized_fp32, text_ids
+):
+    """float32 activations (`dtype="auto"` on an AVX2-only CPU): chunks of up to
+    GEMV_MAX_TOKENS rows on the C++ GEMVs, prefill-sized ones on the dense float32 copies; both
+    read the GGUF's exact values, so the only loss is the 4-bit weights themselves."""
+    model = quantized_fp32.engine.runner.model
+    assert model.layers[0].qkv_proj.gemv is not None and model.lm_head.gemv.kind == "q8_0"
+    ref = math.exp(mean_nll(reference, text_ids, chunk=256))
+    gemv = math.exp(mean_nll(quantized_fp32, text_ids, chunk=GEMV_MAX_TOKENS))
+    dense = math.exp(mean_nll(quantized_fp32, text_ids, chunk=256))
+    print(
+        f"\nperplexity over {len(text_ids)} tokens: float32 none {ref:.4f}, auto float32 GEMVs "
+        f"{gemv:.4f} ({gemv / ref - 1:+.2%}), auto dense-float32 prefill {dense:.4f} "
+        f"({dense / ref - 1:+.2%})"
+    )
+    assert abs(gemv / ref - 1) < 0.02
+    assert abs(dense / ref - 1) < 0.02
+    assert abs(gemv / dense - 1) < 1e-3  # the same weights: float32 rounding apart
 
 
 @pytest.mark.slow

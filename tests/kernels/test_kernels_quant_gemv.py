@@ -1,0 +1,128 @@
+"""The C++ quantized GEMVs (kernels/cpu_ext_quant.py) against dequantize-then-matmul in float32.
+
+Weights are real GGUF blocks (gguf-py quantizes, the loader reads them back with
+`keep_quantized=True`), on odd shapes: K = 160 (5 groups, not a multiple of 128), N = 88 / 72
+(not multiples of 16 or 64), M across the row tile of 4 (1, 3, 4, 5, 17).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker import quantization as quant
+from gpu_worker.engine import cpu_has_fast_bf16
+from gpu_worker.model_loader import load_gguf_weights
+from gpu_worker.quantization import GemvBlocks, QuantLinear
+from kernels import cpu_ext
+from tests.kernels.test_kernels_quant import CONFIG, K, write_gguf
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+
+QKV = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]  # fused: N = 40 + 24 + 24
+
+
+@pytest.fixture(autouse=True)
+def built():
+    assert cpu_ext.load(), "the C++ CPU kernels failed to build (see the warning logged)"
+
+
+@pytest.fixture(params=["Q4_0", "Q4_1", "Q8_0"])
+def qkv(request, tmp_path):
+    """(qtype, the fused qkv parts as GGUF blocks, the same weights dequantized by gguf-py)."""
+    path = write_gguf(tmp_path / f"{request.param}.gguf", request.param, np.random.default_rng(7))
+    kept = load_gguf_weights(gguf.GGUFReader(str(path)), CONFIG, path, keep_quantized=True)
+    dense = load_gguf_weights(gguf.GGUFReader(str(path)), CONFIG, path)
+    return request.param, [kept[n] for n in QKV], torch.cat([dense[n] for n in QKV])
+
+
+def fp32_tolerance(x: torch.Tensor, w: torch.Tensor) -> dict:
+    """float32 summation-order error of a K-term dot product: K ulps of sum |x| |w| (the bound of a sequential sum), twice."""
+    bound = (x.abs() @ w.abs().T).max().item()
+    return {"atol": 2 * K * 2**-24 * bound, "rtol": 0.0}
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 17])
+def test_gemv_matches_dequantized_matmul_in_float32(qkv, m):
+    """The GEMV reads the GGUF's own values (fp16 d and m, no bf16 rounding) and keeps the
+    activations in float32: it matches the float32 reference to float32 rounding, far inside
+    the bf16 tolerance torch's kernels need."""
+    qtype, parts, w = qkv
+    blocks = GemvBlocks.from_q8_0(parts) if qtype == "Q8_0" else None
+    if blocks is None:
+        blocks = GemvBlocks.from_int4(
+            quant.Int4Groups.cat([quant.int4_from_gguf(p) for p in parts])
+        )
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+    out = blocks(x)
+    assert out.dtype == torch.float32 and out.shape == (m, 88)
+    torch.testing.assert_close(out, x @ w.T, **fp32_tolerance(x, w))
+
+
+def test_gemv_rows_do_not_depend_on_the_batch(qkv):
+    """Row i is bitwise the same for every M (row tiles of 4 and their remainders) and thread
+    count: the property the engine's invariance tests rely on."""
+    qtype, parts, _ = qkv
+    lin = quant.build_linear("qkv", parts, "auto", torch.float32)
+    assert lin.gemv is not None and lin.gemv.kind == ("q8_0" if qtype == "Q8_0" else "int4")
+    x = torch.randn(23, K, generator=torch.Generator().manual_seed(8))
+    full = lin.gemv(x)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in {1, threads}:
+            torch.set_num_threads(n_threads)
+            for m in (1, 2, 3, 4, 5, 9, 22):
+                assert torch.equal(lin.gemv(x[:m].contiguous()), full[:m]), (qtype, m, n_threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_float32_calls_route_to_the_gemv_then_to_the_dense_copy(qkv):
+    """float32: up to gemv_max_tokens rows on the GEMV, from dense_min_tokens on the float32
+    copy (no row count left to torch's bf16-input kernels); bf16 inputs still reach those."""
+    _, parts, w = qkv
+    lin = quant.build_linear("qkv", parts, "auto", torch.float32)
+    assert lin.gemv_max_tokens + 1 == lin.dense_min_tokens == quant.DENSE_MIN_TOKENS_FP32
+    x = torch.randn(lin.dense_min_tokens, K, generator=torch.Generator().manual_seed(9))
+    small = x[: lin.gemv_max_tokens]
+    assert torch.equal(lin(small), lin.gemv(small))
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.dense))
+    torch.testing.assert_close(lin.dense, w, atol=1e-6, rtol=0)  # the exact GGUF values
+    bias = torch.randn(88)
+    assert torch.equal(lin(small, bias), lin.gemv(small) + bias)
+    assert torch.equal(lin(small.bfloat16()), lin._kernel(small.bfloat16()))
+    bare = QuantLinear(lin.kind, lin.weight, lin.scales, lin.shape, dense=lin.dense)
+    assert quant.nbytes(lin) == quant.nbytes(bare) + lin.gemv.nbytes()
+
+
+def test_bf16_models_get_no_gemv_blocks(qkv):
+    _, parts, _ = qkv
+    assert quant.build_linear("qkv", parts, "auto", torch.bfloat16).gemv is None
+
+
+def test_dense_copy_only_where_bf16_is_native(qkv):
+    """bf16 activations keep a dense bf16 copy for big calls only on AMX/AVX512-BF16 CPUs; on an
+    AVX2-only CPU its GEMMs are slower than the int4 kernel at every M (scripts/bench_quant.py)."""
+    _, parts, _ = qkv
+    lin = quant.build_linear("qkv", parts, "auto", torch.bfloat16)
+    assert (lin.dense is not None) == cpu_has_fast_bf16()
+    assert quant.dense_copy_dtype(torch.float32) == torch.float32  # on every CPU
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((torch.randn(2, K).double(),), "float32"),
+        ((torch.randn(2, K + 1),), "multiple of 32"),
+        ((torch.randn(2, 2 * K),), "qs must be"),
+    ],
+)
+def test_gemv_rejects_bad_arguments(qkv, args, message):
+    qtype, parts, _ = qkv
+    blocks = quant.build_linear("qkv", parts, "auto", torch.float32).gemv
+    with pytest.raises(RuntimeError, match=message):
+        blocks(*args)
