@@ -47,6 +47,13 @@ from gpu_worker.request import Lane, Request, RequestStatus
 from gpu_worker.sampler import Sampler
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from gpu_worker.spec_decode import (
+    RequestSpecStats,
+    SpecController,
+    TokenHistory,
+    num_accepted,
+    verify_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +103,15 @@ def default_device() -> torch.device:
 
 @dataclass(slots=True)
 class _Sampled:
-    """One sampled row of a step: the token and its logprobs, or the error that ended it."""
+    """One request's sampled tokens of a step (one, or with speculative decoding its accepted
+    drafts plus one) and their logprobs, or the error that ended it."""
 
     state: _RequestState
-    token_id: int = -1
-    logprobs: dict | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict | None] = field(default_factory=list)
     error: str | None = None
+    num_drafts: int = 0  # drafts verified this step
+    num_accepted: int = 0  # of which accepted
 
 
 @dataclass(slots=True)
@@ -114,6 +124,9 @@ class _RequestState:
     # prompt_logprobs requested: entries so far (one per position); sent once complete
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
+    # speculative decoding: prompt + output ids for the proposer, acceptance evidence
+    history: TokenHistory | None = None
+    spec_stats: RequestSpecStats | None = None
 
 
 class _PromptRows(NamedTuple):
@@ -215,6 +228,10 @@ class LLMEngine:
         self._pending: list[RequestDelta] = []  # aborts/errors reported at the next step
         self.num_steps = 0
         self.num_generated_tokens = 0
+        spec = config.speculative_config
+        self.spec = SpecController(spec) if spec is not None and spec.enabled else None
+        self.num_spec_draft_tokens = 0  # totals since start (the /metrics counters)
+        self.num_spec_accepted_tokens = 0
         logger.info(
             "engine ready: model=%s dtype=%s device=%s blocks=%d x %d (KV %.2f GiB) max_model_len=%d",
             self.model_name,
@@ -337,6 +354,9 @@ class LLMEngine:
         self.states[request_id] = _RequestState(
             req, IncrementalDetokenizer(self.tokenizer, ids, params), generator, params
         )
+        if self.spec is not None:
+            self.states[request_id].history = TokenHistory(ids)
+            self.states[request_id].spec_stats = RequestSpecStats()
         if params.prompt_logprobs is not None:
             # position 0 has no logprob; its entry names the token (the API's echo needs it)
             first = {"token_id": ids[0], "logprob": None, "rank": None, "top": []}
@@ -359,12 +379,18 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         """Run one engine step; returns the deltas it produced (possibly none)."""
         deltas, self._pending = self._pending, []
+        if self.spec is not None:
+            self._propose_drafts()
         out = self.scheduler.schedule()
         if out.is_empty:
             return deltas
         self.num_steps += 1
         try:
+            started = time.perf_counter()
             sampled = self.execute_model(out)
+            if self.spec is not None:
+                step_ms = (time.perf_counter() - started) * 1000.0
+                self.spec.observe_step(out.num_batched_tokens, step_ms)
         except Exception as exc:  # a failed forward fails this step's requests, not the engine
             logger.exception("engine step failed; failing %d requests", len(out.scheduled))
             for entry in out.scheduled:
@@ -375,12 +401,12 @@ class LLMEngine:
                         self._final(state, "", [], "error", error=f"engine step failed: {exc}")
                     )
             return deltas
-        self.scheduler.update_after_step(out)
+        self.scheduler.update_after_step(out, self._num_rejected(sampled))
         now = time.monotonic()
         for row in sampled:
             if row.error is None:
                 try:
-                    deltas.append(self._process_token(row.state, row.token_id, row.logprobs, now))
+                    deltas.append(self._process_tokens(row, now))
                     _attach_prompt_logprobs(row.state, deltas[-1])
                     continue
                 except Exception as exc:  # this request's output only: the others go on
@@ -390,6 +416,49 @@ class LLMEngine:
                     row.error = f"output processing failed: {type(exc).__name__}: {exc}"
             deltas.append(self._fail(row.state, row.error))
         return deltas
+
+    def _propose_drafts(self) -> None:
+        """Set `spec_token_ids` of every running request for the coming step: n-gram drafts for
+        those that decode, as many as `SpecController.choose` finds worth verifying."""
+        spec, max_len = self.spec, self.max_model_len
+        k = spec.config.num_speculative_tokens
+        chosen: list[tuple[Request, object]] = []
+        for req in self.scheduler.running:
+            req.spec_token_ids = []
+            if req.num_output_tokens == 0 or req.num_computed_tokens != req.num_tokens - 1:
+                continue  # prefilling: nothing to draft from yet
+            state = self.states[req.request_id]
+            # the run emits up to drafts + 1 tokens: stay within max_tokens and max_model_len
+            limit = min(k, state.params.max_tokens - req.num_output_tokens - 1,
+                        max_len - req.num_tokens)  # fmt: skip
+            if limit >= 1:
+                drafts = spec.proposer.propose(state.history.view(), limit)
+                if len(drafts):
+                    chosen.append((req, drafts))
+        if not chosen:
+            return
+        lengths = spec.choose(
+            [d for _, d in chosen],
+            [self.states[r.request_id].spec_stats for r, _ in chosen],
+            len(self.scheduler.running),
+        )
+        for (req, drafts), n in zip(chosen, lengths, strict=True):
+            req.spec_token_ids = drafts[:n].tolist()
+
+    def _num_rejected(self, sampled: list[_Sampled]) -> dict[str, int]:
+        """Per request that verified drafts this step: how many it rejected (figures updated)."""
+        rejected: dict[str, int] = {}
+        for row in sampled:
+            if row.num_drafts == 0 or row.error is not None:
+                continue  # an error keeps the scheduler's default: every draft rejected
+            req = row.state.request
+            rejected[req.request_id] = row.num_drafts - row.num_accepted
+            req.num_spec_draft_tokens += row.num_drafts
+            req.num_spec_accepted_tokens += row.num_accepted
+            self.num_spec_draft_tokens += row.num_drafts
+            self.num_spec_accepted_tokens += row.num_accepted
+            row.state.spec_stats.observe(row.num_drafts, row.num_accepted)
+        return rejected
 
     def _fail(self, state: _RequestState, error: str) -> RequestDelta:
         """End one request with finish_reason "error" (the broker reports `engine_error`)."""
@@ -403,17 +472,21 @@ class LLMEngine:
         fails comes back with its error (`_sample`). A wrapper may decorate it on an instance
         (gpu_worker/faults.py injects test faults so)."""
         entries = out.scheduled
+        num_drafts = [len(e.spec_token_ids) for e in entries]
         inputs = self.runner.prepare_inputs(
             [
                 e.request.token_ids_slice(
-                    e.num_computed_tokens, e.num_computed_tokens + e.num_new_tokens
+                    e.num_computed_tokens, e.num_computed_tokens + e.num_new_tokens - nd
                 )
-                for e in entries
+                + list(e.spec_token_ids)
+                for e, nd in zip(entries, num_drafts, strict=True)
             ],
             [e.num_computed_tokens for e in entries],
             [e.request.block_table for e in entries],
             [e.samples for e in entries],
+            num_drafts,
         )
+        num_sampled = inputs.logits_indices.shape[0]
         prompt_rows = self._prompt_logprob_rows(entries)
         if prompt_rows:  # extra logits rows for the prompt positions of requests that ask
             inputs.logits_indices = torch.cat(
@@ -421,47 +494,82 @@ class LLMEngine:
             )
         logits = self.runner.execute(inputs)
         if prompt_rows:
-            num_sampled = len(inputs.sample_rows)
             self._record_prompt_logprobs(prompt_rows, logits[num_sampled:])
             logits = logits[:num_sampled]
         if not inputs.sample_rows:
             return []
         states = [self.states[entries[i].request.request_id] for i in inputs.sample_rows]
-        return self._sample(logits, states)
+        drafts = [entries[i].spec_token_ids for i in inputs.sample_rows]
+        return self._sample(logits, states, drafts)
 
-    def _sample(self, logits: torch.Tensor, states: list[_RequestState]) -> list[_Sampled]:
-        """Sample the `[S, V]` logits of `states` as one batch; when that raises, restore the
-        seeded generators and sample row by row, so only the rows that fail on their own end
-        (with their error) and the others get the tokens the batch would have given them."""
+    def _sample(
+        self, logits: torch.Tensor, states: list[_RequestState], drafts: list[tuple[int, ...]]
+    ) -> list[_Sampled]:
+        """Sample the `[sum(1 + len(drafts[i])), V]` logits of `states` as one batch (request i
+        owns `1 + len(drafts[i])` consecutive rows); when that raises, restore the seeded
+        generators and sample request by request, so only the requests that fail on their own
+        end (with their error) and the others get the tokens the batch would have given them."""
         saved = [None if s.generator is None else s.generator.get_state() for s in states]
         try:
-            result = self._sample_rows(logits, states)
-            return [_Sampled(s, t, lp) for s, t, lp in zip(states, *result, strict=True)]
+            return self._sample_rows(logits, states, drafts)
         except Exception:
             logger.exception("batched sampling failed; sampling %d rows one by one", len(states))
         rows: list[_Sampled] = []
+        start = 0
         for i, state in enumerate(states):
+            end = start + 1 + len(drafts[i])
             if saved[i] is not None:
                 state.generator.set_state(saved[i])
             try:
-                (token_id,), (logprobs,) = self._sample_rows(logits[i : i + 1], [state])
-                rows.append(_Sampled(state, token_id, logprobs))
+                rows += self._sample_rows(logits[start:end], [state], drafts[i : i + 1])
             except Exception as exc:
                 logger.exception("sampling failed for %s", state.request.request_id)
                 rows.append(_Sampled(state, error=f"sampling failed: {type(exc).__name__}: {exc}"))
+            start = end
         return rows
 
     def _sample_rows(
-        self, logits: torch.Tensor, states: list[_RequestState]
-    ) -> tuple[list[int], list[dict | None]]:
-        result = self.sampler(
-            logits,
-            [s.params for s in states],
-            [s.generator for s in states],
-            [s.request.prompt_token_ids for s in states],
-            [s.request.output_token_ids for s in states],
-        )
-        return result.token_ids, result.logprobs
+        self, logits: torch.Tensor, states: list[_RequestState], drafts: list[tuple[int, ...]]
+    ) -> list[_Sampled]:
+        if not any(drafts):  # one row per request
+            result = self.sampler(
+                logits,
+                [s.params for s in states],
+                [s.generator for s in states],
+                [s.request.prompt_token_ids for s in states],
+                [s.request.output_token_ids for s in states],
+            )
+            return [
+                _Sampled(s, [t], [lp])
+                for s, t, lp in zip(states, result.token_ids, result.logprobs, strict=True)
+            ]
+        # verification (gpu_worker/spec_decode.py): row j of a request samples as if its
+        # drafts 1..j were already output
+        params, generators, prompts, outputs = [], [], [], []
+        for s, d in zip(states, drafts, strict=True):
+            rows = verify_rows(d, s.request.output_token_ids)
+            params += [s.params] * len(rows)
+            generators += [s.generator] * len(rows)
+            prompts += [s.request.prompt_token_ids] * len(rows)
+            outputs += rows
+        rewind = [
+            None if s.generator is None or s.params.greedy else s.generator.get_state()
+            for s in states
+        ]
+        result = self.sampler(logits, params, generators, prompts, outputs)
+        sampled: list[_Sampled] = []
+        start = 0
+        for s, d, saved in zip(states, drafts, rewind, strict=True):
+            tokens = result.token_ids[start : start + 1 + len(d)]
+            n = num_accepted(tokens, d)
+            if saved is not None:  # one uniform per emitted token, as without drafts
+                s.generator.set_state(saved)
+                for _ in range(n + 1):
+                    torch.rand(1, dtype=torch.float64, generator=s.generator)
+            lps = result.logprobs[start : start + n + 1]
+            sampled.append(_Sampled(s, tokens[: n + 1], lps, num_drafts=len(d), num_accepted=n))
+            start += 1 + len(d)
+        return sampled
 
     def _prompt_logprob_rows(self, entries) -> list[_PromptRows]:
         """The prompt positions still lacking logprobs that this step computes, per request.
@@ -521,28 +629,40 @@ class LLMEngine:
                 )
                 i += 1
 
-    def _process_token(
-        self, state: _RequestState, token_id: int, logprobs: dict | None, now: float
-    ) -> RequestDelta:
+    def _process_tokens(self, row: _Sampled, now: float) -> RequestDelta:
+        """Append a step's tokens of one request, one by one, until one of them stops it (EOS,
+        stop id, stop string, max_tokens, max_model_len): the tokens after it are dropped, so a
+        stop inside an accepted speculative run cuts the run at the right token."""
+        state = row.state
         req, params = state.request, state.params
-        req.append_output_token_ids(token_id, now)
-        self.num_generated_tokens += 1
-        n_out = req.num_output_tokens
-        stop_token = n_out > params.min_tokens - 1 and (
-            (token_id in self.eos_token_ids and not params.ignore_eos)
-            or token_id in params.stop_token_ids
-        )
-        upd = state.detokenizer.update([token_id], stop_terminated=stop_token)
-        text = upd.delta_text
-        lp = [logprobs] if logprobs is not None else None
+        texts: list[str] = []
+        kept: list[int] = []
         reason = None
-        if stop_token or upd.stop_matched is not None:
-            reason = "stop"
-        elif n_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
-            reason = "length"
+        for token_id in row.token_ids:
+            req.append_output_token_ids(token_id, now)
+            if state.history is not None:
+                state.history.extend((token_id,))
+            kept.append(token_id)
+            self.num_generated_tokens += 1
+            n_out = req.num_output_tokens
+            stop_token = n_out > params.min_tokens - 1 and (
+                (token_id in self.eos_token_ids and not params.ignore_eos)
+                or token_id in params.stop_token_ids
+            )
+            upd = state.detokenizer.update([token_id], stop_terminated=stop_token)
+            texts.append(upd.delta_text)
+            if stop_token or upd.stop_matched is not None:
+                reason = "stop"
+            elif n_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                break
+        text = "".join(texts)
+        lps = row.logprobs[: len(kept)]
+        lp = lps if any(x is not None for x in lps) else None
         if reason is None:
             state.text_parts.append(text)
-            return RequestDelta(req.request_id, text, [token_id], False, logprobs=lp)
+            return RequestDelta(req.request_id, text, kept, False, logprobs=lp)
         if reason == "length":
             text += state.detokenizer.flush()
         self.states.pop(req.request_id, None)
@@ -550,7 +670,7 @@ class LLMEngine:
             req,
             RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH,
         )
-        return self._final(state, text, [token_id], reason, logprobs=lp)
+        return self._final(state, text, kept, reason, logprobs=lp)
 
     def _final(
         self,
@@ -580,9 +700,14 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         """Queue and KV figures: num_total_blocks, num_free_blocks, kv_usage, num_running,
         num_waiting, prefix_cache_queries, prefix_cache_hits (tokens), num_preemptions,
-        num_steps, num_generated_tokens."""
+        num_steps, num_generated_tokens, spec_draft_tokens, spec_accepted_tokens (totals)."""
         stats = dict(self.scheduler.stats())
-        stats.update(num_steps=self.num_steps, num_generated_tokens=self.num_generated_tokens)
+        stats.update(
+            num_steps=self.num_steps,
+            num_generated_tokens=self.num_generated_tokens,
+            spec_draft_tokens=self.num_spec_draft_tokens,
+            spec_accepted_tokens=self.num_spec_accepted_tokens,
+        )
         return stats
 
     def check_integrity(self) -> None:

@@ -5,6 +5,7 @@ For each step it builds the flattened varlen batch (DESIGN.md, "Model runner"):
     input_ids[T], positions[T], slot_mapping[T]     T = tokens computed this step, all requests
     cu_seqlens_q[B+1], seq_lens[B], block_tables[B, max_blocks]
     logits_indices[N]                               last row of each request that emits a token
+                                                    (its last 1 + d rows when it verifies d drafts)
 
 Request b computes tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) of its
 sequence (prompt + output so far); it emits a token when that range reaches the end of the known
@@ -177,6 +178,7 @@ class ModelRunner:
         num_computed: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         samples: Sequence[bool],
+        num_drafts: Sequence[int] | None = None,
     ) -> StepInputs:
         """Build the varlen batch.
 
@@ -186,6 +188,9 @@ class ModelRunner:
             num_computed: per request, tokens whose KV is already in the cache.
             block_tables: per request, physical block ids covering every position computed.
             samples: per request, whether its last new token's logits are needed.
+            num_drafts: per request, draft tokens at the end of its new tokens (speculative
+                decoding): a sampling request then gets logits rows for its last
+                `1 + num_drafts[b]` tokens, in order.
         """
         bs = self.block_size
         num_reqs = len(new_token_ids)
@@ -206,7 +211,12 @@ class ModelRunner:
         for b, table in enumerate(block_tables):
             tables[b, : len(table)] = table
         sample_rows = [b for b in range(num_reqs) if samples[b]]
-        logits_indices = [int(cu[b + 1]) - 1 for b in sample_rows]
+        if num_drafts is None or not any(num_drafts):
+            logits_indices = [int(cu[b + 1]) - 1 for b in sample_rows]
+        else:
+            logits_indices = [
+                r for b in sample_rows for r in range(int(cu[b + 1]) - 1 - num_drafts[b], cu[b + 1])
+            ]
         # slot of token at position p of request b = table[b, p // bs] * bs + p % bs
         slots = tables[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.device
@@ -225,7 +235,7 @@ class ModelRunner:
         )
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """One forward; logits [len(sample_rows), vocab] in fp32."""
+        """One forward; logits [len(logits_indices), vocab] in fp32."""
         if (
             self.cpu_single_thread_tokens
             and inputs.input_ids.shape[0] <= self.cpu_single_thread_tokens
