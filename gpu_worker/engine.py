@@ -51,8 +51,7 @@ from gpu_worker.spec_decode import (
     RequestSpecStats,
     SpecController,
     TokenHistory,
-    num_accepted,
-    verify_rows,
+    verify,
 )
 
 logger = logging.getLogger(__name__)
@@ -531,45 +530,19 @@ class LLMEngine:
     def _sample_rows(
         self, logits: torch.Tensor, states: list[_RequestState], drafts: list[tuple[int, ...]]
     ) -> list[_Sampled]:
-        if not any(drafts):  # one row per request
-            result = self.sampler(
-                logits,
-                [s.params for s in states],
-                [s.generator for s in states],
-                [s.request.prompt_token_ids for s in states],
-                [s.request.output_token_ids for s in states],
-            )
-            return [
-                _Sampled(s, [t], [lp])
-                for s, t, lp in zip(states, result.token_ids, result.logprobs, strict=True)
-            ]
-        # verification (gpu_worker/spec_decode.py): row j of a request samples as if its
-        # drafts 1..j were already output
-        params, generators, prompts, outputs = [], [], [], []
-        for s, d in zip(states, drafts, strict=True):
-            rows = verify_rows(d, s.request.output_token_ids)
-            params += [s.params] * len(rows)
-            generators += [s.generator] * len(rows)
-            prompts += [s.request.prompt_token_ids] * len(rows)
-            outputs += rows
-        rewind = [
-            None if s.generator is None or s.params.greedy else s.generator.get_state()
-            for s in states
+        runs = verify(
+            self.sampler,
+            logits,
+            [s.params for s in states],
+            [s.generator for s in states],
+            [s.request.prompt_token_ids for s in states],
+            [s.request.output_token_ids for s in states],
+            drafts,
+        )
+        return [
+            _Sampled(s, r.token_ids, r.logprobs, num_drafts=len(d), num_accepted=r.num_accepted)
+            for s, r, d in zip(states, runs, drafts, strict=True)
         ]
-        result = self.sampler(logits, params, generators, prompts, outputs)
-        sampled: list[_Sampled] = []
-        start = 0
-        for s, d, saved in zip(states, drafts, rewind, strict=True):
-            tokens = result.token_ids[start : start + 1 + len(d)]
-            n = num_accepted(tokens, d)
-            if saved is not None:  # one uniform per emitted token, as without drafts
-                s.generator.set_state(saved)
-                for _ in range(n + 1):
-                    torch.rand(1, dtype=torch.float64, generator=s.generator)
-            lps = result.logprobs[start : start + n + 1]
-            sampled.append(_Sampled(s, tokens[: n + 1], lps, num_drafts=len(d), num_accepted=n))
-            start += 1 + len(d)
-        return sampled
 
     def _prompt_logprob_rows(self, entries) -> list[_PromptRows]:
         """The prompt positions still lacking logprobs that this step computes, per request.

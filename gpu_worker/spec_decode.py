@@ -16,7 +16,7 @@ DESIGN.md "Speculative decoding". Per step, for every running request that decod
    tokens `[last token, x_1 .. x_d]` and gets d + 1 logits rows; row j is sampled by the ordinary
    `Sampler` as if `x_1 .. x_j` were already output (`verify_rows` builds those per-row inputs,
    so penalties, min_tokens, logit_bias, temperature, top-k/top-p/min_p apply per row exactly as
-   without speculation). `num_accepted` keeps the drafts while the row's token equals the draft,
+   without speculation). `verify` keeps the drafts while the row's token equals the draft,
    then the first differing row's token (or the bonus row's, when all d match) ends the run.
 
 Why this is lossless. Greedy rows are argmaxes, so the accepted run is the argmax chain. For a
@@ -25,7 +25,7 @@ sampling with a one-hot draft distribution (Leviathan et al. 2023; Chen et al. 2
 with probability p(x), and on rejection the emitted y is distributed as p with x removed and
 renormalised, which is the residual `max(p - onehot(x), 0)` normalised. Each emitted token takes
 one uniform from the request's own generator, the same one it would take without speculation
-(the engine rewinds the generator past the rows after the first rejection, `rewind_generator`),
+(`verify` rewinds the generator past the rows after the first rejection),
 so a seeded request gives the same tokens with speculation on or off, alone or in any batch.
 
 Rollback (engine + scheduler): `num_computed_tokens` advances by the accepted drafts plus the
@@ -41,16 +41,23 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from typing import NamedTuple
+
 import numpy as np
+import torch
 
 from gpu_worker.config import SpeculativeConfig
+from gpu_worker.sampler import Sampler
+from gpu_worker.sampling_params import SamplingParams
 
 __all__ = [
     "NgramProposer",
     "RequestSpecStats",
     "SpecController",
     "TokenHistory",
+    "VerifiedRun",
     "num_accepted",
+    "verify",
     "verify_rows",
 ]
 
@@ -238,6 +245,8 @@ def verify_rows(
 ) -> list[Sequence[int]]:
     """The output history of each of the d + 1 verification rows of one request: row j sees
     `output_token_ids + drafts[:j]` (what the request would have output before sampling it)."""
+    if not drafts:
+        return [output_token_ids]
     out = list(output_token_ids)
     return [out] + [out + list(drafts[:j]) for j in range(1, len(drafts) + 1)]
 
@@ -251,3 +260,60 @@ def num_accepted(row_tokens: Sequence[int], drafts: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+class VerifiedRun(NamedTuple):
+    """What one request emits after verification: its accepted drafts then one sampled token
+    (`num_accepted + 1` ids), with their logprob entries (None where not requested)."""
+
+    token_ids: list[int]
+    logprobs: list[dict | None]
+    num_accepted: int
+
+
+def verify(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    drafts: Sequence[Sequence[int]],
+) -> list[VerifiedRun]:
+    """Verify the drafts of R requests in one `sampler` call (see the module docstring).
+
+    Args:
+        logits: `[sum(1 + len(drafts[i])), V]`; request i owns `1 + len(drafts[i])` consecutive
+            rows, row j being the logits after its last token and drafts 1..j.
+        params, generators, prompt_token_ids, output_token_ids: per request, as `Sampler` takes
+            them (output ids before this step).
+        drafts: per request, its draft token ids (may be empty: then it samples one token).
+
+    Returns:
+        One `VerifiedRun` per request. A seeded sampled request's generator ends advanced by one
+        uniform per emitted token, exactly as `num_accepted + 1` steps without drafts leave it.
+    """
+    row_params, row_gens, row_prompts, row_outputs = [], [], [], []
+    for i, d in enumerate(drafts):
+        rows = verify_rows(d, output_token_ids[i])
+        row_params += [params[i]] * len(rows)
+        row_gens += [generators[i]] * len(rows)
+        row_prompts += [prompt_token_ids[i]] * len(rows)
+        row_outputs += rows
+    rewind = [
+        None if g is None or p.greedy or not d else g.get_state()
+        for p, g, d in zip(params, generators, drafts, strict=True)
+    ]
+    result = sampler(logits, row_params, row_gens, row_prompts, row_outputs)
+    runs: list[VerifiedRun] = []
+    start = 0
+    for i, d in enumerate(drafts):
+        tokens = result.token_ids[start : start + 1 + len(d)]
+        n = num_accepted(tokens, d)
+        if rewind[i] is not None:  # one uniform per emitted token, as without drafts
+            generators[i].set_state(rewind[i])
+            for _ in range(n + 1):
+                torch.rand(1, dtype=torch.float64, generator=generators[i])
+        runs.append(VerifiedRun(tokens[: n + 1], result.logprobs[start : start + n + 1], n))
+        start += 1 + len(d)
+    return runs

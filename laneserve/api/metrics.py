@@ -20,6 +20,7 @@ Counters (label ``lane``): ``prompt_tokens_total``, ``generation_tokens_total``,
 Gauges and counters read from the broker's ``status`` (label ``worker_id``):
 ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (0..1, as vLLM),
 ``prefix_cache_hits_total`` / ``prefix_cache_queries_total`` (tokens), ``num_preemptions_total``,
+``spec_decode_num_draft_tokens_total`` / ``spec_decode_num_accepted_tokens_total`` (vLLM's names),
 and ``num_requests_queued`` (label ``lane``: requests waiting in the broker's lane queue),
 ``num_workers`` (label ``lane``).
 
@@ -196,6 +197,12 @@ class BrokerCollector:
             "prefix_cache_hits": ("Prefix-cache hits (tokens).", "prefix_cache_hits"),
             "prefix_cache_queries": ("Prefix-cache queries (tokens).", "prefix_cache_queries"),
             "num_preemptions": ("Preemptions.", "num_preemptions"),
+            "spec_decode_num_draft_tokens": (
+                "Speculative decoding: draft tokens verified.", "spec_draft_tokens"
+            ),
+            "spec_decode_num_accepted_tokens": (
+                "Speculative decoding: draft tokens accepted.", "spec_accepted_tokens"
+            ),
         }
         for name, (doc, key) in counters.items():
             fam = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", "worker_id"])
