@@ -185,7 +185,9 @@ class SpeculativeConfig:
                 f"prompt_lookup_max={self.prompt_lookup_max}"
             )
         if type(self.adaptive) is not bool:
-            raise EngineConfigError(f"speculative_config adaptive must be a bool, got {self.adaptive!r}")
+            raise EngineConfigError(
+                f"speculative_config adaptive must be a bool, got {self.adaptive!r}"
+            )
 
     @property
     def enabled(self) -> bool:

@@ -472,6 +472,4 @@ class Scheduler:
                     rejected = num_rejected.get(req.request_id, rejected)
                 req.num_computed_tokens -= rejected
                 self.block_manager.trim(req, req.num_computed_tokens + 1)
-            self.block_manager.cache_full_blocks(
-                req, min(req.num_computed_tokens, req.num_tokens)
-            )
+            self.block_manager.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))

@@ -40,7 +40,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-
 from typing import NamedTuple
 
 import numpy as np
@@ -240,9 +239,7 @@ class SpecController:
         return chosen
 
 
-def verify_rows(
-    drafts: Sequence[int], output_token_ids: Sequence[int]
-) -> list[Sequence[int]]:
+def verify_rows(drafts: Sequence[int], output_token_ids: Sequence[int]) -> list[Sequence[int]]:
     """The output history of each of the d + 1 verification rows of one request: row j sees
     `output_token_ids + drafts[:j]` (what the request would have output before sampling it)."""
     if not drafts:
@@ -255,7 +252,7 @@ def num_accepted(row_tokens: Sequence[int], drafts: Sequence[int]) -> int:
     """Drafts accepted: the longest prefix where row j's sampled token equals draft j.
     The request then emits `row_tokens[: num_accepted + 1]`."""
     n = 0
-    for tok, draft in zip(row_tokens, drafts):
+    for tok, draft in zip(row_tokens, drafts, strict=False):  # row_tokens has one more
         if tok != draft:
             break
         n += 1

@@ -198,10 +198,12 @@ class BrokerCollector:
             "prefix_cache_queries": ("Prefix-cache queries (tokens).", "prefix_cache_queries"),
             "num_preemptions": ("Preemptions.", "num_preemptions"),
             "spec_decode_num_draft_tokens": (
-                "Speculative decoding: draft tokens verified.", "spec_draft_tokens"
+                "Speculative decoding: draft tokens verified.",
+                "spec_draft_tokens",
             ),
             "spec_decode_num_accepted_tokens": (
-                "Speculative decoding: draft tokens accepted.", "spec_accepted_tokens"
+                "Speculative decoding: draft tokens accepted.",
+                "spec_accepted_tokens",
             ),
         }
         for name, (doc, key) in counters.items():
