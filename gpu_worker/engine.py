@@ -47,12 +47,7 @@ from gpu_worker.request import Lane, Request, RequestStatus
 from gpu_worker.sampler import Sampler
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from gpu_worker.spec_decode import (
-    RequestSpecStats,
-    SpecController,
-    TokenHistory,
-    verify,
-)
+from gpu_worker.spec_decode import SpecController, SpecRequest, TokenHistory, spec_totals, verify
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +118,7 @@ class _RequestState:
     # prompt_logprobs requested: entries so far (one per position); sent once complete
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
-    # speculative decoding: prompt + output ids for the proposer, acceptance evidence
-    history: TokenHistory | None = None
-    spec_stats: RequestSpecStats | None = None
+    spec: SpecRequest | None = None  # speculative decoding: token history, acceptance
 
 
 class _PromptRows(NamedTuple):
@@ -229,8 +222,6 @@ class LLMEngine:
         self.num_generated_tokens = 0
         spec = config.speculative_config
         self.spec = SpecController(spec) if spec is not None and spec.enabled else None
-        self.num_spec_draft_tokens = 0  # totals since start (the /metrics counters)
-        self.num_spec_accepted_tokens = 0
         logger.info(
             "engine ready: model=%s dtype=%s device=%s blocks=%d x %d (KV %.2f GiB) max_model_len=%d",
             self.model_name,
@@ -354,8 +345,7 @@ class LLMEngine:
             req, IncrementalDetokenizer(self.tokenizer, ids, params), generator, params
         )
         if self.spec is not None:
-            self.states[request_id].history = TokenHistory(ids)
-            self.states[request_id].spec_stats = RequestSpecStats()
+            self.states[request_id].spec = SpecRequest(TokenHistory(ids))
         if params.prompt_logprobs is not None:
             # position 0 has no logprob; its entry names the token (the API's echo needs it)
             first = {"token_id": ids[0], "logprob": None, "rank": None, "top": []}
@@ -379,7 +369,7 @@ class LLMEngine:
         """Run one engine step; returns the deltas it produced (possibly none)."""
         deltas, self._pending = self._pending, []
         if self.spec is not None:
-            self._propose_drafts()
+            self.spec.propose(self.scheduler.running, self._spec_of, self.max_model_len)
         out = self.scheduler.schedule()
         if out.is_empty:
             return deltas
@@ -400,7 +390,12 @@ class LLMEngine:
                         self._final(state, "", [], "error", error=f"engine step failed: {exc}")
                     )
             return deltas
-        self.scheduler.update_after_step(out, self._num_rejected(sampled))
+        rejected = None
+        if self.spec is not None:  # figures of this step's verified drafts
+            runs = [(r.state.request, r.state.spec, r.num_drafts, r.num_accepted) for r in sampled
+                    if r.num_drafts and r.error is None]  # fmt: skip
+            rejected = self.spec.record(runs)  # an error: every draft rejected (the default)
+        self.scheduler.update_after_step(out, rejected)
         now = time.monotonic()
         for row in sampled:
             if row.error is None:
@@ -416,48 +411,9 @@ class LLMEngine:
             deltas.append(self._fail(row.state, row.error))
         return deltas
 
-    def _propose_drafts(self) -> None:
-        """Set `spec_token_ids` of every running request for the coming step: n-gram drafts for
-        those that decode, as many as `SpecController.choose` finds worth verifying."""
-        spec, max_len = self.spec, self.max_model_len
-        k = spec.config.num_speculative_tokens
-        chosen: list[tuple[Request, object]] = []
-        for req in self.scheduler.running:
-            req.spec_token_ids = []
-            if req.num_output_tokens == 0 or req.num_computed_tokens != req.num_tokens - 1:
-                continue  # prefilling: nothing to draft from yet
-            state = self.states[req.request_id]
-            # the run emits up to drafts + 1 tokens: stay within max_tokens and max_model_len
-            limit = min(k, state.params.max_tokens - req.num_output_tokens - 1,
-                        max_len - req.num_tokens)  # fmt: skip
-            if limit >= 1:
-                drafts = spec.proposer.propose(state.history.view(), limit)
-                if len(drafts):
-                    chosen.append((req, drafts))
-        if not chosen:
-            return
-        lengths = spec.choose(
-            [d for _, d in chosen],
-            [self.states[r.request_id].spec_stats for r, _ in chosen],
-            len(self.scheduler.running),
-        )
-        for (req, drafts), n in zip(chosen, lengths, strict=True):
-            req.spec_token_ids = drafts[:n].tolist()
-
-    def _num_rejected(self, sampled: list[_Sampled]) -> dict[str, int]:
-        """Per request that verified drafts this step: how many it rejected (figures updated)."""
-        rejected: dict[str, int] = {}
-        for row in sampled:
-            if row.num_drafts == 0 or row.error is not None:
-                continue  # an error keeps the scheduler's default: every draft rejected
-            req = row.state.request
-            rejected[req.request_id] = row.num_drafts - row.num_accepted
-            req.num_spec_draft_tokens += row.num_drafts
-            req.num_spec_accepted_tokens += row.num_accepted
-            self.num_spec_draft_tokens += row.num_drafts
-            self.num_spec_accepted_tokens += row.num_accepted
-            row.state.spec_stats.observe(row.num_drafts, row.num_accepted)
-        return rejected
+    def _spec_of(self, req: Request) -> tuple[SpecRequest, SamplingParams]:
+        state = self.states[req.request_id]
+        return state.spec, state.params
 
     def _fail(self, state: _RequestState, error: str) -> RequestDelta:
         """End one request with finish_reason "error" (the broker reports `engine_error`)."""
@@ -613,8 +569,8 @@ class LLMEngine:
         reason = None
         for token_id in row.token_ids:
             req.append_output_token_ids(token_id, now)
-            if state.history is not None:
-                state.history.extend((token_id,))
+            if state.spec is not None:
+                state.spec.history.extend((token_id,))
             kept.append(token_id)
             self.num_generated_tokens += 1
             n_out = req.num_output_tokens
@@ -673,13 +629,13 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         """Queue and KV figures: num_total_blocks, num_free_blocks, kv_usage, num_running,
         num_waiting, prefix_cache_queries, prefix_cache_hits (tokens), num_preemptions,
-        num_steps, num_generated_tokens, spec_draft_tokens, spec_accepted_tokens (totals)."""
+        num_steps, num_generated_tokens, and speculative decoding's totals spec_draft_tokens,
+        spec_accepted_tokens, spec_num_drafts, spec_propose_ms (`spec_decode.spec_totals`)."""
         stats = dict(self.scheduler.stats())
         stats.update(
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
-            spec_draft_tokens=self.num_spec_draft_tokens,
-            spec_accepted_tokens=self.num_spec_accepted_tokens,
+            **spec_totals(self.spec),
         )
         return stats
 

@@ -38,14 +38,16 @@ below `num_computed_tokens` with its final tokens, so rejected K/V never enters 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from gpu_worker.config import SpeculativeConfig
+from gpu_worker.request import Request
 from gpu_worker.sampler import Sampler
 from gpu_worker.sampling_params import SamplingParams
 
@@ -53,9 +55,11 @@ __all__ = [
     "NgramProposer",
     "RequestSpecStats",
     "SpecController",
+    "SpecRequest",
     "TokenHistory",
     "VerifiedRun",
     "num_accepted",
+    "spec_totals",
     "verify",
     "verify_rows",
 ]
@@ -159,6 +163,14 @@ class RequestSpecStats:
         self.rej = 0.9 * self.rej + (num_accepted < num_drafts)
 
 
+@dataclass(slots=True)
+class SpecRequest:
+    """The engine's speculative state of one request: its token history and acceptance."""
+
+    history: TokenHistory
+    stats: RequestSpecStats = field(default_factory=RequestSpecStats)
+
+
 class SpecController:
     """Chooses each step's draft lengths (see the module docstring, step 2).
 
@@ -178,6 +190,56 @@ class SpecController:
         self.config = config
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        # totals since start (`spec_totals`; the /metrics counters are vLLM's names for them)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_drafts = 0  # verifications that carried at least one draft
+        self.propose_s = 0.0  # time spent proposing and choosing (s)
+
+    def propose(
+        self,
+        running: Sequence[Request],
+        spec_of: Callable[[Request], tuple[SpecRequest, SamplingParams]],
+        max_model_len: int,
+    ) -> None:
+        """Set `spec_token_ids` of every running request for the coming step: n-gram drafts for
+        those that decode, as many as `choose` finds worth verifying. A run emits up to
+        drafts + 1 tokens, so drafts stay within `max_tokens` and `max_model_len`."""
+        started = time.perf_counter()
+        k = self.config.num_speculative_tokens
+        chosen: list[tuple[Request, np.ndarray, RequestSpecStats]] = []
+        for req in running:
+            req.spec_token_ids = []
+            if req.num_output_tokens == 0 or req.num_computed_tokens != req.num_tokens - 1:
+                continue  # prefilling: nothing to draft from yet
+            spec, params = spec_of(req)
+            n_out = req.num_output_tokens
+            limit = min(k, params.max_tokens - n_out - 1, max_model_len - req.num_tokens)
+            if limit >= 1:
+                drafts = self.proposer.propose(spec.history.view(), limit)
+                if len(drafts):
+                    chosen.append((req, drafts, spec.stats))
+        if chosen:
+            lengths = self.choose(
+                [d for _, d, _ in chosen], [s for _, _, s in chosen], len(running)
+            )
+            for (req, drafts, _), n in zip(chosen, lengths, strict=True):
+                req.spec_token_ids = drafts[:n].tolist()
+        self.propose_s += time.perf_counter() - started
+
+    def record(self, runs: Sequence[tuple[Request, SpecRequest, int, int]]) -> dict[str, int]:
+        """Account verified runs `(request, its spec state, drafts, accepted)`; returns the
+        rejected drafts per request id (`Scheduler.update_after_step`)."""
+        rejected: dict[str, int] = {}
+        for req, spec, drafted, accepted in runs:
+            rejected[req.request_id] = drafted - accepted
+            req.num_spec_draft_tokens += drafted
+            req.num_spec_accepted_tokens += accepted
+            self.num_draft_tokens += drafted
+            self.num_accepted_tokens += accepted
+            self.num_drafts += 1
+            spec.stats.observe(drafted, accepted)
+        return rejected
 
     def observe_step(self, num_tokens: int, step_ms: float) -> None:
         """Record one executed step: tokens it computed and its forward + sampling time (ms)."""
@@ -237,6 +299,19 @@ class SpecController:
             yield_ += g
             ms += b
         return chosen
+
+
+def spec_totals(controller: SpecController | None) -> dict[str, float | int]:
+    """Engine-wide figures (0 without speculation): `spec_draft_tokens`, `spec_accepted_tokens`,
+    `spec_num_drafts` (verifications with drafts; vLLM's mean acceptance length is
+    1 + accepted / num_drafts) and `spec_propose_ms` (proposer + controller time, ms)."""
+    c = controller
+    return {
+        "spec_draft_tokens": c.num_draft_tokens if c else 0,
+        "spec_accepted_tokens": c.num_accepted_tokens if c else 0,
+        "spec_num_drafts": c.num_drafts if c else 0,
+        "spec_propose_ms": round(c.propose_s * 1000.0, 3) if c else 0.0,
+    }
 
 
 def verify_rows(drafts: Sequence[int], output_token_ids: Sequence[int]) -> list[Sequence[int]]:
