@@ -185,6 +185,10 @@ class SpecController:
     """
 
     _DECAY = 0.98  # per observed step: about the last 50 steps count
+    # Every this many choices one request sends its whole proposal whatever the model says, so
+    # the fit keeps seeing steps of several sizes and a request's acceptance keeps being
+    # measured after the controller turned speculation off (one request: a few rows at most).
+    EXPLORE_EVERY = 8
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -195,6 +199,7 @@ class SpecController:
         self.num_accepted_tokens = 0
         self.num_drafts = 0  # verifications that carried at least one draft
         self.propose_s = 0.0  # time spent proposing and choosing (s)
+        self._choices = 0
 
     def propose(
         self,
@@ -291,7 +296,12 @@ class SpecController:
                 gains.append((g, i))
         gains.sort(key=lambda t: -t[0])
         chosen = [0] * len(lengths)
-        yield_, ms = float(len(proposals)), a + b * max(num_rows, 1)
+        self._choices += 1
+        if self._choices % self.EXPLORE_EVERY == 0:
+            i = (self._choices // self.EXPLORE_EVERY) % len(lengths)
+            chosen[i] = lengths[i]
+            gains = [(g, j) for g, j in gains if j != i]
+        yield_, ms = float(len(proposals)), a + b * (max(num_rows, 1) + sum(chosen))
         for g, i in gains:  # fractional knapsack on the ratio tokens / ms
             if g * ms <= yield_ * b:
                 break
