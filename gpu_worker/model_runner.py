@@ -101,6 +101,33 @@ class StepInputs:
         return n == self.attn.seq_lens.shape[0] == len(self.sample_rows)
 
 
+def _split_draft_rows(
+    num_drafts: np.ndarray,
+    lens: np.ndarray,
+    starts: np.ndarray,
+    seq_lens: np.ndarray,
+    tables: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Attention metadata where each query row of a request verifying drafts is a one-token
+    "sequence" of its own: row j (position starts + j) attends to keys [0, starts + j], which
+    is what causal attention over the request's rows gives it, so a step of decodes and draft
+    verifications stays a pure decode batch for attention (the in-place paged decode kernel,
+    the same numerics as a plain decode). K/V slots, positions and logits rows are unchanged.
+
+    Returns (cu_seqlens_q `[S+1]` int32, seq_lens `[S]` int32, block_tables `[S, max_blocks]`).
+    """
+    split = num_drafts > 0  # [B]
+    reps = np.where(split, lens, 1)  # attention sequences per request
+    seq_of = np.repeat(np.arange(lens.shape[0]), reps)  # [S] request of each
+    first = np.cumsum(reps) - reps
+    j = np.arange(seq_of.shape[0]) - first[seq_of]  # row within its request
+    q_lens = np.where(split[seq_of], 1, lens[seq_of]).astype(np.int32)
+    att_lens = np.where(split[seq_of], starts[seq_of] + j + 1, seq_lens[seq_of]).astype(np.int32)
+    att_cu = np.zeros(seq_of.shape[0] + 1, dtype=np.int32)
+    np.cumsum(q_lens, out=att_cu[1:])
+    return att_cu, att_lens, np.ascontiguousarray(tables[seq_of])
+
+
 class ModelRunner:
     """Holds the model and one KV cache tensor per layer: [2, num_blocks, block_size, Hk, D].
 
@@ -219,12 +246,17 @@ class ModelRunner:
             ]
         # slot of token at position p of request b = table[b, p // bs] * bs + p % bs
         slots = tables[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        att_cu, att_lens, att_tables = cu, seq_lens, tables
+        if num_drafts is not None and any(num_drafts):
+            att_cu, att_lens, att_tables = _split_draft_rows(
+                np.asarray(num_drafts), lens, starts, seq_lens, tables
+            )
         dev = self.device
         attn = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev),
-            cu_seqlens_q=torch.from_numpy(cu).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
+            cu_seqlens_q=torch.from_numpy(att_cu).to(dev),
+            seq_lens=torch.from_numpy(att_lens).to(dev),
+            block_tables=torch.from_numpy(att_tables).to(dev),
         )
         return StepInputs(
             input_ids=torch.from_numpy(input_ids).to(dev),
