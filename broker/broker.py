@@ -49,7 +49,7 @@ from broker.config import BrokerConfig
 from broker.curve import curve_server
 from broker.dispatch import Dispatcher
 from broker.protocol.sockets import bind_router
-from broker.records import RecordLink
+from broker.records import ENGINE_COUNTS, RecordLink
 from broker.requests import RequestState, outcome, timings, usage
 from broker.worker_side import WorkerSide
 from broker.workers import WorkerRegistry, WorkerState
@@ -362,7 +362,7 @@ class Broker(WorkerSide):
         if req.client:
             self._send_client(req.client, end.to_frames())
         if self.records is not None:
-            counts = usage_ | {k: metrics.get(k) for k in ("preemptions", "prefill_chunks")}
+            counts = usage_ | {k: metrics.get(k) for k in ENGINE_COUNTS}
             self.records.add_request(req, status, finish_reason, error, counts, timings_)
 
     # ----------------------------------------------------------------------------- status

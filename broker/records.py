@@ -35,7 +35,10 @@ logger = logging.getLogger(__name__)
 
 _NOBLOCK = zmq.NOBLOCK
 _TOKEN_FIELDS = ("prompt_tokens", "cached_tokens", "completion_tokens")
-_ENGINE_COUNTS = ("preemptions", "prefill_chunks")
+# engine counts of a final's metrics that the record carries (speculative decoding's included)
+ENGINE_COUNTS = (
+    "preemptions", "prefill_chunks", "spec_draft_tokens", "spec_accepted_tokens"
+)  # fmt: skip
 # The load figures a snapshot copies from the worker's heartbeat stats, and which are counts.
 _SNAPSHOT_STATS = tuple(
     f.name
@@ -73,7 +76,7 @@ def request_record(
     }
     if error is not None:
         fields["error_code"], fields["error_message"] = error
-    for key in (*_TOKEN_FIELDS, *_ENGINE_COUNTS):
+    for key in (*_TOKEN_FIELDS, *ENGINE_COUNTS):
         fields[key] = counts.get(key)
     for key in TIMING_FIELDS:
         fields[key] = timings.get(key)

@@ -166,5 +166,7 @@ _RECORD_COLUMNS = (
     "completion_tokens",
     "preemptions",
     "prefill_chunks",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
     *TIMING_FIELDS,
 )

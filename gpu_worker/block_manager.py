@@ -397,6 +397,26 @@ class BlockManager:
             self._cached[block_hash] = block.block_id
         self._num_registered[request.request_id] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Return the trailing blocks of `request` beyond what `num_tokens` tokens need
+        (speculative decoding's lookahead after rejected drafts). Those blocks hold only
+        positions past the request's computed tokens, so they are its own and unregistered.
+        Returns the number of blocks freed.
+        """
+        keep = self.num_blocks_for(num_tokens)
+        table = request.block_table
+        freed = 0
+        while len(table) > keep:
+            block = self.blocks[table.pop()]
+            assert block.ref_count == 1 and block.block_hash is None, (
+                f"{request.request_id}: lookahead block {block.block_id} is shared or cached"
+            )
+            block.ref_count = 0
+            self._free[block.block_id] = None
+            self._free.move_to_end(block.block_id, last=False)
+            freed += 1
+        return freed
+
     def free(self, request: Request) -> None:
         """Release all blocks of `request` (finish, abort or preemption); idempotent.
 

@@ -32,6 +32,7 @@ __all__ = [
     "EngineConfig",
     "EngineConfigError",
     "LaneProfile",
+    "SpeculativeConfig",
     "add_engine_arguments",
     "config_from_args",
     "lane_profile",
@@ -151,6 +152,98 @@ def _parse_slo(text: str) -> str:
     return text
 
 
+# ------------------------------------------------------------------------------ speculation
+
+SPEC_METHODS = ("ngram", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding by n-gram prompt lookup (vLLM's `speculative_config` names).
+
+    Attributes:
+        method: "ngram" (draft from the request's own prompt + output) or "none" (off).
+        num_speculative_tokens: most draft tokens per request per step (k). 4 by default: on
+            copy-heavy text runs of 4+ accepted tokens are common, and each draft is one more
+            query row of the step when it is rejected.
+        prompt_lookup_min / prompt_lookup_max: shortest / longest suffix n-gram looked up
+            (the longest matching n wins; vLLM's knobs).
+        adaptive: laneserve's own knob. True: each step the engine drafts only what its measured
+            step cost and each request's acceptance rate say pays (gpu_worker/spec_decode.py);
+            False: always draft up to k tokens where a match exists (operator forces it on).
+
+    Raises (constructor):
+        EngineConfigError: an unknown method, a count below 1, or min > max.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise EngineConfigError(
+                f"speculative_config method must be one of {SPEC_METHODS}, got {self.method!r}"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise EngineConfigError(
+                    f"speculative_config {name} must be an integer >= 1, got {value!r}"
+                )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise EngineConfigError(
+                f"speculative_config prompt_lookup_min={self.prompt_lookup_min} > "
+                f"prompt_lookup_max={self.prompt_lookup_max}"
+            )
+        if type(self.adaptive) is not bool:
+            raise EngineConfigError(
+                f"speculative_config adaptive must be a bool, got {self.adaptive!r}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_any(cls, value: Any) -> SpeculativeConfig | None:
+        """A `SpeculativeConfig`, its dict form (vLLM's), or its JSON text -> config; None -> None.
+
+        Raises:
+            EngineConfigError: bad JSON, not an object, an unknown key, or a bad value.
+        """
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise EngineConfigError(f"speculative_config is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise EngineConfigError(
+                f"speculative_config must be an object, got {type(value).__name__}"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise EngineConfigError(
+                f"unknown speculative_config key(s) {unknown}; known: {sorted(names)}"
+            )
+        return cls(**value)
+
+
+def _cli_speculative(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_any(text)
+    except EngineConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 # ------------------------------------------------------------------------------ the options
 
 
@@ -240,9 +333,16 @@ class EngineConfig:
     quantization: str = _opt("auto", "weight-only kernels: auto = a GGUF's own Q4_0/Q4_1/Q8_0 "
                              "on CPU (int4 / int8), none = dequantized, int8, int4",
                              choices=QUANTIZATIONS)  # fmt: skip
+    speculative_config: SpeculativeConfig | dict | None = _opt(
+        None, 'speculative decoding as JSON, vLLM\'s names: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, '
+        '"adaptive": true} (default: off)', parse=_cli_speculative
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lanes", tuple(self.lanes))
+        spec = SpeculativeConfig.from_any(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
         for name in _POSITIVE:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
@@ -270,6 +370,8 @@ class EngineConfig:
         """Plain JSON/msgpack values (lanes as a list)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["lanes"] = list(self.lanes)
+        if self.speculative_config is not None:
+            out["speculative_config"] = self.speculative_config.to_dict()
         return out
 
     def to_json(self) -> str:
@@ -308,6 +410,8 @@ _TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
     "bool": lambda v: type(v) is bool,
     "None": lambda v: v is None,
     "tuple[str, ...]": lambda v: type(v) in (list, tuple) and all(type(x) is str for x in v),
+    "dict": lambda v: type(v) is dict,
+    "SpeculativeConfig": lambda v: isinstance(v, SpeculativeConfig),
 }
 
 

@@ -47,6 +47,7 @@ from gpu_worker.request import Lane, Request, RequestStatus
 from gpu_worker.sampler import Sampler
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from gpu_worker.spec_decode import SpecController, SpecRequest, TokenHistory, spec_totals, verify
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +97,15 @@ def default_device() -> torch.device:
 
 @dataclass(slots=True)
 class _Sampled:
-    """One sampled row of a step: the token and its logprobs, or the error that ended it."""
+    """One request's sampled tokens of a step (one, or with speculative decoding its accepted
+    drafts plus one) and their logprobs, or the error that ended it."""
 
     state: _RequestState
-    token_id: int = -1
-    logprobs: dict | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict | None] = field(default_factory=list)
     error: str | None = None
+    num_drafts: int = 0  # drafts verified this step
+    num_accepted: int = 0  # of which accepted
 
 
 @dataclass(slots=True)
@@ -114,6 +118,7 @@ class _RequestState:
     # prompt_logprobs requested: entries so far (one per position); sent once complete
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
+    spec: SpecRequest | None = None  # speculative decoding: token history, acceptance
 
 
 class _PromptRows(NamedTuple):
@@ -224,6 +229,8 @@ class LLMEngine:
         self._pending: list[RequestDelta] = []  # aborts/errors reported at the next step
         self.num_steps = 0
         self.num_generated_tokens = 0
+        spec = config.speculative_config
+        self.spec = SpecController(spec) if spec is not None and spec.enabled else None
         if config.slo_control:  # SLO-driven step budgets, from a start-up profile of this engine
             from gpu_worker.step_budget import profile_engine
 
@@ -350,6 +357,8 @@ class LLMEngine:
         self.states[request_id] = _RequestState(
             req, IncrementalDetokenizer(self.tokenizer, ids, params), generator, params
         )
+        if self.spec is not None:
+            self.states[request_id].spec = SpecRequest(TokenHistory(ids))
         if params.prompt_logprobs is not None:
             # position 0 has no logprob; its entry names the token (the API's echo needs it)
             first = {"token_id": ids[0], "logprob": None, "rank": None, "top": []}
@@ -372,12 +381,18 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         """Run one engine step; returns the deltas it produced (possibly none)."""
         deltas, self._pending = self._pending, []
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self._spec_of, self.max_model_len)
         out = self.scheduler.schedule()
         if out.is_empty:
             return deltas
         self.num_steps += 1
         try:
+            started = time.perf_counter()
             sampled = self.execute_model(out)
+            if self.spec is not None:
+                step_ms = (time.perf_counter() - started) * 1000.0
+                self.spec.observe_step(out.num_batched_tokens, step_ms)
         except Exception as exc:  # a failed forward fails this step's requests, not the engine
             logger.exception("engine step failed; failing %d requests", len(out.scheduled))
             for entry in out.scheduled:
@@ -388,12 +403,17 @@ class LLMEngine:
                         self._final(state, "", [], "error", error=f"engine step failed: {exc}")
                     )
             return deltas
-        self.scheduler.update_after_step(out)
+        rejected = None
+        if self.spec is not None:  # figures of this step's verified drafts
+            runs = [(r.state.request, r.state.spec, r.num_drafts, r.num_accepted) for r in sampled
+                    if r.num_drafts and r.error is None]  # fmt: skip
+            rejected = self.spec.record(runs)  # an error: every draft rejected (the default)
+        self.scheduler.update_after_step(out, rejected)
         now = time.monotonic()
         for row in sampled:
             if row.error is None:
                 try:
-                    deltas.append(self._process_token(row.state, row.token_id, row.logprobs, now))
+                    deltas.append(self._process_tokens(row, now))
                     _attach_prompt_logprobs(row.state, deltas[-1])
                     continue
                 except Exception as exc:  # this request's output only: the others go on
@@ -403,6 +423,10 @@ class LLMEngine:
                     row.error = f"output processing failed: {type(exc).__name__}: {exc}"
             deltas.append(self._fail(row.state, row.error))
         return deltas
+
+    def _spec_of(self, req: Request) -> tuple[SpecRequest, SamplingParams]:
+        state = self.states[req.request_id]
+        return state.spec, state.params
 
     def _fail(self, state: _RequestState, error: str) -> RequestDelta:
         """End one request with finish_reason "error" (the broker reports `engine_error`)."""
@@ -416,17 +440,21 @@ class LLMEngine:
         fails comes back with its error (`_sample`). A wrapper may decorate it on an instance
         (gpu_worker/faults.py injects test faults so)."""
         entries = out.scheduled
+        num_drafts = [len(e.spec_token_ids) for e in entries]
         inputs = self.runner.prepare_inputs(
             [
                 e.request.token_ids_slice(
-                    e.num_computed_tokens, e.num_computed_tokens + e.num_new_tokens
+                    e.num_computed_tokens, e.num_computed_tokens + e.num_new_tokens - nd
                 )
-                for e in entries
+                + list(e.spec_token_ids)
+                for e, nd in zip(entries, num_drafts, strict=True)
             ],
             [e.num_computed_tokens for e in entries],
             [e.request.block_table for e in entries],
             [e.samples for e in entries],
+            num_drafts,
         )
+        num_sampled = inputs.logits_indices.shape[0]
         prompt_rows = self._prompt_logprob_rows(entries)
         if prompt_rows:  # extra logits rows for the prompt positions of requests that ask
             inputs.logits_indices = torch.cat(
@@ -434,47 +462,56 @@ class LLMEngine:
             )
         logits = self.runner.execute(inputs)
         if prompt_rows:
-            num_sampled = len(inputs.sample_rows)
             self._record_prompt_logprobs(prompt_rows, logits[num_sampled:])
             logits = logits[:num_sampled]
         if not inputs.sample_rows:
             return []
         states = [self.states[entries[i].request.request_id] for i in inputs.sample_rows]
-        return self._sample(logits, states)
+        drafts = [entries[i].spec_token_ids for i in inputs.sample_rows]
+        return self._sample(logits, states, drafts)
 
-    def _sample(self, logits: torch.Tensor, states: list[_RequestState]) -> list[_Sampled]:
-        """Sample the `[S, V]` logits of `states` as one batch; when that raises, restore the
-        seeded generators and sample row by row, so only the rows that fail on their own end
-        (with their error) and the others get the tokens the batch would have given them."""
+    def _sample(
+        self, logits: torch.Tensor, states: list[_RequestState], drafts: list[tuple[int, ...]]
+    ) -> list[_Sampled]:
+        """Sample the `[sum(1 + len(drafts[i])), V]` logits of `states` as one batch (request i
+        owns `1 + len(drafts[i])` consecutive rows); when that raises, restore the seeded
+        generators and sample request by request, so only the requests that fail on their own
+        end (with their error) and the others get the tokens the batch would have given them."""
         saved = [None if s.generator is None else s.generator.get_state() for s in states]
         try:
-            result = self._sample_rows(logits, states)
-            return [_Sampled(s, t, lp) for s, t, lp in zip(states, *result, strict=True)]
+            return self._sample_rows(logits, states, drafts)
         except Exception:
             logger.exception("batched sampling failed; sampling %d rows one by one", len(states))
         rows: list[_Sampled] = []
+        start = 0
         for i, state in enumerate(states):
+            end = start + 1 + len(drafts[i])
             if saved[i] is not None:
                 state.generator.set_state(saved[i])
             try:
-                (token_id,), (logprobs,) = self._sample_rows(logits[i : i + 1], [state])
-                rows.append(_Sampled(state, token_id, logprobs))
+                rows += self._sample_rows(logits[start:end], [state], drafts[i : i + 1])
             except Exception as exc:
                 logger.exception("sampling failed for %s", state.request.request_id)
                 rows.append(_Sampled(state, error=f"sampling failed: {type(exc).__name__}: {exc}"))
+            start = end
         return rows
 
     def _sample_rows(
-        self, logits: torch.Tensor, states: list[_RequestState]
-    ) -> tuple[list[int], list[dict | None]]:
-        result = self.sampler(
+        self, logits: torch.Tensor, states: list[_RequestState], drafts: list[tuple[int, ...]]
+    ) -> list[_Sampled]:
+        runs = verify(
+            self.sampler,
             logits,
             [s.params for s in states],
             [s.generator for s in states],
             [s.request.prompt_token_ids for s in states],
             [s.request.output_token_ids for s in states],
+            drafts,
         )
-        return result.token_ids, result.logprobs
+        return [
+            _Sampled(s, r.token_ids, r.logprobs, num_drafts=len(d), num_accepted=r.num_accepted)
+            for s, r, d in zip(states, runs, drafts, strict=True)
+        ]
 
     def _prompt_logprob_rows(self, entries) -> list[_PromptRows]:
         """The prompt positions still lacking logprobs that this step computes, per request.
@@ -534,28 +571,40 @@ class LLMEngine:
                 )
                 i += 1
 
-    def _process_token(
-        self, state: _RequestState, token_id: int, logprobs: dict | None, now: float
-    ) -> RequestDelta:
+    def _process_tokens(self, row: _Sampled, now: float) -> RequestDelta:
+        """Append a step's tokens of one request, one by one, until one of them stops it (EOS,
+        stop id, stop string, max_tokens, max_model_len): the tokens after it are dropped, so a
+        stop inside an accepted speculative run cuts the run at the right token."""
+        state = row.state
         req, params = state.request, state.params
-        req.append_output_token_ids(token_id, now)
-        self.num_generated_tokens += 1
-        n_out = req.num_output_tokens
-        stop_token = n_out > params.min_tokens - 1 and (
-            (token_id in self.eos_token_ids and not params.ignore_eos)
-            or token_id in params.stop_token_ids
-        )
-        upd = state.detokenizer.update([token_id], stop_terminated=stop_token)
-        text = upd.delta_text
-        lp = [logprobs] if logprobs is not None else None
+        texts: list[str] = []
+        kept: list[int] = []
         reason = None
-        if stop_token or upd.stop_matched is not None:
-            reason = "stop"
-        elif n_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
-            reason = "length"
+        for token_id in row.token_ids:
+            req.append_output_token_ids(token_id, now)
+            if state.spec is not None:
+                state.spec.history.extend((token_id,))
+            kept.append(token_id)
+            self.num_generated_tokens += 1
+            n_out = req.num_output_tokens
+            stop_token = n_out > params.min_tokens - 1 and (
+                (token_id in self.eos_token_ids and not params.ignore_eos)
+                or token_id in params.stop_token_ids
+            )
+            upd = state.detokenizer.update([token_id], stop_terminated=stop_token)
+            texts.append(upd.delta_text)
+            if stop_token or upd.stop_matched is not None:
+                reason = "stop"
+            elif n_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                break
+        text = "".join(texts)
+        lps = row.logprobs[: len(kept)]
+        lp = lps if any(x is not None for x in lps) else None
         if reason is None:
             state.text_parts.append(text)
-            return RequestDelta(req.request_id, text, [token_id], False, logprobs=lp)
+            return RequestDelta(req.request_id, text, kept, False, logprobs=lp)
         if reason == "length":
             text += state.detokenizer.flush()
         self.states.pop(req.request_id, None)
@@ -563,7 +612,7 @@ class LLMEngine:
             req,
             RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH,
         )
-        return self._final(state, text, [token_id], reason, logprobs=lp)
+        return self._final(state, text, kept, reason, logprobs=lp)
 
     def _final(
         self,
@@ -593,9 +642,14 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         """Queue and KV figures: num_total_blocks, num_free_blocks, kv_usage, num_running,
         num_waiting, prefix_cache_queries, prefix_cache_hits (tokens), num_preemptions,
-        num_steps, num_generated_tokens."""
+        num_steps, num_generated_tokens, and speculative decoding's totals spec_draft_tokens,
+        spec_accepted_tokens, spec_num_drafts, spec_propose_ms (`spec_decode.spec_totals`)."""
         stats = dict(self.scheduler.stats())
-        stats.update(num_steps=self.num_steps, num_generated_tokens=self.num_generated_tokens)
+        stats.update(
+            num_steps=self.num_steps,
+            num_generated_tokens=self.num_generated_tokens,
+            **spec_totals(self.spec),
+        )
         return stats
 
     def check_integrity(self) -> None:

@@ -5,6 +5,7 @@ For each step it builds the flattened varlen batch (DESIGN.md, "Model runner"):
     input_ids[T], positions[T], slot_mapping[T]     T = tokens computed this step, all requests
     cu_seqlens_q[B+1], seq_lens[B], block_tables[B, max_blocks]
     logits_indices[N]                               last row of each request that emits a token
+                                                    (its last 1 + d rows when it verifies d drafts)
 
 Request b computes tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) of its
 sequence (prompt + output so far); it emits a token when that range reaches the end of the known
@@ -155,6 +156,33 @@ class StepInputs:
         return n == self.attn.seq_lens.shape[0] == len(self.sample_rows)
 
 
+def _split_draft_rows(
+    num_drafts: np.ndarray,
+    lens: np.ndarray,
+    starts: np.ndarray,
+    seq_lens: np.ndarray,
+    tables: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Attention metadata where each query row of a request verifying drafts is a one-token
+    "sequence" of its own: row j (position starts + j) attends to keys [0, starts + j], which
+    is what causal attention over the request's rows gives it, so a step of decodes and draft
+    verifications stays a pure decode batch for attention (the in-place paged decode kernel,
+    the same numerics as a plain decode). K/V slots, positions and logits rows are unchanged.
+
+    Returns (cu_seqlens_q `[S+1]` int32, seq_lens `[S]` int32, block_tables `[S, max_blocks]`).
+    """
+    split = num_drafts > 0  # [B]
+    reps = np.where(split, lens, 1)  # attention sequences per request
+    seq_of = np.repeat(np.arange(lens.shape[0]), reps)  # [S] request of each
+    first = np.cumsum(reps) - reps
+    j = np.arange(seq_of.shape[0]) - first[seq_of]  # row within its request
+    q_lens = np.where(split[seq_of], 1, lens[seq_of]).astype(np.int32)
+    att_lens = np.where(split[seq_of], starts[seq_of] + j + 1, seq_lens[seq_of]).astype(np.int32)
+    att_cu = np.zeros(seq_of.shape[0] + 1, dtype=np.int32)
+    np.cumsum(q_lens, out=att_cu[1:])
+    return att_cu, att_lens, np.ascontiguousarray(tables[seq_of])
+
+
 class ModelRunner:
     """Holds the model and one KV cache tensor per layer: [2, num_blocks, block_size, Hk, D].
 
@@ -233,6 +261,7 @@ class ModelRunner:
         num_computed: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         samples: Sequence[bool],
+        num_drafts: Sequence[int] | None = None,
     ) -> StepInputs:
         """Build the varlen batch.
 
@@ -242,6 +271,9 @@ class ModelRunner:
             num_computed: per request, tokens whose KV is already in the cache.
             block_tables: per request, physical block ids covering every position computed.
             samples: per request, whether its last new token's logits are needed.
+            num_drafts: per request, draft tokens at the end of its new tokens (speculative
+                decoding): a sampling request then gets logits rows for its last
+                `1 + num_drafts[b]` tokens, in order.
         """
         bs = self.block_size
         num_reqs = len(new_token_ids)
@@ -262,11 +294,26 @@ class ModelRunner:
         for b, table in enumerate(block_tables):
             tables[b, : len(table)] = table
         sample_rows = [b for b in range(num_reqs) if samples[b]]
-        logits_indices = cu[1:][sample_rows].astype(np.int64) - 1
+        if num_drafts is None or not any(num_drafts):
+            logits_indices = cu[1:][sample_rows].astype(np.int64) - 1
+        else:
+            logits_indices = np.fromiter(
+                (
+                    r
+                    for b in sample_rows
+                    for r in range(int(cu[b + 1]) - 1 - num_drafts[b], int(cu[b + 1]))
+                ),
+                dtype=np.int64,
+            )
         # slot of token at position p of request b = table[b, p // bs] * bs + p % bs
         slots = tables[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        att_cu, att_lens, att_tables = cu, seq_lens, tables
+        if num_drafts is not None and any(num_drafts):
+            att_cu, att_lens, att_tables = _split_draft_rows(
+                np.asarray(num_drafts), lens, starts, seq_lens, tables
+            )
         ids_t, pos_t, slots_t, cu_t, lens_t, tables_t, logits_t = self.uploader.upload(
-            [input_ids, positions, slots, cu, seq_lens, tables, logits_indices]
+            [input_ids, positions, slots, att_cu, att_lens, att_tables, logits_indices]
         )
         return StepInputs(
             input_ids=ids_t,
@@ -277,7 +324,7 @@ class ModelRunner:
         )
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """One forward; logits [len(sample_rows), vocab] in fp32."""
+        """One forward; logits [len(logits_indices), vocab] in fp32."""
         if (
             self.cpu_single_thread_tokens
             and inputs.input_ids.shape[0] <= self.cpu_single_thread_tokens

@@ -100,6 +100,11 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule (tokens); -1 = not yet
     num_preemptions: int = 0
     num_prefill_chunks: int = 0  # scheduled steps that computed prompt (or recomputed) tokens
+    # speculative decoding: drafts the engine proposes for the next step (the scheduler sends
+    # them after the last token when the request decodes), and the totals drafted / accepted
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
     # --- KV cache state (owned by the block manager) ---
     block_table: list[int] = field(default_factory=list)  # physical block ids, in order
@@ -167,7 +172,8 @@ class Request:
         (99th percentile of `token_gaps_ms`), all as `contracts.latency` defines them,
         `first_scheduled_delay_ms` and `first_token_delay_ms` (arrival at the engine -> first
         scheduled / first token); counts `prompt_tokens, cached_tokens, completion_tokens,
-        preemptions, prefill_chunks`.
+        preemptions, prefill_chunks, spec_draft_tokens, spec_accepted_tokens` (speculative
+        decoding's drafts verified and accepted; 0 without it).
         """
         n_out = self.num_output_tokens
         decode_ms = latency.decode_ms(self.first_token_time, self.last_token_time)
@@ -182,6 +188,8 @@ class Request:
             "completion_tokens": n_out,
             "preemptions": self.num_preemptions,
             "prefill_chunks": self.num_prefill_chunks,
+            "spec_draft_tokens": self.num_spec_draft_tokens,
+            "spec_accepted_tokens": self.num_spec_accepted_tokens,
             "first_scheduled_delay_ms": latency.interval_ms(
                 self.arrival_time, self.first_scheduled_time
             ),

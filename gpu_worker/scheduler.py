@@ -139,12 +139,15 @@ class ScheduledRequest(NamedTuple):
         samples: True when the step reaches the end of the request's tokens, so the engine
             samples one new token from its last position's logits.
         num_computed_tokens: `request.num_computed_tokens` when scheduled (the first position).
+        spec_token_ids: draft tokens verified this step (speculative decoding): the last
+            `len(spec_token_ids)` of the `num_new_tokens`, after the request's last known token.
     """
 
     request: Request
     num_new_tokens: int
     samples: bool = False
     num_computed_tokens: int = 0
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -391,6 +394,15 @@ class Scheduler:
             n = min(n, step.batch_cap_left)
         return n
 
+    def _num_drafts(self, step: _StepState, req: Request, num_after: int, batch_after: int) -> int:
+        """Draft tokens a decoding `req` may add to its 1 token this step (speculative decoding):
+        what is left of the budget and batch cap once every running request after it in the
+        order could still take one token, so drafts never displace another request's decode."""
+        n = min(len(req.spec_token_ids), step.budget - 1 - num_after)
+        if req.lane is Lane.BATCH and step.batch_cap_left is not None:
+            n = min(n, step.batch_cap_left - 1 - batch_after)
+        return max(n, 0)
+
     def _commit(self, step: _StepState, req: Request, n: int) -> None:
         """Record that `req` computes `n` tokens this step."""
         start = req.num_computed_tokens
@@ -402,7 +414,8 @@ class Scheduler:
             req.first_scheduled_time = time.monotonic()
         step.budget -= n
         samples = start + n >= req.num_tokens
-        step.entries[req.request_id] = ScheduledRequest(req, n, samples, start)
+        spec = tuple(req.spec_token_ids[: max(start + n - req.num_tokens, 0)])  # drafts sent
+        step.entries[req.request_id] = ScheduledRequest(req, n, samples, start, spec)
 
     def _running_order(self, step: _StepState) -> list[Request]:
         """Running requests in scheduling order. Under a batch cap, the batch decodes come
@@ -425,8 +438,10 @@ class Scheduler:
 
     def _schedule_running(self, step: _StepState) -> None:
         order = collections.deque(self._running_order(step))
+        num_batch = sum(1 for r in order if r.lane is Lane.BATCH)
         while order and step.budget > 0:
             req = order.popleft()
+            num_batch -= req.lane is Lane.BATCH
             remaining = req.num_tokens - req.num_computed_tokens
             assert remaining >= 1, f"running request {req.request_id} has nothing to compute"
             assert req.num_tokens <= self.config.max_model_len, (
@@ -436,7 +451,12 @@ class Scheduler:
             n = self._chunk(step, req, remaining)
             if n <= 0:
                 continue
+            if remaining == 1 and req.spec_token_ids:
+                n += self._num_drafts(step, req, len(order), num_batch)
             while not self.block_manager.allocate_slots(req, n):
+                if n > remaining:  # drop the drafts before preempting anyone for them
+                    n = remaining
+                    continue
                 victim = max(order, key=self._key) if order else req  # lowest ranked left
                 if victim is not req:
                     order.remove(victim)
@@ -547,11 +567,18 @@ class Scheduler:
         step.preempted.append(req)
         self._enqueue_waiting(req)
 
-    def update_after_step(self, output: SchedulerOutput) -> None:
+    def update_after_step(
+        self, output: SchedulerOutput, num_rejected: dict[str, int] | None = None
+    ) -> None:
         """Advance `num_computed_tokens` of every scheduled request and cache its full blocks.
 
         Call once per step, after the model ran and before appending the sampled tokens.
-        Requests finished or aborted since `schedule()` are skipped.
+        Requests finished or aborted since `schedule()` are skipped. `num_rejected` (speculative
+        decoding): per request id, drafts of its `spec_token_ids` that were rejected; only the
+        input token and the accepted drafts count as computed, and the lookahead blocks past
+        the next position are returned. Blocks are registered in the prefix cache only up to
+        the tokens known before this step's output (accepted drafts register next step, with
+        their tokens), so a block holding rejected K/V is never registered.
         """
         if self.step_budget is not None:
             self.step_budget.on_step_done()
@@ -563,4 +590,10 @@ class Scheduler:
                 f"{req.request_id} changed num_computed_tokens during the step"
             )
             req.num_computed_tokens += entry.num_new_tokens
-            self.block_manager.cache_full_blocks(req, req.num_computed_tokens)
+            if entry.spec_token_ids:
+                rejected = len(entry.spec_token_ids)
+                if num_rejected is not None:
+                    rejected = num_rejected.get(req.request_id, rejected)
+                req.num_computed_tokens -= rejected
+                self.block_manager.trim(req, req.num_computed_tokens + 1)
+            self.block_manager.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))

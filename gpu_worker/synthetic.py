@@ -184,7 +184,8 @@ class SyntheticEngine:
 
     def stats(self) -> dict[str, Any]:
         """``num_total_blocks, num_free_blocks, num_running, num_waiting, prefix_cache_queries,
-        prefix_cache_hits, num_preemptions`` as in ``LLM.stats()``."""
+        prefix_cache_hits, num_preemptions, spec_draft_tokens, spec_accepted_tokens`` as in
+        ``LLM.stats()`` (the synthetic engine never speculates)."""
         return {
             "num_total_blocks": self.num_blocks,
             "num_free_blocks": self.free_blocks,
@@ -193,6 +194,8 @@ class SyntheticEngine:
             "prefix_cache_queries": 0,
             "prefix_cache_hits": 0,
             "num_preemptions": 0,
+            "spec_draft_tokens": 0,
+            "spec_accepted_tokens": 0,
         }
 
     # ------------------------------------------------------------------ internals

@@ -22,7 +22,8 @@ Gauges and counters read from the broker's ``status`` (label ``worker_id``):
 ``prefix_cache_hits_total`` / ``prefix_cache_queries_total`` (tokens), ``num_preemptions_total``,
 the SLO controller's ``step_token_budget``, ``step_batch_tokens``, ``step_predicted_ms``,
 ``step_measured_ms``, ``slo_interactive_attainment``, ``slo_batch_attainment`` (0..1),
-``slo_interactive_ttft_target_ms``, ``slo_interactive_tpot_target_ms``, and ``num_requests_queued`` (label ``lane``: requests waiting in the broker's lane queue),
+``slo_interactive_ttft_target_ms``, ``slo_interactive_tpot_target_ms``,
+``spec_decode_num_draft_tokens_total`` / ``spec_decode_num_accepted_tokens_total`` (vLLM's names), and ``num_requests_queued`` (label ``lane``: requests waiting in the broker's lane queue),
 ``num_workers`` (label ``lane``).
 
 Bulk-job lines (label ``lane``; DESIGN.md "Health": /metrics counts API and bulk-job requests
@@ -214,6 +215,14 @@ class BrokerCollector:
             "prefix_cache_hits": ("Prefix-cache hits (tokens).", "prefix_cache_hits"),
             "prefix_cache_queries": ("Prefix-cache queries (tokens).", "prefix_cache_queries"),
             "num_preemptions": ("Preemptions.", "num_preemptions"),
+            "spec_decode_num_draft_tokens": (
+                "Speculative decoding: draft tokens verified.",
+                "spec_draft_tokens",
+            ),
+            "spec_decode_num_accepted_tokens": (
+                "Speculative decoding: draft tokens accepted.",
+                "spec_accepted_tokens",
+            ),
         }
         for name, (doc, key) in counters.items():
             fam = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", "worker_id"])

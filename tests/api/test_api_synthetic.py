@@ -343,6 +343,8 @@ def test_metrics_exposes_vllm_style_names(client, synth_stack) -> None:
         'laneserve:prefix_cache_hits_total{model_name="smollm2",worker_id="synth"}',
         'laneserve:prefix_cache_queries_total{model_name="smollm2",worker_id="synth"}',
         'laneserve:num_preemptions_total{model_name="smollm2",worker_id="synth"}',
+        'laneserve:spec_decode_num_draft_tokens_total{model_name="smollm2",worker_id="synth"}',
+        'laneserve:spec_decode_num_accepted_tokens_total{model_name="smollm2",worker_id="synth"}',
         'laneserve:prompt_tokens_total{lane="interactive",model_name="smollm2"}',
         'laneserve:generation_tokens_total{lane="interactive",model_name="smollm2"}',
         'laneserve:num_workers{lane="interactive",model_name="smollm2"} 1.0',

@@ -24,6 +24,8 @@ RECORD = {
     "completion_tokens": 5,
     "preemptions": 0,
     "prefill_chunks": 1,
+    "spec_draft_tokens": 8,
+    "spec_accepted_tokens": 5,
     "queue_ms": 50.0,
     "prefill_ms": 200.0,
     "ttft_ms": 255.5,

@@ -500,3 +500,23 @@ def test_no_ack_while_the_database_is_locked_then_resend_commits(tmp_path):
         thread.join(10)
         broker.close()
         engine.dispose()
+
+
+def test_spec_decode_counts_land_in_their_columns(engine):
+    """Speculative decoding's per-request figures (migration 0003) travel through the typed
+    record into `requests.spec_draft_tokens` / `spec_accepted_tokens`; absent ones stay NULL."""
+    rows, _ = batch_rows(
+        [
+            RecordBatch(
+                seq=1,
+                records=[_rec(1, spec_draft_tokens=40, spec_accepted_tokens=31), _rec(2)],
+            )
+        ]
+    )
+    result = write_batch(engine, rows, [])
+    assert result.records_written == 2, result.errors
+    with read_session(engine) as s:
+        spec = s.get(Request, "chatcmpl-1")
+        plain = s.get(Request, "chatcmpl-2")
+        assert (spec.spec_draft_tokens, spec.spec_accepted_tokens) == (40, 31)
+        assert (plain.spec_draft_tokens, plain.spec_accepted_tokens) == (None, None)

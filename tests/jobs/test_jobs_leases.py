@@ -16,7 +16,9 @@ PER_PART = 2  # lines per range here: 5 lines make ranges 1-2, 3-4, 5
 
 
 def _job(engine, home, n=5):
-    job = submit(engine, write_jsonl(home / "in.jsonl", [chat_line(f"c{i}", "q") for i in range(n)]))
+    job = submit(
+        engine, write_jsonl(home / "in.jsonl", [chat_line(f"c{i}", "q") for i in range(n)])
+    )
     assert store.validate_job(engine, job.id, None, "m") == "in_progress"
     return job
 

@@ -1,0 +1,182 @@
+"""Speculative decoding on the tiny random Llama and on hand-made logits: the proposer, the
+rejection sampler's distribution, rollback under preemption and small budgets, no block leak."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.config import SpeculativeConfig
+from gpu_worker.sampler import Sampler
+from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.spec_decode import NgramProposer, RequestSpecStats, SpecController, verify
+from tests.engine_props.props_helpers import run_engine
+
+FORCED = SpeculativeConfig(num_speculative_tokens=4, adaptive=False)
+
+
+class ReplayProposer:
+    """Drafts replayed from a finished run (a random model rarely copies its prompt, so n-gram
+    drafts alone would seldom be accepted here): for a sequence whose prompt is a key of
+    `outputs`, the next k tokens that run produced, the last one corrupted every other step so
+    both full acceptance and rejections happen."""
+
+    def __init__(self, outputs: dict[tuple[int, ...], list[int]], corrupt: bool = True) -> None:
+        self.outputs = outputs
+        self.calls = 0
+        self.corrupt = corrupt
+
+    def propose(self, tokens: np.ndarray, k: int) -> np.ndarray:
+        self.calls += 1
+        seq = tokens.tolist()
+        for prompt, out in self.outputs.items():
+            if tuple(seq[: len(prompt)]) == prompt:
+                drafts = list(out[len(seq) - len(prompt) : len(seq) - len(prompt) + k])
+                if drafts and self.calls % 2 and self.corrupt:
+                    drafts[-1] = 7
+                return np.array(drafts, dtype=np.int64)
+        return tokens[:0]
+
+
+def _chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
+    """Pearson chi-square test p-value (cells with expected count >= 5 only)."""
+    keep = expected >= 5
+    stat = float((((observed[keep] - expected[keep]) ** 2) / expected[keep]).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
+
+
+def test_proposer_takes_the_longest_then_most_recent_match():
+    prop = NgramProposer(min_n=2, max_n=3)
+    seq = np.array([1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3], dtype=np.int64)
+    # suffix (1,2,3) occurs at 0..2 -> drafts follow it: 9, 2, 3; (2,3) alone is more recent
+    assert prop.propose(seq, 3).tolist() == [9, 2, 3]
+    seq = np.array([5, 2, 3, 9, 4, 2, 3, 7, 8, 2, 3], dtype=np.int64)
+    assert prop.propose(seq, 2).tolist() == [7, 8]  # equally long (2,3): the latest wins
+    assert prop.propose(np.array([1, 2, 3, 4], dtype=np.int64), 3).tolist() == []
+    assert prop.propose(np.array([4, 1, 2, 1], dtype=np.int64), 3).tolist() == []  # n=1 < min
+    tail = np.array([6, 7, 6, 7], dtype=np.int64)  # the draft may run into the suffix itself
+    assert prop.propose(tail, 5).tolist() == [6, 7]
+
+
+def test_controller_speculates_when_a_token_is_cheap_and_stops_when_it_is_not():
+    ctl = SpecController(SpeculativeConfig(num_speculative_tokens=4))
+    for tokens, ms in [(1, 20.0), (5, 21.0), (9, 22.0)] * 10:  # bandwidth-bound: 0.25 ms/token
+        ctl.observe_step(tokens, ms)
+    good = RequestSpecStats(acc=8.0, rej=1.0)
+    drafts = [np.arange(4)]
+    assert ctl.choose(drafts, [good], 1) == [4]
+    ctl = SpecController(SpeculativeConfig(num_speculative_tokens=4))
+    for tokens, ms in [(64, 160.0), (80, 200.0), (96, 240.0)] * 10:  # compute-bound: 2.5 ms/token
+        ctl.observe_step(tokens, ms)
+    assert ctl.choose(drafts * 64, [RequestSpecStats(acc=2.0, rej=2.0)] * 64, 64) == [0] * 64
+    forced = SpecController(FORCED)
+    assert forced.choose(drafts, [RequestSpecStats()], 64) == [4]
+
+
+@pytest.mark.parametrize("draft, top_k", [(0, 0), (3, 0), (4, 3)])
+def test_rejection_sampling_keeps_the_target_distribution(draft, top_k):
+    """Tiny vocabulary (6 tokens): the first emitted token of a run whose draft is `draft` is
+    distributed as the target p (chi-square), accepted with probability p(draft), and never when
+    top-k removes the draft; each seeded generator moves by exactly one uniform per token."""
+    n, vocab = 4000, 6
+    row = torch.tensor([2.0, 1.5, 1.0, 0.3, -0.5, -1.0])
+    logits = row.repeat(2 * n, 1)  # request i owns rows 2i (draft check) and 2i + 1 (bonus)
+    params = [SamplingParams(temperature=0.9, top_k=top_k, seed=i, max_tokens=4) for i in range(n)]
+    gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    runs = verify(Sampler([]), logits, params, gens, [[1]] * n, [[]] * n, [[draft]] * n)
+    first = np.array([r.token_ids[0] for r in runs])
+    probs = Sampler([]).sampling_probs(row[None], params[:1], [[1]], [[]])[0].double().numpy()
+    counts = np.bincount(first, minlength=vocab)
+    assert _chi2_pvalue(counts, n * probs) > 1e-3, (counts, n * probs)
+    accepted = np.array([r.num_accepted for r in runs])
+    assert (
+        abs(accepted.mean() - probs[draft])
+        < 4 * np.sqrt(probs[draft] * (1 - probs[draft]) / n) + 1e-9
+    )
+    assert all(len(r.token_ids) == r.num_accepted + 1 for r in runs)
+    for i in (0, 1, 2):  # generator state: one draw per emitted token
+        ref = torch.Generator().manual_seed(i)
+        for _ in runs[i].token_ids:
+            torch.rand(1, dtype=torch.float64, generator=ref)
+        assert torch.equal(ref.get_state(), gens[i].get_state())
+
+
+def _requests(n: int, params_of) -> list[dict]:
+    """Repetitive prompts (so the proposer finds matches) of different lengths."""
+    base = [300, 301, 302, 303, 304, 305]
+    return [
+        {
+            "request_id": f"r{i}",
+            "prompt_token_ids": (base * (3 + i % 4))[: 10 + 3 * i],
+            "sampling_params": params_of(i),
+        }
+        for i in range(n)
+    ]
+
+
+def test_spec_on_equals_off_under_small_budgets_and_preemption(make_engine):
+    """Greedy and seeded rows side by side, a step budget smaller than the drafts, a KV pool
+    that forces preemption, and explicit preemptions mid-run: the same tokens as without drafts,
+    integrity after every step, every block free at the end (run_engine)."""
+
+    def params_of(i: int) -> SamplingParams:
+        if i % 2:
+            return SamplingParams(max_tokens=28, temperature=0.9, top_k=8, seed=i, ignore_eos=True)
+        return SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)
+
+    opts = {"max_num_batched_tokens": 12, "num_blocks": 16, "block_size": 8, "max_model_len": 128}
+    preempt = {6: ["r0", "r3"], 11: ["r1"]}
+    reqs = _requests(6, params_of)
+    off = run_engine(make_engine(**opts), reqs, preempt_at=preempt)
+    engine = make_engine(cache=False, **opts, speculative_config=FORCED)
+    engine.spec.proposer = ReplayProposer(
+        {tuple(r["prompt_token_ids"]): off[r["request_id"]].token_ids for r in reqs}
+    )
+    before = engine.stats()
+    on = run_engine(engine, _requests(6, params_of), preempt_at=preempt)
+    assert {k: r.key() for k, r in on.items()} == {k: r.key() for k, r in off.items()}
+    st = engine.stats()
+    assert st["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    assert st["num_preemptions"] > before["num_preemptions"] + 3  # KV pressure preempted too
+    assert any(r.num_deltas < len(r.token_ids) for r in on.values())  # multi-token deltas
+
+
+def test_sampled_token_frequencies_match_without_speculation(make_engine):
+    """Two-sample chi-square over every output token of 128 unseeded requests per engine on the
+    tiny model with a 6-token top-k (a tiny effective vocabulary), speculation on vs off. Drafts
+    replay the greedy continuation, which a peaked (temperature 0.25) distribution often accepts
+    and sometimes rejects, so both branches of the rejection sampler shape the sample."""
+    prompt = [300, 301, 302, 303] * 6
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=8, temperature=0.25, top_k=6, ignore_eos=True)
+    reqs = [
+        {"request_id": f"r{i}", "prompt_token_ids": prompt, "sampling_params": sampled}
+        for i in range(128)
+    ]
+    opts = {"max_num_seqs": 128, "num_blocks": 256}
+    plain = make_engine(**opts)
+    top = run_engine(
+        plain, [{"request_id": "g", "prompt_token_ids": prompt, "sampling_params": greedy}]
+    )
+    torch.manual_seed(0)
+    off = run_engine(plain, reqs)
+    engine = make_engine(cache=False, **opts, speculative_config=FORCED)
+    # uncorrupted: the sampler rejects on its own
+    engine.spec.proposer = ReplayProposer({tuple(prompt): top["g"].token_ids}, corrupt=False)
+    torch.manual_seed(1)
+    on = run_engine(engine, [dict(r) for r in reqs])
+    st = engine.stats()
+    assert 100 < st["spec_accepted_tokens"] < st["spec_draft_tokens"], (
+        st["spec_accepted_tokens"],
+        st["spec_draft_tokens"],
+    )
+    a = np.bincount([t for r in off.values() for t in r.token_ids], minlength=50_000)
+    b = np.bincount([t for r in on.values() for t in r.token_ids], minlength=50_000)
+    cells = np.flatnonzero((a + b) >= 10)
+    table = np.stack([a[cells], b[cells]])  # [2, C]
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    stat = float(((table - expected) ** 2 / expected).sum())
+    p = float(torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2.0), torch.tensor(stat / 2)))
+    assert len(cells) >= 4 and p > 1e-3, (stat, len(cells))
