@@ -4,25 +4,13 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 from dashboard_data import Profile, make_records, make_snapshots, store
 from streamlit.testing.v1 import AppTest
 
-import dashboard
 from dashboard.queries import PHASES
-
-APP = str(Path(dashboard.__file__).with_name("app.py"))
-
-
-def _run(url: str, monkeypatch) -> AppTest:
-    monkeypatch.setenv("LANESERVE_DB_URL", url)
-    at = AppTest.from_file(APP, default_timeout=60)
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
 
 
 def _charts(at: AppTest) -> dict[str, int]:
@@ -36,18 +24,18 @@ def _charts(at: AppTest) -> dict[str, int]:
     return out
 
 
-def test_empty_database_shows_friendly_state(db_url, monkeypatch):
-    at = _run(db_url, monkeypatch)
+def test_empty_database_shows_friendly_state(db_url, run_app):
+    at = run_app(db_url)
     assert any("No requests recorded yet" in i.value for i in at.info)
     assert _charts(at) == {}
 
 
-def test_unmigrated_database_is_explained(tmp_path, monkeypatch):
-    at = _run(f"sqlite:///{tmp_path / 'nothing.db'}", monkeypatch)
+def test_unmigrated_database_is_explained(tmp_path, run_app):
+    at = run_app(f"sqlite:///{tmp_path / 'nothing.db'}")
     assert any("no laneserve tables" in i.value for i in at.info)
 
 
-def test_filled_database_shows_latency_charts(db_url, db_engine, monkeypatch):
+def test_filled_database_shows_latency_charts(db_url, db_engine, run_app):
     now = time.time()
     rng = np.random.default_rng(3)
     recs = make_records(rng, 150, now - 3000, now - 1, "interactive", model="m1")
@@ -60,44 +48,39 @@ def test_filled_database_shows_latency_charts(db_url, db_engine, monkeypatch):
     ]  # fmt: skip
     store(db_engine, records=recs, snapshots=snaps, jobs=jobs)
 
-    at = _run(db_url, monkeypatch)
+    at = run_app(db_url)
     headers = [h.value for h in at.header]
     for label in PHASES:
         assert label in headers
     charts = _charts(at)
     for label in PHASES:
         assert charts[f"{label} P50/P90/P99 (ms)"] > 0  # percentile points were sent
-        assert charts[f"{label} histogram"] > 0
-    for title in ("requests/s", "output tokens/s", "KV usage", "prefix hit rate", "preemptions"):
+        assert charts[f"{label} histogram (ms)"] > 0
+    for title in ("requests/s (per 60 s bucket)", "output tokens/s (per 60 s bucket)",
+                  "KV usage", "prefix hit rate", "preemptions", "mean step time (ms)"):  # fmt: skip
         assert charts[title] > 0
     assert "Diagnosis" in headers
     assert not at.warning  # healthy traffic: the diagnosis stays quiet
+    assert any("No symptom in the last 5 minutes" in s.value for s in at.success)
+    # current rates beside the window's averages, each labelled with its span
+    labels = [m.label for m in at.metric]
+    assert "interactive output tokens/s (last 30 s)" in labels
+    assert "output tokens/s (avg, last hour)" in labels
+    # what is not measured yet is said plainly
+    captions = " ".join(c.value for c in at.caption)
+    assert "Not measured yet: SLO attainment" in captions
+    assert "do not record drafted and accepted tokens" in captions
+    assert "DESIGN" not in captions + " ".join(m.value for m in at.markdown)
     progress = [p.proto.text for p in at.get("progress")]
     assert any("batch_x" in t and "40/100 completed" in t and "5 failed" in t for t in progress)
     assert any("Slowest requests" == h for h in headers)
 
 
-def test_diagnosis_panel_shows_queueing(db_url, db_engine, monkeypatch):
-    """TTFT P99 up in the last 5 minutes, TPOT flat, the queue growing -> the queueing advice."""
-    now = time.time()
-    rng = np.random.default_rng(5)
-    recs = make_records(rng, 200, now - 3000, now - 310, "interactive")
-    recs += make_records(rng, 50, now - 290, now - 1, "interactive", Profile(queue=3000))
-    snaps = make_snapshots("w0", "interactive", now - 290, now, every_s=10, kv_usage=0.7)
-    snaps[-1]["waiting"] = 30
-    store(db_engine, records=recs, snapshots=snaps)
-    at = _run(db_url, monkeypatch)
-    warnings = [w.value for w in at.warning]
-    assert len(warnings) == 1, warnings
-    assert "queueing: add workers or route batch elsewhere" in warnings[0]
-    assert "check: queue depth, prefill batch size, prefix hit rate" in warnings[0]
-
-
-def test_lane_filter_rerenders(db_url, db_engine, monkeypatch):
+def test_lane_filter_rerenders(db_url, db_engine, run_app):
     now = time.time()
     rng = np.random.default_rng(4)
     store(db_engine, records=make_records(rng, 50, now - 600, now - 1, "interactive"))
-    at = _run(db_url, monkeypatch)
+    at = run_app(db_url)
     at.sidebar.selectbox[0].select("batch").run()
     assert not at.exception
     # no batch request: the latency panels give way to a note, nothing crashes
