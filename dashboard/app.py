@@ -14,6 +14,12 @@ from __future__ import annotations
 import streamlit as st
 
 st.set_page_config(page_title="laneserve dashboard", layout="wide")
+# A live panel keeps showing its last figures while its fragment reruns: no grey "stale" fade
+# every few seconds (the figures are at most one refresh old, and the caption says how often).
+st.markdown(
+    '<style>[data-stale="true"] {opacity: 1 !important; transition: none !important;}</style>',
+    unsafe_allow_html=True,
+)
 st.title("laneserve")
 
 from sqlalchemy.exc import DBAPIError  # noqa: E402
@@ -49,7 +55,7 @@ with st.sidebar:
     model = st.selectbox("model", [ALL, *models], key="model")
     window_label = st.selectbox("window", list(WINDOWS_S), index=1, key="window")
     refresh_s = st.slider("refresh every (s)", 2, 60, 5, key="refresh_s")
-    st.caption(f"database: `{url}`")
+    st.caption(f"Live: each panel refreshes every {refresh_s} s. database: `{url}`")
 
 
 def live() -> panels.Live:

@@ -117,17 +117,25 @@ def summary(live: Live, window_label: str) -> None:
     """Per lane: requests, rates now (last 30 s) beside the window averages, latency P99s."""
     rates = queries.current_rates(live.rows, live.now, live.window)
     table = queries.latency_summary(None, live.window, rows=live.rows).set_index(["lane", "metric"])
-    now_label = f"last {queries.CURRENT_S:.0f} s"
+    now_s = f"{queries.CURRENT_S:.0f} s"
     for r in rates.itertuples():
         cols = st.columns(6)
-        cols[0].metric(f"{r.lane} requests ({window_label})", f"{r.requests:,}")
-        cols[1].metric(f"{r.lane} output tokens/s ({now_label})", f"{r.tokens_per_s_now:,.1f}")
-        cols[2].metric(f"output tokens/s (avg, {window_label})", f"{r.tokens_per_s_avg:,.2f}")
+        cols[0].metric(f"{r.lane} · requests", f"{r.requests:,}", help=f"in the {window_label}")
+        cols[1].metric(
+            f"tokens/s · last {now_s}",
+            f"{r.tokens_per_s_now:,.1f}",
+            help=f"output tokens of the {r.lane} requests that finished in the last {now_s}",
+        )
+        cols[2].metric(
+            "tokens/s · window avg",
+            f"{r.tokens_per_s_avg:,.2f}",
+            help=f"output tokens per second averaged over the {window_label}",
+        )
         for col, metric, q in zip(cols[3:], ("TTFT", "TPOT", "e2e"), ("p99", "p50", "p99"),
                                   strict=True):  # fmt: skip
             value = table[q].get((r.lane, metric))
             shown = "-" if value is None or math.isnan(value) else f"{value:,.1f}"
-            col.metric(f"{metric} {q.upper()} (ms, {window_label})", shown)
+            col.metric(f"{metric} {q.upper()} · ms", shown, help=f"over the {window_label}")
 
 
 def latency(live: Live) -> None:
@@ -136,9 +144,9 @@ def latency(live: Live) -> None:
     for label in queries.PHASES:
         st.header(label)
         left, right = st.columns([3, 2])
-        left.altair_chart(charts.latency_lines(over_time, label, live.axis), width="stretch")
+        charts.show(left, charts.latency_lines(over_time, label, live.axis))
         hist = queries.latency_histogram(None, live.window, label, rows=live.rows)
-        right.altair_chart(charts.latency_histogram(hist, label), width="stretch")
+        charts.show(right, charts.latency_histogram(hist, label))
 
 
 def throughput(live: Live) -> None:
@@ -147,19 +155,19 @@ def throughput(live: Live) -> None:
     rates = queries.throughput(None, live.window, live.bucket_s, rows=live.rows)
     per = f"per {live.bucket_s} s bucket"
     a, b, c = st.columns(3)
-    a.altair_chart(
+    charts.show(
+        a,
         charts.rate_lines(rates, "requests_per_s", f"requests/s ({per})", "requests/s", live.axis),
-        width="stretch",
     )
-    b.altair_chart(
+    charts.show(
+        b,
         charts.rate_lines(rates, "tokens_per_s", f"output tokens/s ({per})", "tokens/s", live.axis),
-        width="stretch",
     )
     load = queries.lane_load(None, live.window, live.bucket_s, ws=live.ws)
     if load.empty:
         c.info("No worker snapshots in this window.")
     else:
-        c.altair_chart(charts.lane_load(load, live.axis), width="stretch")
+        charts.show(c, charts.lane_load(load, live.axis))
 
 
 def _eta(seconds: float) -> str:
@@ -202,7 +210,7 @@ def slowest(live: Live) -> None:
     if top.empty:
         st.caption("No finished request in this window.")
         return
-    st.altair_chart(charts.phase_breakdown(queries.phase_breakdown(top)), width="stretch")
+    charts.show(st, charts.phase_breakdown(queries.phase_breakdown(top)))
     st.dataframe(top, hide_index=True)
 
 

@@ -59,19 +59,21 @@ def job_page(engine: Engine, job_id: str, api_url: str | None) -> None:
         rates = queries.throughput(None, win, bucket, rows=rows)
         left, right = st.columns(2)
         per = f"per {bucket} s bucket"
-        left.altair_chart(charts.rate_lines(rates, "requests_per_s", f"lines/s ({per})",
-                                            "lines/s", axis), width="stretch")  # fmt: skip
-        right.altair_chart(charts.rate_lines(rates, "tokens_per_s", f"output tokens/s ({per})",
-                                             "tokens/s", axis), width="stretch")  # fmt: skip
+        lines = charts.rate_lines(rates, "requests_per_s", f"lines/s ({per})", "lines/s", axis)
+        charts.show(left, lines)
+        tokens = charts.rate_lines(
+            rates, "tokens_per_s", f"output tokens/s ({per})", "tokens/s", axis
+        )
+        charts.show(right, tokens)
         st.subheader("Latency of its lines (ms)")
         table = queries.latency_summary(None, win, rows=rows).drop(columns="lane")
-        st.dataframe(table.round(1), hide_index=True)
+        st.table(table.round(1).set_index("metric"))
     st.subheader("First error lines")
     errors = query_jobs.job_errors(engine, job_id)
     if errors.empty:
         st.caption("No error line.")
     else:
-        st.dataframe(errors, hide_index=True)
+        st.table(errors.set_index("line"))
     files(s.files, api_url)
 
 

@@ -22,15 +22,11 @@ def workers(live: Live) -> None:
         return
     series = queries.worker_series(None, live.window, live.bucket_s, ws=live.ws)
     a, b, c, d = st.columns(4)
-    a.altair_chart(charts.worker_lines(series, "kv_usage", "KV usage", live.axis), width="stretch")
-    b.altair_chart(
-        charts.worker_lines(series, "prefix_hit_rate", "prefix hit rate", live.axis),
-        width="stretch",
-    )
-    c.altair_chart(charts.preemption_bars(series, live.axis), width="stretch")
-    d.altair_chart(
-        charts.worker_lines(series, "step_ms", "mean step time (ms)", live.axis, unit="ms"),
-        width="stretch",
+    charts.show(a, charts.worker_lines(series, "kv_usage", "KV usage", live.axis))
+    charts.show(b, charts.worker_lines(series, "prefix_hit_rate", "prefix hit rate", live.axis))
+    charts.show(c, charts.preemption_bars(series, live.axis))
+    charts.show(
+        d, charts.worker_lines(series, "step_ms", "mean step time (ms)", live.axis, unit="ms")
     )
     st.dataframe(queries.worker_summary(None, live.window, ws=live.ws), hide_index=True)
 
@@ -56,11 +52,10 @@ def slo(live: Live) -> None:
     for i, column in enumerate(shown):
         part = series[series["column"] == column]
         unit = None if "attain" in column else ("tokens" if "budget" in column else "ms")
-        cols[i % len(cols)].altair_chart(
-            charts.worker_lines(part.rename(columns={"value": column}), column, column,
-                                live.axis, unit=unit),
-            width="stretch",
-        )  # fmt: skip
+        chart = charts.worker_lines(
+            part.rename(columns={"value": column}), column, column, live.axis, unit=unit
+        )
+        charts.show(cols[i % len(cols)], chart)
 
 
 def speculation(live: Live) -> None:

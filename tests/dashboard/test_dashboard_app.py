@@ -19,7 +19,9 @@ def _charts(at: AppTest) -> dict[str, int]:
     for el in at.get("vega_lite_chart"):
         title = json.loads(el.proto.spec).get("title")
         title = title if isinstance(title, str) else (title or {}).get("text", "")
-        rows = sum(pa.ipc.open_stream(d.data.data).read_all().num_rows for d in el.proto.datasets)
+        blobs = [d.data.data for d in el.proto.datasets]
+        blobs += [el.proto.data.data] if el.proto.HasField("data") and el.proto.data.data else []
+        rows = sum(pa.ipc.open_stream(b).read_all().num_rows for b in blobs)
         out[title] = rows
     return out
 
@@ -64,8 +66,8 @@ def test_filled_database_shows_latency_charts(db_url, db_engine, run_app):
     assert any("No symptom in the last 5 minutes" in s.value for s in at.success)
     # current rates beside the window's averages, each labelled with its span
     labels = [m.label for m in at.metric]
-    assert "interactive output tokens/s (last 30 s)" in labels
-    assert "output tokens/s (avg, last hour)" in labels
+    assert {"interactive · requests", "batch · requests"} <= set(labels)
+    assert {"tokens/s · last 30 s", "tokens/s · window avg"} <= set(labels)
     # what is not measured yet is said plainly
     captions = " ".join(c.value for c in at.caption)
     assert "Not measured yet: SLO attainment" in captions
