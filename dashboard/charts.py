@@ -45,7 +45,7 @@ class Chart(NamedTuple):
 
 def show(container, chart: Chart) -> None:
     """Draw `chart` in a Streamlit container (the page, a column), full width."""
-    container.vega_lite_chart(chart.data, chart.spec, width="stretch")
+    container.vega_lite_chart(chart.data.reset_index(drop=True), chart.spec, width="stretch")
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pyarrow as pa
+import pytest
 from dashboard_data import Profile, make_records, make_snapshots, store
 from streamlit.testing.v1 import AppTest
 
@@ -87,3 +88,85 @@ def test_lane_filter_rerenders(db_url, db_engine, run_app):
     assert not at.exception
     # no batch request: the latency panels give way to a note, nothing crashes
     assert any("No finished request" in i.value for i in at.info)
+
+
+def test_job_view_shows_progress_latency_and_error_lines(db_url, db_engine, run_app, monkeypatch):
+    now = time.time()
+    rng = np.random.default_rng(6)
+    job = {"id": "batch_j", "status": "completed", "endpoint": "/v1/chat/completions",
+           "model": "m1", "created_at": now - 400, "in_progress_at": now - 390,
+           "completed_at": now - 10, "expires_at": now + 86000, "request_total": 12,
+           "request_completed": 10, "request_failed": 2}  # fmt: skip
+    lines = make_records(rng, 10, now - 380, now - 20, "batch")
+    for i, r in enumerate(lines):
+        r.update(job_id="batch_j", custom_id=f"doc-{i}", line_no=i + 1)
+    store(db_engine, records=lines, jobs=[job])
+    import sqlalchemy as sa
+
+    from db.models import Request
+
+    with db_engine.begin() as conn:
+        conn.execute(sa.update(Request).where(Request.job_id == "batch_j")
+                     .values(response={"status_code": 200}, status="completed"))  # fmt: skip
+        for n in (11, 12):
+            conn.execute(sa.insert(Request).values(
+                id=f"r{n}", job_id="batch_j", custom_id=f"doc-{n}", line_no=n, lane="batch",
+                status="failed", response={"error": {"code": "prompt_too_long", "message": "x"}},
+            ))  # fmt: skip
+    monkeypatch.setenv("LANESERVE_URL", "http://127.0.0.1:8000")
+    from streamlit.testing.v1 import AppTest
+
+    from tests.dashboard.conftest import APP
+
+    monkeypatch.setenv("LANESERVE_DB_URL", db_url)
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.query_params["job"] = "batch_j"
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "Job batch_j" in [h.value for h in at.header]
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["lines/s (over the run)"] == f"{12 / 380:,.2f} lines/s"
+    tokens = sum(r["completion_tokens"] for r in lines)
+    assert metrics["output tokens/s (over the run)"] == f"{tokens / 380:,.2f} tokens/s"
+    assert metrics["ETA"] == "done"
+    (latency, errors) = [t.value for t in at.table]
+    ttft = np.percentile([r["ttft_ms"] for r in lines], 50)
+    assert latency.loc["TTFT", "p50"] == pytest.approx(round(ttft, 1))
+    assert errors["code"].tolist() == ["prompt_too_long", "prompt_too_long"]
+    assert errors.index.tolist() == [11, 12]
+    charts = _charts(at)
+    assert charts["lines/s (per 10 s bucket)"] > 0
+
+
+def test_slo_and_speculation_panels_show_columns_once_they_exist(db_url, db_engine, run_app):
+    """Columns that other features add (names as the SLO and speculation work record them)."""
+    import sqlalchemy as sa
+
+    now = time.time()
+    with db_engine.begin() as conn:
+        conn.execute(
+            sa.text("ALTER TABLE worker_stats ADD COLUMN slo_attainment_interactive FLOAT")
+        )
+        conn.execute(sa.text("ALTER TABLE worker_stats ADD COLUMN step_budget_tokens INTEGER"))
+        conn.execute(sa.text("ALTER TABLE requests ADD COLUMN spec_draft_tokens INTEGER"))
+        conn.execute(sa.text("ALTER TABLE requests ADD COLUMN spec_accepted_tokens INTEGER"))
+    rng = np.random.default_rng(2)
+    store(db_engine, records=make_records(rng, 30, now - 600, now - 1, "interactive"),
+          snapshots=make_snapshots("w0", "interactive", now - 600, now, every_s=30))  # fmt: skip
+    with db_engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE worker_stats SET slo_attainment_interactive = 0.97, "
+                "step_budget_tokens = 512"
+            )
+        )
+        conn.execute(
+            sa.text("UPDATE requests SET spec_draft_tokens = 10, spec_accepted_tokens = 7")
+        )
+    at = run_app(db_url)
+    charts = _charts(at)
+    assert charts["slo_attainment_interactive"] > 0 and charts["step_budget_tokens"] > 0
+    captions = " ".join(c.value for c in at.caption)
+    assert "Not measured yet: SLO target, predicted step time" in captions
+    (acc,) = [m for m in at.metric if "acceptance" in m.label]
+    assert acc.value == "70%"
