@@ -67,7 +67,10 @@ def job_page(engine: Engine, job_id: str, api_url: str | None) -> None:
         charts.show(right, tokens)
         st.subheader("Latency of its lines (ms)")
         table = queries.latency_summary(None, win, rows=rows).drop(columns="lane")
-        st.table(table.round(1).set_index("metric"))
+        shown = table.set_index("metric")
+        for q in ("p50", "p90", "p99"):
+            shown[q] = shown[q].map(lambda v: f"{v:,.1f}")
+        st.table(shown)
     st.subheader("First error lines")
     errors = query_jobs.job_errors(engine, job_id)
     if errors.empty:
