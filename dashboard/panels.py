@@ -1,90 +1,173 @@
-"""The dashboard's panels: each lays out `queries` frames with `charts` and Streamlit elements.
+"""The overview's panels: each lays out `queries` frames with `charts` and Streamlit elements.
 
-One function per panel, each taking the engine, the `Window` and the rows already read for this
-refresh, so one refresh reads the `requests` and `worker_stats` windows once.
+One function per panel, each taking the `Live` frames of this refresh (the window's requests,
+worker snapshots and jobs, read once per fragment run). The per-job view is in `panels_job`,
+the worker/SLO/speculation panels in `panels_workers`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pandas as pd
 import streamlit as st
 from sqlalchemy import Engine
 
 from dashboard import charts, queries
-from dashboard.diagnose import diagnose_all
+from dashboard.diagnose import Figures, Finding, Thresholds, diagnose_all
+
+RECENT_S = 300.0  # s: the recent window the diagnosis judges (against the rest of the window)
 
 
-def diagnosis(rows: pd.DataFrame, ws: pd.DataFrame, window: queries.Window) -> None:
-    """The symptom table applied to the live figures; one quiet line when healthy."""
+@dataclass(frozen=True, slots=True)
+class Live:
+    """What one fragment run reads: the window, its request rows, worker snapshots and jobs,
+    the bucket size (s) and the shared time axis; `now` is the window's end (unix seconds)."""
+
+    engine: Engine
+    window: queries.Window
+    rows: pd.DataFrame
+    ws: pd.DataFrame
+    jobs: pd.DataFrame
+    bucket_s: int
+    axis: charts.TimeAxis
+
+    @property
+    def now(self) -> float:
+        return self.window.end
+
+
+def _fmt(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _evidence(f: Finding) -> str:
+    parts = []
+    for name, value in f.evidence.items():
+        rule = f.conditions.get(name)
+        parts.append(f"{name} = {_fmt(value)}" + (f" (rule: {rule})" if rule else ""))
+    return ", ".join(parts)
+
+
+def _finding_text(f: Finding) -> str:
+    share = "" if f.share is None else f" — explains {f.share:.0%} of it"
+    return (
+        f"**{f.title}**{share}\n\nobserved: {f.observed}\n\n{f.advice}\n\ncheck: {f.check}"
+        f"\n\nevidence: _{_evidence(f)}_"
+    )
+
+
+def _healthy_line(fig: Figures, t: Thresholds) -> str:
+    ttft = "-" if fig.ttft_p99_ms is None else f"{fig.ttft_p99_ms:,.0f} ms"
+    tpot = "-" if fig.tpot_p99_ms is None else f"{fig.tpot_p99_ms:,.0f} ms"
+    lim_ttft, lim_tpot = t.ttft_p99_ms.get(fig.lane), t.tpot_p99_ms.get(fig.lane)
+    kv = "-" if fig.kv_usage_max is None else f"{fig.kv_usage_max:.0%}"
+    return (
+        f"{fig.lane}: {fig.requests} requests, TTFT P99 {ttft} (limit {lim_ttft:,.0f} ms), "
+        f"TPOT P99 {tpot} (limit {lim_tpot:,.0f} ms), KV usage max {kv}, "
+        f"preemptions {fig.preemptions}"
+    )
+
+
+def diagnosis(live: Live, thresholds: Thresholds | None = None) -> None:
+    """Findings whose evidence holds, most explaining first; what was checked when healthy."""
+    t = thresholds or Thresholds()
     st.header("Diagnosis")
-    findings = diagnose_all(queries.live_figures(None, window, rows=rows, ws=ws))
+    figs = queries.live_figures(None, live.window, RECENT_S, live.rows, live.ws, live.jobs)
+    findings = diagnose_all(figs, t)
     if not findings:
-        st.caption("No symptom of DESIGN.md's table in the last 5 minutes.")
+        st.success(f"No symptom in the last {RECENT_S / 60:.0f} minutes.")
+        for fig in figs:
+            note = " (too few to judge latency)" if fig.requests < t.min_requests else ""
+            st.caption(_healthy_line(fig, t) + note)
     for f in findings:
-        evidence = ", ".join(f"{k} = {v:.4g}" for k, v in f.evidence.items())
-        st.warning(
-            f"**{f.title}** — {f.advice}\n\nlikely cause: {f.cause}; check: {f.check}\n\n"
-            f"_{evidence}_"
-        )
+        (st.info if f.by_design else st.warning)(_finding_text(f))
+    with st.expander("How the diagnosis decides"):
+        st.markdown(rules_text(t))
 
 
-def summary(rows: pd.DataFrame, window: queries.Window) -> None:
-    """Headline numbers of the window: one row of metrics per lane."""
-    table = queries.latency_summary(None, window, rows=rows).set_index(["lane", "metric"])
-    for lane, g in rows.groupby("lane", sort=False):
-        cols = st.columns(5)
-        cols[0].metric(f"{lane} requests", f"{len(g):,}")
+def rules_text(t: Thresholds) -> str:
+    """The thresholds the diagnosis uses, as a Markdown list (shown under the panel)."""
+    limits = ", ".join(
+        f"{lane} TTFT {t.ttft_p99_ms[lane]:,.0f} ms / TPOT {t.tpot_p99_ms[lane]:,.0f} ms"
+        for lane in t.ttft_p99_ms
+    )
+    return "\n".join([
+        f"- It judges the last {RECENT_S / 60:.0f} minutes (at least {t.min_requests} finished "
+        "requests per lane).",
+        f"- A P99 is **high** above its limit ({limits}; a worker's SLO target replaces it) or "
+        f"when {t.ratio:g}x the earlier part of the window and {t.ttft_floor_ms:g} ms (TTFT) / "
+        f"{t.tpot_floor_ms:g} ms (TPOT) more.",
+        f"- **Queueing** needs queue time >= {t.queue_share:.0%} of TTFT in the slowest 10 % of "
+        "requests, or a growing queue. In the batch lane, with interactive traffic running, "
+        "that is the design: the note shows each job's ETA against its completion window.",
+        f"- **Prefill** needs prefill >= {t.prefill_share:.0%} of TTFT in the slowest 10 %; "
+        f"**prefix cache misses** also a cached prompt share < {t.prefix_hit_low:.0%}.",
+        f"- **KV memory** needs KV usage >= {t.kv_full:.0%} or preemptions > 0.",
+        f"- **Chunks stealing decode steps** needs ITL P99 > {t.jitter_ratio:g}x TPOT P50 and "
+        f"chunked prefills (or prompts >= {t.long_prefill_tokens} tokens) in the window.",
+        f"- **Throughput flat** needs requests waiting in every snapshot with KV usage < "
+        f"{t.kv_low:.0%}.",
+        "- Causes are ranked by the share of the symptom they explain.",
+    ])  # fmt: skip
+
+
+def summary(live: Live, window_label: str) -> None:
+    """Per lane: requests, rates now (last 30 s) beside the window averages, latency P99s."""
+    rates = queries.current_rates(live.rows, live.now, live.window)
+    table = queries.latency_summary(None, live.window, rows=live.rows).set_index(["lane", "metric"])
+    now_s = f"{queries.CURRENT_S:.0f} s"
+    for r in rates.itertuples():
+        cols = st.columns(6)
+        cols[0].metric(f"{r.lane} · requests", f"{r.requests:,}", help=f"in the {window_label}")
         cols[1].metric(
-            f"{lane} output tokens/s", f"{g['completion_tokens'].sum() / window.seconds:,.1f}"
+            f"tokens/s · last {now_s}",
+            f"{r.tokens_per_s_now:,.1f}",
+            help=f"output tokens of the {r.lane} requests that finished in the last {now_s}",
         )
-        for col, metric, q in zip(
-            cols[2:], ("TTFT", "TPOT", "e2e"), ("p99", "p50", "p99"), strict=True
-        ):
-            value = table[q].get((lane, metric))
-            col.metric(f"{metric} {q.upper()} (ms)", "-" if value is None else f"{value:,.1f}")
+        cols[2].metric(
+            "tokens/s · window avg",
+            f"{r.tokens_per_s_avg:,.2f}",
+            help=f"output tokens per second averaged over the {window_label}",
+        )
+        for col, metric, q in zip(cols[3:], ("TTFT", "TPOT", "e2e"), ("p99", "p50", "p99"),
+                                  strict=True):  # fmt: skip
+            value = table[q].get((r.lane, metric))
+            shown = "-" if value is None or math.isnan(value) else f"{value:,.1f}"
+            col.metric(f"{metric} {q.upper()} · ms", shown, help=f"over the {window_label}")
 
 
-def latency(rows: pd.DataFrame, window: queries.Window, bucket_s: int) -> None:
+def latency(live: Live) -> None:
     """TTFT, TPOT, queue, prefill, decode, e2e: percentiles over time and histograms."""
-    over_time = queries.latency_over_time(None, window, bucket_s, rows=rows)
+    over_time = queries.latency_over_time(None, live.window, live.bucket_s, rows=live.rows)
     for label in queries.PHASES:
         st.header(label)
         left, right = st.columns([3, 2])
-        left.altair_chart(charts.latency_lines(over_time, label), width="stretch")
-        hist = queries.latency_histogram(None, window, label, rows=rows)
-        right.altair_chart(charts.latency_histogram(hist, label), width="stretch")
+        charts.show(left, charts.latency_lines(over_time, label, live.axis))
+        hist = queries.latency_histogram(None, live.window, label, rows=live.rows)
+        charts.show(right, charts.latency_histogram(hist, label))
 
 
-def throughput(rows: pd.DataFrame, ws: pd.DataFrame, window: queries.Window, bucket_s: int) -> None:
+def throughput(live: Live) -> None:
     """Requests and tokens per second per lane; running/waiting per lane group."""
     st.header("Throughput and load")
-    rates = queries.throughput(None, window, bucket_s, rows=rows)
+    rates = queries.throughput(None, live.window, live.bucket_s, rows=live.rows)
+    per = f"per {live.bucket_s} s bucket"
     a, b, c = st.columns(3)
-    a.altair_chart(charts.rate_lines(rates, "requests_per_s", "requests/s"), width="stretch")
-    b.altair_chart(charts.rate_lines(rates, "tokens_per_s", "output tokens/s"), width="stretch")
-    load = queries.lane_load(None, window, bucket_s, ws=ws)
+    charts.show(
+        a,
+        charts.rate_lines(rates, "requests_per_s", f"requests/s ({per})", "requests/s", live.axis),
+    )
+    charts.show(
+        b,
+        charts.rate_lines(rates, "tokens_per_s", f"output tokens/s ({per})", "tokens/s", live.axis),
+    )
+    load = queries.lane_load(None, live.window, live.bucket_s, ws=live.ws)
     if load.empty:
         c.info("No worker snapshots in this window.")
     else:
-        c.altair_chart(charts.lane_load(load), width="stretch")
-
-
-def workers(ws: pd.DataFrame, window: queries.Window, bucket_s: int) -> None:
-    """KV usage, prefix hit rate and preemptions per worker."""
-    st.header("Workers")
-    if ws.empty:
-        st.info("No worker snapshots in this window.")
-        return
-    series = queries.worker_series(None, window, bucket_s, ws=ws)
-    a, b, c = st.columns(3)
-    a.altair_chart(charts.worker_lines(series, "kv_usage", "KV usage", True), width="stretch")
-    b.altair_chart(
-        charts.worker_lines(series, "prefix_hit_rate", "prefix hit rate", True), width="stretch"
-    )
-    c.altair_chart(charts.preemption_bars(series), width="stretch")
-    st.dataframe(queries.worker_summary(None, window, ws=ws), hide_index=True)
+        charts.show(c, charts.lane_load(load, live.axis))
 
 
 def _eta(seconds: float) -> str:
@@ -93,19 +176,19 @@ def _eta(seconds: float) -> str:
     return f"ETA {int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m{int(seconds % 60):02d}s"
 
 
-def jobs(engine: Engine, window: queries.Window) -> None:
-    """Progress bars of active and recent bulk jobs."""
+def jobs(live: Live) -> None:
+    """Progress bars of active and recent bulk jobs, each with a link to its own view."""
     st.header("Jobs")
-    df = queries.job_progress(engine, window)
-    if df.empty:
+    if live.jobs.empty:
         st.caption("No bulk job in this window.")
-    for job in df.itertuples():
+    for job in live.jobs.itertuples():
         text = (
             f"{job.id} · {job.status} · {job.completed}/{job.total} completed, "
             f"{job.failed} failed · {_eta(job.eta_s)}"
         )
         st.progress(float(job.done), text=text)
-    st.caption(retention_line(queries.retention_summary(engine)))
+        st.markdown(f"[open job {job.id}](?job={job.id})")
+    st.caption(retention_line(queries.retention_summary(live.engine)))
 
 
 def retention_line(r: queries.RetentionSummary) -> str:
@@ -120,12 +203,21 @@ def retention_line(r: queries.RetentionSummary) -> str:
     )
 
 
-def slowest(rows: pd.DataFrame, window: queries.Window) -> None:
+def slowest(live: Live) -> None:
     """The slowest requests of the window with their phase breakdown."""
     st.header("Slowest requests")
-    top = queries.slowest_requests(None, window, n=15, rows=rows)
+    top = queries.slowest_requests(None, live.window, n=15, rows=live.rows)
     if top.empty:
         st.caption("No finished request in this window.")
         return
-    st.altair_chart(charts.phase_breakdown(queries.phase_breakdown(top)), width="stretch")
+    charts.show(st, charts.phase_breakdown(queries.phase_breakdown(top)))
     st.dataframe(top, hide_index=True)
+
+
+def live_frames(engine: Engine, window: queries.Window, rows: pd.DataFrame) -> Live:
+    """The `Live` of one fragment run: snapshots and jobs read now, `rows` as given."""
+    ws = queries.worker_rows(engine, window)
+    jobs_df = queries.job_progress(engine, window, now=window.end)
+    bucket_s = queries.auto_bucket_s(window.seconds)
+    return Live(engine, window, rows, ws, jobs_df, bucket_s,
+                charts.TimeAxis(window.start, window.end))  # fmt: skip

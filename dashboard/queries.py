@@ -36,6 +36,7 @@ from dashboard.query_rows import (
     auto_bucket_s,
     distinct_values,
     has_data,
+    job_request_rows,
     percentiles,
     request_rows,
     worker_rows,
@@ -59,10 +60,13 @@ __all__ = [
     "REQUEST_COLUMNS",
     "RetentionSummary",
     "Window",
+    "CURRENT_S",
     "auto_bucket_s",
+    "current_rates",
     "distinct_values",
     "figures_from_frames",
     "has_data",
+    "job_request_rows",
     "job_progress",
     "lane_load",
     "latency_histogram",
@@ -119,16 +123,20 @@ def latency_over_time(
     cols = ["bucket", "lane", "metric", "percentile", "value_ms", "requests"]
     if rows.empty:
         return pd.DataFrame(columns=cols)
-    rows = rows.assign(bucket=_bucket(rows["finished_at"], bucket_s))
-    out = []
-    for (bucket, lane), g in rows.groupby(["bucket", "lane"], sort=True):
-        for label, col in PHASES.items():
-            vals = g[col].dropna()
-            if not len(vals):
-                continue
-            for q, v in zip(PERCENTILES, percentiles(vals), strict=True):
-                out.append((bucket, lane, label, f"P{q}", v, len(vals)))
-    return pd.DataFrame(out, columns=cols)
+    labels = {col: label for label, col in PHASES.items()}
+    long = (
+        rows.assign(bucket=_bucket(rows["finished_at"], bucket_s))
+        .melt(id_vars=["bucket", "lane"], value_vars=list(labels), var_name="col", value_name="v")
+        .dropna(subset=["v"])
+    )
+    g = long.groupby(["bucket", "lane", "col"], sort=True)["v"]
+    # pandas' "linear" quantile is the same rule as `percentiles` (Hyndman & Fan 7)
+    q = g.quantile([p / 100 for p in PERCENTILES], interpolation="linear").rename("value_ms")
+    out = q.reset_index().rename(columns={"level_3": "q"})
+    out = out.merge(g.size().rename("requests").reset_index(), on=["bucket", "lane", "col"])
+    out["metric"] = out["col"].map(labels)
+    out["percentile"] = "P" + (out["q"] * 100).round().astype(int).astype(str)
+    return out[cols]
 
 
 def latency_histogram(
@@ -190,6 +198,30 @@ def throughput(
         }
     ).reset_index()
     return df[cols]
+
+
+CURRENT_S = 30.0  # s: the span of the "current" rates shown beside the window averages
+
+
+def current_rates(
+    rows: pd.DataFrame, now: float, window: Window, seconds: float = CURRENT_S
+) -> pd.DataFrame:
+    """Per lane: requests/s and output tokens/s over the last `seconds` before `now` ("now")
+    and over the whole window ("window avg"), from a `request_rows` frame.
+
+    Columns: lane, requests (in the window), requests_per_s_now, tokens_per_s_now,
+    requests_per_s_avg, tokens_per_s_avg. A request counts when it finishes.
+    """
+    cols = ["lane", "requests", "requests_per_s_now", "tokens_per_s_now", "requests_per_s_avg",
+            "tokens_per_s_avg"]  # fmt: skip
+    out = []
+    for lane, g in rows.groupby("lane", sort=False):
+        last = g[g["finished_at"] >= now - seconds]
+        out.append((
+            lane, len(g), len(last) / seconds, last["completion_tokens"].sum() / seconds,
+            len(g) / window.seconds, g["completion_tokens"].sum() / window.seconds,
+        ))  # fmt: skip
+    return pd.DataFrame(out, columns=cols)
 
 
 def slowest_requests(

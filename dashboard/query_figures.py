@@ -10,8 +10,9 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Engine
 
-from dashboard.diagnose import Figures
+from dashboard.diagnose import Figures, JobEta
 from dashboard.query_rows import LANES, Window, percentiles, request_rows, worker_rows
+from dashboard.query_workers import ACTIVE_JOB_STATUSES, job_progress
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,38 @@ def _is_timeout(rows: pd.DataFrame) -> pd.Series:
     return text.str.contains("|".join(_TIMEOUT_MARKERS), regex=True)
 
 
+def _share(part: pd.Series, whole: pd.Series) -> float | None:
+    """sum(part) / sum(whole) over the rows that have both (None when there are none)."""
+    both = part.notna() & whole.notna()
+    total = float(whole[both].sum())
+    return float(part[both].sum()) / total if total > 0 else None
+
+
+def _tail(recent: pd.DataFrame, col: str = "ttft_ms", q: int = 90) -> pd.DataFrame:
+    """The slowest requests of `recent` by `col`: at or above its `q`th percentile."""
+    cut = _p(recent, col, q)
+    return recent.iloc[0:0] if cut is None else recent[recent[col] >= cut]
+
+
+def _worker_gauges(workers: pd.DataFrame) -> dict[str, float | None]:
+    if not len(workers):
+        return {}
+    last = workers.groupby("worker_id").tail(1)
+    per_at = workers.groupby("at")["waiting"].sum()
+    return {
+        "waiting_now": float(last["waiting"].sum()),
+        "waiting_before": float(workers.groupby("worker_id").head(1)["waiting"].sum()),
+        "waiting_min": float(per_at.min()),
+        "running_max": float(workers["running"].max()),
+        "kv_usage_max": (
+            float(workers["kv_usage"].max()) if workers["kv_usage"].notna().any() else None
+        ),
+        "prefix_hit_rate": (
+            float(last["prefix_hit_rate"].mean()) if last["prefix_hit_rate"].notna().any() else None
+        ),
+    }
+
+
 def figures_from_frames(
     lane: str,
     recent: pd.DataFrame,
@@ -40,25 +73,22 @@ def figures_from_frames(
     workers: pd.DataFrame,
     recent_s: float,
     baseline_s: float,
+    others: pd.DataFrame | None = None,
+    jobs: tuple[JobEta, ...] = (),
 ) -> Figures:
-    """`Figures` for one lane from its request rows (recent and baseline) and worker snapshots
-    of the recent window (as returned by `request_rows` / `worker_rows`)."""
+    """`Figures` for one lane from its request rows (recent and baseline), worker snapshots of
+    the recent window (as returned by `request_rows` / `worker_rows`), the recent rows of every
+    lane (`others`, for the chunked prefills and interactive traffic that share the workers) and
+    the active jobs' ETAs."""
+    others = recent if others is None else others
     timeouts = recent[_is_timeout(recent)] if len(recent) else recent
     tok = recent["completion_tokens"].sum() / recent_s if len(recent) else None
     base_tok = baseline["completion_tokens"].sum() / baseline_s if len(baseline) else None
-    waiting_now = waiting_before = running_max = kv = hit = None
-    if len(workers):
-        first = workers.groupby("worker_id").head(1)["waiting"].sum()
-        last = workers.groupby("worker_id").tail(1)
-        waiting_now, waiting_before = float(last["waiting"].sum()), float(first)
-        running_max = float(workers["running"].max())
-        kv = float(workers["kv_usage"].max()) if workers["kv_usage"].notna().any() else None
-        hit = (
-            float(last["prefix_hit_rate"].mean()) if last["prefix_hit_rate"].notna().any() else None
-        )
+    tail = _tail(recent)
     return Figures(
         lane=lane,
         requests=len(recent),
+        baseline_requests=len(baseline),
         ttft_p99_ms=_p(recent, "ttft_ms", 99),
         ttft_p99_baseline_ms=_p(baseline, "ttft_ms", 99),
         tpot_p50_ms=_p(recent, "tpot_ms", 50),
@@ -67,18 +97,34 @@ def figures_from_frames(
         itl_p99_ms=_p(recent, "itl_p99_ms", 90),
         queue_p99_ms=_p(recent, "queue_ms", 99),
         prefill_p99_ms=_p(recent, "prefill_ms", 99),
-        waiting_now=waiting_now,
-        waiting_before=waiting_before,
-        running_max=running_max,
-        kv_usage_max=kv,
-        prefix_hit_rate=hit,
+        queue_share=_share(tail["queue_ms"], tail["ttft_ms"]),
+        prefill_share=_share(tail["prefill_ms"], tail["ttft_ms"]),
+        preempted_share=float((tail["preemptions"] > 0).mean()) if len(tail) else None,
+        cached_share=_share(recent["cached_tokens"], recent["prompt_tokens"]),
+        chunked_prefills=int((others["prefill_chunks"] > 1).sum()),
+        prompt_tokens_max=float(others["prompt_tokens"].max()) if len(others) else None,
+        interactive_requests=int((others["lane"] == "interactive").sum()),
+        **_worker_gauges(workers),
         preemptions=int(recent["preemptions"].fillna(0).sum()) if len(recent) else 0,
         timeouts=len(timeouts),
         timeout_prompt_tokens_p50=_p(timeouts, "prompt_tokens", 50),
         prompt_tokens_p50=_p(recent, "prompt_tokens", 50),
         tokens_per_s=tok,
         tokens_per_s_baseline=base_tok,
+        jobs=jobs if lane == "batch" else (),
     )
+
+
+def job_etas(jobs: pd.DataFrame) -> tuple[JobEta, ...]:
+    """The active jobs of a `job_progress` frame as `JobEta`s."""
+    active = jobs[jobs["status"].isin(ACTIVE_JOB_STATUSES)]
+    return tuple(
+        JobEta(str(j.id), _num(j.eta_s), _num(j.window_left_s)) for j in active.itertuples()
+    )
+
+
+def _num(v) -> float | None:
+    return None if v is None or pd.isna(v) else float(v)
 
 
 def live_figures(
@@ -87,17 +133,20 @@ def live_figures(
     recent_s: float = 300.0,
     rows: pd.DataFrame | None = None,
     ws: pd.DataFrame | None = None,
+    jobs: pd.DataFrame | None = None,
 ) -> list[Figures]:
     """`Figures` per lane: the last `recent_s` of `window` against the part of `window` before it.
 
-    `rows`/`ws` are the window's `request_rows`/`worker_rows` when already read. Lanes without
-    any request or snapshot in the window are left out.
+    `rows`/`ws`/`jobs` are the window's `request_rows`/`worker_rows`/`job_progress` when already
+    read. Lanes without any request or snapshot in the window are left out.
     """
     recent_s = min(recent_s, window.seconds)
     split = window.end - recent_s
     rows = request_rows(engine, window) if rows is None else rows
     ws = worker_rows(engine, window) if ws is None else ws
+    jobs = job_progress(engine, window, now=window.end) if jobs is None else jobs
     ws = ws[ws["at"] >= split]
+    every_lane = rows[rows["finished_at"] >= split]
     out = []
     for lane in [window.lane] if window.lane else LANES:
         lane_rows = rows[rows["lane"] == lane]
@@ -108,7 +157,8 @@ def live_figures(
         baseline = lane_rows[lane_rows["finished_at"] < split]
         out.append(
             figures_from_frames(
-                lane, recent, baseline, lane_ws, recent_s, max(split - window.start, 1e-9)
+                lane, recent, baseline, lane_ws, recent_s, max(split - window.start, 1e-9),
+                others=every_lane, jobs=job_etas(jobs),
             )
-        )
+        )  # fmt: skip
     return out

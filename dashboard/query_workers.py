@@ -16,7 +16,7 @@ from db.models import File, Job, RetentionPass
 
 logger = logging.getLogger(__name__)
 
-_ACTIVE_JOB_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
+ACTIVE_JOB_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 
 # ---------------------------------------------------------------------------------------------
 # Workers
@@ -112,10 +112,11 @@ def job_progress(
 
     Columns: id, status, model, task, total, completed, failed, done (0..1, (completed+failed)/total),
     created (UTC datetime), rate_per_s (lines finished per second since in_progress), eta_s (s;
-    NaN when finished, not started, or no line finished yet).
+    NaN when finished, not started, or no line finished yet), window_left_s (s until the end of
+    the completion window, `expires_at - now`; negative once past, NaN when unknown).
     """
     now = time.time() if now is None else now
-    cond = Job.status.in_(_ACTIVE_JOB_STATUSES)
+    cond = Job.status.in_(ACTIVE_JOB_STATUSES)
     if window is not None:
         cond = or_(cond, and_(Job.created_at >= window.start, Job.created_at < window.end))
         if window.model is not None:
@@ -131,6 +132,7 @@ def job_progress(
             Job.request_total,
             Job.request_completed,
             Job.request_failed,
+            Job.expires_at,
         )  # fmt: skip
         .where(cond)
         .order_by(Job.created_at.desc())
@@ -153,11 +155,12 @@ def job_progress(
     rate = finished / elapsed.where(elapsed > 0)
     df["rate_per_s"] = rate
     remaining = (df["total"] - finished).clip(lower=0)
-    active = df["status"].isin(_ACTIVE_JOB_STATUSES)
+    active = df["status"].isin(ACTIVE_JOB_STATUSES)
     df["eta_s"] = (remaining / rate.where(rate > 0)).where(active)
+    df["window_left_s"] = pd.to_numeric(df["expires_at"], errors="coerce").astype("float64") - now
     df["created"] = pd.to_datetime(pd.to_numeric(df["created_at"]), unit="s", utc=True)
     cols = ["id", "status", "model", "task", "total", "completed", "failed", "done", "created"]
-    return df[cols + ["rate_per_s", "eta_s"]]
+    return df[cols + ["rate_per_s", "eta_s", "window_left_s"]]
 
 
 @dataclass(frozen=True, slots=True)

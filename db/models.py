@@ -219,6 +219,9 @@ class Request(Base):
         Index("ix_requests_arrival_at", "arrival_at"),
         Index("ix_requests_lane_arrival_at", "lane", "arrival_at"),
         Index("ix_requests_finished_at", "finished_at"),
+        # ... by finished_at for one lane or one model, and the distinct models (migration 0005).
+        Index("ix_requests_lane_finished_at", "lane", "finished_at"),
+        Index("ix_requests_model_finished_at", "model", "finished_at"),
         # Jobs runner: the lines of one job by status.
         Index("ix_requests_job_id_status", "job_id", "status"),
     )

@@ -1,7 +1,8 @@
 """`laneserve dashboard`: the live latency dashboard (`streamlit run dashboard/app.py`, headless).
 
 Binds 127.0.0.1 (DESIGN.md "Dashboard"), migrates the database first so an empty one shows the
-friendly empty state, and passes the database URL to the app in `LANESERVE_DB_URL`.
+friendly empty state, and passes the database URL to the app in `LANESERVE_DB_URL` and the API's
+address (for the job view's download links) in `LANESERVE_URL`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--db", default=None, help="database URL (default: $LANESERVE_DB_URL or $LANESERVE_HOME)"
     )
     parser.add_argument(
+        "--api-url",
+        default=None,
+        help="the stack's HTTP API, for the job view's download links "
+        "(default: $LANESERVE_URL, else the running stack's)",
+    )
+    parser.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process is gone"
     )
     parser.set_defaults(func=run)
@@ -59,6 +66,14 @@ def streamlit_command(port: int) -> list[str]:
     ]  # fmt: skip
 
 
+def _stack_api_url() -> str | None:
+    """$LANESERVE_URL, else the API of the stack running under $LANESERVE_HOME (or None)."""
+    from contracts import env
+    from laneserve.stack import running_stack
+
+    return env.get("LANESERVE_URL") or (running_stack(ready=False) or {}).get("api_url")
+
+
 def run(args: argparse.Namespace) -> int:
     from db.migrate import MigrationError, upgrade
     from db.session import resolve_url
@@ -70,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         logger.error("cannot prepare the database %s: %s", url.render_as_string(True), exc)
         return 1
     env = dict(os.environ, LANESERVE_DB_URL=url.render_as_string(hide_password=False))
+    if api_url := args.api_url or _stack_api_url():
+        env["LANESERVE_URL"] = api_url
     cmd = streamlit_command(args.port)
     logger.info(
         "dashboard on http://127.0.0.1:%d (database %s)", args.port, url.render_as_string(True)

@@ -285,7 +285,7 @@ def build_specs(args: argparse.Namespace, plan: dict) -> list:
     specs.append(ChildSpec("api", api, common, stop_group=0))
     if plan["dashboard_port"] is not None:
         dash = [py, "-m", "laneserve.cli", "dashboard", "--port", str(plan["dashboard_port"])]
-        dash += ["--db", plan["db_url"], "--parent-pid", pid]
+        dash += ["--db", plan["db_url"], "--api-url", plan["api_url"], "--parent-pid", pid]
         specs.append(ChildSpec("dashboard", dash, common, stop_group=0))
     return specs
 

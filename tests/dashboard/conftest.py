@@ -4,12 +4,17 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from streamlit.testing.v1 import AppTest
 
+import dashboard
 from db.migrate import upgrade
 from db.session import make_engine
+
+APP = Path(dashboard.__file__).with_name("app.py")
 
 
 @pytest.fixture(scope="session")
@@ -41,6 +46,20 @@ def db_url(request, tmp_path) -> str:
         conn.execute(sa.text("TRUNCATE requests, worker_stats, jobs, files CASCADE"))
     engine.dispose()
     return url
+
+
+@pytest.fixture
+def run_app(monkeypatch):
+    """`run_app(url)`: the dashboard app run once under AppTest against `url`, no exception."""
+
+    def run(url: str) -> AppTest:
+        monkeypatch.setenv("LANESERVE_DB_URL", url)
+        at = AppTest.from_file(str(APP), default_timeout=60)
+        at.run()
+        assert not at.exception, [e.value for e in at.exception]
+        return at
+
+    return run
 
 
 @pytest.fixture

@@ -33,6 +33,9 @@ class Profile:
     tokens: int = 64
     prompt_tokens: int = 300
     preemptions: float = 0.0  # Poisson mean
+    cached: float = 0.0  # share of each prompt served from the prefix cache
+    chunks: int = 1  # prefill chunks per request
+    itl_ratio: float = 1.5  # each request's ITL P99 / its TPOT
 
 
 def make_records(
@@ -60,6 +63,7 @@ def make_records(
         e2e = ttft + decode + transport
         finished = float(rng.uniform(start, end))
         arrival = finished - e2e / 1000.0
+        prompt = int(rng.integers(p.prompt_tokens // 2, p.prompt_tokens * 3 // 2))
         out.append(
             {
                 "id": f"cmpl-{uuid.uuid4().hex}",
@@ -73,11 +77,11 @@ def make_records(
                 "finish_reason": "length" if rng.random() < 0.5 else "stop",
                 "error": None,
                 "attempts": 1,
-                "prompt_tokens": int(rng.integers(p.prompt_tokens // 2, p.prompt_tokens * 3 // 2)),
-                "cached_tokens": 0,
+                "prompt_tokens": prompt,
+                "cached_tokens": int(prompt * p.cached),
                 "completion_tokens": completion,
                 "preemptions": int(rng.poisson(p.preemptions)),
-                "prefill_chunks": 1,
+                "prefill_chunks": p.chunks,
                 "arrival_at": arrival,
                 "first_scheduled_at": arrival + queue / 1000.0,
                 "first_token_at": arrival + ttft / 1000.0,
@@ -87,7 +91,7 @@ def make_records(
                 "ttft_ms": ttft,
                 "decode_ms": decode,
                 "tpot_ms": tpot,
-                "itl_p99_ms": tpot * 1.5 if tpot is not None else None,
+                "itl_p99_ms": tpot * p.itl_ratio if tpot is not None else None,
                 "e2e_ms": e2e,
             }
         )

@@ -4,25 +4,13 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 from dashboard_data import Profile, make_records, make_snapshots, store
 from streamlit.testing.v1 import AppTest
 
-import dashboard
 from dashboard.queries import PHASES
-
-APP = str(Path(dashboard.__file__).with_name("app.py"))
-
-
-def _run(url: str, monkeypatch) -> AppTest:
-    monkeypatch.setenv("LANESERVE_DB_URL", url)
-    at = AppTest.from_file(APP, default_timeout=60)
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
 
 
 def _charts(at: AppTest) -> dict[str, int]:
@@ -31,23 +19,25 @@ def _charts(at: AppTest) -> dict[str, int]:
     for el in at.get("vega_lite_chart"):
         title = json.loads(el.proto.spec).get("title")
         title = title if isinstance(title, str) else (title or {}).get("text", "")
-        rows = sum(pa.ipc.open_stream(d.data.data).read_all().num_rows for d in el.proto.datasets)
+        blobs = [d.data.data for d in el.proto.datasets]
+        blobs += [el.proto.data.data] if el.proto.HasField("data") and el.proto.data.data else []
+        rows = sum(pa.ipc.open_stream(b).read_all().num_rows for b in blobs)
         out[title] = rows
     return out
 
 
-def test_empty_database_shows_friendly_state(db_url, monkeypatch):
-    at = _run(db_url, monkeypatch)
+def test_empty_database_shows_friendly_state(db_url, run_app):
+    at = run_app(db_url)
     assert any("No requests recorded yet" in i.value for i in at.info)
     assert _charts(at) == {}
 
 
-def test_unmigrated_database_is_explained(tmp_path, monkeypatch):
-    at = _run(f"sqlite:///{tmp_path / 'nothing.db'}", monkeypatch)
+def test_unmigrated_database_is_explained(tmp_path, run_app):
+    at = run_app(f"sqlite:///{tmp_path / 'nothing.db'}")
     assert any("no laneserve tables" in i.value for i in at.info)
 
 
-def test_filled_database_shows_latency_charts(db_url, db_engine, monkeypatch):
+def test_filled_database_shows_latency_charts(db_url, db_engine, run_app):
     now = time.time()
     rng = np.random.default_rng(3)
     recs = make_records(rng, 150, now - 3000, now - 1, "interactive", model="m1")
@@ -60,45 +50,122 @@ def test_filled_database_shows_latency_charts(db_url, db_engine, monkeypatch):
     ]  # fmt: skip
     store(db_engine, records=recs, snapshots=snaps, jobs=jobs)
 
-    at = _run(db_url, monkeypatch)
+    at = run_app(db_url)
     headers = [h.value for h in at.header]
     for label in PHASES:
         assert label in headers
     charts = _charts(at)
     for label in PHASES:
         assert charts[f"{label} P50/P90/P99 (ms)"] > 0  # percentile points were sent
-        assert charts[f"{label} histogram"] > 0
-    for title in ("requests/s", "output tokens/s", "KV usage", "prefix hit rate", "preemptions"):
+        assert charts[f"{label} histogram (ms)"] > 0
+    for title in ("requests/s (per 60 s bucket)", "output tokens/s (per 60 s bucket)",
+                  "KV usage", "prefix hit rate", "preemptions", "mean step time (ms)"):  # fmt: skip
         assert charts[title] > 0
     assert "Diagnosis" in headers
     assert not at.warning  # healthy traffic: the diagnosis stays quiet
+    assert any("No symptom in the last 5 minutes" in s.value for s in at.success)
+    # current rates beside the window's averages, each labelled with its span
+    labels = [m.label for m in at.metric]
+    assert {"interactive · requests", "batch · requests"} <= set(labels)
+    assert {"tokens/s · last 30 s", "tokens/s · window avg"} <= set(labels)
+    # what is not measured yet is said plainly
+    captions = " ".join(c.value for c in at.caption)
+    assert "Not measured yet: SLO attainment" in captions
+    assert "do not record drafted and accepted tokens" in captions
+    assert "DESIGN" not in captions + " ".join(m.value for m in at.markdown)
     progress = [p.proto.text for p in at.get("progress")]
     assert any("batch_x" in t and "40/100 completed" in t and "5 failed" in t for t in progress)
     assert any("Slowest requests" == h for h in headers)
 
 
-def test_diagnosis_panel_shows_queueing(db_url, db_engine, monkeypatch):
-    """TTFT P99 up in the last 5 minutes, TPOT flat, the queue growing -> the queueing advice."""
-    now = time.time()
-    rng = np.random.default_rng(5)
-    recs = make_records(rng, 200, now - 3000, now - 310, "interactive")
-    recs += make_records(rng, 50, now - 290, now - 1, "interactive", Profile(queue=3000))
-    snaps = make_snapshots("w0", "interactive", now - 290, now, every_s=10, kv_usage=0.7)
-    snaps[-1]["waiting"] = 30
-    store(db_engine, records=recs, snapshots=snaps)
-    at = _run(db_url, monkeypatch)
-    warnings = [w.value for w in at.warning]
-    assert len(warnings) == 1, warnings
-    assert "queueing: add workers or route batch elsewhere" in warnings[0]
-    assert "check: queue depth, prefill batch size, prefix hit rate" in warnings[0]
-
-
-def test_lane_filter_rerenders(db_url, db_engine, monkeypatch):
+def test_lane_filter_rerenders(db_url, db_engine, run_app):
     now = time.time()
     rng = np.random.default_rng(4)
     store(db_engine, records=make_records(rng, 50, now - 600, now - 1, "interactive"))
-    at = _run(db_url, monkeypatch)
+    at = run_app(db_url)
     at.sidebar.selectbox[0].select("batch").run()
     assert not at.exception
     # no batch request: the latency panels give way to a note, nothing crashes
     assert any("No finished request" in i.value for i in at.info)
+
+
+def test_job_view_shows_progress_latency_and_error_lines(db_url, db_engine, run_app, monkeypatch):
+    now = time.time()
+    rng = np.random.default_rng(6)
+    job = {"id": "batch_j", "status": "completed", "endpoint": "/v1/chat/completions",
+           "model": "m1", "created_at": now - 400, "in_progress_at": now - 390,
+           "completed_at": now - 10, "expires_at": now + 86000, "request_total": 12,
+           "request_completed": 10, "request_failed": 2}  # fmt: skip
+    lines = make_records(rng, 10, now - 380, now - 20, "batch")
+    for i, r in enumerate(lines):
+        r.update(job_id="batch_j", custom_id=f"doc-{i}", line_no=i + 1)
+    store(db_engine, records=lines, jobs=[job])
+    import sqlalchemy as sa
+
+    from db.models import Request
+
+    with db_engine.begin() as conn:
+        conn.execute(sa.update(Request).where(Request.job_id == "batch_j")
+                     .values(response={"status_code": 200}, status="completed"))  # fmt: skip
+        for n in (11, 12):
+            conn.execute(sa.insert(Request).values(
+                id=f"r{n}", job_id="batch_j", custom_id=f"doc-{n}", line_no=n, lane="batch",
+                status="failed", response={"error": {"code": "prompt_too_long", "message": "x"}},
+            ))  # fmt: skip
+    monkeypatch.setenv("LANESERVE_URL", "http://127.0.0.1:8000")
+    from streamlit.testing.v1 import AppTest
+
+    from tests.dashboard.conftest import APP
+
+    monkeypatch.setenv("LANESERVE_DB_URL", db_url)
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.query_params["job"] = "batch_j"
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "Job batch_j" in [h.value for h in at.header]
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["lines/s (over the run)"] == f"{12 / 380:,.2f} lines/s"
+    tokens = sum(r["completion_tokens"] for r in lines)
+    assert metrics["output tokens/s (over the run)"] == f"{tokens / 380:,.2f} tokens/s"
+    assert metrics["ETA"] == "done"
+    (latency, errors) = [t.value for t in at.table]
+    ttft = np.percentile([r["ttft_ms"] for r in lines], 50)
+    assert latency.loc["TTFT", "p50"] == f"{ttft:,.1f}"
+    assert errors["code"].tolist() == ["prompt_too_long", "prompt_too_long"]
+    assert errors.index.tolist() == [11, 12]
+    charts = _charts(at)
+    assert charts["lines/s (per 10 s bucket)"] > 0
+
+
+def test_slo_and_speculation_panels_show_columns_once_they_exist(db_url, db_engine, run_app):
+    """Columns that other features add (names as the SLO and speculation work record them)."""
+    import sqlalchemy as sa
+
+    now = time.time()
+    with db_engine.begin() as conn:
+        conn.execute(
+            sa.text("ALTER TABLE worker_stats ADD COLUMN slo_attainment_interactive FLOAT")
+        )
+        conn.execute(sa.text("ALTER TABLE worker_stats ADD COLUMN step_budget_tokens INTEGER"))
+        conn.execute(sa.text("ALTER TABLE requests ADD COLUMN spec_draft_tokens INTEGER"))
+        conn.execute(sa.text("ALTER TABLE requests ADD COLUMN spec_accepted_tokens INTEGER"))
+    rng = np.random.default_rng(2)
+    store(db_engine, records=make_records(rng, 30, now - 600, now - 1, "interactive"),
+          snapshots=make_snapshots("w0", "interactive", now - 600, now, every_s=30))  # fmt: skip
+    with db_engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE worker_stats SET slo_attainment_interactive = 0.97, "
+                "step_budget_tokens = 512"
+            )
+        )
+        conn.execute(
+            sa.text("UPDATE requests SET spec_draft_tokens = 10, spec_accepted_tokens = 7")
+        )
+    at = run_app(db_url)
+    charts = _charts(at)
+    assert charts["slo_attainment_interactive"] > 0 and charts["step_budget_tokens"] > 0
+    captions = " ".join(c.value for c in at.caption)
+    assert "Not measured yet: SLO target, predicted step time" in captions
+    (acc,) = [m for m in at.metric if "acceptance" in m.label]
+    assert acc.value == "70%"

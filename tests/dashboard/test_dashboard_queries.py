@@ -7,12 +7,14 @@ import pandas as pd
 import pytest
 from dashboard_data import MODEL, NOW, Profile, make_records, make_snapshots, store
 
-from dashboard.diagnose import Symptom, diagnose_all
+from contracts.latency import percentile
+from dashboard.diagnose import Cause, Symptom, diagnose_all
 from dashboard.queries import (
     PHASES,
     QueryError,
     Window,
     auto_bucket_s,
+    current_rates,
     distinct_values,
     has_data,
     job_progress,
@@ -21,6 +23,7 @@ from dashboard.queries import (
     latency_over_time,
     latency_summary,
     live_figures,
+    percentiles,
     phase_breakdown,
     slowest_requests,
     throughput,
@@ -197,8 +200,8 @@ def test_live_figures_feed_the_diagnosis(db_engine):
     base = [r["ttft_ms"] for r in recs if r["finished_at"] < NOW - 300]
     assert f.ttft_p99_baseline_ms == pytest.approx(np.percentile(base, 99))
     findings = diagnose_all(figs)
-    assert [x.symptom for x in findings] == [Symptom.TTFT_HIGH]
-    assert "queueing: add workers or route batch elsewhere" in findings[0].advice
+    assert [(x.symptom, x.cause) for x in findings] == [(Symptom.TTFT_HIGH, Cause.QUEUEING)]
+    assert "(waiting 0 -> 40)" in findings[0].advice
 
 
 def test_live_figures_healthy_traffic_is_quiet(db_engine):
@@ -249,3 +252,31 @@ def test_live_figures_long_prompt_timeouts(db_engine):
         np.percentile([r["prompt_tokens"] for r in slow], 50)
     )
     assert [x.symptom for x in diagnose_all([fig])] == [Symptom.LONG_PROMPT_TIMEOUTS]
+
+
+def test_percentiles_follow_the_one_latency_rule():
+    rng = np.random.default_rng(9)
+    for n in (1, 2, 7, 1000):
+        vals = rng.gamma(2.0, 50.0, n)
+        expected = [percentile(vals.tolist(), q) for q in (50, 90, 99)]
+        np.testing.assert_allclose(percentiles(vals), expected, rtol=1e-12)
+    assert np.isnan(percentiles(np.array([np.nan]))).all()
+
+
+def test_current_rates_beside_window_averages(db_engine):
+    """The last 30 s against the whole hour: a burst that the hour's average hides."""
+    rng = np.random.default_rng(8)
+    recs = make_records(rng, 20, NOW - HOUR, NOW - 600, "interactive")
+    burst = make_records(rng, 30, NOW - 29, NOW - 1, "interactive")
+    store(db_engine, records=recs + burst)
+    win = Window(NOW - HOUR, NOW)
+    from dashboard.queries import request_rows
+
+    (r,) = current_rates(request_rows(db_engine, win), NOW, win).itertuples()
+    tokens = sum(x["completion_tokens"] for x in burst)
+    assert r.requests == 50
+    assert r.tokens_per_s_now == pytest.approx(tokens / 30.0)
+    assert r.tokens_per_s_avg == pytest.approx(
+        (tokens + sum(x["completion_tokens"] for x in recs)) / HOUR
+    )
+    assert r.tokens_per_s_now > 50 * r.tokens_per_s_avg

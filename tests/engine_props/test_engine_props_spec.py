@@ -126,7 +126,7 @@ def test_spec_on_equals_off_under_small_budgets_and_preemption(make_engine):
             return SamplingParams(max_tokens=28, temperature=0.9, top_k=8, seed=i, ignore_eos=True)
         return SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)
 
-    opts = {"max_num_batched_tokens": 12, "num_blocks": 16, "block_size": 8, "max_model_len": 128}
+    opts = {"max_num_batched_tokens": 12, "num_blocks": 12, "block_size": 8, "max_model_len": 96}
     preempt = {6: ["r0", "r3"], 11: ["r1"]}
     reqs = _requests(6, params_of)
     off = run_engine(make_engine(**opts), reqs, preempt_at=preempt)

@@ -1,0 +1,101 @@
+"""Figures that exist only when the workers record them: SLO targets and attainment, the step
+budget, predicted step time (`worker_stats`) and speculative decoding (`requests`).
+
+Those columns come with the engine's SLO and speculation features; the dashboard inspects the
+tables and shows what is there, and says "not measured" for the rest. A `worker_stats` column is
+recognised by its name (`SLO_PATTERNS`); `requests.spec_draft_tokens` and
+`requests.spec_accepted_tokens` give the acceptance rate (accepted / drafted tokens).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+from sqlalchemy import Engine, inspect, text
+
+from dashboard.query_rows import Window, _bucket, auto_bucket_s
+from db.models import WORKER_STAT_COLUMNS
+
+# What the SLO panel shows -> a regex over worker_stats column names.
+SLO_PATTERNS: dict[str, str] = {
+    "SLO attainment": r"attain",
+    "SLO target": r"target",
+    "step budget": r"budget",
+    "predicted step time": r"predict",
+}
+SPEC_COLUMNS = ("spec_draft_tokens", "spec_accepted_tokens")
+
+
+def table_columns(engine: Engine, table: str) -> list[str]:
+    """The columns `table` has in the database (not the models': a newer schema may add some)."""
+    return [c["name"] for c in inspect(engine).get_columns(table)]
+
+
+def slo_columns(columns: list[str]) -> dict[str, list[str]]:
+    """`SLO_PATTERNS` label -> the extra `worker_stats` columns (beyond the base model) whose
+    names match it; a label without a match is not measured."""
+    extra = [c for c in columns if c not in WORKER_STAT_COLUMNS and c != "id"]
+    return {
+        label: [c for c in extra if re.search(pattern, c)]
+        for label, pattern in SLO_PATTERNS.items()
+    }
+
+
+def _numeric_frame(rows: list[tuple], names: list[str]) -> pd.DataFrame:
+    df = pd.DataFrame(rows, columns=names)
+    for c in names:
+        if c not in ("worker_id", "lane", "lanes"):
+            df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
+    return df
+
+
+def slo_series(
+    engine: Engine, window: Window, columns: list[str], bucket_s: float | None = None
+) -> pd.DataFrame:
+    """Bucket means of the given `worker_stats` columns per worker, in long form.
+
+    Columns: bucket (UTC datetime), worker_id, column, value. Empty when `columns` is empty.
+    """
+    out_cols = ["bucket", "worker_id", "column", "value"]
+    if not columns:
+        return pd.DataFrame(columns=out_cols)
+    for c in columns:  # names come from the inspector; keep them identifiers all the same
+        assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", c), c
+    sql = text(
+        f"SELECT worker_id, at, {', '.join(columns)} FROM worker_stats "
+        "WHERE at >= :start AND at < :end ORDER BY worker_id, at"
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(sql, {"start": window.start, "end": window.end}).fetchall()
+    df = _numeric_frame(rows, ["worker_id", "at", *columns])
+    if df.empty:
+        return pd.DataFrame(columns=out_cols)
+    df["bucket"] = _bucket(df["at"], bucket_s or auto_bucket_s(window.seconds))
+    means = df.groupby(["bucket", "worker_id"], sort=True)[columns].mean().reset_index()
+    long = means.melt(id_vars=["bucket", "worker_id"], var_name="column", value_name="value")
+    return long.dropna(subset=["value"])[out_cols]
+
+
+def has_spec_columns(columns: list[str]) -> bool:
+    return all(c in columns for c in SPEC_COLUMNS)
+
+
+def spec_acceptance(engine: Engine, window: Window) -> pd.DataFrame:
+    """Speculative decoding per lane over the window: requests with drafts, drafted and
+    accepted tokens, acceptance rate (accepted / drafted, 0..1; NaN when nothing was drafted).
+
+    Columns: lane, requests, draft_tokens, accepted_tokens, acceptance. Needs the
+    `SPEC_COLUMNS` (check `has_spec_columns` first).
+    """
+    sql = text(
+        "SELECT lane, COUNT(*), SUM(spec_draft_tokens), SUM(spec_accepted_tokens) "
+        "FROM requests WHERE finished_at >= :start AND finished_at < :end "
+        "AND spec_draft_tokens > 0 GROUP BY lane ORDER BY lane"
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(sql, {"start": window.start, "end": window.end}).fetchall()
+    df = _numeric_frame(rows, ["lane", "requests", "draft_tokens", "accepted_tokens"])
+    drafted = df["draft_tokens"].where(df["draft_tokens"] > 0)
+    df["acceptance"] = (df["accepted_tokens"] / drafted).astype("float64")
+    return df
