@@ -51,7 +51,7 @@ def slo(live: Live) -> None:
     cols = st.columns(min(3, len(shown)))
     for i, column in enumerate(shown):
         part = series[series["column"] == column]
-        unit = None if "attain" in column else ("tokens" if "budget" in column else "ms")
+        unit = None if "attain" in column else ("ms" if column.endswith("_ms") else "tokens")
         chart = charts.worker_lines(
             part.rename(columns={"value": column}), column, column, live.axis, unit=unit
         )

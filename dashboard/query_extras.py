@@ -3,7 +3,9 @@ budget, predicted step time (`worker_stats`) and speculative decoding (`requests
 
 Those columns come with the engine's SLO and speculation features; the dashboard inspects the
 tables and shows what is there, and says "not measured" for the rest. A `worker_stats` column is
-recognised by its name (`SLO_PATTERNS`); `requests.spec_draft_tokens` and
+recognised by its name (`SLO_PATTERNS`, after the SLO controller's columns: `slo_<lane>_ttft_ms`,
+`slo_<lane>_tpot_ms`, `slo_<lane>_attainment`, `step_token_budget`, `step_batch_tokens`,
+`predicted_step_ms`, `measured_step_ms`); `requests.spec_draft_tokens` and
 `requests.spec_accepted_tokens` give the acceptance rate (accepted / drafted tokens).
 """
 
@@ -15,14 +17,13 @@ import pandas as pd
 from sqlalchemy import Engine, inspect, text
 
 from dashboard.query_rows import Window, _bucket, auto_bucket_s
-from db.models import WORKER_STAT_COLUMNS
 
 # What the SLO panel shows -> a regex over worker_stats column names.
 SLO_PATTERNS: dict[str, str] = {
-    "SLO attainment": r"attain",
-    "SLO target": r"target",
-    "step budget": r"budget",
-    "predicted step time": r"predict",
+    "SLO attainment": r"^slo_\w+_attainment$",
+    "SLO target": r"^slo_\w+_(ttft|tpot)_ms$",
+    "step budget": r"^step_(token_budget|batch_tokens)$",
+    "predicted step time": r"^(predicted|measured)_step_ms$",
 }
 SPEC_COLUMNS = ("spec_draft_tokens", "spec_accepted_tokens")
 
@@ -33,11 +34,10 @@ def table_columns(engine: Engine, table: str) -> list[str]:
 
 
 def slo_columns(columns: list[str]) -> dict[str, list[str]]:
-    """`SLO_PATTERNS` label -> the extra `worker_stats` columns (beyond the base model) whose
-    names match it; a label without a match is not measured."""
-    extra = [c for c in columns if c not in WORKER_STAT_COLUMNS and c != "id"]
+    """`SLO_PATTERNS` label -> the `worker_stats` columns whose names match it; a label
+    without a match is not measured (a database migrated before the SLO controller)."""
     return {
-        label: [c for c in extra if re.search(pattern, c)]
+        label: [c for c in columns if re.search(pattern, c)]
         for label, pattern in SLO_PATTERNS.items()
     }
 

@@ -68,10 +68,10 @@ def test_filled_database_shows_latency_charts(db_url, db_engine, run_app):
     labels = [m.label for m in at.metric]
     assert {"interactive · requests", "batch · requests"} <= set(labels)
     assert {"tokens/s · last 30 s", "tokens/s · window avg"} <= set(labels)
-    # what is not measured yet is said plainly
+    # figures these workers did not record are said plainly, not drawn as zeros
     captions = " ".join(c.value for c in at.caption)
-    assert "Not measured yet: SLO attainment" in captions
-    assert "do not record drafted and accepted tokens" in captions
+    assert "No snapshot in this window carries these figures" in captions  # SLO columns empty
+    assert "No request in this window used speculative decoding" in captions
     assert "DESIGN" not in captions + " ".join(m.value for m in at.markdown)
     progress = [p.proto.text for p in at.get("progress")]
     assert any("batch_x" in t and "40/100 completed" in t and "5 failed" in t for t in progress)
@@ -137,26 +137,35 @@ def test_job_view_shows_progress_latency_and_error_lines(db_url, db_engine, run_
     assert charts["lines/s (per 10 s bucket)"] > 0
 
 
+def test_slo_columns_of_an_older_schema_are_reported_not_measured():
+    from dashboard.query_extras import has_spec_columns, slo_columns
+
+    old = ["at", "worker_id", "kv_usage", "step_ms", "running"]
+    assert all(cols == [] for cols in slo_columns(old).values())
+    new = old + ["slo_batch_attainment", "slo_interactive_tpot_ms", "step_token_budget"]
+    found = slo_columns(new)
+    assert found["SLO attainment"] == ["slo_batch_attainment"]
+    assert found["SLO target"] == ["slo_interactive_tpot_ms"]
+    assert found["step budget"] == ["step_token_budget"]
+    assert found["predicted step time"] == []
+    assert not has_spec_columns(old) and has_spec_columns(
+        ["spec_draft_tokens", "spec_accepted_tokens"]
+    )
+
+
 def test_slo_and_speculation_panels_show_columns_once_they_exist(db_url, db_engine, run_app):
-    """Columns that other features add (names as the SLO and speculation work record them)."""
+    """The SLO controller's worker_stats columns and the speculation counts, once recorded."""
     import sqlalchemy as sa
 
     now = time.time()
-    with db_engine.begin() as conn:
-        conn.execute(
-            sa.text("ALTER TABLE worker_stats ADD COLUMN slo_attainment_interactive FLOAT")
-        )
-        conn.execute(sa.text("ALTER TABLE worker_stats ADD COLUMN step_budget_tokens INTEGER"))
-        conn.execute(sa.text("ALTER TABLE requests ADD COLUMN spec_draft_tokens INTEGER"))
-        conn.execute(sa.text("ALTER TABLE requests ADD COLUMN spec_accepted_tokens INTEGER"))
     rng = np.random.default_rng(2)
     store(db_engine, records=make_records(rng, 30, now - 600, now - 1, "interactive"),
           snapshots=make_snapshots("w0", "interactive", now - 600, now, every_s=30))  # fmt: skip
     with db_engine.begin() as conn:
         conn.execute(
             sa.text(
-                "UPDATE worker_stats SET slo_attainment_interactive = 0.97, "
-                "step_budget_tokens = 512"
+                "UPDATE worker_stats SET slo_interactive_attainment = 0.97, "
+                "step_token_budget = 512, predicted_step_ms = 21.5, measured_step_ms = 23.0"
             )
         )
         conn.execute(
@@ -164,8 +173,9 @@ def test_slo_and_speculation_panels_show_columns_once_they_exist(db_url, db_engi
         )
     at = run_app(db_url)
     charts = _charts(at)
-    assert charts["slo_attainment_interactive"] > 0 and charts["step_budget_tokens"] > 0
+    assert charts["slo_interactive_attainment"] > 0 and charts["step_token_budget"] > 0
+    assert charts["predicted_step_ms"] > 0 and charts["measured_step_ms"] > 0
     captions = " ".join(c.value for c in at.caption)
-    assert "Not measured yet: SLO target, predicted step time" in captions
+    assert "Not measured yet" not in captions
     (acc,) = [m for m in at.metric if "acceptance" in m.label]
     assert acc.value == "70%"
