@@ -47,6 +47,7 @@ from gpu_worker.request import Lane, Request, RequestStatus
 from gpu_worker.sampler import Sampler
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from gpu_worker.structured_output import GrammarCompiler, GrammarMatcher, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class _RequestState:
     # prompt_logprobs requested: entries so far (one per position); sent once complete
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
+    matcher: GrammarMatcher | None = None  # structured outputs: the request's grammar state
 
 
 class _PromptRows(NamedTuple):
@@ -211,6 +213,11 @@ class LLMEngine:
         self.sampler = Sampler(sorted(self.eos_token_ids))
         # ids a request may carry: the model's rows that the tokenizer can also decode
         self.token_id_limit = min(self.model_config.vocab_size, len(self.tokenizer))
+        self.structured = StructuredOutputs(
+            GrammarCompiler(
+                self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+            )
+        )
         self.states: dict[str, _RequestState] = {}
         self._pending: list[RequestDelta] = []  # aborts/errors reported at the next step
         self.num_steps = 0
@@ -333,7 +340,10 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device="cpu")
             generator.manual_seed(params.seed)
-        self.scheduler.add_request(req)
+        if params.structured_outputs is not None:  # scheduled once its grammar is compiled
+            self.structured.add(request_id, params.structured_outputs)
+        else:
+            self.scheduler.add_request(req)
         self.states[request_id] = _RequestState(
             req, IncrementalDetokenizer(self.tokenizer, ids, params), generator, params
         )
@@ -348,7 +358,8 @@ class LLMEngine:
         state = self.states.pop(request_id, None)
         if state is None:
             return
-        self.scheduler.abort_request(request_id)
+        if not self.structured.discard(request_id):
+            self.scheduler.abort_request(request_id)
         self._pending.append(self._final(state, "", [], "abort"))
 
     def has_unfinished_requests(self) -> bool:
@@ -359,6 +370,8 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         """Run one engine step; returns the deltas it produced (possibly none)."""
         deltas, self._pending = self._pending, []
+        if self.structured.num_pending:
+            deltas.extend(self._admit_compiled())
         out = self.scheduler.schedule()
         if out.is_empty:
             return deltas
@@ -389,6 +402,23 @@ class LLMEngine:
                     )
                     row.error = f"output processing failed: {type(exc).__name__}: {exc}"
             deltas.append(self._fail(row.state, row.error))
+        return deltas
+
+    def _admit_compiled(self) -> list[RequestDelta]:
+        """Schedule the requests whose grammar is compiled; end those whose compile failed.
+        With nothing else to run, wait briefly for a compile rather than spin."""
+        idle = not self.scheduler.requests
+        deltas = []
+        for ready in self.structured.take_ready(wait_s=0.05 if idle else 0.0):
+            state = self.states.get(ready.request_id)
+            if state is None:
+                continue
+            if ready.error is not None:
+                self.states.pop(ready.request_id)
+                deltas.append(self._final(state, "", [], "error", error=ready.error))
+                continue
+            state.matcher = ready.matcher
+            self.scheduler.add_request(state.request)
         return deltas
 
     def _fail(self, state: _RequestState, error: str) -> RequestDelta:
@@ -460,6 +490,7 @@ class LLMEngine:
             [s.generator for s in states],
             [s.request.prompt_token_ids for s in states],
             [s.request.output_token_ids for s in states],
+            self.structured.bitmask([s.matcher for s in states]),
         )
         return result.token_ids, result.logprobs
 
@@ -525,6 +556,10 @@ class LLMEngine:
         self, state: _RequestState, token_id: int, logprobs: dict | None, now: float
     ) -> RequestDelta:
         req, params = state.request, state.params
+        if state.matcher is not None and state.matcher.accept([token_id]) != 1:
+            raise RuntimeError(
+                f"token {token_id} breaks the grammar: {state.matcher.error()[:200]}"
+            )
         req.append_output_token_ids(token_id, now)
         self.num_generated_tokens += 1
         n_out = req.num_output_tokens
@@ -536,14 +571,15 @@ class LLMEngine:
         text = upd.delta_text
         lp = [logprobs] if logprobs is not None else None
         reason = None
-        if stop_token or upd.stop_matched is not None:
+        grammar_done = state.matcher is not None and state.matcher.is_terminated and not stop_token
+        if stop_token or upd.stop_matched is not None or grammar_done:
             reason = "stop"
         elif n_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is None:
             state.text_parts.append(text)
             return RequestDelta(req.request_id, text, [token_id], False, logprobs=lp)
-        if reason == "length":
+        if reason == "length" or grammar_done:
             text += state.detokenizer.flush()
         self.states.pop(req.request_id, None)
         self.scheduler.finish_request(
@@ -589,6 +625,5 @@ class LLMEngine:
         """Verify KV bookkeeping invariants (raises AssertionError with a message)."""
         self.block_manager.check_integrity()
         live = set(self.scheduler.requests)
-        assert live == set(self.states), (
-            f"engine/scheduler request sets differ: {live ^ set(self.states)}"
-        )
+        known = {rid for rid in self.states if not self.structured.is_pending(rid)}
+        assert live == known, f"engine/scheduler request sets differ: {live ^ known}"

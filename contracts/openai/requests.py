@@ -8,7 +8,9 @@ Written by hand rather than as pydantic models so that every error is a 400 in O
 naming the offending field (pydantic would give FastAPI's 422), and so that unknown and
 unsupported fields are told apart:
 
-- a field laneserve does not implement (``tools``, ``response_format``, ...) -> 400 naming it;
+- a field laneserve does not implement (``tools``, ``suffix``, ...) -> 400 naming it; a no-op
+  (``tool_choice: "none"``, ``skip_special_tokens: true``, ``response_format`` of type ``text``)
+  is accepted, any other value of it is a 400;
 - a field no OpenAI-compatible server knows -> 400 naming it;
 - ``null``, ``[]``, ``{}`` and ``false`` count as "not given" for optional fields.
 
@@ -37,6 +39,7 @@ from contracts.openai.checks import (
     type_name,
 )
 from contracts.openai.errors import invalid
+from contracts.openai.structured import parse_structured
 
 LANES = ("interactive", "batch")  # the wire protocol uses these (broker.protocol.LANES)
 MAX_TEXT_CHARS = 8 * 1024 * 1024  # a prompt or message body (also the wire protocol's text cap)
@@ -68,6 +71,7 @@ SAMPLING_KEYS = (
     "prompt_logprobs",
     "min_p",
     "logit_bias",
+    "structured_outputs",
 )
 
 
@@ -84,11 +88,9 @@ class Limits:
 UNSUPPORTED_FIELDS = frozenset(
     {
         "tools",
-        "tool_choice",
         "functions",
         "function_call",
         "parallel_tool_calls",
-        "response_format",
         "logit_bias",
         "audio",
         "modalities",
@@ -101,14 +103,12 @@ UNSUPPORTED_FIELDS = frozenset(
         "guided_regex",
         "guided_choice",
         "guided_grammar",
-        "structured_outputs",
         "suffix",
         "echo",
         "best_of",
         "use_beam_search",
         "length_penalty",
         "prompt_logprobs",
-        "skip_special_tokens",
         "spaces_between_special_tokens",
         "add_generation_prompt",
         "continue_final_message",
@@ -143,6 +143,10 @@ _COMMON = frozenset(
         "priority",
         "min_p",
         "logit_bias",
+        "response_format",
+        "structured_outputs",
+        "tool_choice",
+        "skip_special_tokens",
     }
 )
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
@@ -460,6 +464,7 @@ def _finish(body: dict, req: ParsedRequest, limits: Limits) -> None:
         raise invalid(
             f"'{param}' must be <= {limits.max_tokens_limit}, got {req.max_tokens}", param
         )
+    _tolerated_no_ops(body)
     sp: dict[str, Any] = {}
     for name, value in (
         ("temperature", num_field(body, "temperature", 0.0, 2.0)),
@@ -477,6 +482,7 @@ def _finish(body: dict, req: ParsedRequest, limits: Limits) -> None:
         ("logprobs", req.logprobs),
         ("min_p", num_field(body, "min_p", 0.0, 1.0)),
         ("logit_bias", logit_bias(body.get("logit_bias"))),
+        ("structured_outputs", parse_structured(body)),
     ):
         if value is not None:
             sp[name] = value
@@ -486,6 +492,25 @@ def _finish(body: dict, req: ParsedRequest, limits: Limits) -> None:
     if req.max_tokens is not None and sp.get("min_tokens", 0) > req.max_tokens:
         raise invalid("'min_tokens' must be <= max_tokens", "min_tokens")
     req.sampling = sp
+
+
+def _tolerated_no_ops(body: dict) -> None:
+    """Fields accepted only with the value laneserve always has: ``tool_choice: "none"`` (no
+    tools are ever called) and ``skip_special_tokens: true`` (text never holds special tokens).
+    Any other value is a 400 naming the field, never silently dropped."""
+    choice = body.get("tool_choice")
+    if choice is not None and choice != "none":
+        raise invalid(
+            f"'tool_choice' {choice!r} is unsupported (laneserve has no tools; only \"none\")",
+            "tool_choice",
+        )
+    skip = body.get("skip_special_tokens")
+    if skip is not None and skip is not True:
+        raise invalid(
+            f"'skip_special_tokens' {skip!r} is unsupported (special tokens are always left out "
+            "of the text; only true)",
+            "skip_special_tokens",
+        )
 
 
 def logit_bias(v: Any) -> list[list] | None:
