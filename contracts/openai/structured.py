@@ -27,6 +27,7 @@ the worker compiles the same grammar (:func:`grammar_of`) against its tokenizer.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -153,6 +154,25 @@ def _structured_outputs(so: Any) -> dict[str, Any]:
     return spec
 
 
+def wants_json(body: dict) -> bool:
+    """True when a (validated) body constrains its output to JSON (an object or a schema)."""
+    fmt, extra = body.get("response_format"), body.get("structured_outputs")
+    if type(fmt) is dict and fmt.get("type") in ("json_object", "json_schema"):
+        return True
+    return type(extra) is dict and (extra.get("json") is not None or bool(extra.get("json_object")))
+
+
+def parsed_json(text: str, finish_reason: str | None) -> Any:
+    """The value of a JSON-constrained answer (``message.parsed``, as the openai SDK's
+    ``parse()`` names it); None when generation stopped early ("length") or it does not parse."""
+    if finish_reason != "stop":
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
 def schema_text(schema: Any, param: str) -> str:
     """A schema's canonical compact JSON text (key order kept). Raises OpenAIError (400)."""
     if type(schema) is not dict and type(schema) is not bool:
@@ -215,11 +235,19 @@ def grammar_of(spec: dict[str, Any]) -> str:
 def grammar_error(spec: dict[str, Any]) -> str | None:
     """Why llguidance cannot enforce `spec` (its message), or None. No tokenizer needed.
 
-    Warnings count as errors: a warned-about feature would not be enforced as written."""
+    Warnings count as errors: a warned-about feature would not be enforced as written. Answers
+    are cached (a bulk job repeats one schema on every line)."""
     problem = spec_shape_error(spec)
     if problem:
         return problem
+    return _grammar_error(json.dumps(spec, sort_keys=True, ensure_ascii=False))
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_error(spec_key: str) -> str | None:
     import llguidance
+
+    spec = json.loads(spec_key)
 
     try:
         grammar = grammar_of(spec)
