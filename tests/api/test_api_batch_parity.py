@@ -84,7 +84,15 @@ CASES = [
     (CHAT, {"stream_options": {"include_usage": True}}),
     (CHAT, {"tools": [{"type": "function"}]}),
     (CHAT, {"response_format": {"type": "json_object"}}),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}),
+    (
+        CHAT,
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nope"}},
+            }
+        },
+    ),
     (CHAT, {"structured_outputs": {"choice": ["a", "b"]}}),
     (CHAT, {"tool_choice": "auto"}),
     (CHAT, {"foo": 1}),
