@@ -56,7 +56,8 @@ logger = logging.getLogger(__name__)
 # (kilobytes to a few megabytes for large schemas); the lexer state llguidance builds lazily
 # lives in each request's copy, which goes when the request ends.
 DEFAULT_GRAMMAR_CACHE_SIZE = 256
-_BITS = torch.arange(32, dtype=torch.int32)  # [32], bit index within a bitmask word
+# [32] int32: the value of each bit of a bitmask word (bit 31 is the sign bit)
+_BIT_VALUES = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)
 
 
 class GrammarError(ValueError):
@@ -174,15 +175,17 @@ def apply_token_bitmask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor
 
     Tokens beyond the bitmask's `32 * W` ids are forbidden too. The input is not modified."""
     out = logits.to(torch.float32, copy=True)  # [B, V]
-    vocab = out.shape[1]
+    rows, vocab = len(mask.rows), out.shape[1]
     bitmask = mask.bitmask.to(out.device, non_blocking=True)  # [R, W]
-    bits = (bitmask.unsqueeze(-1) >> _BITS.to(out.device)) & 1  # [R, W, 32]
-    allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()  # [R, <=V]
-    if allowed.shape[1] < vocab:
-        pad = torch.zeros(allowed.shape[0], vocab - allowed.shape[1], dtype=torch.bool)
-        allowed = torch.cat([allowed, pad.to(out.device)], dim=1)
-    index = torch.tensor(mask.rows, device=out.device)
-    out[index] = out[index].masked_fill(~allowed, float("-inf"))
+    words = min(bitmask.shape[1], (vocab + 31) // 32)
+    forbidden = (bitmask[:, :words, None] & _BIT_VALUES.to(out.device)) == 0  # [R, words, 32]
+    forbidden = forbidden.view(rows, words * 32)[:, :vocab]  # [R, <=V]
+    all_rows = rows == out.shape[0]
+    sub = out if all_rows else out[torch.tensor(mask.rows, device=out.device)]  # [R, V]
+    sub[:, : forbidden.shape[1]].masked_fill_(forbidden, float("-inf"))
+    sub[:, forbidden.shape[1] :] = float("-inf")
+    if not all_rows:
+        out[torch.tensor(mask.rows, device=out.device)] = sub
     return out
 
 

@@ -95,6 +95,8 @@ CASES = [
     ),
     (CHAT, {"structured_outputs": {"choice": ["a", "b"]}}),
     (CHAT, {"tool_choice": "auto"}),
+    (CHAT, {"tool_choice": "none", "skip_special_tokens": True}),
+    (CHAT, {"skip_special_tokens": False}),
     (CHAT, {"foo": 1}),
     (CHAT, {"model": "gpt-4o"}),
     (CHAT, {"model": "synthetic"}),  # the name the synthetic worker reports
