@@ -36,6 +36,7 @@ from contracts.openai.checks import (
     num_field,
     stop_strings,
     token_ids,
+    tolerated_no_ops,
     type_name,
 )
 from contracts.openai.errors import invalid
@@ -464,7 +465,7 @@ def _finish(body: dict, req: ParsedRequest, limits: Limits) -> None:
         raise invalid(
             f"'{param}' must be <= {limits.max_tokens_limit}, got {req.max_tokens}", param
         )
-    _tolerated_no_ops(body)
+    tolerated_no_ops(body)
     sp: dict[str, Any] = {}
     for name, value in (
         ("temperature", num_field(body, "temperature", 0.0, 2.0)),
@@ -492,25 +493,6 @@ def _finish(body: dict, req: ParsedRequest, limits: Limits) -> None:
     if req.max_tokens is not None and sp.get("min_tokens", 0) > req.max_tokens:
         raise invalid("'min_tokens' must be <= max_tokens", "min_tokens")
     req.sampling = sp
-
-
-def _tolerated_no_ops(body: dict) -> None:
-    """Fields accepted only with the value laneserve always has: ``tool_choice: "none"`` (no
-    tools are ever called) and ``skip_special_tokens: true`` (text never holds special tokens).
-    Any other value is a 400 naming the field, never silently dropped."""
-    choice = body.get("tool_choice")
-    if choice is not None and choice != "none":
-        raise invalid(
-            f"'tool_choice' {choice!r} is unsupported (laneserve has no tools; only \"none\")",
-            "tool_choice",
-        )
-    skip = body.get("skip_special_tokens")
-    if skip is not None and skip is not True:
-        raise invalid(
-            f"'skip_special_tokens' {skip!r} is unsupported (special tokens are always left out "
-            "of the text; only true)",
-            "skip_special_tokens",
-        )
 
 
 def logit_bias(v: Any) -> list[list] | None:
