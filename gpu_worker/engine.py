@@ -47,7 +47,12 @@ from gpu_worker.request import Lane, Request, RequestStatus
 from gpu_worker.sampler import Sampler
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from gpu_worker.structured_output import GrammarCompiler, GrammarMatcher, StructuredOutputs
+from gpu_worker.structured_output import (
+    GrammarCompiler,
+    GrammarMask,
+    GrammarMatcher,
+    StructuredOutputs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -449,6 +454,9 @@ class LLMEngine:
             inputs.logits_indices = torch.cat(
                 [inputs.logits_indices, _flat_rows(prompt_rows, inputs.logits_indices.device)]
             )
+        states = [self.states[entries[i].request.request_id] for i in inputs.sample_rows]
+        # grammar bitmasks of the constrained rows, computed while the forward pass runs
+        masks = self.structured.start_bitmask([s.matcher for s in states])
         logits = self.runner.execute(inputs)
         if prompt_rows:
             num_sampled = len(inputs.sample_rows)
@@ -456,16 +464,17 @@ class LLMEngine:
             logits = logits[:num_sampled]
         if not inputs.sample_rows:
             return []
-        states = [self.states[entries[i].request.request_id] for i in inputs.sample_rows]
-        return self._sample(logits, states)
+        return self._sample(logits, states, None if masks is None else masks.result())
 
-    def _sample(self, logits: torch.Tensor, states: list[_RequestState]) -> list[_Sampled]:
+    def _sample(
+        self, logits: torch.Tensor, states: list[_RequestState], masks: GrammarMask | None = None
+    ) -> list[_Sampled]:
         """Sample the `[S, V]` logits of `states` as one batch; when that raises, restore the
         seeded generators and sample row by row, so only the rows that fail on their own end
         (with their error) and the others get the tokens the batch would have given them."""
         saved = [None if s.generator is None else s.generator.get_state() for s in states]
         try:
-            result = self._sample_rows(logits, states)
+            result = self._sample_rows(logits, states, masks)
             return [_Sampled(s, t, lp) for s, t, lp in zip(states, *result, strict=True)]
         except Exception:
             logger.exception("batched sampling failed; sampling %d rows one by one", len(states))
@@ -474,7 +483,8 @@ class LLMEngine:
             if saved[i] is not None:
                 state.generator.set_state(saved[i])
             try:
-                (token_id,), (logprobs,) = self._sample_rows(logits[i : i + 1], [state])
+                row_mask = None if masks is None else masks.row(i)
+                (token_id,), (logprobs,) = self._sample_rows(logits[i : i + 1], [state], row_mask)
                 rows.append(_Sampled(state, token_id, logprobs))
             except Exception as exc:
                 logger.exception("sampling failed for %s", state.request.request_id)
@@ -482,7 +492,7 @@ class LLMEngine:
         return rows
 
     def _sample_rows(
-        self, logits: torch.Tensor, states: list[_RequestState]
+        self, logits: torch.Tensor, states: list[_RequestState], masks: GrammarMask | None
     ) -> tuple[list[int], list[dict | None]]:
         result = self.sampler(
             logits,
@@ -490,7 +500,7 @@ class LLMEngine:
             [s.generator for s in states],
             [s.request.prompt_token_ids for s in states],
             [s.request.output_token_ids for s in states],
-            self.structured.bitmask([s.matcher for s in states]),
+            masks,
         )
         return result.token_ids, result.logprobs
 

@@ -73,6 +73,13 @@ class GrammarMask(NamedTuple):
     rows: list[int]
     bitmask: torch.Tensor
 
+    def row(self, i: int) -> GrammarMask | None:
+        """The mask of batch row `i` alone (a one-row batch), None when it is unconstrained."""
+        if i not in self.rows:
+            return None
+        j = self.rows.index(i)
+        return GrammarMask([0], self.bitmask[j : j + 1])
+
 
 class GrammarMatcher:
     """One request's position in its grammar (wraps an `llguidance.LLMatcher`).
@@ -300,6 +307,7 @@ class StructuredOutputs:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         self._pending: dict[str, Future[GrammarMatcher]] = {}
         self._executor: llguidance.LLExecutor | None = None
 
@@ -342,6 +350,16 @@ class StructuredOutputs:
                 ready.append(_Ready(rid, None, f"grammar compile failed: {exc}"))
         return ready
 
+    def start_bitmask(
+        self, matchers: Sequence[GrammarMatcher | None]
+    ) -> Future[GrammarMask | None] | None:
+        """`bitmask(matchers)` on the mask thread (llguidance drops the GIL), so it overlaps the
+        forward pass; None when no row has a grammar. The caller takes `.result()` before it
+        samples and advances any matcher (one mask thread: fills never overlap each other)."""
+        if all(m is None for m in matchers):
+            return None
+        return self._mask_pool.submit(self.bitmask, list(matchers))
+
     def bitmask(self, matchers: Sequence[GrammarMatcher | None]) -> GrammarMask | None:
         """`batch_bitmask` with a shared parallel executor (built at the first batch of two)."""
         if self._executor is None and sum(m is not None for m in matchers) > 1:
@@ -350,3 +368,4 @@ class StructuredOutputs:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._mask_pool.shutdown(wait=False, cancel_futures=True)
