@@ -108,6 +108,7 @@ def overhead_pair(llm: LLM, convs, spec: dict, max_tokens: int, one_by_one: bool
         "tok_s_with_schema": round(tokens / with_s, 1),
         "overhead_pct": round(100.0 * (with_s - without_s) / without_s, 1),
         "valid_with_schema": sum(valid(o.text) for o in outs),
+        "cut_by_max_tokens": sum(o.finish_reason == "length" for o in outs),
     }
 
 
