@@ -51,11 +51,21 @@ def _str(raw: str) -> str | None:
 
 
 _VARS: tuple[EnvVar, ...] = (
-    EnvVar("LANESERVE_HOME", _path, None,
-           "models, SQLite database, files, ipc sockets, stack.json, keys (default ~/.laneserve)"),
-    EnvVar("LANESERVE_DB_URL", _str, None,
-           "SQLAlchemy URL of the database (default sqlite:///$LANESERVE_HOME/laneserve.db)"),
-    EnvVar("LANESERVE_API_KEY", _str, None, "the user API key the gateway requires and clients send"),
+    EnvVar(
+        "LANESERVE_HOME",
+        _path,
+        None,
+        "models, SQLite database, files, ipc sockets, stack.json, keys (default ~/.laneserve)",
+    ),
+    EnvVar(
+        "LANESERVE_DB_URL",
+        _str,
+        None,
+        "SQLAlchemy URL of the database (default sqlite:///$LANESERVE_HOME/laneserve.db)",
+    ),
+    EnvVar(
+        "LANESERVE_API_KEY", _str, None, "the user API key the gateway requires and clients send"
+    ),
     EnvVar("LANESERVE_URL", _str, None, "base URL of a (remote) stack's HTTP API for the CLI"),
     EnvVar("LANESERVE_RETENTION_DAYS", float, None,
            "age in days after which API request rows and snapshots (recorder), job files and "
@@ -88,8 +98,12 @@ _VARS: tuple[EnvVar, ...] = (
     EnvVar("LANESERVE_FAULT_CRASH", _str, None,
            "worker: a request whose prompt has this text makes the worker exit", test_only=True),
     # Not ours, read to decide what laneserve sets (see gpu_worker/openmp.py, kernels/__init__.py)
-    EnvVar("OMP_WAIT_POLICY", _str, None,
-           "libgomp wait policy, read when torch loads (default here: PASSIVE + a short spin)"),
+    EnvVar(
+        "OMP_WAIT_POLICY",
+        _str,
+        None,
+        "libgomp wait policy, read when torch loads (default here: PASSIVE + a short spin)",
+    ),
     EnvVar("GOMP_SPINCOUNT", _str, None, "libgomp spins before sleeping (default here: 3000)"),
     EnvVar("TRITON_INTERPRET", _flag, False, "Triton runs kernels in its CPU interpreter"),
     EnvVar("CUDA_VISIBLE_DEVICES", _str, None, "CUDA devices a process may use"),

@@ -48,6 +48,12 @@ from gpu_worker.sampler import Sampler
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu_worker.spec_decode import SpecController, SpecRequest, TokenHistory, spec_totals, verify
+from gpu_worker.structured_output import (
+    GrammarCompiler,
+    GrammarMask,
+    GrammarMatcher,
+    StructuredOutputs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +125,7 @@ class _RequestState:
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
     spec: SpecRequest | None = None  # speculative decoding: token history, acceptance
+    matcher: GrammarMatcher | None = None  # structured outputs: the request's grammar state
 
 
 class _PromptRows(NamedTuple):
@@ -128,6 +135,21 @@ class _PromptRows(NamedTuple):
     row: int
     start: int
     end: int
+
+
+def _expand_mask_rows(
+    masks: GrammarMask | None, drafts: list[tuple[int, ...]]
+) -> GrammarMask | None:
+    """Grammar masks indexed by request -> indexed by the sampling batch's rows (request i owns
+    `1 + len(drafts[i])` rows). Constrained requests are never given drafts (`add_request`), so
+    each of them owns exactly one row."""
+    if masks is None:
+        return None
+    offsets = [0]
+    for d in drafts:
+        offsets.append(offsets[-1] + 1 + len(d))
+    assert all(not drafts[i] for i in masks.rows), "a constrained request was given drafts"
+    return GrammarMask([offsets[i] for i in masks.rows], masks.bitmask)
 
 
 def _flat_rows(rows: list[_PromptRows], device: torch.device) -> torch.Tensor:
@@ -225,6 +247,11 @@ class LLMEngine:
         self.sampler = Sampler(sorted(self.eos_token_ids))
         # ids a request may carry: the model's rows that the tokenizer can also decode
         self.token_id_limit = min(self.model_config.vocab_size, len(self.tokenizer))
+        self.structured = StructuredOutputs(
+            GrammarCompiler(
+                self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+            )
+        )
         self.states: dict[str, _RequestState] = {}
         self._pending: list[RequestDelta] = []  # aborts/errors reported at the next step
         self.num_steps = 0
@@ -353,11 +380,15 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device="cpu")
             generator.manual_seed(params.seed)
-        self.scheduler.add_request(req)
+        if params.structured_outputs is not None:  # scheduled once its grammar is compiled
+            self.structured.add(request_id, params.structured_outputs)
+        else:
+            self.scheduler.add_request(req)
         self.states[request_id] = _RequestState(
             req, IncrementalDetokenizer(self.tokenizer, ids, params), generator, params
         )
-        if self.spec is not None:
+        if self.spec is not None and params.structured_outputs is None:
+            # constrained requests are not speculated: their rows carry one grammar mask each
             self.states[request_id].spec = SpecRequest(TokenHistory(ids))
         if params.prompt_logprobs is not None:
             # position 0 has no logprob; its entry names the token (the API's echo needs it)
@@ -370,7 +401,8 @@ class LLMEngine:
         state = self.states.pop(request_id, None)
         if state is None:
             return
-        self.scheduler.abort_request(request_id)
+        if not self.structured.discard(request_id):
+            self.scheduler.abort_request(request_id)
         self._pending.append(self._final(state, "", [], "abort"))
 
     def has_unfinished_requests(self) -> bool:
@@ -381,6 +413,8 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         """Run one engine step; returns the deltas it produced (possibly none)."""
         deltas, self._pending = self._pending, []
+        if self.structured.num_pending:
+            deltas.extend(self._admit_compiled())
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, self._spec_of, self.max_model_len)
         out = self.scheduler.schedule()
@@ -424,9 +458,26 @@ class LLMEngine:
             deltas.append(self._fail(row.state, row.error))
         return deltas
 
-    def _spec_of(self, req: Request) -> tuple[SpecRequest, SamplingParams]:
+    def _spec_of(self, req: Request) -> tuple[SpecRequest | None, SamplingParams]:
         state = self.states[req.request_id]
         return state.spec, state.params
+
+    def _admit_compiled(self) -> list[RequestDelta]:
+        """Schedule the requests whose grammar is compiled; end those whose compile failed.
+        With nothing else to run, wait briefly for a compile rather than spin."""
+        idle = not self.scheduler.requests
+        deltas = []
+        for ready in self.structured.take_ready(wait_s=0.05 if idle else 0.0):
+            state = self.states.get(ready.request_id)
+            if state is None:
+                continue
+            if ready.error is not None:
+                self.states.pop(ready.request_id)
+                deltas.append(self._final(state, "", [], "error", error=ready.error))
+                continue
+            state.matcher = ready.matcher
+            self.scheduler.add_request(state.request)
+        return deltas
 
     def _fail(self, state: _RequestState, error: str) -> RequestDelta:
         """End one request with finish_reason "error" (the broker reports `engine_error`)."""
@@ -460,26 +511,34 @@ class LLMEngine:
             inputs.logits_indices = torch.cat(
                 [inputs.logits_indices, _flat_rows(prompt_rows, inputs.logits_indices.device)]
             )
+        states = [self.states[entries[i].request.request_id] for i in inputs.sample_rows]
+        # grammar bitmasks of the constrained rows, computed while the forward pass runs
+        masks = self.structured.start_bitmask([s.matcher for s in states])
         logits = self.runner.execute(inputs)
         if prompt_rows:
             self._record_prompt_logprobs(prompt_rows, logits[num_sampled:])
             logits = logits[:num_sampled]
         if not inputs.sample_rows:
             return []
-        states = [self.states[entries[i].request.request_id] for i in inputs.sample_rows]
         drafts = [entries[i].spec_token_ids for i in inputs.sample_rows]
-        return self._sample(logits, states, drafts)
+        masks = None if masks is None else _expand_mask_rows(masks.result(), drafts)
+        return self._sample(logits, states, drafts, masks)
 
     def _sample(
-        self, logits: torch.Tensor, states: list[_RequestState], drafts: list[tuple[int, ...]]
+        self,
+        logits: torch.Tensor,
+        states: list[_RequestState],
+        drafts: list[tuple[int, ...]],
+        masks: GrammarMask | None = None,
     ) -> list[_Sampled]:
         """Sample the `[sum(1 + len(drafts[i])), V]` logits of `states` as one batch (request i
-        owns `1 + len(drafts[i])` consecutive rows); when that raises, restore the seeded
-        generators and sample request by request, so only the requests that fail on their own
-        end (with their error) and the others get the tokens the batch would have given them."""
+        owns `1 + len(drafts[i])` consecutive rows; `masks` rows index those rows); when that
+        raises, restore the seeded generators and sample request by request, so only the
+        requests that fail on their own end (with their error) and the others get the tokens
+        the batch would have given them."""
         saved = [None if s.generator is None else s.generator.get_state() for s in states]
         try:
-            return self._sample_rows(logits, states, drafts)
+            return self._sample_rows(logits, states, drafts, masks)
         except Exception:
             logger.exception("batched sampling failed; sampling %d rows one by one", len(states))
         rows: list[_Sampled] = []
@@ -489,7 +548,8 @@ class LLMEngine:
             if saved[i] is not None:
                 state.generator.set_state(saved[i])
             try:
-                rows += self._sample_rows(logits[start:end], [state], drafts[i : i + 1])
+                row_mask = None if masks is None else masks.row(start)
+                rows += self._sample_rows(logits[start:end], [state], drafts[i : i + 1], row_mask)
             except Exception as exc:
                 logger.exception("sampling failed for %s", state.request.request_id)
                 rows.append(_Sampled(state, error=f"sampling failed: {type(exc).__name__}: {exc}"))
@@ -497,7 +557,11 @@ class LLMEngine:
         return rows
 
     def _sample_rows(
-        self, logits: torch.Tensor, states: list[_RequestState], drafts: list[tuple[int, ...]]
+        self,
+        logits: torch.Tensor,
+        states: list[_RequestState],
+        drafts: list[tuple[int, ...]],
+        masks: GrammarMask | None,
     ) -> list[_Sampled]:
         runs = verify(
             self.sampler,
@@ -507,6 +571,7 @@ class LLMEngine:
             [s.request.prompt_token_ids for s in states],
             [s.request.output_token_ids for s in states],
             drafts,
+            masks,
         )
         return [
             _Sampled(s, r.token_ids, r.logprobs, num_drafts=len(d), num_accepted=r.num_accepted)
@@ -580,7 +645,12 @@ class LLMEngine:
         texts: list[str] = []
         kept: list[int] = []
         reason = None
+        grammar_done = False
         for token_id in row.token_ids:
+            if state.matcher is not None and state.matcher.accept([token_id]) != 1:
+                raise RuntimeError(
+                    f"token {token_id} breaks the grammar: {state.matcher.error()[:200]}"
+                )
             req.append_output_token_ids(token_id, now)
             if state.spec is not None:
                 state.spec.history.extend((token_id,))
@@ -593,7 +663,10 @@ class LLMEngine:
             )
             upd = state.detokenizer.update([token_id], stop_terminated=stop_token)
             texts.append(upd.delta_text)
-            if stop_token or upd.stop_matched is not None:
+            grammar_done = (
+                state.matcher is not None and state.matcher.is_terminated and not stop_token
+            )
+            if stop_token or upd.stop_matched is not None or grammar_done:
                 reason = "stop"
             elif n_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
                 reason = "length"
@@ -605,7 +678,7 @@ class LLMEngine:
         if reason is None:
             state.text_parts.append(text)
             return RequestDelta(req.request_id, text, kept, False, logprobs=lp)
-        if reason == "length":
+        if reason == "length" or grammar_done:
             text += state.detokenizer.flush()
         self.states.pop(req.request_id, None)
         self.scheduler.finish_request(
@@ -656,6 +729,5 @@ class LLMEngine:
         """Verify KV bookkeeping invariants (raises AssertionError with a message)."""
         self.block_manager.check_integrity()
         live = set(self.scheduler.requests)
-        assert live == set(self.states), (
-            f"engine/scheduler request sets differ: {live ^ set(self.states)}"
-        )
+        known = {rid for rid in self.states if not self.structured.is_pending(rid)}
+        assert live == known, f"engine/scheduler request sets differ: {live ^ known}"

@@ -3,6 +3,7 @@
 One call turns the logits of every request that emits a token this step into one token id each.
 Order of operations per row (the order vLLM and HF `generate` use):
 
+0. structured outputs: tokens a row's grammar forbids get logit -inf (gpu_worker/structured_output.py).
 1. `min_tokens`: while a row has fewer output tokens than `min_tokens`, its EOS ids (unless
    `ignore_eos`) and `stop_token_ids` get logit -inf.
 2. penalties: repetition (over prompt + output tokens), then frequency and presence (over output
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.structured_output import GrammarMask, apply_token_bitmask
 
 __all__ = ["Sampler", "SamplerOutput", "make_generator"]
 
@@ -96,6 +98,7 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
+        grammar_mask: GrammarMask | None = None,
     ) -> SamplerOutput:
         """Sample one token per row.
 
@@ -109,6 +112,9 @@ class Sampler:
                 device (a CPU generator is fine for CUDA logits).
             prompt_token_ids: B prompt token lists (repetition penalty).
             output_token_ids: B lists of tokens generated so far (penalties, min_tokens).
+            grammar_mask: the tokens structured-output rows may take
+                (`gpu_worker.structured_output`); forbidden ones get -inf before everything
+                else (raw logprobs excepted). None: no row is constrained.
 
         Returns:
             `SamplerOutput` with B token ids and B logprob entries.
@@ -133,6 +139,8 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+        if grammar_mask is not None:
+            logits = apply_token_bitmask(logits, grammar_mask)  # fp32 copy, masked rows
         if self._plain_greedy(params, output_token_ids):
             token_ids = torch.argmax(logits, dim=-1)  # [B], no copy of the logits
             logprobs = [None] * batch

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from contracts.openai.structured import spec_shape_error
 from gpu_worker.errors import InvalidRequestError
 
 __all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "SAMPLING_EPS", "SamplingParams"]
@@ -81,6 +82,10 @@ class SamplingParams:
         logit_bias: {token_id: bias} added to the logits before penalties and sampling (OpenAI
             API; bias in [-100, 100], at most 300 entries). On the wire a list of
             `[token_id, bias]` pairs (msgpack maps keep string keys only).
+        structured_outputs: None = unconstrained; else the wire spec of
+            `contracts.openai.structured` (`{"json": schema text}`, `{"json_object": True}`,
+            `{"regex": ...}` or `{"choice": [...]}`): the sampler masks every token the grammar
+            does not allow, and EOS until the grammar accepts (gpu_worker/structured_output.py).
 
     Raises:
         InvalidRequestError (a ValueError) naming the field when a value has the wrong type or is
@@ -106,6 +111,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, lo=1)
@@ -140,6 +146,10 @@ class SamplingParams:
             )
         self.min_p = _float("min_p", self.min_p, lo=0.0, hi=1.0)
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            problem = spec_shape_error(self.structured_outputs)
+            if problem:
+                raise InvalidRequestError(f"structured_outputs: {problem}")
 
     # ---- derived flags the sampler uses to pick fast paths -------------------------------------
 
@@ -169,7 +179,7 @@ class SamplingParams:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, dict):  # logit_bias: [[token_id, bias], ...] on the wire
+            if f.name == "logit_bias" and value:  # [[token_id, bias], ...] on the wire
                 value = [[k, v] for k, v in value.items()]
             out[f.name] = list(value) if isinstance(value, list) else value
         return out

@@ -50,6 +50,7 @@ from gpu_worker.config import SpeculativeConfig
 from gpu_worker.request import Request
 from gpu_worker.sampler import Sampler
 from gpu_worker.sampling_params import SamplingParams
+from gpu_worker.structured_output import GrammarMask
 
 __all__ = [
     "NgramProposer",
@@ -204,7 +205,7 @@ class SpecController:
     def propose(
         self,
         running: Sequence[Request],
-        spec_of: Callable[[Request], tuple[SpecRequest, SamplingParams]],
+        spec_of: Callable[[Request], tuple[SpecRequest | None, SamplingParams]],
         max_model_len: int,
     ) -> None:
         """Set `spec_token_ids` of every running request for the coming step: n-gram drafts for
@@ -218,6 +219,8 @@ class SpecController:
             if req.num_output_tokens == 0 or req.num_computed_tokens != req.num_tokens - 1:
                 continue  # prefilling: nothing to draft from yet
             spec, params = spec_of(req)
+            if spec is None:
+                continue  # not speculated (structured outputs)
             n_out = req.num_output_tokens
             limit = min(k, params.max_tokens - n_out - 1, max_model_len - req.num_tokens)
             if limit >= 1:
@@ -361,6 +364,7 @@ def verify(
     prompt_token_ids: Sequence[Sequence[int]],
     output_token_ids: Sequence[Sequence[int]],
     drafts: Sequence[Sequence[int]],
+    grammar_mask: GrammarMask | None = None,
 ) -> list[VerifiedRun]:
     """Verify the drafts of R requests in one `sampler` call (see the module docstring).
 
@@ -370,6 +374,8 @@ def verify(
         params, generators, prompt_token_ids, output_token_ids: per request, as `Sampler` takes
             them (output ids before this step).
         drafts: per request, its draft token ids (may be empty: then it samples one token).
+        grammar_mask: structured outputs' allowed tokens, its rows indexing the logits rows
+            (only requests without drafts are constrained).
 
     Returns:
         One `VerifiedRun` per request. A seeded sampled request's generator ends advanced by one
@@ -386,7 +392,7 @@ def verify(
         None if g is None or p.greedy or not d else g.get_state()
         for p, g, d in zip(params, generators, drafts, strict=True)
     ]
-    result = sampler(logits, row_params, row_gens, row_prompts, row_outputs)
+    result = sampler(logits, row_params, row_gens, row_prompts, row_outputs, grammar_mask)
     runs: list[VerifiedRun] = []
     start = 0
     for i, d in enumerate(drafts):

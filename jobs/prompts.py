@@ -1,5 +1,9 @@
-"""Prompt templates of the task shorthand (`--task summarize|translate`) and the map-reduce
-split of documents longer than the context.
+"""Prompt templates of the task shorthand (`--task summarize|translate|extract`) and the
+map-reduce split of documents longer than the context.
+
+`extract` asks for the fields of a JSON schema (the task option `schema`, its JSON text) and
+constrains the answer to that schema (`response_format` json_schema), so every completed line's
+`message.parsed` is an object that validates.
 
 Each task line `{"id": ..., "text": ...}` becomes a chat request (system + user message); the
 worker applies the model's chat template. Summaries use greedy decoding so reruns agree.
@@ -12,6 +16,11 @@ do not fit.
 
 from __future__ import annotations
 
+import json
+
+from contracts.openai.errors import OpenAIError
+from contracts.openai.structured import parse_structured
+from jobs.errors import InvalidRequestError
 from jobs.limits import DEFAULT_TASK_MAX_TOKENS
 
 SUMMARIZE_SYSTEM = "You are a helpful assistant that writes short, faithful summaries."
@@ -24,6 +33,11 @@ TRANSLATE_SYSTEM = "You are a professional translator."
 TRANSLATE_USER = (
     "Translate the following text from {source} to {target}. "
     "Reply with the translation only.\n\n{text}"
+)
+EXTRACT_SYSTEM = "You extract information from documents and answer with JSON only."
+EXTRACT_USER = (
+    "Read the document and return the fields of this JSON schema, taken from the document.\n"
+    "Schema: {schema}\n\nDocument:\n{text}"
 )
 # ISO 639-1 codes of common languages -> English names (unknown codes are used as given).
 LANGUAGES = {
@@ -64,14 +78,50 @@ def translate_messages(text: str, target_lang: str, source_lang: str | None) -> 
     return [{"role": "system", "content": TRANSLATE_SYSTEM}, {"role": "user", "content": user}]
 
 
+def extract_format(schema_text: str) -> dict:
+    """The `response_format` of an extract task: its schema, strict."""
+    schema = json.loads(schema_text)
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "fields", "schema": schema, "strict": True},
+    }
+
+
+def check_extract_schema(schema_text: str | None) -> None:
+    """An extract job's schema option must be JSON text of a schema the grammar library enforces.
+
+    Raises:
+        InvalidRequestError: missing, not JSON, or refused (the message says why).
+    """
+    if not schema_text:
+        raise InvalidRequestError(
+            "task 'extract' needs the task option 'schema' (JSON schema text)"
+        )
+    try:
+        parse_structured({"response_format": extract_format(schema_text)})
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"extract schema is not valid JSON: {exc}") from None
+    except OpenAIError as exc:
+        raise InvalidRequestError(f"extract schema: {exc.message}") from None
+
+
 def task_body(task: str, text: str, model: str | None, options: dict[str, str]) -> dict:
     """The chat completion body for one task document (greedy, `max_tokens` from options)."""
     max_tokens = int(options.get("max_tokens") or DEFAULT_TASK_MAX_TOKENS)
+    extra: dict = {}
     if task == "summarize":
         messages = summarize_messages(text)
+    elif task == "extract":
+        schema = options["schema"]
+        user = EXTRACT_USER.format(schema=schema, text=text)
+        messages = [
+            {"role": "system", "content": EXTRACT_SYSTEM},
+            {"role": "user", "content": user},
+        ]
+        extra["response_format"] = extract_format(schema)
     else:
         messages = translate_messages(text, options["target_lang"], options.get("source_lang"))
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, **extra}
     if model:
         body["model"] = model
     return body

@@ -7,7 +7,9 @@ A finished line stores in `requests.response` either
 - failure: `{"error": {"code", "message"[, "attempts"]}}`,
 
 and the output/error file line is composed from the row (`output_line`):
-`{"id", "custom_id", "response", "error"}`, the OpenAI batch output format
+`{"id", "custom_id", "response", "error"}`, the OpenAI batch output format. A chat line constrained
+to JSON (`response_format` json_object / json_schema, the `extract` task) also carries the parsed
+value as `message.parsed` (null when it stopped early), as the openai SDK's `parse()` names it
 (https://platform.openai.com/docs/guides/batch), `custom_id` always present (`line-N` when the
 input line had none).
 """
@@ -21,6 +23,7 @@ from broker import protocol as p
 from contracts.openai import Limits, ServedModel, parse
 from contracts.openai import responses as fmt
 from contracts.openai.responses import TokenText
+from contracts.openai.structured import parsed_json, wants_json
 
 
 def choice_requests(rid: str, request: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -112,6 +115,8 @@ def success_response(
     for k, f in enumerate(finals):
         logprobs = None if token_text is None else fmt.choice_logprobs(kind, f.logprobs, token_text)
         one = fmt.choice(kind, k, f.text, f.finish_reason, logprobs)
+        if kind == "chat" and body is not None and wants_json(body):
+            one["message"]["parsed"] = parsed_json(f.text, f.finish_reason)
         if req is not None and k // n < len(req.prompts):
             text = served.prompt_text(req.prompts[k // n]) if req.echo else ""
             one = fmt.echo_choice(

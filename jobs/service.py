@@ -60,10 +60,11 @@ from jobs.files import (  # noqa: F401 - re-exported API
     rows_after,
 )
 from jobs.limits import DEFAULT_COMPLETION_WINDOW, ENDPOINTS, TASKS
+from jobs.prompts import check_extract_schema
 
 _WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([smh])$")
 _WINDOW_UNIT_S = {"s": 1, "m": 60, "h": 3600}
-TASK_OPTION_KEYS = ("target_lang", "source_lang", "max_tokens")
+TASK_OPTION_KEYS = ("target_lang", "source_lang", "max_tokens", "schema")
 MAX_METADATA_KEYS = 16  # OpenAI: up to 16 key-value pairs
 CANCELLABLE = ("validating", "in_progress", "finalizing")
 
@@ -135,6 +136,8 @@ def create_batch(
             raise InvalidRequestError(f"unknown task options {sorted(unknown)}")
         meta = dict(meta or {})
         meta.update({k: str(v) for k, v in task_options.items() if v is not None})
+    if task == "extract":
+        check_extract_schema((task_options or {}).get("schema"))
     now = time.time()
     job = Job(
         id=new_batch_id(),

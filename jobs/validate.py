@@ -78,7 +78,7 @@ class LineResult:
 @dataclass
 class Validator:
     """Validates the lines of one job. `counter` is the served model (names, tokenizer, context
-    length; None: no model-name or length checks). `task_options` holds `target_lang`, `source_lang`, `max_tokens` (strings)
+    length; None: no model-name or length checks). `task_options` holds `target_lang`, `source_lang`, `max_tokens`, `schema` (strings)
     for task jobs; `default_model` fills lines without a model."""
 
     endpoint: str
@@ -124,6 +124,10 @@ class Validator:
         Raises:
             JobValidationError: size/line limits, duplicate custom_id, more than one model.
         """
+        if self.task == "extract" and not self.task_options.get("schema"):
+            raise JobValidationError(
+                [{"code": "invalid_request", "message": "extract needs schema", "line": None}]
+            )
         if self.task == "translate" and not self.task_options.get("target_lang"):
             raise JobValidationError(
                 [

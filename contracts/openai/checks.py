@@ -89,3 +89,22 @@ def token_ids(body: dict, name: str) -> list[int] | None:
     ):
         raise invalid(f"'{name}' must be an array of at most {MAX_STOP_TOKEN_IDS} token ids", name)
     return v or None
+
+
+def tolerated_no_ops(body: dict) -> None:
+    """Fields accepted only with the value laneserve always has: ``tool_choice: "none"`` (no
+    tools are ever called) and ``skip_special_tokens: true`` (text never holds special tokens).
+    Any other value is a 400 naming the field, never silently dropped."""
+    choice = body.get("tool_choice")
+    if choice is not None and choice != "none":
+        raise invalid(
+            f"'tool_choice' {choice!r} is unsupported (laneserve has no tools; only \"none\")",
+            "tool_choice",
+        )
+    skip = body.get("skip_special_tokens")
+    if skip is not None and skip is not True:
+        raise invalid(
+            f"'skip_special_tokens' {skip!r} is unsupported (special tokens are always left out "
+            "of the text; only true)",
+            "skip_special_tokens",
+        )

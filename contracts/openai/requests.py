@@ -8,7 +8,9 @@ Written by hand rather than as pydantic models so that every error is a 400 in O
 naming the offending field (pydantic would give FastAPI's 422), and so that unknown and
 unsupported fields are told apart:
 
-- a field laneserve does not implement (``tools``, ``response_format``, ...) -> 400 naming it;
+- a field laneserve does not implement (``tools``, ``suffix``, ...) -> 400 naming it; a no-op
+  (``tool_choice: "none"``, ``skip_special_tokens: true``, ``response_format`` of type ``text``)
+  is accepted, any other value of it is a 400;
 - a field no OpenAI-compatible server knows -> 400 naming it;
 - ``null``, ``[]``, ``{}`` and ``false`` count as "not given" for optional fields.
 
@@ -36,9 +38,11 @@ from contracts.openai.checks import (
     num_field,
     stop_strings,
     token_ids,
+    tolerated_no_ops,
     type_name,
 )
 from contracts.openai.errors import invalid
+from contracts.openai.structured import parse_structured
 
 LANES = ("interactive", "batch")  # the wire protocol uses these (broker.protocol.LANES)
 MAX_TEXT_CHARS = 8 * 1024 * 1024  # a prompt or message body (also the wire protocol's text cap)
@@ -70,6 +74,7 @@ SAMPLING_KEYS = (
     "prompt_logprobs",
     "min_p",
     "logit_bias",
+    "structured_outputs",
 )
 
 
@@ -86,11 +91,9 @@ class Limits:
 UNSUPPORTED_FIELDS = frozenset(
     {
         "tools",
-        "tool_choice",
         "functions",
         "function_call",
         "parallel_tool_calls",
-        "response_format",
         "logit_bias",
         "audio",
         "modalities",
@@ -103,14 +106,12 @@ UNSUPPORTED_FIELDS = frozenset(
         "guided_regex",
         "guided_choice",
         "guided_grammar",
-        "structured_outputs",
         "suffix",
         "echo",
         "best_of",
         "use_beam_search",
         "length_penalty",
         "prompt_logprobs",
-        "skip_special_tokens",
         "spaces_between_special_tokens",
         "add_generation_prompt",
         "continue_final_message",
@@ -144,6 +145,10 @@ _COMMON = frozenset(
         "service_tier",
         "min_p",
         "logit_bias",
+        "response_format",
+        "structured_outputs",
+        "tool_choice",
+        "skip_special_tokens",
     }
 )
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
@@ -485,6 +490,7 @@ def _finish(body: dict, req: ParsedRequest, limits: Limits) -> None:
         raise invalid(
             f"'{param}' must be <= {limits.max_tokens_limit}, got {req.max_tokens}", param
         )
+    tolerated_no_ops(body)
     sp: dict[str, Any] = {}
     for name, value in (
         ("temperature", num_field(body, "temperature", 0.0, 2.0)),
@@ -502,6 +508,7 @@ def _finish(body: dict, req: ParsedRequest, limits: Limits) -> None:
         ("logprobs", req.logprobs),
         ("min_p", num_field(body, "min_p", 0.0, 1.0)),
         ("logit_bias", logit_bias(body.get("logit_bias"))),
+        ("structured_outputs", parse_structured(body)),
     ):
         if value is not None:
             sp[name] = value

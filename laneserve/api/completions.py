@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -49,7 +50,11 @@ async def _serve(request: Request, endpoint: str) -> Response:
     state: GatewayState = request.app.state.gateway
     cfg = state.config
     body = await read_json(request, cfg.max_body_bytes)
-    req = parse(endpoint, body, cfg.limits)
+    if type(body) is dict and ("response_format" in body or "structured_outputs" in body):
+        # checking a large schema takes up to ~0.5 s: off the event loop
+        req = await run_in_threadpool(parse, endpoint, body, cfg.limits)
+    else:
+        req = parse(endpoint, body, cfg.limits)
     await state.check_model(req.model)
     state.model_info.check(req, cfg.limits)
     await state.check_lane(req.lane)

@@ -7,7 +7,8 @@ is `--api-key` / `$LANESERVE_API_KEY`. Nothing is written to the stack's databas
 directly, so this works from any host.
 
 Input: OpenAI Batch JSONL (endpoint from the first line's `url` unless --endpoint), or with
-`--task summarize|translate` the shorthand `{"id", "text"}` per line; a `.txt` file is one
+`--task summarize|translate|extract` the shorthand `{"id", "text"}` per line (extract: `--schema
+fields.json`, outputs constrained to that schema, parsed in `message.parsed`); a `.txt` file is one
 document per line (`--txt-mode line`, the default) or one document (`--txt-mode file`).
 
 Exit codes: 0 submitted (with --wait: completed, failed lines included), 1 failed, 3 cancelled,
@@ -29,7 +30,10 @@ from laneserve.http_client import EXIT_NO_API, StackError, add_api_arguments, cl
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("submit", help="submit a bulk job (JSONL or task shorthand)")
     parser.add_argument("file", type=Path, help="input .jsonl (OpenAI Batch or {id, text}) or .txt")
-    parser.add_argument("--task", choices=("summarize", "translate"), default=None)
+    parser.add_argument("--task", choices=("summarize", "translate", "extract"), default=None)
+    parser.add_argument(
+        "--schema", type=Path, default=None, help="extract: a JSON schema file of the fields"
+    )
     parser.add_argument(
         "--target-lang", default=None, help="translate: target language (fr, de, ...)"
     )
@@ -106,6 +110,9 @@ def _batch_body(args: argparse.Namespace, file_id: str) -> dict:
         body["task"] = args.task
         options = {"target_lang": args.target_lang, "source_lang": args.source_lang}
         options["max_tokens"] = args.max_tokens
+        if args.schema is not None:
+            schema = json.loads(args.schema.read_text(encoding="utf-8"))  # checked before
+            options["schema"] = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         options = {k: v for k, v in options.items() if v is not None}
         if options:
             body["task_options"] = options
@@ -119,6 +126,13 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return ".txt input needs --task summarize|translate"
     if args.task == "translate" and not args.target_lang:
         return "--task translate needs --target-lang"
+    if (args.task == "extract") != (args.schema is not None):
+        return "--task extract and --schema go together"
+    if args.schema is not None:
+        try:
+            json.loads(args.schema.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return f"--schema {args.schema}: {exc}"
     bad = [m for m in args.metadata if "=" not in m]
     return f"--metadata {bad[0]!r}: expected KEY=VALUE" if bad else None
 

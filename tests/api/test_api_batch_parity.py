@@ -84,6 +84,19 @@ CASES = [
     (CHAT, {"stream_options": {"include_usage": True}}),
     (CHAT, {"tools": [{"type": "function"}]}),
     (CHAT, {"response_format": {"type": "json_object"}}),
+    (
+        CHAT,
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nope"}},
+            }
+        },
+    ),
+    (CHAT, {"structured_outputs": {"choice": ["a", "b"]}}),
+    (CHAT, {"tool_choice": "auto"}),
+    (CHAT, {"tool_choice": "none", "skip_special_tokens": True}),
+    (CHAT, {"skip_special_tokens": False}),
     (CHAT, {"foo": 1}),
     (CHAT, {"model": "gpt-4o"}),
     (CHAT, {"model": "synthetic"}),  # the name the synthetic worker reports

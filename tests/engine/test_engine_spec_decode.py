@@ -174,3 +174,23 @@ def test_speculative_config_checks():
     ):
         with pytest.raises(EngineConfigError, match=match):
             EngineConfig(speculative_config=bad)
+
+
+def test_constrained_requests_are_not_speculated_beside_speculated_ones(llm, base_llm):
+    """Structured outputs in a speculating engine: the constrained request gets no drafts and
+    its output parses; the copy request beside it still verifies drafts and keeps its tokens."""
+    import json
+
+    from contracts.openai.structured import parse_structured
+
+    spec = parse_structured({"response_format": {"type": "json_object"}})
+    constrained = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=spec)
+    ask_json = [{"role": "user", "content": "Describe a lighthouse as a JSON object."}]
+    copy_on, json_on = llm.chat([COPY, ask_json], [GREEDY, constrained])
+    copy_off, json_off = base_llm.chat([COPY, ask_json], [GREEDY, constrained])
+    assert _key(copy_on) == _key(copy_off)
+    assert copy_on.metrics["spec_draft_tokens"] > 0
+    assert json_on.metrics["spec_draft_tokens"] == 0
+    assert _key(json_on) == _key(json_off)
+    if json_on.finish_reason == "stop":
+        assert isinstance(json.loads(json_on.text), dict)

@@ -1,0 +1,371 @@
+"""Structured outputs in the engine: grammar compile cache, per-request matchers, token bitmasks.
+
+A request whose `SamplingParams.structured_outputs` holds a wire spec (see
+`contracts.openai.structured`) is constrained by an llguidance grammar
+(https://github.com/guidance-ai/llguidance; the library vLLM's "guidance" backend uses):
+
+1. **Compile, off the engine loop.** `GrammarCompiler` turns a spec into a template
+   `llguidance.LLMatcher` on a worker thread (llguidance drops the GIL while it builds a grammar),
+   caches the template in a bounded LRU keyed by the canonical spec, and hands each request its
+   own `deep_copy()` (tens of microseconds). Until its matcher is ready a request waits outside
+   the scheduler (`StructuredOutputs.add` / `take_ready`, vLLM's WAITING_FOR_FSM), so a slow
+   compile never stalls the requests that are running.
+2. **Mask, in the batched sampler.** Each step `batch_bitmask` fills one `[R, ceil(V / 32)]` int32
+   bitmask for the R constrained rows (bit `t % 32` of word `t // 32` set = token t allowed;
+   llguidance's layout, filled in parallel by `llguidance.LLExecutor`), and the sampler applies it
+   with `apply_token_bitmask` before penalties, temperature, top-k and top-p. EOS is allowed only
+   where the grammar accepts. Rows without a grammar are not touched and cost nothing.
+3. **Advance.** The engine calls `GrammarMatcher.accept` with every token it appends to a
+   constrained request. Preemption by recompute replays KV only -- tokens already produced are never
+   sampled again -- so the matcher is not advanced twice; speculative decoding (a request with d
+   draft tokens gets d + 1 logits rows) uses `fill_bitmasks_with_drafts` and, after verification,
+   `accept` for the kept tokens (`rollback` undoes tokens a caller took back).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any, NamedTuple
+
+import llguidance
+import torch
+
+from contracts.openai.structured import grammar_of
+
+__all__ = [
+    "DEFAULT_GRAMMAR_CACHE_SIZE",
+    "GrammarCompiler",
+    "GrammarError",
+    "GrammarMask",
+    "GrammarMatcher",
+    "StructuredOutputs",
+    "apply_token_bitmask",
+    "batch_bitmask",
+]
+
+logger = logging.getLogger(__name__)
+
+# Distinct compiled grammars kept per worker. A JSON-schema template holds the schema's grammar
+# (kilobytes to a few megabytes for large schemas); the lexer state llguidance builds lazily
+# lives in each request's copy, which goes when the request ends.
+DEFAULT_GRAMMAR_CACHE_SIZE = 256
+# [32] int32: the value of each bit of a bitmask word (bit 31 is the sign bit)
+_BIT_VALUES = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)
+
+
+class GrammarError(ValueError):
+    """A spec llguidance cannot compile for this tokenizer (its message names the problem)."""
+
+
+class GrammarMask(NamedTuple):
+    """The allowed tokens of the constrained rows of one sampling batch.
+
+    `rows`: indices into the batch (ascending); `bitmask`: `[len(rows), ceil(V / 32)]` int32 on
+    the CPU, bit `t % 32` of word `t // 32` set when token t is allowed."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+    def row(self, i: int) -> GrammarMask | None:
+        """The mask of batch row `i` alone (a one-row batch), None when it is unconstrained."""
+        if i not in self.rows:
+            return None
+        j = self.rows.index(i)
+        return GrammarMask([0], self.bitmask[j : j + 1])
+
+
+class GrammarMatcher:
+    """One request's position in its grammar (wraps an `llguidance.LLMatcher`).
+
+    Methods for the engine's normal step (`fill_bitmask`, `accept`) and for speculative decoding
+    (`fill_bitmasks_with_drafts`, `accept` of the verified prefix, `rollback`)."""
+
+    __slots__ = ("_matcher", "num_accepted")
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+        self.num_accepted = 0  # tokens consumed so far (after rollbacks)
+
+    def accept(self, token_ids: Sequence[int]) -> int:
+        """Advance over `token_ids` in order; returns how many were valid and consumed (the
+        consumed prefix; the matcher stays at the last valid one, never in an error state)."""
+        n = self._matcher.try_consume_tokens(list(token_ids))
+        self.num_accepted += n
+        return n
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative drafts rejected later).
+
+        Raises:
+            ValueError: more tokens than were accepted, or llguidance refuses.
+        """
+        if not 0 <= num_tokens <= self.num_accepted:
+            raise ValueError(f"rollback({num_tokens}) with {self.num_accepted} accepted tokens")
+        if num_tokens and not self._matcher.rollback(num_tokens):
+            raise ValueError(f"grammar rollback failed: {self._matcher.get_error()}")
+        self.num_accepted -= num_tokens
+
+    @property
+    def is_terminated(self) -> bool:
+        """True when the grammar is complete: nothing but EOS may follow."""
+        return self._matcher.is_stopped()
+
+    @property
+    def is_accepting(self) -> bool:
+        """True when the output so far is a complete sentence of the grammar (EOS allowed)."""
+        return self._matcher.is_accepting()
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (`[*, W]` int32, CPU, contiguous)."""
+        target = bitmask[row]
+        self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
+
+    def fill_bitmasks_with_drafts(
+        self, bitmask: torch.Tensor, row: int, draft_ids: Sequence[int]
+    ) -> int:
+        """Masks for the d + 1 logits rows of a request with d draft tokens, leaving the matcher
+        where it was.
+
+        Row `row + i` gets the tokens allowed after the first i drafts. The matcher advances over
+        the drafts while they are valid, filling each row, then rolls back over them. Rows after
+        an invalid draft are left all-allowed: the verifier rejects that draft, so their tokens
+        are never used. Returns how many drafts the grammar allows (a prefix of `draft_ids`).
+        """
+        self.fill_bitmask(bitmask, row)
+        valid = 0
+        for i, token in enumerate(draft_ids, start=1):
+            if self.accept([token]) != 1:
+                bitmask[row + i :].fill_(-1)  # not reached by any kept token
+                break
+            valid += 1
+            self.fill_bitmask(bitmask, row + i)
+        self.rollback(valid)
+        return valid
+
+    def error(self) -> str:
+        return self._matcher.get_error()
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def batch_bitmask(
+    matchers: Sequence[GrammarMatcher | None],
+    vocab_size: int,
+    executor: llguidance.LLExecutor | None = None,
+) -> GrammarMask | None:
+    """The `GrammarMask` of one sampling batch (`matchers[i]` None = row i unconstrained), or
+    None when no row has a grammar (the common case pays one list scan)."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return None
+    bitmask = torch.empty(len(rows), bitmask_words(vocab_size), dtype=torch.int32)
+    if executor is not None and len(rows) > 1:
+        pairs = [(matchers[i]._matcher, j) for j, i in enumerate(rows)]
+        executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, len(rows))
+    else:
+        for j, i in enumerate(rows):
+            matchers[i].fill_bitmask(bitmask, j)
+    return GrammarMask(rows, bitmask)
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
+    """`[B, V]` logits -> a float32 copy where the tokens `mask` forbids are -inf (only its rows).
+
+    Tokens beyond the bitmask's `32 * W` ids are forbidden too. The input is not modified."""
+    out = logits.to(torch.float32, copy=True)  # [B, V]
+    rows, vocab = len(mask.rows), out.shape[1]
+    bitmask = mask.bitmask.to(out.device, non_blocking=True)  # [R, W]
+    words = min(bitmask.shape[1], (vocab + 31) // 32)
+    forbidden = (bitmask[:, :words, None] & _BIT_VALUES.to(out.device)) == 0  # [R, words, 32]
+    forbidden = forbidden.view(rows, words * 32)[:, :vocab]  # [R, <=V]
+    all_rows = rows == out.shape[0]
+    sub = out if all_rows else out[torch.tensor(mask.rows, device=out.device)]  # [R, V]
+    sub[:, : forbidden.shape[1]].masked_fill_(forbidden, float("-inf"))
+    sub[:, forbidden.shape[1] :] = float("-inf")
+    if not all_rows:
+        out[torch.tensor(mask.rows, device=out.device)] = sub
+    return out
+
+
+class GrammarCompiler:
+    """Specs -> compiled template matchers, with a bounded LRU cache (thread-safe).
+
+    Args:
+        tokenizer: the model's Hugging Face fast tokenizer (its `backend_tokenizer` JSON is what
+            llguidance reads; the `LLTokenizer` is built once, ~1 s, at the first compile).
+        vocab_size: the logits width (the model's embedding rows; may exceed the tokenizer).
+        eos_token_ids: the model's EOS ids (allowed only where the grammar accepts).
+        cache_size: distinct specs kept (least recently used evicted first).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        cache_size: int = DEFAULT_GRAMMAR_CACHE_SIZE,
+    ) -> None:
+        assert cache_size >= 1, cache_size
+        self.vocab_size = vocab_size
+        self.cache_size = cache_size
+        self._hf_tokenizer = tokenizer
+        self._eos = sorted(int(t) for t in eos_token_ids)
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+        self.last_compile_ms = 0.0
+
+    @property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos
+                )
+            return self._ll_tokenizer
+
+    def matcher(self, spec: dict[str, Any]) -> GrammarMatcher:
+        """A fresh matcher for `spec` (compiled, or copied from the cache).
+
+        Raises:
+            GrammarError: llguidance cannot build the grammar for this tokenizer.
+        """
+        key = json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        with self._lock:
+            template = self._cache.get(key)
+            if template is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+        if template is None:
+            template = self._compile(spec)
+            with self._lock:
+                self.misses += 1
+                self._cache[key] = template
+                self._cache.move_to_end(key)
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        return GrammarMatcher(template.deep_copy())
+
+    def _compile(self, spec: dict[str, Any]) -> llguidance.LLMatcher:
+        tokenizer = self.ll_tokenizer
+        start = time.perf_counter()
+        try:
+            grammar = grammar_of(spec)
+        except ValueError as exc:
+            raise GrammarError(str(exc)) from None
+        template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        self.last_compile_ms = (time.perf_counter() - start) * 1e3
+        if template.is_error():
+            raise GrammarError(template.get_error())
+        if not self._admits_output(template):
+            raise GrammarError(
+                "the grammar admits no output (for example a required property whose schema "
+                "refers back to itself without end)"
+            )
+        return template
+
+    def _admits_output(self, template: llguidance.LLMatcher) -> bool:
+        """False when the first step allows no token but EOS while the grammar does not accept
+        the empty output (llguidance stops such grammars at once)."""
+        probe = GrammarMatcher(template.deep_copy())
+        bitmask = torch.zeros(1, bitmask_words(self.vocab_size), dtype=torch.int32)
+        probe.fill_bitmask(bitmask, 0)
+        for eos in self._eos:
+            bitmask[0, eos // 32] &= ~(1 << (eos % 32))
+        return bool(bitmask.any()) or probe.is_accepting
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+
+class _Ready(NamedTuple):
+    request_id: str
+    matcher: GrammarMatcher | None
+    error: str | None
+
+
+class StructuredOutputs:
+    """The engine's side of structured outputs: compiles off the loop, hands out ready matchers.
+
+    `add(request_id, spec)` starts a compile on the worker thread; `take_ready()` returns the
+    requests whose matcher (or compile error) is ready, in the order they were added; the engine
+    admits them to the scheduler then. `discard` forgets an aborted request.
+    """
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        self._pending: dict[str, Future[GrammarMatcher]] = {}
+        self._executor: llguidance.LLExecutor | None = None
+
+    def add(self, request_id: str, spec: dict[str, Any]) -> None:
+        self._pending[request_id] = self._pool.submit(self.compiler.matcher, spec)
+
+    def discard(self, request_id: str) -> bool:
+        """Forget a pending request; True when it was pending."""
+        future = self._pending.pop(request_id, None)
+        if future is not None:
+            future.cancel()
+        return future is not None
+
+    def is_pending(self, request_id: str) -> bool:
+        return request_id in self._pending
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def take_ready(self, wait_s: float = 0.0) -> list[_Ready]:
+        """The pending requests whose compile finished; waits up to `wait_s` for a first one."""
+        if not self._pending:
+            return []
+        if wait_s > 0:
+            wait_futures(
+                list(self._pending.values()), timeout=wait_s, return_when="FIRST_COMPLETED"
+            )
+        ready = []
+        for rid, future in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[rid]
+            try:
+                ready.append(_Ready(rid, future.result(), None))
+            except GrammarError as exc:
+                ready.append(_Ready(rid, None, f"structured_outputs cannot be enforced: {exc}"))
+            except Exception as exc:  # a library failure fails this request only
+                logger.exception("grammar compile failed for %s", rid)
+                ready.append(_Ready(rid, None, f"grammar compile failed: {exc}"))
+        return ready
+
+    def start_bitmask(
+        self, matchers: Sequence[GrammarMatcher | None]
+    ) -> Future[GrammarMask | None] | None:
+        """`bitmask(matchers)` on the mask thread (llguidance drops the GIL), so it overlaps the
+        forward pass; None when no row has a grammar. The caller takes `.result()` before it
+        samples and advances any matcher (one mask thread: fills never overlap each other)."""
+        if all(m is None for m in matchers):
+            return None
+        return self._mask_pool.submit(self.bitmask, list(matchers))
+
+    def bitmask(self, matchers: Sequence[GrammarMatcher | None]) -> GrammarMask | None:
+        """`batch_bitmask` with a shared parallel executor (built at the first batch of two)."""
+        if self._executor is None and sum(m is not None for m in matchers) > 1:
+            self._executor = llguidance.LLExecutor()
+        return batch_bitmask(matchers, self.compiler.vocab_size, self._executor)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._mask_pool.shutdown(wait=False, cancel_futures=True)

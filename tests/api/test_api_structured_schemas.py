@@ -1,0 +1,104 @@
+"""`response_format` / `structured_outputs` validation at the edge (contracts.openai.structured;
+no processes): the wire spec each form becomes, and a 400 naming the problem for anything the
+grammar library cannot enforce."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from contracts.openai import Limits, OpenAIError, parse_chat, parse_completion
+from contracts.openai.structured import MAX_SCHEMA_CHARS
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw):
+    return parse_chat({"model": "m", "messages": MSG, **kw}, Limits())
+
+
+def err(**kw) -> OpenAIError:
+    with pytest.raises(OpenAIError) as info:
+        chat(**kw)
+    assert info.value.status == 400
+    return info.value
+
+
+def json_schema(schema, **extra) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, **extra}}
+
+
+def test_forms_become_one_wire_spec() -> None:
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    spec = chat(response_format=json_schema(schema, strict=True)).sampling["structured_outputs"]
+    assert spec == {
+        "json": '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"string"}}}'
+    }
+    assert json.loads(spec["json"]) == schema  # key order kept: it is the generation order
+    assert chat(response_format={"type": "json_object"}).sampling["structured_outputs"] == {
+        "json_object": True
+    }
+    assert "structured_outputs" not in chat(response_format={"type": "text"}).sampling
+    vllm = chat(structured_outputs={"json": json.dumps(schema)}).sampling["structured_outputs"]
+    assert vllm == spec
+    assert chat(structured_outputs={"regex": "[0-9]+"}).sampling["structured_outputs"] == {
+        "regex": "[0-9]+"
+    }
+    assert chat(structured_outputs={"choice": ["a", "b"]}).sampling["structured_outputs"] == {
+        "choice": ["a", "b"]
+    }
+    req = parse_completion(
+        {"model": "m", "prompt": "x", "response_format": {"type": "json_object"}}, Limits()
+    )
+    assert req.sampling["structured_outputs"] == {"json_object": True}
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"response_format": "json"}, "must be an object"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": json_schema([1, 2])}, "must be an object, got array"),
+        ({"response_format": json_schema({"type": "integr"})}, "Invalid type: integr"),
+        ({"response_format": json_schema({"not": {"type": "string"}})}, "Unimplemented keys"),
+        (
+            {"response_format": json_schema({"type": "array", "uniqueItems": True})},
+            "uniqueItems",
+        ),
+        ({"response_format": json_schema({"type": "string", "format": "colour"})}, "format"),
+        ({"response_format": json_schema({"$ref": "#/$defs/none"})}, "does not exist"),
+        (
+            {"response_format": json_schema({"type": "string", "minLength": 3, "maxLength": 1})},
+            "Unsatisfiable",
+        ),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "name"),
+        ({"response_format": json_schema({}, strict="yes")}, "strict"),
+        ({"response_format": json_schema({}, colour=1)}, "colour"),
+        ({"structured_outputs": {"regex": "[a-"}}, "regex"),
+        ({"structured_outputs": {"choice": []}}, "choice"),
+        ({"structured_outputs": {"grammar": "start: x"}}, "grammar"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
+        ({"structured_outputs": {"json": "{not json"}}, "not valid JSON"),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "not both",
+        ),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": {"type": "function"}}, "tool_choice"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ],
+)
+def test_what_cannot_be_enforced_is_a_400_naming_it(kw, needle) -> None:
+    assert needle in err(**kw).message
+
+
+def test_a_huge_schema_is_refused_before_any_grammar_work() -> None:
+    props = {f"p{i}": {"type": "string", "description": "x" * 100} for i in range(10_000)}
+    e = err(response_format=json_schema({"type": "object", "properties": props}))
+    assert f"at most {MAX_SCHEMA_CHARS}" in e.message and e.param == "response_format"
+
+
+def test_tolerated_no_ops_are_accepted() -> None:
+    req = chat(tool_choice="none", skip_special_tokens=True, response_format={"type": "text"})
+    assert "structured_outputs" not in req.sampling
