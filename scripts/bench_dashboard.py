@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import sqlalchemy as sa  # noqa: E402
+from bench_offline import cpu_info  # noqa: E402  (scripts/ is on sys.path: the one CPU report)
 
 APP = ROOT / "dashboard" / "app.py"
 COLUMNS = (
@@ -45,28 +45,6 @@ COLUMNS = (
     "arrival_at", "finished_at", "queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "tpot_ms",
     "itl_p99_ms", "e2e_ms",
 )  # fmt: skip
-
-
-def cpu_info() -> dict[str, Any]:
-    """CPU model, flags and core count from /proc/cpuinfo (Linux), plus the load average now."""
-    model, flags = platform.processor() or platform.machine(), ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model in ("", platform.machine()):
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = value.strip()
-    except OSError:
-        pass
-    simd = [f for f in flags.split() if f.startswith(("avx", "amx", "fma", "f16c", "sse4"))]
-    return {
-        "model": model,
-        "cores": os.cpu_count(),
-        "simd_flags": simd,
-        "flags": flags,
-        "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
-    }
 
 
 def request_columns(n: int, start: float, end: float, seed: int = 0) -> dict[str, np.ndarray]:
