@@ -297,8 +297,13 @@ def traffic_stack(smollm2_gguf, smollm2_dir):
 
 def test_chromium_job_view_of_a_completed_job(chromium_path, traffic_stack, tmp_path):
     stack, client, done = traffic_stack
-    stats = httpx.get(f"{stack.url}/v1/batches/{done.id}/stats",
-                      headers={"Authorization": f"Bearer {API_KEY}"}).json()  # fmt: skip
+
+    def recorded():  # the recorder writes the lines' latency rows shortly after the job ends
+        stats = httpx.get(f"{stack.url}/v1/batches/{done.id}/stats",
+                          headers={"Authorization": f"Bearer {API_KEY}"}).json()  # fmt: skip
+        return stats if stats["latency_ms"]["e2e_ms"]["count"] == 8 else None
+
+    stats = _wait(recorded, 60, "the job lines' latency records")
     shots = _artifacts(tmp_path)
     with _browser(chromium_path, stack.db_url, tmp_path, api_url=stack.url) as (tools, base, dash):
         tools.call("Page.navigate", url=f"{base}/?job={done.id}")

@@ -7,19 +7,17 @@ from gpu_worker import LLM
 
 @pytest.fixture(scope="session")
 def make_llm(smollm2_dir):
-    """Build an LLM on the bundled model in float32 (exactness) with small KV pools."""
-    built: list[LLM] = []
+    """Build an LLM on the bundled model in float32 (exactness) with small KV pools. The factory
+    keeps no reference: an LLM lives as long as the test or fixture that holds it (the whole
+    session's models kept alive together exhausted memory)."""
 
     def make(**kwargs) -> LLM:
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("max_model_len", 1024)
         kwargs.setdefault("num_blocks", 1024 // kwargs.get("block_size", 16) * 8)
-        llm = LLM(model=str(smollm2_dir), **kwargs)
-        built.append(llm)
-        return llm
+        return LLM(model=str(smollm2_dir), **kwargs)
 
-    yield make
-    built.clear()
+    return make
 
 
 @pytest.fixture(scope="session")

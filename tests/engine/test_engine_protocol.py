@@ -207,7 +207,8 @@ def test_worker_serves_with_each_engine_and_announces_its_config(engine, procs, 
                 *(["--synthetic"] if engine == "synthetic" else []))  # fmt: skip
     worker = _wait_worker(procs, timeout_s=120)
     announced = worker["info"]["engine"]
-    assert announced == {**config.to_dict(), "max_num_seqs": 6}  # the flag overrides the JSON
+    # the flag overrides the JSON; the worker resolves slo_control (on for a real engine)
+    assert announced == {**config.to_dict(), "max_num_seqs": 6, "slo_control": engine == "real"}
     assert worker["lanes"] == ["interactive"] and worker["capacity"] == 12
     assert (worker["model"] == "synthetic") == (engine == "synthetic") and worker["model"]
     kinds, reason, usage = asyncio.run(asyncio.wait_for(_generate(procs.front, 5), 120))
