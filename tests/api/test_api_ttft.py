@@ -83,18 +83,30 @@ REQUESTS = [
 ]
 
 
+def measure(stack: Stack, path: str, body: dict) -> tuple[float, float]:
+    """(client ms, SQL ms) of one request; SQL's value is the one /metrics observed."""
+    before = metrics_ttft_sum(stack)
+    rid, client_s = client_ttft(stack, path, body)
+    deadline = time.monotonic() + 10
+    while (metrics_s := metrics_ttft_sum(stack) - before) <= 0:
+        assert time.monotonic() < deadline, f"{path}: /metrics never observed a TTFT"
+        time.sleep(0.1)
+    return client_s * 1000.0, sql_ttft_ms(stack, rid, metrics_s * 1000.0)
+
+
 def test_sql_and_metrics_ttft_match_the_client(stack) -> None:
+    """Each kind of request agrees within max(10%, 20 ms). The host's scheduling can only delay
+    the client (on 2 cores the worker, broker and recorder compete with it), so a kind gets up
+    to three tries: a systematic gap (arrival stamped late, TTFT marked before the bytes leave)
+    fails all three, while the edge's value may never exceed the client's in any try."""
     seen = []
     for name, path, extra in REQUESTS:
         body = {"model": "smollm2", "max_tokens": 8, "temperature": 0, **extra}
-        before = metrics_ttft_sum(stack)
-        rid, client_s = client_ttft(stack, path, body)
-        deadline = time.monotonic() + 10
-        while (metrics_s := metrics_ttft_sum(stack) - before) <= 0:
-            assert time.monotonic() < deadline, f"{name}: /metrics never observed a TTFT"
-            time.sleep(0.1)
-        sql_ms = sql_ttft_ms(stack, rid, metrics_s * 1000.0)
-        client_ms = client_s * 1000.0
-        seen.append((name, round(client_ms, 1), round(sql_ms, 1)))
-        assert abs(sql_ms - client_ms) <= max(0.1 * client_ms, 20.0), seen
-        assert sql_ms <= client_ms + 1.0, seen  # the edge cannot see the token after the client
+        for _ in range(3):
+            client_ms, sql_ms = measure(stack, path, body)
+            seen.append((name, round(client_ms, 1), round(sql_ms, 1)))
+            assert sql_ms <= client_ms + 1.0, seen  # the edge cannot see the token after the client
+            if abs(sql_ms - client_ms) <= max(0.1 * client_ms, 20.0):
+                break
+        else:
+            raise AssertionError(f"{name}: SQL TTFT differs from the client's in 3 tries: {seen}")
