@@ -39,7 +39,12 @@ from gpu_worker.detokenizer import IncrementalDetokenizer
 from gpu_worker.errors import InvalidRequestError, PromptTooLongError
 from gpu_worker.model_files import model_display_name, resolve_model_path
 from gpu_worker.model_loader import load_model_files
-from gpu_worker.model_runner import ModelRunner, choose_num_blocks, profile_activation_bytes
+from gpu_worker.model_runner import (
+    ModelRunner,
+    choose_num_blocks,
+    kv_pool_info,
+    profile_activation_bytes,
+)
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.outputs import RequestDelta
 from gpu_worker.quantization import resolve_mode
@@ -187,7 +192,7 @@ class LLMEngine:
         self.device = torch.device(config.device) if config.device else default_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
         path = resolve_model_path(config.model)
-        quantization = resolve_mode(config.quantization, self.device)
+        quantization = resolve_mode(config.quantization, self.device, self.dtype)
         loaded = load_model_files(path, quantization=quantization)
         self.model_name = model_display_name(config.model)
         self.model_config = loaded.config
@@ -201,7 +206,7 @@ class LLMEngine:
         max_len = min(
             config.max_model_len or model.config.max_model_len, model.config.max_model_len
         )
-        activation_bytes = 0
+        activation_bytes = None
         if self.device.type == "cuda" and not (config.num_blocks or config.kv_cache_memory_bytes):
             activation_bytes = profile_activation_bytes(
                 model,
@@ -217,7 +222,7 @@ class LLMEngine:
             config.kv_cache_memory_bytes,
             config.max_num_seqs,
             max_len,
-            activation_bytes,
+            activation_bytes or 0,
         )
         pool_tokens = num_blocks * config.block_size
         if max_len > pool_tokens:
@@ -231,6 +236,10 @@ class LLMEngine:
             )
             max_len = pool_tokens
         self.max_model_len = max_len
+        self.kv_pool = kv_pool_info(
+            model.config, config.block_size, num_blocks, self.dtype, self.device,
+            activation_bytes, max_len,
+        )  # fmt: skip
         self.runner = ModelRunner(
             model,
             config.block_size,

@@ -21,9 +21,13 @@ class Engine(Protocol):
 
     Attributes:
         model_name: the name the worker announces to the broker.
+        kv_pool: the KV pool's numbers the worker announces (``num_blocks``, ``block_size``,
+            ``num_tokens``, ``max_model_len``; a real engine adds bytes, dtype and the profiled
+            activation peak), shown by ``laneserve status``.
     """
 
     model_name: str
+    kv_pool: dict[str, Any]
 
     def add_request(
         self,

@@ -97,6 +97,30 @@ def choose_num_blocks(
     return blocks
 
 
+def kv_pool_info(
+    config: ModelConfig,
+    block_size: int,
+    num_blocks: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    activation_bytes: int | None,
+    max_model_len: int,
+) -> dict:
+    """The KV pool's chosen numbers as the worker announces them (``laneserve status`` shows them):
+    blocks, tokens, bytes, the profiled activation peak (None where nothing was profiled)."""
+    per_block = kv_bytes_per_block(config, block_size, dtype)
+    return {
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "num_blocks": num_blocks,
+        "block_size": block_size,
+        "num_tokens": num_blocks * block_size,
+        "kv_cache_bytes": num_blocks * per_block,
+        "activation_bytes": activation_bytes,
+        "max_model_len": max_model_len,
+    }
+
+
 def profile_activation_bytes(
     model: LlamaForCausalLM, num_tokens: int, num_samples: int, block_size: int
 ) -> int | None:

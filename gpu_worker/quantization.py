@@ -73,20 +73,27 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def resolve_mode(mode: str, device: torch.device) -> str:
-    """The mode the model is built with: `auto` means the checkpoint's own format on CPU and
-    `none` elsewhere (the int4/int8 kernels used here are CPU kernels).
+def resolve_mode(mode: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The mode the model is built with. On CPU every mode; `auto` is the checkpoint's own
+    format. On CUDA `auto` means `none` (dequantized weights: not yet measured against the int4
+    kernel on a GPU) and `int4` runs torch's CUDA int4 kernel (`_weight_int4pack_mm`, bf16
+    activations only); `int8` has no CUDA kernel here.
 
     Raises:
-        ValueError: an unknown mode, or `int4`/`int8` on a non-CPU device.
+        ValueError: an unknown mode; `int8` off the CPU; `int4` on CUDA with activations other
+            than bfloat16, or on any other device.
     """
     check_mode(mode)
     if device.type == "cpu" or mode == "none":
         return mode
     if mode == "auto":
-        logger.info("quantization=auto on %s: weights are dequantized (CPU kernels only)", device)
+        logger.info("quantization=auto on %s: weights are dequantized", device)
         return "none"
-    raise ValueError(f"quantization={mode!r} is implemented for CPU only, not {device.type}")
+    if mode == "int4" and device.type == "cuda":
+        if dtype not in (None, torch.bfloat16):
+            raise ValueError(f"quantization='int4' on CUDA needs dtype bfloat16, not {dtype}")
+        return mode
+    raise ValueError(f"quantization={mode!r} is not implemented on {device.type}")
 
 
 # --------------------------------------------------------------------------- unpacked forms
@@ -263,6 +270,31 @@ DENSE_MIN_TOKENS_FP32 = 32
 GEMV_MAX_TOKENS = DENSE_MIN_TOKENS_FP32 - 1
 
 
+def _padded_for_packing(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [N', K], scale_zeros [K/32, N', 2] in the kernel dtype) with N padded to a multiple of
+    16 (the packers' requirement) by all-zero rows ((8 - 8) * 0 + 0) that the output drops."""
+    pad = -groups.q.shape[0] % INT4_N_MULTIPLE
+    q, scale, zero = groups.q, groups.scale, groups.zero
+    if pad:
+        q = F.pad(q, (0, 0, 0, pad), value=8)
+        scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
+    scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1)
+    return q, scale_zeros.to(KERNEL_DTYPE).contiguous()
+
+
+def cuda_inner_k_tiles(k: int) -> int:
+    """`inner_k_tiles` for `_convert_weight_to_int4pack` on CUDA: the largest of 8, 4, 2 with
+    K divisible by 16 x tiles (SmolLM2's K = 576 takes 4).
+
+    Raises:
+        ValueError: K not a multiple of 32.
+    """
+    for tiles in (8, 4, 2):
+        if k % (16 * tiles) == 0:
+            return tiles
+    raise ValueError(f"K={k} is not a multiple of 32: no CUDA int4 packing")
+
+
 def dense_copy_dtype(dtype: torch.dtype) -> torch.dtype | None:
     """The dtype of the dense copy kept for large-M calls, or None for no copy.
 
@@ -326,15 +358,20 @@ class QuantLinear:
     def from_int4(cls, groups: Int4Groups, **kwargs) -> QuantLinear:
         """Pack for the CPU kernel; N is padded to a multiple of 16 (the packer's requirement)
         with all-zero rows that the output drops."""
-        n, k = groups.q.shape
-        pad = -n % INT4_N_MULTIPLE
-        q, scale, zero = groups.q, groups.scale, groups.zero
-        if pad:
-            q = F.pad(q, (0, 0, 0, pad), value=8)  # (8 - 8) * 0 + 0 = 0
-            scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
+        q, scale_zeros = _padded_for_packing(groups)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1)  # [K/32, N, 2]
-        return cls("int4", packed, scale_zeros.to(KERNEL_DTYPE).contiguous(), (n, k), **kwargs)
+        return cls("int4", packed, scale_zeros, tuple(groups.q.shape), **kwargs)
+
+    @classmethod
+    def from_int4_cuda(cls, groups: Int4Groups, device: torch.device) -> QuantLinear:
+        """Pack for torch's CUDA int4 kernel (`_convert_weight_to_int4pack`: uint8 [N, K/2], two
+        values per byte, the even column in the high nibble; N padded to a multiple of 16; the
+        largest `inner_k_tiles` of 8/4/2 that divides K / 16)."""
+        q, scale_zeros = _padded_for_packing(groups)
+        tiles = cuda_inner_k_tiles(q.shape[1])
+        pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)
+        packed = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
+        return cls("int4", packed, scale_zeros.to(device), tuple(groups.q.shape))
 
     @classmethod
     def from_int8(cls, q: torch.Tensor, scale: torch.Tensor, **kwargs) -> QuantLinear:
@@ -351,12 +388,17 @@ class QuantLinear:
         (x = identity), so its values are rounded to bf16 on the way out."""
         if self.kind == "int8":
             return self.weight.float() * self.scales.float()[:, None]
-        eye = torch.eye(self.shape[1], dtype=KERNEL_DTYPE)
+        eye = torch.eye(self.shape[1], dtype=KERNEL_DTYPE, device=self.weight.device)
         return self._kernel(eye).float().t().contiguous()
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, GROUP_SIZE, self.scales)
+            mm = (
+                torch.ops.aten._weight_int4pack_mm
+                if self.weight.is_cuda
+                else torch.ops.aten._weight_int4pack_mm_for_cpu
+            )
+            y = mm(x, self.weight, GROUP_SIZE, self.scales)
             return y if y.shape[1] == self.shape[0] else y[:, : self.shape[0]]
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
 
@@ -420,6 +462,7 @@ def build_linear(
     parts: list[torch.Tensor | GGUFQuantTensor],
     mode: str,
     dtype: torch.dtype,
+    device: torch.device | None = None,
 ) -> torch.Tensor | QuantLinear:
     """One (fused) linear from its row blocks `parts` ([N_i, K] each, concatenated along N).
 
@@ -428,6 +471,8 @@ def build_linear(
     for any source (round-to-nearest from float). A dense copy of the source weights rides along
     for large-M calls where it is faster (`dense_copy_dtype`); a float32 model also gets
     `GemvBlocks` (the exact GGUF values; Q8_0 ones only from Q8_0 sources) for few-row calls.
+    On a CUDA `device` (mode `int4`, `resolve_mode`) the int4 weight is packed for the CUDA
+    kernel there, with no copies beside it. A dense result stays on the CPU (the caller moves it).
     """
     if (
         mode == "auto"
@@ -438,17 +483,12 @@ def build_linear(
     if build_is_dense(parts, mode):
         return torch.cat([_as_float(p) for p in parts]).to(dtype).contiguous()
     kind = _auto_kind(parts) if mode == "auto" else mode
+    if device is not None and device.type == "cuda":
+        return QuantLinear.from_int4_cuda(_int4_groups(parts), device)
     dense_dtype = dense_copy_dtype(dtype)
     gemv = None
     if kind == "int4":
-        groups = Int4Groups.cat(
-            [
-                int4_from_gguf(p)
-                if isinstance(p, GGUFQuantTensor) and p.qtype != "Q8_0"
-                else int4_from_float(_as_float(p))
-                for p in parts
-            ]
-        )
+        groups = _int4_groups(parts)
         dense = groups.dequantize().to(dense_dtype) if dense_dtype else None
         if dtype == torch.float32:
             gemv = GemvBlocks.from_int4(groups)
@@ -458,6 +498,18 @@ def build_linear(
     if dtype == torch.float32 and all(_is_q8_0(p) for p in parts):
         gemv = GemvBlocks.from_q8_0(parts)  # the Q8_0 blocks themselves: exact weights
     return QuantLinear.from_int8(*int8_from_float(weight), **_routes(dtype, dense, gemv))
+
+
+def _int4_groups(parts: list[torch.Tensor | GGUFQuantTensor]) -> Int4Groups:
+    """Q4_0 / Q4_1 blocks exactly, anything else rounded to the nearest int4 (group 32)."""
+    return Int4Groups.cat(
+        [
+            int4_from_gguf(p)
+            if isinstance(p, GGUFQuantTensor) and p.qtype != "Q8_0"
+            else int4_from_float(_as_float(p))
+            for p in parts
+        ]
+    )
 
 
 def _routes(dtype: torch.dtype, dense: torch.Tensor | None, gemv: GemvBlocks | None) -> dict:

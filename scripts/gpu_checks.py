@@ -10,6 +10,9 @@ others' figures; ``--only a,b`` picks some):
 - ``cuda_graphs``: greedy tokens with CUDA graphs vs ``enforce_eager`` (must be equal).
 - ``throughput``: offline tok/s of the engine vs transformers ``generate`` on the GPU (bf16, the
   same prompts and forced lengths).
+- ``int4``: ``quantization="int4"`` (torch's CUDA int4 kernel on the GGUF's own Q4_1 values) vs
+  the dequantized bf16 model: greedy agreement and mean common prefix on the prompts, and tok/s of
+  both at batch 1 and 64.
 - ``decode_attention``: ``scripts/bench_kernels.py --sweep``: decode attention bandwidth as a share
   of the device's peak at batch 1/8/64 and context 1k/8k/32k, split-KV vs one pass.
 - ``stack``: ``scripts/bench_lanes.py`` with the GPU worker (interactive TTFT/TPOT idle and under a
@@ -51,6 +54,7 @@ STEPS: dict[str, tuple[float, tuple[str, ...]]] = {
     "parity": (150.0, ("transformers", "gpu_worker")),
     "cuda_graphs": (120.0, ("gpu_worker", "kernels.cuda_graphs")),
     "throughput": (150.0, ("transformers", "gpu_worker")),
+    "int4": (150.0, ("gpu_worker", "gpu_worker.quantization")),
     "decode_attention": (150.0, ("kernels.triton",)),
     "stack": (240.0, ("openai", "broker.client")),
 }
@@ -181,6 +185,40 @@ def step_throughput() -> dict:
         "ratio": round(ours / theirs, 2),
         "target_ratio": 3.0,
     }
+
+
+def _tok_s(llm, prompts: list[str], max_tokens: int) -> float:
+    from gpu_worker import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], params)  # warm-up: graph capture, kernel compile
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+def step_int4() -> dict:
+    import torch
+
+    from gpu_worker import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts64 = [f"{p} (request {i})" for i in range(8) for p in PROMPTS]
+    result: dict = {}
+    ids = {}
+    for mode in ("none", "int4"):
+        llm = LLM(MODEL, dtype="bfloat16", device="cuda", quantization=mode)
+        ids[mode] = [list(o.token_ids) for o in llm.generate(_prompt_ids(), params)]
+        result[f"{mode}_tok_s_batch1"] = round(_tok_s(llm, PROMPTS[:1], 128), 1)
+        result[f"{mode}_tok_s_batch64"] = round(_tok_s(llm, prompts64, 128), 1)
+        del llm
+        torch.cuda.empty_cache()
+    prefixes = [_common_prefix(a, b) for a, b in zip(ids["int4"], ids["none"], strict=True)]
+    result["identical"] = sum(a == b for a, b in zip(ids["int4"], ids["none"], strict=True))
+    result["prompts"] = len(PROMPTS)
+    result["mean_common_prefix"] = sum(prefixes) / len(prefixes)
+    result["ok"] = result["mean_common_prefix"] >= 8  # same weights, different kernel rounding
+    return result
 
 
 def _subprocess_json(argv: list[str], timeout_s: float) -> dict:

@@ -107,7 +107,8 @@ class LlamaForCausalLM:
             weights' dtype.
         device: where weights live.
         quantization: "none" (dense weights in `dtype`), "auto" (GGUF Q4_0/Q4_1/Q8_0 weights on
-            their own kernels), "int8" or "int4" (every linear on that kernel); CPU only
+            their own kernels), "int8" or "int4" (every linear on that kernel); on CUDA
+            only "int4" with bfloat16 activations, and "auto" = "none"
             (`quantization.resolve_mode`).
 
     Raises:
@@ -125,7 +126,7 @@ class LlamaForCausalLM:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        self.quantization = quant.resolve_mode(quantization, self.device)
+        self.quantization = quant.resolve_mode(quantization, self.device, dtype)
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_attention_heads * config.head_dim
         self.kv_size = config.num_key_value_heads * config.head_dim
@@ -148,13 +149,14 @@ class LlamaForCausalLM:
 
         def take_linear(names: list[str], shapes: list[tuple[int, int]]) -> Linear:
             parts = [raw(n, s) for n, s in zip(names, shapes, strict=True)]
-            built = quant.build_linear(names[0], parts, self.quantization, dtype)
+            built = quant.build_linear(names[0], parts, self.quantization, dtype, self.device)
             return built.to(self.device) if isinstance(built, torch.Tensor) else built
 
         c = config
         h, inter = c.hidden_size, c.intermediate_size
         embed_name, vh = "model.embed_tokens.weight", (c.vocab_size, h)
-        self.embed_tokens = quant.build_embedding(raw(embed_name, vh), self.quantization, dtype)
+        embed_mode = self.quantization if self.device.type == "cpu" else "none"  # CUDA: dense
+        self.embed_tokens = quant.build_embedding(raw(embed_name, vh), embed_mode, dtype)
         if isinstance(self.embed_tokens, torch.Tensor):
             self.embed_tokens = self.embed_tokens.to(self.device)
         self.norm = take("model.norm.weight", (h,))

@@ -273,6 +273,23 @@ def _pct(value: Any) -> str:
     return f"{value:.0%}" if isinstance(value, int | float) else "-"
 
 
+def _gib(value: Any) -> str:
+    return f"{value / 2**30:.2f} GiB" if isinstance(value, int | float) else "-"
+
+
+def kv_pool_text(pool: Any) -> str:
+    """A worker's announced KV pool: blocks x block size, tokens, bytes and dtype, and the
+    profiled activation peak on a GPU (``-`` when the worker announced none)."""
+    if not isinstance(pool, dict) or not isinstance(pool.get("num_blocks"), int):
+        return "-"
+    text = f"{pool['num_blocks']} x {pool.get('block_size')} = {pool.get('num_tokens')} tok"
+    if pool.get("kv_cache_bytes") is not None:
+        text += f", {_gib(pool['kv_cache_bytes'])} {pool.get('dtype', '')}".rstrip()
+    if pool.get("activation_bytes") is not None:
+        text += f", activations {_gib(pool['activation_bytes'])}"
+    return text
+
+
 def _print_slo(console, workers: list[dict[str, Any]]) -> None:
     """Per worker under SLO control: the targets (P99 ms), attainment, the chosen budget and
     the step-cost model's predicted vs measured step time (gpu_worker/step_budget.py)."""
@@ -303,7 +320,8 @@ def _print_workers(console, status: dict[str, Any]) -> None:
     from rich.table import Table
 
     if status["workers"]:
-        wt = Table("worker", "pid", "lanes", "model", "in flight", "running", "waiting", "KV use")
+        wt = Table("worker", "pid", "lanes", "model", "in flight", "running", "waiting", "KV use",
+                   "KV pool")  # fmt: skip
         for w in status["workers"]:
             load = w.get("load") or {}
             kv = load.get("kv_usage")
@@ -316,6 +334,7 @@ def _print_workers(console, status: dict[str, Any]) -> None:
                 str(load.get("num_running", load.get("running", "-"))),
                 str(load.get("num_waiting", load.get("waiting", "-"))),
                 f"{kv:.1%}" if isinstance(kv, (int, float)) else "-",
+                kv_pool_text((w.get("info") or {}).get("kv_pool")),
             )
         console.print(wt)
         _print_slo(console, status["workers"])

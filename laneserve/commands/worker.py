@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     except EngineConfigError as exc:
         raise SystemExit(f"laneserve worker: {exc}") from None
     engine = build_engine(args, config)
+    logger.info("KV pool: %s", engine.kv_pool)
     worker = Worker(
         engine,
         broker_addr=args.broker or default_back(),
@@ -158,7 +159,12 @@ def run(args: argparse.Namespace) -> int:
         liveness=args.liveness,
         parent_pid=args.parent_pid,
         drain_timeout_s=args.drain_timeout,
-        info={"pid": os.getpid(), "synthetic": bool(args.synthetic), "engine": config.to_dict()},
+        info={
+            "pid": os.getpid(),
+            "synthetic": bool(args.synthetic),
+            "engine": config.to_dict(),
+            "kv_pool": engine.kv_pool,
+        },
         curve_server_public=args.curve_server_public,
         curve_client_key=args.curve_client_key,
     )

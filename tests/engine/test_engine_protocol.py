@@ -23,6 +23,7 @@ from gpu_worker.engine_protocol import Engine
 from gpu_worker.faults import FaultInjectingEngine, FaultPlan, with_faults
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.synthetic import SyntheticEngine
+from laneserve.commands.status import kv_pool_text
 
 ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("add_request", "step", "abort_request", "has_unfinished_requests", "stats")
@@ -210,6 +211,14 @@ def test_worker_serves_with_each_engine_and_announces_its_config(engine, procs, 
     # the flag overrides the JSON; the worker resolves slo_control (on for a real engine)
     assert announced == {**config.to_dict(), "max_num_seqs": 6, "slo_control": engine == "real"}
     assert worker["lanes"] == ["interactive"] and worker["capacity"] == 12
+    pool = worker["info"]["kv_pool"]  # the chosen KV numbers, as `laneserve status` shows them
+    assert pool["block_size"] == 32 and pool["num_tokens"] == pool["num_blocks"] * 32
+    assert kv_pool_text(pool).startswith(f"{pool['num_blocks']} x 32 = {pool['num_tokens']} tok")
+    if engine == "real":
+        per_block = pool["kv_cache_bytes"] // pool["num_blocks"]
+        assert 32 * 2**20 - per_block < pool["kv_cache_bytes"] <= 32 * 2**20, pool
+        assert pool["dtype"] == "float32" and pool["activation_bytes"] is None, pool  # CPU
+        assert "GiB float32" in kv_pool_text(pool)
     assert (worker["model"] == "synthetic") == (engine == "synthetic") and worker["model"]
     kinds, reason, usage = asyncio.run(asyncio.wait_for(_generate(procs.front, 5), 120))
     assert kinds[-1] == "Final" and reason == "length", (kinds, reason, procs.logs())

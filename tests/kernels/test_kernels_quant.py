@@ -203,5 +203,41 @@ def test_modes_are_checked():
         quant.check_mode("fp8")
     assert quant.resolve_mode("auto", torch.device("cpu")) == "auto"
     assert quant.resolve_mode("auto", torch.device("meta")) == "none"
-    with pytest.raises(ValueError, match="CPU only"):
+    with pytest.raises(ValueError, match="not implemented on meta"):
         quant.resolve_mode("int4", torch.device("meta"))
+    cuda = torch.device("cuda")  # a device object: no GPU needed to check the rules
+    assert quant.resolve_mode("auto", cuda, torch.bfloat16) == "none"
+    assert quant.resolve_mode("int4", cuda, torch.bfloat16) == "int4"
+    with pytest.raises(ValueError, match="needs dtype bfloat16"):
+        quant.resolve_mode("int4", cuda, torch.float32)
+    with pytest.raises(ValueError, match="'int8' is not implemented on cuda"):
+        quant.resolve_mode("int8", cuda, torch.bfloat16)
+
+
+def test_cuda_inner_k_tiles():
+    assert [quant.cuda_inner_k_tiles(k) for k in (576, 1536, 4096, 96)] == [4, 8, 8, 2]
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.cuda_inner_k_tiles(48)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_checks.sh)")
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_cuda_int4_linear_matches_the_gguf_values(qtype):
+    """The CUDA int4 kernel reproduces gguf's dequantization (the same hand-made exact blocks as
+    the CPU convention test), through `build_linear` on a CUDA device, at odd N and several M."""
+    rng = np.random.default_rng(3)
+    n, nb = 40, K // 32
+    d = rng.integers(1, 8, (n, nb)).astype(np.float16) / 64
+    m = -rng.integers(0, 32, (n, nb)).astype(np.float16) / 64
+    qs = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
+    head = [d[..., None].view(np.uint8)] + ([m[..., None].view(np.uint8)] if qtype == "Q4_1" else [])
+    blocks = np.concatenate([*(h.reshape(n, nb, 2) for h in head), qs], axis=-1).reshape(n, -1)
+    t = GGUFQuantTensor("w", qtype, blocks, (n, K))
+    lin = quant.build_linear("w", [t], "int4", torch.bfloat16, torch.device("cuda"))
+    assert lin.weight.is_cuda and lin.dense is None and lin.gemv is None
+    ref = torch.from_numpy(quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype]).reshape(n, K))
+    np.testing.assert_array_equal(lin.dequantize().cpu().numpy(), ref.numpy())
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, K, device="cuda").bfloat16()
+        out = lin(x).float().cpu()
+        torch.testing.assert_close(out, x.float().cpu() @ ref.T, **bf16_tolerance(out))

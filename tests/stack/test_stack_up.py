@@ -4,6 +4,7 @@ shutdown. One stack per module (the tests run in file order; the last one stops 
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import time
@@ -11,9 +12,11 @@ import time
 import openai
 import psutil
 import pytest
+from rich.console import Console
 from sqlalchemy import create_engine, select
 
 from db.models import Request
+from laneserve.commands.status import _print_workers, kv_pool_text
 from tests.harness import UpProcess, laneserve, processes_mentioning
 
 pytestmark = pytest.mark.slow
@@ -150,9 +153,14 @@ def test_task_job_to_completion_via_submit(up, tmp_path):
 
 
 def test_status_json(up):
-    res = laneserve(up.home, "status", "--json")
-    assert res.returncode == 0, res.stdout + res.stderr
-    status = json.loads(res.stdout)  # exactly one JSON object on stdout
+    deadline = time.monotonic() + 30  # the worker's first load report follows its first heartbeat
+    while True:
+        res = laneserve(up.home, "status", "--json")
+        assert res.returncode == 0, res.stdout + res.stderr
+        status = json.loads(res.stdout)  # exactly one JSON object on stdout
+        if all(w.get("load") for w in status["workers"]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert status["running"] is True and status["state"] == "ready"
     (worker,) = status["workers"]
     assert worker["pid"] == up.info["children"]["worker-0"]
@@ -165,6 +173,11 @@ def test_status_json(up):
     assert {k: engine[k] for k in ENGINE_OPTIONS} == ENGINE_OPTIONS
     assert worker["capacity"] == 2 * ENGINE_OPTIONS["max_num_seqs"]
     assert worker["load"]["num_total_blocks"] * 32 * 30 * 3 * 64 * 2 * 4 <= 256 * 2**20
+    pool = worker["info"]["kv_pool"]  # the chosen KV numbers, announced and shown in the table
+    assert pool["num_blocks"] == worker["load"]["num_total_blocks"] and pool["block_size"] == 32
+    console = Console(width=240, record=True, file=io.StringIO())
+    _print_workers(console, status)
+    assert kv_pool_text(pool) in console.export_text(), console.export_text()
     names = {c["name"]: c for c in status["components"]}
     assert all(c["healthy"] for c in names.values()), names
     assert names["api"]["address"] == up.info["api_url"]
