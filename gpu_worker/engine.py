@@ -424,6 +424,7 @@ class LLMEngine:
         deltas, self._pending = self._pending, []
         if self.structured.num_pending:
             deltas.extend(self._admit_compiled())
+        step_started = time.perf_counter()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, self._spec_of, self.max_model_len)
         out = self.scheduler.schedule()
@@ -465,6 +466,11 @@ class LLMEngine:
                     )
                     row.error = f"output processing failed: {type(exc).__name__}: {exc}"
             deltas.append(self._fail(row.state, row.error))
+        if self.spec is not None:  # the whole step, for the measured check on drafting
+            drafted = sum(r[2] for r in runs)
+            self.spec.observe_wall(len(out.scheduled), out.num_batched_tokens, drafted,
+                                   sum(r[3] for r in runs),
+                                   (time.perf_counter() - step_started) * 1000.0)  # fmt: skip
         return deltas
 
     def _spec_of(self, req: Request) -> tuple[SpecRequest | None, SamplingParams]:

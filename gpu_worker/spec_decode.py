@@ -12,6 +12,8 @@ DESIGN.md "Speculative decoding". Per step, for every running request that decod
    probability that it and every draft before it are accepted) per millisecond it adds to the
    step beats the step's current tokens per millisecond. Bandwidth-bound steps (small batches,
    where a token more costs almost nothing) speculate; compute-bound ones (large batches) stop.
+   A measured check (`YieldGuard`) vetoes drafts at a batch size where steps with drafts emitted
+   fewer tokens per millisecond, end to end, than steps without them.
 3. **Verify** inside the ordinary varlen step: a request with d drafts computes d + 1 query
    tokens `[last token, x_1 .. x_d]` and gets d + 1 logits rows; row j is sampled by the ordinary
    `Sampler` as if `x_1 .. x_j` were already output (`verify_rows` builds those per-row inputs,
@@ -56,6 +58,7 @@ __all__ = [
     "NgramProposer",
     "RequestSpecStats",
     "SpecController",
+    "YieldGuard",
     "SpecRequest",
     "TokenHistory",
     "VerifiedRun",
@@ -172,6 +175,68 @@ class SpecRequest:
     stats: RequestSpecStats = field(default_factory=RequestSpecStats)
 
 
+class YieldGuard:
+    """Measured check on the cost model (module docstring, step 2): per batch-size bucket (the
+    decoding rows' bit length: 1, 2-3, 4-7, ..., 64-127) it keeps an exponentially weighted
+    mean of the tokens emitted per millisecond of whole step (proposing, forward, verification,
+    bookkeeping) in steps that verified drafts and in steps that did not, and vetoes drafts in a
+    bucket where they measured slower (in steps that also prefill too, unmeasured). The fit `a + b * tokens` misses per-row costs that grow
+    with the batch (sampling and verification per row, a kernel switch at some row count), so at
+    a large batch it can still find drafts worth it when, end to end, they are not.
+
+    Every `PROBE_EVERY`-th decode step of a bucket runs the other way (without drafts while they
+    are allowed, with them while vetoed), so both means stay current; a bucket starts with
+    `MIN_SAMPLES` steps of each before any veto.
+    """
+
+    PROBE_EVERY = 16
+    MIN_SAMPLES = 3
+    _WEIGHT = 0.2  # of the newest step in a mean: about the last 5-10 steps of a mode count
+
+    def __init__(self) -> None:
+        # bucket -> [rate without drafts, steps, rate with drafts, steps]
+        self._means: dict[int, list[float]] = {}
+        self._steps: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(num_rows: int) -> int:
+        return max(num_rows, 1).bit_length()
+
+    def allow(self, num_rows: int) -> bool:
+        """Whether the coming decode step of `num_rows` decoding requests may verify drafts."""
+        b = self.bucket(num_rows)
+        step = self._steps[b] = self._steps.get(b, 0) + 1
+        off, n_off, on, n_on = self._means.get(b, (0.0, 0, 0.0, 0))
+        if n_on < self.MIN_SAMPLES:
+            return True
+        if n_off < self.MIN_SAMPLES:
+            return False
+        preferred = on >= off
+        return preferred != (step % self.PROBE_EVERY == 0)
+
+    def permits(self, num_rows: int) -> bool:
+        """For a step that also prefills (not measured, no probe): drafts unless vetoed."""
+        off, n_off, on, n_on = self._means.get(self.bucket(num_rows), (0.0, 0, 0.0, 0))
+        return min(n_off, n_on) < self.MIN_SAMPLES or on >= off
+
+    def observe(self, num_rows: int, drafted: bool, emitted: int, step_ms: float) -> None:
+        """One decode step of `num_rows` requests: `emitted` tokens in `step_ms` (whole step)."""
+        if step_ms <= 0.0 or num_rows < 1:
+            return
+        m = self._means.setdefault(self.bucket(num_rows), [0.0, 0, 0.0, 0])
+        i = 2 if drafted else 0
+        rate = emitted / step_ms
+        m[i] = rate if m[i + 1] == 0 else (1 - self._WEIGHT) * m[i] + self._WEIGHT * rate
+        m[i + 1] += 1
+
+    def vetoed(self) -> list[int]:
+        """Buckets (first row count of each) where drafts measured slower (for logs and tests)."""
+        return sorted(
+            1 << (b - 1) for b, (off, n_off, on, n_on) in self._means.items()
+            if n_on and n_off and on < off
+        )  # fmt: skip
+
+
 class SpecController:
     """Chooses each step's draft lengths (see the module docstring, step 2).
 
@@ -201,6 +266,8 @@ class SpecController:
         self.num_drafts = 0  # verifications that carried at least one draft
         self.propose_s = 0.0  # time spent proposing and choosing (s)
         self._choices = 0
+        self.guard = YieldGuard()
+        self._step_rows = 0  # decoding requests of the coming step when it is pure decode, else 0
 
     def propose(
         self,
@@ -214,10 +281,17 @@ class SpecController:
         started = time.perf_counter()
         k = self.config.num_speculative_tokens
         chosen: list[tuple[Request, np.ndarray, RequestSpecStats]] = []
+        decoding = [r for r in running if _decoding(r)]  # prefilling: nothing to draft from yet
         for req in running:
             req.spec_token_ids = []
-            if req.num_output_tokens == 0 or req.num_computed_tokens != req.num_tokens - 1:
-                continue  # prefilling: nothing to draft from yet
+        pure = len(decoding) == len(running)
+        self._step_rows = len(decoding) if pure else 0
+        if self.config.adaptive and decoding:
+            guard = self.guard
+            if not (guard.allow(len(decoding)) if pure else guard.permits(len(decoding))):
+                self.propose_s += time.perf_counter() - started
+                return  # drafts measured slower at this batch size (`YieldGuard`)
+        for req in decoding:
             spec, params = spec_of(req)
             if spec is None:
                 continue  # not speculated (structured outputs)
@@ -248,6 +322,17 @@ class SpecController:
             self.num_drafts += 1
             spec.stats.observe(drafted, accepted)
         return rejected
+
+    def observe_wall(
+        self, num_scheduled: int, num_tokens: int, num_drafts: int, num_accepted: int,
+        step_ms: float,
+    ) -> None:  # fmt: skip
+        """One whole step after `propose` (proposing to its outputs, ms): requests scheduled,
+        tokens computed, drafts verified and accepted. Only a pure decode step of the requests
+        `propose` saw decoding counts for the `YieldGuard`."""
+        rows = self._step_rows
+        if rows and num_scheduled == rows and num_tokens == rows + num_drafts:
+            self.guard.observe(rows, num_drafts > 0, rows + num_accepted, step_ms)
 
     def observe_step(self, num_tokens: int, step_ms: float) -> None:
         """Record one executed step: tokens it computed and its forward + sampling time (ms)."""
@@ -312,6 +397,11 @@ class SpecController:
             yield_ += g
             ms += b
         return chosen
+
+
+def _decoding(req: Request) -> bool:
+    """The request decodes this step (it has output and only its last token to compute)."""
+    return req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
 
 
 def spec_totals(controller: SpecController | None) -> dict[str, float | int]:

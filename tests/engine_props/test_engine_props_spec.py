@@ -10,7 +10,13 @@ import torch
 from gpu_worker.config import SpeculativeConfig
 from gpu_worker.sampler import Sampler
 from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.spec_decode import NgramProposer, RequestSpecStats, SpecController, verify
+from gpu_worker.spec_decode import (
+    NgramProposer,
+    RequestSpecStats,
+    SpecController,
+    YieldGuard,
+    verify,
+)
 from tests.engine_props.props_helpers import run_engine
 
 FORCED = SpeculativeConfig(num_speculative_tokens=4, adaptive=False)
@@ -73,6 +79,41 @@ def test_controller_speculates_when_a_token_is_cheap_and_stops_when_it_is_not():
     assert ctl.choose(drafts * 64, [RequestSpecStats(acc=2.0, rej=2.0)] * 64, 64) == [0] * 64
     forced = SpecController(FORCED)
     assert forced.choose(drafts, [RequestSpecStats()], 64) == [4]
+
+
+def _guard_run(guard: YieldGuard, rows: int, steps: int, rate_on: float, rate_off: float) -> int:
+    """Steps (of `steps`) the guard allowed drafts, each step measuring `rate_*` tokens/ms."""
+    allowed = 0
+    for _ in range(steps):
+        on = guard.allow(rows)
+        allowed += on
+        guard.observe(rows, on, rows * 2, rows * 2 / (rate_on if on else rate_off))
+    return allowed
+
+
+def test_yield_guard_vetoes_drafts_where_they_measured_slower_and_keeps_probing():
+    guard = YieldGuard()
+    # batch 64: steps with drafts emit 0.7 tokens/ms, without 0.8: vetoed after the first
+    # samples of each, with one probe in PROBE_EVERY steps
+    allowed = _guard_run(guard, 64, 160, rate_on=0.7, rate_off=0.8)
+    assert guard.vetoed() == [64]
+    probes = 160 // YieldGuard.PROBE_EVERY
+    assert YieldGuard.MIN_SAMPLES <= allowed <= YieldGuard.MIN_SAMPLES + probes + 1
+    # batch 1 is its own bucket: drafts pay there, so they stay on but for the probes
+    allowed = _guard_run(guard, 1, 160, rate_on=0.05, rate_off=0.04)
+    assert 160 - probes - YieldGuard.MIN_SAMPLES - 1 <= allowed < 160 and guard.vetoed() == [64]
+    # the cost changes: the probes notice and the veto at 64 lifts
+    _guard_run(guard, 64, 400, rate_on=0.9, rate_off=0.8)
+    assert guard.vetoed() == []
+
+
+def test_controller_drafts_only_in_pure_decode_steps_the_guard_measured():
+    ctl = SpecController(SpeculativeConfig(num_speculative_tokens=4))
+    ctl._step_rows = 8
+    ctl.observe_wall(8, 8 + 5, 5, 3, 10.0)  # pure decode: counted
+    ctl.observe_wall(8, 8 + 5 + 100, 5, 3, 10.0)  # a prefill chunk rode along: not counted
+    ctl.observe_wall(7, 7 + 5, 5, 3, 10.0)  # not the requests propose saw: not counted
+    assert ctl.guard._means[YieldGuard.bucket(8)] == [0.0, 0, (8 + 3) / 10.0, 1]
 
 
 @pytest.mark.parametrize("draft, top_k", [(0, 0), (3, 0), (4, 3)])
