@@ -15,7 +15,9 @@ a TPOT target (P99, ms), ``--slo interactive:ttft=800,tpot=60 batch:tpot=400``. 
 - **no interactive traffic**: batch steps grow for throughput, but only so long that an
   interactive arrival, which waits for the running step and then prefills, still meets its TTFT
   target: step time <= ``headroom x (ttft - predicted prefill of a typical prompt)``, and at
-  least the interactive TPOT target.
+  least the interactive TPOT target. Decodes never crowd prefill out: the budget always holds
+  the running batch decodes plus a prefill chunk that alone fits that time (so with many batch
+  decodes running, a step may take up to about twice it; with few, the slack plus their cost).
 
 The plan aims at ``headroom x`` the step's target; ``headroom`` (0.5 .. 1.0) follows the
 measured step times: when more than 1 % of the last window's steps with a target ran over the
@@ -233,9 +235,13 @@ class BudgetController:
             prefill = self.model.predict(StepFeatures(TYPICAL_PROMPT, 1, TYPICAL_PROMPT))
             target = max(tpot, ttft - prefill)
             rows = view.batch_running
-            budget = max(
-                rows, 1, self.model.max_tokens_within(h * target, rows, view.batch_context)
-            )
+            within = self.model.max_tokens_within(h * target, rows, view.batch_context)
+            # Decodes never crowd prefill out: beside the running decodes a step always has
+            # room for the prefill chunk that alone fits the target. Without it, once the
+            # decodes fill the target the running set drains (no new prompt gets in) and a
+            # prefill-heavy bulk job ran at a fifth of its throughput (scripts/bench_lanes.py).
+            chunk = self.model.max_tokens_within(h * target, 0, 0)
+            budget = max(rows + chunk, within, 1)
             batch = None
         self.last = StepBudget(max(1, min(budget, self.max_tokens)), batch)
         self.last_target_ms = target  # the target itself; the plan aimed at headroom x it

@@ -111,12 +111,15 @@ def _is_prose(sentence: str) -> bool:
     )
 
 
-def build_corpus(n_documents: int, n_sentences: int, max_doc_chars: int = 800) -> Corpus:
-    """The first `n_documents` documents and `n_sentences` sentences (see the module docstring).
+def build_corpus(
+    n_documents: int, n_sentences: int, max_doc_chars: int = 800, strict: bool = True
+) -> Corpus:
+    """The first `n_documents` documents and `n_sentences` sentences (see the module docstring);
+    with `strict=False`, as many as there are when fewer.
 
     Raises:
-        ValueError: the standard library of this Python does not give that many (more than a
-            few hundred of each are available on CPython 3.11).
+        ValueError: (strict) the standard library of this Python does not give that many (more
+            than a hundred documents and a few hundred sentences on CPython 3.11).
     """
     if n_documents < 0 or n_sentences < 0 or max_doc_chars < MIN_DOC_CHARS:
         raise ValueError("counts must be >= 0 and max_doc_chars >= MIN_DOC_CHARS")
@@ -149,7 +152,7 @@ def build_corpus(n_documents: int, n_sentences: int, max_doc_chars: int = 800) -
         for sentences in per_module:
             if rank < len(sentences) and len(picked) < n_sentences:
                 picked.append((f"s{len(picked) + 1:04d}", sentences[rank]))
-    if len(documents) < n_documents or len(picked) < n_sentences:
+    if strict and (len(documents) < n_documents or len(picked) < n_sentences):
         raise ValueError(
             f"the standard library gave {len(documents)} documents and {len(picked)} sentences; "
             f"asked for {n_documents} and {n_sentences}"

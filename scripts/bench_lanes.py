@@ -98,13 +98,21 @@ async def steady(front: str, lane: str, args, rng: random.Random) -> tuple[list,
         return results, time.perf_counter() - start
 
 
-def submit_bulk(engine, args) -> str:
+def submit_bulk(engine, args, phase: str) -> str:
     import io
 
     from jobs import service
     from laneserve.demo_corpus import build_corpus
 
-    docs = build_corpus(args.bulk_lines, 0).documents
+    corpus = build_corpus(args.bulk_lines, 0, strict=False).documents
+    # Every line starts with its phase and copy number (documents are cycled when more lines are
+    # asked for than the standard library gives), so no phase finds another's prompts, or a
+    # copy its original's, in the prefix cache: each line costs a full prefill.
+    docs = [
+        (f"{i}#{n // len(corpus)}", f"({phase} {n // len(corpus)}) {t}")
+        for n in range(args.bulk_lines)
+        for i, t in [corpus[n % len(corpus)]]
+    ]
     data = "".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in docs).encode()
     file = service.create_file(engine, io.BytesIO(data), "bulk.jsonl")
     job = service.create_batch(
@@ -216,7 +224,7 @@ def run_phases(args, extra: list[str], rng: random.Random) -> dict:
         ):
             job_id = None
             if bulk:
-                job_id = submit_bulk(engine, args)
+                job_id = submit_bulk(engine, args, phase)
                 st = wait_busy(front, saturated)
                 log(f"{phase}: bulk job {job_id} running, queues {st['queues']}")
                 done0, t0 = _completed(service, engine, job_id), time.perf_counter()

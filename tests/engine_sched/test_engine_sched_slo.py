@@ -240,6 +240,26 @@ def test_without_interactive_traffic_batch_steps_grow_within_the_ttft_slack(make
     assert sim.sched.step_budget.plan(view).batch_tokens is None
 
 
+def test_batch_decodes_never_crowd_prefill_out(make_sched):
+    """Without interactive traffic, 64 batch decodes over long contexts are predicted over the
+    TTFT slack on their own: the budget still holds them plus the prefill chunk that alone
+    fits the slack, so new prompts keep entering (a bulk job ran at a fifth of its throughput
+    when the budget was the decodes alone)."""
+    model = StepCostModel(TRUE)
+    targets = SloTargets(LaneSlo(ttft_ms=300.0, tpot_ms=40.0), LaneSlo(10_000.0, 400.0))
+    ctl = _controlled(make_sched, model, targets).sched.step_budget
+    slack = 300.0 - model.predict(StepFeatures(256, 1, 256))
+    assert model.predict(StepFeatures(64, 64, 64 * 1500)) > slack
+    chunk = model.max_tokens_within(slack, 0, 0)
+    assert chunk > 64 and ctl.max_tokens >= 64 + chunk
+    assert ctl.plan(StepView(0, 64, 64 * 1500, 0)).token_budget == 64 + chunk
+    # few short decodes: the same rule; the step exceeds the slack by the decodes' own cost only
+    plan = ctl.plan(StepView(0, 2, 200, 0))
+    assert plan.token_budget == 2 + chunk
+    over = model.predict(StepFeatures(plan.token_budget, 2, 200)) - slack
+    assert 0 <= over <= model.predict(StepFeatures(2, 2, 200)) - model.predict(StepFeatures(0, 0, 0))
+
+
 def test_attainment_counts_finished_requests_per_lane(make_sched):
     model = StepCostModel(TRUE)
     targets = SloTargets(LaneSlo(ttft_ms=1e6, tpot_ms=1e6), LaneSlo(1e-6, 1e-6))
