@@ -467,9 +467,9 @@ class LLMEngine:
                     row.error = f"output processing failed: {type(exc).__name__}: {exc}"
             deltas.append(self._fail(row.state, row.error))
         if self.spec is not None:  # the whole step, for the measured check on drafting
-            drafted = sum(r[2] for r in runs)
-            self.spec.observe_wall(len(out.scheduled), out.num_batched_tokens, drafted,
-                                   sum(r[3] for r in runs),
+            emitted = sum(r[3] for r in runs) + sum(row.error is None for row in sampled)
+            self.spec.observe_wall(len(out.scheduled), out.num_batched_tokens,
+                                   sum(r[2] for r in runs), emitted,
                                    (time.perf_counter() - step_started) * 1000.0)  # fmt: skip
         return deltas
 

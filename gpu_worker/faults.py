@@ -62,7 +62,7 @@ class FaultInjectingEngine:
         self.engine = engine
         self.plan = plan
         self.model_name = engine.model_name
-        self.kv_pool = engine.kv_pool
+        self.kv_pool = getattr(engine, "kv_pool", {})
         self._marked: set[str] = set()  # live requests whose prompt carries the step marker
         if plan.step_marker:
             execute = getattr(engine, "execute_model", None)

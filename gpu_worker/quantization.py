@@ -323,7 +323,8 @@ class QuantLinear:
 
     Args:
         kind: "int4" or "int8".
-        weight: int4: packed uint8 [N, K/2] (`_convert_weight_to_int4pack_for_cpu`); int8: [N, K].
+        weight: int4: the packer's output for the weight's device (`from_int4`: CPU, uint8
+            [N, K/2]; `from_int4_cuda`: `_convert_weight_to_int4pack`'s tiled int32); int8: [N, K].
         scales: int4: [K/32, N, 2] (scale, zero) bf16; int8: [N] bf16.
         shape: (N, K).
         dense: optional copy of W in the activation dtype, used for calls of at least
@@ -484,6 +485,8 @@ def build_linear(
         return torch.cat([_as_float(p) for p in parts]).to(dtype).contiguous()
     kind = _auto_kind(parts) if mode == "auto" else mode
     if device is not None and device.type == "cuda":
+        if kind != "int4":
+            raise ValueError(f"{name}: only int4 has a CUDA kernel here, not {kind}")
         return QuantLinear.from_int4_cuda(_int4_groups(parts), device)
     dense_dtype = dense_copy_dtype(dtype)
     gemv = None

@@ -176,8 +176,8 @@ class SpecRequest:
 
 
 class YieldGuard:
-    """Measured check on the cost model (module docstring, step 2): per batch-size bucket (the
-    decoding rows' bit length: 1, 2-3, 4-7, ..., 64-127) it keeps an exponentially weighted
+    """Measured check on the cost model (module docstring, step 2): per batch-size bucket (half
+    octaves of the decoding rows: 1, 2, 3, 4-5, 6-7, 8-11, 12-15, ..., 48-63, 64-95) it keeps an exponentially weighted
     mean of the tokens emitted per millisecond of whole step (proposing, forward, verification,
     bookkeeping) in steps that verified drafts and in steps that did not, and vetoes drafts in a
     bucket where they measured slower (in steps that also prefill too, unmeasured). The fit `a + b * tokens` misses per-row costs that grow
@@ -185,11 +185,12 @@ class YieldGuard:
     a large batch it can still find drafts worth it when, end to end, they are not.
 
     Every `PROBE_EVERY`-th decode step of a bucket runs the other way (without drafts while they
-    are allowed, with them while vetoed), so both means stay current; a bucket starts with
-    `MIN_SAMPLES` steps of each before any veto.
+    are allowed, with them while vetoed), so both means stay current; until a bucket has
+    `MIN_SAMPLES` measured steps of each mode its steps alternate between the two (a step the
+    scheduler mixes with prefill is not measured, so neither mode can be stuck waiting for one).
     """
 
-    PROBE_EVERY = 16
+    PROBE_EVERY = 8
     MIN_SAMPLES = 3
     _WEIGHT = 0.2  # of the newest step in a mean: about the last 5-10 steps of a mode count
 
@@ -200,17 +201,19 @@ class YieldGuard:
 
     @staticmethod
     def bucket(num_rows: int) -> int:
-        return max(num_rows, 1).bit_length()
+        """Half-octave index: 1 -> 2, 2 -> 4, 3 -> 5, 4-5 -> 6, 6-7 -> 7, 8-11 -> 8, ..."""
+        n = max(num_rows, 1)
+        octave = n.bit_length()
+        half = (n >> (octave - 2)) & 1 if octave >= 2 else 0
+        return 2 * octave + half
 
     def allow(self, num_rows: int) -> bool:
         """Whether the coming decode step of `num_rows` decoding requests may verify drafts."""
         b = self.bucket(num_rows)
         step = self._steps[b] = self._steps.get(b, 0) + 1
         off, n_off, on, n_on = self._means.get(b, (0.0, 0, 0.0, 0))
-        if n_on < self.MIN_SAMPLES:
-            return True
-        if n_off < self.MIN_SAMPLES:
-            return False
+        if min(n_on, n_off) < self.MIN_SAMPLES:
+            return bool(step % 2) if max(n_on, n_off) < self.MIN_SAMPLES else n_on < n_off
         preferred = on >= off
         return preferred != (step % self.PROBE_EVERY == 0)
 
@@ -230,10 +233,11 @@ class YieldGuard:
         m[i + 1] += 1
 
     def vetoed(self) -> list[int]:
-        """Buckets (first row count of each) where drafts measured slower (for logs and tests)."""
+        """Buckets (the least row count of each) where drafts measured slower (logs, tests)."""
+        firsts = {self.bucket(n): n for n in range(512, 0, -1)}  # the least n of each bucket
         return sorted(
-            1 << (b - 1) for b, (off, n_off, on, n_on) in self._means.items()
-            if n_on and n_off and on < off
+            firsts[b] for b, (off, n_off, on, n_on) in self._means.items()
+            if min(n_on, n_off) >= self.MIN_SAMPLES and on < off
         )  # fmt: skip
 
 
@@ -324,15 +328,16 @@ class SpecController:
         return rejected
 
     def observe_wall(
-        self, num_scheduled: int, num_tokens: int, num_drafts: int, num_accepted: int,
+        self, num_scheduled: int, num_tokens: int, num_drafts: int, num_emitted: int,
         step_ms: float,
     ) -> None:  # fmt: skip
         """One whole step after `propose` (proposing to its outputs, ms): requests scheduled,
-        tokens computed, drafts verified and accepted. Only a pure decode step of the requests
-        `propose` saw decoding counts for the `YieldGuard`."""
+        tokens computed, drafts verified, tokens emitted (accepted drafts plus one per row that
+        did not fail). Only a pure decode step of the requests `propose` saw decoding counts for
+        the `YieldGuard`."""
         rows = self._step_rows
         if rows and num_scheduled == rows and num_tokens == rows + num_drafts:
-            self.guard.observe(rows, num_drafts > 0, rows + num_accepted, step_ms)
+            self.guard.observe(rows, num_drafts > 0, num_emitted, step_ms)
 
     def observe_step(self, num_tokens: int, step_ms: float) -> None:
         """Record one executed step: tokens it computed and its forward + sampling time (ms)."""

@@ -17,7 +17,8 @@ a TPOT target (P99, ms), ``--slo interactive:ttft=800,tpot=60 batch:tpot=400``. 
   target: step time <= ``headroom x (ttft - predicted prefill of a typical prompt)``, and at
   least the interactive TPOT target. Decodes never crowd prefill out: the budget always holds
   the running batch decodes plus a prefill chunk that alone fits that time (so with many batch
-  decodes running, a step may take up to about twice it; with few, the slack plus their cost).
+  decodes running, a step takes their cost plus that time; such steps are left out of the
+  headroom feedback).
 
 The plan aims at ``headroom x`` the step's target; ``headroom`` (0.5 .. 1.0) follows the
 measured step times: when more than 1 % of the last window's steps with a target ran over the
@@ -242,6 +243,8 @@ class BudgetController:
             # prefill-heavy bulk job ran at a fifth of its throughput (scripts/bench_lanes.py).
             chunk = self.model.max_tokens_within(h * target, 0, 0)
             budget = max(rows + chunk, within, 1)
+            if budget > within:
+                target = None  # planned over the slack on purpose: not a miss for the headroom
             batch = None
         self.last = StepBudget(max(1, min(budget, self.max_tokens)), batch)
         self.last_target_ms = target  # the target itself; the plan aimed at headroom x it

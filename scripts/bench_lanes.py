@@ -105,6 +105,8 @@ def submit_bulk(engine, args, phase: str) -> str:
     from laneserve.demo_corpus import build_corpus
 
     corpus = build_corpus(args.bulk_lines, 0, strict=False).documents
+    if not corpus:
+        raise SystemExit("the standard library gave no documents for the bulk job")
     # Every line starts with its phase and copy number (documents are cycled when more lines are
     # asked for than the standard library gives), so no phase finds another's prompts, or a
     # copy its original's, in the prefix cache: each line costs a full prefill.

@@ -164,8 +164,13 @@ class LlamaForCausalLM:
         if not c.tie_word_embeddings and "lm_head.weight" in weights:
             head_name = "lm_head.weight"
         tied_dense = head_name == embed_name and isinstance(self.embed_tokens, torch.Tensor)
-        if tied_dense and quant.build_is_dense([raw(head_name, vh)], self.quantization):
-            self.lm_head: Linear = self.embed_tokens  # one tensor for both
+        # one tensor for both; on CUDA a tied head stays the dense table (int4 would requantize
+        # the GGUF's Q8_0 table and hold a second copy of the largest matrix)
+        if tied_dense and (
+            self.device.type != "cpu"
+            or quant.build_is_dense([raw(head_name, vh)], self.quantization)
+        ):
+            self.lm_head: Linear = self.embed_tokens
         else:
             self.lm_head = take_linear([head_name], [vh])
         self.layers: list[LayerWeights] = []

@@ -110,10 +110,23 @@ def test_yield_guard_vetoes_drafts_where_they_measured_slower_and_keeps_probing(
 def test_controller_drafts_only_in_pure_decode_steps_the_guard_measured():
     ctl = SpecController(SpeculativeConfig(num_speculative_tokens=4))
     ctl._step_rows = 8
-    ctl.observe_wall(8, 8 + 5, 5, 3, 10.0)  # pure decode: counted
-    ctl.observe_wall(8, 8 + 5 + 100, 5, 3, 10.0)  # a prefill chunk rode along: not counted
-    ctl.observe_wall(7, 7 + 5, 5, 3, 10.0)  # not the requests propose saw: not counted
-    assert ctl.guard._means[YieldGuard.bucket(8)] == [0.0, 0, (8 + 3) / 10.0, 1]
+    ctl.observe_wall(8, 8 + 5, 5, 8 + 3, 10.0)  # pure decode, 3 drafts accepted: counted
+    ctl.observe_wall(8, 8 + 5 + 100, 5, 11, 10.0)  # a prefill chunk rode along: not counted
+    ctl.observe_wall(7, 7 + 5, 5, 10, 10.0)  # not the requests propose saw: not counted
+    ctl.observe_wall(8, 8, 0, 7, 10.0)  # no drafts, one row failed: 7 emitted
+    assert ctl.guard._means[YieldGuard.bucket(8)] == [0.7, 1, 1.1, 1]
+
+
+def test_yield_guard_buckets_are_half_octaves_and_bootstrap_alternates():
+    assert [YieldGuard.bucket(n) for n in (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 63, 64, 95, 96)] == [
+        2, 4, 5, 6, 6, 7, 7, 8, 8, 9, 13, 14, 14, 15]  # fmt: skip
+    guard = YieldGuard()
+    # until both modes have MIN_SAMPLES measured steps the guard alternates, so a bucket whose
+    # steps are rarely measured cannot be stuck in one mode
+    assert [guard.allow(64) for _ in range(4)] == [True, False, True, False]
+    for _ in range(YieldGuard.MIN_SAMPLES):
+        guard.observe(64, True, 64, 100.0)
+    assert guard.allow(64) is False  # drafted steps measured, draft-free ones still needed
 
 
 @pytest.mark.parametrize("draft, top_k", [(0, 0), (3, 0), (4, 3)])

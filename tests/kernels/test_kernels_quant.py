@@ -224,7 +224,7 @@ def test_cuda_inner_k_tiles():
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 def test_cuda_int4_linear_matches_the_gguf_values(qtype):
     """The CUDA int4 kernel reproduces gguf's dequantization (the same hand-made exact blocks as
-    the CPU convention test), through `build_linear` on a CUDA device, at odd N and several M."""
+    the CPU convention test), through `build_linear` on a CUDA device, N not a multiple of 16 (padded), several M."""
     rng = np.random.default_rng(3)
     n, nb = 40, K // 32
     d = rng.integers(1, 8, (n, nb)).astype(np.float16) / 64

@@ -158,8 +158,9 @@ def test_status_json(up):
         res = laneserve(up.home, "status", "--json")
         assert res.returncode == 0, res.stdout + res.stderr
         status = json.loads(res.stdout)  # exactly one JSON object on stdout
-        if all(w.get("load") for w in status["workers"]) or time.monotonic() > deadline:
+        if status["workers"] and all(w.get("load") for w in status["workers"]):
             break
+        assert time.monotonic() < deadline, f"no worker load report in 30 s: {status}"
         time.sleep(0.5)
     assert status["running"] is True and status["state"] == "ready"
     (worker,) = status["workers"]
