@@ -16,7 +16,8 @@ a TPOT target (P99, ms), ``--slo interactive:ttft=800,tpot=60 batch:tpot=400``. 
   interactive arrival, which waits for the running step and then prefills, still meets its TTFT
   target: step time <= ``headroom x (ttft - predicted prefill of a typical prompt)``, and at
   least the interactive TPOT target. Decodes never crowd prefill out: the budget always holds
-  the running batch decodes plus a prefill chunk that alone fits that time (so with many batch
+  the running batch decodes plus a prefill chunk that alone fits that time, at least
+  `MIN_BATCH_CHUNK` tokens (so with many batch
   decodes running, a step takes their cost plus that time; such steps are left out of the
   headroom feedback).
 
@@ -65,6 +66,11 @@ TPOT_MULTIPLE = 1.45  # interactive TPOT target / idle single-stream step (issue
 TTFT_MULTIPLE = 1.8  # interactive TTFT target / idle TTFT (issue 19: <= 2.0x)
 TYPICAL_PROMPT = 256  # tokens: the prompt an interactive arrival is assumed to bring
 BATCH_MULTIPLE = 10.0  # batch targets / interactive targets
+# Prefill tokens a batch-only step always has room for. Besides keeping new prompts coming in,
+# it keeps the cost model seeing steps of real size: fed only tiny steps (tokens and rows moving
+# together), its least-squares fit once put the cost on tokens, planned 5-token chunks from then
+# on and held a 64-seat worker at 3 running requests after its first bulk job.
+MIN_BATCH_CHUNK = 64
 ATTAINMENT_WINDOW = 200  # finished requests per lane
 _HEADROOM_WINDOW = 64  # steps with a target between headroom updates
 _LANES = ("interactive", "batch")
@@ -241,7 +247,7 @@ class BudgetController:
             # room for the prefill chunk that alone fits the target. Without it, once the
             # decodes fill the target the running set drains (no new prompt gets in) and a
             # prefill-heavy bulk job ran at a fifth of its throughput (scripts/bench_lanes.py).
-            chunk = self.model.max_tokens_within(h * target, 0, 0)
+            chunk = max(self.model.max_tokens_within(h * target, 0, 0), MIN_BATCH_CHUNK)
             budget = max(rows + chunk, within, 1)
             if budget > within:
                 target = None  # planned over the slack on purpose: not a miss for the headroom

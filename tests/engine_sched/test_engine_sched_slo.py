@@ -22,6 +22,7 @@ from gpu_worker.config import (
 )
 from gpu_worker.request import Lane
 from gpu_worker.step_budget import (
+    MIN_BATCH_CHUNK,
     BudgetController,
     LaneSlo,
     SloTargets,
@@ -258,6 +259,10 @@ def test_batch_decodes_never_crowd_prefill_out(make_sched):
     assert plan.token_budget == 2 + chunk
     over = model.predict(StepFeatures(plan.token_budget, 2, 200)) - slack
     assert 0 <= over <= model.predict(StepFeatures(2, 2, 200)) - model.predict(StepFeatures(0, 0, 0))
+    # a model that prices tokens dearly still leaves MIN_BATCH_CHUNK prefill tokens (and so keeps
+    # seeing steps of real size to correct itself)
+    dear = _controlled(make_sched, StepCostModel([4.0, 20.0, 0.3, 2.0]), targets).sched.step_budget
+    assert dear.plan(StepView(0, 3, 300, 0)).token_budget == 3 + MIN_BATCH_CHUNK
 
 
 def test_attainment_counts_finished_requests_per_lane(make_sched):
