@@ -117,9 +117,9 @@ def test_controller_drafts_only_in_pure_decode_steps_the_guard_measured():
     assert ctl.guard._means[YieldGuard.bucket(8)] == [0.7, 1, 1.1, 1]
 
 
-def test_yield_guard_buckets_are_half_octaves_and_bootstrap_alternates():
-    assert [YieldGuard.bucket(n) for n in (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 63, 64, 95, 96)] == [
-        2, 4, 5, 6, 6, 7, 7, 8, 8, 9, 13, 14, 14, 15]  # fmt: skip
+def test_yield_guard_buckets_are_octaves_and_bootstrap_alternates():
+    assert [YieldGuard.bucket(n) for n in (1, 2, 3, 4, 7, 8, 63, 64, 127)] == [
+        1, 2, 2, 3, 3, 4, 6, 7, 7]  # fmt: skip
     guard = YieldGuard()
     # until both modes have MIN_SAMPLES measured steps the guard alternates, so a bucket whose
     # steps are rarely measured cannot be stuck in one mode
