@@ -415,7 +415,10 @@ class QuantLinear:
         ):
             y = self.gemv(x.contiguous())
             return y if bias is None else y + bias
-        y = self._kernel(x.to(KERNEL_DTYPE)).to(x.dtype)
+        if x.dtype == KERNEL_DTYPE:
+            y = self._kernel(x)
+        else:
+            y = self._kernel(x.to(KERNEL_DTYPE)).to(x.dtype)
         return y if bias is None else y + bias
 
 

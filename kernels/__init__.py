@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -32,6 +33,7 @@ __all__ = [
     "rotary_embedding",
     "silu_and_mul",
     "rope_and_cache",
+    "step_ops",
     "backend_for",
     "reference",
 ]
@@ -215,3 +217,71 @@ def _cpu_fused(first: torch.Tensor, *others: torch.Tensor, dense: bool = True) -
         if dense and not t.is_contiguous():
             return False
     return cpu_ext.load()
+
+
+def _fused_rms_norm(x, weight, eps, residual=None):
+    if residual is None:
+        return torch.ops.laneserve.rms_norm(x, weight, eps)
+    return torch.ops.laneserve.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def _fused_decode_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+    return torch.ops.laneserve.paged_decode_attention(
+        q, k_cache, v_cache, seq_lens, block_tables, scale
+    )
+
+
+# The layer ops a forward calls (`step_ops`): checked (the functions above) or straight to C++.
+_CHECKED_OPS = SimpleNamespace(
+    rms_norm=rms_norm,
+    rope_and_cache=rope_and_cache,
+    unified_attention=unified_attention,
+    silu_and_mul=silu_and_mul,
+)
+_FUSED_OPS = SimpleNamespace(
+    rms_norm=_fused_rms_norm,
+    rope_and_cache=lambda *args: torch.ops.laneserve.rope_and_cache(*args),
+    unified_attention=reference.unified_attention,
+    silu_and_mul=lambda x: torch.ops.laneserve.silu_and_mul(x),
+)
+_FUSED_DECODE_OPS = SimpleNamespace(**{**vars(_FUSED_OPS), "unified_attention": _fused_decode_attention})
+
+
+def step_ops(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> SimpleNamespace:
+    """The layer ops (``rms_norm``, ``rope_and_cache``, ``unified_attention``, ``silu_and_mul``)
+    for one forward over the hidden states ``x [T, H]``, with the signatures above.
+
+    When the C++ CPU ops take this step's tensors (CPU, torch backend, one float dtype, dense
+    ``x``, caches with a contiguous head dimension, int64 positions and slots, int32 metadata,
+    fp32 ``cos_sin_cache``), the returned ops call them directly: every layer's tensors have the
+    same dtypes, devices and layouts as the first, so checking them once here replaces the
+    per-call Python checks (about 240 a decode step). The C++ ops still check shapes, block ids,
+    positions and slots on every call. A pure decode step (one token per sequence) also goes
+    straight to the in-place decode kernel. Otherwise the checked functions above.
+    """
+    if not (
+        x.dtype in _validate.FLOAT_DTYPES
+        and x.dim() == 2
+        and positions.dtype == slot_mapping.dtype == torch.int64
+        and positions.is_contiguous()
+        and slot_mapping.is_contiguous()
+        and cos_sin_cache.dtype == torch.float32
+        and cos_sin_cache.stride(-1) == 1
+        and seq_lens.dtype == block_tables.dtype == torch.int32
+        and seq_lens.is_contiguous()
+        and block_tables.stride(-1) == 1
+        and _cpu_fused(x, norm_weight)
+        and _cpu_fused(x, k_cache, v_cache, dense=False)
+    ):
+        return _CHECKED_OPS
+    return _FUSED_DECODE_OPS if x.shape[0] == seq_lens.shape[0] else _FUSED_OPS

@@ -39,16 +39,97 @@ _SOURCE = r"""
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <tuple>
 #include <limits>
 #include <vector>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 namespace {
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// dst[i] = T(src[i]), round to nearest even as c10's conversions do.
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+template <>
+inline void store_row<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64_t n) {
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(src);
+  uint16_t* raw = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {  // c10::round_to_nearest_even; NaN stays NaN
+    const uint32_t u = bits[i];
+    const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+    raw[i] = nan ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+
+// x[i] = float(T(x[i])): the rounding a torch op in dtype T applies to its result.
+template <typename T>
+inline void round_row(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(static_cast<T>(x[i]));
+}
+
+template <>
+inline void round_row<float>(float*, int64_t) {}
+
+template <>
+inline void round_row<c10::BFloat16>(float* x, int64_t n) {
+  uint32_t* bits = reinterpret_cast<uint32_t*>(x);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = bits[i];
+    const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+    bits[i] = nan ? 0x7FC00000u : ((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
+  }
+}
+
+// exp of 8 floats: Cephes' expf (x = n ln2 + r, a degree-5 polynomial in r, times 2^n), within
+// 2 ulp of std::exp over [-87.3, 88.4]; inputs outside are clamped (exp(-87.3) ~ FLT_MIN).
+// Every element runs the same instructions, so a value's exp does not depend on its position.
+#ifdef __AVX2__
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365f)), _mm256_set1_ps(88.3762626f));
+  const __m256 n = _mm256_floor_ps(
+      _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+// x[i] = exp(x[i]) (exp8 where the CPU has AVX2, padding the tail to 8; std::exp otherwise).
+inline void exp_row(float* x, int64_t n) {
+#ifdef __AVX2__
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
+  if (i < n) {
+    float tail[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    std::memcpy(tail, x + i, (n - i) * sizeof(float));
+    _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
+    std::memcpy(x + i, tail, (n - i) * sizeof(float));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+#endif
 }
 
 template <>
@@ -66,10 +147,116 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+#define LANESERVE_VEC8 1
+constexpr int64_t kMaxVecD = 256;  // head dims up to this (multiples of 8) take the vector path
+
+template <typename T>
+constexpr bool kHasLoad8 = false;  // the dtypes load8 converts (double stays scalar)
+template <>
+constexpr bool kHasLoad8<float> = true;
+template <>
+constexpr bool kHasLoad8<c10::BFloat16> = true;
+template <>
+constexpr bool kHasLoad8<c10::Half> = true;
+
+template <typename T>
+inline __m256 load8(const T* p);
+template <>
+inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <>
+inline __m256 load8<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+template <>
+inline __m256 load8<c10::Half>(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Lane j of the result = the sum of the 8 lanes of a[j] (each lane's sum reads a[j] only).
+inline __m256 hsum8x8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+#endif
+
+// s[t] = q . k_t for t < len, k_t = k + off[t] (D elements); q in fp32.
+template <typename T>
+inline void score_row(const float* q, const T* k, const int64_t* off, int64_t len, int64_t D,
+                      float* s) {
+#ifdef LANESERVE_VEC8
+  if constexpr (kHasLoad8<T>) if (D % 8 == 0 && D <= kMaxVecD) {
+    const int64_t nv = D / 8;
+    __m256 qv[kMaxVecD / 8];
+    for (int64_t i = 0; i < nv; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
+    for (int64_t t0 = 0; t0 < len; t0 += 8) {  // 8 tokens, one horizontal sum for all of them
+      const int64_t n = std::min<int64_t>(8, len - t0);
+      __m256 a[8];
+      for (int64_t j = 0; j < 8; ++j) {
+        a[j] = _mm256_setzero_ps();
+        if (j >= n) continue;
+        const T* kr = k + off[t0 + j];
+        for (int64_t i = 0; i < nv; ++i) a[j] = _mm256_fmadd_ps(qv[i], load8(kr + 8 * i), a[j]);
+      }
+      const __m256 sums = hsum8x8(a);
+      if (n == 8) {
+        _mm256_storeu_ps(s + t0, sums);
+      } else {
+        float tail[8];
+        _mm256_storeu_ps(tail, sums);
+        std::memcpy(s + t0, tail, n * sizeof(float));
+      }
+    }
+    return;
+  }
+#endif
+  std::vector<float> row(D);
+  for (int64_t t = 0; t < len; ++t) {
+    load_row(k + off[t], row.data(), D);
+    s[t] = dot(q, row.data(), D);
+  }
+}
+
+// acc[d] = sum_t p[t] * v_t[d] for t < len, v_t = v + off[t] (D elements).
+template <typename T>
+inline void weighted_sum(const float* p, const T* v, const int64_t* off, int64_t len, int64_t D,
+                         float* acc) {
+#ifdef LANESERVE_VEC8
+  if constexpr (kHasLoad8<T>) if (D % 8 == 0 && D <= kMaxVecD) {
+    for (int64_t c0 = 0; c0 < D; c0 += 64) {  // 8 accumulators of 8 lanes stay in registers
+      const int64_t nv = std::min<int64_t>(8, (D - c0) / 8);
+      __m256 a[8];
+      for (int64_t i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+      for (int64_t t = 0; t < len; ++t) {
+        const __m256 pt = _mm256_set1_ps(p[t]);
+        const T* vr = v + off[t] + c0;
+        for (int64_t i = 0; i < nv; ++i) a[i] = _mm256_fmadd_ps(pt, load8(vr + 8 * i), a[i]);
+      }
+      for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(acc + c0 + 8 * i, a[i]);
+    }
+    return;
+  }
+#endif
+  std::vector<float> row(D);
+  std::fill(acc, acc + D, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    load_row(v + off[t], row.data(), D);
+    const float pt = p[t];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] += pt * row[d];
+  }
+}
+
 // q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hk, D]; seq_lens int32 [B];
 // block_tables int32 [B, max_blocks]; out [B, Hq, D]
 // One task = one sequence and a range of its KV heads [h0, h1): all heads when the batch alone
-// keeps the threads busy (each token's K/V row is then read whole, once), one head otherwise.
+// keeps the threads busy, one head otherwise. A task first lists where each context token's K and
+// V rows lie (block table walked once), then per query head: scores (8 tokens per horizontal
+// sum), softmax, the weighted sum of V rows (accumulators in registers). A row's arithmetic
+// depends on its own query and context only, not on the batch or the thread split.
 template <typename T>
 void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                  const at::Tensor& seq_lens, const at::Tensor& bt, double scale,
@@ -90,54 +277,37 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
   const int64_t per_task = B >= 4 * at::get_num_threads() ? Hk : 1;
   const int64_t tasks_per_seq = Hk / per_task;
   at::parallel_for(0, B * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(Hq * D), acc(Hq * D), row(D), scores, inv_sum(Hq);
+    std::vector<float> qf(D), acc(D), scores;
+    std::vector<int64_t> koff, voff;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / tasks_per_seq;
       const int64_t h0 = (w % tasks_per_seq) * per_task, h1 = h0 + per_task;
-      const int64_t r0 = h0 * g, r1 = h1 * g;  // query heads of this task
       const int64_t len = sl[b];
-      for (int64_t r = r0; r < r1; ++r) {
-        load_row(qp + b * qs0 + r * qs1, qf.data() + r * D, D);
-        for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= fscale;
-      }
-      scores.resize(Hq * len);
-      // pass 1: scores[r, t] = scale * q_r . k_t, read block by block where it lies
+      koff.resize(len);
+      voff.resize(len);
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t base = btp[b * bts0 + t / bs] * ks0 + (t % bs) * ks1;
-        for (int64_t h = h0; h < h1; ++h) {
-          load_row(kp + base + h * ks2, row.data(), D);
-          for (int64_t r = h * g; r < (h + 1) * g; ++r)
-            scores[r * len + t] = dot(qf.data() + r * D, row.data(), D);
-        }
+        const int64_t blk = btp[b * bts0 + t / bs], off = t % bs;
+        koff[t] = blk * ks0 + off * ks1;
+        voff[t] = blk * vs0 + off * vs1;
       }
-      for (int64_t r = r0; r < r1; ++r) {
-        float* s = scores.data() + r * len;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - m);
-          sum += s[t];
+      scores.resize(len);
+      float* s = scores.data();
+      for (int64_t h = h0; h < h1; ++h) {
+        for (int64_t r = h * g; r < (h + 1) * g; ++r) {
+          load_row(qp + b * qs0 + r * qs1, qf.data(), D);
+          for (int64_t d = 0; d < D; ++d) qf[d] *= fscale;
+          score_row(qf.data(), kp + h * ks2, koff.data(), len, D, s);
+          float m = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
+          for (int64_t t = 0; t < len; ++t) s[t] -= m;
+          exp_row(s, len);
+          float sum = 0.f;
+          for (int64_t t = 0; t < len; ++t) sum += s[t];
+          const float inv_sum = 1.f / sum;
+          weighted_sum(s, vp + h * vs2, voff.data(), len, D, acc.data());
+          for (int64_t d = 0; d < D; ++d) acc[d] *= inv_sum;
+          store_row(acc.data(), op + b * os0 + r * os1, D);
         }
-        inv_sum[r] = 1.f / sum;
-      }
-      // pass 2: acc[r] = sum_t p[r, t] * v_t
-      std::fill(acc.begin() + r0 * D, acc.begin() + r1 * D, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t base = btp[b * bts0 + t / bs] * vs0 + (t % bs) * vs1;
-        for (int64_t h = h0; h < h1; ++h) {
-          load_row(vp + base + h * vs2, row.data(), D);
-          for (int64_t r = h * g; r < (h + 1) * g; ++r) {
-            const float p = scores[r * len + t];
-            float* a = acc.data() + r * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
-          }
-        }
-      }
-      for (int64_t r = r0; r < r1; ++r) {
-        T* o = op + b * os0 + r * os1;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r * D + d] * inv_sum[r]);
       }
     }
   });
@@ -188,25 +358,24 @@ void rms_impl(const at::Tensor& x, const at::Tensor* residual, const at::Tensor&
   T* op = out.data_ptr<T>();
   T* np = new_res ? new_res->data_ptr<T>() : nullptr;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(H);
+    std::vector<float> h(H), r(H), wf(H);
+    load_row(wp, wf.data(), H);
     for (int64_t i = begin; i < end; ++i) {
-      const T* xi = xp + i * H;
-      for (int64_t j = 0; j < H; ++j) h[j] = static_cast<float>(xi[j]);
+      load_row(xp + i * H, h.data(), H);
       if (rp) {
-        const T* ri = rp + i * H;
-        T* ni = np + i * H;
-        for (int64_t j = 0; j < H; ++j) {
-          ni[j] = static_cast<T>(h[j] + static_cast<float>(ri[j]));
-          h[j] = static_cast<float>(ni[j]);
-        }
+        load_row(rp + i * H, r.data(), H);
+        for (int64_t j = 0; j < H; ++j) h[j] += r[j];
+        round_row<T>(h.data(), H);  // x + residual rounded once to T, as torch adds
+        store_row(h.data(), np + i * H, H);
       }
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t j = 0; j < H; ++j) ss += h[j] * h[j];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
-      T* oi = op + i * H;
-      for (int64_t j = 0; j < H; ++j)
-        oi[j] = static_cast<T>(static_cast<float>(wp[j]) * rnd<T>(h[j] * inv));
+      for (int64_t j = 0; j < H; ++j) h[j] *= inv;
+      round_row<T>(h.data(), H);
+      for (int64_t j = 0; j < H; ++j) h[j] *= wf[j];
+      store_row(h.data(), op + i * H, H);
     }
   });
 }
@@ -240,12 +409,20 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_mul", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows * I, 4096, [&](int64_t begin, int64_t end) {
-      for (int64_t e = begin; e < end; ++e) {
-        const int64_t i = e / I, j = e % I;
-        const float g = static_cast<float>(xp[i * 2 * I + j]);
-        const float u = static_cast<float>(xp[i * 2 * I + I + j]);
-        op[e] = static_cast<scalar_t>(rnd<scalar_t>(g / (1.f + std::exp(-g))) * u);
+    constexpr int64_t kChunk = 256;  // elements per pass through the fp32 buffers
+    const int64_t chunks = (I + kChunk - 1) / kChunk;
+    at::parallel_for(0, rows * chunks, 16, [&](int64_t begin, int64_t end) {
+      float g[kChunk], e[kChunk], u[kChunk];
+      for (int64_t w = begin; w < end; ++w) {
+        const int64_t i = w / chunks, j0 = (w % chunks) * kChunk, n = std::min(kChunk, I - j0);
+        load_row(xp + i * 2 * I + j0, g, n);
+        load_row(xp + i * 2 * I + I + j0, u, n);
+        for (int64_t j = 0; j < n; ++j) e[j] = -g[j];
+        exp_row(e, n);
+        for (int64_t j = 0; j < n; ++j) g[j] = g[j] / (1.f + e[j]);
+        round_row<scalar_t>(g, n);
+        for (int64_t j = 0; j < n; ++j) g[j] *= u[j];
+        store_row(g, op + i * I + j0, n);
       }
     });
   });

@@ -41,6 +41,7 @@ import torch  # noqa: E402
 from gpu_worker.model_loader import load_model_files  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
 from gpu_worker.models.llama import LlamaForCausalLM  # noqa: E402
+from gpu_worker.quantization import resolve_mode  # noqa: E402
 
 BLOCK_SIZE = 16
 CPU_FLAG_PREFIXES = ("avx2", "avx512", "amx", "fma", "f16c")
@@ -51,6 +52,12 @@ def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", help="GGUF file or HF directory (default: the bundled SmolLM2)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="weights as `laneserve up` loads them (default auto: the GGUF's own formats)",
+    )
     p.add_argument("--batches", default="1,8,64", help="comma-separated decode batch sizes")
     p.add_argument("--context", type=int, default=512, help="longest context per sequence, tokens")
     p.add_argument("--repeats", type=int, default=30, help="timed steps per batch size")
@@ -154,13 +161,15 @@ def main() -> None:
     default_threads = torch.get_num_threads()
     threads = [int(n) for n in args.threads.split(",")] if args.threads else [default_threads]
     dtype = getattr(torch, args.dtype)
-    loaded = load_model_files(args.model or default_model())
-    model = LlamaForCausalLM(loaded.config, loaded.weights, dtype, "cpu")
+    quantization = resolve_mode(args.quantization, torch.device("cpu"), dtype)
+    loaded = load_model_files(args.model or default_model(), quantization=quantization)
+    model = LlamaForCausalLM(loaded.config, loaded.weights, dtype, "cpu", quantization)
     per_seq = -(-args.context // BLOCK_SIZE)
     runner = ModelRunner(model, block_size=BLOCK_SIZE, num_blocks=max(batches) * per_seq + 1)
     result = {
         "model": str(loaded.source),
         "dtype": args.dtype,
+        "quantization": model.quantization,
         "context": args.context,
         "torch": torch.__version__,
         "cpu": cpu_info(),

@@ -222,15 +222,26 @@ class LlamaForCausalLM:
         """Run the decoder over one varlen batch; returns logits [N, vocab] (fp32)."""
         c = self.config
         x = quant.embedding(input_ids, self.embed_tokens)  # [T, H]
+        ops = kernels.step_ops(
+            x,
+            self.norm,
+            kv_caches[0][0],
+            kv_caches[0][1],
+            positions,
+            attn.slot_mapping,
+            self.cos_sin_cache,
+            attn.seq_lens,
+            attn.block_tables,
+        )
         residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             if residual is None:
                 residual = x
-                h = kernels.rms_norm(x, layer.input_layernorm, c.rms_norm_eps)
+                h = ops.rms_norm(x, layer.input_layernorm, c.rms_norm_eps)
             else:
-                h, residual = kernels.rms_norm(x, layer.input_layernorm, c.rms_norm_eps, residual)
+                h, residual = ops.rms_norm(x, layer.input_layernorm, c.rms_norm_eps, residual)
             qkv = quant.linear(h, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) D]
-            q = kernels.rope_and_cache(  # [T, Hq, D]; rotated k and v go to the cache
+            q = ops.rope_and_cache(  # [T, Hq, D]; rotated k and v go to the cache
                 qkv,
                 positions,
                 self.cos_sin_cache,
@@ -240,7 +251,7 @@ class LlamaForCausalLM:
                 c.num_attention_heads,
                 c.num_key_value_heads,
             )
-            o = kernels.unified_attention(
+            o = ops.unified_attention(
                 q,
                 cache[0],
                 cache[1],
@@ -250,13 +261,13 @@ class LlamaForCausalLM:
                 self.scale,
             )  # [T, Hq, D]
             x = quant.linear(o.reshape(-1, self.q_size), layer.o_proj)
-            h, residual = kernels.rms_norm(
+            h, residual = ops.rms_norm(
                 x, layer.post_attention_layernorm, c.rms_norm_eps, residual
             )
             gate_up = quant.linear(h, layer.gate_up_proj)
-            x = quant.linear(kernels.silu_and_mul(gate_up), layer.down_proj)
+            x = quant.linear(ops.silu_and_mul(gate_up), layer.down_proj)
         # Only rows that emit a token need the final norm and the LM head.
         x = x.index_select(0, logits_indices)
         residual = residual.index_select(0, logits_indices)
-        h, _ = kernels.rms_norm(x, self.norm, c.rms_norm_eps, residual)
+        h, _ = ops.rms_norm(x, self.norm, c.rms_norm_eps, residual)
         return quant.linear(h, self.lm_head).float()  # [N, V]
