@@ -244,7 +244,9 @@ _FUSED_OPS = SimpleNamespace(
     unified_attention=reference.unified_attention,
     silu_and_mul=lambda x: torch.ops.laneserve.silu_and_mul(x),
 )
-_FUSED_DECODE_OPS = SimpleNamespace(**{**vars(_FUSED_OPS), "unified_attention": _fused_decode_attention})
+_FUSED_DECODE_OPS = SimpleNamespace(
+    **{**vars(_FUSED_OPS), "unified_attention": _fused_decode_attention}
+)
 
 
 def step_ops(

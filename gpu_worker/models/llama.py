@@ -261,9 +261,7 @@ class LlamaForCausalLM:
                 self.scale,
             )  # [T, Hq, D]
             x = quant.linear(o.reshape(-1, self.q_size), layer.o_proj)
-            h, residual = ops.rms_norm(
-                x, layer.post_attention_layernorm, c.rms_norm_eps, residual
-            )
+            h, residual = ops.rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps, residual)
             gate_up = quant.linear(h, layer.gate_up_proj)
             x = quant.linear(ops.silu_and_mul(gate_up), layer.down_proj)
         # Only rows that emit a token need the final norm and the LM head.
