@@ -140,13 +140,6 @@ inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
   for (int64_t i = 0; i < n; ++i) bits[i] = static_cast<uint32_t>(raw[i]) << 16;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 #if defined(__AVX2__) && defined(__F16C__)
 #define LANESERVE_VEC8 1
 constexpr int64_t kMaxVecD = 256;  // head dims up to this (multiples of 8) take the vector path
@@ -183,41 +176,51 @@ inline __m256 hsum8x8(const __m256* a) {
 }
 #endif
 
-// s[t] = q . k_t for t < len, k_t = k + off[t] (D elements); q in fp32.
+// s[j] = q . k_j for j < n <= 8, k_j = k + off[j] (D elements); q in fp32.
 template <typename T>
-inline void score_row(const float* q, const T* k, const int64_t* off, int64_t len, int64_t D,
-                      float* s) {
+inline void score8(const float* q, const T* k, const int64_t* off, int64_t n, int64_t D,
+                   float* s) {
 #ifdef LANESERVE_VEC8
   if constexpr (kHasLoad8<T>) if (D % 8 == 0 && D <= kMaxVecD) {
     const int64_t nv = D / 8;
-    __m256 qv[kMaxVecD / 8];
-    for (int64_t i = 0; i < nv; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
-    for (int64_t t0 = 0; t0 < len; t0 += 8) {  // 8 tokens, one horizontal sum for all of them
-      const int64_t n = std::min<int64_t>(8, len - t0);
-      __m256 a[8];
-      for (int64_t j = 0; j < 8; ++j) {
-        a[j] = _mm256_setzero_ps();
-        if (j >= n) continue;
-        const T* kr = k + off[t0 + j];
-        for (int64_t i = 0; i < nv; ++i) a[j] = _mm256_fmadd_ps(qv[i], load8(kr + 8 * i), a[j]);
-      }
-      const __m256 sums = hsum8x8(a);
-      if (n == 8) {
-        _mm256_storeu_ps(s + t0, sums);
-      } else {
-        float tail[8];
-        _mm256_storeu_ps(tail, sums);
-        std::memcpy(s + t0, tail, n * sizeof(float));
-      }
+    __m256 a[8];
+    for (int64_t j = 0; j < 8; ++j) {
+      a[j] = _mm256_setzero_ps();
+      if (j >= n) continue;
+      const T* kr = k + off[j];
+      for (int64_t i = 0; i < nv; ++i)
+        a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), load8(kr + 8 * i), a[j]);
+    }
+    const __m256 sums = hsum8x8(a);  // one horizontal sum for the 8 tokens
+    if (n == 8) {
+      _mm256_storeu_ps(s, sums);
+    } else {
+      float tail[8];
+      _mm256_storeu_ps(tail, sums);
+      std::memcpy(s, tail, n * sizeof(float));
     }
     return;
   }
 #endif
-  std::vector<float> row(D);
-  for (int64_t t = 0; t < len; ++t) {
-    load_row(k + off[t], row.data(), D);
-    s[t] = dot(q, row.data(), D);
+  for (int64_t j = 0; j < n; ++j) {  // scalar: double, or a head dim the vectors do not fit
+    float acc = 0.f;
+    for (int64_t d = 0; d < D; ++d) acc += q[d] * static_cast<float>(k[off[j] + d]);
+    s[j] = acc;
   }
+}
+
+// Ask for the cache lines of rows [t0, t1) (heads [h0, h1)) ahead of their use.
+template <typename T>
+inline void prefetch_rows(const T* base, const int64_t* off, int64_t t0, int64_t t1, int64_t h0,
+                          int64_t h1, int64_t hs, int64_t D) {
+#ifdef LANESERVE_VEC8
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t h = h0; h < h1; ++h) {
+      const char* p = reinterpret_cast<const char*>(base + off[t] + h * hs);
+      for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(T)); byte += 64)
+        _mm_prefetch(p + byte, _MM_HINT_T0);
+    }
+#endif
 }
 
 // acc[d] = sum_t p[t] * v_t[d] for t < len, v_t = v + off[t] (D elements).
@@ -277,7 +280,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
   const int64_t per_task = B >= 4 * at::get_num_threads() ? Hk : 1;
   const int64_t tasks_per_seq = Hk / per_task;
   at::parallel_for(0, B * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(D), acc(D), scores;
+    std::vector<float> qf(Hq * D), acc(D), scores;
     std::vector<int64_t> koff, voff;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / tasks_per_seq;
@@ -290,13 +293,26 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
         koff[t] = blk * ks0 + off * ks1;
         voff[t] = blk * vs0 + off * vs1;
       }
-      scores.resize(len);
-      float* s = scores.data();
+      scores.resize(Hq * len);
+      for (int64_t r = h0 * g; r < h1 * g; ++r) {
+        load_row(qp + b * qs0 + r * qs1, qf.data() + r * D, D);
+        for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= fscale;
+      }
+      // pass 1, token by token through the blocks: every head's scores for 8 tokens, while the
+      // K rows 16 tokens ahead and this group's V rows (pass 2) are fetched
+      for (int64_t t0 = 0; t0 < len; t0 += 8) {
+        const int64_t n = std::min<int64_t>(8, len - t0);
+        prefetch_rows(kp, koff.data(), std::min(t0 + 16, len), std::min(t0 + 24, len), h0, h1,
+                      ks2, D);
+        prefetch_rows(vp, voff.data(), t0, t0 + n, h0, h1, vs2, D);
+        for (int64_t h = h0; h < h1; ++h)
+          for (int64_t r = h * g; r < (h + 1) * g; ++r)
+            score8(qf.data() + r * D, kp + h * ks2, koff.data() + t0, n, D,
+                   scores.data() + r * len + t0);
+      }
       for (int64_t h = h0; h < h1; ++h) {
         for (int64_t r = h * g; r < (h + 1) * g; ++r) {
-          load_row(qp + b * qs0 + r * qs1, qf.data(), D);
-          for (int64_t d = 0; d < D; ++d) qf[d] *= fscale;
-          score_row(qf.data(), kp + h * ks2, koff.data(), len, D, s);
+          float* s = scores.data() + r * len;
           float m = -std::numeric_limits<float>::infinity();
           for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
           for (int64_t t = 0; t < len; ++t) s[t] -= m;
@@ -341,10 +357,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   });
   return out;
 }
-
-// Round a float to T and back (the rounding a torch op in dtype T applies to its result).
-template <typename T>
-inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
 
 // x [T, H] (+ residual [T, H]) -> out [T, H], new_residual [T, H], transformers' LlamaRMSNorm:
 // r = x + residual in T; h = float(r); out = T(w * T(h * rsqrt(mean(h^2) + eps))).
@@ -448,29 +460,37 @@ void rope_cache_impl(const at::Tensor& qkv, const at::Tensor& pos, const at::Ten
   T* vp = vc.data_ptr<T>();
   const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
   const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
-  auto rotate = [&](const T* src, T* dst, const float* c, const float* s) {
-    for (int64_t d = 0; d < rot; ++d) {
-      const float x = static_cast<float>(src[d]);
-      const float r = d < half ? -static_cast<float>(src[d + half]) : static_cast<float>(src[d - half]);
-      const float cd = rnd<T>(c[d % half]), sd = rnd<T>(s[d % half]);
-      dst[d] = static_cast<T>(rnd<T>(x * cd) + rnd<T>(r * sd));
-    }
-    for (int64_t d = rot; d < D; ++d) dst[d] = src[d];
-  };
   at::parallel_for(0, T_, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> cd(rot), sd(rot), xf(D), rf(rot);
+    auto rotate = [&](const T* src, T* dst) {  // fp32 rows, each product and the sum rounded
+      load_row(src, xf.data(), D);
+      for (int64_t d = 0; d < half; ++d) rf[d] = -xf[d + half];
+      for (int64_t d = half; d < rot; ++d) rf[d] = xf[d - half];
+      for (int64_t d = 0; d < rot; ++d) rf[d] *= sd[d];
+      round_row<T>(rf.data(), rot);
+      for (int64_t d = 0; d < rot; ++d) xf[d] *= cd[d];
+      round_row<T>(xf.data(), rot);
+      for (int64_t d = 0; d < rot; ++d) xf[d] += rf[d];
+      store_row(xf.data(), dst, D);  // dimensions past rot are copied unchanged
+    };
     for (int64_t t = begin; t < end; ++t) {
       const T* row = xp + t * width;
       const float* c = csp + pp[t] * css;
-      const float* s = c + half;
-      for (int64_t h = 0; h < Hq; ++h) rotate(row + h * D, qp + (t * Hq + h) * D, c, s);
+      for (int64_t d = 0; d < half; ++d) {
+        cd[d] = cd[d + half] = c[d];
+        sd[d] = sd[d + half] = c[half + d];
+      }
+      round_row<T>(cd.data(), rot);  // cos and sin in T, as the reference's cache.to(dtype)
+      round_row<T>(sd.data(), rot);
+      for (int64_t h = 0; h < Hq; ++h) rotate(row + h * D, qp + (t * Hq + h) * D);
       const int64_t slot = sp[t];
       if (slot < 0) continue;
       const int64_t blk = slot / bs, off = slot % bs;
       for (int64_t h = 0; h < Hk; ++h) {
-        rotate(row + (Hq + h) * D, kp + blk * ks0 + off * ks1 + h * ks2, c, s);
+        rotate(row + (Hq + h) * D, kp + blk * ks0 + off * ks1 + h * ks2);
         const T* v = row + (Hq + Hk + h) * D;
         T* vd = vp + blk * vs0 + off * vs1 + h * vs2;
-        for (int64_t d = 0; d < D; ++d) vd[d] = v[d];
+        std::memcpy(vd, v, D * sizeof(T));
       }
     }
   });
