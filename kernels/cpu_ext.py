@@ -6,10 +6,12 @@ The same build holds the fused layer ops below and the quantized GEMVs of
 ``torch.ops.laneserve.paged_decode_attention`` computes one query token per sequence against its
 context, walking the block table and reading each block where it lies in the cache: no gather, no
 padding to the longest sequence. One ``at::parallel_for`` task per (sequence, KV head) keeps the
-``g = Hq / Hk`` query heads of the group together, so each K/V row is read once per group. Scores,
-softmax and the weighted sum of V are in fp32 (two passes: K then V); the output is rounded once
-to the output dtype. float32, bfloat16 and float16 caches; any cache strides with a contiguous
-head dimension.
+``g = Hq / Hk`` query heads of the group together. Scores, softmax and the weighted sum of V are in
+fp32 (two passes: K then V); the output is rounded once to the output dtype. float32, bfloat16 and
+float16 caches; any cache strides with a contiguous head dimension. On an AVX2 CPU the passes use
+8-lane vectors (8 tokens' scores per horizontal add, V accumulators in registers, K rows
+prefetched ahead) and ``exp`` is Cephes' polynomial (within 2 ulp of ``std::exp``), also in
+SiLU-mul; the other CPUs run the same arithmetic as scalar loops.
 
 The source is compiled with ``torch.utils.cpp_extension.load_inline`` into torch's extension cache
 (``~/.cache/torch_extensions`` or ``TORCH_EXTENSIONS_DIR``) the first time :func:`load` runs on a
@@ -176,37 +178,46 @@ inline __m256 hsum8x8(const __m256* a) {
 }
 #endif
 
-// s[j] = q . k_j for j < n <= 8, k_j = k + off[j] (D elements); q in fp32.
+constexpr int64_t kRows = 4;  // query rows (of one KV head) sharing each K / V row load
+
+// s[r * ls + j] = q_r . k_j for r < nr <= kRows, j < n <= 8; q_r = q + r * D (fp32),
+// k_j = k + off[j] (D elements).
 template <typename T>
-inline void score8(const float* q, const T* k, const int64_t* off, int64_t n, int64_t D,
-                   float* s) {
+inline void score8(const float* q, int64_t nr, const T* k, const int64_t* off, int64_t n,
+                   int64_t D, float* s, int64_t ls) {
 #ifdef LANESERVE_VEC8
   if constexpr (kHasLoad8<T>) if (D % 8 == 0 && D <= kMaxVecD) {
     const int64_t nv = D / 8;
-    __m256 a[8];
+    __m256 a[kRows][8];
     for (int64_t j = 0; j < 8; ++j) {
-      a[j] = _mm256_setzero_ps();
+      for (int64_t r = 0; r < nr; ++r) a[r][j] = _mm256_setzero_ps();
       if (j >= n) continue;
       const T* kr = k + off[j];
-      for (int64_t i = 0; i < nv; ++i)
-        a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), load8(kr + 8 * i), a[j]);
+      for (int64_t i = 0; i < nv; ++i) {
+        const __m256 kv = load8(kr + 8 * i);  // converted once for every row
+        for (int64_t r = 0; r < nr; ++r)
+          a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + 8 * i), kv, a[r][j]);
+      }
     }
-    const __m256 sums = hsum8x8(a);  // one horizontal sum for the 8 tokens
-    if (n == 8) {
-      _mm256_storeu_ps(s, sums);
-    } else {
-      float tail[8];
-      _mm256_storeu_ps(tail, sums);
-      std::memcpy(s, tail, n * sizeof(float));
+    for (int64_t r = 0; r < nr; ++r) {
+      const __m256 sums = hsum8x8(a[r]);  // one horizontal sum for the 8 tokens
+      if (n == 8) {
+        _mm256_storeu_ps(s + r * ls, sums);
+      } else {
+        float tail[8];
+        _mm256_storeu_ps(tail, sums);
+        std::memcpy(s + r * ls, tail, n * sizeof(float));
+      }
     }
     return;
   }
 #endif
-  for (int64_t j = 0; j < n; ++j) {  // scalar: double, or a head dim the vectors do not fit
-    float acc = 0.f;
-    for (int64_t d = 0; d < D; ++d) acc += q[d] * static_cast<float>(k[off[j] + d]);
-    s[j] = acc;
-  }
+  for (int64_t r = 0; r < nr; ++r)  // scalar: double, or a head dim the vectors do not fit
+    for (int64_t j = 0; j < n; ++j) {
+      float acc = 0.f;
+      for (int64_t d = 0; d < D; ++d) acc += q[r * D + d] * static_cast<float>(k[off[j] + d]);
+      s[r * ls + j] = acc;
+    }
 }
 
 // Ask for the cache lines of rows [t0, t1) (heads [h0, h1)) ahead of their use.
@@ -223,33 +234,43 @@ inline void prefetch_rows(const T* base, const int64_t* off, int64_t t0, int64_t
 #endif
 }
 
-// acc[d] = sum_t p[t] * v_t[d] for t < len, v_t = v + off[t] (D elements).
+// acc[r * D + d] = sum_t p[r * lp + t] * v_t[d] for r < nr <= kRows, t < len;
+// v_t = v + off[t] (D elements).
 template <typename T>
-inline void weighted_sum(const float* p, const T* v, const int64_t* off, int64_t len, int64_t D,
-                         float* acc) {
+inline void weighted_sum(const float* p, int64_t lp, int64_t nr, const T* v, const int64_t* off,
+                         int64_t len, int64_t D, float* acc) {
 #ifdef LANESERVE_VEC8
   if constexpr (kHasLoad8<T>) if (D % 8 == 0 && D <= kMaxVecD) {
-    for (int64_t c0 = 0; c0 < D; c0 += 64) {  // 8 accumulators of 8 lanes stay in registers
-      const int64_t nv = std::min<int64_t>(8, (D - c0) / 8);
-      __m256 a[8];
-      for (int64_t i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+    for (int64_t c0 = 0; c0 < D; c0 += 32) {  // 32 dims at a time: accumulators in registers
+      const int64_t nv = std::min<int64_t>(4, (D - c0) / 8);
+      __m256 a[kRows][4];
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t i = 0; i < 4; ++i) a[r][i] = _mm256_setzero_ps();
       for (int64_t t = 0; t < len; ++t) {
-        const __m256 pt = _mm256_set1_ps(p[t]);
         const T* vr = v + off[t] + c0;
-        for (int64_t i = 0; i < nv; ++i) a[i] = _mm256_fmadd_ps(pt, load8(vr + 8 * i), a[i]);
+        __m256 vv[4];
+        for (int64_t i = 0; i < nv; ++i) vv[i] = load8(vr + 8 * i);  // converted once
+        for (int64_t r = 0; r < nr; ++r) {
+          const __m256 pt = _mm256_set1_ps(p[r * lp + t]);
+          for (int64_t i = 0; i < nv; ++i) a[r][i] = _mm256_fmadd_ps(pt, vv[i], a[r][i]);
+        }
       }
-      for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(acc + c0 + 8 * i, a[i]);
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(acc + r * D + c0 + 8 * i, a[r][i]);
     }
     return;
   }
 #endif
   std::vector<float> row(D);
-  std::fill(acc, acc + D, 0.f);
+  std::fill(acc, acc + nr * D, 0.f);
   for (int64_t t = 0; t < len; ++t) {
     load_row(v + off[t], row.data(), D);
-    const float pt = p[t];
+    for (int64_t r = 0; r < nr; ++r) {
+      const float pt = p[r * lp + t];
+      float* ar = acc + r * D;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) acc[d] += pt * row[d];
+      for (int64_t d = 0; d < D; ++d) ar[d] += pt * row[d];
+    }
   }
 }
 
@@ -257,9 +278,11 @@ inline void weighted_sum(const float* p, const T* v, const int64_t* off, int64_t
 // block_tables int32 [B, max_blocks]; out [B, Hq, D]
 // One task = one sequence and a range of its KV heads [h0, h1): all heads when the batch alone
 // keeps the threads busy, one head otherwise. A task first lists where each context token's K and
-// V rows lie (block table walked once), then per query head: scores (8 tokens per horizontal
-// sum), softmax, the weighted sum of V rows (accumulators in registers). A row's arithmetic
-// depends on its own query and context only, not on the batch or the thread split.
+// V rows lie (block table walked once); pass 1 walks the tokens 8 at a time and scores every
+// query row against them (each K row converted once for up to kRows rows, one horizontal sum per
+// 8 tokens); softmax per row; pass 2 sums the V rows per KV head for up to kRows query rows per
+// sweep (accumulators in registers). A row's arithmetic depends on its own query and context
+// only, not on the batch, its neighbours in a sweep or the thread split.
 template <typename T>
 void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                  const at::Tensor& seq_lens, const at::Tensor& bt, double scale,
@@ -280,7 +303,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
   const int64_t per_task = B >= 4 * at::get_num_threads() ? Hk : 1;
   const int64_t tasks_per_seq = Hk / per_task;
   at::parallel_for(0, B * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(Hq * D), acc(D), scores;
+    std::vector<float> qf(Hq * D), acc(kRows * D), scores, inv_sum(Hq);
     std::vector<int64_t> koff, voff;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / tasks_per_seq;
@@ -306,25 +329,32 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
                       ks2, D);
         prefetch_rows(vp, voff.data(), t0, t0 + n, h0, h1, vs2, D);
         for (int64_t h = h0; h < h1; ++h)
-          for (int64_t r = h * g; r < (h + 1) * g; ++r)
-            score8(qf.data() + r * D, kp + h * ks2, koff.data() + t0, n, D,
-                   scores.data() + r * len + t0);
+          for (int64_t r = h * g; r < (h + 1) * g; r += kRows)
+            score8(qf.data() + r * D, std::min(kRows, (h + 1) * g - r), kp + h * ks2,
+                   koff.data() + t0, n, D, scores.data() + r * len + t0, len);
       }
-      for (int64_t h = h0; h < h1; ++h) {
-        for (int64_t r = h * g; r < (h + 1) * g; ++r) {
-          float* s = scores.data() + r * len;
-          float m = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
-          for (int64_t t = 0; t < len; ++t) s[t] -= m;
-          exp_row(s, len);
-          float sum = 0.f;
-          for (int64_t t = 0; t < len; ++t) sum += s[t];
-          const float inv_sum = 1.f / sum;
-          weighted_sum(s, vp + h * vs2, voff.data(), len, D, acc.data());
-          for (int64_t d = 0; d < D; ++d) acc[d] *= inv_sum;
-          store_row(acc.data(), op + b * os0 + r * os1, D);
+      for (int64_t r = h0 * g; r < h1 * g; ++r) {
+        float* s = scores.data() + r * len;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
+        for (int64_t t = 0; t < len; ++t) s[t] -= m;
+        exp_row(s, len);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) sum += s[t];
+        inv_sum[r] = 1.f / sum;
+      }
+      // pass 2: per KV head, up to kRows query rows per sweep over its V rows
+      for (int64_t h = h0; h < h1; ++h)
+        for (int64_t r0 = h * g; r0 < (h + 1) * g; r0 += kRows) {
+          const int64_t nr = std::min(kRows, (h + 1) * g - r0);
+          weighted_sum(scores.data() + r0 * len, len, nr, vp + h * vs2, voff.data(), len, D,
+                       acc.data());
+          for (int64_t r = r0; r < r0 + nr; ++r) {
+            float* ar = acc.data() + (r - r0) * D;
+            for (int64_t d = 0; d < D; ++d) ar[d] *= inv_sum[r];
+            store_row(ar, op + b * os0 + r * os1, D);
+          }
         }
-      }
     }
   });
 }
