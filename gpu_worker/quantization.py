@@ -255,12 +255,15 @@ class GemvBlocks:
 
 INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
 KERNEL_DTYPE = torch.bfloat16  # torch's int4/int8 CPU kernels are vectorized for bf16 only
-# From this many rows up, a dense bf16 GEMM beats the int4 kernel. Measured crossovers
-# (scripts/bench_quant.py, 1 thread, 2-core EPYC with AVX512-BF16, medians of per-round ratios):
-# qkv 16, o 16, gate_up 32, down 8, lm_head 16; at 16 every shape is within 12 % of its best.
+# From this many rows up, a dense bf16 GEMM beats the int4 kernel. With the dense copy packed
+# (`pack_dense`) on a 2-core EPYC with AVX512-BF16, 2 threads: per linear
+# (scripts/bench_quant.py, medians of per-round ratios) the crossovers are qkv 8, o 12,
+# gate_up 12, down 8, lm_head 12; whole bf16 SmolLM2 decode steps (context 150-300, dense vs
+# int4 alternating step by step) take 15.6 vs 14.2 ms at 8 rows, 17.1 vs 19.1 at 10, 21.5 vs
+# 24.8 at 12. (Unpacked, at 1 thread, the per-linear crossovers were 8-32 rows: 16 then.)
 # Only used when the activations are bf16/fp16 on a CPU with native bf16 (`dense_copy_dtype`):
 # on an AVX2-only CPU a dense bf16 GEMM is 2-7x slower than the int4 kernel at every M measured.
-DENSE_MIN_TOKENS = 16
+DENSE_MIN_TOKENS = 10
 # float32 activations (an AVX2-only CPU's `dtype="auto"`): up to GEMV_MAX_TOKENS rows run the
 # C++ GEMVs (kernels/cpu_ext_quant.py: the GGUF's exact weights, float32 activations), from
 # DENSE_MIN_TOKENS_FP32 rows a dense float32 GEMM on a float32 copy. Measured on a 2-core EPYC

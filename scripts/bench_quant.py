@@ -3,7 +3,8 @@
 For each linear of SmolLM2-135M (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576,
 lm_head 576->49152) and M = 1 .. 512 rows, times `x @ W.T` through:
 
-    dense_fp32 / dense_bf16   F.linear on a float32 / bfloat16 weight
+    dense_fp32 / dense_bf16   F.linear on a float32 weight / a bfloat16 one as QuantLinear holds
+                              its dense copy (`pack_dense`: oneDNN's blocked layout)
     int4_bf16 / int8_bf16     QuantLinear: _weight_int4pack_mm_for_cpu (group 32) /
                               _weight_int8pack_mm (per channel), bfloat16 activations
     quant_int4_fp32_in        QuantLinear int4 called with float32 activations (cast in and out)
@@ -50,8 +51,10 @@ from kernels import cpu_ext  # noqa: E402  # isort: skip
 from gpu_worker.quantization import (  # noqa: E402  # isort: skip
     GemvBlocks,
     QuantLinear,
+    dense_linear,
     int4_from_float,
     int8_from_float,
+    pack_dense,
 )
 
 SHAPES = {  # name: (N out, K in)
@@ -140,7 +143,7 @@ def variants(n: int, k: int) -> dict:
     scales4_fp32, scales8_fp32 = int4.scales.float(), int8.scales.float()
     fns = {
         "dense_fp32": (torch.float32, lambda x, d=w: F.linear(x, d)),
-        "dense_bf16": (torch.bfloat16, lambda x, d=w.bfloat16(): F.linear(x, d)),
+        "dense_bf16": (torch.bfloat16, lambda x, d=pack_dense(w.bfloat16()): dense_linear(x, d)),
         "int4_bf16": (torch.bfloat16, int4),
         "int8_bf16": (torch.bfloat16, int8),
         "quant_int4_fp32_in": (torch.float32, int4),  # QuantLinear: cast to bf16 and back
