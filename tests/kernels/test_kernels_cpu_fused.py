@@ -138,6 +138,48 @@ def test_batch1_decode_step_dispatches_at_most_400_ops(smollm2_dir):
     assert logits.shape == (1, loaded.config.vocab_size) and torch.isfinite(logits).all()
 
 
+def test_step_ops_go_straight_to_cpp_and_equal_the_checked_ops(smollm2_dir, monkeypatch):
+    """kernels.step_ops checks a step's tensors once and hands the model the C++ ops directly
+    (the in-place decode kernel for a pure decode step); logits equal the checked path's."""
+    from gpu_worker.model_loader import load_model_files
+    from gpu_worker.model_runner import ModelRunner
+    from gpu_worker.models.llama import LlamaForCausalLM
+
+    loaded = load_model_files(smollm2_dir)
+    model = LlamaForCausalLM(loaded.config, loaded.weights, torch.bfloat16, "cpu")
+    runners = [ModelRunner(model, block_size=16, num_blocks=40) for _ in range(2)]
+    prompts, tables = [[1, 2, 3, 4, 5], [7, 8, 9]], [[0], [1]]
+    seen = []
+    original = kernels.step_ops
+
+    def recording(*args):
+        seen.append(original(*args))
+        return seen[-1]
+
+    def run(runner):
+        prefill = runner.execute(runner.prepare_inputs(prompts, [0, 0], tables, [True, True]))
+        decode = runner.execute(runner.prepare_inputs([[6], [10]], [5, 3], tables, [True, True]))
+        return prefill, decode
+
+    monkeypatch.setattr(kernels, "step_ops", recording)
+    fused = run(runners[0])
+    assert seen[0] is kernels._FUSED_OPS and seen[1] is kernels._FUSED_DECODE_OPS
+    monkeypatch.setattr(kernels, "step_ops", lambda *args: kernels._CHECKED_OPS)
+    checked = run(runners[1])
+    for a, b in zip(fused, checked, strict=True):
+        assert torch.equal(a, b)
+    x = torch.zeros(3, model.config.hidden_size, dtype=torch.bfloat16)
+    cache = runners[0].kv_views[0]
+    layout = (
+        torch.zeros(3, dtype=torch.int32),  # int32 positions: the C++ op takes int64 only
+        torch.zeros(3, dtype=torch.int64),
+        model.cos_sin_cache,
+        torch.ones(3, dtype=torch.int32),
+        torch.zeros(3, 1, dtype=torch.int32),
+    )
+    assert original(x, model.norm, cache[0], cache[1], *layout) is kernels._CHECKED_OPS
+
+
 def test_a_build_lock_left_by_a_killed_build_does_not_block_loading():
     """torch's lock file outlives a build killed half-way; loading must not wait on it forever."""
     stale = cpu_ext.build_directory() / "lock"
