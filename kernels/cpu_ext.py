@@ -99,11 +99,13 @@ inline void round_row<c10::BFloat16>(float* x, int64_t n) {
 }
 
 // exp of 8 floats: Cephes' expf (x = n ln2 + r, a degree-5 polynomial in r, times 2^n), within
-// 2 ulp of std::exp over [-87.3, 88.4]; inputs outside are clamped (exp(-87.3) ~ FLT_MIN).
+// 2 ulp of std::exp over [-87.3, 88.4]; inputs outside are clamped (exp(-87.3) ~ FLT_MIN), NaN
+// gives NaN.
 // Every element runs the same instructions, so a value's exp does not depend on its position.
 #ifdef __AVX2__
 inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365f)), _mm256_set1_ps(88.3762626f));
+  // x as the second operand: max/min return it when it is NaN, so a NaN stays NaN
+  x = _mm256_min_ps(_mm256_set1_ps(88.3762626f), _mm256_max_ps(_mm256_set1_ps(-87.3365f), x));
   const __m256 n = _mm256_floor_ps(
       _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
   x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
