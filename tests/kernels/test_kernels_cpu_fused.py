@@ -59,6 +59,25 @@ def test_silu_and_mul_matches_reference(dtype, gen):
     assert _ops(lambda: kernels.silu_and_mul(x)) == ["laneserve::silu_and_mul"]
 
 
+def test_nan_propagates_through_the_vectorized_exp(gen):
+    """A NaN gate or a NaN key gives NaN where the reference does (the polynomial exp clamps its
+    input range, and must not clamp NaN into a finite value)."""
+    x = torch.randn(2, 2 * 24, generator=gen, dtype=torch.bfloat16)
+    x[0, 3] = float("nan")
+    assert torch.equal(kernels.silu_and_mul(x).isnan(), reference.silu_and_mul(x).isnan())
+    assert kernels.silu_and_mul(x).isnan().sum() == 1
+    k = torch.randn(4, 16, 1, 64, generator=gen)
+    v = torch.randn(4, 16, 1, 64, generator=gen)
+    k[1, 2, 0, 7] = float("nan")  # token 18 of the context
+    q = torch.randn(2, 2, 64, generator=gen)
+    args = (
+        torch.tensor([24, 16], dtype=torch.int32),
+        torch.arange(4, dtype=torch.int32).repeat(2, 1),
+    )
+    got = torch.ops.laneserve.paged_decode_attention(q, k, v, *args, 0.125)
+    assert got[0].isnan().all() and not got[1].isnan().any()  # row 1 reads tokens 0-15 only
+
+
 def _cos_sin(max_pos: int, rot_dim: int) -> torch.Tensor:
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, rot_dim, 2).float() / rot_dim)
     freqs = torch.outer(torch.arange(max_pos).float(), inv_freq)
