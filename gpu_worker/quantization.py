@@ -438,7 +438,8 @@ class QuantLinear:
                 else torch.ops.aten._weight_int4pack_mm_for_cpu
             )
             y = mm(x, self.weight, GROUP_SIZE, self.scales)
-            return y if y.shape[1] == self.shape[0] else y[:, : self.shape[0]]
+            # padded N: drop the zero rows, dense again for the C++ layer ops (kernels.step_ops)
+            return y if y.shape[1] == self.shape[0] else y[:, : self.shape[0]].contiguous()
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
