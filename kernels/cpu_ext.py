@@ -99,11 +99,12 @@ inline void round_row<c10::BFloat16>(float* x, int64_t n) {
 }
 
 // exp of 8 floats: Cephes' expf (x = n ln2 + r, a degree-5 polynomial in r, times 2^n), within
-// 2 ulp of std::exp over [-87.3, 88.4]; inputs outside are clamped (exp(-87.3) ~ FLT_MIN), NaN
-// gives NaN.
+// 2 ulp of std::exp over [-87.3, 88.4]; above that +inf, below 0 (std::exp gives a subnormal
+// down to -103.9), NaN gives NaN.
 // Every element runs the same instructions, so a value's exp does not depend on its position.
 #ifdef __AVX2__
-inline __m256 exp8(__m256 x) {
+inline __m256 exp8(__m256 in) {
+  __m256 x = in;
   // x as the second operand: max/min return it when it is NaN, so a NaN stays NaN
   x = _mm256_min_ps(_mm256_set1_ps(88.3762626f), _mm256_max_ps(_mm256_set1_ps(-87.3365f), x));
   const __m256 n = _mm256_floor_ps(
@@ -119,7 +120,11 @@ inline __m256 exp8(__m256 x) {
   y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
   const __m256i e = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  const __m256 r = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  // past the clamp: +inf above (exp overflows float there too), 0 below (NaN compares false)
+  const __m256 over = _mm256_cmp_ps(in, _mm256_set1_ps(88.3762626f), _CMP_GT_OQ);
+  const __m256 under = _mm256_cmp_ps(in, _mm256_set1_ps(-87.3365f), _CMP_LT_OQ);
+  return _mm256_andnot_ps(under, _mm256_blendv_ps(r, _mm256_set1_ps(INFINITY), over));
 }
 #endif
 
@@ -423,6 +428,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               block_tables.stride(1) == 1 && seq_lens.is_contiguous(), "int32 metadata");
   TORCH_CHECK(seq_lens.size(0) == q.size(0) && block_tables.size(0) == q.size(0),
               "one query row, length and table row per sequence");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache have one shape");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && k_cache.size(2) >= 1 &&
+              q.size(1) % k_cache.size(2) == 0,
+              "q [B, Hq, D] against caches [N, bs, Hk, D]: one D, Hq a multiple of Hk");
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1);
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   for (int64_t b = 0; b < q.size(0); ++b) {  // every block a sequence reads must exist
@@ -473,10 +482,19 @@ void rms_impl(const at::Tensor& x, const at::Tensor* residual, const at::Tensor&
   });
 }
 
+void check_norm_weight(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight [H] dense, in x's dtype");
+}
+
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x,
                                                       const at::Tensor& residual,
                                                       const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.dim() == 2, "x [T, H] dense");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "residual has x's shape and dtype");
+  check_norm_weight(x, weight);
   auto out = at::empty_like(x);
   auto new_res = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms", [&] {
@@ -487,6 +505,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x,
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && x.dim() == 2, "x [T, H] dense");
+  check_norm_weight(x, weight);
   auto out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms", [&] {
     rms_impl<scalar_t>(x, nullptr, weight, eps, out, nullptr);
@@ -496,7 +515,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 // x [T, 2I] -> [T, I] = T(T(silu(gate)) * up), transformers' act_fn(gate) * up in dtype T.
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.is_contiguous() && x.dim() == 2, "x [T, 2I] dense");
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.size(1) % 2 == 0, "x [T, 2I] dense");
   const int64_t rows = x.size(0), I = x.size(1) / 2;
   auto out = at::empty({rows, I}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_mul", [&] {
@@ -589,8 +608,12 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions,
   TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && k_cache.stride(3) == 1 &&
               v_cache.scalar_type() == qkv.scalar_type() && v_cache.stride(3) == 1,
               "caches share qkv's dtype, head dimension contiguous");
-  const int64_t D = k_cache.size(3);
+  const int64_t D = k_cache.size(3), rot = cos_sin_cache.size(1);
   TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * D, "qkv width");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == num_kv_heads,
+              "caches [N, bs, num_kv_heads, D], one shape");
+  TORCH_CHECK(cos_sin_cache.dim() == 2 && rot % 2 == 0 && rot <= D,
+              "cos_sin_cache [P, rot] with an even rot <= head dim");
   TORCH_CHECK(positions.size(0) == qkv.size(0) && slot_mapping.size(0) == qkv.size(0),
               "positions and slot_mapping need one entry per token");
   const int64_t max_pos = cos_sin_cache.size(0), max_slot = k_cache.size(0) * k_cache.size(1);

@@ -78,6 +78,15 @@ def test_nan_propagates_through_the_vectorized_exp(gen):
     assert got[0].isnan().all() and not got[1].isnan().any()  # row 1 reads tokens 0-15 only
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_at_the_ends_of_the_float_range(dtype):
+    """Past the polynomial exp's clamp the gate still gives the reference's silu (-0, NaN, g)."""
+    g = torch.tensor([-3e38, -1e3, -100.0, -float("inf"), 100.0, 3e38, float("inf")], dtype=dtype)
+    x = torch.cat([g, torch.ones_like(g)])[None]
+    got, want = kernels.silu_and_mul(x), reference.silu_and_mul(x)
+    torch.testing.assert_close(got, want, equal_nan=True, atol=1e-30, rtol=1e-6)
+
+
 def _cos_sin(max_pos: int, rot_dim: int) -> torch.Tensor:
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, rot_dim, 2).float() / rot_dim)
     freqs = torch.outer(torch.arange(max_pos).float(), inv_freq)
@@ -155,6 +164,32 @@ def test_batch1_decode_step_dispatches_at_most_400_ops(smollm2_dir):
     assert top.count("laneserve::paged_decode_attention") == layers
     assert len(top) <= 400, f"{len(top)} ops per decode step"
     assert logits.shape == (1, loaded.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_cpp_ops_reject_mismatched_shapes_instead_of_reading_past_them():
+    L = torch.ops.laneserve
+    kc = torch.zeros(4, 16, 2, 32)
+    sl, bt = torch.tensor([5], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32)
+    bad_attention = [
+        (torch.zeros(1, 5, 32), kc, kc),  # 5 query heads over 2 KV heads
+        (torch.zeros(1, 4, 64), kc, kc),  # head dim 64 against a cache of 32
+        (torch.zeros(1, 4, 32), kc, torch.zeros(1, 16, 2, 32)),  # a smaller v_cache
+    ]
+    for q, k, v in bad_attention:
+        with pytest.raises(RuntimeError):
+            L.paged_decode_attention(q, k, v, sl, bt, 0.1)
+    x = torch.zeros(3, 64)
+    with pytest.raises(RuntimeError, match="weight"):
+        L.rms_norm(x, torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="residual"):
+        L.fused_add_rms_norm(x, torch.zeros(1, 64), torch.ones(64), 1e-5)
+    with pytest.raises(RuntimeError):
+        L.silu_and_mul(torch.zeros(2, 7))
+    pos, slots = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="rot"):  # cos/sin wider than the head dim
+        L.rope_and_cache(torch.zeros(1, 6 * 32), pos, torch.zeros(8, 64), kc, kc, slots, 2, 2)
+    with pytest.raises(RuntimeError, match="num_kv_heads"):  # 1 KV head against a cache of 2
+        L.rope_and_cache(torch.zeros(1, 3 * 32), pos, torch.zeros(8, 32), kc, kc, slots, 1, 1)
 
 
 def test_step_ops_go_straight_to_cpp_and_equal_the_checked_ops(smollm2_dir, monkeypatch):
