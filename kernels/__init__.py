@@ -8,7 +8,8 @@ tensors runs them in the Triton interpreter: on a machine without CUDA the first
 ``TRITON_INTERPRET=1`` before ``kernels.triton`` is imported). On CPU the torch backend runs the
 fused layer ops (RMSNorm with its residual add, SiLU-mul, RoPE with the cache write) and decode
 attention as one C++ op each (:mod:`kernels.cpu_ext`, same numerics as the reference) when that
-extension is built, the reference otherwise.
+extension is built, the reference otherwise. A model's forward gets its layer ops from
+:func:`step_ops`, which checks one step's tensors once and then calls those C++ ops directly.
 
 Note: this top-level package shadows Hugging Face's optional ``kernels`` package; never install
 both in one environment (see DESIGN.md).
