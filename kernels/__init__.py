@@ -128,10 +128,8 @@ def rms_norm(
     See :func:`kernels.reference.rms_norm`. Raises TypeError / ValueError on bad input.
     """
     _validate.rms_norm_args(x, weight, eps, residual)
-    if residual is None and _cpu_fused(x, weight):
-        return torch.ops.laneserve.rms_norm(x, weight, eps)
-    if residual is not None and _cpu_fused(x, weight, residual):
-        return torch.ops.laneserve.fused_add_rms_norm(x, residual, weight, eps)
+    if _cpu_fused(x, weight, *(() if residual is None else (residual,))):
+        return _fused_rms_norm(x, weight, eps, residual)
     return _impl(x).rms_norm(x, weight, eps, residual)
 
 
@@ -221,6 +219,7 @@ def _cpu_fused(first: torch.Tensor, *others: torch.Tensor, dense: bool = True) -
 
 
 def _fused_rms_norm(x, weight, eps, residual=None):
+    """The C++ RMSNorm (with the residual add when given), unchecked."""
     if residual is None:
         return torch.ops.laneserve.rms_norm(x, weight, eps)
     return torch.ops.laneserve.fused_add_rms_norm(x, residual, weight, eps)

@@ -154,7 +154,6 @@ inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
 
 #if defined(__AVX2__) && defined(__F16C__)
 #define LANESERVE_VEC8 1
-constexpr int64_t kMaxVecD = 256;  // head dims up to this (multiples of 8) take the vector path
 
 template <typename T>
 constexpr bool kHasLoad8 = false;  // the dtypes load8 converts (double stays scalar)
@@ -260,7 +259,7 @@ template <typename T>
 inline void score8(const float* q, int64_t nr, const T* k, const int64_t* off, int64_t n,
                    int64_t D, float* s, int64_t ls) {
 #ifdef LANESERVE_VEC8
-  if constexpr (kHasLoad8<T>) if (D % 8 == 0 && D <= kMaxVecD) {
+  if constexpr (kHasLoad8<T>) if (D % 8 == 0) {
     switch (nr) {
       case 1: return score8_vec<T, 1>(q, k, off, n, D, s, ls);
       case 2: return score8_vec<T, 2>(q, k, off, n, D, s, ls);
@@ -269,7 +268,7 @@ inline void score8(const float* q, int64_t nr, const T* k, const int64_t* off, i
     }
   }
 #endif
-  for (int64_t r = 0; r < nr; ++r)  // scalar: double, or a head dim the vectors do not fit
+  for (int64_t r = 0; r < nr; ++r)  // scalar: double, or a head dim not a multiple of 8
     for (int64_t j = 0; j < n; ++j) {
       float acc = 0.f;
       for (int64_t d = 0; d < D; ++d) acc += q[r * D + d] * static_cast<float>(k[off[j] + d]);
@@ -297,7 +296,7 @@ template <typename T>
 inline void weighted_sum(const float* p, int64_t lp, int64_t nr, const T* v, const int64_t* off,
                          int64_t len, int64_t D, float* acc) {
 #ifdef LANESERVE_VEC8
-  if constexpr (kHasLoad8<T>) if (D % 8 == 0 && D <= kMaxVecD) {
+  if constexpr (kHasLoad8<T>) if (D % 8 == 0) {
     for (int64_t c0 = 0; c0 < D; c0 += 32) {  // 32 dims at a time: accumulators in registers
       const int64_t nv = std::min<int64_t>(4, (D - c0) / 8);
       __m256 a[kRows][4];
