@@ -13,7 +13,7 @@ Kernel choice by phase and CPU (measured with scripts/bench_quant.py, docs/bench
   int4/int8 weights and Q8_0 embedding take 127 MB) and buys 2-2.5x on every linear from 64 rows
   up. The copy is held in oneDNN's blocked layout (`pack_dense`): the same results as `F.linear`
   on the plain copy, bit for bit, without reordering the weight on every call (SmolLM2's linears
-  at 16 / 64 / 512 rows: 0.65-0.7x / 0.8-0.9x / 0.95x of `F.linear`'s time). On a CPU without
+  at 16 / 64 / 512 rows: 0.6-0.7x / 0.8-0.9x / 0.95-0.97x of `F.linear`'s time). On a CPU without
   native bf16 no copy is kept: its bf16 GEMMs are slower than the int4
   kernel at every row count.
 - float32 activations (`dtype="auto"` on an AVX2-only CPU): up to `GEMV_MAX_TOKENS` rows the C++
