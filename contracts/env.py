@@ -76,6 +76,9 @@ _VARS: tuple[EnvVar, ...] = (
            "0 leaves glibc malloc's defaults; otherwise CPU workers keep freed activations"),
     EnvVar("LANESERVE_CPU_KERNELS", _flag, True,
            "build and use the C++ CPU kernels (kernels/cpu_ext.py); 0 = the PyTorch path only"),
+    EnvVar("LANESERVE_STEP_COST_CACHE", _flag, True,
+           "0 measures a worker's start-up step-cost profile on every start instead of reusing "
+           "the one cached for this machine, model and options"),
     EnvVar("LANESERVE_CPU_SINGLE_THREAD_TOKENS", int, None,
            "CPU steps of at most this many tokens run on one torch thread"),
     EnvVar("LANESERVE_PEERS_DIR", _path, None,
@@ -105,6 +108,9 @@ _VARS: tuple[EnvVar, ...] = (
         "libgomp wait policy, read when torch loads (default here: PASSIVE + a short spin)",
     ),
     EnvVar("GOMP_SPINCOUNT", _str, None, "libgomp spins before sleeping (default here: 3000)"),
+    EnvVar("OMP_NUM_THREADS", _str, None, "OpenMP threads (`laneserve up` sets it per worker)"),
+    EnvVar("XDG_CACHE_HOME", _path, None,
+           "user cache root (default ~/.cache): the step-cost cache, torch's extension cache"),
     EnvVar("TRITON_INTERPRET", _flag, False, "Triton runs kernels in its CPU interpreter"),
     EnvVar("CUDA_VISIBLE_DEVICES", _str, None, "CUDA devices a process may use"),
 )

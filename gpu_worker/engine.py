@@ -193,6 +193,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         path = resolve_model_path(config.model)
         quantization = resolve_mode(config.quantization, self.device, self.dtype)
+        self.model_path, self.quantization = path, quantization
         loaded = load_model_files(path, quantization=quantization)
         self.model_name = model_display_name(config.model)
         self.model_config = loaded.config

@@ -18,7 +18,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import sys
+
+import numpy as np
+import torch
 
 from contracts import env
 
@@ -72,3 +76,13 @@ def tune_for_inference() -> bool:
     _applied = ok
     logger.debug("glibc malloc tuned for inference: %s", ok)
     return ok
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.zeros`, but on the CPU from `calloc`: the kernel hands out zero pages as they are
+    first written instead of the process zero-filling them now (a KV cache of ~1 GB: ~1 s of a
+    2-core worker's start, 0.1 s this way). Other devices: `torch.zeros`."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

@@ -10,6 +10,7 @@ second pull does nothing.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import subprocess
@@ -169,3 +170,32 @@ def model_display_name(model: str | os.PathLike[str]) -> str:
     if text in BUNDLED_MODELS:
         return text
     return Path(text).name.removesuffix(".gguf")
+
+
+# ------------------------------------------------------------ the converted GGUF cache (torch-free)
+
+CACHE_FORMAT_VERSION = 1
+_CONVERSION_MARKER = "laneserve_cache.json"
+
+
+def gguf_cache_dir(path: Path) -> Path:
+    """Where a `.gguf`'s converted Hugging Face directory lives: `<stem>.hf/` next to it."""
+    return path.with_name(path.stem + ".hf")
+
+
+def _marker(gguf_path: Path) -> dict:
+    stat = gguf_path.stat()
+    return {"version": CACHE_FORMAT_VERSION, "size": stat.st_size, "mtime": stat.st_mtime}
+
+
+def conversion_valid(cache: Path, gguf_path: Path) -> bool:
+    """Whether `cache` is a finished conversion of `gguf_path` as it is now (its size and mtime).
+    Cheap and torch-free, so `laneserve up` checks it before starting anything."""
+    try:
+        return json.loads((cache / _CONVERSION_MARKER).read_text()) == _marker(gguf_path)
+    except (OSError, ValueError):
+        return False
+
+
+def write_conversion_marker(cache: Path, gguf_path: Path) -> None:
+    (cache / _CONVERSION_MARKER).write_text(json.dumps(_marker(gguf_path)))

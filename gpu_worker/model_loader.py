@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from gpu_worker.errors import ModelLoadError
+from gpu_worker.model_files import conversion_valid, gguf_cache_dir, write_conversion_marker
 from gpu_worker.quantization import GGUF_QUANT_TYPES, GGUFQuantTensor
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,6 @@ SUPPORTED_GGUF_TYPES = (
     "Q5_K",
     "Q6_K",
 )
-CACHE_FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,6 +365,93 @@ def load_gguf_weights(
     return weights
 
 
+@dataclass(frozen=True, slots=True)
+class IndexedTensor:
+    """What `load_gguf_weights` reads of a `gguf.ReaderTensor`, rebuilt from a tensor index."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: np.ndarray  # GGUF dims (innermost first), as ReaderTensor.shape
+    data: np.ndarray  # read-only memmap view of the file, as ReaderTensor.data
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedGGUF:
+    """A GGUF file's tensors without parsing its metadata (`tensors`, as `gguf.GGUFReader`)."""
+
+    tensors: list[IndexedTensor]
+
+
+_TENSOR_INDEX = "gguf_tensors.json"
+_INDEX_FORMAT_VERSION = 1
+
+
+def _gguf_stamp(path: Path) -> dict[str, Any]:
+    stat = path.stat()
+    return {"version": _INDEX_FORMAT_VERSION, "size": stat.st_size, "mtime": stat.st_mtime}
+
+
+def write_tensor_index(reader, path: Path, cache: Path) -> None:
+    """Record each tensor's name, type, dims and byte offset in `cache`, so a later load maps the
+    file without `gguf.GGUFReader` (which parses every tokenizer string in the metadata: ~2 s for
+    a 49k-token vocabulary). Written atomically; a failure to write only costs the next load time."""
+    index = {
+        **_gguf_stamp(path),
+        "tensors": [
+            [t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset)]
+            for t in reader.tensors
+        ],
+    }
+    tmp = cache / f"{_TENSOR_INDEX}.tmp{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(index))
+        os.replace(tmp, cache / _TENSOR_INDEX)
+    except OSError as exc:
+        logger.warning("cannot write the GGUF tensor index in %s (%s)", cache, exc)
+
+
+def read_tensor_index(path: Path, cache: Path) -> IndexedGGUF | None:
+    """The tensors of `path` mapped through the index in `cache`; None when the index is
+    missing, unreadable, or was written for another version of the file."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    try:
+        index = json.loads((cache / _TENSOR_INDEX).read_text())
+        if {k: index.get(k) for k in ("version", "size", "mtime")} != _gguf_stamp(path):
+            return None
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        plain = {  # element-typed views, as GGUFReader gives them; the rest are bytes per row
+            "F16": np.float16,
+            "F32": np.float32,
+            "F64": np.float64,
+            "I8": np.int8,
+            "I16": np.int16,
+            "I32": np.int32,
+            "I64": np.int64,
+        }
+        tensors = []
+        for name, type_value, dims, offset in index["tensors"]:
+            qtype = GGMLQuantizationType(type_value)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            n_elems = int(np.prod(dims))
+            n_bytes = n_elems * type_size // block
+            np_dims = tuple(reversed(dims))
+            raw = mm[offset : offset + n_bytes]
+            if raw.size != n_bytes:
+                return None
+            dtype = plain.get(qtype.name)
+            if dtype is not None:
+                data = raw.view(dtype).reshape(np_dims)
+            else:
+                data = raw.reshape(quant_shape_to_byte_shape(np_dims, qtype))
+            tensors.append(IndexedTensor(name, qtype, np.asarray(dims, dtype=np.uint64), data))
+        return IndexedGGUF(tensors)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.info("GGUF tensor index in %s not used (%s)", cache, exc)
+        return None
+
+
 def load_gguf_tokenizer(path: Path):
     """Tokenizer from GGUF metadata through transformers' GGUF conversion (~4 s)."""
     from transformers import AutoTokenizer
@@ -404,11 +491,27 @@ def load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_hf_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+# Tokenizer classes that are transformers' plain `tokenizers` backend: AutoTokenizer would build
+# exactly this class, after resolving the model's config through `AutoConfig` (seconds of imports).
+_BACKEND_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
+
+def _backend_tokenizer_class(path: Path) -> bool:
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        cfg = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return (path / "tokenizer.json").is_file() and cfg.get(
+        "tokenizer_class"
+    ) in _BACKEND_TOKENIZER_CLASSES
+
+
+def load_hf_tokenizer(path: Path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cls = PreTrainedTokenizerFast if _backend_tokenizer_class(path) else AutoTokenizer
+    try:
+        return cls.from_pretrained(str(path))
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot load tokenizer files: {exc}") from exc
 
@@ -428,22 +531,6 @@ class LoadedModel:
     load_seconds: float = 0.0
 
 
-def gguf_cache_dir(path: Path) -> Path:
-    return path.with_name(path.stem + ".hf")
-
-
-def _cache_valid(cache: Path, gguf_path: Path) -> bool:
-    marker = cache / "laneserve_cache.json"
-    if not marker.exists():
-        return False
-    try:
-        info = json.loads(marker.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    stat = gguf_path.stat()
-    return info == {"version": CACHE_FORMAT_VERSION, "size": stat.st_size, "mtime": stat.st_mtime}
-
-
 def convert_gguf(path: Path, out_dir: Path | None = None) -> Path:
     """Convert a GGUF file into a cached Hugging Face directory (float32 safetensors); return it.
 
@@ -454,7 +541,7 @@ def convert_gguf(path: Path, out_dir: Path | None = None) -> Path:
 
     out_dir = out_dir or gguf_cache_dir(path)
     with FileLock(str(out_dir) + ".lock", timeout=600):
-        if _cache_valid(out_dir, path):
+        if conversion_valid(out_dir, path):
             return out_dir
         reader = _open_gguf(path)
         config = config_from_gguf(reader, path)
@@ -465,12 +552,7 @@ def convert_gguf(path: Path, out_dir: Path | None = None) -> Path:
         (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
         tokenizer.save_pretrained(str(tmp))
-        stat = path.stat()
-        (tmp / "laneserve_cache.json").write_text(
-            json.dumps(
-                {"version": CACHE_FORMAT_VERSION, "size": stat.st_size, "mtime": stat.st_mtime}
-            )
-        )
+        write_conversion_marker(tmp, path)
         if out_dir.exists():
             import shutil
 
@@ -503,8 +585,7 @@ def load_model_files(
     path = Path(path)
     _check_file(path)
     if path.is_file() and quantization != "none":
-        reader = _open_gguf(path)
-        config = config_from_gguf(reader, path)
+        config, reader = _quantized_source(path, use_cache)
         weights = load_gguf_weights(reader, config, path, keep_quantized=True)
         tokenizer = _tokenizer_for_gguf(path, use_cache)
     elif path.is_file():
@@ -532,6 +613,26 @@ def load_model_files(
     if not config.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:
         config = ModelConfig(**{**asdict(config), "eos_token_ids": (tokenizer.eos_token_id,)})
     return LoadedModel(config, weights, tokenizer, path, time.perf_counter() - start)
+
+
+def _quantized_source(path: Path, use_cache: bool):
+    """(config, tensors) of a GGUF for the quantized path: from the cached conversion's config and
+    tensor index when both are there and current, else parsed by `gguf.GGUFReader` (and the index
+    written for next time)."""
+    cache = None
+    if use_cache:
+        try:
+            cache = convert_gguf(path)
+        except OSError as exc:
+            logger.warning("cannot write GGUF cache next to %s (%s)", path, exc)
+    if cache is not None:
+        indexed = read_tensor_index(path, cache)
+        if indexed is not None:
+            return load_hf_config(cache), indexed
+    reader = _open_gguf(path)
+    if cache is not None:
+        write_tensor_index(reader, path, cache)
+    return config_from_gguf(reader, path), reader
 
 
 def _tokenizer_for_gguf(path: Path, use_cache: bool):

@@ -234,8 +234,7 @@ class ModelRunner:
             cpu_ext.load()  # build the C++ CPU kernels now (once per machine), not in a step
         shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=model.dtype, device=self.device)
-            for _ in range(c.num_hidden_layers)
+            host_memory.zeros(shape, model.dtype, self.device) for _ in range(c.num_hidden_layers)
         ]
         # (k_cache, v_cache) views per layer, made once: indexing a tensor per layer per step
         # costs two ATen ops a layer; indexing a tuple costs none.

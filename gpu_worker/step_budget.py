@@ -40,11 +40,18 @@ whose engine-side TTFT and TPOT both met the targets.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import hashlib
+import json
 import logging
+import math
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from contracts import env
 from gpu_worker.step_cost import StepCostModel, StepFeatures, fit_least_squares
 
 if TYPE_CHECKING:
@@ -356,41 +363,156 @@ _PROFILE = ((8, 1, 6), (16, 8, 4), (64, 1, 1), (TYPICAL_PROMPT, 1, 1), (TYPICAL_
 
 
 def profile_engine(engine: Any, slo_text: str | None) -> BudgetController:
-    """Measure a short start-up profile on `engine` (an `LLMEngine` whose scheduler has no
-    controller yet): a warm-up, then a few steps of `_PROFILE`'s shapes, each timed; fit the
-    prior of the cost model by least squares, derive the targets the operator left out, and
-    return the controller (the caller attaches it to the scheduler). Costs about a second on a
-    2-core CPU with the bundled model."""
+    """The controller for `engine` (an `LLMEngine` whose scheduler has no controller yet), its
+    cost-model prior from a start-up profile: measured now (`measure_step_cost_prior`) and kept
+    in the step-cost cache, or read from there when this machine already profiled this model
+    with these options (`step_cost_cache_key`; a warm start then only warms the engine up).
+    Targets the operator left out are derived from the prior; the caller attaches the
+    controller to the scheduler."""
+    given = parse_slo(slo_text)
+    key = step_cost_cache_key(engine)
+    theta = read_cached_prior(key)
+    if theta is None:
+        theta, n = measure_step_cost_prior(engine)
+        write_cached_prior(key, theta)
+        source = f"from {n} profiled steps"
+    else:
+        _run_profile(engine, _WARMUP, None, round_=0)  # first-call costs before the first request
+        source = "from the step-cost cache"
+    _reset_after_profile(engine)
+    model = StepCostModel(theta)
+    targets = default_targets(model, given)
+    logger.info(
+        "step cost prior %s (ms, ms/token, ms/row, ms/ktoken) %s; SLO %s",
+        [round(c, 4) for c in theta], source, targets,
+    )  # fmt: skip
+    return BudgetController(targets, model, engine.scheduler.config.max_num_batched_tokens)
+
+
+_WARMUP = ((8, 1, 2), (64, 1, 1))  # a cached prior's start: one short decode, one chunk
+
+
+def _run_profile(engine: Any, shapes: tuple, samples: list | None, round_: int) -> None:
+    """Run `shapes` ((prompt tokens, requests, output tokens), ...) to completion on `engine`,
+    appending (features, ms) of every step to `samples` unless it is None. Each `round_` has
+    its own prompts, so a later round never reads an earlier one's from the prefix cache."""
     from gpu_worker.sampling_params import SamplingParams
 
-    given = parse_slo(slo_text)
     sched = engine.scheduler
     vocab = engine.token_id_limit
-    samples: list[tuple[StepFeatures, float]] = []
-    for round_ in range(2):  # round 0 warms up (first-call costs), round 1 is measured
-        for k, (prompt, n, out) in enumerate(_PROFILE):
-            params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
-            for j in range(n):
-                ids = [(7 + 31 * (k * 17 + j + 97 * round_) + i) % vocab for i in range(prompt)]
-                engine.add_request(f"__profile-{round_}-{k}-{j}", prompt_token_ids=ids,
-                                   sampling_params=params)  # fmt: skip
-            while engine.has_unfinished_requests():
-                t0 = time.perf_counter()
-                engine.step()
-                ms = (time.perf_counter() - t0) * 1000.0
-                if sched.last_features is not None and round_:
-                    samples.append((sched.last_features, ms))
+    for k, (prompt, n, out) in enumerate(shapes):
+        params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
+        for j in range(n):
+            ids = [(7 + 31 * (k * 17 + j + 97 * round_) + i) % vocab for i in range(prompt)]
+            engine.add_request(f"__profile-{round_}-{k}-{j}", prompt_token_ids=ids,
+                               sampling_params=params)  # fmt: skip
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            engine.step()
+            ms = (time.perf_counter() - t0) * 1000.0
+            if sched.last_features is not None and samples is not None:
+                samples.append((sched.last_features, ms))
+
+
+def _reset_after_profile(engine: Any) -> None:
     bm = engine.block_manager
     bm.reset_prefix_cache()  # the profile's counters and cached blocks are not traffic
     bm.prefix_cache_queries = bm.prefix_cache_hits = 0
     engine.num_steps = engine.num_generated_tokens = 0
+
+
+def measure_step_cost_prior(engine: Any) -> tuple[list[float], int]:
+    """A warm-up round of `_PROFILE`'s shapes (first-call costs), then a measured one; the least
+    squares fit of the step costs (intercept at least 0.01 ms, no negative coefficient) and the
+    number of steps it was fitted on. About a second on a 2-core AVX-512 CPU with the bundled
+    model; ~10 s on a 2-core AVX2 one in float32."""
+    samples: list[tuple[StepFeatures, float]] = []
+    _run_profile(engine, _PROFILE, None, round_=0)
+    _run_profile(engine, _PROFILE, samples, round_=1)
     theta = fit_least_squares(samples)
     theta[0] = max(theta[0], 0.01)
     theta[1:] = [max(c, 0.0) for c in theta[1:]]
-    model = StepCostModel(theta)
-    targets = default_targets(model, given)
-    logger.info(
-        "step cost prior %s (ms, ms/token, ms/row, ms/ktoken) from %d steps; SLO %s",
-        [round(c, 4) for c in theta], len(samples), targets,
-    )  # fmt: skip
-    return BudgetController(targets, model, sched.config.max_num_batched_tokens)
+    return [float(c) for c in theta], len(samples)
+
+
+# ---------------------------------------------------------------------- the step-cost cache
+
+STEP_COST_CACHE_VERSION = 1
+_OPENMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+
+
+def step_cost_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/laneserve/step_cost`` (``~/.cache`` by default), beside torch's own
+    extension cache."""
+    return (env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "laneserve" / "step_cost"
+
+
+def step_cost_cache_key(engine: Any) -> str:
+    """What a step's cost depends on: the model file (path, size, mtime), the engine options
+    (all but the SLO text), the resolved dtype, device and weight kernels, torch's version and
+    thread count, the CPU (model name and flags), the OpenMP policy and the profile's shapes."""
+    import torch
+
+    config = {k: v for k, v in dataclasses.asdict(engine.config).items() if k != "slo"}
+    path = Path(engine.model_path)
+    try:
+        stat = path.stat()
+        model = [str(path.resolve()), stat.st_size, stat.st_mtime]
+    except OSError:
+        model = [str(path)]
+    parts = {
+        "version": STEP_COST_CACHE_VERSION,
+        "model": model,
+        "config": config,
+        "dtype": str(engine.dtype),
+        "device": str(engine.device),
+        "quantization": engine.quantization,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": _cpu_identity(),
+        "openmp": {name: env.get(name) for name in _OPENMP_VARS},
+        "profile": _PROFILE,
+    }
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _cpu_identity() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags")]
+    return "\n".join(dict.fromkeys(keep))  # each distinct line once (one per core otherwise)
+
+
+def read_cached_prior(key: str) -> list[float] | None:
+    """The prior cached under `key`, or None (not there, unreadable, or not 4 finite numbers;
+    `LANESERVE_STEP_COST_CACHE=0` always gives None)."""
+    if not env.get("LANESERVE_STEP_COST_CACHE"):
+        return None
+    try:
+        theta = json.loads((step_cost_cache_dir() / f"{key}.json").read_text())["theta"]
+        theta = [float(c) for c in theta]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if len(theta) != 4 or not all(math.isfinite(c) and c >= 0.0 for c in theta):
+        return None
+    return theta
+
+
+def write_cached_prior(key: str, theta: list[float]) -> None:
+    """Keep `theta` under `key` (atomically; a cache that cannot be written costs the next
+    start its profile, nothing else)."""
+    if not env.get("LANESERVE_STEP_COST_CACHE"):
+        return
+    folder = step_cost_cache_dir()
+    tmp = folder / f"{key}.json.tmp{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"theta": theta, "written": time.time()}))
+        os.replace(tmp, folder / f"{key}.json")
+    except OSError as exc:
+        logger.warning("cannot write the step-cost cache in %s (%s)", folder, exc)

@@ -202,11 +202,16 @@ def prepare_model(model: str) -> None:
     Raises:
         gpu_worker.errors.ModelLoadError: unknown alias, download failure, bad file.
     """
-    from gpu_worker.model_files import resolve_model_path
-    from gpu_worker.model_loader import convert_gguf
+    from gpu_worker.model_files import conversion_valid, gguf_cache_dir, resolve_model_path
 
     path = resolve_model_path(model)  # pulls a bundled alias
-    if path.is_file() and path.suffix == ".gguf":
+    if (
+        path.is_file()
+        and path.suffix == ".gguf"
+        and not conversion_valid(gguf_cache_dir(path), path)
+    ):
+        from gpu_worker.model_loader import convert_gguf  # imports torch: only when converting
+
         convert_gguf(path)
 
 

@@ -17,7 +17,10 @@ from gpu_worker.model_loader import (
     config_from_gguf,
     dequantize_gguf_tensor,
     load_gguf_weights,
+    load_hf_tokenizer,
     load_model_files,
+    read_tensor_index,
+    write_tensor_index,
 )
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.llama import LlamaForCausalLM
@@ -261,3 +264,111 @@ def test_unsupported_quant_type(tmp_path):
     reader = gguf.GGUFReader(str(tmp_path / "iq.gguf"))
     with pytest.raises(ModelLoadError, match="IQ2_XXS.*supported: F32"):
         dequantize_gguf_tensor(reader.tensors[0], tmp_path / "iq.gguf")
+
+
+def _write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, object]]) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (data, raw_dtype) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_tensor_index_maps_every_type_as_gguf_reader_does(tmp_path):
+    """The cached index rebuilds each tensor's type, dims and data view byte for byte, and is
+    refused once the file changes or the index is damaged (the loader then parses the file)."""
+    rng = np.random.default_rng(1)
+    tensors = {}
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q6_K"):
+        qtype = gguf.GGMLQuantizationType[name]
+        if name.endswith("_K"):
+            data = _k_quant_blocks(qtype, 4, 256, rng)
+        else:
+            data = quants.quantize(rng.standard_normal((4, 256)).astype(np.float32), qtype)
+        tensors[f"t.{name}"] = (data, None if name in ("F32", "F16") else qtype)
+    tensors["t.I32"] = (np.arange(12, dtype=np.int32).reshape(3, 4), None)
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, tensors)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    reader = gguf.GGUFReader(str(path))
+    assert read_tensor_index(path, cache) is None  # nothing written yet
+    write_tensor_index(reader, path, cache)
+    indexed = read_tensor_index(path, cache)
+    assert [t.name for t in indexed.tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(indexed.tensors, reader.tensors, strict=True):
+        assert ours.tensor_type == theirs.tensor_type, ours.name
+        assert ours.shape.tolist() == theirs.shape.tolist(), ours.name
+        assert ours.data.dtype == theirs.data.dtype, ours.name
+        assert ours.data.shape == theirs.data.shape, ours.name
+        np.testing.assert_array_equal(ours.data, theirs.data, err_msg=ours.name)
+        if ours.tensor_type.name != "I32":  # the loader dequantizes only the model types
+            np.testing.assert_array_equal(
+                dequantize_gguf_tensor(ours, path), dequantize_gguf_tensor(theirs, path)
+            )
+    (cache / "gguf_tensors.json").write_text("{not json")
+    assert read_tensor_index(path, cache) is None
+    write_tensor_index(reader, path, cache)
+    with path.open("ab") as f:  # the file changed since the index was written
+        f.write(b"\0" * 32)
+    assert read_tensor_index(path, cache) is None
+
+
+def test_quantized_load_from_index_equals_parsed_file(smollm2_gguf):
+    """The bundled model's second quantized load reads the index, not the metadata, and gets the
+    same config and the same blocks as `gguf.GGUFReader` gives."""
+    from gpu_worker.model_loader import convert_gguf, gguf_cache_dir
+
+    cache = convert_gguf(smollm2_gguf)
+    (cache / "gguf_tensors.json").unlink(missing_ok=True)
+    first = load_model_files(smollm2_gguf, quantization="auto")  # parses, writes the index
+    assert read_tensor_index(smollm2_gguf, gguf_cache_dir(smollm2_gguf)) is not None
+    second = load_model_files(smollm2_gguf, quantization="auto")
+    reader = gguf.GGUFReader(str(smollm2_gguf))
+    assert first.config == second.config == config_from_gguf(reader, smollm2_gguf)
+    assert first.weights.keys() == second.weights.keys()
+    for name, a in first.weights.items():
+        b = second.weights[name]
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), name
+        else:
+            assert (a.qtype, a.shape) == (b.qtype, b.shape), name
+            np.testing.assert_array_equal(a.blocks, b.blocks, err_msg=name)
+
+
+def test_backend_tokenizer_loads_without_autotokenizer_and_behaves_the_same(smollm2_dir):
+    """Our converted directory names transformers' `tokenizers` backend class: it is built
+    directly (no AutoConfig resolution) and tokenizes and templates exactly as AutoTokenizer's."""
+    from transformers import AutoTokenizer
+
+    ours = load_hf_tokenizer(smollm2_dir)
+    auto = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    assert type(ours) is type(auto)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hé <|im_end|> 日本"},
+    ]
+    assert ours.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    ) == auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    for text in ("Hello world", "  two spaces", "<|im_start|>user\nhi", "ünïcödé 日本語 🙂"):
+        assert ours(text).input_ids == auto(text).input_ids, text
+    assert (ours.eos_token_id, ours.all_special_ids, len(ours)) == (
+        auto.eos_token_id,
+        auto.all_special_ids,
+        len(auto),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_host_zeros_are_zero_writable_and_separate(dtype):
+    from gpu_worker import host_memory
+
+    a = host_memory.zeros((2, 3, 4, 5), dtype, torch.device("cpu"))
+    b = host_memory.zeros((2, 3, 4, 5), dtype, torch.device("cpu"))
+    assert a.shape == (2, 3, 4, 5) and a.dtype == dtype and a.is_contiguous()
+    assert torch.equal(a, torch.zeros_like(a))
+    a[1, 2].fill_(3.0)
+    assert a.sum().item() == 3.0 * 20 and b.abs().sum().item() == 0.0

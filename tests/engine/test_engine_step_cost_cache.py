@@ -1,0 +1,60 @@
+"""The start-up step-cost profile is measured once per machine, model and engine options, cached,
+and read back on the next start (the warm start then only warms the engine up)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpu_worker import step_budget
+from gpu_worker.sampling_params import SamplingParams
+from kernels import cpu_ext
+
+
+@pytest.fixture
+def step_cost_cache(tmp_path, monkeypatch):
+    cpu_ext.load()  # built or found now, under the real cache: the variable below is for ours
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("LANESERVE_STEP_COST_CACHE", raising=False)
+    return tmp_path / "laneserve" / "step_cost"
+
+
+def _prior(llm) -> list[float]:
+    return list(llm.engine.scheduler.step_budget.model.theta0)
+
+
+@pytest.mark.slow
+def test_second_start_reuses_the_profiled_prior(make_llm, step_cost_cache, monkeypatch):
+    first = make_llm(slo_control=True)
+    files = list(step_cost_cache.glob("*.json"))
+    assert len(files) == 1
+    cached = json.loads(files[0].read_text())["theta"]
+    assert cached == pytest.approx(_prior(first)) and cached[0] > 0.0
+    engine = first.engine
+    assert engine.num_steps == 0 and engine.block_manager.prefix_cache_queries == 0
+    key = step_budget.step_cost_cache_key(engine)
+    assert files[0].stem == key
+    del first, engine
+
+    # a prior the second start can only have read from the cache
+    marked = [cached[0] + 123.0, *cached[1:]]
+    files[0].write_text(json.dumps({"theta": marked}))
+    second = make_llm(slo_control=True)
+    assert _prior(second) == pytest.approx(marked)
+    out = second.generate(["Hi"], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out[0].token_ids) == 2  # warmed up, serves
+    del second
+
+    # other options are another key; a damaged entry or the switch off means a fresh profile
+    third = make_llm(slo_control=True, max_num_seqs=7)
+    assert step_budget.step_cost_cache_key(third.engine) != key
+    assert len(list(step_cost_cache.glob("*.json"))) == 2
+    del third
+    files[0].write_text("{broken")
+    assert step_budget.read_cached_prior(key) is None
+    monkeypatch.setenv("LANESERVE_STEP_COST_CACHE", "0")
+    files[0].write_text(json.dumps({"theta": marked}))
+    assert step_budget.read_cached_prior(key) is None
+    fourth = make_llm(slo_control=True)
+    assert _prior(fourth)[0] != pytest.approx(marked[0])
