@@ -183,19 +183,21 @@ def gguf_cache_dir(path: Path) -> Path:
     return path.with_name(path.stem + ".hf")
 
 
-def _marker(gguf_path: Path) -> dict:
+def gguf_stamp(gguf_path: Path, version: int = CACHE_FORMAT_VERSION) -> dict:
+    """What identifies the GGUF a cached artefact was made from: a format `version`, the file's
+    size and mtime."""
     stat = gguf_path.stat()
-    return {"version": CACHE_FORMAT_VERSION, "size": stat.st_size, "mtime": stat.st_mtime}
+    return {"version": version, "size": stat.st_size, "mtime": stat.st_mtime}
 
 
 def conversion_valid(cache: Path, gguf_path: Path) -> bool:
     """Whether `cache` is a finished conversion of `gguf_path` as it is now (its size and mtime).
     Cheap and torch-free, so `laneserve up` checks it before starting anything."""
     try:
-        return json.loads((cache / _CONVERSION_MARKER).read_text()) == _marker(gguf_path)
+        return json.loads((cache / _CONVERSION_MARKER).read_text()) == gguf_stamp(gguf_path)
     except (OSError, ValueError):
         return False
 
 
 def write_conversion_marker(cache: Path, gguf_path: Path) -> None:
-    (cache / _CONVERSION_MARKER).write_text(json.dumps(_marker(gguf_path)))
+    (cache / _CONVERSION_MARKER).write_text(json.dumps(gguf_stamp(gguf_path)))

@@ -30,7 +30,12 @@ import numpy as np
 import torch
 
 from gpu_worker.errors import ModelLoadError
-from gpu_worker.model_files import conversion_valid, gguf_cache_dir, write_conversion_marker
+from gpu_worker.model_files import (
+    conversion_valid,
+    gguf_cache_dir,
+    gguf_stamp,
+    write_conversion_marker,
+)
 from gpu_worker.quantization import GGUF_QUANT_TYPES, GGUFQuantTensor
 
 logger = logging.getLogger(__name__)
@@ -386,17 +391,12 @@ _TENSOR_INDEX = "gguf_tensors.json"
 _INDEX_FORMAT_VERSION = 1
 
 
-def _gguf_stamp(path: Path) -> dict[str, Any]:
-    stat = path.stat()
-    return {"version": _INDEX_FORMAT_VERSION, "size": stat.st_size, "mtime": stat.st_mtime}
-
-
 def write_tensor_index(reader, path: Path, cache: Path) -> None:
     """Record each tensor's name, type, dims and byte offset in `cache`, so a later load maps the
     file without `gguf.GGUFReader` (which parses every tokenizer string in the metadata: ~2 s for
     a 49k-token vocabulary). Written atomically; a failure to write only costs the next load time."""
     index = {
-        **_gguf_stamp(path),
+        **gguf_stamp(path, _INDEX_FORMAT_VERSION),
         "tensors": [
             [t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset)]
             for t in reader.tensors
@@ -418,7 +418,9 @@ def read_tensor_index(path: Path, cache: Path) -> IndexedGGUF | None:
 
     try:
         index = json.loads((cache / _TENSOR_INDEX).read_text())
-        if {k: index.get(k) for k in ("version", "size", "mtime")} != _gguf_stamp(path):
+        if {k: index.get(k) for k in ("version", "size", "mtime")} != gguf_stamp(
+            path, _INDEX_FORMAT_VERSION
+        ):
             return None
         mm = np.memmap(path, dtype=np.uint8, mode="r")
         plain = {  # element-typed views, as GGUFReader gives them; the rest are bytes per row
