@@ -150,7 +150,7 @@ def test_small_cpu_steps_run_single_threaded_and_restore_threads(base_llm, monke
         engine.add_request(
             "t",
             prompt_token_ids=list(range(100, 160)),
-            sampling_params=SamplingParams(max_tokens=3),
+            sampling_params=SamplingParams(max_tokens=3, temperature=0.0),
         )
         while engine.has_unfinished_requests():
             engine.step()
