@@ -177,11 +177,14 @@ def _is_decode(req: Request, start: int) -> bool:
 class _StepState:
     """Mutable bookkeeping for building one step."""
 
-    __slots__ = ("budget", "batch_cap_left", "entries", "preempted")
+    __slots__ = ("budget", "batch_cap_left", "batch_decodes_left", "entries", "preempted")
 
-    def __init__(self, budget: int, batch_cap: int | None) -> None:
+    def __init__(
+        self, budget: int, batch_cap: int | None, batch_decodes: int | None = None
+    ) -> None:
         self.budget = budget
         self.batch_cap_left = batch_cap  # None: batch tokens uncapped this step
+        self.batch_decodes_left = batch_decodes  # None: every batch decode may run this step
         self.entries: dict[str, ScheduledRequest] = {}
         self.preempted: list[Request] = []
 
@@ -283,6 +286,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._keys[request.request_id] = (*request.sort_key, next(self._seq))
         self._num_interactive += request.lane is Lane.INTERACTIVE
+        if self.step_budget is not None and request.lane is Lane.INTERACTIVE:
+            self.step_budget.note_arrival(len(request.prompt_token_ids))
         self._enqueue_waiting(request)
 
     def _enqueue_waiting(self, request: Request) -> None:
@@ -342,7 +347,7 @@ class Scheduler:
             if plan.batch_tokens is not None:
                 cap = plan.batch_tokens if cap is None else min(cap, plan.batch_tokens)
         self._num_steps += 1
-        step = _StepState(budget, cap)
+        step = _StepState(budget, cap, plan.batch_decode_rows if ctl is not None else None)
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
@@ -368,21 +373,29 @@ class Scheduler:
         """The running interactive streams (requests already emitting tokens), the running
         batch requests, their KV context, and the prompt tokens interactive requests still
         have to prefill (waiting ones and running ones without output)."""
-        streams = batch = context = batch_context = prompt = 0
+        streams = batch = context = batch_context = prompt = batch_prefill = batch_decodes = 0
         for r in self.running:
             if r.lane is Lane.BATCH:
                 batch += 1
                 batch_context += r.num_computed_tokens
+                if _is_decode(r, r.num_computed_tokens):
+                    batch_decodes += 1
+                else:
+                    batch_prefill += r.num_tokens - r.num_computed_tokens
             elif r.num_output_tokens:
                 streams += 1
                 context += r.num_computed_tokens
             else:
                 prompt += r.num_tokens - r.num_computed_tokens
         for r in self.waiting:
-            if r.lane is not Lane.INTERACTIVE:
-                break  # interactive requests come first in the waiting order
-            prompt += r.num_tokens
-        return StepView(streams, batch, context, prompt, batch_context)
+            if r.lane is Lane.INTERACTIVE:  # interactive requests come first in the order
+                prompt += r.num_tokens
+            elif len(self.running) < self.config.max_num_seqs:
+                batch_prefill += r.num_tokens  # one waiting prompt says enough: stop here
+                break
+        return StepView(
+            streams, batch, context, prompt, batch_context, batch_prefill, batch_decodes
+        )
 
     def _chunk(self, step: _StepState, req: Request, remaining: int) -> int:
         """Tokens `req` may compute this step, given `remaining` tokens to catch up."""
@@ -423,7 +436,7 @@ class Scheduler:
         the decodes a cap skips change every step and every batch request progresses), then
         the batch prefills in order."""
         self.running.sort(key=self._key)  # nearly sorted already: O(n)
-        if step.batch_cap_left is None:
+        if step.batch_cap_left is None and step.batch_decodes_left is None:
             return list(self.running)
         first = next((i for i, r in enumerate(self.running) if r.lane is Lane.BATCH), None)
         if first is None:
@@ -451,6 +464,11 @@ class Scheduler:
             n = self._chunk(step, req, remaining)
             if n <= 0:
                 continue
+            capped_rows = req.lane is Lane.BATCH and step.batch_decodes_left is not None
+            if capped_rows and _is_decode(req, req.num_computed_tokens):
+                if step.batch_decodes_left <= 0:
+                    continue  # this step's batch decodes are taken; it keeps its seat and KV
+                step.batch_decodes_left -= 1
             if remaining == 1 and req.spec_token_ids:
                 n += self._num_drafts(step, req, len(order), num_batch)
             while not self.block_manager.allocate_slots(req, n):
@@ -465,8 +483,8 @@ class Scheduler:
                     break
             else:
                 self._commit(step, req, n)
-                capped_batch = step.batch_cap_left is not None and req.lane is Lane.BATCH
-                if capped_batch and _is_decode(req, req.num_computed_tokens):
+                capped = step.batch_cap_left is not None or step.batch_decodes_left is not None
+                if capped and req.lane is Lane.BATCH and _is_decode(req, req.num_computed_tokens):
                     self._last_batch_key = self._key(req)
 
     def _schedule_waiting(self, step: _StepState) -> None:

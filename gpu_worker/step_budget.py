@@ -14,12 +14,15 @@ a TPOT target (P99, ms), ``--slo interactive:ttft=800,tpot=60 batch:tpot=400``. 
   the share it would get beside one stream;
 - **no interactive traffic**: batch steps grow for throughput, but only so long that an
   interactive arrival, which waits for the running step and then prefills, still meets its TTFT
-  target: step time <= ``headroom x (ttft - predicted prefill of a typical prompt)``, and at
-  least the interactive TPOT target. Decodes never crowd prefill out: the budget always holds
-  the running batch decodes plus a prefill chunk that alone fits that time, at least
-  `MIN_BATCH_CHUNK` tokens (so with many batch
-  decodes running, a step takes their cost plus that time; such steps are left out of the
-  headroom feedback).
+  target: step time <= ``headroom x`` the TTFT slack, and at least the interactive TPOT target.
+  The slack is ``ttft - prefill(p)`` for the prompt length ``p`` interactive requests bring (a
+  running mean of the prompts seen, `TYPICAL_PROMPT` before the first), and with a derived
+  (default) TTFT target at most ``(TTFT_MULTIPLE - 1) x prefill(p)``, so the arrival's TTFT
+  stays within that multiple of its idle TTFT whatever prompt length the start-up profile
+  assumed. Decodes never crowd prefill out: while batch prompts wait to be prefilled, the step
+  holds as many batch decodes as fit half of that time (`batch_decode_rows`; the scheduler
+  rotates the ones it skips, so every request progresses) and a prefill chunk that fits the
+  rest (at least `MIN_BATCH_CHUNK` tokens); with nothing to prefill, decodes take it all.
 
 The plan aims at ``headroom x`` the step's target; ``headroom`` (0.5 .. 1.0) follows the
 measured step times: when more than 1 % of the last window's steps with a target ran over the
@@ -28,8 +31,11 @@ The fixed knobs (``max_num_batched_tokens``, ``interactive_batch_token_cap``,
 ``batch_token_budget``) stay hard upper bounds, applied by the scheduler.
 
 Defaults: targets the operator does not give come from the start-up profile (`profile_engine`):
-interactive TPOT = `TPOT_MULTIPLE` x the idle single-stream step, interactive TTFT =
-`TTFT_MULTIPLE` x the idle TTFT of a `TYPICAL_PROMPT`-token prompt; batch targets are
+interactive TPOT = `TPOT_MULTIPLE` x the idle single-stream decode step as measured there (the
+median of its batch-1 decode steps: the linear fit, dominated by large steps, once predicted
+twice the real one), then x the lone decode steps measured while serving (wall clock, so the
+engine loop's own overhead counts, as it does in the TPOT a client sees), interactive TTFT = `TTFT_MULTIPLE` x the idle TTFT of a
+`TYPICAL_PROMPT`-token prompt; batch targets are
 `BATCH_MULTIPLE` times the interactive ones (batch is judged on throughput; its attainment is
 reported).
 
@@ -46,6 +52,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,12 +80,17 @@ TPOT_MULTIPLE = 1.45  # interactive TPOT target / idle single-stream step (issue
 TTFT_MULTIPLE = 1.8  # interactive TTFT target / idle TTFT (issue 19: <= 2.0x)
 TYPICAL_PROMPT = 256  # tokens: the prompt an interactive arrival is assumed to bring
 BATCH_MULTIPLE = 10.0  # batch targets / interactive targets
-# Prefill tokens a batch-only step always has room for. Besides keeping new prompts coming in,
-# it keeps the cost model seeing steps of real size: fed only tiny steps (tokens and rows moving
+# Prefill tokens a batch-only step with prompts to prefill always has room for: at least the
+# rows from which the linears run dense GEMMs (gpu_worker/quantization.py: 10 rows in bf16, 32 in
+# float32). Below that a CPU step pays the per-row GEMV price for every prompt token: on a 2-core
+# AVX2 CPU in float32, 16-token chunks cost ~9 ms a row against ~4.7 in 64-token dense ones, and
+# a bulk job beside the TTFT slack ran at 0.6x. Besides keeping new prompts coming in, it keeps
+# the cost model seeing steps of real size: fed only tiny steps (tokens and rows moving
 # together), its least-squares fit once put the cost on tokens, planned 5-token chunks from then
 # on and held a 64-seat worker at 3 running requests after its first bulk job.
-MIN_BATCH_CHUNK = 64
+MIN_BATCH_CHUNK = 32
 ATTAINMENT_WINDOW = 200  # finished requests per lane
+IDLE_STEPS_TO_LEARN = 20  # lone decode steps before a derived TPOT target follows them
 _HEADROOM_WINDOW = 64  # steps with a target between headroom updates
 _LANES = ("interactive", "batch")
 
@@ -135,9 +147,13 @@ def parse_slo(text: str | None) -> dict[str, dict[str, float]]:
     return out
 
 
-def default_targets(model: StepCostModel, given: dict[str, dict[str, float]]) -> SloTargets:
-    """Targets from the measured step cost where `given` (`parse_slo`) leaves them out."""
-    idle_step = model.predict(StepFeatures(1, 1, TYPICAL_PROMPT))
+def default_targets(
+    model: StepCostModel, given: dict[str, dict[str, float]], idle_step_ms: float | None = None
+) -> SloTargets:
+    """Targets from the measured step cost where `given` (`parse_slo`) leaves them out;
+    `idle_step_ms` is the measured idle single-stream decode step (the model's prediction for
+    one when None)."""
+    idle_step = idle_step_ms or model.predict(StepFeatures(1, 1, TYPICAL_PROMPT))
     idle_ttft = model.predict(StepFeatures(TYPICAL_PROMPT, 1, TYPICAL_PROMPT))
     inter = given.get("interactive", {})
     i_slo = LaneSlo(
@@ -165,14 +181,17 @@ class StepView(NamedTuple):
     context: int
     interactive_waiting_tokens: int
     batch_context: int = 0
+    batch_prefill_tokens: int = 0  # batch prompt tokens still to prefill (running and waiting)
+    batch_decodes: int = 0  # running batch requests that decode this step (the rest prefill)
 
 
 class StepBudget(NamedTuple):
-    """A step's plan: `token_budget` (all lanes) and `batch_tokens` (the batch lane's share,
-    None for no separate cap)."""
+    """A step's plan: `token_budget` (all lanes), `batch_tokens` (the batch lane's share, None
+    for no separate cap) and `batch_decode_rows` (batch decodes this step, None for all)."""
 
     token_budget: int
     batch_tokens: int | None
+    batch_decode_rows: int | None = None
 
 
 class BudgetController:
@@ -185,6 +204,10 @@ class BudgetController:
         min_batch_tokens: batch tokens per step while interactive traffic is present.
         wall_clock: time each step itself (from one `schedule()` to the next); False when the
             caller reports step times through `observe` (tests replaying step-cost traces).
+        given_ttft: the interactive TTFT target is the operator's (else derived: the batch-only
+            step's slack is then also bounded relative to the prompts seen, module docstring).
+        given_tpot: the interactive TPOT target is the operator's (else derived, and it follows
+            the lone decode steps the worker measures, `_learn_idle_step`).
     """
 
     def __init__(
@@ -194,6 +217,8 @@ class BudgetController:
         max_tokens: int,
         min_batch_tokens: int = 1,
         wall_clock: bool = True,
+        given_ttft: bool = False,
+        given_tpot: bool = True,
     ) -> None:
         self.wall_clock = wall_clock
         self.targets = targets
@@ -201,6 +226,12 @@ class BudgetController:
         self.max_tokens = max_tokens
         self.min_batch_tokens = min_batch_tokens
         self.headroom = 1.0  # the feedback lowers it when steps run over their target
+        self.given_ttft = given_ttft
+        self.given_tpot = given_tpot
+        self._idle: collections.deque[float] = collections.deque(maxlen=64)  # lone decodes, ms
+        self._idle_n = 0
+        self.typical_prompt = float(TYPICAL_PROMPT)  # running mean of interactive prompts
+        self._num_prompts = 0
         self.last = StepBudget(max_tokens, None)
         self.last_target_ms: float | None = None
         self.predicted_ms = 0.0  # of the last step scheduled
@@ -224,8 +255,47 @@ class BudgetController:
         base = self.model.predict(StepFeatures(rows, rows, view.context))
         return max(0, int((target_ms - base) / per_token))
 
+    def ttft_slack(self) -> float:
+        """How long a step may run while an interactive arrival waits for it (ms): the TTFT
+        target less the predicted prefill of a typical interactive prompt, and with a derived
+        target at most ``TTFT_MULTIPLE - 1`` times that prefill (module docstring)."""
+        p = max(1, round(self.typical_prompt))
+        prefill = self.model.predict(StepFeatures(p, 1, p))
+        slack = self.targets.interactive.ttft_ms - prefill
+        if not self.given_ttft:
+            slack = min(slack, (TTFT_MULTIPLE - 1.0) * prefill)
+        return slack
+
+    def _batch_only(self, view: StepView, ms: float) -> tuple[int, int, float]:
+        """(token budget, batch decode rows, predicted ms) of a batch-only step aimed at `ms`:
+        while prompts wait to be prefilled, the decodes that fit half of `ms` (at least one)
+        and a prefill chunk that fits the rest (at least `MIN_BATCH_CHUNK`); otherwise every
+        decode that fits (at least one)."""
+        coef = self.model.coefficients
+        decodes = view.batch_decodes if view.batch_decodes or view.batch_prefill_tokens else (
+            view.batch_running)  # fmt: skip
+        avg_ctx = view.batch_context / max(view.batch_running, 1)
+        per_row = max(coef[1] + coef[2] + coef[3] * avg_ctx / 1000.0, 1e-6)
+        per_token = max(coef[1], 1e-6)
+        room = max(ms - coef[0], 0.0)
+        if view.batch_prefill_tokens:
+            rows = min(decodes, max(1, int(0.5 * room / per_row)))
+            chunk = max(MIN_BATCH_CHUNK, int((room - rows * per_row) / per_token))
+            chunk = min(chunk, view.batch_prefill_tokens)
+        else:
+            chunk, rows = 0, min(decodes, max(1, int(room / per_row)))
+        return max(1, rows + chunk), rows, coef[0] + chunk * per_token + rows * per_row
+
+    def note_arrival(self, prompt_tokens: int) -> None:
+        """An interactive request with `prompt_tokens` arrived: fold it into the typical prompt
+        (the mean of the first 20, then a running mean over about the last 20)."""
+        self._num_prompts += 1
+        weight = max(1.0 / self._num_prompts, 0.05)
+        self.typical_prompt += weight * (prompt_tokens - self.typical_prompt)
+
     def plan(self, view: StepView) -> StepBudget:
         """The budget of the next step."""
+        rows_cap = None
         tpot = self.targets.interactive.tpot_ms
         ttft = self.targets.interactive.ttft_ms
         h = self.headroom
@@ -246,20 +316,12 @@ class BudgetController:
             budget = self.max_tokens
             batch = max(self.min_batch_tokens, self._batch_share(1, view, h * tpot))
         else:
-            prefill = self.model.predict(StepFeatures(TYPICAL_PROMPT, 1, TYPICAL_PROMPT))
-            target = max(tpot, ttft - prefill)
-            rows = view.batch_running
-            within = self.model.max_tokens_within(h * target, rows, view.batch_context)
-            # Decodes never crowd prefill out: beside the running decodes a step always has
-            # room for the prefill chunk that alone fits the target. Without it, once the
-            # decodes fill the target the running set drains (no new prompt gets in) and a
-            # prefill-heavy bulk job ran at a fifth of its throughput (scripts/bench_lanes.py).
-            chunk = max(self.model.max_tokens_within(h * target, 0, 0), MIN_BATCH_CHUNK)
-            budget = max(rows + chunk, within, 1)
-            if budget > within:
+            target = max(tpot, self.ttft_slack())
+            budget, rows_cap, predicted = self._batch_only(view, h * target)
+            if predicted > h * target:
                 target = None  # planned over the slack on purpose: not a miss for the headroom
             batch = None
-        self.last = StepBudget(max(1, min(budget, self.max_tokens)), batch)
+        self.last = StepBudget(max(1, min(budget, self.max_tokens)), batch, rows_cap)
         self.last_target_ms = target  # the target itself; the plan aimed at headroom x it
         return self.last
 
@@ -304,10 +366,24 @@ class BudgetController:
         self.prediction_error_ms = (1 - a) * self.prediction_error_ms + a * abs(
             measured_ms - predicted
         )
+        if features.tokens == 1 and features.rows == 1 and not self.given_tpot:
+            self._learn_idle_step(measured_ms)
         if target_ms:
             self._ratios.append(measured_ms / target_ms)
             if len(self._ratios) >= _HEADROOM_WINDOW:
                 self._adjust_headroom()
+
+    def _learn_idle_step(self, ms: float) -> None:
+        """A lone decode step took `ms` (wall clock, the engine loop's own overhead included):
+        a derived interactive TPOT target follows `TPOT_MULTIPLE` x the median of the last 64
+        (after `IDLE_STEPS_TO_LEARN` of them), so it is the multiple of the TPOT an idle
+        stream really gets here, not of the start-up profile's bare engine step."""
+        self._idle.append(ms)
+        self._idle_n += 1
+        if self._idle_n >= IDLE_STEPS_TO_LEARN and self._idle_n % 4 == 0:
+            tpot = round(TPOT_MULTIPLE * statistics.median(self._idle), 1)
+            i = dataclasses.replace(self.targets.interactive, tpot_ms=tpot)
+            self.targets = dataclasses.replace(self.targets, interactive=i)
 
     def _adjust_headroom(self) -> None:
         ratios = sorted(self._ratios)
@@ -371,22 +447,27 @@ def profile_engine(engine: Any, slo_text: str | None) -> BudgetController:
     controller to the scheduler."""
     given = parse_slo(slo_text)
     key = step_cost_cache_key(engine)
-    theta = read_cached_prior(key)
-    if theta is None:
-        theta, n = measure_step_cost_prior(engine)
-        write_cached_prior(key, theta)
+    cached = read_cached_prior(key)
+    if cached is None:
+        theta, idle_step, n = measure_step_cost_prior(engine)
+        write_cached_prior(key, theta, idle_step)
         source = f"from {n} profiled steps"
     else:
+        theta, idle_step = cached
         _run_profile(engine, _WARMUP, None, round_=0)  # first-call costs before the first request
         source = "from the step-cost cache"
     _reset_after_profile(engine)
     model = StepCostModel(theta)
-    targets = default_targets(model, given)
+    targets = default_targets(model, given, idle_step)
     logger.info(
-        "step cost prior %s (ms, ms/token, ms/row, ms/ktoken) %s; SLO %s",
-        [round(c, 4) for c in theta], source, targets,
+        "step cost prior %s (ms, ms/token, ms/row, ms/ktoken), idle decode step %.2f ms %s; SLO %s",
+        [round(c, 4) for c in theta], idle_step, source, targets,
     )  # fmt: skip
-    return BudgetController(targets, model, engine.scheduler.config.max_num_batched_tokens)
+    return BudgetController(
+        targets, model, engine.scheduler.config.max_num_batched_tokens,
+        given_ttft="ttft" in given.get("interactive", {}),
+        given_tpot="tpot" in given.get("interactive", {}),
+    )  # fmt: skip
 
 
 _WARMUP = ((8, 1, 2), (64, 1, 1))  # a cached prior's start: one short decode, one chunk
@@ -421,23 +502,27 @@ def _reset_after_profile(engine: Any) -> None:
     engine.num_steps = engine.num_generated_tokens = 0
 
 
-def measure_step_cost_prior(engine: Any) -> tuple[list[float], int]:
+def measure_step_cost_prior(engine: Any) -> tuple[list[float], float, int]:
     """A warm-up round of `_PROFILE`'s shapes (first-call costs), then a measured one; the least
-    squares fit of the step costs (intercept at least 0.01 ms, no negative coefficient) and the
-    number of steps it was fitted on. About a second on a 2-core AVX-512 CPU with the bundled
-    model; ~10 s on a 2-core AVX2 one in float32."""
+    squares fit of the step costs (intercept at least 0.01 ms, no negative coefficient), the
+    idle single-stream decode step (ms: the median of the profile's batch-1 decode steps) and
+    the number of steps fitted. About a second on a 2-core AVX-512 CPU with the bundled model;
+    ~10 s on a 2-core AVX2 one in float32."""
     samples: list[tuple[StepFeatures, float]] = []
     _run_profile(engine, _PROFILE, None, round_=0)
     _run_profile(engine, _PROFILE, samples, round_=1)
     theta = fit_least_squares(samples)
     theta[0] = max(theta[0], 0.01)
     theta[1:] = [max(c, 0.0) for c in theta[1:]]
-    return [float(c) for c in theta], len(samples)
+    single = sorted(ms for f, ms in samples if f.tokens == 1 and f.rows == 1)
+    idle_step = single[len(single) // 2] if single else StepCostModel(theta).predict(
+        StepFeatures(1, 1, TYPICAL_PROMPT))  # fmt: skip
+    return [float(c) for c in theta], float(idle_step), len(samples)
 
 
 # ---------------------------------------------------------------------- the step-cost cache
 
-STEP_COST_CACHE_VERSION = 1
+STEP_COST_CACHE_VERSION = 2  # 2: the idle decode step is kept beside the prior
 _OPENMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
 
 
@@ -488,31 +573,35 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(keep))  # each distinct line once (one per core otherwise)
 
 
-def read_cached_prior(key: str) -> list[float] | None:
-    """The prior cached under `key`, or None (not there, unreadable, or not 4 finite numbers;
-    `LANESERVE_STEP_COST_CACHE=0` always gives None)."""
+def read_cached_prior(key: str) -> tuple[list[float], float] | None:
+    """(prior, idle decode step ms) cached under `key`, or None (not there, unreadable, or not
+    4 finite coefficients and a positive step; `LANESERVE_STEP_COST_CACHE=0` always gives None)."""
     if not env.get("LANESERVE_STEP_COST_CACHE"):
         return None
     try:
-        theta = json.loads((step_cost_cache_dir() / f"{key}.json").read_text())["theta"]
-        theta = [float(c) for c in theta]
+        data = json.loads((step_cost_cache_dir() / f"{key}.json").read_text())
+        theta = [float(c) for c in data["theta"]]
+        idle_step = float(data["idle_step_ms"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if len(theta) != 4 or not all(math.isfinite(c) and c >= 0.0 for c in theta):
         return None
-    return theta
+    if not (math.isfinite(idle_step) and idle_step > 0.0):
+        return None
+    return theta, idle_step
 
 
-def write_cached_prior(key: str, theta: list[float]) -> None:
-    """Keep `theta` under `key` (atomically; a cache that cannot be written costs the next
-    start its profile, nothing else)."""
+def write_cached_prior(key: str, theta: list[float], idle_step_ms: float) -> None:
+    """Keep `theta` and the idle decode step under `key` (atomically; a cache that cannot be
+    written costs the next start its profile, nothing else)."""
     if not env.get("LANESERVE_STEP_COST_CACHE"):
         return
     folder = step_cost_cache_dir()
     tmp = folder / f"{key}.json.tmp{os.getpid()}"
+    record = {"theta": theta, "idle_step_ms": idle_step_ms, "written": time.time()}
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"theta": theta, "written": time.time()}))
+        tmp.write_text(json.dumps(record))
         os.replace(tmp, folder / f"{key}.json")
     except OSError as exc:
         logger.warning("cannot write the step-cost cache in %s (%s)", folder, exc)

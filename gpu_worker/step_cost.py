@@ -22,7 +22,9 @@ throttling, a noisy neighbour, a 2x slower synthetic step) is followed within a 
 The prior (``theta0``, with ``P0 = prior_variance * I`` in scaled units) comes from a short
 start-up profile (`fit_least_squares` over a handful of measured steps). ``P`` is bounded
 (trace at most its start value) so long runs of identical steps cannot wind it up, and
-predictions are at least ``min_step_ms``. A step change of the cost (``reset_after`` steps in a
+predictions are at least ``min_step_ms``. Predictions use no coefficient below
+``floor_fraction`` of its prior (tokens and rows move together in decode steps, so the fit alone
+can trade one coefficient for another). A step change of the cost (``reset_after`` steps in a
 row off by more than ``reset_error``, relative) resets ``P`` to ``P0`` (covariance resetting),
 so the model relearns at once instead of at the forgetting factor's pace. Pure Python (four features): no numpy, no torch.
 """
@@ -111,12 +113,16 @@ class StepCostModel:
         forgetting: RLS forgetting factor lambda in (0, 1]; 0.97 remembers ~30 steps.
         prior_variance: initial ``P`` diagonal (scaled units): how far the prior may be off.
         min_step_ms: floor of every prediction.
+        floor_fraction: predictions use no coefficient below this fraction of its prior.
+        reset_error, reset_after: covariance reset when that many steps in a row are off by
+            more than that fraction (module docstring).
     """
 
     theta0: Sequence[float]
     forgetting: float = 0.97
     prior_variance: float = 100.0
     min_step_ms: float = 0.05
+    floor_fraction: float = 0.25
     reset_error: float = 0.25
     reset_after: int = 4
 
@@ -126,21 +132,32 @@ class StepCostModel:
         if not 0.0 < self.forgetting <= 1.0:
             raise ValueError(f"forgetting must be in (0, 1], got {self.forgetting}")
         self.theta = _to_scaled(self.theta0)
+        # Predictions use no coefficient below `floor_fraction` of its prior (the fit itself is
+        # left alone: clamping inside RLS made it oscillate): tokens and rows move together in
+        # decode steps, so the fit can trade one coefficient for another, and a per-token cost
+        # driven to ~0 once priced a 512-token batch chunk beside an interactive stream as free
+        # (a 1.8 s step, predicted within a 33 ms target).
+        self._floor = [self.floor_fraction * max(t, 0.0) for t in self.theta]
         n = NUM_FEATURES
         self.p = [[self.prior_variance if i == j else 0.0 for j in range(n)] for i in range(n)]
         self.num_updates = 0
         self.num_resets = 0
         self._num_off = 0  # consecutive steps off by more than reset_error
 
+    def _used(self) -> list[float]:
+        """The fitted coefficients (scaled units), none below its floor."""
+        return [max(t, lo) for t, lo in zip(self.theta, self._floor, strict=True)]
+
     @property
     def coefficients(self) -> list[float]:
-        """Current coefficients per raw unit ``[ms, ms/token, ms/row, ms/ktoken]``."""
-        return [t * s for t, s in zip(self.theta, _SCALE, strict=True)]
+        """Current coefficients per raw unit ``[ms, ms/token, ms/row, ms/ktoken]`` (each at
+        least `floor_fraction` of its prior)."""
+        return [t * s for t, s in zip(self._used(), _SCALE, strict=True)]
 
     def predict(self, features: StepFeatures) -> float:
         """Predicted step time (ms) of a step running `features`."""
         x = features.vector()
-        return max(self.min_step_ms, sum(t * xi for t, xi in zip(self.theta, x, strict=True)))
+        return max(self.min_step_ms, sum(t * xi for t, xi in zip(self._used(), x, strict=True)))
 
     def max_tokens_within(self, ms: float, rows: int, context: int) -> int:
         """The most scheduled tokens a step of `rows` emitting rows over `context` KV tokens may

@@ -29,8 +29,13 @@ def test_second_start_reuses_the_profiled_prior(make_llm, step_cost_cache, monke
     first = make_llm(slo_control=True)
     files = list(step_cost_cache.glob("*.json"))
     assert len(files) == 1
-    cached = json.loads(files[0].read_text())["theta"]
+    record = json.loads(files[0].read_text())
+    cached = record["theta"]
     assert cached == pytest.approx(_prior(first)) and cached[0] > 0.0
+    # the TPOT target is the measured idle decode step's multiple, kept beside the prior
+    idle_step = record["idle_step_ms"]
+    slo = first.engine.scheduler.step_budget.targets.interactive
+    assert idle_step > 0.0 and slo.tpot_ms == pytest.approx(1.45 * idle_step, abs=0.1)
     engine = first.engine
     assert engine.num_steps == 0 and engine.block_manager.prefix_cache_queries == 0
     key = step_budget.step_cost_cache_key(engine)
@@ -39,9 +44,12 @@ def test_second_start_reuses_the_profiled_prior(make_llm, step_cost_cache, monke
 
     # a prior the second start can only have read from the cache
     marked = [cached[0] + 123.0, *cached[1:]]
-    files[0].write_text(json.dumps({"theta": marked}))
+    files[0].write_text(json.dumps({"theta": marked, "idle_step_ms": 77.0}))
     second = make_llm(slo_control=True)
     assert _prior(second) == pytest.approx(marked)
+    assert second.engine.scheduler.step_budget.targets.interactive.tpot_ms == pytest.approx(
+        1.45 * 77.0, abs=0.1
+    )
     out = second.generate(["Hi"], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(out[0].token_ids) == 2  # warmed up, serves
     del second
@@ -53,8 +61,10 @@ def test_second_start_reuses_the_profiled_prior(make_llm, step_cost_cache, monke
     del third
     files[0].write_text("{broken")
     assert step_budget.read_cached_prior(key) is None
+    files[0].write_text(json.dumps({"theta": marked}))  # a version-1 entry: no idle step
+    assert step_budget.read_cached_prior(key) is None
     monkeypatch.setenv("LANESERVE_STEP_COST_CACHE", "0")
-    files[0].write_text(json.dumps({"theta": marked}))
+    files[0].write_text(json.dumps({"theta": marked, "idle_step_ms": 77.0}))
     assert step_budget.read_cached_prior(key) is None
     fourth = make_llm(slo_control=True)
     assert _prior(fourth)[0] != pytest.approx(marked[0])
