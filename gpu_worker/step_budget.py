@@ -76,7 +76,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-TPOT_MULTIPLE = 1.45  # interactive TPOT target / idle single-stream step (issue 19: <= 1.5x)
+# interactive TPOT target / idle single-stream step. Issue 19 asks P99 <= 1.5x the idle P50: the
+# target sits below it because steps jitter (15-55 ms for one 20 ms decode on a shared 2-core
+# CPU) and P99 of 16 streams is their worst; at 1.45 three runs gave 1.41x / 1.53x / 1.67x.
+TPOT_MULTIPLE = 1.3
 TTFT_MULTIPLE = 1.8  # interactive TTFT target / idle TTFT (issue 19: <= 2.0x)
 TYPICAL_PROMPT = 256  # tokens: the prompt an interactive arrival is assumed to bring
 BATCH_MULTIPLE = 10.0  # batch targets / interactive targets

@@ -35,7 +35,9 @@ def test_second_start_reuses_the_profiled_prior(make_llm, step_cost_cache, monke
     # the TPOT target is the measured idle decode step's multiple, kept beside the prior
     idle_step = record["idle_step_ms"]
     slo = first.engine.scheduler.step_budget.targets.interactive
-    assert idle_step > 0.0 and slo.tpot_ms == pytest.approx(1.45 * idle_step, abs=0.1)
+    assert idle_step > 0.0 and slo.tpot_ms == pytest.approx(
+        step_budget.TPOT_MULTIPLE * idle_step, abs=0.1
+    )
     engine = first.engine
     assert engine.num_steps == 0 and engine.block_manager.prefix_cache_queries == 0
     key = step_budget.step_cost_cache_key(engine)
@@ -48,7 +50,7 @@ def test_second_start_reuses_the_profiled_prior(make_llm, step_cost_cache, monke
     second = make_llm(slo_control=True)
     assert _prior(second) == pytest.approx(marked)
     assert second.engine.scheduler.step_budget.targets.interactive.tpot_ms == pytest.approx(
-        1.45 * 77.0, abs=0.1
+        step_budget.TPOT_MULTIPLE * 77.0, abs=0.1
     )
     out = second.generate(["Hi"], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(out[0].token_ids) == 2  # warmed up, serves

@@ -23,6 +23,7 @@ from gpu_worker.config import (
 from gpu_worker.request import Lane
 from gpu_worker.step_budget import (
     MIN_BATCH_CHUNK,
+    TPOT_MULTIPLE,
     BudgetController,
     LaneSlo,
     SloTargets,
@@ -123,7 +124,7 @@ def test_default_targets_are_multiples_of_the_measured_idle_step():
     t = default_targets(model, {"batch": {"tpot": 999.0}})
     idle_step = model.predict(StepFeatures(1, 1, 256))
     idle_ttft = model.predict(StepFeatures(256, 1, 256))
-    assert t.interactive.tpot_ms == pytest.approx(1.45 * idle_step, abs=0.1)
+    assert t.interactive.tpot_ms == pytest.approx(TPOT_MULTIPLE * idle_step, abs=0.1)
     assert t.interactive.ttft_ms == pytest.approx(1.8 * idle_ttft, abs=0.1)
     assert t.batch.tpot_ms == 999.0 and t.batch.ttft_ms > t.interactive.ttft_ms
 
@@ -344,7 +345,7 @@ def test_ttft_slack_follows_the_interactive_prompts_seen(make_sched):
 
 
 def test_derived_tpot_target_follows_the_lone_decode_steps_measured():
-    """A derived TPOT target is 1.45x the lone decode steps the worker measures while serving
+    """A derived TPOT target is TPOT_MULTIPLE x the lone decode steps the worker measures serving
     (wall clock: what an idle stream's client sees), not the start-up profile's bare step;
     an operator's target stays as given."""
     model = StepCostModel(TRUE)
@@ -355,6 +356,6 @@ def test_derived_tpot_target_follows_the_lone_decode_steps_measured():
         for ctl in (derived, given):
             ctl.observe(StepFeatures(1, 1, 100 + k), 30.0 if k % 10 else 300.0)  # outliers
             ctl.observe(StepFeatures(40, 8, 4000), 90.0)  # not a lone decode: ignored
-    assert derived.targets.interactive.tpot_ms == pytest.approx(1.45 * 30.0, rel=0.15)
+    assert derived.targets.interactive.tpot_ms == pytest.approx(TPOT_MULTIPLE * 30.0, rel=0.15)
     assert given.targets.interactive.tpot_ms == 10.0
     assert derived.targets.interactive.ttft_ms == 400.0 and derived.targets.batch.tpot_ms == 100.0
