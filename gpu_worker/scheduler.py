@@ -29,7 +29,9 @@ at `interactive_batch_token_cap` (and at half the budget); batch requests beyond
 their KV and seats and simply skip the step. Without interactive traffic batch gets the whole
 budget, unless an operator sets `batch_token_budget` (an opt-in limit on every batch step).
 Under a cap, batch requests take turns: each capped step starts after the last batch request
-the previous one served, so the skipped ones differ from step to step.
+the previous one served, so the skipped ones differ from step to step. The SLO controller may
+also cap the batch decodes of a batch-only step (`StepBudget.batch_decode_rows`, so prefill keeps
+its share of a step bounded by the TTFT slack); the skipped decodes take turns the same way.
 
 The engine loop is ``out = schedule(); run the model on out.scheduled; update_after_step(out);
 append the sampled token of every entry with samples=True; finish_request(...) the ones that stop``.
@@ -387,12 +389,15 @@ class Scheduler:
                 context += r.num_computed_tokens
             else:
                 prompt += r.num_tokens - r.num_computed_tokens
+        seats = self.config.max_num_seqs - len(self.running)
         for r in self.waiting:
             if r.lane is Lane.INTERACTIVE:  # interactive requests come first in the order
                 prompt += r.num_tokens
-            elif len(self.running) < self.config.max_num_seqs:
-                batch_prefill += r.num_tokens  # one waiting prompt says enough: stop here
-                break
+            elif seats <= 0 or batch_prefill >= self.config.max_num_batched_tokens:
+                break  # no seat for more, or more than a step could take anyway
+            else:  # every prompt a free seat could take (one alone starved admission of
+                seats -= 1  # short prompts: a 50-line job of ~100-token lines ran 3x slower)
+                batch_prefill += r.num_tokens
         return StepView(
             streams, batch, context, prompt, batch_context, batch_prefill, batch_decodes
         )
