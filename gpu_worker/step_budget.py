@@ -34,8 +34,8 @@ Defaults: targets the operator does not give come from the start-up profile (`pr
 interactive TPOT = `TPOT_MULTIPLE` x the idle single-stream decode step as measured there (the
 median of its batch-1 decode steps: the linear fit, dominated by large steps, once predicted
 twice the real one), then x the lone decode steps measured while serving (wall clock, so the
-engine loop's own overhead counts, as it does in the TPOT a client sees), interactive TTFT = `TTFT_MULTIPLE` x the idle TTFT of a
-`TYPICAL_PROMPT`-token prompt; batch targets are
+engine loop's own overhead counts, as it does in the TPOT a client sees); interactive TTFT =
+`TTFT_MULTIPLE` x the idle TTFT of a `TYPICAL_PROMPT`-token prompt; batch targets are
 `BATCH_MULTIPLE` times the interactive ones (batch is judged on throughput; its attainment is
 reported).
 
