@@ -232,7 +232,6 @@ class BudgetController:
         self.given_ttft = given_ttft
         self.given_tpot = given_tpot
         self._idle: collections.deque[float] = collections.deque(maxlen=64)  # lone decodes, ms
-        self._idle_n = 0
         self.typical_prompt = float(TYPICAL_PROMPT)  # running mean of interactive prompts
         self._num_prompts = 0
         self.last = StepBudget(max_tokens, None)
@@ -252,11 +251,15 @@ class BudgetController:
         """Batch tokens that fit beside `rows` interactive decodes (over `view.context`) within
         `target_ms`, each counted as a batch decode row (the dearer kind: a token, a row and
         an average batch request's context read)."""
+        base = self.model.predict(StepFeatures(rows, rows, view.context))
+        return max(0, int((target_ms - base) / self._batch_row_ms(view)))
+
+    def _batch_row_ms(self, view: StepView) -> float:
+        """Predicted cost of one batch decode row (ms): a token, a row and an average running
+        batch request's context read."""
         coef = self.model.coefficients
         avg_ctx = view.batch_context / max(view.batch_running, 1)
-        per_token = max(coef[1] + coef[2] + coef[3] * avg_ctx / 1000.0, 1e-6)
-        base = self.model.predict(StepFeatures(rows, rows, view.context))
-        return max(0, int((target_ms - base) / per_token))
+        return max(coef[1] + coef[2] + coef[3] * avg_ctx / 1000.0, 1e-6)
 
     def ttft_slack(self) -> float:
         """How long a step may run while an interactive arrival waits for it (ms): the TTFT
@@ -275,10 +278,8 @@ class BudgetController:
         and a prefill chunk that fits the rest (at least `MIN_BATCH_CHUNK`); otherwise every
         decode that fits (at least one)."""
         coef = self.model.coefficients
-        decodes = view.batch_decodes if view.batch_decodes or view.batch_prefill_tokens else (
-            view.batch_running)  # fmt: skip
-        avg_ctx = view.batch_context / max(view.batch_running, 1)
-        per_row = max(coef[1] + coef[2] + coef[3] * avg_ctx / 1000.0, 1e-6)
+        decodes = view.batch_decodes
+        per_row = self._batch_row_ms(view)
         per_token = max(coef[1], 1e-6)
         room = max(ms - coef[0], 0.0)
         if view.batch_prefill_tokens:
@@ -382,8 +383,7 @@ class BudgetController:
         (after `IDLE_STEPS_TO_LEARN` of them), so it is the multiple of the TPOT an idle
         stream really gets here, not of the start-up profile's bare engine step."""
         self._idle.append(ms)
-        self._idle_n += 1
-        if self._idle_n >= IDLE_STEPS_TO_LEARN and self._idle_n % 4 == 0:
+        if len(self._idle) >= IDLE_STEPS_TO_LEARN:
             tpot = round(TPOT_MULTIPLE * statistics.median(self._idle), 1)
             i = dataclasses.replace(self.targets.interactive, tpot_ms=tpot)
             self.targets = dataclasses.replace(self.targets, interactive=i)
@@ -517,8 +517,8 @@ def measure_step_cost_prior(engine: Any) -> tuple[list[float], float, int]:
     theta = fit_least_squares(samples)
     theta[0] = max(theta[0], 0.01)
     theta[1:] = [max(c, 0.0) for c in theta[1:]]
-    single = sorted(ms for f, ms in samples if f.tokens == 1 and f.rows == 1)
-    idle_step = single[len(single) // 2] if single else StepCostModel(theta).predict(
+    single = [ms for f, ms in samples if f.tokens == 1 and f.rows == 1]
+    idle_step = statistics.median(single) if single else StepCostModel(theta).predict(
         StepFeatures(1, 1, TYPICAL_PROMPT))  # fmt: skip
     return [float(c) for c in theta], float(idle_step), len(samples)
 

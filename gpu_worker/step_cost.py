@@ -134,9 +134,9 @@ class StepCostModel:
         self.theta = _to_scaled(self.theta0)
         # Predictions use no coefficient below `floor_fraction` of its prior (the fit itself is
         # left alone: clamping inside RLS made it oscillate): tokens and rows move together in
-        # decode steps, so the fit can trade one coefficient for another, and a per-token cost
-        # driven to ~0 once priced a 512-token batch chunk beside an interactive stream as free
-        # (a 1.8 s step, predicted within a 33 ms target).
+        # decode steps, so the fit can trade one coefficient for another, and a batch row's
+        # fitted cost (token + row + context) near 0 once priced a 512-token batch chunk beside
+        # an interactive stream as free (a 1.8 s step, planned within a 33 ms target).
         self._floor = [self.floor_fraction * max(t, 0.0) for t in self.theta]
         n = NUM_FEATURES
         self.p = [[self.prior_variance if i == j else 0.0 for j in range(n)] for i in range(n)]
