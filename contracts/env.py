@@ -100,6 +100,9 @@ _VARS: tuple[EnvVar, ...] = (
            test_only=True),
     EnvVar("LANESERVE_FAULT_CRASH", _str, None,
            "worker: a request whose prompt has this text makes the worker exit", test_only=True),
+    EnvVar("LANESERVE_FAULT_SLOWDOWN", float, None,
+           "worker: every model call takes this many times as long (SLO adaptation benchmark)",
+           test_only=True),
     # Not ours, read to decide what laneserve sets (see gpu_worker/openmp.py, kernels/__init__.py)
     EnvVar(
         "OMP_WAIT_POLICY",

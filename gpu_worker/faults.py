@@ -1,6 +1,6 @@
 """Test-only fault injection: an `Engine` wrapper the worker entry point installs when asked.
 
-Two faults, each enabled by a registered test-only variable that the worker entry point reads
+Three faults, each enabled by a registered test-only variable that the worker entry point reads
 once at start (`FaultPlan.from_env`); with neither set the worker drives the engine directly and
 nothing here runs:
 
@@ -11,12 +11,18 @@ nothing here runs:
 - ``LANESERVE_FAULT_CRASH=TEXT``: a request whose prompt or messages contain TEXT kills the worker
   process (``os._exit(1)``) when it is added, the way a request that crashes its worker every time
   would (tests/reliability, fault scenario 2).
+- ``LANESERVE_FAULT_SLOWDOWN=F`` (F > 1): every model call takes F times as long (the engine
+  sleeps (F - 1) x the call's own time after it), a machine F times slower for the SLO
+  controller's adaptation benchmark (`scripts/bench_lanes.py --slowdown 2`): its start-up profile
+  and cached step costs are the real machine's, every step it then measures is F times that.
+  Needs the real engine.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,22 +34,33 @@ logger = logging.getLogger(__name__)
 
 STEP_VAR = "LANESERVE_FAULT_STEP"
 CRASH_VAR = "LANESERVE_FAULT_CRASH"
+SLOWDOWN_VAR = "LANESERVE_FAULT_SLOWDOWN"
 
 
 @dataclass(frozen=True, slots=True)
 class FaultPlan:
-    """Which faults to inject: prompt texts that trigger them (None: that fault is off)."""
+    """Which faults to inject: prompt texts that trigger them (None: that fault is off) and the
+    model calls' slowdown factor (None: real speed)."""
 
     step_marker: str | None = None
     crash_marker: str | None = None
+    slowdown: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.slowdown is not None and not self.slowdown >= 1.0:
+            raise ValueError(f"{SLOWDOWN_VAR} must be a factor >= 1, got {self.slowdown}")
 
     @classmethod
     def from_env(cls) -> FaultPlan:
-        return cls(step_marker=env.get(STEP_VAR), crash_marker=env.get(CRASH_VAR))
+        return cls(
+            step_marker=env.get(STEP_VAR),
+            crash_marker=env.get(CRASH_VAR),
+            slowdown=env.get(SLOWDOWN_VAR),
+        )
 
     @property
     def enabled(self) -> bool:
-        return bool(self.step_marker or self.crash_marker)
+        return bool(self.step_marker or self.crash_marker or self.slowdown)
 
 
 def with_faults(engine: Engine, plan: FaultPlan) -> Engine:
@@ -64,11 +81,16 @@ class FaultInjectingEngine:
         self.model_name = engine.model_name
         self.kv_pool = getattr(engine, "kv_pool", {})
         self._marked: set[str] = set()  # live requests whose prompt carries the step marker
-        if plan.step_marker:
+        if plan.step_marker or plan.slowdown:
             execute = getattr(engine, "execute_model", None)
             if execute is None:
-                raise ValueError(f"{STEP_VAR} needs the real engine (no execute_model)")
-            engine.execute_model = self._failing(execute)  # type: ignore[attr-defined]
+                var = STEP_VAR if plan.step_marker else SLOWDOWN_VAR
+                raise ValueError(f"{var} needs the real engine (no execute_model)")
+            if plan.slowdown:
+                execute = _slowed(execute, plan.slowdown)
+            if plan.step_marker:
+                execute = self._failing(execute)
+            engine.execute_model = execute  # type: ignore[attr-defined]
         logger.warning("test fault injection on: %s", plan)
 
     def _failing(self, execute: Any) -> Any:
@@ -122,3 +144,16 @@ class FaultInjectingEngine:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+
+def _slowed(execute: Any, factor: float) -> Any:
+    """`execute` followed by a sleep of (factor - 1) x its own duration."""
+
+    def execute_model(out: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return execute(out)
+        finally:
+            time.sleep((factor - 1.0) * (time.perf_counter() - started))
+
+    return execute_model

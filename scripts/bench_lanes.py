@@ -16,11 +16,19 @@ text, TPOT = (total - TTFT) / (tokens - 1)) in three phases:
    requests: the batch lane's throughput (output tokens per second: the engines' generated
    tokens minus the interactive requests') to compare phase 2's with.
 
+Each bulk phase starts measuring (and sending) once its job has completed
+`--batch-warmup-lines` lines: a job's first seconds are the prefill of every prompt the worker
+admits, with no output tokens, and a 32 s window that includes them measured the ramp-up more
+than the lane (twice as much on a machine twice as slow).
+
 A job is cancelled after its phase and the stack drains before the next one. Targets (issue 19,
 no engine flags): with lanes, TTFT P99 under load <= 2x idle TTFT P50, TPOT P99 under load <=
 1.5x idle TPOT P50, and batch throughput beside the interactive traffic >= 70 % of batch alone.
 `--variants 'slo=;fixed=--no-slo-control'` runs the same phases on each stack in turn and prints
-them side by side. Prints JSON and writes a PNG to `--out`.
+them side by side; `--slowdown 2` makes every model call of the worker take twice as long (a
+machine twice as slow, `LANESERVE_FAULT_SLOWDOWN`; its start-up profile and cached step costs
+stay the real machine's, so the controller must adapt online). Prints JSON and writes a PNG to
+`--out`.
 
     python scripts/bench_lanes.py --rate 0.5 --interactive 8 --bulk-lines 64 --max-num-seqs 16
 """
@@ -165,6 +173,12 @@ def main() -> int:
     parser.add_argument("--bulk-tokens", type=int, default=48)
     parser.add_argument("--timeout", type=float, default=300.0, help="s to wait for a phase")
     parser.add_argument(
+        "--batch-warmup-lines",
+        type=int,
+        default=32,
+        help="a bulk phase measures from when its job completed this many lines (steady state)",
+    )
+    parser.add_argument(
         "--phases",
         default="idle,lanes,fifo,batch_alone",
         help="phases to run, in this order (idle and lanes are needed for the ratios; fifo "
@@ -186,6 +200,8 @@ def main() -> int:
                 "bulk_tokens",
                 "dtype",
                 "max_num_seqs",
+                "slowdown",
+                "batch_warmup_lines",
             )
         },  # fmt: skip
         "variants": {},
@@ -238,6 +254,7 @@ def run_phases(args, extra: list[str], rng: random.Random) -> dict:
                 job_id = submit_bulk(engine, args, phase)
                 st = wait_busy(front, saturated)
                 log(f"{phase}: bulk job {job_id} running, queues {st['queues']}")
+                _wait_lines(service, engine, job_id, args.batch_warmup_lines, args.timeout)
                 done0, t0 = _completed(service, engine, job_id), time.perf_counter()
                 tokens0 = _generated(front)
             if lane is None:  # batch alone, as long as the interactive phases send
@@ -290,6 +307,14 @@ def _generated(front: str) -> int:
 
 def _completed(service, engine, job_id: str) -> int:
     return int(service.get_batch(engine, job_id).request_counts.get("completed", 0))
+
+
+def _wait_lines(service, engine, job_id: str, lines: int, timeout_s: float) -> None:
+    """Until the job completed `lines` lines: past its ramp-up (the first seconds of a job are
+    the prefill of every prompt the worker admits, with no output tokens yet)."""
+    deadline = time.monotonic() + timeout_s
+    while _completed(service, engine, job_id) < lines and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 def verdict(phases: dict) -> dict:

@@ -64,6 +64,13 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("/tmp"), help="directory for the PNG")
     parser.add_argument(
+        "--slowdown",
+        type=float,
+        default=None,
+        help="a fresh stack's model calls take this many times as long (LANESERVE_FAULT_SLOWDOWN, "
+        "test-only: a machine that much slower, to show the SLO controller adapts)",
+    )
+    parser.add_argument(
         "--variants",
         default="default=",
         help="side-by-side stacks in one run, 'NAME=UP ARGS;NAME=UP ARGS', e.g. "
@@ -106,7 +113,10 @@ def bench_stack(args: argparse.Namespace, extra_up_args: list[str] | None = None
     up += extra_up_args or []
     with tempfile.TemporaryDirectory(prefix="lsbench") as home:
         log(f"starting a stack in {home}: laneserve up {' '.join(up)}")
-        proc, info = start_stack_process(Path(home), up)
+        env = None
+        if getattr(args, "slowdown", None):
+            env = dict(os.environ, LANESERVE_FAULT_SLOWDOWN=str(args.slowdown))
+        proc, info = start_stack_process(Path(home), up, env=env)
         try:
             yield info
         finally:
@@ -385,6 +395,7 @@ def main() -> int:
             "model": args.model,
             "dtype": args.dtype,
             "max_num_seqs": args.max_num_seqs,
+            "slowdown": args.slowdown,
             "mode": f"poisson {args.rate} req/s" if args.rate else "closed loop",
         },
         "levels": [],

@@ -118,6 +118,38 @@ def test_step_fault_fails_that_step_through_the_engines_recovery(make_llm):
     llm.check_integrity()
 
 
+def test_slowdown_fault_stretches_every_model_call(make_llm, monkeypatch):
+    """LANESERVE_FAULT_SLOWDOWN=3: each model call takes 3x its own time (the SLO adaptation
+    benchmark's machine three times slower); a factor below 1 is refused."""
+    monkeypatch.setenv("LANESERVE_FAULT_SLOWDOWN", "3")
+    plan = FaultPlan.from_env()
+    assert plan.slowdown == 3.0 and plan.enabled
+    with pytest.raises(ValueError, match="LANESERVE_FAULT_SLOWDOWN"):
+        FaultPlan(slowdown=0.5)
+    llm = make_llm(num_blocks=64)
+    inner: list[float] = []
+    real = llm.engine.execute_model
+
+    def timed(out):
+        started = time.perf_counter()
+        try:
+            return real(out)
+        finally:
+            inner.append(time.perf_counter() - started)
+
+    llm.engine.execute_model = timed
+    engine = with_faults(llm.engine, plan)
+    engine.add_request("r", prompt="a prompt", sampling_params=SamplingParams(max_tokens=4))
+    while engine.has_unfinished_requests():
+        started = time.perf_counter()
+        n = len(inner)
+        engine.step()
+        if len(inner) > n:
+            assert time.perf_counter() - started >= 3 * inner[-1] * 0.95
+    assert len(inner) >= 4
+    llm.check_integrity()
+
+
 # ----------------------------------------------------------------- a worker process with each
 
 
