@@ -6,10 +6,15 @@ a TPOT target (P99, ms), ``--slo interactive:ttft=800,tpot=60 batch:tpot=400``. 
 (`gpu_worker.step_cost.StepCostModel`, fitted online from every step) and picks:
 
 - **interactive streams running**: batch gets what the model predicts fits beside the
-  interactive decodes within ``headroom x`` the interactive TPOT target (at least
-  ``min_batch_tokens``, so it never stops); an arriving interactive prompt prefills in chunks of
-  up to what fits in half its TTFT target, so it is not starved by the TPOT pacing (TPOT is a
-  mean over a stream's tokens: one longer step moves it little, many short ones cost TTFT);
+  interactive decodes within ``headroom x`` the interactive TPOT target, as an average over
+  steps: the fraction of a batch row the target affords accrues as credit, and a step takes
+  the whole tokens of it (at least ``min_batch_rate`` tokens a step on average, so batch never
+  stops). A whole row forced into every step cost ~20 % of a CPU decode step, as much as the
+  TPOT target's margin, and left the stream's TPOT at the target whatever the headroom; an arriving interactive prompt prefills in chunks of
+  up to what fits in half its TTFT target, and at least `MIN_PREFILL_CHUNK` tokens, so it is not
+  starved by the TPOT pacing (TPOT is a mean over a stream's tokens: one longer step moves it
+  little, many short ones cost TTFT; with many streams running even their decodes alone may
+  overrun half the TTFT target);
 - **an interactive prompt waiting, no stream yet**: the prompt gets the whole budget (TTFT), batch
   the share it would get beside one stream;
 - **no interactive traffic**: batch steps grow for throughput, but only so long that an
@@ -22,11 +27,17 @@ a TPOT target (P99, ms), ``--slo interactive:ttft=800,tpot=60 batch:tpot=400``. 
   assumed. Decodes never crowd prefill out: while batch prompts wait to be prefilled, the step
   holds as many batch decodes as fit half of that time (`batch_decode_rows`; the scheduler
   rotates the ones it skips, so every request progresses) and a prefill chunk that fits the
-  rest (at least `MIN_BATCH_CHUNK` tokens); with nothing to prefill, decodes take it all.
+  rest (at least `MIN_PREFILL_CHUNK` tokens); with nothing to prefill, decodes take it all.
 
 The plan aims at ``headroom x`` the step's target; ``headroom`` (0.5 .. 1.0) follows the
-measured step times: when more than 1 % of the last window's steps with a target ran over the
-target itself, it shrinks by 10 %; when none came within 10 % of it, it grows back by 3 %.
+measured step times, every 64 steps: when the steps with a target averaged over 0.85 of it, it
+shrinks by 10 %; when they averaged under 0.75 of it, or none had one, it grows back by 3 %. The
+mean, not a high percentile: TPOT is a mean over a stream's steps (0.85 leaves the P99 of such
+means room over their mean), and on a jittery CPU the slowest of 64 lone decode steps runs 1.7x
+their median whatever the plan (a P99 rule held the headroom at its floor from the idle phase
+on, starving batch work for no TPOT gain). While streams run, only the steps they pace count
+(a batch-only step's ratio to the longer TTFT slack says nothing of TPOT); a batch-only step
+planned over its slack on purpose (the minimum chunk) carries no target.
 The fixed knobs (``max_num_batched_tokens``, ``interactive_batch_token_cap``,
 ``batch_token_budget``) stay hard upper bounds, applied by the scheduler.
 
@@ -35,9 +46,11 @@ interactive TPOT = `TPOT_MULTIPLE` x the idle single-stream decode step as measu
 median of its batch-1 decode steps: the linear fit, dominated by large steps, once predicted
 twice the real one), then x the lone decode steps measured while serving (wall clock, so the
 engine loop's own overhead counts, as it does in the TPOT a client sees); interactive TTFT =
-`TTFT_MULTIPLE` x the idle TTFT of a `TYPICAL_PROMPT`-token prompt; batch targets are
-`BATCH_MULTIPLE` times the interactive ones (batch is judged on throughput; its attainment is
-reported).
+`TTFT_MULTIPLE` x the idle TTFT of a `TYPICAL_PROMPT`-token prompt as the cost model predicts it,
+re-derived every `RETARGET_STEPS` measured steps, so both derived targets follow the machine the
+worker really runs on (a machine that turns twice as slow gets targets twice as long, not a
+TTFT target its running decodes alone overrun); batch targets are `BATCH_MULTIPLE` times the
+interactive ones at start (batch is judged on throughput; its attainment is reported).
 
 Per-lane attainment is the fraction of the last `ATTAINMENT_WINDOW` finished requests of the lane
 whose engine-side TTFT and TPOT both met the targets.
@@ -83,7 +96,8 @@ TPOT_MULTIPLE = 1.3
 TTFT_MULTIPLE = 1.8  # interactive TTFT target / idle TTFT (issue 19: <= 2.0x)
 TYPICAL_PROMPT = 256  # tokens: the prompt an interactive arrival is assumed to bring
 BATCH_MULTIPLE = 10.0  # batch targets / interactive targets
-# Prefill tokens a batch-only step with prompts to prefill always has room for: at least the
+# Prefill tokens a step with prompts to prefill always has room for (a batch-only step's batch
+# prompts, an interactive prompt beside running streams): at least the
 # rows from which the linears run dense GEMMs (gpu_worker/quantization.py: 10 rows in bf16, 32 in
 # float32). Below that a CPU step pays the per-row GEMV price for every prompt token: on a 2-core
 # AVX2 CPU in float32, 16-token chunks cost ~9 ms a row against ~4.7 in 64-token dense ones, and
@@ -91,10 +105,12 @@ BATCH_MULTIPLE = 10.0  # batch targets / interactive targets
 # the cost model seeing steps of real size: fed only tiny steps (tokens and rows moving
 # together), its least-squares fit once put the cost on tokens, planned 5-token chunks from then
 # on and held a 64-seat worker at 3 running requests after its first bulk job.
-MIN_BATCH_CHUNK = 32
+MIN_PREFILL_CHUNK = 32
+MIN_BATCH_RATE = 0.25  # batch tokens per step beside interactive streams, at least (average)
+RETARGET_STEPS = 64  # measured steps between re-derivations of a derived TTFT target
 ATTAINMENT_WINDOW = 200  # finished requests per lane
 IDLE_STEPS_TO_LEARN = 20  # lone decode steps before a derived TPOT target follows them
-_HEADROOM_WINDOW = 64  # steps with a target between headroom updates
+_HEADROOM_WINDOW = 64  # measured steps between headroom updates
 _LANES = ("interactive", "batch")
 
 
@@ -157,10 +173,9 @@ def default_targets(
     `idle_step_ms` is the measured idle single-stream decode step (the model's prediction for
     one when None)."""
     idle_step = idle_step_ms or model.predict(StepFeatures(1, 1, TYPICAL_PROMPT))
-    idle_ttft = model.predict(StepFeatures(TYPICAL_PROMPT, 1, TYPICAL_PROMPT))
     inter = given.get("interactive", {})
     i_slo = LaneSlo(
-        inter.get("ttft", round(TTFT_MULTIPLE * idle_ttft, 1)),
+        inter.get("ttft", derived_ttft(model)),
         inter.get("tpot", round(TPOT_MULTIPLE * idle_step, 1)),
     )
     batch = given.get("batch", {})
@@ -169,6 +184,12 @@ def default_targets(
         batch.get("tpot", round(BATCH_MULTIPLE * i_slo.tpot_ms, 1)),
     )
     return SloTargets(i_slo, b_slo)
+
+
+def derived_ttft(model: StepCostModel) -> float:
+    """The default interactive TTFT target (ms): `TTFT_MULTIPLE` x the predicted idle TTFT (the
+    prefill step) of a `TYPICAL_PROMPT`-token prompt."""
+    return round(TTFT_MULTIPLE * model.predict(StepFeatures(TYPICAL_PROMPT, 1, TYPICAL_PROMPT)), 1)
 
 
 # ------------------------------------------------------------------------------ the controller
@@ -204,7 +225,7 @@ class BudgetController:
         targets: the per-lane targets.
         model: the step-cost model (updated by `observe`).
         max_tokens: the scheduler's `max_num_batched_tokens` (a hard bound).
-        min_batch_tokens: batch tokens per step while interactive traffic is present.
+        min_batch_rate: batch tokens per step, on average, while streams run (module docstring).
         wall_clock: time each step itself (from one `schedule()` to the next); False when the
             caller reports step times through `observe` (tests replaying step-cost traces).
         given_ttft: the interactive TTFT target is the operator's (else derived: the batch-only
@@ -218,7 +239,7 @@ class BudgetController:
         targets: SloTargets,
         model: StepCostModel,
         max_tokens: int,
-        min_batch_tokens: int = 1,
+        min_batch_rate: float = MIN_BATCH_RATE,
         wall_clock: bool = True,
         given_ttft: bool = False,
         given_tpot: bool = True,
@@ -227,7 +248,8 @@ class BudgetController:
         self.targets = targets
         self.model = model
         self.max_tokens = max_tokens
-        self.min_batch_tokens = min_batch_tokens
+        self.min_batch_rate = min_batch_rate
+        self._batch_credit = 0.0  # batch tokens owed beside streams (fractions of a row accrue)
         self.headroom = 1.0  # the feedback lowers it when steps run over their target
         self.given_ttft = given_ttft
         self.given_tpot = given_tpot
@@ -239,20 +261,22 @@ class BudgetController:
         self.predicted_ms = 0.0  # of the last step scheduled
         self.measured_ms = 0.0  # EMA of measured steps
         self.prediction_error_ms = 0.0  # EMA of |measured - predicted|
-        self._ratios: list[float] = []  # measured / target of steps with a target
+        # measured / target of this window's steps: [others with a target, TPOT-paced ones]
+        self._ratios: tuple[list[float], list[float]] = ([], [])
         self._met: dict[str, collections.deque[bool]] = {
             lane: collections.deque(maxlen=ATTAINMENT_WINDOW) for lane in _LANES
         }
         self._pending: tuple[StepFeatures, float, float | None, float] | None = None
         self._last_update = 0.0
+        self._num_observed = 0
 
     # --- planning ---
-    def _batch_share(self, rows: int, view: StepView, target_ms: float) -> int:
-        """Batch tokens that fit beside `rows` interactive decodes (over `view.context`) within
-        `target_ms`, each counted as a batch decode row (the dearer kind: a token, a row and
-        an average batch request's context read)."""
+    def _batch_share(self, rows: int, view: StepView, target_ms: float) -> float:
+        """Batch tokens (a fraction of one, maybe) that fit beside `rows` interactive decodes
+        (over `view.context`) within `target_ms`, each counted as a batch decode row (the dearer
+        kind: a token, a row and an average batch request's context read)."""
         base = self.model.predict(StepFeatures(rows, rows, view.context))
-        return max(0, int((target_ms - base) / self._batch_row_ms(view)))
+        return max(0.0, (target_ms - base) / self._batch_row_ms(view))
 
     def _batch_row_ms(self, view: StepView) -> float:
         """Predicted cost of one batch decode row (ms): a token, a row and an average running
@@ -275,7 +299,7 @@ class BudgetController:
     def _batch_only(self, view: StepView, ms: float) -> tuple[int, int, float]:
         """(token budget, batch decode rows, predicted ms) of a batch-only step aimed at `ms`:
         while prompts wait to be prefilled, the decodes that fit half of `ms` (at least one)
-        and a prefill chunk that fits the rest (at least `MIN_BATCH_CHUNK`); otherwise every
+        and a prefill chunk that fits the rest (at least `MIN_PREFILL_CHUNK`); otherwise every
         decode that fits (at least one)."""
         coef = self.model.coefficients
         decodes = view.batch_decodes
@@ -284,7 +308,7 @@ class BudgetController:
         room = max(ms - coef[0], 0.0)
         if view.batch_prefill_tokens:
             rows = min(decodes, max(1, int(0.5 * room / per_row)))
-            chunk = max(MIN_BATCH_CHUNK, int((room - rows * per_row) / per_token))
+            chunk = max(MIN_PREFILL_CHUNK, int((room - rows * per_row) / per_token))
             chunk = min(chunk, view.batch_prefill_tokens)
         else:
             chunk, rows = 0, min(decodes, max(1, int(room / per_row)))
@@ -303,22 +327,31 @@ class BudgetController:
         tpot = self.targets.interactive.tpot_ms
         ttft = self.targets.interactive.ttft_ms
         h = self.headroom
+        if not view.interactive_running:
+            self._batch_credit = 0.0
         if view.interactive_running:
             target = tpot
             rows = view.interactive_running
-            room = self._batch_share(rows, view, h * target)
+            rate = max(self._batch_share(rows, view, h * target), self.min_batch_rate)
+            self._batch_credit = min(self._batch_credit + rate, rate + 1.0)  # no bursts
+            room = int(self._batch_credit)
+            self._batch_credit -= room
             # An arriving prompt prefills in as few steps as its TTFT allows: one long step
             # barely moves a stream's TPOT (a mean over its tokens), many short ones cost TTFT.
             chunk = min(
                 view.interactive_waiting_tokens,
-                max(room, self.model.max_tokens_within(0.5 * ttft, rows, view.context)),
+                max(
+                    room,
+                    self.model.max_tokens_within(0.5 * ttft, rows, view.context),
+                    MIN_PREFILL_CHUNK,
+                ),
             )
             budget = rows + chunk + max(room, 1)
-            batch = max(self.min_batch_tokens, room)
+            batch = room
         elif view.interactive_waiting_tokens:
             target = None  # the prompt's prefill: TTFT, as fast as the budget allows
             budget = self.max_tokens
-            batch = max(self.min_batch_tokens, self._batch_share(1, view, h * tpot))
+            batch = max(1, int(self._batch_share(1, view, h * tpot)))
         else:
             target = max(tpot, self.ttft_slack())
             budget, rows_cap, predicted = self._batch_only(view, h * target)
@@ -372,10 +405,14 @@ class BudgetController:
         )
         if features.tokens == 1 and features.rows == 1 and not self.given_tpot:
             self._learn_idle_step(measured_ms)
+        self._num_observed += 1
+        if not self.given_ttft and self._num_observed % RETARGET_STEPS == 0:
+            self._follow_model_ttft()
         if target_ms:
-            self._ratios.append(measured_ms / target_ms)
-            if len(self._ratios) >= _HEADROOM_WINDOW:
-                self._adjust_headroom()
+            paced = target_ms == self.targets.interactive.tpot_ms  # streams running
+            self._ratios[paced].append(measured_ms / target_ms)
+        if self._num_observed % _HEADROOM_WINDOW == 0:
+            self._adjust_headroom()
 
     def _learn_idle_step(self, ms: float) -> None:
         """A lone decode step took `ms` (wall clock, the engine loop's own overhead included):
@@ -388,13 +425,24 @@ class BudgetController:
             i = dataclasses.replace(self.targets.interactive, tpot_ms=tpot)
             self.targets = dataclasses.replace(self.targets, interactive=i)
 
+    def _follow_model_ttft(self) -> None:
+        """A derived interactive TTFT target: `TTFT_MULTIPLE` x the predicted idle TTFT of a
+        `TYPICAL_PROMPT`-token prompt under the model as it is now (as at start-up)."""
+        ttft = derived_ttft(self.model)
+        i = dataclasses.replace(self.targets.interactive, ttft_ms=ttft)
+        self.targets = dataclasses.replace(self.targets, interactive=i)
+
     def _adjust_headroom(self) -> None:
-        ratios = sorted(self._ratios)
-        self._ratios.clear()
-        p99 = ratios[min(len(ratios) - 1, int(0.99 * len(ratios)))]
-        if p99 > 1.0:
+        """Every `_HEADROOM_WINDOW` measured steps: shrink the headroom 10 % when the steps with
+        a target (the TPOT-paced ones when streams ran) averaged over 0.85 of it, grow it back
+        3 % when they averaged under 0.75 of it or none had a target (module docstring)."""
+        others, paced = self._ratios
+        self._ratios = ([], [])
+        ratios = paced or others
+        mean = statistics.fmean(ratios) if ratios else 0.0
+        if mean > 0.85:
             self.headroom = max(0.5, self.headroom * 0.9)
-        elif p99 < 0.9:
+        elif mean < 0.75:
             self.headroom = min(1.0, self.headroom * 1.03)
 
     def on_finish(self, request: Request) -> None:
