@@ -141,8 +141,11 @@ def test_submit_watch_twice_show_download_cancel(cli, remote, tmp_path):
     assert seen[1] >= seen[0], seen
 
     # Ctrl-C on a watcher: it says the job keeps running and how to re-attach, no traceback.
+    # Ctrl-C raises KeyboardInterrupt in the child whatever it inherited: a shell starts
+    # background jobs with SIGINT ignored, and a Python started so keeps ignoring it
+    code = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n" + AUDITED_CLI
     watcher = subprocess.Popen(
-        [sys.executable, "-c", AUDITED_CLI, "jobs", "watch", job_id], env=cli.env, cwd=cli.home,
+        [sys.executable, "-c", code, "jobs", "watch", job_id], env=cli.env, cwd=cli.home,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     first = watcher.stderr.readline()  # the first progress line: the watcher is attached
