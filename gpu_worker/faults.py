@@ -1,7 +1,7 @@
 """Test-only fault injection: an `Engine` wrapper the worker entry point installs when asked.
 
 Three faults, each enabled by a registered test-only variable that the worker entry point reads
-once at start (`FaultPlan.from_env`); with neither set the worker drives the engine directly and
+once at start (`FaultPlan.from_env`); with none set the worker drives the engine directly and
 nothing here runs:
 
 - ``LANESERVE_FAULT_STEP=TEXT``: an engine step whose batch holds a request whose prompt or
@@ -11,7 +11,7 @@ nothing here runs:
 - ``LANESERVE_FAULT_CRASH=TEXT``: a request whose prompt or messages contain TEXT kills the worker
   process (``os._exit(1)``) when it is added, the way a request that crashes its worker every time
   would (tests/reliability, fault scenario 2).
-- ``LANESERVE_FAULT_SLOWDOWN=F`` (F > 1): every model call takes F times as long (the engine
+- ``LANESERVE_FAULT_SLOWDOWN=F`` (F >= 1): every model call takes F times as long (the engine
   sleeps (F - 1) x the call's own time after it), a machine F times slower for the SLO
   controller's adaptation benchmark (`scripts/bench_lanes.py --slowdown 2`): its start-up profile
   and cached step costs are the real machine's, every step it then measures is F times that.
@@ -21,6 +21,7 @@ nothing here runs:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -47,8 +48,8 @@ class FaultPlan:
     slowdown: float | None = None
 
     def __post_init__(self) -> None:
-        if self.slowdown is not None and not self.slowdown >= 1.0:
-            raise ValueError(f"{SLOWDOWN_VAR} must be a factor >= 1, got {self.slowdown}")
+        if self.slowdown is not None and not 1.0 <= self.slowdown < math.inf:
+            raise ValueError(f"{SLOWDOWN_VAR} must be a finite factor >= 1, got {self.slowdown}")
 
     @classmethod
     def from_env(cls) -> FaultPlan:
@@ -72,7 +73,7 @@ class FaultInjectingEngine:
     """An `Engine` that delegates to `engine` and injects the faults of `plan`.
 
     Raises (constructor):
-        ValueError: a step fault asked of an engine without `execute_model`.
+        ValueError: a step fault or a slowdown asked of an engine without `execute_model`.
     """
 
     def __init__(self, engine: Engine, plan: FaultPlan) -> None:

@@ -36,8 +36,12 @@ mean, not a high percentile: TPOT is a mean over a stream's steps (0.85 leaves t
 means room over their mean), and on a jittery CPU the slowest of 64 lone decode steps runs 1.7x
 their median whatever the plan (a P99 rule held the headroom at its floor from the idle phase
 on, starving batch work for no TPOT gain). While streams run, only the steps they pace count
-(a batch-only step's ratio to the longer TTFT slack says nothing of TPOT); a batch-only step
-planned over its slack on purpose (the minimum chunk) carries no target.
+(a batch-only step's ratio to the longer TTFT slack says nothing of TPOT), and a window judges
+by at least 8 steps. An interactive prompt's prefill beside running streams counts with the TPOT
+target: it lengthens those streams' TPOT, and less batch beside them is the only compensation
+(frequent arrivals can so hold the headroom at its floor; with no batch running that costs
+nothing). A batch-only step planned over its slack on purpose (the minimum chunk) carries no
+target.
 The fixed knobs (``max_num_batched_tokens``, ``interactive_batch_token_cap``,
 ``batch_token_budget``) stay hard upper bounds, applied by the scheduler.
 
@@ -47,7 +51,8 @@ median of its batch-1 decode steps: the linear fit, dominated by large steps, on
 twice the real one), then x the lone decode steps measured while serving (wall clock, so the
 engine loop's own overhead counts, as it does in the TPOT a client sees); interactive TTFT =
 `TTFT_MULTIPLE` x the idle TTFT of a `TYPICAL_PROMPT`-token prompt as the cost model predicts it,
-re-derived every `RETARGET_STEPS` measured steps, so both derived targets follow the machine the
+re-derived every `RETARGET_STEPS` measured steps (within 0.5-4x the start-up value), so both
+derived targets follow the machine the
 worker really runs on (a machine that turns twice as slow gets targets twice as long, not a
 TTFT target its running decodes alone overrun); batch targets are `BATCH_MULTIPLE` times the
 interactive ones at start (batch is judged on throughput; its attainment is reported).
@@ -111,6 +116,7 @@ RETARGET_STEPS = 64  # measured steps between re-derivations of a derived TTFT t
 ATTAINMENT_WINDOW = 200  # finished requests per lane
 IDLE_STEPS_TO_LEARN = 20  # lone decode steps before a derived TPOT target follows them
 _HEADROOM_WINDOW = 64  # measured steps between headroom updates
+_HEADROOM_MIN_STEPS = 8  # steps with a target a window needs to judge the headroom by
 _LANES = ("interactive", "batch")
 
 
@@ -269,6 +275,8 @@ class BudgetController:
         self._pending: tuple[StepFeatures, float, float | None, float] | None = None
         self._last_update = 0.0
         self._num_observed = 0
+        self.last_paced = False
+        self._start_ttft = targets.interactive.ttft_ms
 
     # --- planning ---
     def _batch_share(self, rows: int, view: StepView, target_ms: float) -> float:
@@ -333,7 +341,7 @@ class BudgetController:
             target = tpot
             rows = view.interactive_running
             rate = max(self._batch_share(rows, view, h * target), self.min_batch_rate)
-            self._batch_credit = min(self._batch_credit + rate, rate + 1.0)  # no bursts
+            self._batch_credit += rate  # below 1 after every step: no bursts
             room = int(self._batch_credit)
             self._batch_credit -= room
             # An arriving prompt prefills in as few steps as its TTFT allows: one long step
@@ -347,7 +355,7 @@ class BudgetController:
                 ),
             )
             budget = rows + chunk + max(room, 1)
-            batch = room
+            batch = room  # a prompt's prefill here keeps the TPOT target (module docstring)
         elif view.interactive_waiting_tokens:
             target = None  # the prompt's prefill: TTFT, as fast as the budget allows
             budget = self.max_tokens
@@ -360,13 +368,16 @@ class BudgetController:
             batch = None
         self.last = StepBudget(max(1, min(budget, self.max_tokens)), batch, rows_cap)
         self.last_target_ms = target  # the target itself; the plan aimed at headroom x it
+        self.last_paced = target is not None and bool(view.interactive_running)
         return self.last
 
     # --- measuring ---
     def on_scheduled(self, features: StepFeatures) -> None:
         """The step just built runs `features`: remember its prediction and start time."""
         self.predicted_ms = self.model.predict(features)
-        self._pending = (features, time.monotonic(), self.last_target_ms, self.predicted_ms)
+        self._pending = (
+            features, time.monotonic(), self.last_target_ms, self.predicted_ms, self.last_paced
+        )  # fmt: skip
 
     def on_step_done(self) -> None:
         """The scheduled step computed (`Scheduler.update_after_step`)."""
@@ -377,14 +388,14 @@ class BudgetController:
         schedule when the engine went straight on, else to its update (idle gaps excluded)."""
         if self._pending is None or not self.wall_clock:
             return
-        features, start, target, predicted = self._pending
+        features, start, target, predicted, paced = self._pending
         self._pending = None
         done = self._last_update
         if done < start:
             return  # never completed (engine step failed)
         gap = now - done
         ms = (now - start if gap < max(0.005, 0.5 * (done - start)) else done - start) * 1000.0
-        self.observe(features, ms, target, predicted)
+        self.observe(features, ms, target, predicted, paced)
 
     def observe(
         self,
@@ -392,8 +403,13 @@ class BudgetController:
         measured_ms: float,
         target_ms: float | None = None,
         predicted_ms: float | None = None,
+        paced: bool | None = None,
     ) -> None:
-        """Fold one measured step in: the cost model, the EMAs, and the headroom feedback."""
+        """Fold one measured step in: the cost model, the EMAs, and the headroom feedback.
+        `paced`: the step was paced by interactive streams (their TPOT target); None infers it
+        from `target_ms` being that target (traces replayed by tests)."""
+        if paced is None:
+            paced = target_ms is not None and target_ms == self.targets.interactive.tpot_ms
         predicted = self.model.predict(features) if predicted_ms is None else predicted_ms
         self.model.update(features, measured_ms)
         a = 0.1
@@ -409,7 +425,6 @@ class BudgetController:
         if not self.given_ttft and self._num_observed % RETARGET_STEPS == 0:
             self._follow_model_ttft()
         if target_ms:
-            paced = target_ms == self.targets.interactive.tpot_ms  # streams running
             self._ratios[paced].append(measured_ms / target_ms)
         if self._num_observed % _HEADROOM_WINDOW == 0:
             self._adjust_headroom()
@@ -427,18 +442,20 @@ class BudgetController:
 
     def _follow_model_ttft(self) -> None:
         """A derived interactive TTFT target: `TTFT_MULTIPLE` x the predicted idle TTFT of a
-        `TYPICAL_PROMPT`-token prompt under the model as it is now (as at start-up)."""
-        ttft = derived_ttft(self.model)
+        `TYPICAL_PROMPT`-token prompt under the model as it is now (as at start-up), within
+        0.5-4x the start-up target (the fit sees mostly decode steps: it extrapolates a prefill)."""
+        ttft = min(max(derived_ttft(self.model), 0.5 * self._start_ttft), 4.0 * self._start_ttft)
         i = dataclasses.replace(self.targets.interactive, ttft_ms=ttft)
         self.targets = dataclasses.replace(self.targets, interactive=i)
 
     def _adjust_headroom(self) -> None:
         """Every `_HEADROOM_WINDOW` measured steps: shrink the headroom 10 % when the steps with
-        a target (the TPOT-paced ones when streams ran) averaged over 0.85 of it, grow it back
-        3 % when they averaged under 0.75 of it or none had a target (module docstring)."""
+        a target (the TPOT-paced ones when at least `_HEADROOM_MIN_STEPS` ran) averaged over 0.85
+        of it, grow it back 3 % when they averaged under 0.75 of it or too few had a target
+        (module docstring)."""
         others, paced = self._ratios
         self._ratios = ([], [])
-        ratios = paced or others
+        ratios = next((r for r in (paced, others) if len(r) >= _HEADROOM_MIN_STEPS), [])
         mean = statistics.fmean(ratios) if ratios else 0.0
         if mean > 0.85:
             self.headroom = max(0.5, self.headroom * 0.9)

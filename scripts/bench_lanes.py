@@ -176,7 +176,8 @@ def main() -> int:
         "--batch-warmup-lines",
         type=int,
         default=32,
-        help="a bulk phase measures from when its job completed this many lines (steady state)",
+        help="a bulk phase measures from when its job completed this many lines (steady state; "
+        "at most half of --bulk-lines)",
     )
     parser.add_argument(
         "--phases",
@@ -254,7 +255,9 @@ def run_phases(args, extra: list[str], rng: random.Random) -> dict:
                 job_id = submit_bulk(engine, args, phase)
                 st = wait_busy(front, saturated)
                 log(f"{phase}: bulk job {job_id} running, queues {st['queues']}")
-                _wait_lines(service, engine, job_id, args.batch_warmup_lines, args.timeout)
+                warmup = min(args.batch_warmup_lines, args.bulk_lines // 2)
+                if not _wait_lines(service, engine, job_id, warmup, args.timeout):
+                    log(f"warning: {warmup} lines not completed in {args.timeout} s; measuring")
                 done0, t0 = _completed(service, engine, job_id), time.perf_counter()
                 tokens0 = _generated(front)
             if lane is None:  # batch alone, as long as the interactive phases send
@@ -309,12 +312,16 @@ def _completed(service, engine, job_id: str) -> int:
     return int(service.get_batch(engine, job_id).request_counts.get("completed", 0))
 
 
-def _wait_lines(service, engine, job_id: str, lines: int, timeout_s: float) -> None:
-    """Until the job completed `lines` lines: past its ramp-up (the first seconds of a job are
-    the prefill of every prompt the worker admits, with no output tokens yet)."""
+def _wait_lines(service, engine, job_id: str, lines: int, timeout_s: float) -> bool:
+    """Until the job completed `lines` lines (True), past its ramp-up (the first seconds of a
+    job are the prefill of every prompt the worker admits, with no output tokens yet), or
+    `timeout_s` passed (False)."""
     deadline = time.monotonic() + timeout_s
-    while _completed(service, engine, job_id) < lines and time.monotonic() < deadline:
+    while _completed(service, engine, job_id) < lines:
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.5)
+    return True
 
 
 def verdict(phases: dict) -> dict:

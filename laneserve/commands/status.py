@@ -309,7 +309,7 @@ def _print_slo(console, workers: list[dict[str, Any]]) -> None:
             f"{_ms(ld.get('slo_batch_ttft_ms'))}/{_ms(ld.get('slo_batch_tpot_ms'))}",
             _pct(ld.get("slo_batch_attainment")),
             str(ld.get("step_token_budget", "-")),
-            str(ld.get("step_batch_tokens") or "all"),
+            "all" if ld.get("step_batch_tokens") is None else str(ld["step_batch_tokens"]),
             f"{ld.get('predicted_step_ms', 0):.1f}/{ld.get('measured_step_ms', 0):.1f}",
         )
     console.print(table)

@@ -124,8 +124,9 @@ def test_slowdown_fault_stretches_every_model_call(make_llm, monkeypatch):
     monkeypatch.setenv("LANESERVE_FAULT_SLOWDOWN", "3")
     plan = FaultPlan.from_env()
     assert plan.slowdown == 3.0 and plan.enabled
-    with pytest.raises(ValueError, match="LANESERVE_FAULT_SLOWDOWN"):
-        FaultPlan(slowdown=0.5)
+    for bad in (0.5, float("inf")):
+        with pytest.raises(ValueError, match="LANESERVE_FAULT_SLOWDOWN"):
+            FaultPlan(slowdown=bad)
     llm = make_llm(num_blocks=64)
     inner: list[float] = []
     real = llm.engine.execute_model
