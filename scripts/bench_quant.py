@@ -47,6 +47,7 @@ apply_openmp_policy()
 import torch  # noqa: E402  # isort: skip
 import torch.nn.functional as F  # noqa: E402  # isort: skip
 
+from bench_offline import cpu_info  # noqa: E402  # isort: skip  (scripts/ is on sys.path)
 from kernels import cpu_ext  # noqa: E402  # isort: skip
 from gpu_worker.quantization import (  # noqa: E402  # isort: skip
     GemvBlocks,
@@ -71,31 +72,6 @@ FP32_QUANT_MAX_M = 4
 SLOW_FP32 = ("int4_fp32", "int8_fp32")
 PREFILL_TOKENS = 512  # the prompt of the prefill timing (--steps)
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-SIMD_FLAGS = (
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512_bf16",
-    "avx512_vnni",
-    "amx_bf16",
-    "amx_int8",
-)
-
-
-def cpu_info() -> dict:
-    """CPU model name and the SIMD flags that matter here, from /proc/cpuinfo."""
-    model, flags = "?", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model == "?":
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return {"model": model, "flags": [f for f in SIMD_FLAGS if f in flags]}
 
 
 def time_cells(fns: dict, x32: torch.Tensor, budget_s: float, min_rounds: int = 9) -> dict:

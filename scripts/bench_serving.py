@@ -129,9 +129,13 @@ def log(msg: str) -> None:
 
 def machine() -> dict[str, Any]:
     import torch
+    from bench_offline import cpu_info  # the one CPU report (model, SIMD flags)
 
+    info = cpu_info()
     return {
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": info["model"],
+        "simd_flags": info["simd_flags"],
         "cores": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

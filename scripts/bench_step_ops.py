@@ -37,6 +37,7 @@ from gpu_worker.openmp import apply_openmp_policy  # noqa: E402  (torch-free; be
 OPENMP_POLICY_APPLIED = apply_openmp_policy()
 
 import torch  # noqa: E402
+from bench_offline import cpu_info  # noqa: E402  (scripts/ is on sys.path: the one CPU report)
 
 from gpu_worker.model_loader import load_model_files  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
@@ -44,7 +45,6 @@ from gpu_worker.models.llama import LlamaForCausalLM  # noqa: E402
 from gpu_worker.quantization import resolve_mode  # noqa: E402
 
 BLOCK_SIZE = 16
-CPU_FLAG_PREFIXES = ("avx2", "avx512", "amx", "fma", "f16c")
 OP_NAMESPACES = ("aten::", "laneserve::")
 
 
@@ -77,21 +77,6 @@ def default_model() -> Path:
     cache = Path(os.environ.get("LANESERVE_TEST_CACHE") or Path.home() / ".cache/laneserve-test")
     cached = cache / "models" / BUNDLED_MODELS[DEFAULT_MODEL].filename
     return cached if cached.exists() else pull_model()
-
-
-def cpu_info() -> dict:
-    info: dict = {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads()}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return info
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and "model" not in info:
-            info["model"] = value.strip()
-        if key.strip() == "flags" and "flags" not in info:
-            info["flags"] = sorted(f for f in value.split() if f.startswith(CPU_FLAG_PREFIXES))
-    return info
 
 
 class DecodeBatch:
@@ -172,7 +157,7 @@ def main() -> None:
         "quantization": model.quantization,
         "context": args.context,
         "torch": torch.__version__,
-        "cpu": cpu_info(),
+        "cpu": cpu_info() | {"torch_threads": torch.get_num_threads()},
         "openmp": {
             k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
         },
