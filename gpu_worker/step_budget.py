@@ -10,11 +10,11 @@ a TPOT target (P99, ms), ``--slo interactive:ttft=800,tpot=60 batch:tpot=400``. 
   steps: the fraction of a batch row the target affords accrues as credit, and a step takes
   the whole tokens of it (at least ``min_batch_rate`` tokens a step on average, so batch never
   stops). A whole row forced into every step cost ~20 % of a CPU decode step, as much as the
-  TPOT target's margin, and left the stream's TPOT at the target whatever the headroom; an arriving interactive prompt prefills in chunks of
-  up to what fits in half its TTFT target, and at least `MIN_PREFILL_CHUNK` tokens, so it is not
-  starved by the TPOT pacing (TPOT is a mean over a stream's tokens: one longer step moves it
-  little, many short ones cost TTFT; with many streams running even their decodes alone may
-  overrun half the TTFT target);
+  TPOT target's margin, and left the stream's TPOT at the target whatever the headroom. An
+  arriving interactive prompt prefills in chunks of up to what fits in half its TTFT target, and
+  at least `MIN_PREFILL_CHUNK` tokens, so it is not starved by the TPOT pacing (TPOT is a mean
+  over a stream's tokens: one longer step moves it little, many short ones cost TTFT; with many
+  streams running even their decodes alone may overrun half the TTFT target);
 - **an interactive prompt waiting, no stream yet**: the prompt gets the whole budget (TTFT), batch
   the share it would get beside one stream;
 - **no interactive traffic**: batch steps grow for throughput, but only so long that an
@@ -52,9 +52,9 @@ twice the real one), then x the lone decode steps measured while serving (wall c
 engine loop's own overhead counts, as it does in the TPOT a client sees); interactive TTFT =
 `TTFT_MULTIPLE` x the idle TTFT of a `TYPICAL_PROMPT`-token prompt as the cost model predicts it,
 re-derived every `RETARGET_STEPS` measured steps (within 0.5-4x the start-up value), so both
-derived targets follow the machine the
-worker really runs on (a machine that turns twice as slow gets targets twice as long, not a
-TTFT target its running decodes alone overrun); batch targets are `BATCH_MULTIPLE` times the
+derived targets follow the machine the worker really runs on (a machine that turns twice as
+slow gets targets twice as long, not a TTFT target its running decodes alone overrun); batch
+targets are `BATCH_MULTIPLE` times the
 interactive ones at start (batch is judged on throughput; its attainment is reported).
 
 Per-lane attainment is the fraction of the last `ATTAINMENT_WINDOW` finished requests of the lane
@@ -272,7 +272,8 @@ class BudgetController:
         self._met: dict[str, collections.deque[bool]] = {
             lane: collections.deque(maxlen=ATTAINMENT_WINDOW) for lane in _LANES
         }
-        self._pending: tuple[StepFeatures, float, float | None, float] | None = None
+        # (features, start, target, predicted ms, paced) of the step scheduled last
+        self._pending: tuple[StepFeatures, float, float | None, float, bool] | None = None
         self._last_update = 0.0
         self._num_observed = 0
         self.last_paced = False
