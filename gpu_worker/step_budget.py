@@ -33,15 +33,15 @@ The plan aims at ``headroom x`` the step's target; ``headroom`` (0.5 .. 1.0) fol
 measured step times, every 64 steps: when the steps with a target averaged over 0.85 of it, it
 shrinks by 10 %; when they averaged under 0.75 of it, or none had one, it grows back by 3 %. The
 mean, not a high percentile: TPOT is a mean over a stream's steps (0.85 leaves the P99 of such
-means room over their mean), and on a jittery CPU the slowest of 64 lone decode steps runs 1.7x
-their median whatever the plan (a P99 rule held the headroom at its floor from the idle phase
-on, starving batch work for no TPOT gain). While streams run, only the steps they pace count
-(a batch-only step's ratio to the longer TTFT slack says nothing of TPOT), and a window judges
-by at least 8 steps. An interactive prompt's prefill beside running streams counts with the TPOT
-target: it lengthens those streams' TPOT, and less batch beside them is the only compensation
-(frequent arrivals can so hold the headroom at its floor; with no batch running that costs
-nothing). A batch-only step planned over its slack on purpose (the minimum chunk) carries no
-target.
+means room over their mean), and on a jittery CPU the slowest of 64 lone decode steps runs over
+twice their median (1.7x a target of 1.3x it) whatever the plan (a P99 rule held the headroom at
+its floor from the idle phase on, starving batch work for no TPOT gain). While streams run,
+only the steps they pace count (a batch-only step's ratio to the longer TTFT slack says nothing
+of TPOT), and a window judges by at least 8 steps. An interactive prompt's prefill beside
+running streams counts with the TPOT target: it lengthens those streams' TPOT, and less batch
+beside them is the only compensation (frequent arrivals can so hold the headroom at its floor;
+with no batch running that costs nothing). A batch-only step planned over its slack on purpose
+(the minimum chunk) carries no target.
 The fixed knobs (``max_num_batched_tokens``, ``interactive_batch_token_cap``,
 ``batch_token_budget``) stay hard upper bounds, applied by the scheduler.
 
@@ -336,8 +336,6 @@ class BudgetController:
         tpot = self.targets.interactive.tpot_ms
         ttft = self.targets.interactive.ttft_ms
         h = self.headroom
-        if not view.interactive_running:
-            self._batch_credit = 0.0
         if view.interactive_running:
             target = tpot
             rows = view.interactive_running
@@ -357,16 +355,18 @@ class BudgetController:
             )
             budget = rows + chunk + max(room, 1)
             batch = room  # a prompt's prefill here keeps the TPOT target (module docstring)
-        elif view.interactive_waiting_tokens:
-            target = None  # the prompt's prefill: TTFT, as fast as the budget allows
-            budget = self.max_tokens
-            batch = max(1, int(self._batch_share(1, view, h * tpot)))
         else:
-            target = max(tpot, self.ttft_slack())
-            budget, rows_cap, predicted = self._batch_only(view, h * target)
-            if predicted > h * target:
-                target = None  # planned over the slack on purpose: not a miss for the headroom
-            batch = None
+            self._batch_credit = 0.0  # owed beside streams only
+            if view.interactive_waiting_tokens:
+                target = None  # the prompt's prefill: TTFT, as fast as the budget allows
+                budget = self.max_tokens
+                batch = max(1, int(self._batch_share(1, view, h * tpot)))
+            else:
+                target = max(tpot, self.ttft_slack())
+                budget, rows_cap, predicted = self._batch_only(view, h * target)
+                if predicted > h * target:
+                    target = None  # planned over the slack on purpose: not a headroom miss
+                batch = None
         self.last = StepBudget(max(1, min(budget, self.max_tokens)), batch, rows_cap)
         self.last_target_ms = target  # the target itself; the plan aimed at headroom x it
         self.last_paced = target is not None and bool(view.interactive_running)
@@ -437,16 +437,18 @@ class BudgetController:
         stream really gets here, not of the start-up profile's bare engine step."""
         self._idle.append(ms)
         if len(self._idle) >= IDLE_STEPS_TO_LEARN:
-            tpot = round(TPOT_MULTIPLE * statistics.median(self._idle), 1)
-            i = dataclasses.replace(self.targets.interactive, tpot_ms=tpot)
-            self.targets = dataclasses.replace(self.targets, interactive=i)
+            self._set_interactive(tpot_ms=round(TPOT_MULTIPLE * statistics.median(self._idle), 1))
 
     def _follow_model_ttft(self) -> None:
         """A derived interactive TTFT target: `TTFT_MULTIPLE` x the predicted idle TTFT of a
         `TYPICAL_PROMPT`-token prompt under the model as it is now (as at start-up), within
         0.5-4x the start-up target (the fit sees mostly decode steps: it extrapolates a prefill)."""
         ttft = min(max(derived_ttft(self.model), 0.5 * self._start_ttft), 4.0 * self._start_ttft)
-        i = dataclasses.replace(self.targets.interactive, ttft_ms=ttft)
+        self._set_interactive(ttft_ms=ttft)
+
+    def _set_interactive(self, **targets: float) -> None:
+        """Replace interactive targets (`ttft_ms`, `tpot_ms`) the controller derives itself."""
+        i = dataclasses.replace(self.targets.interactive, **targets)
         self.targets = dataclasses.replace(self.targets, interactive=i)
 
     def _adjust_headroom(self) -> None:

@@ -114,7 +114,7 @@ def bench_stack(args: argparse.Namespace, extra_up_args: list[str] | None = None
     with tempfile.TemporaryDirectory(prefix="lsbench") as home:
         log(f"starting a stack in {home}: laneserve up {' '.join(up)}")
         env = None
-        if getattr(args, "slowdown", None):
+        if args.slowdown:
             env = dict(os.environ, LANESERVE_FAULT_SLOWDOWN=str(args.slowdown))
         proc, info = start_stack_process(Path(home), up, env=env)
         try:

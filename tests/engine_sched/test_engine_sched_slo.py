@@ -414,8 +414,9 @@ def test_batch_beside_streams_gets_what_the_tpot_target_affords_on_average():
 
 
 def test_headroom_follows_the_mean_step_not_single_slow_ones():
-    """One lone decode step in 64 at 1.7x (a jittery CPU) leaves the headroom alone; steps over
-    0.85 of their target on average shrink it; windows with no target (or too few) grow it back."""
+    """One lone decode step in 64 at 1.7x its target (a jittery CPU) leaves the headroom alone;
+    steps over 0.85 of their target on average shrink it; windows with no target (or too few) grow
+    it back."""
     model = StepCostModel(TRUE)
     targets = SloTargets(LaneSlo(ttft_ms=1000.0, tpot_ms=10.0), LaneSlo(10_000.0, 100.0))
     ctl = BudgetController(targets, model, 2048, wall_clock=False, given_ttft=True)
