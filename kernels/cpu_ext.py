@@ -447,6 +447,30 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// One row of rms_impl. The sizes are parameters (locals) and the pointers restrict-qualified:
+// read through the enclosing lambda's references, every loop bound was reloaded after each
+// float store (-fno-strict-aliasing) and the loops stayed scalar.
+template <typename T>
+inline void rms_row(const T* __restrict x, const T* __restrict res, const float* __restrict wf,
+                    T* __restrict out, T* __restrict new_res, float* __restrict h,
+                    float* __restrict r, const int64_t H, const float eps) {
+  load_row(x, h, H);
+  if (res) {
+    load_row(res, r, H);
+    for (int64_t j = 0; j < H; ++j) h[j] += r[j];
+    round_row<T>(h, H);  // x + residual rounded once to T, as torch adds
+    store_row(h, new_res, H);
+  }
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < H; ++j) ss += h[j] * h[j];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (int64_t j = 0; j < H; ++j) h[j] *= inv;
+  round_row<T>(h, H);
+  for (int64_t j = 0; j < H; ++j) h[j] *= wf[j];
+  store_row(h, out, H);
+}
+
 // x [T, H] (+ residual [T, H]) -> out [T, H], new_residual [T, H], transformers' LlamaRMSNorm:
 // r = x + residual in T; h = float(r); out = T(w * T(h * rsqrt(mean(h^2) + eps))).
 template <typename T>
@@ -461,23 +485,9 @@ void rms_impl(const at::Tensor& x, const at::Tensor* residual, const at::Tensor&
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> h(H), r(H), wf(H);
     load_row(wp, wf.data(), H);
-    for (int64_t i = begin; i < end; ++i) {
-      load_row(xp + i * H, h.data(), H);
-      if (rp) {
-        load_row(rp + i * H, r.data(), H);
-        for (int64_t j = 0; j < H; ++j) h[j] += r[j];
-        round_row<T>(h.data(), H);  // x + residual rounded once to T, as torch adds
-        store_row(h.data(), np + i * H, H);
-      }
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < H; ++j) ss += h[j] * h[j];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
-      for (int64_t j = 0; j < H; ++j) h[j] *= inv;
-      round_row<T>(h.data(), H);
-      for (int64_t j = 0; j < H; ++j) h[j] *= wf[j];
-      store_row(h.data(), op + i * H, H);
-    }
+    for (int64_t i = begin; i < end; ++i)
+      rms_row<T>(xp + i * H, rp ? rp + i * H : nullptr, wf.data(), op + i * H,
+                 np ? np + i * H : nullptr, h.data(), r.data(), H, static_cast<float>(eps));
   });
 }
 
@@ -540,6 +550,38 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// cos and sin of one position, each half repeated, rounded to T as the reference's
+// cache.to(dtype). Sizes are parameters and pointers restrict-qualified so the loops vectorize
+// (see rms_row).
+template <typename T>
+inline void rope_cos_sin(const float* __restrict c, float* __restrict cd, float* __restrict sd,
+                         const int64_t half) {
+  for (int64_t d = 0; d < half; ++d) {
+    cd[d] = cd[d + half] = c[d];
+    sd[d] = sd[d + half] = c[half + d];
+  }
+  round_row<T>(cd, 2 * half);
+  round_row<T>(sd, 2 * half);
+}
+
+// One head row: x * T(cos) + rotate_half(x) * T(sin) over the first 2 * half dimensions, each
+// product and the sum rounded to T; dimensions past them are copied unchanged.
+template <typename T>
+inline void rope_row(const T* __restrict src, T* __restrict dst, const float* __restrict cd,
+                     const float* __restrict sd, float* __restrict xf, float* __restrict rf,
+                     const int64_t D, const int64_t half) {
+  const int64_t rot = 2 * half;
+  load_row(src, xf, D);
+  for (int64_t d = 0; d < half; ++d) rf[d] = -xf[d + half];
+  for (int64_t d = half; d < rot; ++d) rf[d] = xf[d - half];
+  for (int64_t d = 0; d < rot; ++d) rf[d] *= sd[d];
+  round_row<T>(rf, rot);
+  for (int64_t d = 0; d < rot; ++d) xf[d] *= cd[d];
+  round_row<T>(xf, rot);
+  for (int64_t d = 0; d < rot; ++d) xf[d] += rf[d];
+  store_row(xf, dst, D);
+}
+
 // qkv [T, (Hq + 2 Hk) D] -> q [T, Hq, D] rotated; k rotated and v written to the caches'
 // slot_mapping[t] (negative: skipped). Rotate-half RoPE with transformers' numerics in dtype T:
 // x * T(cos) + rotate_half(x) * T(sin), each product and the sum rounded to T. cos_sin [P, rot].
@@ -561,32 +603,18 @@ void rope_cache_impl(const at::Tensor& qkv, const at::Tensor& pos, const at::Ten
   const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
   at::parallel_for(0, T_, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> cd(rot), sd(rot), xf(D), rf(rot);
-    auto rotate = [&](const T* src, T* dst) {  // fp32 rows, each product and the sum rounded
-      load_row(src, xf.data(), D);
-      for (int64_t d = 0; d < half; ++d) rf[d] = -xf[d + half];
-      for (int64_t d = half; d < rot; ++d) rf[d] = xf[d - half];
-      for (int64_t d = 0; d < rot; ++d) rf[d] *= sd[d];
-      round_row<T>(rf.data(), rot);
-      for (int64_t d = 0; d < rot; ++d) xf[d] *= cd[d];
-      round_row<T>(xf.data(), rot);
-      for (int64_t d = 0; d < rot; ++d) xf[d] += rf[d];
-      store_row(xf.data(), dst, D);  // dimensions past rot are copied unchanged
-    };
     for (int64_t t = begin; t < end; ++t) {
       const T* row = xp + t * width;
-      const float* c = csp + pp[t] * css;
-      for (int64_t d = 0; d < half; ++d) {
-        cd[d] = cd[d + half] = c[d];
-        sd[d] = sd[d + half] = c[half + d];
-      }
-      round_row<T>(cd.data(), rot);  // cos and sin in T, as the reference's cache.to(dtype)
-      round_row<T>(sd.data(), rot);
-      for (int64_t h = 0; h < Hq; ++h) rotate(row + h * D, qp + (t * Hq + h) * D);
+      rope_cos_sin<T>(csp + pp[t] * css, cd.data(), sd.data(), half);
+      for (int64_t h = 0; h < Hq; ++h)
+        rope_row(row + h * D, qp + (t * Hq + h) * D, cd.data(), sd.data(), xf.data(), rf.data(),
+                 D, half);
       const int64_t slot = sp[t];
       if (slot < 0) continue;
       const int64_t blk = slot / bs, off = slot % bs;
       for (int64_t h = 0; h < Hk; ++h) {
-        rotate(row + (Hq + h) * D, kp + blk * ks0 + off * ks1 + h * ks2);
+        rope_row(row + (Hq + h) * D, kp + blk * ks0 + off * ks1 + h * ks2, cd.data(), sd.data(),
+                 xf.data(), rf.data(), D, half);
         const T* v = row + (Hq + Hk + h) * D;
         T* vd = vp + blk * vs0 + off * vs1 + h * vs2;
         std::memcpy(vd, v, D * sizeof(T));
