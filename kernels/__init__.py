@@ -6,8 +6,8 @@ Each op has a Triton implementation (``kernels.triton``) and a plain-PyTorch ref
 ``LANESERVE_ATTENTION_BACKEND=torch|triton`` overrides the choice for every op (``triton`` on CPU
 tensors runs them in the Triton interpreter: on a machine without CUDA the first forced call sets
 ``TRITON_INTERPRET=1`` before ``kernels.triton`` is imported). On CPU the torch backend runs the
-fused layer ops (RMSNorm with its residual add, SiLU-mul, RoPE with the cache write) and decode
-attention as one C++ op each (:mod:`kernels.cpu_ext`, same numerics as the reference) when that
+fused layer ops (RMSNorm with its residual add, SiLU-mul, RoPE with the cache write), decode
+attention and multi-token (prefill) attention as one C++ op each (:mod:`kernels.cpu_ext`, same numerics as the reference) when that
 extension is built, the reference otherwise. A model's forward gets its layer ops from
 :func:`step_ops`, which checks one step's tensors once and then calls those C++ ops directly.
 

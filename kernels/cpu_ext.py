@@ -1,7 +1,12 @@
-"""A small C++ CPU kernel, built on first use: paged decode attention that reads K/V in place.
+"""Small C++ CPU kernels, built on first use: paged attention that reads K/V in place.
 
-The same build holds the fused layer ops below and the quantized GEMVs of
-:mod:`kernels.cpu_ext_quant` (``int4_gemv``, ``q8_0_gemv``).
+The same build holds the fused layer ops below, the multi-token attention
+``torch.ops.laneserve.paged_prefill_attention`` (prefill chunks and speculative verification
+rows; see its comment: 8 query tokens x their query heads share each 32-key tile of K and V,
+online softmax, a row's result independent of its chunk and batch; 1.4-1.5x the speed of
+PyTorch's CPU flash attention over ~300-token prompts on a 2-core EPYC, 3x on 5 verification
+rows, as fast at 1,024 tokens, and without the gather and float copy of the context) and the
+quantized GEMVs of :mod:`kernels.cpu_ext_quant` (``int4_gemv``, ``q8_0_gemv``).
 
 ``torch.ops.laneserve.paged_decode_attention`` computes one query token per sequence against its
 context, walking the block table and reading each block where it lies in the cache: no gather, no
@@ -330,6 +335,21 @@ inline void weighted_sum(const float* p, int64_t lp, int64_t nr, const T* v, con
   }
 }
 
+// The query, output and cache pointers and strides an attention kernel walks (element units).
+template <typename T>
+struct PagedView {
+  const T* qp;
+  const T* kp;
+  const T* vp;
+  T* op;
+  int64_t qs0, qs1, os0, os1, ks0, ks1, ks2, vs0, vs1, vs2;
+  PagedView(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out)
+      : qp(q.data_ptr<T>()), kp(kc.data_ptr<T>()), vp(vc.data_ptr<T>()), op(out.data_ptr<T>()),
+        qs0(q.stride(0)), qs1(q.stride(1)), os0(out.stride(0)), os1(out.stride(1)),
+        ks0(kc.stride(0)), ks1(kc.stride(1)), ks2(kc.stride(2)), vs0(vc.stride(0)),
+        vs1(vc.stride(1)), vs2(vc.stride(2)) {}
+};
+
 // q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hk, D]; seq_lens int32 [B];
 // block_tables int32 [B, max_blocks]; out [B, Hq, D]
 // One task = one sequence and a range of its KV heads [h0, h1): all heads when the batch alone
@@ -345,15 +365,9 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
                  at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = kc.size(1), Hk = kc.size(2), g = Hq / Hk;
-  const T* qp = q.data_ptr<T>();
-  const T* kp = kc.data_ptr<T>();
-  const T* vp = vc.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  const PagedView<T> p(q, kc, vc, out);
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int32_t* btp = bt.data_ptr<int32_t>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
-  const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
   const int64_t bts0 = bt.stride(0);
   const float fscale = static_cast<float>(scale);
   const int64_t per_task = B >= 4 * at::get_num_threads() ? Hk : 1;
@@ -370,25 +384,25 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
       for (int64_t t0 = 0, j = 0; t0 < len; t0 += bs, ++j) {  // block by block: no divisions
         const int64_t blk = btp[b * bts0 + j], n = std::min(bs, len - t0);
         for (int64_t off = 0; off < n; ++off) {
-          koff[t0 + off] = blk * ks0 + off * ks1;
-          voff[t0 + off] = blk * vs0 + off * vs1;
+          koff[t0 + off] = blk * p.ks0 + off * p.ks1;
+          voff[t0 + off] = blk * p.vs0 + off * p.vs1;
         }
       }
       scores.resize(Hq * len);
       for (int64_t r = h0 * g; r < h1 * g; ++r) {
-        load_row(qp + b * qs0 + r * qs1, qf.data() + r * D, D);
+        load_row(p.qp + b * p.qs0 + r * p.qs1, qf.data() + r * D, D);
         for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= fscale;
       }
       // pass 1, token by token through the blocks: every head's scores for 8 tokens, while the
       // K rows 16 tokens ahead and this group's V rows (pass 2) are fetched
       for (int64_t t0 = 0; t0 < len; t0 += 8) {
         const int64_t n = std::min<int64_t>(8, len - t0);
-        prefetch_rows(kp, koff.data(), std::min(t0 + 16, len), std::min(t0 + 24, len), h0, h1,
-                      ks2, D);
-        prefetch_rows(vp, voff.data(), t0, t0 + n, h0, h1, vs2, D);
+        prefetch_rows(p.kp, koff.data(), std::min(t0 + 16, len), std::min(t0 + 24, len), h0, h1,
+                      p.ks2, D);
+        prefetch_rows(p.vp, voff.data(), t0, t0 + n, h0, h1, p.vs2, D);
         for (int64_t h = h0; h < h1; ++h)
           for (int64_t r = h * g; r < (h + 1) * g; r += kRows)
-            score8(qf.data() + r * D, std::min(kRows, (h + 1) * g - r), kp + h * ks2,
+            score8(qf.data() + r * D, std::min(kRows, (h + 1) * g - r), p.kp + h * p.ks2,
                    koff.data() + t0, n, D, scores.data() + r * len + t0, len);
       }
       for (int64_t r = h0 * g; r < h1 * g; ++r) {
@@ -402,12 +416,12 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
       for (int64_t h = h0; h < h1; ++h)
         for (int64_t r0 = h * g; r0 < (h + 1) * g; r0 += kRows) {
           const int64_t nr = std::min(kRows, (h + 1) * g - r0);
-          weighted_sum(scores.data() + r0 * len, len, nr, vp + h * vs2, voff.data(), len, D,
+          weighted_sum(scores.data() + r0 * len, len, nr, p.vp + h * p.vs2, voff.data(), len, D,
                        acc.data());
           for (int64_t r = r0; r < r0 + nr; ++r) {
             float* ar = acc.data() + (r - r0) * D;
             for (int64_t d = 0; d < D; ++d) ar[d] *= inv_sum[r];
-            store_row(ar, op + b * os0 + r * os1, D);
+            store_row(ar, p.op + b * p.os0 + r * p.os1, D);
           }
         }
     }
@@ -445,6 +459,166 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     decode_impl<scalar_t>(q, k_cache, v_cache, seq_lens, block_tables, scale, out);
   });
   return out;
+}
+
+// Multi-token attention: for every sequence s whose query has q_len = cu[s + 1] - cu[s] >= 2
+// tokens (prefill chunks, speculative verification), query token i sits at position
+// seq_lens[s] - q_len + i and attends keys 0..position, K and V read where they lie in the cache.
+// Rows of one-token sequences are left alone (paged_decode_attention does them). One task =
+// (sequence, KV head, kTileQ query tokens): the tile's g query heads x tokens share each 8-key
+// tile of K and V, converted once to fp32; scores, an online softmax (running max and sum per
+// row) and the weighted sum of V in fp32, the output rounded once. Key tiles start at multiples
+// of 8 whatever the chunking, and a tile past a row's position leaves it exactly as it was, so a
+// row's result depends on its query and context only: not on the chunk it came in, the batch
+// or the thread split.
+constexpr int64_t kTileQ = 8;   // query tokens per task
+constexpr int64_t kTileK = 32;  // keys per softmax update, converted to fp32 once per task
+
+template <typename T>
+void prefill_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                  const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& bt,
+                  double scale, at::Tensor& out) {
+  const int64_t S = seq_lens.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = kc.size(1), Hk = kc.size(2), g = Hq / Hk;
+  const PagedView<T> p(q, kc, vc, out);
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* btp = bt.data_ptr<int32_t>();
+  const int64_t bts0 = bt.stride(0);
+  const float fscale = static_cast<float>(scale);
+  std::vector<int64_t> tasks;  // s * 2^40 + tile start * 2^20 + KV head (one int64 each)
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t qlen = cu[s + 1] - cu[s];
+    if (qlen < 2) continue;
+    for (int64_t t0 = 0; t0 < qlen; t0 += kTileQ)
+      for (int64_t h = 0; h < Hk; ++h) tasks.push_back((s << 40) | (t0 << 20) | h);
+  }
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t R = kTileQ * g;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_tasks)))
+  {
+    std::vector<float> qf(R * D), acc(R * D), kt(kTileK * D), vt(kTileK * D), m(R), l(R);
+    int64_t off_d[kTileK];
+    for (int64_t j = 0; j < kTileK; ++j) off_d[j] = j * D;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < n_tasks; ++w) {
+      const int64_t s = tasks[w] >> 40, t0 = (tasks[w] >> 20) & 0xFFFFF, h = tasks[w] & 0xFFFFF;
+      const int64_t lo = cu[s], qlen = cu[s + 1] - lo, start = sl[s] - qlen;
+      const int64_t nt = std::min(kTileQ, qlen - t0), rows = nt * g;
+      for (int64_t r = 0; r < rows; ++r) {  // row r: token t0 + r / g, query head h * g + r % g
+        float* qr = qf.data() + r * D;
+        load_row(p.qp + (lo + t0 + r / g) * p.qs0 + (h * g + r % g) * p.qs1, qr, D);
+        for (int64_t d = 0; d < D; ++d) qr[d] *= fscale;
+        m[r] = neg_inf;
+        l[r] = 0.f;
+      }
+      std::fill(acc.begin(), acc.begin() + rows * D, 0.f);
+      const int64_t last = start + t0 + nt;  // keys [0, last): the tile's last row sees them all
+      for (int64_t k0 = 0; k0 < last; k0 += kTileK) {
+        const int64_t kn = std::min(kTileK, last - k0);
+        for (int64_t j = 0; j < kTileK; ++j) {  // missing keys: zero rows (their scores are masked)
+          if (j < kn) {
+            const int64_t key = k0 + j, blk = btp[s * bts0 + key / bs], off = key % bs;
+            load_row(p.kp + blk * p.ks0 + off * p.ks1 + h * p.ks2, kt.data() + j * D, D);
+            load_row(p.vp + blk * p.vs0 + off * p.vs1 + h * p.vs2, vt.data() + j * D, D);
+          } else {
+            std::fill(kt.begin() + j * D, kt.begin() + (j + 1) * D, 0.f);
+            std::fill(vt.begin() + j * D, vt.begin() + (j + 1) * D, 0.f);
+          }
+        }
+        float sc2[2 * kTileK];  // two rows' scores: each K row is read once for both
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t visible = std::min(kn, start + t0 + r / g - k0 + 1);
+          // rows r, r + 1 (a later token or the same): when the partner sees keys, r may not
+          if (r % 2 == 0 && start + t0 + std::min(r + 1, rows - 1) / g - k0 >= 0) {
+            // a row's sums are the same alone or in a pair (see score8_vec)
+            const int64_t nr = std::min<int64_t>(2, rows - r);
+            for (int64_t j0 = 0; j0 < kTileK; j0 += 8)
+              score8(qf.data() + r * D, nr, kt.data(), off_d + j0, 8, D, sc2 + j0, kTileK);
+          }
+          if (visible <= 0) continue;  // the whole tile lies past this row's position
+          float* sc = sc2 + (r % 2) * kTileK;
+          for (int64_t j = visible; j < kTileK; ++j) sc[j] = neg_inf;
+          const float m_new = std::max(m[r], row_max(sc, kTileK));
+          const float alpha =  // the old sums' scale: 1 while the running max holds
+              m_new == m[r] ? 1.f : (m[r] == neg_inf ? 0.f : std::exp(m[r] - m_new));
+          for (int64_t j = 0; j < kTileK; ++j) sc[j] -= m_new;
+          exp_row(sc, kTileK);
+          l[r] = l[r] * alpha + row_sum(sc, kTileK);
+          m[r] = m_new;
+          float* ar = acc.data() + r * D;
+          const int64_t nk = (visible + 7) / 8 * 8;  // keys past visible add exact zeros: skip
+          int64_t d0 = 0;
+#ifdef LANESERVE_VEC8
+          const __m256 av = _mm256_set1_ps(alpha);
+          for (; d0 + 32 <= D; d0 += 32) {  // 4 accumulators in registers
+            __m256 a[4];
+            for (int i = 0; i < 4; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(ar + d0 + 8 * i), av);
+            for (int64_t j = 0; j < nk; ++j) {
+              const __m256 pj = _mm256_set1_ps(sc[j]);
+              const float* vj = vt.data() + j * D + d0;
+              for (int i = 0; i < 4; ++i) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), a[i]);
+            }
+            for (int i = 0; i < 4; ++i) _mm256_storeu_ps(ar + d0 + 8 * i, a[i]);
+          }
+#endif
+          for (int64_t d = d0; d < D; ++d) {
+            float a = ar[d] * alpha;
+            for (int64_t j = 0; j < nk; ++j) a = std::fma(sc[j], vt[j * D + d], a);
+            ar[d] = a;
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* ar = acc.data() + r * D;
+        const float inv = 1.f / l[r];
+        for (int64_t d = 0; d < D; ++d) ar[d] *= inv;
+        store_row(ar, p.op + (lo + t0 + r / g) * p.os0 + (h * g + r % g) * p.os1, D);
+      }
+    }
+  }
+}
+
+void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
+                             const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                             double scale, at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && out.sizes() == q.sizes(),
+              "q and out [T, Hq, D], k_cache [N, bs, Hk, D]");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 &&
+              v_cache.stride(3) == 1, "the head dimension must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
+              out.scalar_type() == q.scalar_type(), "q, out and the caches share one dtype");
+  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+              block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1 &&
+              seq_lens.is_contiguous() && cu_seqlens_q.is_contiguous(), "int32 metadata");
+  const int64_t S = seq_lens.size(0);
+  TORCH_CHECK(cu_seqlens_q.size(0) == S + 1 && block_tables.size(0) == S,
+              "cu_seqlens_q [S + 1], block_tables [S, max_blocks]");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache have one shape");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && k_cache.size(2) >= 1 &&
+              q.size(1) % k_cache.size(2) == 0,
+              "q [T, Hq, D] against caches [N, bs, Hk, D]: one D, Hq a multiple of Hk");
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1);
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[S] == q.size(0), "cu_seqlens_q runs from 0 to T");
+  for (int64_t s = 0; s < S; ++s) {  // every block a sequence reads must exist
+    const int64_t qlen = cu[s + 1] - cu[s];
+    TORCH_CHECK(qlen >= 0 && qlen < (int64_t(1) << 20) && sl[s] >= qlen,
+                "sequence ", s, ": query length ", qlen, " against seq_lens ", sl[s]);
+    if (qlen < 2) continue;
+    TORCH_CHECK((sl[s] + bs - 1) / bs <= block_tables.size(1),
+                "seq_lens[", s, "] = ", sl[s], " does not fit its block table");
+    for (int64_t j = 0; j < (sl[s] + bs - 1) / bs; ++j) {
+      const int32_t id = block_tables.data_ptr<int32_t>()[s * block_tables.stride(0) + j];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block id ", id, " outside [0, ", num_blocks, ")");
+    }
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] {
+    prefill_impl<scalar_t>(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out);
+  });
 }
 
 // One row of rms_impl. The sizes are parameters (locals) and the pointers restrict-qualified:
@@ -664,6 +838,8 @@ TORCH_LIBRARY(laneserve, m) {
         "Tensor block_tables, float scale) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) "
         "-> (Tensor, Tensor)");
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
+        "Tensor seq_lens, Tensor block_tables, float scale, Tensor(a!) out) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rope_and_cache(Tensor qkv, Tensor positions, Tensor cos_sin_cache, Tensor(a!) k_cache, "
@@ -673,6 +849,7 @@ TORCH_LIBRARY(laneserve, m) {
 TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rope_and_cache", &rope_and_cache);

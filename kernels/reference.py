@@ -199,7 +199,8 @@ def _layout(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor) -> tuple:
 
 
 def _in_place_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the C++ decode kernel (:mod:`kernels.cpu_ext`) can take these tensors."""
+    """Whether the C++ attention kernels (:mod:`kernels.cpu_ext`: decode rows, and the rows of
+    sequences with several query tokens) can take these tensors."""
     return (
         q.device.type == "cpu"
         and q.dtype == k_cache.dtype == v_cache.dtype
@@ -252,7 +253,8 @@ def unified_attention(
         seq_lens, (cu_seqlens_q, _version(cu_seqlens_q)), lambda: _layout(seq_lens, cu_seqlens_q)
     )
     num_seqs = len(seq_lens_list)
-    in_place = bool(decodes) and _in_place_decode(q, k_cache, v_cache)
+    cpp = _in_place_decode(q, k_cache, v_cache)  # the C++ kernels take these tensors
+    in_place = bool(decodes) and cpp
     if len(decodes) == num_seqs == num_tokens and in_place:  # pure decode: blocks read in place
         res = torch.ops.laneserve.paged_decode_attention(
             q, k_cache, v_cache, _int32(seq_lens), _int32(block_tables), softmax_scale
@@ -308,6 +310,18 @@ def unified_attention(
         decodes_done = set(decodes)
     else:
         decodes_done = set()
+    if cpp:  # every sequence with two or more query tokens, K/V read in place
+        torch.ops.laneserve.paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            _int32(cu_seqlens_q),
+            _int32(seq_lens),
+            _int32(block_tables),
+            softmax_scale,
+            out,
+        )
+        return out
     for s in range(num_seqs):
         lo, hi = starts[s], starts[s + 1]
         if hi == lo or s in decodes_done:
