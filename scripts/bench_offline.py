@@ -211,6 +211,24 @@ def cpu_info() -> dict[str, Any]:
     }
 
 
+def cpu_times() -> list[int] | None:
+    """The machine's CPU time counters (/proc/stat's first line, jiffies), or None off Linux."""
+    try:
+        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_pct(before: list[int] | None, after: list[int] | None) -> float | None:
+    """Percent of the CPU time between two `cpu_times` readings that the hypervisor gave other
+    guests (steal, the 8th counter): on a shared virtual machine a run with a high figure ran
+    on a slower machine than its neighbours in the same invocation."""
+    if not before or not after or len(before) < 8 or len(after) < 8:
+        return None
+    total = sum(after[:8]) - sum(before[:8])
+    return round(100.0 * (after[7] - before[7]) / total, 1) if total > 0 else None
+
+
 def thread_settings() -> dict[str, Any]:
     """The OpenMP policy this run's torch engines start under (each engine's thread count is in
     its own entry)."""
@@ -280,7 +298,9 @@ def bench_engine(
 ) -> dict[str, Any]:
     """Cold run (full measurement) then warm run (start only) of one engine, as report fields."""
     load_before = [round(x, 2) for x in os.getloadavg()]
+    times_before = cpu_times()
     cold = run_engine_process(engine, python, {**spec, "mode": "full"}, workdir, engine, timeout_s)
+    cold_steal = steal_pct(times_before, cpu_times())
     if "error" in cold:
         return {"skipped": f"{engine} failed: {cold['error']}", "log_tail": cold.get("log_tail")}
     warm_spec = {**spec, "mode": "start"}
@@ -296,6 +316,7 @@ def bench_engine(
         "cold_load_s": cold["load_s"],
         "warm_start_s": warm.get("start_s"),
         "load_avg_before": load_before,
+        "cpu_steal_pct": cold_steal,  # during the measured (cold) run; see steal_pct
         "first_output_ids": cold["first_output_ids"],
     }
     if "error" in warm:
