@@ -7,8 +7,9 @@ Each op has a Triton implementation (``kernels.triton``) and a plain-PyTorch ref
 tensors runs them in the Triton interpreter: on a machine without CUDA the first forced call sets
 ``TRITON_INTERPRET=1`` before ``kernels.triton`` is imported). On CPU the torch backend runs the
 fused layer ops (RMSNorm with its residual add, SiLU-mul, RoPE with the cache write), decode
-attention and multi-token (prefill) attention as one C++ op each (:mod:`kernels.cpu_ext`, same numerics as the reference) when that
-extension is built, the reference otherwise. A model's forward gets its layer ops from
+attention and multi-token (prefill) attention as one C++ op each (:mod:`kernels.cpu_ext`: the
+layer ops with the reference's numerics, attention within tolerance of it) when that extension
+is built, the reference otherwise. A model's forward gets its layer ops from
 :func:`step_ops`, which checks one step's tensors once and then calls those C++ ops directly.
 
 Note: this top-level package shadows Hugging Face's optional ``kernels`` package; never install

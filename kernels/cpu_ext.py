@@ -3,9 +3,9 @@
 The same build holds the fused layer ops below, the multi-token attention
 ``torch.ops.laneserve.paged_prefill_attention`` (prefill chunks and speculative verification
 rows; see its comment: 8 query tokens x their query heads share each 32-key tile of K and V,
-online softmax, a row's result independent of its chunk and batch; 1.4-1.5x the speed of
-PyTorch's CPU flash attention over ~300-token prompts on a 2-core EPYC, 3x on 5 verification
-rows, as fast at 1,024 tokens, and without the gather and float copy of the context) and the
+online softmax, a row's result independent of its chunk of 2+ tokens and of its batch; 1.5x the
+speed of the gather + float copy + PyTorch CPU flash attention it replaces over 64-460-token
+prompts on a 2-core EPYC, 1.1x at 1,024 tokens, 2.8x on 5 verification rows) and the
 quantized GEMVs of :mod:`kernels.cpu_ext_quant` (``int4_gemv``, ``q8_0_gemv``).
 
 ``torch.ops.laneserve.paged_decode_attention`` computes one query token per sequence against its
@@ -465,12 +465,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // tokens (prefill chunks, speculative verification), query token i sits at position
 // seq_lens[s] - q_len + i and attends keys 0..position, K and V read where they lie in the cache.
 // Rows of one-token sequences are left alone (paged_decode_attention does them). One task =
-// (sequence, KV head, kTileQ query tokens): the tile's g query heads x tokens share each 8-key
-// tile of K and V, converted once to fp32; scores, an online softmax (running max and sum per
-// row) and the weighted sum of V in fp32, the output rounded once. Key tiles start at multiples
-// of 8 whatever the chunking, and a tile past a row's position leaves it exactly as it was, so a
-// row's result depends on its query and context only: not on the chunk it came in, the batch
-// or the thread split.
+// (sequence, KV head, kTileQ query tokens): the tile's g query heads x tokens share each
+// kTileK-key tile of K and V, converted once to fp32; scores (two rows per K read), an online
+// softmax (running max and sum per row) and the weighted sum of V in fp32, the output rounded
+// once. Key tiles start at multiples of kTileK whatever the chunking, and a tile past a row's
+// position leaves it exactly as it was, so a row's result depends on its query and context
+// only: not on the chunk of two or more tokens it came in (a one-token chunk is a decode row),
+// the batch or the thread split.
 constexpr int64_t kTileQ = 8;   // query tokens per task
 constexpr int64_t kTileK = 32;  // keys per softmax update, converted to fp32 once per task
 
@@ -565,7 +566,11 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& v
 #endif
           for (int64_t d = d0; d < D; ++d) {
             float a = ar[d] * alpha;
+#ifdef __FMA__
             for (int64_t j = 0; j < nk; ++j) a = std::fma(sc[j], vt[j * D + d], a);
+#else  // std::fma without the instruction is a libm call per element
+            for (int64_t j = 0; j < nk; ++j) a += sc[j] * vt[j * D + d];
+#endif
             ar[d] = a;
           }
         }
@@ -601,6 +606,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
               q.size(1) % k_cache.size(2) == 0,
               "q [T, Hq, D] against caches [N, bs, Hk, D]: one D, Hq a multiple of Hk");
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1);
+  TORCH_CHECK(bs >= 1, "the caches' block size must be at least 1");
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   TORCH_CHECK(cu[0] == 0 && cu[S] == q.size(0), "cu_seqlens_q runs from 0 to T");

@@ -293,7 +293,7 @@ def unified_attention(
             _int32(seq_lens[seq_idx]),
             _int32(block_tables[seq_idx]),
             softmax_scale,
-        )
+        ).to(out.dtype)
         decodes_done = set(decodes)
     elif len(decodes) > 1:  # the decodes of a mixed batch still go through the batched path
         seq_idx = torch.tensor(decodes, device=q.device)
@@ -310,7 +310,7 @@ def unified_attention(
         decodes_done = set(decodes)
     else:
         decodes_done = set()
-    if cpp:  # every sequence with two or more query tokens, K/V read in place
+    if cpp and out.dtype == q.dtype and out.stride(-1) == 1:  # sequences of 2+ query tokens
         torch.ops.laneserve.paged_prefill_attention(
             q,
             k_cache,

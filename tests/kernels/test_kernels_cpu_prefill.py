@@ -108,3 +108,13 @@ def test_bad_metadata_is_a_clear_error(gen):
     short = dict(args, seq_lens=torch.tensor([10], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="query length 20 against seq_lens 10"):
         reference.unified_attention(**short)
+
+
+def test_an_out_of_another_dtype_is_filled_too(gen):
+    """A caller's float32 `out` for bf16 queries: the kernel writes only q's dtype, so those
+    rows take the PyTorch path instead of raising."""
+    args = make_paged_batch([(20, 40), (1, 9)], 4, 2, 32, 16, torch.bfloat16, gen)
+    out = torch.full(args["q"].shape, float("nan"))
+    got = reference.unified_attention(**args, out=out)
+    assert got is out
+    torch.testing.assert_close(got, naive_attention(**args), **TOL[torch.bfloat16])
