@@ -73,7 +73,12 @@ def test_page_misdiagnosis_case_says_queueing_with_its_evidence(db_url, db_engin
     case = CASES["batch_behind_interactive"](now)
     store_case(db_engine, case)
     at = run_app(db_url)
-    assert not at.warning, [w.value for w in at.warning]  # by design: a note, not a fault
+    # by design: a note, not a fault. Only the batch lane is judged: the interactive lane's
+    # figures depend on which of its records, spread over the hour, fall in the page's own
+    # 5-minute window, taken seconds after the case's `now` on a loaded machine (seen once in a
+    # full suite run: an interactive "TPOT jitter" warning).
+    batch_warnings = [w.value for w in at.warning if "[batch]" in w.value]
+    assert not batch_warnings, batch_warnings
     (note,) = [i.value for i in at.info if "[batch]" in i.value]
     assert "batch waits behind interactive traffic (by design)" in note
     assert "KV" not in note
