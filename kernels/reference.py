@@ -198,7 +198,7 @@ def _layout(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor) -> tuple:
     return seq_lens_list, starts, decodes
 
 
-def _in_place_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def _cpp_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the C++ attention kernels (:mod:`kernels.cpu_ext`: decode rows, and the rows of
     sequences with several query tokens) can take these tensors."""
     return (
@@ -253,7 +253,7 @@ def unified_attention(
         seq_lens, (cu_seqlens_q, _version(cu_seqlens_q)), lambda: _layout(seq_lens, cu_seqlens_q)
     )
     num_seqs = len(seq_lens_list)
-    cpp = _in_place_decode(q, k_cache, v_cache)  # the C++ kernels take these tensors
+    cpp = _cpp_attention(q, k_cache, v_cache)  # the C++ kernels take these tensors
     in_place = bool(decodes) and cpp
     if len(decodes) == num_seqs == num_tokens and in_place:  # pure decode: blocks read in place
         res = torch.ops.laneserve.paged_decode_attention(
