@@ -428,32 +428,50 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
   });
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                  const at::Tensor& v_cache, const at::Tensor& seq_lens,
-                                  const at::Tensor& block_tables, double scale) {
-  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [B, Hq, D], k_cache [N, bs, Hk, D]");
+// The checks both attention ops make of their tensors: q and out [rows, Hq, D] and the caches
+// [N, bs, Hk, D] in one dtype with a contiguous head dimension, Hq a multiple of Hk, int32
+// seq_lens and block_tables (one row per sequence), a block size of at least 1.
+void check_paged_attention(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& seq_lens,
+                           const at::Tensor& block_tables) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && out.sizes() == q.sizes(),
+              "q and out [rows, Hq, D], k_cache [N, bs, Hk, D]");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 &&
               v_cache.stride(3) == 1, "the head dimension must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q and the caches share one dtype");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
+              out.scalar_type() == q.scalar_type(), "q, out and the caches share one dtype");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && block_tables.scalar_type() == at::kInt &&
-              block_tables.stride(1) == 1 && seq_lens.is_contiguous(), "int32 metadata");
-  TORCH_CHECK(seq_lens.size(0) == q.size(0) && block_tables.size(0) == q.size(0),
-              "one query row, length and table row per sequence");
+              block_tables.stride(1) == 1 && seq_lens.is_contiguous() &&
+              block_tables.size(0) == seq_lens.size(0), "int32 metadata, a table row per sequence");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache have one shape");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && k_cache.size(2) >= 1 &&
               q.size(1) % k_cache.size(2) == 0,
-              "q [B, Hq, D] against caches [N, bs, Hk, D]: one D, Hq a multiple of Hk");
-  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1);
+              "q [rows, Hq, D] against caches [N, bs, Hk, D]: one D, Hq a multiple of Hk");
+  TORCH_CHECK(k_cache.size(1) >= 1, "the caches' block size must be at least 1");
+}
+
+// Every block sequence s reads for its `len` keys is in its block table row and in the pool.
+void check_sequence_blocks(const at::Tensor& block_tables, int64_t s, int64_t len,
+                           int64_t num_blocks, int64_t bs) {
+  TORCH_CHECK((len + bs - 1) / bs <= block_tables.size(1),
+              "seq_lens[", s, "] = ", len, " does not fit its block table");
+  const int32_t* row = block_tables.data_ptr<int32_t>() + s * block_tables.stride(0);
+  for (int64_t j = 0; j < (len + bs - 1) / bs; ++j)
+    TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, "block id ", row[j], " outside [0, ",
+                num_blocks, ")");
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& seq_lens,
+                                  const at::Tensor& block_tables, double scale) {
+  TORCH_CHECK(q.dim() == 3, "q [B, Hq, D]");
+  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  check_paged_attention(q, out, k_cache, v_cache, seq_lens, block_tables);
+  TORCH_CHECK(seq_lens.size(0) == q.size(0), "one query row, length and table row per sequence");
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   for (int64_t b = 0; b < q.size(0); ++b) {  // every block a sequence reads must exist
-    TORCH_CHECK(sl[b] >= 1 && (sl[b] + bs - 1) / bs <= block_tables.size(1),
-                "seq_lens[", b, "] = ", sl[b], " does not fit its block table");
-    for (int64_t j = 0; j < (sl[b] + bs - 1) / bs; ++j) {
-      const int32_t id = block_tables.data_ptr<int32_t>()[b * block_tables.stride(0) + j];
-      TORCH_CHECK(id >= 0 && id < num_blocks, "block id ", id, " outside [0, ", num_blocks, ")");
-    }
+    TORCH_CHECK(sl[b] >= 1, "seq_lens[", b, "] = ", sl[b], " does not fit its block table");
+    check_sequence_blocks(block_tables, b, sl[b], k_cache.size(0), k_cache.size(1));
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     decode_impl<scalar_t>(q, k_cache, v_cache, seq_lens, block_tables, scale, out);
@@ -589,38 +607,18 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
                              const at::Tensor& seq_lens, const at::Tensor& block_tables,
                              double scale, at::Tensor out) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && out.sizes() == q.sizes(),
-              "q and out [T, Hq, D], k_cache [N, bs, Hk, D]");
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 &&
-              v_cache.stride(3) == 1, "the head dimension must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
-              out.scalar_type() == q.scalar_type(), "q, out and the caches share one dtype");
-  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-              block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1 &&
-              seq_lens.is_contiguous() && cu_seqlens_q.is_contiguous(), "int32 metadata");
+  check_paged_attention(q, out, k_cache, v_cache, seq_lens, block_tables);
+  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && cu_seqlens_q.is_contiguous() &&
+              cu_seqlens_q.size(0) == seq_lens.size(0) + 1, "int32 cu_seqlens_q [S + 1]");
   const int64_t S = seq_lens.size(0);
-  TORCH_CHECK(cu_seqlens_q.size(0) == S + 1 && block_tables.size(0) == S,
-              "cu_seqlens_q [S + 1], block_tables [S, max_blocks]");
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache have one shape");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && k_cache.size(2) >= 1 &&
-              q.size(1) % k_cache.size(2) == 0,
-              "q [T, Hq, D] against caches [N, bs, Hk, D]: one D, Hq a multiple of Hk");
-  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1);
-  TORCH_CHECK(bs >= 1, "the caches' block size must be at least 1");
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   TORCH_CHECK(cu[0] == 0 && cu[S] == q.size(0), "cu_seqlens_q runs from 0 to T");
-  for (int64_t s = 0; s < S; ++s) {  // every block a sequence reads must exist
+  for (int64_t s = 0; s < S; ++s) {  // every block a sequence of 2+ query tokens reads must exist
     const int64_t qlen = cu[s + 1] - cu[s];
     TORCH_CHECK(qlen >= 0 && qlen < (int64_t(1) << 20) && sl[s] >= qlen,
                 "sequence ", s, ": query length ", qlen, " against seq_lens ", sl[s]);
-    if (qlen < 2) continue;
-    TORCH_CHECK((sl[s] + bs - 1) / bs <= block_tables.size(1),
-                "seq_lens[", s, "] = ", sl[s], " does not fit its block table");
-    for (int64_t j = 0; j < (sl[s] + bs - 1) / bs; ++j) {
-      const int32_t id = block_tables.data_ptr<int32_t>()[s * block_tables.stride(0) + j];
-      TORCH_CHECK(id >= 0 && id < num_blocks, "block id ", id, " outside [0, ", num_blocks, ")");
-    }
+    if (qlen >= 2) check_sequence_blocks(block_tables, s, sl[s], k_cache.size(0), k_cache.size(1));
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] {
     prefill_impl<scalar_t>(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out);
