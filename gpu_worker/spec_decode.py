@@ -247,6 +247,14 @@ class SpecController:
     1-token one: conservative on a CPU, pessimistic on a GPU), which speculates at small batch
     and not at large.
 
+    A line misses the steps of a step's real cost: torch's int4 CPU kernel unpacks the weights
+    once per 4 rows, so on a 2-core CPU a batch-1 step of 4 tokens measured 1.54x a 1-token one
+    and a step of 5 tokens 2.36x (SmolLM2, bf16). So the steps of up to `TABLE_TOKENS` tokens
+    also keep their own measured cost (an exponentially weighted mean per token count), which
+    replaces the line for a count measured `TABLE_MIN_SAMPLES` times; the draft count is then
+    chosen by trying every total, not by adding drafts while one more pays (at a cliff, one more
+    draft never pays though four more would).
+
     Args:
         config: the engine's speculative config (`adaptive=False`: every proposal is sent whole).
     """
@@ -256,11 +264,17 @@ class SpecController:
     # the fit keeps seeing steps of several sizes and a request's acceptance keeps being
     # measured after the controller turned speculation off (one request: a few rows at most).
     EXPLORE_EVERY = 8
+    TABLE_TOKENS = 32  # steps of up to this many tokens keep their own measured cost
+    TABLE_MIN_SAMPLES = 3
+    _TABLE_WEIGHT = 0.2  # of the newest step in a count's mean
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        # per token count n <= TABLE_TOKENS: mean step ms and the steps measured
+        self._table_ms = np.zeros(self.TABLE_TOKENS + 1)
+        self._table_n = np.zeros(self.TABLE_TOKENS + 1, dtype=np.int64)
         # totals since start (`spec_totals`; the /metrics counters are vLLM's names for them)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -345,6 +359,24 @@ class SpecController:
         self._sy = d * self._sy + y
         self._sxx = d * self._sxx + x * x
         self._sxy = d * self._sxy + x * y
+        if 0 < num_tokens <= self.TABLE_TOKENS:
+            n, w = num_tokens, self._TABLE_WEIGHT
+            seen = self._table_n[n] > 0
+            self._table_ms[n] = (1 - w) * self._table_ms[n] + w * y if seen else y
+            self._table_n[n] += 1
+
+    def step_ms(self, num_tokens: np.ndarray) -> np.ndarray:
+        """Predicted ms of steps of `num_tokens` tokens: the measured mean of that count where it
+        has `TABLE_MIN_SAMPLES` steps, else the fitted line (`step_cost`; a step was measured)."""
+        cost = self.step_cost()
+        assert cost is not None, "no step measured yet"
+        a, b = cost
+        line = a + b * num_tokens.astype(np.float64)
+        small = np.minimum(num_tokens, self.TABLE_TOKENS)
+        measured = (num_tokens <= self.TABLE_TOKENS) & (
+            self._table_n[small] >= self.TABLE_MIN_SAMPLES
+        )
+        return np.where(measured, self._table_ms[small], line)
 
     def step_cost(self) -> tuple[float, float] | None:
         """(a ms, b ms per token) of the fitted model, or None before any step was measured."""
@@ -373,10 +405,8 @@ class SpecController:
         lengths = [len(p) for p in proposals]
         if not self.config.adaptive:
             return lengths
-        cost = self.step_cost()
-        if cost is None:
+        if self.step_cost() is None:
             return lengths  # the first step explores: it also measures
-        a, b = cost
         gains: list[tuple[float, int]] = []  # (P(draft accepted with all before it), request)
         for i, n in enumerate(lengths):
             alpha = stats[i].acceptance
@@ -391,13 +421,12 @@ class SpecController:
             i = (self._choices // self.EXPLORE_EVERY) % len(lengths)
             chosen[i] = lengths[i]
             gains = [(g, j) for g, j in gains if j != i]
-        yield_, ms = float(len(proposals)), a + b * (max(num_rows, 1) + sum(chosen))
-        for g, i in gains:  # fractional knapsack on the ratio tokens / ms
-            if g * ms <= yield_ * b:
-                break
+        # tokens per ms with the best D drafts added, for every D (D = 0: none more)
+        yields = float(len(proposals)) + np.concatenate(([0.0], np.cumsum([g for g, _ in gains])))
+        totals = max(num_rows, 1) + sum(chosen) + np.arange(len(gains) + 1)
+        best = int(np.argmax(yields / self.step_ms(totals)))  # the first of equals: fewest
+        for _, i in gains[:best]:
             chosen[i] += 1
-            yield_ += g
-            ms += b
         return chosen
 
 

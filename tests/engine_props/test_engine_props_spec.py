@@ -81,6 +81,25 @@ def test_controller_speculates_when_a_token_is_cheap_and_stops_when_it_is_not():
     assert forced.choose(drafts, [RequestSpecStats()], 64) == [4]
 
 
+def test_controller_stops_short_of_a_measured_cost_cliff():
+    """Steps of 1-4 tokens cost about the same, a 5th token doubles the step (torch's int4 CPU
+    kernel: 4 rows per weight unpack): 3 drafts, not 4. A line through the same steps would
+    have sent all 4; a measured count replaces the line only once it has enough steps."""
+    ms = {1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0, 5: 24.0, 9: 26.0}
+    ctl = SpecController(SpeculativeConfig(num_speculative_tokens=4))
+    for _ in range(SpecController.TABLE_MIN_SAMPLES):
+        for tokens, t in ms.items():
+            ctl.observe_step(tokens, t)
+    good = RequestSpecStats(acc=8.0, rej=1.0)  # acceptance 0.82
+    assert ctl.choose([np.arange(4)], [good], 1) == [3]
+    assert ctl.step_ms(np.array([4, 5])).tolist() == pytest.approx([13.0, 24.0])
+    # fewer samples of the 5-token step than the table needs: the line decides (all 4 drafts)
+    fresh = SpecController(SpeculativeConfig(num_speculative_tokens=4))
+    for tokens, t in ms.items():
+        fresh.observe_step(tokens, t)
+    assert fresh.choose([np.arange(4)], [good], 1) == [4]
+
+
 def _guard_run(guard: YieldGuard, rows: int, steps: int, rate_on: float, rate_off: float) -> int:
     """Steps (of `steps`) the guard allowed drafts, each step measuring `rate_*` tokens/ms."""
     allowed = 0
