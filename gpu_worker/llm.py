@@ -56,7 +56,9 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", **kwargs: Any):
-        apply_openmp_policy()  # takes effect when torch is not loaded yet (gpu_worker/openmp.py)
+        # the process owns the cores: spinning threads (gpu_worker/openmp.py); takes effect
+        # when torch is not loaded yet
+        apply_openmp_policy(exclusive=True)
         from gpu_worker.engine import LLMEngine
 
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs))

@@ -40,11 +40,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-# The engines' OpenMP wait policy, for both sides of the comparison, before torch loads (libgomp
-# reads it once, at load).
-from gpu_worker.openmp import apply_openmp_policy  # isort: skip
+# laneserve's offline OpenMP wait policy (the one `LLM` applies: this process and the laneserve
+# and transformers workers run torch as its only user), before torch loads (libgomp reads it
+# once, at load). The vLLM and llama.cpp peers start without it: their own defaults.
+from gpu_worker.openmp import POLICY_VARIABLES, apply_openmp_policy  # isort: skip
 
-apply_openmp_policy()
+USER_OPENMP = {name: os.environ.get(name) for name in POLICY_VARIABLES}
+apply_openmp_policy(exclusive=True)
 import torch  # noqa: E402  # isort: skip
 
 STDLIB_MODULES = [
@@ -260,6 +262,9 @@ def run_engine_process(
     if engine in VENV_PEERS:  # the peer's own environment: nothing of the project's on the path
         for name in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
             child_env.pop(name, None)
+        for name, value in USER_OPENMP.items():  # nor laneserve's OpenMP policy
+            if value is None:
+                child_env.pop(name, None)
         child_env.update(spec.get("environment", {}))
     else:
         child_env["PYTHONPATH"] = os.pathsep.join(

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/: ben
 
 from gpu_worker.openmp import apply_openmp_policy  # isort: skip
 
-apply_openmp_policy()  # same libgomp policy as the laneserve side of the comparison
+apply_openmp_policy(exclusive=True)  # the libgomp policy of the laneserve side
 
 
 def build(spec: dict[str, Any]) -> Engine:

@@ -14,7 +14,7 @@ from common import Engine, run_worker
 
 from gpu_worker.openmp import apply_openmp_policy  # isort: skip
 
-apply_openmp_policy()  # before torch loads, as the worker command does
+apply_openmp_policy(exclusive=True)  # before torch loads, as the offline LLM does
 
 
 def _version() -> str:

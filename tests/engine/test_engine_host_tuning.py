@@ -90,23 +90,31 @@ def _libgomp_settings(stderr: str) -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "argv",
+    ("argv", "policy"),
     [
-        # the worker entry point: the policy, then torch (device check), then the model fails
-        ["-m", "laneserve.commands.worker", "--model", "/nonexistent/model.gguf"],
-        # the offline API: LLM() applies it before importing the engine
-        ["-c", "from gpu_worker import LLM; LLM(model='/nonexistent/model.gguf')"],
+        # the worker entry point (it shares the cores with the broker and the API server): the
+        # short spin, then torch (device check), then the model fails
+        (
+            ["-m", "laneserve.commands.worker", "--model", "/nonexistent/model.gguf"],
+            {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"},
+        ),
+        # the offline API owns the cores: LLM() makes the threads spin, before the engine loads
+        # (libgomp's spin count for ACTIVE)
+        (
+            ["-c", "from gpu_worker import LLM; LLM(model='/nonexistent/model.gguf')"],
+            {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "30000000000"},
+        ),
     ],
     ids=["worker", "LLM"],
 )
-def test_entry_points_start_torch_under_the_short_spin(argv):
+def test_entry_points_start_torch_under_their_policy(argv, policy):
     """libgomp reads its policy once, when torch loads: check what it actually runs with."""
     env = _clean_env(OMP_DISPLAY_ENV="VERBOSE")
     out = subprocess.run(
         [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=180
     )
     assert out.returncode != 0  # the model does not exist: the process stops after torch loaded
-    assert _libgomp_settings(out.stderr) == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"}
+    assert _libgomp_settings(out.stderr) == policy
     explicit = subprocess.run(
         [sys.executable, *argv], env={**env, "GOMP_SPINCOUNT": "7"}, capture_output=True,
         text=True, timeout=180,
@@ -127,6 +135,8 @@ def test_policy_env_for_children():
     assert openmp.policy_env({}) == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"}
     assert openmp.policy_env({"GOMP_SPINCOUNT": "0"}) == {}
     assert openmp.policy_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+    assert openmp.policy_env({}, exclusive=True) == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert openmp.policy_env({"OMP_WAIT_POLICY": "PASSIVE"}, exclusive=True) == {}
 
 
 def test_small_cpu_steps_run_single_threaded_and_restore_threads(base_llm, monkeypatch):
