@@ -18,10 +18,11 @@ Why a short spin:
 That short spin is for a process that shares the cores: the worker that `laneserve up` starts
 beside the broker, the API server and the dashboard. The offline `LLM` owns them
 (``exclusive=True``): its threads spin at every barrier (``OMP_WAIT_POLICY=ACTIVE``). On a
-2-core Sapphire Rapids machine, laneserve alone, the two policies alternated (`scripts/bench_offline.py`, four pairs): offline
-223 / 283 / 323 / 319 tok/s active against 201 / 198 / 283 / 221 with the short spin, single
-stream 58 / 77 / 80 / 64 against 50 / 59 / 76 / 54 (the issue that asked for this measured 407 vs
-299 there); a longer spin (``GOMP_SPINCOUNT=30000``) was no better than the short one.
+2-core Sapphire Rapids machine, laneserve alone, the two policies alternated
+(`scripts/bench_offline.py`, four pairs): offline 223 / 283 / 323 / 319 tok/s active against
+201 / 198 / 283 / 221 with the short spin, single stream 58 / 77 / 80 / 64 against
+50 / 59 / 76 / 54 (the issue that asked for this measured 407 vs 299 there); a longer spin
+(``GOMP_SPINCOUNT=30000``) was no better than the short one.
 
 An explicit ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` in the environment wins (the test suite,
 which runs many processes on 2 cores, sets both to passive).
