@@ -107,3 +107,29 @@ def test_decode_row_does_not_depend_on_the_rest_of_the_batch(path, gen):
         torch.testing.assert_close(reference.unified_attention(**alone), together[:1])
     else:
         assert torch.equal(reference.unified_attention(**alone), together[:1])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_wide_batch_of_scattered_blocks(path, gen, threads):
+    """A batch wide enough that each task takes a whole sequence (while it runs, the C++ kernel
+    fetches the next sequence's blocks), ragged lengths from 1 to 600 keys on blocks scattered
+    over the pool: every row matches the dense oracle and, bitwise, itself decoded alone."""
+    lengths = [1, 600, 16, 17, 250, 3, 129, 64, 1, 431, 95, 33]
+    args = make_paged_batch([(1, n) for n in lengths], 6, 2, 64, 16, torch.bfloat16, gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = reference.unified_attention(**args)
+        last = dict(
+            args,
+            q=args["q"][-1:],
+            cu_seqlens_q=args["cu_seqlens_q"][:2],
+            seq_lens=args["seq_lens"][-1:],
+            block_tables=args["block_tables"][-1:],
+        )
+        alone = reference.unified_attention(**last)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got.float(), naive_attention(**args), **TOL[torch.bfloat16])
+    if path == "cpp":
+        assert torch.equal(alone, got[-1:])
