@@ -173,6 +173,13 @@ class LlamaForCausalLM:
             self.lm_head: Linear = self.embed_tokens
         else:
             self.lm_head = take_linear([head_name], [vh])
+            gemv = getattr(self.lm_head, "gemv", None)
+            if (
+                head_name == embed_name
+                and isinstance(self.embed_tokens, quant.Q8Embedding)
+                and (gemv is not None and gemv.kind == "q8_0")
+            ):  # the GEMV reads the embedding's own Q8_0 arrays: one copy of the table
+                gemv.qs, gemv.scale = self.embed_tokens.qs, self.embed_tokens.d
         self.layers: list[LayerWeights] = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -208,7 +215,10 @@ class LlamaForCausalLM:
         tensors = [self.embed_tokens, self.norm, *layers]
         if self.lm_head is not self.embed_tokens:
             tensors.append(self.lm_head)
-        return sum(quant.nbytes(t) for t in tensors)
+        shared = getattr(self.lm_head, "gemv", None)  # the embedding's arrays, counted there
+        if shared is None or shared.qs is not getattr(self.embed_tokens, "qs", None):
+            shared = None
+        return sum(quant.nbytes(t) for t in tensors) - (shared.nbytes() if shared else 0)
 
     @torch.inference_mode()
     def forward(

@@ -94,14 +94,31 @@ def test_float32_calls_route_to_the_gemv_then_to_the_dense_copy(qkv):
     torch.testing.assert_close(lin.dense, w, atol=1e-6, rtol=0)  # the exact GGUF values
     bias = torch.randn(88)
     assert torch.equal(lin(small, bias), lin.gemv(small) + bias)
-    assert torch.equal(lin(small.bfloat16()), lin._kernel(small.bfloat16()))
+    if lin.gemv.kind == "int4":  # bf16 inputs reach torch's int4 kernel; Q8_0 ones the GEMV
+        assert torch.equal(lin(small.bfloat16()), lin._kernel(small.bfloat16()))
     bare = QuantLinear(lin.kind, lin.weight, lin.scales, lin.shape, dense=lin.dense)
     assert quant.nbytes(lin) == quant.nbytes(bare) + lin.gemv.nbytes()
 
 
-def test_bf16_models_get_no_gemv_blocks(qkv):
-    _, parts, _ = qkv
-    assert quant.build_linear("qkv", parts, "auto", torch.bfloat16).gemv is None
+def test_bf16_models_read_q8_0_blocks_through_the_gemv(qkv):
+    """bf16 activations: int4 weights stay on torch's int4 kernel (faster than the float32 GEMV
+    there); Q8_0 ones get the GEMV on their exact blocks for calls below the dense copy's rows
+    (activations converted to float32 exactly, the result rounded once), each row the same at
+    every M, instead of the per-channel int8 requantization."""
+    qtype, parts, w = qkv
+    lin = quant.build_linear("qkv", parts, "auto", torch.bfloat16)
+    if qtype != "Q8_0":
+        assert lin.gemv is None
+        return
+    assert lin.gemv is not None and lin.gemv.kind == "q8_0"
+    x = torch.randn(quant.DENSE_MIN_TOKENS - 1, K, generator=torch.Generator().manual_seed(10))
+    x = x.bfloat16()
+    out = lin(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, lin.gemv(x.float()).bfloat16())
+    for m in (1, 2, 5):
+        assert torch.equal(lin(x[:m]), out[:m]), m
+    torch.testing.assert_close(out.float(), x.float() @ w.T, atol=2e-2, rtol=2e-2)
 
 
 def test_dense_copy_only_where_bf16_is_native(qkv):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from gpu_worker import LLM, SamplingParams
+from gpu_worker import quantization as quant
 from gpu_worker.quantization import DENSE_MIN_TOKENS, GEMV_MAX_TOKENS, Q8Embedding, QuantLinear
 from laneserve.demo_corpus import build_corpus
 
@@ -81,6 +82,12 @@ def test_quantized_model_holds_its_weights_quantized(quantized, reference):
     assert isinstance(layer.down_proj, QuantLinear) and layer.down_proj.kind == "int4"
     assert isinstance(model.lm_head, QuantLinear) and model.lm_head.kind == "int8"
     assert isinstance(model.embed_tokens, Q8Embedding)
+    # the tied head's few-row GEMV reads the embedding's Q8_0 arrays, held once
+    assert model.lm_head.gemv.kind == "q8_0" and model.lm_head.gemv.qs is model.embed_tokens.qs
+    held = sum(quant.nbytes(t) for t in (model.embed_tokens, model.lm_head))
+    layers = [getattr(layer, f) for layer in model.layers for f in type(layer).__slots__]
+    others = sum(quant.nbytes(t) for t in (model.norm, *layers))
+    assert model.weight_bytes() == held + others - model.lm_head.gemv.nbytes()
     ref_bytes = reference.engine.runner.model.weight_bytes()
     print(
         f"\nweights: float32 none {ref_bytes / 1e6:.0f} MB, auto (bf16 activations, dense "
