@@ -140,7 +140,8 @@ def test_slowdown_fault_stretches_every_model_call(make_llm, monkeypatch):
 
     llm.engine.execute_model = timed
     engine = with_faults(llm.engine, plan)
-    engine.add_request("r", prompt="a prompt", sampling_params=SamplingParams(max_tokens=4))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)  # 4 model calls, whatever it samples
+    engine.add_request("r", prompt="a prompt", sampling_params=params)
     while engine.has_unfinished_requests():
         started = time.perf_counter()
         n = len(inner)
