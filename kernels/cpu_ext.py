@@ -18,9 +18,8 @@ float16 caches; any cache strides with a contiguous head dimension. On an AVX2 C
 tokens' scores are 8 x rows independent FMA chains with one horizontal add, V accumulators stay in
 registers, K rows are prefetched ahead (and the next task's K and V lines into L2 while a task
 runs), and ``exp`` is Cephes' polynomial (within 2 ulp of ``std::exp``; also in SiLU-mul); the
-other CPUs run the same arithmetic as scalar loops. A 16-lane
-AVX-512 variant was measured no faster on a Zen 4 EPYC (905 vs 938 us per layer at batch 64) and
-is not kept.
+other CPUs run the same arithmetic as scalar loops. A 16-lane AVX-512 variant was measured no
+faster on a Zen 4 EPYC (905 vs 938 us per layer at batch 64) and is not kept.
 
 The source is compiled with ``torch.utils.cpp_extension.load_inline`` into torch's extension cache
 (``~/.cache/torch_extensions`` or ``TORCH_EXTENSIONS_DIR``) the first time :func:`load` runs on a
