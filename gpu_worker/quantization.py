@@ -22,9 +22,10 @@ Kernel choice by phase and CPU (measured with scripts/bench_quant.py, docs/bench
   use the exact GGUF values, so kernel switches change outputs by float32 rounding only.
 
 The embedding of a GGUF stays in its Q8_0 blocks (exact lookups, 31 MB instead of 57 MB bf16).
-A Q8_0 linear (SmolLM2's tied LM head) runs on the Q8_0 blocks themselves (exact) through the C++
+A tied LM head over it (SmolLM2's) reads those same blocks (exact, no second copy) through the C++
 GEMV up to `GEMV_MAX_TOKENS` rows whatever the activations' dtype (bf16 ones converted to float32
-exactly, the result rounded once to bf16): on a 2-core Zen 4 with AVX512-BF16 it streams the
+exactly, the result rounded once to bf16; every row count when there is no dense copy, so its
+rows never depend on the batch): on a 2-core Zen 4 with AVX512-BF16 it streams the
 49,152 x 576 head at ~27 GB/s, 0.5-0.6x the time of torch's per-channel int8 kernel from 1 to 3
 rows and 0.55-0.9x up to 9 (which requantizes the Q8_0 blocks, and reads them at ~13 GB/s at one
 row). The int8 copy stays as the path without the C++ kernels; requantizing Q8_0 to int4 would
@@ -51,6 +52,7 @@ GGUF block layouts (ggml `block_q4_0`, `block_q4_1`, `block_q8_0`, 32 weights pe
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -414,6 +416,16 @@ class QuantLinear:
     def from_int8(cls, q: torch.Tensor, scale: torch.Tensor, **kwargs) -> QuantLinear:
         return cls("int8", q.contiguous(), scale.to(KERNEL_DTYPE), tuple(q.shape), **kwargs)
 
+    def read_q8_0_blocks(self, blocks: GemvBlocks) -> None:
+        """Run few-row calls of any dtype on `blocks` (the exact Q8_0 weights, e.g. a tied
+        embedding's arrays) through the C++ GEMV: up to `gemv_max_tokens` rows, or every row
+        count when no dense copy takes the large ones (the int8 weights are then used only
+        without the C++ kernels)."""
+        assert blocks.kind == "q8_0" and self.kind == "int8", (blocks.kind, self.kind)
+        self.gemv = blocks
+        if self._dense is None:
+            self.gemv_max_tokens = sys.maxsize
+
     @property
     def dense(self) -> torch.Tensor | None:
         """The dense copy as a plain tensor (a new one when it is held packed), or None."""
@@ -518,9 +530,9 @@ def build_linear(
     `none`, or `auto` over float weights: a dense tensor in `dtype`. `auto` over GGUF blocks: int4
     for Q4_0 / Q4_1 (exact), int8 per channel for Q8_0 (requantized). `int4` / `int8`: that kernel
     for any source (round-to-nearest from float). A dense copy of the source weights rides along
-    for large-M calls where it is faster (`dense_copy_dtype`); a float32 model also gets int4
-    `GemvBlocks` (the exact GGUF values) for few-row calls, and Q8_0 sources get Q8_0 ones in
-    any dtype.
+    for large-M calls where it is faster (`dense_copy_dtype`); a float32 model also gets
+    `GemvBlocks` (the exact GGUF values; Q8_0 ones only from Q8_0 sources) for few-row calls (a
+    tied LM head over a Q8_0 embedding gets them in any dtype: `QuantLinear.read_q8_0_blocks`).
     On a CUDA `device` (mode `int4`, `resolve_mode`) the int4 weight is packed for the CUDA
     kernel there, with no copies beside it. A dense result stays on the CPU (the caller moves it).
     """
@@ -547,7 +559,7 @@ def build_linear(
         return QuantLinear.from_int4(groups, **_routes(dtype, dense, gemv))
     weight = torch.cat([_as_float(p) for p in parts])
     dense = weight.to(dense_dtype) if dense_dtype else None
-    if all(_is_q8_0(p) for p in parts):
+    if dtype == torch.float32 and all(_is_q8_0(p) for p in parts):
         gemv = GemvBlocks.from_q8_0(parts)  # the Q8_0 blocks themselves: exact weights
     return QuantLinear.from_int8(*int8_from_float(weight), **_routes(dtype, dense, gemv))
 

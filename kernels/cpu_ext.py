@@ -351,24 +351,31 @@ struct PagedView {
 };
 
 // The cache lines of sequence b's K and V rows for heads [h0, h1), block by block (K and V lines
-// interleaved), into `lines`: what a decode task reads, listed so that the task before it can
-// ask for them ahead (`prefetch_next`).
+// interleaved), into `lines`, at most `kAheadBytes` of them: what a decode task reads first,
+// listed so that the task before it can ask for them ahead (`prefetch_next`). Bounded so that a
+// long context does not push the current task's rows (or the next task's first ones) out of L2.
+constexpr int64_t kAheadBytes = 512 * 1024;
+
 template <typename T>
 inline void list_task_lines(const PagedView<T>& p, const int32_t* table, int64_t len, int64_t bs,
-                            int64_t h0, int64_t h1, std::vector<const char*>& lines) {
+                            int64_t h0, int64_t h1, int64_t D, std::vector<const char*>& lines) {
   lines.clear();
-  const int64_t bytes = (h1 - h0) * p.ks2 * static_cast<int64_t>(sizeof(T));
+#ifdef LANESERVE_VEC8
+  const int64_t row = D * static_cast<int64_t>(sizeof(T));
   for (int64_t t0 = 0, j = 0; t0 < len; t0 += bs, ++j) {
     const int64_t blk = table[j], n = std::min(bs, len - t0);
-    for (int64_t off = 0; off < n; ++off) {
-      const char* k = reinterpret_cast<const char*>(p.kp + blk * p.ks0 + off * p.ks1 + h0 * p.ks2);
-      const char* v = reinterpret_cast<const char*>(p.vp + blk * p.vs0 + off * p.vs1 + h0 * p.vs2);
-      for (int64_t byte = 0; byte < bytes; byte += 64) {
-        lines.push_back(k + byte);
-        lines.push_back(v + byte);
+    for (int64_t off = 0; off < n; ++off)
+      for (int64_t h = h0; h < h1; ++h) {
+        if (static_cast<int64_t>(lines.size()) * 64 >= kAheadBytes) return;
+        const char* k = reinterpret_cast<const char*>(p.kp + blk * p.ks0 + off * p.ks1 + h * p.ks2);
+        const char* v = reinterpret_cast<const char*>(p.vp + blk * p.vs0 + off * p.vs1 + h * p.vs2);
+        for (int64_t byte = 0; byte < row; byte += 64) {
+          lines.push_back(k + byte);
+          lines.push_back(v + byte);
+        }
       }
-    }
   }
+#endif
 }
 
 // Ask for lines [next, next + n) of `lines` into L2, advancing `next`.
@@ -390,10 +397,11 @@ inline void prefetch_next(const std::vector<const char*>& lines, size_t& next, i
 // 8 tokens); softmax per row; pass 2 sums the V rows per KV head for up to kRows query rows per
 // sweep (accumulators in registers). A row's arithmetic depends on its own query and context
 // only, not on the batch, its neighbours in a sweep or the thread split. While a task runs pass 1
-// it asks for the next task's K and V lines into L2, spread over its iterations: the blocks of a
-// long-running cache lie scattered, and with only the next 16 tokens' K asked for, the loads
-// waited on memory one block at a time (batch 64 over 384 tokens on a 2-core Zen 4: 1.5x the
-// time per layer with shuffled blocks, 1.25x with sequential ones). Fetching changes no result.
+// it asks for the next task's first K and V lines (512 KB at most) into L2, spread over its
+// iterations: the blocks of a long-running cache lie scattered, and with only the next 16 tokens'
+// K asked for, the loads waited on memory one block at a time (batch 64 over 384 tokens on a
+// 2-core Zen 4: 1.5x the time per layer with shuffled blocks, 1.25x with sequential ones).
+// Fetching changes no result.
 template <typename T>
 void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                  const at::Tensor& seq_lens, const at::Tensor& bt, double scale,
@@ -418,7 +426,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
       ahead.clear();
       if (w + 1 < end) {
         const int64_t b1 = (w + 1) / tasks_per_seq, g0 = ((w + 1) % tasks_per_seq) * per_task;
-        list_task_lines(p, btp + b1 * bts0, sl[b1], bs, g0, g0 + per_task, ahead);
+        list_task_lines(p, btp + b1 * bts0, sl[b1], bs, g0, g0 + per_task, D, ahead);
       }
       const int64_t ahead_per_iter = (static_cast<int64_t>(ahead.size()) + (len + 7) / 8 - 1) /
                                      ((len + 7) / 8);

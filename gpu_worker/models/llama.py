@@ -173,13 +173,14 @@ class LlamaForCausalLM:
             self.lm_head: Linear = self.embed_tokens
         else:
             self.lm_head = take_linear([head_name], [vh])
-            gemv = getattr(self.lm_head, "gemv", None)
+            head, table = self.lm_head, self.embed_tokens
             if (
                 head_name == embed_name
-                and isinstance(self.embed_tokens, quant.Q8Embedding)
-                and (gemv is not None and gemv.kind == "q8_0")
-            ):  # the GEMV reads the embedding's own Q8_0 arrays: one copy of the table
-                gemv.qs, gemv.scale = self.embed_tokens.qs, self.embed_tokens.d
+                and isinstance(table, quant.Q8Embedding)
+                and isinstance(head, quant.QuantLinear)
+                and head.kind == "int8"
+            ):  # few-row calls read the embedding's own Q8_0 arrays: exact, one copy
+                head.read_q8_0_blocks(quant.GemvBlocks("q8_0", table.qs, table.d))
         self.layers: list[LayerWeights] = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."

@@ -100,25 +100,31 @@ def test_float32_calls_route_to_the_gemv_then_to_the_dense_copy(qkv):
     assert quant.nbytes(lin) == quant.nbytes(bare) + lin.gemv.nbytes()
 
 
-def test_bf16_models_read_q8_0_blocks_through_the_gemv(qkv):
-    """bf16 activations: int4 weights stay on torch's int4 kernel (faster than the float32 GEMV
-    there); Q8_0 ones get the GEMV on their exact blocks for calls below the dense copy's rows
-    (activations converted to float32 exactly, the result rounded once), each row the same at
-    every M, instead of the per-channel int8 requantization."""
+def test_bf16_q8_0_linears_read_their_blocks_once_given_them(qkv):
+    """bf16 activations: `build_linear` keeps no GEMV blocks (int4 stays on torch's int4
+    kernel, faster than the float32 GEMV there; Q8_0 ones come only for a tied LM head, over the
+    embedding's own arrays: `QuantLinear.read_q8_0_blocks`). Given them, calls below the dense
+    copy's rows run on the exact blocks (activations converted to float32 exactly, the result
+    rounded once), each row the same at every M; without a dense copy every row count does, so
+    rows never depend on the batch."""
     qtype, parts, w = qkv
     lin = quant.build_linear("qkv", parts, "auto", torch.bfloat16)
+    assert lin.gemv is None
     if qtype != "Q8_0":
-        assert lin.gemv is None
         return
-    assert lin.gemv is not None and lin.gemv.kind == "q8_0"
-    x = torch.randn(quant.DENSE_MIN_TOKENS - 1, K, generator=torch.Generator().manual_seed(10))
-    x = x.bfloat16()
-    out = lin(x)
+    x = torch.randn(40, K, generator=torch.Generator().manual_seed(10)).bfloat16()
+    blocks = GemvBlocks.from_q8_0(parts)
+    lin.read_q8_0_blocks(blocks)
+    few = x[: quant.DENSE_MIN_TOKENS - 1]
+    out = lin(few)
     assert out.dtype == torch.bfloat16
-    assert torch.equal(out, lin.gemv(x.float()).bfloat16())
+    assert torch.equal(out, blocks(few.float()).bfloat16())
     for m in (1, 2, 5):
-        assert torch.equal(lin(x[:m]), out[:m]), m
-    torch.testing.assert_close(out.float(), x.float() @ w.T, atol=2e-2, rtol=2e-2)
+        assert torch.equal(lin(few[:m]), out[:m]), m
+    torch.testing.assert_close(out.float(), few.float() @ w.T, atol=2e-2, rtol=2e-2)
+    bare = QuantLinear(lin.kind, lin.weight, lin.scales, lin.shape)  # no dense copy
+    bare.read_q8_0_blocks(blocks)
+    assert torch.equal(bare(x), blocks(x.float()).bfloat16())  # 40 rows: still the blocks
 
 
 def test_dense_copy_only_where_bf16_is_native(qkv):

@@ -1,5 +1,6 @@
 """The bundled SmolLM2 on its own quantized weights (`quantization="auto"`: Q4_1 linears on the
-int4 kernel, the Q8_0 embedding kept in blocks, the tied LM head on int8 per channel) against the
+int4 kernel, the Q8_0 embedding kept in blocks, the tied LM head reading those blocks through the
+C++ GEMV for few rows, on int8 per channel without the C++ kernels) against the
 float32 dequantized model (`dtype="float32", quantization="none"`, the exactness mode).
 
 Perplexity is teacher-forced through the engine's own forward over >= 2,000 tokens of Python
