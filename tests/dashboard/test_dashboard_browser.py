@@ -308,23 +308,30 @@ def test_chromium_job_view_of_a_completed_job(chromium_path, traffic_stack, tmp_
     shots = _artifacts(tmp_path)
     with _browser(chromium_path, stack.db_url, tmp_path, api_url=stack.url) as (tools, base, dash):
         tools.call("Page.navigate", url=f"{base}/?job={done.id}")
-        # the latency table's rows can fill in a rerun after its heading: wait for the value too
-        expect = ("First error lines", "invalid_json", "Latency of its lines", f"{e2e['p50']:,.1f}")
+        # the panels fill in over the fragment's reruns (the latency rows after their heading; the
+        # progress line was once missing from a capture that held the rest): wait for every piece
+        expect = ("First error lines", "invalid_json", "Latency of its lines", f"{e2e['p50']:,.1f}",
+                  "completed · 8/9 completed, 1 failed", f"{stats['lines_per_s']:,.2f} lines/s",
+                  f"{stats['output_tokens_per_s']:,.2f} tokens/s",
+                  "left in completion window (24h)")  # fmt: skip
+
+        last: dict = {}
 
         def shown():
-            dom = _dom(tools)
+            last.update(dom := _dom(tools))
             return dom if dom and all(x in dom["text"] for x in expect) else None
 
-        dom = _wait(shown, 90, "the job view", dash)
+        try:
+            dom = _wait(shown, 90, "the job view", dash)
+        except AssertionError as e:
+            missing = [x for x in expect if x not in last.get("text", "")]
+            raise AssertionError(f"{e}; missing {missing} from {last.get('text')!r}") from None
         _screenshot(tools, shots / "job.png")
         links = tools.evaluate("[...document.querySelectorAll('a')].map(a => a.href)")
 
     text = dom["text"]
     assert f"Job {done.id}" in dom["headings"]
-    assert "completed · 8/9 completed, 1 failed" in text
-    assert f"{stats['lines_per_s']:,.2f} lines/s" in text
-    assert f"{stats['output_tokens_per_s']:,.2f} tokens/s" in text
-    assert "left in completion window (24h)" in text
+    assert all(x in text for x in expect)
     assert f"{stack.url}/v1/files/{done.output_file_id}/content" in links
     assert f"{stack.url}/v1/files/{done.error_file_id}/content" in links
     # the lines' e2e percentiles, as the stats route computes them
