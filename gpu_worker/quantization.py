@@ -17,18 +17,21 @@ Kernel choice by phase and CPU (measured with scripts/bench_quant.py, docs/bench
   native bf16 no copy is kept: its bf16 GEMMs are slower than the int4
   kernel at every row count.
 - float32 activations (`dtype="auto"` on an AVX2-only CPU): up to `GEMV_MAX_TOKENS` rows the C++
-  GEMVs (kernels/cpu_ext_quant.py) read the GGUF blocks with float32 activations; from
-  `DENSE_MIN_TOKENS_FP32` rows a dense float32 copy (4 bytes per weight) runs oneDNN's GEMM. Both
-  use the exact GGUF values, so kernel switches change outputs by float32 rounding only.
+  GEMVs (kernels/cpu_ext_quant.py) read the GGUF blocks, each activation row rounded to 16-bit
+  integers per 32-element group for integer dot products (~3e-5 relative to float32
+  activations; bf16 rounding is ~4e-3); from `DENSE_MIN_TOKENS_FP32` rows a dense float32 copy
+  (4 bytes per weight) runs oneDNN's GEMM on the activations as they are. Both use the exact GGUF
+  values, so kernel switches change outputs by that rounding and float32 summation order only.
 
 The embedding of a GGUF stays in its Q8_0 blocks (exact lookups, 31 MB instead of 57 MB bf16).
 A tied LM head over it (SmolLM2's) reads those same blocks (exact, no second copy) through the C++
 GEMV up to `GEMV_MAX_TOKENS` rows whatever the activations' dtype (bf16 ones converted to float32
-exactly, the result rounded once to bf16; every row count when there is no dense copy, so its
-rows never depend on the batch): on a 2-core Zen 4 with AVX512-BF16 it streams the
-49,152 x 576 head at ~27 GB/s, 0.5-0.6x the time of torch's per-channel int8 kernel from 1 to 3
-rows and 0.55-0.9x up to 9 (which requantizes the Q8_0 blocks, and reads them at ~13 GB/s at one
-row). The int8 copy stays as the path without the C++ kernels; requantizing Q8_0 to int4 would
+exactly, then rounded to int16 as above, the result rounded once to bf16; every row count when
+there is no dense copy, so its rows never depend on the batch): on a 2-core Zen 4 with
+AVX512-BF16 its float32-activation version streamed the 49,152 x 576 head at ~27 GB/s, 0.5-0.6x
+the time of torch's per-channel int8 kernel from 1 to 3 rows and 0.55-0.9x up to 9 (which
+requantizes the Q8_0 blocks, and reads them at ~13 GB/s at one row); the int16 version was
+measured on an AVX2 EPYC only (0.65x the float32 version's time at one row). The int8 copy stays as the path without the C++ kernels; requantizing Q8_0 to int4 would
 cost ~8x the int8 error.
 
 Kernels (torch CPU, ATen):
@@ -220,7 +223,8 @@ def q8_0_arrays(t: GGUFQuantTensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(slots=True)
 class GemvBlocks:
-    """A weight in the layout of the C++ GEMVs (kernels/cpu_ext_quant.py), float32 activations.
+    """A weight in the layout of the C++ GEMVs (kernels/cpu_ext_quant.py): float32 activations,
+    rounded by the kernel to int16 per 32-element group.
 
     int4: qs uint8 [N, K/2] (ggml's nibble order), scale and offset float32 [N, K/32] with
     W = q * scale + offset (the GGUF's own d and m: no bf16 rounding); q8_0: qs int8 [N, K],
@@ -271,14 +275,14 @@ KERNEL_DTYPE = torch.bfloat16  # torch's int4/int8 CPU kernels are vectorized fo
 # on an AVX2-only CPU a dense bf16 GEMM is 2-7x slower than the int4 kernel at every M measured.
 DENSE_MIN_TOKENS = 10
 # float32 activations (an AVX2-only CPU's `dtype="auto"`): up to GEMV_MAX_TOKENS rows run the
-# C++ GEMVs (kernels/cpu_ext_quant.py: the GGUF's exact weights, float32 activations), from
-# DENSE_MIN_TOKENS_FP32 rows a dense float32 GEMM on a float32 copy. Measured on a 2-core EPYC
-# with AVX2/FMA/F16C only (scripts/bench_quant.py, 1 thread, per-round ratios to torch's int4
-# kernel on float32 inputs): the GEMVs take 0.75-0.95x (int4) and 0.55-0.85x (Q8_0) of its time
-# from 1 to 16 rows; dense float32 is 1.7-12x slower up to 16 rows and 0.15-0.9x from 32 rows
-# (0.95-1.4x for the LM head). So a float32 model never rounds its activations to bf16, and its
-# outputs change across kernels only by float32 summation order.
-DENSE_MIN_TOKENS_FP32 = 32
+# C++ GEMVs (kernels/cpu_ext_quant.py: the GGUF's exact weights, activations rounded to int16
+# per 32-element group), from DENSE_MIN_TOKENS_FP32 rows a dense float32 GEMM on a float32 copy.
+# Measured on a 2-core EPYC with AVX2/FMA/F16C only (scripts/bench_quant.py, 2 threads, dense
+# float32 time / GEMV time per shape): at 1 row 2.2-6.5, 8 rows 2.2-6.5, 16 rows 1.3-3.1,
+# 32 rows 1.07-2.1, 40 rows 0.99-1.35, 48 rows 1.01-1.18, 56 rows 0.93-1.09, 64 rows 0.85-1.04
+# (the LM head 1.4 at 64). With float32 activations in the GEMVs (before 3 December 2026) the
+# crossover was 32 rows.
+DENSE_MIN_TOKENS_FP32 = 48
 GEMV_MAX_TOKENS = DENSE_MIN_TOKENS_FP32 - 1
 
 

@@ -1,4 +1,5 @@
-"""The C++ quantized GEMVs (kernels/cpu_ext_quant.py) against dequantize-then-matmul in float32.
+"""The C++ quantized GEMVs (kernels/cpu_ext_quant.py) against dequantize-then-matmul: exact
+weights, activations rounded to 16-bit integers per 32-element group.
 
 Weights are real GGUF blocks (gguf-py quantizes, the loader reads them back with
 `keep_quantized=True`), on odd shapes: K = 160 (5 groups, not a multiple of 128), N = 88 / 72
@@ -46,11 +47,25 @@ def fp32_tolerance(x: torch.Tensor, w: torch.Tensor) -> dict:
     return {"atol": 2 * K * 2**-24 * bound, "rtol": 0.0}
 
 
+def rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the GEMVs read it (float64): per row and 32-element group, a * round(x / a) with
+    a = max|x_g| / 32767 (round half to even), the scale and the quotient in float32 as the
+    kernel computes them."""
+    g = x.view(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
+    e = torch.round(g * inv)
+    assert e.abs().max() <= 32767
+    return (e.double() * (amax / torch.tensor(32767.0)).double()).view(x.shape)
+
+
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 17])
-def test_gemv_matches_dequantized_matmul_in_float32(qkv, m):
-    """The GEMV reads the GGUF's own values (fp16 d and m, no bf16 rounding) and keeps the
-    activations in float32: it matches the float32 reference to float32 rounding, far inside
-    the bf16 tolerance torch's kernels need."""
+def test_gemv_matches_dequantized_matmul(qkv, m):
+    """The GEMV reads the GGUF's own values (fp16 d and m, no bf16 rounding) and rounds each
+    activation row to 16-bit integers per 32-element group: it equals W . x' (x' the rounded
+    row, in float64 here) to float32 rounding, and stays within the rounding's bound of W . x
+    (each element moves by at most max|x_g| / 65534): ~3e-5 relative, far inside the bf16
+    tolerance torch's kernels need. A group of zeros (no scale) contributes nothing."""
     qtype, parts, w = qkv
     blocks = GemvBlocks.from_q8_0(parts) if qtype == "Q8_0" else None
     if blocks is None:
@@ -58,9 +73,17 @@ def test_gemv_matches_dequantized_matmul_in_float32(qkv, m):
             quant.Int4Groups.cat([quant.int4_from_gguf(p) for p in parts])
         )
     x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+    x[0, 32:64] = 0.0
     out = blocks(x)
     assert out.dtype == torch.float32 and out.shape == (m, 88)
-    torch.testing.assert_close(out, x @ w.T, **fp32_tolerance(x, w))
+    wd = w.double()
+    torch.testing.assert_close(out.double(), rounded_activations(x) @ wd.T,
+                               **fp32_tolerance(x, w))  # fmt: skip
+    exact = x.double() @ wd.T
+    step = (x.view(m, -1, 32).abs().amax(-1) / 65534).repeat_interleave(32, dim=1)
+    bound = step.double() @ wd.abs().T + fp32_tolerance(x, w)["atol"]
+    assert ((out.double() - exact).abs() <= bound).all()
+    assert (out.double() - exact).norm() / exact.norm() < 2e-4
 
 
 def test_gemv_rows_do_not_depend_on_the_batch(qkv):
