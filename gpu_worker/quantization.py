@@ -31,8 +31,9 @@ there is no dense copy, so its rows never depend on the batch): on a 2-core Zen 
 AVX512-BF16 its float32-activation version streamed the 49,152 x 576 head at ~27 GB/s, 0.5-0.6x
 the time of torch's per-channel int8 kernel from 1 to 3 rows and 0.55-0.9x up to 9 (which
 requantizes the Q8_0 blocks, and reads them at ~13 GB/s at one row); the int16 version was
-measured on an AVX2 EPYC only (0.65x the float32 version's time at one row). The int8 copy stays as the path without the C++ kernels; requantizing Q8_0 to int4 would
-cost ~8x the int8 error.
+measured on an AVX2 EPYC only (its Q8_0 GEMV 0.65-0.75x the float32-activation version's time
+at one row, its int4 GEMV 0.47-0.61x). The int8 copy stays as the path without the C++ kernels;
+requantizing Q8_0 to int4 would cost ~8x the int8 error.
 
 Kernels (torch CPU, ATen):
 

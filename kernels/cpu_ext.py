@@ -323,8 +323,8 @@ inline void weighted_sum_vec(const float* p, int64_t lp, const T* v, const int64
 template <typename T, int NR>
 inline void weighted_sum_rows(const float* p, int64_t lp, const T* v, const int64_t* off,
                               int64_t len, int64_t D, float* acc) {
-#ifdef __AVX512F__
-  constexpr int kNV = 4;  // 32 vector registers
+#ifdef __AVX512VL__
+  constexpr int kNV = 4;  // 32 vector registers (ymm16-31 need AVX512VL)
 #else
   constexpr int kNV = NR > 2 ? 2 : 4;  // 16: NR x kNV accumulators + kNV V vectors
 #endif

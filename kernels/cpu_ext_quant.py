@@ -11,19 +11,19 @@ Layouts (N outputs, K inputs, G = K / 32 groups):
            (Q4_1: scale = d, offset = m; Q4_0: scale = d, offset = -8 d: exact)
     q8_0:  qs int8 [N, K]; d float32 [N, G]          W[n, 32 g + i] = qs * d[n, g]  (exact)
 
-Activations as 16-bit integers: each row's 32-element group g is rounded once to
-``x'_i = a_g * e_i``, ``e_i = round(x_i * 32767 / max|x_g|)`` (int16, ``a_g = max|x_g| / 32767``),
-so ``y = sum_g a_g * (scale * (q . e_g) + offset * sum(e_g))`` = ``W . x'`` exactly up to
-float32 summation order. The dot products are integer (AVX2 ``vpmaddwd``: 16 weight-activation
-pairs per instruction, exact), one conversion and one FMA per group: the weights need no
-conversion to floats (a float32 loop spent 2 shuffles and a convert per 8 weights unpacking
-them, and ran at half this speed at M = 1 on a 2-core AVX2 EPYC). The rounding moves an
-element by at most ``max|x_g| / 65534``: outputs are within ~3e-5 relative of float32
-activations', against ~4e-3 for the bf16 rounding torch's int4/int8 kernels make (llama.cpp
-rounds to 8 bits, ~1e-2). Each output row's arithmetic is the same whatever M or the thread
-split (work is split over N only, a row is rounded on its own), so a row's result does not
-depend on the batch. AVX2 intrinsics under ``#ifdef __AVX2__`` (the build uses
-``-march=native``), the same integer arithmetic as scalar loops otherwise.
+Activations as 16-bit integers: each row's 32-element group g is rounded once to ``x'_i = a_g *
+e_i``, ``e_i = round(x_i * 32767 / max|x_g|)`` (int16, ``a_g = max|x_g| / 32767``), so ``y = sum_g
+a_g * (scale * (q . e_g) + offset * sum(e_g))`` = ``W . x'`` up to float32 rounding. The dot
+products are integer (AVX2 ``vpmaddwd``: 16 weight-activation pairs per instruction, exact), one
+conversion and one FMA per group: the weights need no conversion to floats (a float32 loop spent 2
+shuffles and a convert per 8 weights unpacking them, and ran at half this speed at M = 1 on a
+2-core AVX2 EPYC). The rounding moves an element by about ``max|x_g| / 65534`` at most: outputs are
+within ~3e-5 relative of float32 activations', against ~4e-3 for the bf16 rounding torch's
+int4/int8 kernels make (llama.cpp rounds activations to 8 bits). A NaN or an infinity in a row
+makes all its outputs NaN. Each output row's arithmetic is the same whatever M or the thread split
+(work is split over N only, a row is rounded on its own), so a row's result does not depend on the
+batch. AVX2 intrinsics under ``#ifdef __AVX2__`` (the build uses ``-march=native``), the same
+integer arithmetic as scalar loops otherwise.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ SOURCE = r"""
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -62,13 +63,28 @@ struct RoundedRows {
 
 RoundedRows round_rows(const float* x, int64_t M, int64_t K) {
   const int64_t G = K / kGroup;
-  RoundedRows out{std::vector<int16_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  RoundedRows out{std::vector<int16_t>(M * K), std::vector<float>(M * G),
+                  std::vector<float>(M * G)};
+  constexpr float kMax = std::numeric_limits<float>::max();
   for (int64_t i = 0; i < M * G; ++i) {
     const float* xg = x + i * kGroup;
     int16_t* eg = out.e.data() + i * kGroup;
     float amax = 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xg[j]));
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    bool finite = true;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      const float v = std::fabs(xg[j]);
+      finite = finite && v <= kMax;  // false for NaN and infinities
+      amax = std::max(amax, v);
+    }
+    const float inv = 32767.f / amax;  // inf for zeros and for a max too small to scale
+    if (!finite || !(inv <= kMax)) {
+      // A NaN or an infinity makes the row's outputs NaN (a = NaN), as float32 arithmetic would
+      // make them NaN or infinite; zeros, or values too small for a finite scale (max below
+      // 32767 / FLT_MAX, ~1e-34), contribute nothing.
+      std::fill(eg, eg + kGroup, int16_t{0});
+      out.a[i] = out.t[i] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
     int32_t sum = 0;
 #ifdef __AVX2__
     const __m256 mul = _mm256_set1_ps(inv);
@@ -80,10 +96,8 @@ RoundedRows round_rows(const float* x, int64_t M, int64_t K) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(eg), lo);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(eg + 16), hi);
 #else
-    for (int64_t j = 0; j < kGroup; ++j) {  // NaN -> -32768, as the vector conversion makes it
-      const float v = std::nearbyint(xg[j] * inv);
-      eg[j] = static_cast<int16_t>(v == v ? std::clamp(v, -32768.f, 32767.f) : -32768.f);
-    }
+    for (int64_t j = 0; j < kGroup; ++j)
+      eg[j] = static_cast<int16_t>(std::clamp(std::nearbyint(xg[j] * inv), -32768.f, 32767.f));
 #endif
     for (int64_t j = 0; j < kGroup; ++j) sum += eg[j];
     out.a[i] = amax / 32767.f;

@@ -9,16 +9,17 @@ lm_head 576->49152) and M = 1 .. 512 rows, times `x @ W.T` through:
                               _weight_int8pack_mm (per channel), bfloat16 activations
     quant_int4_fp32_in        QuantLinear int4 called with float32 activations (cast in and out)
     int4_fp32 / int8_fp32     the raw kernels with float32 activations and scales (small M only)
-    gemv_int4_fp32            laneserve's C++ int4 GEMV (kernels/cpu_ext_quant.py), float32
-                              activations, the same int4 weight
+    gemv_int4_fp32            laneserve's C++ int4 GEMV (kernels/cpu_ext_quant.py), float32 in and
+                              out (rounded to int16 inside), the same int4 weight
     gemv_q8_0_fp32            its Q8_0 GEMV over per-channel scales (the LM head's kernel)
 
 Variants are timed round-robin, many rounds per cell (the machine may be shared: read the
 per-round ratios, not absolute times). Prints one JSON object: the CPU model and SIMD flags, torch
 threads, per shape and M each variant's median microseconds and median time ratio to int4_bf16,
 and per shape the smallest M from which dense bf16 is at least as fast as int4 bf16 (the routing
-crossover `gpu_worker.quantization.DENSE_MIN_TOKENS` comes from), and the largest M up to which
-the C++ GEMV beats the torch kernel on float32 activations (`GEMV_MAX_TOKENS`).
+crossover `gpu_worker.quantization.DENSE_MIN_TOKENS` comes from), the largest M up to which the
+C++ GEMV beats the torch kernel on float32 activations, and the smallest M from which the dense
+float32 copy is at least as fast as the C++ GEMV (`crossover_m_fp32`: `DENSE_MIN_TOKENS_FP32`).
 
     python scripts/bench_quant.py [--ms 1,2,4,...] [--budget-s 0.1] [--shapes qkv,o] [--threads 1]
 
@@ -150,8 +151,9 @@ def gemv_max_m(ratio: dict[int, float]) -> int | None:
 
 
 def crossover(ratio: dict[int, float]) -> int | None:
-    """Smallest M from which dense bf16 takes at most the int4 kernel's time (ratio <= 1) at
-    every larger M measured; None when the int4 kernel wins throughout."""
+    """Smallest M from which the dense variant takes at most the quantized one's time (ratio =
+    dense / quantized <= 1) at every larger M measured; None when the quantized one wins
+    throughout."""
     ms = sorted(ratio)
     for i, m in enumerate(ms):
         if all(ratio[mm] <= 1.0 for mm in ms[i:]):
@@ -309,6 +311,8 @@ def main() -> None:
                     gemv_int4_time_over_quant_int4_fp32_in={str(m): r for m, r in g.items()},
                     dense_fp32_time_over_quant_int4_fp32_in={str(m): r for m, r in d.items()},
                     gemv_max_m_fp32=gemv_max_m(g),
+                    # from here the dense float32 copy is at least as fast as the C++ GEMV
+                    crossover_m_fp32=crossover({m: d[m] / g[m] for m in d}),
                 )
     print(json.dumps(result, indent=1))
 
