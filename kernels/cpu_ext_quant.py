@@ -113,8 +113,7 @@ inline void gemv_row(const uint8_t* qs, const float* sc, const float* off, int64
                      const int16_t* e, int64_t ldx, const float* a, const float* t, float* y,
                      int64_t ldy) {
   float offset[R] = {};
-  for (int r = 0; r < R; ++r) {  // sum_g offset_g * t_g, 8 groups at a time
-    if (!Q4) break;
+  for (int r = 0; Q4 && r < R; ++r) {  // sum_g offset_g * t_g, 8 groups at a time
     int64_t g = 0;
 #ifdef __AVX2__
     __m256 acc = _mm256_setzero_ps();
