@@ -26,8 +26,8 @@ float32 copy is at least as fast as the C++ GEMV (`crossover_m_fp32`: `DENSE_MIN
 `--steps` instead times whole engine steps (`LLMEngine.step()`, sampling included) of the bundled
 model: decodes at batch 1 / 8 / 64 and the prefill of one 512-token prompt, for `--quantization
 none,auto,auto-nodense` (`--dtype`, default bf16; `auto-nodense` drops the dense bf16 copies, so
-every call reads the 4-bit weights; `auto-nogemv` drops the C++ GEMV blocks a float32 model
-uses for few rows), the engines stepped alternately so load from other processes hits
+every call reads the 4-bit weights; `auto-nogemv` drops the C++ GEMV blocks used for few rows,
+`auto-nolayergemv` only those of the decoder layers' linears, keeping the LM head's), the engines stepped alternately so load from other processes hits
 all alike; it reports each model's weight bytes (quantized blocks, scales, dense copies) and
 load time:
 
@@ -182,10 +182,10 @@ def build_engines(args) -> tuple[dict, dict]:
         )
         model = llm.engine.runner.model
         linears = [getattr(layer, f) for layer in model.layers for f in LINEARS]
-        for drop in name.split("-")[1:]:  # "nodense", "nogemv"
-            for lin in [*linears, model.lm_head]:
+        for drop in name.split("-")[1:]:  # "nodense", "nogemv", "nolayergemv"
+            for lin in [*linears, *([] if drop == "nolayergemv" else [model.lm_head])]:
                 if isinstance(lin, QuantLinear):
-                    setattr(lin, drop.removeprefix("no"), None)
+                    setattr(lin, "_dense" if drop == "nodense" else "gemv", None)
         llms[name] = llm
         memory[name] = {
             "load_s": round(time.perf_counter() - t0, 2),
