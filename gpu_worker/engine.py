@@ -72,17 +72,21 @@ _DTYPES = {
 }
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU advertises AMX-BF16 or AVX512-BF16 (Linux /proc/cpuinfo flags)."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU advertises AMX-BF16 or AVX512-BF16."""
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

@@ -224,8 +224,10 @@ def q8_0_arrays(t: GGUFQuantTensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(slots=True)
 class GemvBlocks:
-    """A weight in the layout of the C++ GEMVs (kernels/cpu_ext_quant.py): float32 activations,
-    rounded by the kernel to int16 per 32-element group.
+    """A weight in the layout of the C++ GEMVs (kernels/cpu_ext_quant.py). float32 activations
+    are rounded by the kernel to int16 per 32-element group; bf16 ones are multiplied as they are
+    with the weights rounded to bf16 where the CPU has AVX512-BF16 (`gemv_takes_bf16`), else
+    read as float32 (exact) through the int16 path, the result rounded once to bf16.
 
     int4: qs uint8 [N, K/2] (ggml's nibble order), scale and offset float32 [N, K/32] with
     W = q * scale + offset (the GGUF's own d and m: no bf16 rounding); q8_0: qs int8 [N, K],
@@ -255,7 +257,8 @@ class GemvBlocks:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x float32 [M, K] -> float32 [M, N] (needs `kernels.cpu_ext.load()`)."""
+        """x float32 or bf16 [M, K], contiguous -> [M, N] in x's dtype (needs
+        `kernels.cpu_ext.load()`)."""
         if self.kind == "int4":
             return torch.ops.laneserve.int4_gemv(x, self.qs, self.scale, self.offset)
         return torch.ops.laneserve.q8_0_gemv(x, self.qs, self.scale)
@@ -326,6 +329,28 @@ def dense_copy_dtype(dtype: torch.dtype) -> torch.dtype | None:
     return None
 
 
+# bf16 calls of fewer rows than this skip the bf16 GEMV: int4 ones run torch's int4 kernel, Q8_0
+# ones the int16 path (activations converted exactly to float32). The bf16 GEMV reads 24 bytes
+# per 32 weights (torch's kernel 20) and dequantizes every group, so at 1-4 rows, where torch's
+# kernel unpacks its weights in one 4-row pass, whole bf16 SmolLM2 decode steps took 1.11-1.18x
+# as long with it; at 5 rows (a batch-1 speculative verification of 4 drafts; torch's kernel
+# makes a second pass) 0.81-0.87x, at 8 rows 0.98-1.01x (a 2-core Zen 5 EPYC with
+# AVX512-BF16, `scripts/bench_quant.py --steps --quantization auto,auto-nolayergemv`). The
+# tied Q8_0 LM head alone: 800 vs 647 us at 1 row, 964 vs 1451 at 5, 1392 vs 2235 at 8.
+BF16_GEMV_MIN_TOKENS = 5
+
+
+def gemv_takes_bf16() -> bool:
+    """Whether bf16 activations get GEMV blocks of int4 weights: on a CPU with AVX512-BF16 the
+    kernel converts each weight group to bf16 once and runs one vdpbf16ps per group and row, so
+    extra rows cost little (`BF16_GEMV_MIN_TOKENS` rows up: 5-row calls of the SmolLM2 linears
+    took 0.47-0.74x the time of torch's int4 kernel, scripts/bench_quant.py). Elsewhere bf16
+    int4 calls stay on torch's kernel."""
+    from gpu_worker.engine import cpu_flags  # lazy: engine imports the model code
+
+    return "avx512_bf16" in cpu_flags()
+
+
 def dense_min_tokens(dtype: torch.dtype) -> int:
     """From how many rows a call runs on the dense copy (see `dense_copy_dtype`)."""
     return DENSE_MIN_TOKENS_FP32 if dtype == torch.float32 else DENSE_MIN_TOKENS
@@ -371,9 +396,9 @@ class QuantLinear:
         dense: optional copy of W in the activation dtype, used for calls of at least
             `dense_min_tokens` rows (compute-bound prefill chunks and big decode batches); held
             packed (`pack_dense`), `dense` gives it back as a plain tensor.
-        gemv: optional `GemvBlocks` of the same W, used for float32 calls (calls of any dtype,
-            for Q8_0 blocks) of at most `gemv_max_tokens` rows when the C++ kernels are built
-            (`kernels.cpu_ext`).
+        gemv: optional `GemvBlocks` of the same W, used for float32 calls (bf16 ones: from
+            `BF16_GEMV_MIN_TOKENS` rows, Q8_0 blocks also below) of at most `gemv_max_tokens`
+            rows when the C++ kernels are built (`kernels.cpu_ext`).
     """
 
     def __init__(
@@ -468,17 +493,18 @@ class QuantLinear:
         """x [M, K] -> [M, N] in x's dtype."""
         if self._dense is not None and x.shape[0] >= self.dense_min_tokens:
             return dense_linear(x, self._dense, bias)
-        if (
-            self.gemv is not None
-            and (x.dtype == torch.float32 or self.gemv.kind == "q8_0")
-            and x.shape[0] <= self.gemv_max_tokens
-            and cpu_ext.load()
-        ):
-            # bf16 -> float32 is exact; a float32 call dispatches no conversion (two no-op
-            # `aten::to` per linear were 240 of a batch-1 float32 step's ~570 top-level ops)
-            y = self.gemv((x if x.dtype == torch.float32 else x.float()).contiguous())
-            y = y if bias is None else y + bias
-            return y if y.dtype == x.dtype else y.to(x.dtype)
+        y = None
+        if self.gemv is not None and x.shape[0] <= self.gemv_max_tokens and cpu_ext.load():
+            if x.dtype == torch.float32 or (
+                x.dtype == torch.bfloat16 and x.shape[0] >= BF16_GEMV_MIN_TOKENS
+            ):
+                # in and out in x's dtype: no conversion dispatched (two `aten::to` per linear
+                # were 240 of a batch-1 float32 step's ~570 top-level ops)
+                y = self.gemv(x.contiguous())
+            elif x.dtype == torch.bfloat16 and self.gemv.kind == "q8_0":
+                y = self.gemv(x.float().contiguous()).to(x.dtype)  # the int16 path (exact in)
+        if y is not None:
+            return y if bias is None else y + bias
         if x.dtype == KERNEL_DTYPE:
             y = self._kernel(x)
         else:
@@ -538,8 +564,9 @@ def build_linear(
     for Q4_0 / Q4_1 (exact), int8 per channel for Q8_0 (requantized). `int4` / `int8`: that kernel
     for any source (round-to-nearest from float). A dense copy of the source weights rides along
     for large-M calls where it is faster (`dense_copy_dtype`); a float32 model also gets
-    `GemvBlocks` (the exact GGUF values; Q8_0 ones only from Q8_0 sources) for few-row calls (a
-    tied LM head over a Q8_0 embedding gets them in any dtype: `QuantLinear.read_q8_0_blocks`).
+    `GemvBlocks` (the exact GGUF values; Q8_0 ones only from Q8_0 sources) for few-row calls, and
+    so does a bf16 one where `gemv_takes_bf16` (a tied LM head over a Q8_0 embedding gets them in
+    any dtype: `QuantLinear.read_q8_0_blocks`).
     On a CUDA `device` (mode `int4`, `resolve_mode`) the int4 weight is packed for the CUDA
     kernel there, with no copies beside it. A dense result stays on the CPU (the caller moves it).
     """
@@ -558,15 +585,16 @@ def build_linear(
         return QuantLinear.from_int4_cuda(_int4_groups(parts), device)
     dense_dtype = dense_copy_dtype(dtype)
     gemv = None
+    with_gemv = dtype == torch.float32 or (dtype == torch.bfloat16 and gemv_takes_bf16())
     if kind == "int4":
         groups = _int4_groups(parts)
         dense = groups.dequantize().to(dense_dtype) if dense_dtype else None
-        if dtype == torch.float32:
+        if with_gemv:
             gemv = GemvBlocks.from_int4(groups)
         return QuantLinear.from_int4(groups, **_routes(dtype, dense, gemv))
     weight = torch.cat([_as_float(p) for p in parts])
     dense = weight.to(dense_dtype) if dense_dtype else None
-    if dtype == torch.float32 and all(_is_q8_0(p) for p in parts):
+    if with_gemv and all(_is_q8_0(p) for p in parts):
         gemv = GemvBlocks.from_q8_0(parts)  # the Q8_0 blocks themselves: exact weights
     return QuantLinear.from_int8(*int8_from_float(weight), **_routes(dtype, dense, gemv))
 

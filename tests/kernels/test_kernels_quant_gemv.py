@@ -69,6 +69,13 @@ def blocks_weight(blocks: GemvBlocks) -> tuple[torch.Tensor, torch.Tensor]:
     return w.view(n, -1), (q.abs() * scale.abs() + zero.abs()[..., None]).view(n, -1)
 
 
+def gguf_blocks(qtype: str, parts: list) -> GemvBlocks:
+    """The GEMV blocks of the fused qkv parts, straight from their GGUF blocks."""
+    if qtype == "Q8_0":
+        return GemvBlocks.from_q8_0(parts)
+    return GemvBlocks.from_int4(quant.Int4Groups.cat([quant.int4_from_gguf(p) for p in parts]))
+
+
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 17])
 def test_gemv_matches_dequantized_matmul(qkv, m):
     """The GEMV reads the GGUF's own values (fp16 d and m, no bf16 rounding) and rounds each
@@ -79,11 +86,7 @@ def test_gemv_matches_dequantized_matmul(qkv, m):
     65534): ~3e-5 relative here, far inside the bf16 tolerance torch's kernels need. A group of
     zeros (no scale) contributes nothing."""
     qtype, parts, w = qkv
-    blocks = GemvBlocks.from_q8_0(parts) if qtype == "Q8_0" else None
-    if blocks is None:
-        blocks = GemvBlocks.from_int4(
-            quant.Int4Groups.cat([quant.int4_from_gguf(p) for p in parts])
-        )
+    blocks = gguf_blocks(qtype, parts)
     wd, terms = blocks_weight(blocks)
     torch.testing.assert_close(wd, w.double(), atol=1e-6, rtol=0)  # gguf-py's dequantization
     x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
@@ -156,37 +159,85 @@ def test_float32_calls_route_to_the_gemv_then_to_the_dense_copy(qkv):
     torch.testing.assert_close(lin.dense, w, atol=1e-6, rtol=0)  # the exact GGUF values
     bias = torch.randn(88)
     assert torch.equal(lin(small, bias), lin.gemv(small) + bias)
-    if lin.gemv.kind == "int4":  # bf16 inputs reach torch's int4 kernel; Q8_0 ones the GEMV
-        assert torch.equal(lin(small.bfloat16()), lin._kernel(small.bfloat16()))
+    # bf16 inputs of a float32 model's linear: the GEMV in bf16 (the blocks are there)
+    assert torch.equal(lin(small.bfloat16()), lin.gemv(small.bfloat16()))
     bare = QuantLinear(lin.kind, lin.weight, lin.scales, lin.shape, dense=lin.dense)
     assert quant.nbytes(lin) == quant.nbytes(bare) + lin.gemv.nbytes()
 
 
-def test_bf16_q8_0_linears_read_their_blocks_once_given_them(qkv):
-    """bf16 activations: `build_linear` keeps no GEMV blocks (int4 stays on torch's int4
-    kernel, faster than the float32 GEMV there; Q8_0 ones come only for a tied LM head, over the
-    embedding's own arrays: `QuantLinear.read_q8_0_blocks`). Given them, calls below the dense
-    copy's rows run on the exact blocks (activations converted to float32 exactly, the result
-    rounded once), each row the same at every M; without a dense copy every row count does, so
-    rows never depend on the batch."""
+def test_bf16_gemv_matches_bf16_weights_and_rows_do_not_depend_on_the_batch(qkv):
+    """bf16 activations: with AVX512-BF16 the kernel multiplies them as they are with each weight
+    rounded to bf16 (q * scale + offset in float32, then to nearest even: what a dense bf16 copy
+    holds), float32 sums, one rounding of the result; without it the row is read exactly into the
+    int16 path and the float32 result rounded once. Either way the result matches the bf16
+    weights' product to bf16 rounding, and row i is bitwise the same at every M (row tiles of 6,
+    weight-row blocks of 4 with a short last block: N = 88) and thread count."""
+    qtype, parts, _ = qkv
+    blocks = gguf_blocks(qtype, parts)
+    wd, _ = blocks_weight(blocks)
+    x = torch.randn(23, K, generator=torch.Generator().manual_seed(12)).bfloat16()
+    out = blocks(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (23, 88)
+    ref = x.double() @ wd.bfloat16().double().T
+    err = (out.double() - ref).abs() / (x.double().abs() @ wd.abs().T)
+    assert err.max() < 2**-8, err.max()  # the output's bf16 rounding, relative to the terms
+    if not quant.gemv_takes_bf16():
+        assert torch.equal(out, blocks(x.float()).bfloat16())
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in {1, threads}:
+            torch.set_num_threads(n_threads)
+            for m in (1, 2, 4, 5, 6, 7, 13, 22):
+                assert torch.equal(blocks(x[:m].contiguous()), out[:m]), (qtype, m, n_threads)
+    finally:
+        torch.set_num_threads(threads)
+    nan = x.clone()
+    nan[3, 40] = float("nan")
+    got = blocks(nan)
+    assert got[3].isnan().all() and torch.equal(got[:3], out[:3])
+
+
+def test_bf16_linears_route_to_the_gemv_where_it_takes_bf16(qkv):
+    """bf16 activations: `build_linear` keeps GEMV blocks where `gemv_takes_bf16`, none
+    elsewhere (int4 stays on torch's int4 kernel; Q8_0 blocks come only for a tied LM head, over
+    the embedding's own arrays: `QuantLinear.read_q8_0_blocks`). Calls from
+    `BF16_GEMV_MIN_TOKENS` rows up to below the dense copy's run on the blocks in bf16; fewer rows
+    run torch's int4 kernel, or for Q8_0 blocks the int16 path (float32 in, exact), so each row
+    is the same at every M on either side of that threshold (at every M where the CPU lacks
+    AVX512-BF16: both paths are then the int16 one); without a dense copy every row count from
+    the threshold runs on the blocks."""
     qtype, parts, w = qkv
     lin = quant.build_linear("qkv", parts, "auto", torch.bfloat16)
-    assert lin.gemv is None
-    if qtype != "Q8_0":
-        return
+    assert (lin.gemv is not None) == quant.gemv_takes_bf16()
     x = torch.randn(40, K, generator=torch.Generator().manual_seed(10)).bfloat16()
-    blocks = GemvBlocks.from_q8_0(parts)
-    lin.read_q8_0_blocks(blocks)
     few = x[: quant.DENSE_MIN_TOKENS - 1]
+    first = quant.BF16_GEMV_MIN_TOKENS
+    assert 1 < first < len(few)
+    if lin.gemv is None:
+        assert torch.equal(lin(few), lin._kernel(few))
+        if qtype != "Q8_0":
+            return
+        lin.read_q8_0_blocks(GemvBlocks.from_q8_0(parts))
     out = lin(few)
     assert out.dtype == torch.bfloat16
-    assert torch.equal(out, blocks(few.float()).bfloat16())
-    for m in (1, 2, 5):
+    assert torch.equal(out, lin.gemv(few))
+    for m in range(first, len(few)):
         assert torch.equal(lin(few[:m]), out[:m]), m
-    torch.testing.assert_close(out.float(), few.float() @ w.T, atol=2e-2, rtol=2e-2)
-    bare = QuantLinear(lin.kind, lin.weight, lin.scales, lin.shape)  # no dense copy
-    bare.read_q8_0_blocks(blocks)
-    assert torch.equal(bare(x), blocks(x.float()).bfloat16())  # 40 rows: still the blocks
+    below = lin(few[: first - 1])
+    if lin.gemv.kind == "q8_0":
+        assert torch.equal(below, lin.gemv(few[: first - 1].float()).bfloat16())
+    else:
+        assert torch.equal(below, lin._kernel(few[: first - 1]))
+    for m in range(1, first - 1):
+        assert torch.equal(lin(few[:m]), below[:m]), m
+    if not quant.gemv_takes_bf16():
+        assert torch.equal(below, out[: first - 1])
+    for y in (out, below):
+        torch.testing.assert_close(y.float(), few[: len(y)].float() @ w.T, atol=2e-2, rtol=2e-2)
+    if qtype == "Q8_0":
+        bare = QuantLinear(lin.kind, lin.weight, lin.scales, lin.shape)  # no dense copy
+        bare.read_q8_0_blocks(GemvBlocks.from_q8_0(parts))
+        assert torch.equal(bare(x), bare.gemv(x))  # 40 rows: still the blocks
 
 
 def test_dense_copy_only_where_bf16_is_native(qkv):
@@ -201,7 +252,7 @@ def test_dense_copy_only_where_bf16_is_native(qkv):
 @pytest.mark.parametrize(
     "args, message",
     [
-        ((torch.randn(2, K).double(),), "float32"),
+        ((torch.randn(2, K).double(),), "float32 or bfloat16"),
         ((torch.randn(2, K + 1),), "multiple of 32"),
         ((torch.randn(2, 2 * K),), "qs must be"),
     ],
