@@ -341,11 +341,13 @@ BF16_GEMV_MIN_TOKENS = 5
 
 
 def gemv_takes_bf16() -> bool:
-    """Whether bf16 activations get GEMV blocks of int4 weights: on a CPU with AVX512-BF16 the
-    kernel converts each weight group to bf16 once and runs one vdpbf16ps per group and row, so
-    extra rows cost little (`BF16_GEMV_MIN_TOKENS` rows up: 5-row calls of the SmolLM2 linears
-    took 0.47-0.74x the time of torch's int4 kernel, scripts/bench_quant.py). Elsewhere bf16
-    int4 calls stay on torch's kernel."""
+    """Whether a bf16 model's int4 and Q8_0 linears get GEMV blocks (about 0.75 bytes per weight
+    beside torch's int4 pack and the dense copy: SmolLM2's weights 396 -> 475 MB): on a CPU with
+    AVX512-BF16 the kernel converts each weight group to bf16 once and runs one vdpbf16ps per
+    group and row, so extra rows cost little (`BF16_GEMV_MIN_TOKENS` rows up: 5-row calls of the
+    SmolLM2 linears took 0.47-0.74x the time of torch's int4 kernel, scripts/bench_quant.py;
+    Q8_0 linears' fewer rows then run the int16 path instead of torch's int8 kernel). Elsewhere
+    bf16 int4 calls stay on torch's kernel."""
     from gpu_worker.engine import cpu_flags  # lazy: engine imports the model code
 
     return "avx512_bf16" in cpu_flags()
@@ -501,8 +503,8 @@ class QuantLinear:
                 # in and out in x's dtype: no conversion dispatched (two `aten::to` per linear
                 # were 240 of a batch-1 float32 step's ~570 top-level ops)
                 y = self.gemv(x.contiguous())
-            elif x.dtype == torch.bfloat16 and self.gemv.kind == "q8_0":
-                y = self.gemv(x.float().contiguous()).to(x.dtype)  # the int16 path (exact in)
+            elif self.gemv.kind == "q8_0":  # fewer bf16 rows, or fp16: the int16 path (exact in)
+                y = self.gemv(x.float().contiguous()).to(x.dtype)
         if y is not None:
             return y if bias is None else y + bias
         if x.dtype == KERNEL_DTYPE:

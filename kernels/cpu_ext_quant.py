@@ -27,14 +27,16 @@ does 32 pairs per ``vpmaddwd``: 0.9x the AVX2 loop's time at M = 1 on a 2-core Z
 same integer arithmetic as scalar loops otherwise.
 
 bfloat16 activations, on a CPU with AVX512-BF16: the weights of a group are dequantized once to
-bfloat16 (``q * scale + offset`` in float32, rounded to nearest even, as a dense bf16 copy holds
-them) and each row's group dot is one ``vdpbf16ps`` (bf16 products are exact in float32; float32
-sums), 4 weight rows and up to 6 activation rows per pass, so extra rows cost little: a
+bfloat16 (``fma(q, scale, offset)`` in float32, rounded to nearest even: a dense bf16 copy's
+values but for a rare last-bit difference) and each row's group dot is one ``vdpbf16ps`` (bf16
+products are exact in float32, float32 sums; the instruction treats denormals as zero), 4 weight
+rows and up to 6 activation rows per pass, so extra rows cost little: a
 speculative verification of 5 rows took 0.47-0.74x the time of torch's int4 kernel (which
 unpacks the weights once per 4 rows) on SmolLM2's linears, 1 row 0.9-1.1x. Without AVX512-BF16
 a bfloat16 row is read exactly into the int16 path above and the result rounded once to bf16.
 Either way a row's result does not depend on M or the thread split (weight rows go in blocks
-aligned to multiples of 4, a short last block repeats its last row).
+aligned to multiples of 4, a short last block repeats its last row). A NaN in a bf16 row makes its
+outputs NaN; an infinity gives infinities or NaN there (the int16 path: NaN).
 """
 
 from __future__ import annotations

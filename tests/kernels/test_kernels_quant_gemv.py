@@ -148,7 +148,8 @@ def test_gemv_rows_do_not_depend_on_the_batch(qkv):
 
 def test_float32_calls_route_to_the_gemv_then_to_the_dense_copy(qkv):
     """float32: up to gemv_max_tokens rows on the GEMV, from dense_min_tokens on the float32
-    copy (no row count left to torch's bf16-input kernels); bf16 inputs still reach those."""
+    copy (no row count left to torch's bf16-input kernels); bf16 inputs of this model's linears
+    reach the GEMV in bf16 (the blocks are there)."""
     _, parts, w = qkv
     lin = quant.build_linear("qkv", parts, "auto", torch.float32)
     assert lin.gemv_max_tokens + 1 == lin.dense_min_tokens == quant.DENSE_MIN_TOKENS_FP32
@@ -159,7 +160,6 @@ def test_float32_calls_route_to_the_gemv_then_to_the_dense_copy(qkv):
     torch.testing.assert_close(lin.dense, w, atol=1e-6, rtol=0)  # the exact GGUF values
     bias = torch.randn(88)
     assert torch.equal(lin(small, bias), lin.gemv(small) + bias)
-    # bf16 inputs of a float32 model's linear: the GEMV in bf16 (the blocks are there)
     assert torch.equal(lin(small.bfloat16()), lin.gemv(small.bfloat16()))
     bare = QuantLinear(lin.kind, lin.weight, lin.scales, lin.shape, dense=lin.dense)
     assert quant.nbytes(lin) == quant.nbytes(bare) + lin.gemv.nbytes()
@@ -170,8 +170,9 @@ def test_bf16_gemv_matches_bf16_weights_and_rows_do_not_depend_on_the_batch(qkv)
     rounded to bf16 (q * scale + offset in float32, then to nearest even: what a dense bf16 copy
     holds), float32 sums, one rounding of the result; without it the row is read exactly into the
     int16 path and the float32 result rounded once. Either way the result matches the bf16
-    weights' product to bf16 rounding, and row i is bitwise the same at every M (row tiles of 6,
-    weight-row blocks of 4 with a short last block: N = 88) and thread count."""
+    weights' product to bf16 rounding, and row i is bitwise the same at every M (row tiles of
+    6) and thread count (`test_bf16_gemv_short_blocks_and_thread_splits`: a short last block,
+    a K that splits over threads)."""
     qtype, parts, _ = qkv
     blocks = gguf_blocks(qtype, parts)
     wd, _ = blocks_weight(blocks)
@@ -195,6 +196,31 @@ def test_bf16_gemv_matches_bf16_weights_and_rows_do_not_depend_on_the_batch(qkv)
     nan[3, 40] = float("nan")
     got = blocks(nan)
     assert got[3].isnan().all() and torch.equal(got[:3], out[:3])
+
+
+@pytest.mark.parametrize("kind", ["int4", "q8_0"])
+def test_bf16_gemv_short_blocks_and_thread_splits(kind):
+    """N = 29 (the last block of 4 weight rows is short: it repeats its last row) and K = 4096
+    (enough weights per row that N splits over threads): every row the same at every M (row tiles
+    of 6 and every remainder) and thread count, in bf16 and float32."""
+    w = torch.randn(29, 4096, generator=torch.Generator().manual_seed(13)) * 0.05
+    if kind == "int4":
+        blocks = GemvBlocks.from_int4(quant.int4_from_float(w))
+    else:
+        q8, s8 = quant.int8_from_float(w)
+        blocks = GemvBlocks("q8_0", q8, s8[:, None].expand(29, 4096 // 32).contiguous())
+    x = torch.randn(14, 4096, generator=torch.Generator().manual_seed(14))
+    threads = torch.get_num_threads()
+    try:
+        for xs in (x, x.bfloat16()):
+            torch.set_num_threads(threads)
+            full = blocks(xs)
+            for n_threads in {1, 2, threads}:
+                torch.set_num_threads(n_threads)
+                for m in range(1, 14):
+                    assert torch.equal(blocks(xs[:m].contiguous()), full[:m]), (m, n_threads)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_bf16_linears_route_to_the_gemv_where_it_takes_bf16(qkv):
@@ -234,7 +260,8 @@ def test_bf16_linears_route_to_the_gemv_where_it_takes_bf16(qkv):
         assert torch.equal(below, out[: first - 1])
     for y in (out, below):
         torch.testing.assert_close(y.float(), few[: len(y)].float() @ w.T, atol=2e-2, rtol=2e-2)
-    if qtype == "Q8_0":
+    if qtype == "Q8_0":  # float16 calls read the blocks too (through float32: exact)
+        assert torch.equal(lin(few.half()), lin.gemv(few.float()).half())
         bare = QuantLinear(lin.kind, lin.weight, lin.scales, lin.shape)  # no dense copy
         bare.read_q8_0_blocks(GemvBlocks.from_q8_0(parts))
         assert torch.equal(bare(x), bare.gemv(x))  # 40 rows: still the blocks
