@@ -25,6 +25,7 @@ request is accepted and finishes with finish_reason "length" once the sequence r
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -72,8 +73,9 @@ _DTYPES = {
 }
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    """The CPU's feature flags (Linux /proc/cpuinfo, read once; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
