@@ -167,8 +167,8 @@ def test_float32_calls_route_to_the_gemv_then_to_the_dense_copy(qkv):
 
 def test_bf16_gemv_matches_bf16_weights_and_rows_do_not_depend_on_the_batch(qkv):
     """bf16 activations: with AVX512-BF16 the kernel multiplies them as they are with each weight
-    rounded to bf16 (q * scale + offset in float32, then to nearest even: what a dense bf16 copy
-    holds), float32 sums, one rounding of the result; without it the row is read exactly into the
+    rounded to bf16 (fma(q, scale, offset) in float32, then to nearest even: a dense bf16 copy's
+    values but for a rare last bit), float32 sums, one rounding of the result; without it the row is read exactly into the
     int16 path and the float32 result rounded once. Either way the result matches the bf16
     weights' product to bf16 rounding, and row i is bitwise the same at every M (row tiles of
     6) and thread count (`test_bf16_gemv_short_blocks_and_thread_splits`: a short last block,
