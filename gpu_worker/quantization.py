@@ -11,8 +11,8 @@ Kernel choice by phase and CPU (measured with scripts/bench_quant.py, docs/bench
   on a bf16 copy of the same weights; smaller ones (decode) read the 4-bit weights through
   torch's int4 kernel up to 4 rows and, where the CPU has AVX512-BF16, through laneserve's bf16
   GEMV from `BF16_GEMV_MIN_TOKENS` (5) rows (a batch-1 speculative verification: torch's kernel
-  unpacks its weights once per 4 rows). The copy costs ~2 bytes per weight (269 MB for SmolLM2-135M, whose
-  int4/int8 weights and Q8_0 embedding take 127 MB) and buys 2-2.5x on every linear from 64 rows
+  unpacks its weights once per 4 rows). The copy costs ~2 bytes per weight (269 MB for
+  SmolLM2-135M, whose int4/int8 weights and Q8_0 embedding take 127 MB) and buys 2-2.5x on every linear from 64 rows
   up. The copy is held in oneDNN's blocked layout (`pack_dense`): the same results as `F.linear`
   on the plain copy, bit for bit, without reordering the weight on every call (SmolLM2's linears
   at 16 / 64 / 512 rows: 0.6-0.7x / 0.8-0.9x / 0.95-0.97x of `F.linear`'s time). On a CPU without
@@ -344,13 +344,15 @@ BF16_GEMV_MIN_TOKENS = 5
 
 
 def gemv_takes_bf16() -> bool:
-    """Whether a bf16 model's int4 and Q8_0 linears get GEMV blocks (about 0.75 bytes per weight
-    beside torch's int4 pack and the dense copy: SmolLM2's weights 396 -> 475 MB): on a CPU with
+    """Whether a bf16 model's int4 and Q8_0 linears get GEMV blocks, about 0.75 bytes per weight
+    beside torch's int4 pack and the dense copy (SmolLM2's weights 396 -> 475 MB). On a CPU with
     AVX512-BF16 the kernel converts each weight group to bf16 once and runs one vdpbf16ps per
     group and row, so extra rows cost little (`BF16_GEMV_MIN_TOKENS` rows up: 5-row calls of the
     SmolLM2 linears took 0.47-0.74x the time of torch's int4 kernel, scripts/bench_quant.py;
     Q8_0 linears' fewer rows then run the int16 path instead of torch's int8 kernel). Elsewhere
-    bf16 int4 calls stay on torch's kernel."""
+    bf16 int4 calls stay on torch's kernel. The CPU flag decides, read at load time, when the
+    extension may still be building; its ``-march=native`` build compiles the bf16 path for
+    exactly these CPUs."""
     from gpu_worker.engine import cpu_flags  # lazy: engine imports the model code
 
     return "avx512_bf16" in cpu_flags()
