@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import pkgutil
 import sys
+from pathlib import Path
 
 from laneserve import commands
 
@@ -43,9 +45,37 @@ def setup_logging(verbose: bool = False) -> None:
     )
 
 
+def foreign_kernels_package() -> str | None:
+    """A message when `import kernels` would load another package than laneserve's top-level
+    `kernels` (Hugging Face's package of that name, which transformers 5.25 and later require,
+    installed in this environment: DESIGN.md says never install both), else None."""
+    ours = Path(__file__).resolve().parent.parent / "kernels" / "__init__.py"
+    spec = importlib.util.find_spec("kernels")
+    origin = spec.origin if spec is not None else None
+    if origin is not None and Path(origin).resolve() == ours:
+        return None
+    return (
+        f"`import kernels` loads {origin}, not laneserve's kernels package ({ours.parent}): "
+        "Hugging Face's `kernels` package (which transformers 5.25+ requires) is installed in "
+        "this environment and shadows it. Fix: pip install 'transformers<5.25' && "
+        "pip uninstall -y kernels"
+    )
+
+
+def check_install() -> int:
+    """0, or 2 after printing why this environment cannot run laneserve."""
+    problem = foreign_kernels_package()
+    if problem is None:
+        return 0
+    print(f"laneserve: {problem}", file=sys.stderr)
+    return 2
+
+
 def run_single(name: str, register, argv: list[str] | None = None) -> int:
     """Run one subcommand without discovering the others (`python -m laneserve.commands.X`:
     a faster start for the supervisor and tests)."""
+    if code := check_install():
+        return code
     parser = argparse.ArgumentParser(prog="laneserve")
     register(parser.add_subparsers())
     args = parser.parse_args([name, *(sys.argv[1:] if argv is None else argv)])
@@ -54,6 +84,8 @@ def run_single(name: str, register, argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if code := check_install():
+        return code
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.verbose)

@@ -172,3 +172,39 @@ def test_forced_triton_without_gpu_turns_on_the_interpreter():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["1", "True"]
+
+
+def test_cli_refuses_a_foreign_kernels_package(tmp_path):
+    """Hugging Face's `kernels` (required by transformers 5.25+) would shadow ours: the CLI and
+    each `python -m laneserve.commands.X` say so and how to fix it, instead of failing later in
+    the middle of a step. From another directory, without one, the CLI runs."""
+    import os
+    import subprocess
+    import sys
+
+    from laneserve.cli import foreign_kernels_package
+
+    assert foreign_kernels_package() is None
+    fake = tmp_path / "site"
+    (fake / "kernels").mkdir(parents=True)
+    (fake / "kernels" / "__init__.py").write_text("")
+    env = dict(os.environ)
+    for argv, pythonpath in [
+        (["-m", "laneserve.cli", "status", "--help"], ""),
+        (["-m", "laneserve.cli", "status", "--help"], str(fake)),
+        (["-m", "laneserve.commands.broker", "--help"], str(fake)),
+    ]:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
+        proc = subprocess.run(
+            [sys.executable, *argv],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if not pythonpath:
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            continue
+        assert proc.returncode == 2, (argv, proc.returncode, proc.stderr[-2000:])
+        assert "shadows it" in proc.stderr and "transformers<5.25" in proc.stderr, proc.stderr
