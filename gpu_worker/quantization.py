@@ -28,7 +28,7 @@ Kernel choice by phase and CPU (measured with scripts/bench_quant.py, docs/bench
 The embedding of a GGUF stays in its Q8_0 blocks (exact lookups, 31 MB instead of 57 MB bf16).
 A tied LM head over it (SmolLM2's) reads those same blocks (exact, no second copy) through the C++
 GEMV up to `GEMV_MAX_TOKENS` rows whatever the activations' dtype (bf16 ones of fewer than
-`BF16_GEMV_MIN_TOKENS` rows converted to float32 exactly, then rounded to int16 as above, the
+`BF16_GEMV_MIN_TOKENS` rows read exactly by the kernel and rounded to int16 as above, the
 result rounded once to bf16, more rows through the bf16 GEMV where it runs; every row count when
 there is no dense copy): on a 2-core Zen 4 with
 AVX512-BF16 its float32-activation version streamed the 49,152 x 576 head at ~27 GB/s, 0.5-0.6x
@@ -333,7 +333,7 @@ def dense_copy_dtype(dtype: torch.dtype) -> torch.dtype | None:
 
 
 # bf16 calls of fewer rows than this skip the bf16 GEMV: int4 ones run torch's int4 kernel, Q8_0
-# ones the int16 path (activations converted exactly to float32). The bf16 GEMV reads 24 bytes
+# ones the int16 path (the kernel's own threshold, `kBf16GemvMinRows`). The bf16 GEMV reads 24 bytes
 # per 32 weights (torch's kernel 20) and dequantizes every group, so at 1-4 rows, where torch's
 # kernel unpacks its weights in one 4-row pass, whole bf16 SmolLM2 decode steps took 1.11-1.18x
 # as long with it; at 5 rows (a batch-1 speculative verification of 4 drafts; torch's kernel
@@ -341,6 +341,18 @@ def dense_copy_dtype(dtype: torch.dtype) -> torch.dtype | None:
 # AVX512-BF16, `scripts/bench_quant.py --steps --quantization auto,auto-nolayergemv`). The
 # tied Q8_0 LM head alone: 800 vs 647 us at 1 row, 964 vs 1451 at 5, 1392 vs 2235 at 8.
 BF16_GEMV_MIN_TOKENS = 5
+
+
+def bf16_takes_gemv(kind: str, rows: int) -> bool:
+    """Whether a bf16 call of `rows` rows (at most `GEMV_MAX_TOKENS`) on GEMV blocks of `kind`
+    runs the C++ GEMV rather than torch's kernel: Q8_0 blocks always (torch has no kernel for
+    them; below `BF16_GEMV_MIN_TOKENS` rows the kernel reads bf16 rows exactly into its int16
+    path), int4 ones from `BF16_GEMV_MIN_TOKENS` rows. One int4 row through the int16 path
+    (its groups unpacked in pairs, no shuffle) took 0.89-0.93x the time of torch's int4 kernel
+    over SmolLM2's 120 layer linears in a loop, but whole batch-1 decode steps 1.01-1.02x (2-core
+    Zen 4 EPYC, `scripts/bench_quant.py --steps --quantization auto,auto-nolayergemv`, either
+    OpenMP wait policy), so that row stays on torch's kernel."""
+    return kind == "q8_0" or rows >= BF16_GEMV_MIN_TOKENS
 
 
 def gemv_takes_bf16() -> bool:
@@ -503,12 +515,12 @@ class QuantLinear:
         y = None
         if self.gemv is not None and x.shape[0] <= self.gemv_max_tokens and cpu_ext.load():
             if x.dtype == torch.float32 or (
-                x.dtype == torch.bfloat16 and x.shape[0] >= BF16_GEMV_MIN_TOKENS
+                x.dtype == torch.bfloat16 and bf16_takes_gemv(self.gemv.kind, x.shape[0])
             ):
                 # in and out in x's dtype: no conversion dispatched (two `aten::to` per linear
                 # were 240 of a batch-1 float32 step's ~570 top-level ops)
                 y = self.gemv(x.contiguous())
-            elif self.gemv.kind == "q8_0":  # fewer bf16 rows, or fp16: the int16 path (exact in)
+            elif self.gemv.kind == "q8_0":  # fp16: the int16 path (exact in)
                 y = self.gemv(x.float().contiguous()).to(x.dtype)
         if y is not None:
             return y if bias is None else y + bias

@@ -106,6 +106,27 @@ def test_gemv_matches_dequantized_matmul(qkv, m):
         assert (out[:-1] - exact[:-1]).norm() / exact[:-1].norm() < 2e-4
 
 
+@pytest.mark.parametrize("groups", [1, 2, 3, 17, 18, 19, 34, 35])
+def test_int4_gemv_every_group_count(groups):
+    """The int4 loop takes groups in pairs, 16 groups' scales at a time (a short last chunk
+    masked), and an odd count's last group alone: every split of K = 32 x groups (SmolLM2's are
+    18 and 48) gives W . x' to float32 rounding, float32 and bf16 rows (the int16 path below
+    `BF16_GEMV_MIN_TOKENS` rows), as `test_gemv_matches_dequantized_matmul` checks."""
+    k = 32 * groups
+    gen = torch.Generator().manual_seed(groups)
+    blocks = GemvBlocks.from_int4(quant.int4_from_float(torch.randn(24, k, generator=gen) * 0.05))
+    wd, terms = blocks_weight(blocks)
+    x = torch.randn(3, k, generator=gen)
+    for xs in (x, x.bfloat16()):
+        out = blocks(xs).double()
+        rounded = rounded_activations(xs.float())
+        ref = rounded @ wd.T
+        tol = (groups + 16) * 2**-24 * (rounded.abs() @ terms.T)
+        if xs.dtype == torch.bfloat16:  # the result rounded once to bf16
+            tol = tol + ref.abs() * 2**-8
+        assert ((out - ref).abs() <= tol).all(), (xs.dtype, ((out - ref).abs() / tol).max())
+
+
 @pytest.mark.parametrize("special", [float("nan"), float("inf"), -float("inf"), 1e-36])
 def test_gemv_nonfinite_and_tiny_groups(qkv, special):
     """A NaN or an infinity in a row makes that row's outputs NaN (float32 arithmetic would make
@@ -168,11 +189,13 @@ def test_float32_calls_route_to_the_gemv_then_to_the_dense_copy(qkv):
 def test_bf16_gemv_matches_bf16_weights_and_rows_do_not_depend_on_the_batch(qkv):
     """bf16 activations: with AVX512-BF16 the kernel multiplies them as they are with each weight
     rounded to bf16 (fma(q, scale, offset) in float32, then to nearest even: a dense bf16 copy's
-    values but for a rare last bit), float32 sums, one rounding of the result; without it the row is read exactly into the
-    int16 path and the float32 result rounded once. Either way the result matches the bf16
-    weights' product to bf16 rounding, and row i is bitwise the same at every M (row tiles of
-    6) and thread count (`test_bf16_gemv_short_blocks_and_thread_splits`: a short last block,
-    a K that splits over threads)."""
+    values but for a rare last bit), float32 sums, one rounding of the result, from 5 rows
+    (`BF16_GEMV_MIN_TOKENS`); fewer rows, and every row without AVX512-BF16, are read exactly
+    into the int16 path and the float32 result rounded once. Either way the result matches the
+    bf16 weights' product to bf16 rounding, and row i is bitwise the same at every M on each side
+    of 5 rows (row tiles of 6 and 4) and thread count
+    (`test_bf16_gemv_short_blocks_and_thread_splits`: a short last block, a K that splits over
+    threads)."""
     qtype, parts, _ = qkv
     blocks = gguf_blocks(qtype, parts)
     wd, _ = blocks_weight(blocks)
@@ -182,14 +205,16 @@ def test_bf16_gemv_matches_bf16_weights_and_rows_do_not_depend_on_the_batch(qkv)
     ref = x.double() @ wd.bfloat16().double().T
     err = (out.double() - ref).abs() / (x.double().abs() @ wd.abs().T)
     assert err.max() < 2**-8, err.max()  # the output's bf16 rounding, relative to the terms
+    int16 = blocks(x.float()).bfloat16()
     if not quant.gemv_takes_bf16():
-        assert torch.equal(out, blocks(x.float()).bfloat16())
+        assert torch.equal(out, int16)
     threads = torch.get_num_threads()
     try:
         for n_threads in {1, threads}:
             torch.set_num_threads(n_threads)
             for m in (1, 2, 4, 5, 6, 7, 13, 22):
-                assert torch.equal(blocks(x[:m].contiguous()), out[:m]), (qtype, m, n_threads)
+                want = (out if m >= quant.BF16_GEMV_MIN_TOKENS else int16)[:m]
+                assert torch.equal(blocks(x[:m].contiguous()), want), (qtype, m, n_threads)
     finally:
         torch.set_num_threads(threads)
     nan = x.clone()
@@ -215,10 +240,12 @@ def test_bf16_gemv_short_blocks_and_thread_splits(kind):
         for xs in (x, x.bfloat16()):
             torch.set_num_threads(threads)
             full = blocks(xs)
+            few = blocks(xs[: quant.BF16_GEMV_MIN_TOKENS - 1])  # bf16: the int16 path
             for n_threads in {1, 2, threads}:
                 torch.set_num_threads(n_threads)
                 for m in range(1, 14):
-                    assert torch.equal(blocks(xs[:m].contiguous()), full[:m]), (m, n_threads)
+                    want = (full if m >= quant.BF16_GEMV_MIN_TOKENS else few)[:m]
+                    assert torch.equal(blocks(xs[:m].contiguous()), want), (m, n_threads)
     finally:
         torch.set_num_threads(threads)
 
@@ -228,17 +255,17 @@ def test_bf16_linears_route_to_the_gemv_where_it_takes_bf16(qkv):
     elsewhere (int4 stays on torch's int4 kernel; Q8_0 blocks come only for a tied LM head, over
     the embedding's own arrays: `QuantLinear.read_q8_0_blocks`). Calls from
     `BF16_GEMV_MIN_TOKENS` rows up to below the dense copy's run on the blocks in bf16; fewer rows
-    run torch's int4 kernel, or for Q8_0 blocks the int16 path (float32 in, exact), so each row
-    is the same at every M on either side of that threshold (at every M where the CPU lacks
-    AVX512-BF16: both paths are then the int16 one); without a dense copy every row count from
-    the threshold runs on the blocks."""
+    run torch's int4 kernel, or for Q8_0 blocks the int16 path (bf16 read exactly: the float32
+    path's result rounded once to bf16), so each row is the same at every M on either side of
+    that threshold (at every M where the CPU lacks AVX512-BF16: both paths are then the int16
+    one); without a dense copy every row count from the threshold runs on the blocks."""
     qtype, parts, w = qkv
     lin = quant.build_linear("qkv", parts, "auto", torch.bfloat16)
     assert (lin.gemv is not None) == quant.gemv_takes_bf16()
     x = torch.randn(40, K, generator=torch.Generator().manual_seed(10)).bfloat16()
     few = x[: quant.DENSE_MIN_TOKENS - 1]
     first = quant.BF16_GEMV_MIN_TOKENS
-    assert 1 < first < len(few)
+    assert 2 < first < len(few)
     if lin.gemv is None:
         assert torch.equal(lin(few), lin._kernel(few))
         if qtype != "Q8_0":
@@ -250,15 +277,17 @@ def test_bf16_linears_route_to_the_gemv_where_it_takes_bf16(qkv):
     for m in range(first, len(few)):
         assert torch.equal(lin(few[:m]), out[:m]), m
     below = lin(few[: first - 1])
+    int16 = lin.gemv(few[: first - 1].float()).bfloat16()
+    assert torch.equal(lin.gemv(few[: first - 1]), int16)  # bf16 rows read exactly
     if lin.gemv.kind == "q8_0":
-        assert torch.equal(below, lin.gemv(few[: first - 1].float()).bfloat16())
+        assert torch.equal(below, int16)
     else:
         assert torch.equal(below, lin._kernel(few[: first - 1]))
     for m in range(1, first - 1):
         assert torch.equal(lin(few[:m]), below[:m]), m
     if not quant.gemv_takes_bf16():
-        assert torch.equal(below, out[: first - 1])
-    for y in (out, below):
+        assert torch.equal(int16, out[: first - 1])
+    for y in (out, below, int16):
         torch.testing.assert_close(y.float(), few[: len(y)].float() @ w.T, atol=2e-2, rtol=2e-2)
     if qtype == "Q8_0":  # float16 calls read the blocks too (through float32: exact)
         assert torch.equal(lin(few.half()), lin.gemv(few.float()).half())
