@@ -340,7 +340,7 @@ def dense_copy_dtype(dtype: torch.dtype) -> torch.dtype | None:
 # makes a second pass) 0.81-0.87x, at 8 rows 0.98-1.01x (a 2-core Zen 5 EPYC with
 # AVX512-BF16, `scripts/bench_quant.py --steps --quantization auto,auto-nolayergemv`). The
 # tied Q8_0 LM head alone: 800 vs 647 us at 1 row, 964 vs 1451 at 5, 1392 vs 2235 at 8.
-BF16_GEMV_MIN_TOKENS = 5
+BF16_GEMV_MIN_TOKENS = 5  # = kBf16GemvMinRows in kernels/cpu_ext_quant.py
 
 
 def bf16_takes_gemv(kind: str, rows: int) -> bool:

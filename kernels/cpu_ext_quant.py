@@ -24,16 +24,17 @@ makes all its outputs NaN. Each output row's arithmetic is the same whatever M o
 (work is split over N only, a row is rounded on its own), so a row's result does not depend on the
 batch. AVX2 intrinsics under ``#ifdef __AVX2__`` (the build uses ``-march=native``; AVX-512BW
 does 32 pairs per ``vpmaddwd``: 0.9x the AVX2 loop's time at M = 1 on a 2-core Zen 5 EPYC), the
-same integer arithmetic as scalar loops otherwise. Each row sums even and odd groups in two
-accumulators (one chain of FMAs bound the loop by its latency at one row: 0.85-0.95x the time for
-int4, 0.76-0.82x for Q8_0 at M = 1 with AVX-512, 0.85-0.97x with AVX2; 1.0-1.09x at M = 4, where
-the rows' chains already overlap); every row count uses them, so rows stay independent of M.
-With AVX-512BW, int4 groups go in pairs: each row's activations are stored with the middle
-halves of every pair of groups swapped (`pair_order`), so the 32 bytes of a pair unpack to
-exactly the int16 lanes they multiply (low nibbles, then high ones) with no shuffle, and one
-permute of 16 groups' scales serves 8 pairs (vpdpwssd where the CPU has AVX512-VNNI): against
-the previous loop (shuffles, one broadcast per group) 0.91-0.96x the time at 1-4 float32 rows
-over SmolLM2's 120 layer linears (2-core Zen 4 EPYC).
+same integer arithmetic as scalar loops otherwise. Each row sums into two accumulators (even
+and odd groups; with AVX-512BW and int4, even and odd pairs of groups): one chain of FMAs bound
+the loop by its latency at one row (two: 0.85-0.95x the time for int4, 0.76-0.82x for Q8_0 at
+M = 1 with AVX-512, 0.85-0.97x with AVX2; 1.0-1.09x at M = 4, where the rows' chains already
+overlap); every row count uses them, so rows stay independent of M. With AVX-512BW, int4 groups
+go in pairs: each row's activations are stored with the middle halves of every pair of groups
+swapped (`pair_order`), so the 32 bytes of a pair unpack to exactly the int16 lanes they
+multiply (low nibbles, then high ones) with no shuffle; one load and multiply of 16 groups'
+scales serves 8 pairs, each pair picking its two with one permute per row (and one vpdpwssd
+where the CPU has AVX512-VNNI): against the previous loop (shuffles, a broadcast per group and
+row) 0.91-0.96x the time at 1-4 float32 rows over SmolLM2's 120 layer linears (2-core Zen 4 EPYC).
 
 bfloat16 activations, on a CPU with AVX512-BF16: the weights of a group are dequantized once to
 bfloat16 (``fma(q, scale, offset)`` in float32, rounded to nearest even: a dense bf16 copy's
@@ -41,12 +42,12 @@ values but for a rare last-bit difference) and each row's group dot is one ``vdp
 products are exact in float32, float32 sums; the instruction treats denormals as zero), 4 weight
 rows and up to 6 activation rows per pass, so extra rows cost little: a
 speculative verification of 5 rows took 0.47-0.74x the time of torch's int4 kernel (which
-unpacks the weights once per 4 rows) on SmolLM2's linears, 1 row 0.9-1.1x. Without AVX512-BF16
-a bfloat16 row is read exactly into the int16 path above and the result rounded once to bf16.
-Fewer than 5 bf16 rows (`kBf16GemvMinRows`, `BF16_GEMV_MIN_TOKENS` in gpu_worker/quantization.py)
-take the int16 path on every CPU, reading the bf16 values exactly (no float32 copy to make).
-Either way a row's result does not depend on M (on either side of 5 rows) or the thread split (weight rows go in blocks
-aligned to multiples of 4, a short last block repeats its last row). A NaN in a bf16 row makes its
+unpacks the weights once per 4 rows) on SmolLM2's linears. It runs calls of 5 rows or more
+(`kBf16GemvMinRows`, equal to `BF16_GEMV_MIN_TOKENS` in gpu_worker/quantization.py); fewer bf16
+rows, and every bf16 row on a CPU without AVX512-BF16, are read exactly into the int16 path above
+(no float32 copy to make) and the result rounded once to bf16. So a bf16 row's result depends
+on M only through whether M < 5 (with AVX512-BF16), never on the thread split (weight rows go in
+blocks aligned to multiples of 4, a short last block repeats its last row). A NaN in a bf16 row makes its
 outputs NaN; an infinity gives infinities or NaN there (the int16 path: NaN).
 """
 
@@ -178,7 +179,8 @@ inline void pair_order(std::vector<int16_t>& e, int64_t M, int64_t K) {
 #endif
 
 // One weight row (G groups) against R rows of x: y[r * ldy] = W_n . x'_r, x'_r rounded as in
-// `round_rows` (e: R rows of ldx int16, a and t: R rows of G).
+// `round_rows` (e: R rows of ldx int16, a and t: R rows of G; for int4 with AVX-512BW, e in
+// `pair_order`, as `gemv_typed` stores it).
 template <int R, bool Q4, typename Y>
 inline void gemv_row(const uint8_t* qs, const float* sc, const float* off, int64_t G,
                      const int16_t* e, int64_t ldx, const float* a, const float* t, Y* y,
@@ -379,7 +381,8 @@ void check_gemv_args(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 // verification, a small decode batch) cost little more than one.
 constexpr int64_t kNb = 4;
 constexpr int64_t kRowTileBf16 = 6;
-// Fewer bf16 rows go through the int16 path (see the module docstring).
+// Fewer bf16 rows go through the int16 path (see the module docstring). Keep equal to
+// BF16_GEMV_MIN_TOKENS (gpu_worker/quantization.py: fewer int4 rows go to torch's kernel).
 constexpr int64_t kBf16GemvMinRows = 5;
 
 template <bool Q4>

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import importlib.util
 import logging
 import pkgutil
@@ -46,19 +47,33 @@ def setup_logging(verbose: bool = False) -> None:
 
 
 def foreign_kernels_package() -> str | None:
-    """A message when `import kernels` would load another package than laneserve's top-level
-    `kernels` (Hugging Face's package of that name, which transformers 5.25 and later require,
-    installed in this environment: DESIGN.md says never install both), else None."""
+    """A message when this environment cannot import laneserve's top-level `kernels` package,
+    else None: Hugging Face's package of that name is installed (transformers 5.25 and later
+    require it; DESIGN.md says never install both: editable, it comes first on sys.path; beside
+    a non-editable laneserve, the two share one site-packages folder and overwrite each other's
+    files), or another `kernels` comes first on sys.path (a folder in the working directory)."""
     ours = Path(__file__).resolve().parent.parent / "kernels" / "__init__.py"
+    try:
+        foreign = importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        foreign = None
+    if foreign is not None:
+        return (
+            f"Hugging Face's `kernels` package {foreign.version} is installed in this "
+            "environment (transformers 5.25 and later require it) and collides with laneserve's "
+            "top-level `kernels` package. Fix: pip install 'transformers<5.25' && pip uninstall "
+            "-y kernels, then reinstall laneserve unless it is an editable install (pip install "
+            "--force-reinstall --no-deps)"
+        )
     spec = importlib.util.find_spec("kernels")
     origin = spec.origin if spec is not None else None
     if origin is not None and Path(origin).resolve() == ours:
         return None
+    found = f"loads {origin}" if origin else "finds no package file"
     return (
-        f"`import kernels` loads {origin}, not laneserve's kernels package ({ours.parent}): "
-        "Hugging Face's `kernels` package (which transformers 5.25+ requires) is installed in "
-        "this environment and shadows it. Fix: pip install 'transformers<5.25' && "
-        "pip uninstall -y kernels"
+        f"`import kernels` {found}, not laneserve's kernels package ({ours.parent}): another "
+        "`kernels` comes first on sys.path (PYTHONPATH, or a folder of that name in the working "
+        "directory), or laneserve's install is incomplete"
     )
 
 

@@ -558,6 +558,10 @@ def _hide_password(url: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m laneserve.commands.up``: this command alone (faster start)."""
+    from laneserve.cli import check_install
+
+    if code := check_install():
+        return code
     parser = argparse.ArgumentParser(prog="laneserve up")
     add_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -175,9 +175,10 @@ def test_forced_triton_without_gpu_turns_on_the_interpreter():
 
 
 def test_cli_refuses_a_foreign_kernels_package(tmp_path):
-    """Hugging Face's `kernels` (required by transformers 5.25+) would shadow ours: the CLI and
-    each `python -m laneserve.commands.X` say so and how to fix it, instead of failing later in
-    the middle of a step. From another directory, without one, the CLI runs."""
+    """Hugging Face's `kernels` (required by transformers 5.25+) collides with ours: the CLI, each
+    `python -m laneserve.commands.X` and `up` say so and how to fix it, instead of failing later in
+    the middle of a step; so they do when another `kernels` comes first on sys.path. From another
+    directory, with neither, the CLI runs."""
     import os
     import subprocess
     import sys
@@ -185,16 +186,25 @@ def test_cli_refuses_a_foreign_kernels_package(tmp_path):
     from laneserve.cli import foreign_kernels_package
 
     assert foreign_kernels_package() is None
-    fake = tmp_path / "site"
-    (fake / "kernels").mkdir(parents=True)
-    (fake / "kernels" / "__init__.py").write_text("")
-    env = dict(os.environ)
-    for argv, pythonpath in [
-        (["-m", "laneserve.cli", "status", "--help"], ""),
-        (["-m", "laneserve.cli", "status", "--help"], str(fake)),
-        (["-m", "laneserve.commands.broker", "--help"], str(fake)),
+    shadow = tmp_path / "shadow"  # a `kernels` package first on sys.path
+    (shadow / "kernels").mkdir(parents=True)
+    (shadow / "kernels" / "__init__.py").write_text("")
+    installed = tmp_path / "installed"  # Hugging Face's distribution, as pip records it
+    (installed / "kernels-0.19.1.dist-info").mkdir(parents=True)
+    (installed / "kernels-0.19.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: kernels\nVersion: 0.19.1\n"
+    )
+    status = ["-m", "laneserve.cli", "status", "--help"]
+    for argv, extra, message in [
+        (status, None, None),
+        (status, shadow, f"loads {shadow / 'kernels' / '__init__.py'}"),
+        (["-m", "laneserve.commands.broker", "--help"], shadow, "comes first on sys.path"),
+        (status, installed, "`kernels` package 0.19.1 is installed"),
+        (["-m", "laneserve.commands.up", "--help"], installed, "transformers<5.25"),
     ]:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
+        env = dict(os.environ)
+        if extra is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra), env.get("PYTHONPATH")]))
         proc = subprocess.run(
             [sys.executable, *argv],
             cwd=tmp_path,
@@ -203,8 +213,8 @@ def test_cli_refuses_a_foreign_kernels_package(tmp_path):
             text=True,
             timeout=120,
         )
-        if not pythonpath:
+        if message is None:
             assert proc.returncode == 0, proc.stderr[-2000:]
             continue
         assert proc.returncode == 2, (argv, proc.returncode, proc.stderr[-2000:])
-        assert "shadows it" in proc.stderr and "transformers<5.25" in proc.stderr, proc.stderr
+        assert message in proc.stderr, proc.stderr

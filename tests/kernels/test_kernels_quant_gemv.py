@@ -106,7 +106,7 @@ def test_gemv_matches_dequantized_matmul(qkv, m):
         assert (out[:-1] - exact[:-1]).norm() / exact[:-1].norm() < 2e-4
 
 
-@pytest.mark.parametrize("groups", [1, 2, 3, 17, 18, 19, 34, 35])
+@pytest.mark.parametrize("groups", [1, 2, 3, 7, 17, 18, 19, 24, 34, 35])
 def test_int4_gemv_every_group_count(groups):
     """The int4 loop takes groups in pairs, 16 groups' scales at a time (a short last chunk
     masked), and an odd count's last group alone: every split of K = 32 x groups (SmolLM2's are
@@ -116,9 +116,9 @@ def test_int4_gemv_every_group_count(groups):
     gen = torch.Generator().manual_seed(groups)
     blocks = GemvBlocks.from_int4(quant.int4_from_float(torch.randn(24, k, generator=gen) * 0.05))
     wd, terms = blocks_weight(blocks)
-    x = torch.randn(3, k, generator=gen)
-    for xs in (x, x.bfloat16()):
-        out = blocks(xs).double()
+    x = torch.randn(4, k, generator=gen)
+    for xs in (x[:1], x[:3], x, x.bfloat16()):
+        out = blocks(xs.contiguous()).double()
         rounded = rounded_activations(xs.float())
         ref = rounded @ wd.T
         tol = (groups + 16) * 2**-24 * (rounded.abs() @ terms.T)
@@ -227,7 +227,8 @@ def test_bf16_gemv_matches_bf16_weights_and_rows_do_not_depend_on_the_batch(qkv)
 def test_bf16_gemv_short_blocks_and_thread_splits(kind):
     """N = 29 (the last block of 4 weight rows is short: it repeats its last row) and K = 4096
     (enough weights per row that N splits over threads): every row the same at every M (row tiles
-    of 6 and every remainder) and thread count, in bf16 and float32."""
+    of 6 and 4 and every remainder; bf16 on either side of `BF16_GEMV_MIN_TOKENS` rows) and
+    thread count, in bf16 and float32."""
     w = torch.randn(29, 4096, generator=torch.Generator().manual_seed(13)) * 0.05
     if kind == "int4":
         blocks = GemvBlocks.from_int4(quant.int4_from_float(w))
