@@ -47,8 +47,8 @@ unpacks the weights once per 4 rows) on SmolLM2's linears. It runs calls of 5 ro
 rows, and every bf16 row on a CPU without AVX512-BF16, are read exactly into the int16 path above
 (no float32 copy to make) and the result rounded once to bf16. So a bf16 row's result depends
 on M only through whether M < 5 (with AVX512-BF16), never on the thread split (weight rows go in
-blocks aligned to multiples of 4, a short last block repeats its last row). A NaN in a bf16 row makes its
-outputs NaN; an infinity gives infinities or NaN there (the int16 path: NaN).
+blocks aligned to multiples of 4, a short last block repeats its last row). A NaN in a bf16 row
+makes its outputs NaN; an infinity gives infinities or NaN there (the int16 path: NaN).
 """
 
 from __future__ import annotations
@@ -206,7 +206,8 @@ inline void gemv_row(const uint8_t* qs, const float* sc, const float* off, int64
   if (Q4) {
     // Groups in pairs, the activations in `pair_order` (e's halves match the nibbles as they
     // unpack: no shuffles): lanes 0..7 of a pair's int32 dots are group g's, 8..15 group g + 1's,
-    // scaled by one permute of 16 groups' scale * a. Even pairs go to acc, odd ones to acc2.
+    // scaled by their two scale * a, permuted out of the 16 groups' loaded at once. Even pairs go
+    // to acc, odd ones to acc2.
     const int64_t G2 = G & ~int64_t{1};
     for (int64_t g0 = 0; g0 < G2; g0 += 16) {
       const int64_t ng = std::min<int64_t>(16, G2 - g0);
