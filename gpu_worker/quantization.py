@@ -59,7 +59,9 @@ GGUF block layouts (ggml `block_q4_0`, `block_q4_1`, `block_q8_0`, 32 weights pe
 from __future__ import annotations
 
 import logging
+import statistics
 import sys
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -343,16 +345,25 @@ def dense_copy_dtype(dtype: torch.dtype) -> torch.dtype | None:
 BF16_GEMV_MIN_TOKENS = 5  # = kBf16GemvMinRows in kernels/cpu_ext_quant.py
 
 
+# int4 calls of more rows than this (up to the dense copy's threshold) go back to torch's kernel:
+# whole bf16 verification steps of one sequence (context 400, one process, interleaved) on a
+# 2-core Zen 4 EPYC took 30.4 ms with the bf16 GEMV at 8 rows against 27.7 with torch's kernel
+# (5 rows 22.2 vs 24.4, 6 rows 23.5 vs 24.9); on the Zen 5 of docs/benchmarks.md Run 9, 8 rows
+# were 0.98-1.04x either way.
+BF16_GEMV_MAX_TOKENS = 7
+
+
 def bf16_takes_gemv(kind: str, rows: int) -> bool:
     """Whether a bf16 call of `rows` rows (at most `GEMV_MAX_TOKENS`) on GEMV blocks of `kind`
     runs the C++ GEMV rather than torch's kernel: Q8_0 blocks always (torch has no kernel for
     them; below `BF16_GEMV_MIN_TOKENS` rows the kernel reads bf16 rows exactly into its int16
-    path), int4 ones from `BF16_GEMV_MIN_TOKENS` rows. One int4 row through the int16 path
+    path, from there `QuantLinear` measures which path pays), int4 ones from
+    `BF16_GEMV_MIN_TOKENS` to `BF16_GEMV_MAX_TOKENS` rows. One int4 row through the int16 path
     (its groups unpacked in pairs, no shuffle) took 0.89-0.93x the time of torch's int4 kernel
     over SmolLM2's 120 layer linears in a loop, but whole batch-1 decode steps 1.01-1.02x (2-core
     Zen 4 EPYC, `scripts/bench_quant.py --steps --quantization auto,auto-nolayergemv`, either
     OpenMP wait policy), so that row stays on torch's kernel."""
-    return kind == "q8_0" or rows >= BF16_GEMV_MIN_TOKENS
+    return kind == "q8_0" or BF16_GEMV_MIN_TOKENS <= rows <= BF16_GEMV_MAX_TOKENS
 
 
 def gemv_takes_bf16() -> bool:
@@ -441,6 +452,7 @@ class QuantLinear:
         self.dense_min_tokens = dense_min_tokens
         self.gemv = gemv
         self.gemv_max_tokens = gemv_max_tokens
+        self._bf16_gemv_pays: bool | None = None  # Q8_0 blocks: measured (`bf16_gemv_pays`)
 
     @classmethod
     def from_int4(cls, groups: Int4Groups, **kwargs) -> QuantLinear:
@@ -464,6 +476,35 @@ class QuantLinear:
     @classmethod
     def from_int8(cls, q: torch.Tensor, scale: torch.Tensor, **kwargs) -> QuantLinear:
         return cls("int8", q.contiguous(), scale.to(KERNEL_DTYPE), tuple(q.shape), **kwargs)
+
+    def bf16_gemv_pays(self, x: torch.Tensor) -> bool:
+        """For Q8_0 blocks: whether bf16 calls of `BF16_GEMV_MIN_TOKENS` rows or more run the
+        bf16 GEMV (else the int16 path, x read as float32: exact), decided once per linear on
+        its first such call `x` by timing both, three times each, interleaved (the lower median
+        wins). The CPUs differ: on a 2-core Zen 5 EPYC the bf16 GEMV took 964 vs 1451 us for
+        the tied 49,152 x 576 LM head at 5 rows (docs/benchmarks.md Run 9); on a 2-core Zen 4,
+        whose 512-bit units are double-pumped, 4.3 vs ~1.3 ms, and whole 5-row verification steps
+        25.4 vs 22.2 ms (Run 10). Below `BF16_GEMV_MIN_TOKENS` rows the kernel takes the int16
+        path anyway."""
+        if x.shape[0] < BF16_GEMV_MIN_TOKENS:
+            return True
+        if self._bf16_gemv_pays is None:
+            x = x.contiguous()
+            xf = x.float()
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(3):
+                for bf16 in (True, False):
+                    t0 = time.perf_counter()
+                    self.gemv(x) if bf16 else self.gemv(xf).to(x.dtype)
+                    times[bf16].append(time.perf_counter() - t0)
+            bf16_ms, int16_ms = (1e3 * statistics.median(times[k]) for k in (True, False))
+            self._bf16_gemv_pays = bf16_ms <= int16_ms
+            logger.info(
+                "Q8_0 GEMV %s at %d bf16 rows: bf16 path %.2f ms, int16 path %.2f ms: using the %s",
+                tuple(self.shape), x.shape[0], bf16_ms, int16_ms,
+                "bf16 path" if self._bf16_gemv_pays else "int16 path",
+            )  # fmt: skip
+        return self._bf16_gemv_pays
 
     def read_q8_0_blocks(self, blocks: GemvBlocks) -> None:
         """Run few-row calls of any dtype on `blocks` (the exact Q8_0 weights, e.g. a tied
@@ -515,12 +556,14 @@ class QuantLinear:
         y = None
         if self.gemv is not None and x.shape[0] <= self.gemv_max_tokens and cpu_ext.load():
             if x.dtype == torch.float32 or (
-                x.dtype == torch.bfloat16 and bf16_takes_gemv(self.gemv.kind, x.shape[0])
+                x.dtype == torch.bfloat16
+                and bf16_takes_gemv(self.gemv.kind, x.shape[0])
+                and (self.gemv.kind != "q8_0" or self.bf16_gemv_pays(x))
             ):
                 # in and out in x's dtype: no conversion dispatched (two `aten::to` per linear
                 # were 240 of a batch-1 float32 step's ~570 top-level ops)
                 y = self.gemv(x.contiguous())
-            elif self.gemv.kind == "q8_0":  # fp16: the int16 path (exact in)
+            elif self.gemv.kind == "q8_0":  # fp16, or bf16 where it pays: the int16 path
                 y = self.gemv(x.float().contiguous()).to(x.dtype)
         if y is not None:
             return y if bias is None else y + bias

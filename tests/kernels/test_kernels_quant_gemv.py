@@ -170,7 +170,8 @@ def test_gemv_rows_do_not_depend_on_the_batch(qkv):
 def test_float32_calls_route_to_the_gemv_then_to_the_dense_copy(qkv):
     """float32: up to gemv_max_tokens rows on the GEMV, from dense_min_tokens on the float32
     copy (no row count left to torch's bf16-input kernels); bf16 inputs of this model's linears
-    reach the GEMV in bf16 (the blocks are there)."""
+    reach the GEMV in bf16 (the blocks are there) from `BF16_GEMV_MIN_TOKENS` to
+    `BF16_GEMV_MAX_TOKENS` rows, as a bf16 model's do."""
     _, parts, w = qkv
     lin = quant.build_linear("qkv", parts, "auto", torch.float32)
     assert lin.gemv_max_tokens + 1 == lin.dense_min_tokens == quant.DENSE_MIN_TOKENS_FP32
@@ -181,7 +182,8 @@ def test_float32_calls_route_to_the_gemv_then_to_the_dense_copy(qkv):
     torch.testing.assert_close(lin.dense, w, atol=1e-6, rtol=0)  # the exact GGUF values
     bias = torch.randn(88)
     assert torch.equal(lin(small, bias), lin.gemv(small) + bias)
-    assert torch.equal(lin(small.bfloat16()), lin.gemv(small.bfloat16()))
+    rows = small[: quant.BF16_GEMV_MAX_TOKENS].bfloat16()
+    assert torch.equal(lin(rows), lin.gemv(rows))
     bare = QuantLinear(lin.kind, lin.weight, lin.scales, lin.shape, dense=lin.dense)
     assert quant.nbytes(lin) == quant.nbytes(bare) + lin.gemv.nbytes()
 
@@ -254,29 +256,46 @@ def test_bf16_gemv_short_blocks_and_thread_splits(kind):
 def test_bf16_linears_route_to_the_gemv_where_it_takes_bf16(qkv):
     """bf16 activations: `build_linear` keeps GEMV blocks where `gemv_takes_bf16`, none
     elsewhere (int4 stays on torch's int4 kernel; Q8_0 blocks come only for a tied LM head, over
-    the embedding's own arrays: `QuantLinear.read_q8_0_blocks`). Calls from
-    `BF16_GEMV_MIN_TOKENS` rows up to below the dense copy's run on the blocks in bf16; fewer rows
-    run torch's int4 kernel, or for Q8_0 blocks the int16 path (bf16 read exactly: the float32
-    path's result rounded once to bf16), so each row is the same at every M on either side of
-    that threshold (at every M where the CPU lacks AVX512-BF16: both paths are then the int16
-    one); without a dense copy every row count from the threshold runs on the blocks."""
+    the embedding's own arrays: `QuantLinear.read_q8_0_blocks`). int4 calls of
+    `BF16_GEMV_MIN_TOKENS` to `BF16_GEMV_MAX_TOKENS` rows run on the blocks in bf16, fewer and
+    more (below the dense copy's threshold) torch's int4 kernel. Q8_0 calls run on the blocks at
+    every row count: below `BF16_GEMV_MIN_TOKENS` rows the int16 path (bf16 read exactly: the
+    float32 path's result rounded once to bf16), from there the path the linear measured on its
+    first such call (`bf16_gemv_pays`; set the other way, the calls follow). So each row is the
+    same at every M within each range (at every M where the CPU lacks AVX512-BF16: both GEMV
+    paths are then the int16 one); without a dense copy every row count from the threshold runs
+    on the blocks."""
     qtype, parts, w = qkv
     lin = quant.build_linear("qkv", parts, "auto", torch.bfloat16)
     assert (lin.gemv is not None) == quant.gemv_takes_bf16()
     x = torch.randn(40, K, generator=torch.Generator().manual_seed(10)).bfloat16()
     few = x[: quant.DENSE_MIN_TOKENS - 1]
-    first = quant.BF16_GEMV_MIN_TOKENS
-    assert 2 < first < len(few)
+    first, top = quant.BF16_GEMV_MIN_TOKENS, quant.BF16_GEMV_MAX_TOKENS
+    assert 2 < first <= top < len(few)
     if lin.gemv is None:
         assert torch.equal(lin(few), lin._kernel(few))
         if qtype != "Q8_0":
             return
         lin.read_q8_0_blocks(GemvBlocks.from_q8_0(parts))
-    out = lin(few)
+    out = lin.gemv(few)  # the bf16 GEMV where the CPU has AVX512-BF16
     assert out.dtype == torch.bfloat16
-    assert torch.equal(out, lin.gemv(few))
-    for m in range(first, len(few)):
-        assert torch.equal(lin(few[:m]), out[:m]), m
+    int16_all = lin.gemv(few.float()).bfloat16()
+    if lin.gemv.kind == "q8_0":
+        got = lin(few)  # measures, once
+        pays = lin._bf16_gemv_pays
+        assert pays is not None
+        want = out if pays else int16_all
+        assert torch.equal(got, want)
+        for m in range(first, len(few)):
+            assert torch.equal(lin(few[:m]), want[:m]), m
+        lin._bf16_gemv_pays = not pays
+        assert torch.equal(lin(few), int16_all if pays else out)
+        lin._bf16_gemv_pays = pays
+    else:
+        for m in range(first, top + 1):
+            assert torch.equal(lin(few[:m]), out[:m]), m
+        for m in range(top + 1, len(few) + 1):
+            assert torch.equal(lin(few[:m]), lin._kernel(few[:m])), m
     below = lin(few[: first - 1])
     int16 = lin.gemv(few[: first - 1].float()).bfloat16()
     assert torch.equal(lin.gemv(few[: first - 1]), int16)  # bf16 rows read exactly
@@ -294,7 +313,9 @@ def test_bf16_linears_route_to_the_gemv_where_it_takes_bf16(qkv):
         assert torch.equal(lin(few.half()), lin.gemv(few.float()).half())
         bare = QuantLinear(lin.kind, lin.weight, lin.scales, lin.shape)  # no dense copy
         bare.read_q8_0_blocks(GemvBlocks.from_q8_0(parts))
-        assert torch.equal(bare(x), bare.gemv(x))  # 40 rows: still the blocks
+        got = bare(x)  # 40 rows: still the blocks
+        pays = bare._bf16_gemv_pays
+        assert torch.equal(got, bare.gemv(x) if pays else bare.gemv(x.float()).bfloat16())
 
 
 def test_dense_copy_only_where_bf16_is_native(qkv):
