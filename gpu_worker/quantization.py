@@ -9,9 +9,9 @@ Kernel choice by phase and CPU (measured with scripts/bench_quant.py, docs/bench
 - bf16 activations (`dtype="auto"` on a CPU with AMX/AVX512-BF16): calls of at least
   `DENSE_MIN_TOKENS` rows (prefill chunks, big decode batches: compute-bound) run as dense GEMMs
   on a bf16 copy of the same weights; smaller ones (decode) read the 4-bit weights through
-  torch's int4 kernel up to 4 rows and, where the CPU has AVX512-BF16, through laneserve's bf16
-  GEMV from `BF16_GEMV_MIN_TOKENS` (5) rows (a batch-1 speculative verification: torch's kernel
-  unpacks its weights once per 4 rows). The copy costs ~2 bytes per weight (269 MB for
+  torch's int4 kernel except from `BF16_GEMV_MIN_TOKENS` (5) to `BF16_GEMV_MAX_TOKENS` (7) rows
+  where the CPU has AVX512-BF16: there laneserve's bf16 GEMV (a batch-1 speculative
+  verification: torch's kernel unpacks its weights once per 4 rows). The copy costs ~2 bytes per weight (269 MB for
   SmolLM2-135M, whose int4/int8 weights and Q8_0 embedding take 127 MB) and buys 2-2.5x on every linear from 64 rows
   up. The copy is held in oneDNN's blocked layout (`pack_dense`): the same results as `F.linear`
   on the plain copy, bit for bit, without reordering the weight on every call (SmolLM2's linears
@@ -29,8 +29,9 @@ The embedding of a GGUF stays in its Q8_0 blocks (exact lookups, 31 MB instead o
 A tied LM head over it (SmolLM2's) reads those same blocks (exact, no second copy) through the C++
 GEMV up to `GEMV_MAX_TOKENS` rows whatever the activations' dtype (bf16 ones of fewer than
 `BF16_GEMV_MIN_TOKENS` rows read exactly by the kernel and rounded to int16 as above, the
-result rounded once to bf16, more rows through the bf16 GEMV where it runs; every row count when
-there is no dense copy): on a 2-core Zen 4 with
+result rounded once to bf16, more rows through the bf16 GEMV where it runs and, timed once per
+linear, beats the int16 path (`QuantLinear.bf16_gemv_pays`); every row count when there is no
+dense copy): on a 2-core Zen 4 with
 AVX512-BF16 its float32-activation version streamed the 49,152 x 576 head at ~27 GB/s, 0.5-0.6x
 the time of torch's per-channel int8 kernel from 1 to 3 rows and 0.55-0.9x up to 9 (which
 requantizes the Q8_0 blocks, and reads them at ~13 GB/s at one row); the int16 version was
