@@ -11,9 +11,9 @@ Kernel choice by phase and CPU (measured with scripts/bench_quant.py, docs/bench
   on a bf16 copy of the same weights; smaller ones (decode) read the 4-bit weights through
   torch's int4 kernel except from `BF16_GEMV_MIN_TOKENS` (5) to `BF16_GEMV_MAX_TOKENS` (7) rows
   where the CPU has AVX512-BF16: there laneserve's bf16 GEMV (a batch-1 speculative
-  verification: torch's kernel unpacks its weights once per 4 rows). The copy costs ~2 bytes per weight (269 MB for
-  SmolLM2-135M, whose int4/int8 weights and Q8_0 embedding take 127 MB) and buys 2-2.5x on every linear from 64 rows
-  up. The copy is held in oneDNN's blocked layout (`pack_dense`): the same results as `F.linear`
+  verification: torch's kernel unpacks its weights once per 4 rows). The copy costs ~2 bytes
+  per weight (269 MB for SmolLM2-135M, whose int4/int8 weights and Q8_0 embedding take 127 MB)
+  and buys 2-2.5x on every linear from 64 rows up. The copy is held in oneDNN's blocked layout (`pack_dense`): the same results as `F.linear`
   on the plain copy, bit for bit, without reordering the weight on every call (SmolLM2's linears
   at 16 / 64 / 512 rows: 0.6-0.7x / 0.8-0.9x / 0.95-0.97x of `F.linear`'s time). On a CPU without
   native bf16 no copy is kept: its bf16 GEMMs are slower than the int4
@@ -352,6 +352,10 @@ BF16_GEMV_MIN_TOKENS = 5  # = kBf16GemvMinRows in kernels/cpu_ext_quant.py
 # (5 rows 22.2 vs 24.4, 6 rows 23.5 vs 24.9); on the Zen 5 of docs/benchmarks.md Run 9, 8 rows
 # were 0.98-1.04x either way.
 BF16_GEMV_MAX_TOKENS = 7
+# A Q8_0 linear leaves the bf16 GEMV for the int16 path only when the bf16 one measures slower
+# than this many times the int16 one (`QuantLinear.bf16_gemv_pays`; 1.5x faster on a Zen 5,
+# ~3x slower on a Zen 4).
+BF16_GEMV_SLOWER = 1.25
 
 
 def bf16_takes_gemv(kind: str, rows: int) -> bool:
@@ -481,12 +485,15 @@ class QuantLinear:
     def bf16_gemv_pays(self, x: torch.Tensor) -> bool:
         """For Q8_0 blocks: whether bf16 calls of `BF16_GEMV_MIN_TOKENS` rows or more run the
         bf16 GEMV (else the int16 path, x read as float32: exact), decided once per linear on
-        its first such call `x` by timing both, three times each, interleaved (the lower median
-        wins). The CPUs differ: on a 2-core Zen 5 EPYC the bf16 GEMV took 964 vs 1451 us for
+        its first such call `x` by timing both, three times each, interleaved: the int16 path
+        only when the bf16 one's median is more than `BF16_GEMV_SLOWER` times its own (a clear
+        loss: where the two are close, every process keeps the bf16 GEMV, so outputs do not
+        depend on a noisy measurement). The CPUs differ: on a 2-core Zen 5 EPYC the bf16 GEMV took 964 vs 1451 us for
         the tied 49,152 x 576 LM head at 5 rows (docs/benchmarks.md Run 9); on a 2-core Zen 4,
         whose 512-bit units are double-pumped, 4.3 vs ~1.3 ms, and whole 5-row verification steps
-        25.4 vs 22.2 ms (Run 10). Below `BF16_GEMV_MIN_TOKENS` rows the kernel takes the int16
-        path anyway."""
+        25.4 vs 22.2 ms (Run 10). The measurement runs six calls once (~20 ms for that head on
+        the Zen 4), inside the step that makes the first such call. Below
+        `BF16_GEMV_MIN_TOKENS` rows the kernel takes the int16 path anyway."""
         if x.shape[0] < BF16_GEMV_MIN_TOKENS:
             return True
         if self._bf16_gemv_pays is None:
@@ -499,7 +506,7 @@ class QuantLinear:
                     self.gemv(x) if bf16 else self.gemv(xf).to(x.dtype)
                     times[bf16].append(time.perf_counter() - t0)
             bf16_ms, int16_ms = (1e3 * statistics.median(times[k]) for k in (True, False))
-            self._bf16_gemv_pays = bf16_ms <= int16_ms
+            self._bf16_gemv_pays = bf16_ms <= BF16_GEMV_SLOWER * int16_ms
             logger.info(
                 "Q8_0 GEMV %s at %d bf16 rows: bf16 path %.2f ms, int16 path %.2f ms: using the %s",
                 tuple(self.shape), x.shape[0], bf16_ms, int16_ms,
