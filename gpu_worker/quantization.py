@@ -13,11 +13,11 @@ Kernel choice by phase and CPU (measured with scripts/bench_quant.py, docs/bench
   where the CPU has AVX512-BF16: there laneserve's bf16 GEMV (a batch-1 speculative
   verification: torch's kernel unpacks its weights once per 4 rows). The copy costs ~2 bytes
   per weight (269 MB for SmolLM2-135M, whose int4/int8 weights and Q8_0 embedding take 127 MB)
-  and buys 2-2.5x on every linear from 64 rows up. The copy is held in oneDNN's blocked layout (`pack_dense`): the same results as `F.linear`
-  on the plain copy, bit for bit, without reordering the weight on every call (SmolLM2's linears
-  at 16 / 64 / 512 rows: 0.6-0.7x / 0.8-0.9x / 0.95-0.97x of `F.linear`'s time). On a CPU without
-  native bf16 no copy is kept: its bf16 GEMMs are slower than the int4
-  kernel at every row count.
+  and buys 2-2.5x on every linear from 64 rows up. The copy is held in oneDNN's blocked layout
+  (`pack_dense`): the same results as `F.linear` on the plain copy, bit for bit, without reordering
+  the weight on every call (SmolLM2's linears at 16 / 64 / 512 rows: 0.6-0.7x / 0.8-0.9x /
+  0.95-0.97x of `F.linear`'s time). On a CPU without native bf16 no copy is kept: its bf16 GEMMs are
+  slower than the int4 kernel at every row count.
 - float32 activations (`dtype="auto"` on an AVX2-only CPU): up to `GEMV_MAX_TOKENS` rows the C++
   GEMVs (kernels/cpu_ext_quant.py) read the GGUF blocks, each activation row rounded to 16-bit
   integers per 32-element group for integer dot products (~3e-5 relative to float32
@@ -338,11 +338,11 @@ def dense_copy_dtype(dtype: torch.dtype) -> torch.dtype | None:
 # bf16 calls of fewer rows than this skip the bf16 GEMV: int4 ones run torch's int4 kernel, Q8_0
 # ones the int16 path (the kernel's own threshold, `kBf16GemvMinRows`). The bf16 GEMV reads 24 bytes
 # per 32 weights (torch's kernel 20) and dequantizes every group, so at 1-4 rows, where torch's
-# kernel unpacks its weights in one 4-row pass, whole bf16 SmolLM2 decode steps took 1.11-1.18x
-# as long with it; at 5 rows (a batch-1 speculative verification of 4 drafts; torch's kernel
-# makes a second pass) 0.81-0.87x, at 8 rows 0.98-1.01x (a 2-core Zen 5 EPYC with
-# AVX512-BF16, `scripts/bench_quant.py --steps --quantization auto,auto-nolayergemv`). The
-# tied Q8_0 LM head alone: 800 vs 647 us at 1 row, 964 vs 1451 at 5, 1392 vs 2235 at 8.
+# kernel unpacks its weights in one 4-row pass, whole bf16 SmolLM2 decode steps took 1.11-1.18x as
+# long with it; at 5 rows (a batch-1 speculative verification of 4 drafts; torch's kernel makes a
+# second pass) 0.81-0.87x, at 8 rows 0.98-1.01x (a 2-core Zen 5 EPYC with AVX512-BF16,
+# `scripts/bench_quant.py --steps --quantization auto,auto-nolayergemv`). The tied Q8_0 LM head
+# alone: 800 vs 647 us at 1 row, 964 vs 1451 at 5, 1392 vs 2235 at 8.
 BF16_GEMV_MIN_TOKENS = 5  # = kBf16GemvMinRows in kernels/cpu_ext_quant.py
 
 
@@ -488,11 +488,11 @@ class QuantLinear:
         its first such call `x` by timing both, three times each, interleaved: the int16 path
         only when the bf16 one's median is more than `BF16_GEMV_SLOWER` times its own (a clear
         loss: where the two are close, every process keeps the bf16 GEMV, so outputs do not
-        depend on a noisy measurement). The CPUs differ: on a 2-core Zen 5 EPYC the bf16 GEMV took 964 vs 1451 us for
-        the tied 49,152 x 576 LM head at 5 rows (docs/benchmarks.md Run 9); on a 2-core Zen 4,
-        whose 512-bit units are double-pumped, 4.3 vs ~1.3 ms, and whole 5-row verification steps
-        25.4 vs 22.2 ms (Run 10). The measurement runs six calls once (~20 ms for that head on
-        the Zen 4), inside the step that makes the first such call. Below
+        depend on a noisy measurement). The CPUs differ: on a 2-core Zen 5 EPYC the bf16 GEMV took
+        964 vs 1451 us for the tied 49,152 x 576 LM head at 5 rows (docs/benchmarks.md Run 9); on a
+        2-core Zen 4, whose 512-bit units are double-pumped, 4.3 vs ~1.3 ms, and whole 5-row
+        verification steps 25.4 vs 22.2 ms (Run 10). The measurement runs six calls once (~20 ms for
+        that head on the Zen 4), inside the step that makes the first such call. Below
         `BF16_GEMV_MIN_TOKENS` rows the kernel takes the int16 path anyway."""
         if x.shape[0] < BF16_GEMV_MIN_TOKENS:
             return True

@@ -28,8 +28,8 @@ model: decodes at batch 1 / 8 / 64 and the prefill of one 512-token prompt, for 
 none,auto,auto-nodense` (`--dtype`, default bf16; `auto-nodense` drops the dense bf16 copies, so
 every call reads the 4-bit weights; `auto-nogemv` drops the C++ GEMV blocks used for few rows,
 `auto-nolayergemv` only those of the decoder layers' linears, keeping the LM head's), the
-engines stepped alternately so load from other processes hits all alike; it reports each model's weight bytes (quantized blocks, scales, dense copies) and
-load time:
+engines stepped alternately so load from other processes hits all alike; it reports each
+model's weight bytes (quantized blocks, scales, dense copies) and load time:
 
     python scripts/bench_quant.py --steps [--batches 1,8,64] [--num-steps 30] [--prefill-reps 5]
 """
