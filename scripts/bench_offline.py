@@ -22,6 +22,11 @@ ratios laneserve/peer, the CPU model and flags, the load average and the version
 not installed, fails or runs past ``--peer-timeout`` is reported as ``"skipped": "reason"``.
 
     python scripts/bench_offline.py --peers hf,vllm,llamacpp [--num-prompts 64] [--max-tokens 64]
+
+``--rounds N`` runs that sequence N times (laneserve, the peers, laneserve, the peers, ...) and
+reports each figure's median, and per peer the median of the ratios taken within each round, with
+the values of every round beside them: on a shared machine whose speed drifts by tens of percent
+over minutes, one round's ratio says little.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -343,6 +349,9 @@ def peer_python(peer: str) -> tuple[str | None, str | None]:
     return str(python), None
 
 
+FIGURES = ("offline_tok_s", "single_stream_decode_tok_s", "cold_start_s", "warm_start_s")
+
+
 def ratios(lane: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None]:
     """laneserve / peer for every figure: > 1 means laneserve is faster for tok/s, slower for
     start seconds."""
@@ -355,8 +364,7 @@ def ratios(lane: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None
             else None
         )
 
-    keys = ("offline_tok_s", "single_stream_decode_tok_s", "cold_start_s", "warm_start_s")
-    return {key: ratio(key) for key in keys}
+    return {key: ratio(key) for key in FIGURES}
 
 
 def run_peers(args: argparse.Namespace) -> dict[str, Any]:
@@ -414,29 +422,89 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
         "engines": {},
     }
     workdir = Path(tempfile.mkdtemp(prefix="laneserve-bench-"))
+    rounds: list[dict[str, dict[str, Any]]] = []
     try:
-        for engine in ["laneserve", *peers]:
-            python, why = peer_python(engine)
-            if specs.get(engine) is None:
-                why = "llama.cpp needs a .gguf model file"
-            if why is not None:
-                report["engines"][engine] = {"skipped": why}
-                print(f"[bench] {engine}: skipped: {why}", file=sys.stderr, flush=True)
-                continue
-            entry = bench_engine(engine, python, specs[engine], workdir, args.peer_timeout)
-            report["engines"][engine] = entry
-            if "skipped" in entry:
-                print(f"[bench] {engine}: skipped: {entry['skipped']}", file=sys.stderr)
+        for n in range(args.rounds):
+            engines: dict[str, dict[str, Any]] = {}
+            for engine in ["laneserve", *peers]:
+                python, why = peer_python(engine)
+                if specs.get(engine) is None:
+                    why = "llama.cpp needs a .gguf model file"
+                if why is None and n and "skipped" in rounds[0][engine]:
+                    why = rounds[0][engine]["skipped"]  # failed in the first round: not again
+                if why is not None:
+                    engines[engine] = {"skipped": why}
+                    if not n:
+                        print(f"[bench] {engine}: skipped: {why}", file=sys.stderr, flush=True)
+                    continue
+                label = engine if args.rounds == 1 else f"{engine}-r{n + 1}"
+                print(f"[bench] round {n + 1}/{args.rounds}: {label}", file=sys.stderr, flush=True)
+                entry = bench_engine(engine, python, specs[engine], workdir, args.peer_timeout)
+                engines[engine] = entry
+                if "skipped" in entry:
+                    print(f"[bench] {engine}: skipped: {entry['skipped']}", file=sys.stderr)
+            rounds.append(engines)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    lane = report["engines"]["laneserve"]
-    report["ratios_laneserve_over_peer"] = {
-        peer: ratios(lane, entry)
-        for peer, entry in report["engines"].items()
-        if peer != "laneserve" and "skipped" not in entry and "skipped" not in lane
-    }
+    report["rounds"] = args.rounds
+    report["engines"], report["ratios_laneserve_over_peer"] = merge_rounds(rounds)
     report["load_avg_end_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
     return report
+
+
+def merge_rounds(
+    rounds: list[dict[str, dict[str, Any]]],
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Engines' entries and laneserve/peer ratios over one or more rounds (each round: every
+    engine once, one after another).
+
+    One round: the entries as measured and `ratios`. Several: each engine's first successful
+    entry with every figure replaced by its median over the rounds it succeeded in (the values
+    per round, and each round's CPU steal and load average, under `per_round`), and per peer the median of the ratios taken *within* each
+    round (laneserve and that peer measured minutes apart, so a slow spell of a shared machine
+    hits both), with the per-round ratios beside it. An engine that failed in every round keeps
+    the first round's `skipped` entry."""
+    if len(rounds) == 1:
+        engines = rounds[0]
+        lane = engines["laneserve"]
+        return engines, {
+            peer: ratios(lane, entry)
+            for peer, entry in engines.items()
+            if peer != "laneserve" and "skipped" not in entry and "skipped" not in lane
+        }
+    engines = {}
+    for name in rounds[0]:
+        ok = [r[name] for r in rounds if "skipped" not in r[name]]
+        if not ok:
+            engines[name] = rounds[0][name]
+            continue
+        merged = dict(ok[0])
+        per_round_keys = (*FIGURES, "cpu_steal_pct", "load_avg_before")
+        merged["per_round"] = {key: [e.get(key) for e in ok] for key in per_round_keys}
+        for key in per_round_keys[len(FIGURES) :]:
+            merged.pop(key, None)  # a round's own conditions: under per_round only
+        for key in FIGURES:
+            values = [v for v in merged["per_round"][key] if isinstance(v, int | float)]
+            merged[key] = round(statistics.median(values), 2) if values else None
+        engines[name] = merged
+    out = {}
+    for peer in rounds[0]:
+        if peer == "laneserve":
+            continue
+        pairs = [
+            ratios(r["laneserve"], r[peer])
+            for r in rounds
+            if "skipped" not in r["laneserve"] and "skipped" not in r[peer]
+        ]
+        if not pairs:
+            continue
+        per_round = {key: [p[key] for p in pairs] for key in FIGURES}
+        medians = {}
+        for key, values in per_round.items():
+            known = [v for v in values if v is not None]
+            medians[key] = round(statistics.median(known), 2) if known else None
+        out[peer] = {**medians, "per_round": per_round}
+    return engines, out
 
 
 def main() -> None:
@@ -456,7 +524,16 @@ def main() -> None:
     ap.add_argument(
         "--peer-timeout", type=float, default=1800.0, help="seconds per engine process (--peers)"
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="--peers: run every engine this many times, round-robin; report medians and the "
+        "median of within-round ratios (a noisy shared machine)",
+    )
     args = ap.parse_args()
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     if args.peers is not None:
         print(json.dumps(run_peers(args), indent=2))
         return
