@@ -350,6 +350,8 @@ def peer_python(peer: str) -> tuple[str | None, str | None]:
 
 
 FIGURES = ("offline_tok_s", "single_stream_decode_tok_s", "cold_start_s", "warm_start_s")
+# an entry's timed fields, medians over --rounds (merge_rounds)
+MEDIAN_FIELDS = (*FIGURES, "offline_s", "single_stream_prefill_s", "cold_load_s")
 
 
 def ratios(lane: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None]:
@@ -444,9 +446,11 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
                 if "skipped" in entry:
                     print(f"[bench] {engine}: skipped: {entry['skipped']}", file=sys.stderr)
             rounds.append(engines)
+            if "skipped" in engines["laneserve"]:
+                break  # no ratio can come of the peers' further rounds
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    report["rounds"] = args.rounds
+    report["rounds"] = len(rounds)
     report["engines"], report["ratios_laneserve_over_peer"] = merge_rounds(rounds)
     report["load_avg_end_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
     return report
@@ -458,12 +462,15 @@ def merge_rounds(
     """Engines' entries and laneserve/peer ratios over one or more rounds (each round: every
     engine once, one after another).
 
-    One round: the entries as measured and `ratios`. Several: each engine's first successful
-    entry with every figure replaced by its median over the rounds it succeeded in (the values
-    per round, and each round's CPU steal and load average, under `per_round`), and per peer the median of the ratios taken *within* each
-    round (laneserve and that peer measured minutes apart, so a slow spell of a shared machine
-    hits both), with the per-round ratios beside it. An engine that failed in every round keeps
-    the first round's `skipped` entry."""
+    One round: the entries as measured and `ratios`. Several: per engine, its first successful
+    entry with every timed figure (`MEDIAN_FIELDS`) replaced by its median over the rounds it
+    succeeded in, except `cold_start_s`, which stays the first round's (later rounds start with
+    the page cache and the engines' compile caches warm); under `per_round` every round's
+    values, its CPU steal, load average and any warm-start error, None where the engine failed
+    (index i is round i + 1). Per peer: the median of the ratios taken *within* each round
+    (laneserve and that peer measured minutes apart), every round's ratio beside it (None where
+    either failed). An engine that failed in every round keeps the first round's `skipped`
+    entry."""
     if len(rounds) == 1:
         engines = rounds[0]
         lane = engines["laneserve"]
@@ -472,38 +479,42 @@ def merge_rounds(
             for peer, entry in engines.items()
             if peer != "laneserve" and "skipped" not in entry and "skipped" not in lane
         }
+
+    def median(values: list[Any]) -> float | None:
+        known = [v for v in values if isinstance(v, int | float)]
+        return round(statistics.median(known), 2) if known else None
+
     engines = {}
     for name in rounds[0]:
-        ok = [r[name] for r in rounds if "skipped" not in r[name]]
+        entries = [None if "skipped" in r[name] else r[name] for r in rounds]
+        ok = [e for e in entries if e is not None]
         if not ok:
             engines[name] = rounds[0][name]
             continue
         merged = dict(ok[0])
-        per_round_keys = (*FIGURES, "cpu_steal_pct", "load_avg_before")
-        merged["per_round"] = {key: [e.get(key) for e in ok] for key in per_round_keys}
-        for key in per_round_keys[len(FIGURES) :]:
+        keys = (*MEDIAN_FIELDS, "cpu_steal_pct", "load_avg_before", "warm_start_error")
+        merged["per_round"] = {k: [e and e.get(k) for e in entries] for k in keys}
+        for key in keys[len(MEDIAN_FIELDS) :]:
             merged.pop(key, None)  # a round's own conditions: under per_round only
-        for key in FIGURES:
-            values = [v for v in merged["per_round"][key] if isinstance(v, int | float)]
-            merged[key] = round(statistics.median(values), 2) if values else None
+        for key in MEDIAN_FIELDS:
+            merged[key] = median(merged["per_round"][key])
+        merged["cold_start_s"] = ok[0].get("cold_start_s")
         engines[name] = merged
     out = {}
     for peer in rounds[0]:
         if peer == "laneserve":
             continue
         pairs = [
-            ratios(r["laneserve"], r[peer])
+            None
+            if "skipped" in r["laneserve"] or "skipped" in r[peer]
+            else ratios(r["laneserve"], r[peer])
             for r in rounds
-            if "skipped" not in r["laneserve"] and "skipped" not in r[peer]
         ]
-        if not pairs:
+        if not any(pairs):
             continue
-        per_round = {key: [p[key] for p in pairs] for key in FIGURES}
-        medians = {}
-        for key, values in per_round.items():
-            known = [v for v in values if v is not None]
-            medians[key] = round(statistics.median(known), 2) if known else None
-        out[peer] = {**medians, "per_round": per_round}
+        per_round = {key: [p and p[key] for p in pairs] for key in FIGURES}
+        out[peer] = {**{k: median(v) for k, v in per_round.items()}, "per_round": per_round}
+        out[peer]["cold_start_s"] = next(p["cold_start_s"] for p in pairs if p)  # as above
     return engines, out
 
 
