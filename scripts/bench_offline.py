@@ -350,7 +350,7 @@ def peer_python(peer: str) -> tuple[str | None, str | None]:
 
 
 FIGURES = ("offline_tok_s", "single_stream_decode_tok_s", "cold_start_s", "warm_start_s")
-# an entry's timed fields, medians over --rounds (merge_rounds)
+# an entry's timed fields: medians over --rounds, but for cold_start_s (merge_rounds)
 MEDIAN_FIELDS = (*FIGURES, "offline_s", "single_stream_prefill_s", "cold_load_s")
 
 
@@ -491,14 +491,16 @@ def merge_rounds(
         if not ok:
             engines[name] = rounds[0][name]
             continue
-        merged = dict(ok[0])
-        keys = (*MEDIAN_FIELDS, "cpu_steal_pct", "load_avg_before", "warm_start_error")
-        merged["per_round"] = {k: [e and e.get(k) for e in entries] for k in keys}
-        for key in keys[len(MEDIAN_FIELDS) :]:
-            merged.pop(key, None)  # a round's own conditions: under per_round only
+        merged = dict(ok[0])  # cold_start_s stays the first round's
+        conditions = ("cpu_steal_pct", "load_avg_before", "warm_start_error")
+        merged["per_round"] = {
+            k: [e and e.get(k) for e in entries] for k in (*MEDIAN_FIELDS, *conditions)
+        }
+        for key in conditions:
+            merged.pop(key, None)  # a round's own: under per_round only
         for key in MEDIAN_FIELDS:
-            merged[key] = median(merged["per_round"][key])
-        merged["cold_start_s"] = ok[0].get("cold_start_s")
+            if key != "cold_start_s":
+                merged[key] = median(merged["per_round"][key])
         engines[name] = merged
     out = {}
     for peer in rounds[0]:
