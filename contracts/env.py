@@ -79,6 +79,9 @@ _VARS: tuple[EnvVar, ...] = (
     EnvVar("LANESERVE_STEP_COST_CACHE", _flag, True,
            "0 measures a worker's start-up step-cost profile on every start instead of reusing "
            "the one cached for this machine, model and options"),
+    EnvVar("LANESERVE_STEP_TRACE", _path, None,
+           "worker: append one JSON line per measured engine step (what the SLO controller saw, "
+           "planned, predicted and measured) to this file"),
     EnvVar("LANESERVE_CPU_SINGLE_THREAD_TOKENS", int, None,
            "CPU steps of at most this many tokens run on one torch thread"),
     EnvVar("LANESERVE_PEERS_DIR", _path, None,

@@ -278,6 +278,8 @@ class BudgetController:
         self._num_observed = 0
         self.last_paced = False
         self._start_ttft = targets.interactive.ttft_ms
+        self._view: StepView | None = None  # of the step planned last (for the trace)
+        self._trace = _open_trace(env.get("LANESERVE_STEP_TRACE")) if wall_clock else None
 
     # --- planning ---
     def _batch_share(self, rows: int, view: StepView, target_ms: float) -> float:
@@ -332,6 +334,7 @@ class BudgetController:
 
     def plan(self, view: StepView) -> StepBudget:
         """The budget of the next step."""
+        self._view = view
         rows_cap = None
         tpot = self.targets.interactive.tpot_ms
         ttft = self.targets.interactive.ttft_ms
@@ -396,7 +399,37 @@ class BudgetController:
             return  # never completed (engine step failed)
         gap = now - done
         ms = (now - start if gap < max(0.005, 0.5 * (done - start)) else done - start) * 1000.0
+        if self._trace is not None:
+            self._write_trace(start, features, ms, target, predicted, paced)
         self.observe(features, ms, target, predicted, paced)
+
+    def _write_trace(
+        self, start: float, features: StepFeatures, ms: float, target: float | None,
+        predicted: float, paced: bool,
+    ) -> None:  # fmt: skip
+        """One JSON line for `LANESERVE_STEP_TRACE`: the step's start (monotonic s), what the
+        plan saw (`view`) and chose (`plan`), what ran (`features`), the prediction, the target
+        it was planned within (None: none), the measured time, the headroom, the cost model's
+        coefficients as the plan used them (ms, ms/token, ms/row, ms/ktoken) and the targets."""
+        record = {
+            "t": round(start, 6),
+            "view": self._view._asdict() if self._view is not None else None,
+            "plan": self.last._asdict(),
+            "features": features._asdict(),
+            "predicted_ms": round(predicted, 3),
+            "measured_ms": round(ms, 3),
+            "target_ms": target,
+            "paced": paced,
+            "headroom": round(self.headroom, 3),
+            "coefficients": [round(c, 5) for c in self.model.coefficients],
+            "tpot_target_ms": self.targets.interactive.tpot_ms,
+            "ttft_target_ms": self.targets.interactive.ttft_ms,
+        }
+        try:
+            self._trace.write(json.dumps(record) + "\n")
+        except (OSError, ValueError) as exc:  # a full disk or a closed file: stop tracing
+            logger.warning("step trace stopped: %s", exc)
+            self._trace = None
 
     def observe(
         self,
@@ -500,6 +533,18 @@ class BudgetController:
             "step_cost_error_ms": round(self.prediction_error_ms, 3),
             "slo_headroom": round(self.headroom, 3),
         }
+
+
+def _open_trace(path: Path | None):
+    """The `LANESERVE_STEP_TRACE` file, line-buffered for appending, or None (unset, or it
+    cannot be opened: a warning, and the worker runs without a trace)."""
+    if path is None:
+        return None
+    try:
+        return open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (the worker's life)
+    except OSError as exc:
+        logger.warning("cannot open the step trace %s: %s", path, exc)
+        return None
 
 
 # ------------------------------------------------------------------------------ start-up

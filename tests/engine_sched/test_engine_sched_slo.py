@@ -431,3 +431,37 @@ def test_headroom_follows_the_mean_step_not_single_slow_ones():
     for k in range(64):
         ctl.observe(StepFeatures(40, 8, 4000), 90.0, 10.0 if k < 5 else None)
     assert ctl.headroom == pytest.approx(0.72 * 1.03)
+
+
+def test_step_trace_records_what_each_measured_step_saw_planned_and_took(tmp_path, monkeypatch):
+    """LANESERVE_STEP_TRACE: one JSON line per measured step, with the view the plan saw, the
+    plan, the features that ran, the prediction and the wall-clock time; none without it."""
+    import json
+    import time
+
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("LANESERVE_STEP_TRACE", str(path))
+    model = StepCostModel(TRUE)
+    targets = SloTargets(LaneSlo(ttft_ms=1000.0, tpot_ms=50.0), LaneSlo(10_000.0, 500.0))
+    ctl = BudgetController(targets, model, 2048, given_ttft=True)
+    views = [StepView(1, 4, 300, 0, batch_context=1200, batch_decodes=4), StepView(0, 4, 0, 0)]
+    predicted = []
+    for view in views:
+        ctl.observe_pending(time.monotonic())
+        plan = ctl.plan(view)
+        ctl.on_scheduled(StepFeatures(plan.token_budget, 1, 300))
+        predicted.append(model.predict(StepFeatures(plan.token_budget, 1, 300)))
+        time.sleep(0.01)
+        ctl.on_step_done()
+    ctl.observe_pending(time.monotonic())
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["view"] for r in lines] == [v._asdict() for v in views]
+    first = lines[0]
+    assert first["paced"] is True and first["target_ms"] == 50.0
+    assert first["features"]["tokens"] == first["plan"]["token_budget"]
+    assert [r["predicted_ms"] for r in lines] == pytest.approx(predicted, abs=0.01)
+    assert all(10.0 <= r["measured_ms"] < 1000.0 for r in lines)
+    assert lines[0]["t"] < lines[1]["t"]
+    monkeypatch.delenv("LANESERVE_STEP_TRACE")
+    untraced = BudgetController(targets, model, 2048, given_ttft=True)
+    assert untraced._trace is None
