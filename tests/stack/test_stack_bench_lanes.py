@@ -1,0 +1,124 @@
+"""`scripts/bench_lanes.py --rounds N`: the phases N times, each on a fresh stack, ratios as the
+medians of each round's own (a real two-round run on the bundled model, slow); how rounds merge
+(fast)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import ROOT
+
+
+def _load_bench_lanes():
+    """scripts/bench_lanes.py as a module (it imports bench_serving from its own folder)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "bench_lanes", ROOT / "scripts" / "bench_lanes.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return module
+
+
+_bench = _load_bench_lanes()
+RATIOS = (
+    "lanes_ttft_p99_over_idle_p50",
+    "lanes_tpot_p99_over_idle_p50",
+    "batch_with_interactive_over_alone",
+)
+
+
+@pytest.mark.slow
+def test_two_rounds_report_medians_of_each_rounds_ratios(smollm2_gguf, tmp_path):
+    env = {**os.environ, "LANESERVE_HOME": str(smollm2_gguf.parent.parent)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_lanes.py"),
+            "--model",
+            str(smollm2_gguf),
+            "--rounds",
+            "2",
+            "--phases",
+            "idle,lanes,batch_alone",
+            "--interactive",
+            "3",
+            "--rate",
+            "2",
+            "--output-tokens",
+            "4",
+            "--bulk-lines",
+            "24",
+            "--bulk-tokens",
+            "8",
+            "--batch-warmup-lines",
+            "2",
+            "--max-num-seqs",
+            "8",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["config"]["rounds"] == 2
+    assert "round 2/2, variant default" in proc.stderr
+    entry = report["variants"]["default"]
+    assert len(entry["per_round"]) == 2
+    for round_phases in entry["per_round"]:
+        assert round_phases["idle"]["client"]["errors"] == 0
+        assert round_phases["lanes"]["client"]["errors"] == 0
+        assert round_phases["batch_alone"]["batch_tok_s"] > 0
+    for key in RATIOS:
+        values = entry["ratios_per_round"][key]
+        assert len(values) == 2 and all(v is not None and v > 0 for v in values), (key, values)
+        assert entry["ratios"][key] == round(statistics.median(values), 2)
+    # each round's own ratios are its phases' figures
+    for k, round_phases in enumerate(entry["per_round"]):
+        idle, lanes = round_phases["idle"]["client"], round_phases["lanes"]["client"]
+        assert entry["ratios_per_round"]["lanes_ttft_p99_over_idle_p50"][k] == round(
+            lanes["ttft_ms"]["p99"] / idle["ttft_ms"]["p50"], 2
+        )
+    assert report["side_by_side"]["default"]["rounds_met"] in (0, 1, 2)
+    assert report["phases"] == entry["per_round"][0]
+
+
+def _round(ttft: float, tpot: float, batch: float | None) -> dict:
+    ratios = {
+        "lanes_ttft_p99_over_idle_p50": ttft,
+        "lanes_tpot_p99_over_idle_p50": tpot,
+        "fifo_ttft_p99_over_idle_p50": None,
+        "fifo_tpot_p99_over_idle_p50": None,
+        "batch_with_interactive_over_alone": batch,
+    }
+    return {"phases": {"ttft": ttft}, "ratios": ratios, "target_met": _bench.targets_met(ratios)}
+
+
+def test_rounds_merge_into_medians_judged_on_their_own():
+    rounds = [_round(1.2, 1.6, 0.8), _round(2.4, 1.2, 0.6), _round(1.4, 1.3, None)]
+    assert [r["target_met"] for r in rounds] == [False, False, False]
+    merged = _bench.merge_rounds(rounds)
+    assert merged["ratios"]["lanes_ttft_p99_over_idle_p50"] == 1.4
+    assert merged["ratios"]["lanes_tpot_p99_over_idle_p50"] == 1.3
+    assert merged["ratios"]["batch_with_interactive_over_alone"] == 0.7  # of the rounds with one
+    assert merged["ratios"]["fifo_ttft_p99_over_idle_p50"] is None
+    assert merged["ratios_per_round"]["batch_with_interactive_over_alone"] == [0.8, 0.6, None]
+    assert merged["target_met"] is True and merged["rounds_met"] == 0
+    assert merged["phases"] == {"ttft": 1.2} and len(merged["per_round"]) == 3
+    assert _bench.merge_rounds(rounds[:1]) == rounds[0]
+    assert _bench.merge_rounds([_round(1.0, 1.0, 0.9), _round(1.0, 1.6, 0.9)])["rounds_met"] == 1
