@@ -198,6 +198,11 @@ def main() -> int:
     )
     add_stack_args(parser)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    names = [name for name, _ in variants(args)]
+    if len(set(names)) != len(names):
+        parser.error(f"--variants names must differ, got {names}")
     report = {
         "benchmark": "lanes",
         "machine": machine(),
@@ -385,7 +390,9 @@ def merge_rounds(rounds: list[dict]) -> dict:
     bulk job's throughput comes in waves of prefill and decode, so one 32 s window's batch ratio
     can land 0.15 either side of its mean), ``target_met`` judged on those medians,
     ``ratios_per_round`` (None where a round lacks the ratio), ``rounds_met`` (rounds meeting
-    every target on their own ratios) and every round's phases under ``per_round``."""
+    every target on their own ratios) and every round's phases under ``per_round``. Each median
+    may come from a different round, so the medians can meet every target with ``rounds_met``
+    0; a round without a ratio (a phase that failed) counts against ``rounds_met`` only."""
     if len(rounds) == 1:
         return dict(rounds[0])
     keys = list(rounds[0]["ratios"])

@@ -437,6 +437,7 @@ def test_step_trace_records_what_each_measured_step_saw_planned_and_took(tmp_pat
     """LANESERVE_STEP_TRACE: one JSON line per measured step, with the view the plan saw, the
     plan, the features that ran, the prediction and the wall-clock time; none without it."""
     import json
+    import os
     import time
 
     path = tmp_path / "trace.jsonl"
@@ -445,12 +446,14 @@ def test_step_trace_records_what_each_measured_step_saw_planned_and_took(tmp_pat
     targets = SloTargets(LaneSlo(ttft_ms=1000.0, tpot_ms=50.0), LaneSlo(10_000.0, 500.0))
     ctl = BudgetController(targets, model, 2048, given_ttft=True)
     views = [StepView(1, 4, 300, 0, batch_context=1200, batch_decodes=4), StepView(0, 4, 0, 0)]
-    predicted = []
+    predicted, plans, coefficients = [], [], []
     for view in views:
         ctl.observe_pending(time.monotonic())
         plan = ctl.plan(view)
         ctl.on_scheduled(StepFeatures(plan.token_budget, 1, 300))
         predicted.append(model.predict(StepFeatures(plan.token_budget, 1, 300)))
+        plans.append(plan._asdict())
+        coefficients.append([round(c, 5) for c in model.coefficients])
         time.sleep(0.01)
         ctl.on_step_done()
     ctl.observe_pending(time.monotonic())
@@ -460,8 +463,16 @@ def test_step_trace_records_what_each_measured_step_saw_planned_and_took(tmp_pat
     assert first["paced"] is True and first["target_ms"] == 50.0
     assert first["features"]["tokens"] == first["plan"]["token_budget"]
     assert [r["predicted_ms"] for r in lines] == pytest.approx(predicted, abs=0.01)
+    assert [r["plan"] for r in lines] == plans
+    # as each step's plan used them: a line is written before its own step is folded in
+    assert [r["coefficients"] for r in lines] == coefficients
+    assert coefficients[0] != coefficients[1]  # the model moved between the steps
+    assert {r["pid"] for r in lines} == {os.getpid()}
     assert all(10.0 <= r["measured_ms"] < 1000.0 for r in lines)
     assert lines[0]["t"] < lines[1]["t"]
+    ctl._trace.close()
+    monkeypatch.setenv("LANESERVE_STEP_TRACE", str(tmp_path))  # a folder: cannot be opened
+    assert BudgetController(targets, model, 2048, given_ttft=True)._trace is None
     monkeypatch.delenv("LANESERVE_STEP_TRACE")
     untraced = BudgetController(targets, model, 2048, given_ttft=True)
     assert untraced._trace is None

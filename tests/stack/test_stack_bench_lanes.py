@@ -18,6 +18,7 @@ from tests.harness import ROOT
 
 def _load_bench_lanes():
     """scripts/bench_lanes.py as a module (it imports bench_serving from its own folder)."""
+    saved = sys.path[:]
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         spec = importlib.util.spec_from_file_location(
@@ -26,7 +27,7 @@ def _load_bench_lanes():
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path[:] = saved
     return module
 
 
@@ -39,6 +40,7 @@ RATIOS = (
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_two_rounds_report_medians_of_each_rounds_ratios(smollm2_gguf, tmp_path):
     env = {**os.environ, "LANESERVE_HOME": str(smollm2_gguf.parent.parent)}
     proc = subprocess.run(
