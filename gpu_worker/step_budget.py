@@ -408,10 +408,10 @@ class BudgetController:
         predicted: float, paced: bool,
     ) -> None:  # fmt: skip
         """One JSON line for `LANESERVE_STEP_TRACE`: the worker's pid, the step's start
-        (monotonic s), what the
-        plan saw (`view`) and chose (`plan`), what ran (`features`), the prediction, the target
-        it was planned within (None: none), the measured time, the headroom, the cost model's
-        coefficients as the plan used them (ms, ms/token, ms/row, ms/ktoken) and the targets."""
+        (monotonic s), what the plan saw (`view`) and chose (`plan`), what ran (`features`),
+        the prediction, the target it was planned within (None: none), the measured time, the
+        headroom, the cost model's coefficients as the plan used them (ms, ms/token, ms/row,
+        ms/ktoken) and the targets."""
         record = {
             "pid": os.getpid(),  # workers of one stack share the file
             "t": round(start, 6),
