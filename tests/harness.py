@@ -494,6 +494,36 @@ def link_model(home: Path, gguf: Path, hf_dir: Path) -> None:
     (models / hf_dir.name).symlink_to(hf_dir, target_is_directory=True)
 
 
+def load_script(name: str):
+    """scripts/`name`.py as a module; scripts/ is on sys.path only while it loads (the benchmark
+    scripts import each other)."""
+    import importlib.util
+
+    saved = sys.path[:]
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module
+
+
+def run_script(
+    name: str, home: Path, *args: str, cwd: Path, timeout: float = 900.0
+) -> subprocess.CompletedProcess:
+    """Run scripts/`name`.py ARGS in `cwd` with LANESERVE_HOME=`home` (output captured)."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**os.environ, "LANESERVE_HOME": str(home)},
+    )
+
+
 def laneserve(home: Path, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
     """Run `laneserve ARGS` with only LANESERVE_HOME pointing at the stack."""
     return subprocess.run(

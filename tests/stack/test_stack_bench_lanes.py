@@ -4,34 +4,14 @@ medians of each round's own (a real two-round run on the bundled model, slow); h
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import statistics
-import subprocess
-import sys
 
 import pytest
 
-from tests.harness import ROOT
+from tests.harness import load_script, run_script
 
-
-def _load_bench_lanes():
-    """scripts/bench_lanes.py as a module (it imports bench_serving from its own folder)."""
-    saved = sys.path[:]
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "bench_lanes", ROOT / "scripts" / "bench_lanes.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = saved
-    return module
-
-
-_bench = _load_bench_lanes()
+_bench = load_script("bench_lanes")
 RATIOS = (
     "lanes_ttft_p99_over_idle_p50",
     "lanes_tpot_p99_over_idle_p50",
@@ -42,39 +22,32 @@ RATIOS = (
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_rounds_report_medians_of_each_rounds_ratios(smollm2_gguf, tmp_path):
-    env = {**os.environ, "LANESERVE_HOME": str(smollm2_gguf.parent.parent)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_lanes.py"),
-            "--model",
-            str(smollm2_gguf),
-            "--rounds",
-            "2",
-            "--phases",
-            "idle,lanes,batch_alone",
-            "--interactive",
-            "3",
-            "--rate",
-            "2",
-            "--output-tokens",
-            "4",
-            "--bulk-lines",
-            "24",
-            "--bulk-tokens",
-            "8",
-            "--batch-warmup-lines",
-            "2",
-            "--max-num-seqs",
-            "8",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    proc = run_script(
+        "bench_lanes",
+        smollm2_gguf.parent.parent,
+        "--model",
+        str(smollm2_gguf),
+        "--rounds",
+        "2",
+        "--phases",
+        "idle,lanes,batch_alone",
+        "--interactive",
+        "3",
+        "--rate",
+        "2",
+        "--output-tokens",
+        "4",
+        "--bulk-lines",
+        "24",
+        "--bulk-tokens",
+        "8",
+        "--batch-warmup-lines",
+        "2",
+        "--max-num-seqs",
+        "8",
+        "--out",
+        str(tmp_path),
         cwd=tmp_path,
-        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)

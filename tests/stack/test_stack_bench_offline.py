@@ -4,59 +4,37 @@ slow); how rounds with a failed engine merge (fast)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import statistics
-import subprocess
-import sys
 
 import pytest
 
-from tests.harness import ROOT
+from tests.harness import load_script, run_script
 
-
-def _load_bench_offline():
-    """scripts/bench_offline.py as a module, without putting scripts/ on sys.path."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_offline", ROOT / "scripts" / "bench_offline.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_bench = _load_bench_offline()
+_bench = load_script("bench_offline")
 FIGURES, merge_rounds = _bench.FIGURES, _bench.merge_rounds
 
 
 @pytest.mark.slow
 def test_two_rounds_report_medians_and_within_round_ratios(smollm2_gguf, tmp_path):
-    env = {**os.environ, "LANESERVE_HOME": str(smollm2_gguf.parent.parent)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_offline.py"),
-            "--model",
-            str(smollm2_gguf),
-            "--peers",
-            "hf",
-            "--rounds",
-            "2",
-            "--num-prompts",
-            "2",
-            "--max-tokens",
-            "4",
-            "--single-tokens",
-            "4",
-            "--peer-timeout",
-            "300",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    proc = run_script(
+        "bench_offline",
+        smollm2_gguf.parent.parent,
+        "--model",
+        str(smollm2_gguf),
+        "--peers",
+        "hf",
+        "--rounds",
+        "2",
+        "--num-prompts",
+        "2",
+        "--max-tokens",
+        "4",
+        "--single-tokens",
+        "4",
+        "--peer-timeout",
+        "300",
         cwd=tmp_path,
-        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
