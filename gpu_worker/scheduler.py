@@ -51,7 +51,7 @@ from gpu_worker.block_manager import BlockManager
 from gpu_worker.config import ENGINE_DEFAULTS, EngineConfig
 from gpu_worker.request import Lane, Request, RequestStatus
 from gpu_worker.step_budget import BudgetController, StepView
-from gpu_worker.step_cost import StepFeatures
+from gpu_worker.step_cost import StepFeatures, chunk_pairs
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
 
@@ -366,6 +366,11 @@ class Scheduler:
                 out.num_batched_tokens,
                 sum(e.samples for e in scheduled),
                 sum(e.num_computed_tokens + e.num_new_tokens for e in scheduled),
+                sum(  # prefill chunks' attention (a draft verification's rows decode)
+                    chunk_pairs(e.num_new_tokens, e.num_computed_tokens)
+                    for e in scheduled
+                    if e.num_new_tokens > 1 and not e.spec_token_ids
+                ),
             )
             if ctl is not None:
                 ctl.on_scheduled(self.last_features)
@@ -373,9 +378,11 @@ class Scheduler:
 
     def _step_view(self) -> StepView:
         """The running interactive streams (requests already emitting tokens), the running
-        batch requests, their KV context, and the prompt tokens interactive requests still
-        have to prefill (waiting ones and running ones without output)."""
+        batch requests, their KV context, the prompt tokens interactive requests still
+        have to prefill (waiting ones and running ones without output), and the batch lane's
+        prompt tokens to prefill and how deep into its prompt the deepest one is."""
         streams = batch = context = batch_context = prompt = batch_prefill = batch_decodes = 0
+        batch_depth = 0
         for r in self.running:
             if r.lane is Lane.BATCH:
                 batch += 1
@@ -384,6 +391,7 @@ class Scheduler:
                     batch_decodes += 1
                 else:
                     batch_prefill += r.num_tokens - r.num_computed_tokens
+                    batch_depth = max(batch_depth, r.num_computed_tokens)
             elif r.num_output_tokens:
                 streams += 1
                 context += r.num_computed_tokens
@@ -399,8 +407,9 @@ class Scheduler:
                 seats -= 1  # short prompts: a 50-line job of ~100-token lines ran 3x slower)
                 batch_prefill += r.num_tokens
         return StepView(
-            streams, batch, context, prompt, batch_context, batch_prefill, batch_decodes
-        )
+            streams, batch, context, prompt, batch_context, batch_prefill, batch_decodes,
+            batch_depth,
+        )  # fmt: skip
 
     def _chunk(self, step: _StepState, req: Request, remaining: int) -> int:
         """Tokens `req` may compute this step, given `remaining` tokens to catch up."""

@@ -77,7 +77,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from contracts import env
-from gpu_worker.step_cost import StepCostModel, StepFeatures, fit_least_squares
+from gpu_worker.step_cost import (
+    NUM_FEATURES,
+    StepCostModel,
+    StepFeatures,
+    chunk_pairs,
+    fit_least_squares,
+)
 
 if TYPE_CHECKING:
     from gpu_worker.request import Request
@@ -195,7 +201,12 @@ def default_targets(
 def derived_ttft(model: StepCostModel) -> float:
     """The default interactive TTFT target (ms): `TTFT_MULTIPLE` x the predicted idle TTFT (the
     prefill step) of a `TYPICAL_PROMPT`-token prompt."""
-    return round(TTFT_MULTIPLE * model.predict(StepFeatures(TYPICAL_PROMPT, 1, TYPICAL_PROMPT)), 1)
+    return round(TTFT_MULTIPLE * model.predict(prefill_features(TYPICAL_PROMPT)), 1)
+
+
+def prefill_features(prompt_tokens: int) -> StepFeatures:
+    """The features of an idle step that prefills a whole prompt of `prompt_tokens` tokens."""
+    return StepFeatures(prompt_tokens, 1, prompt_tokens, chunk_pairs(prompt_tokens, 0))
 
 
 # ------------------------------------------------------------------------------ the controller
@@ -213,6 +224,7 @@ class StepView(NamedTuple):
     batch_context: int = 0
     batch_prefill_tokens: int = 0  # batch prompt tokens still to prefill (running and waiting)
     batch_decodes: int = 0  # running batch requests that decode this step (the rest prefill)
+    batch_prefill_depth: int = 0  # computed tokens of the deepest running batch prefill
 
 
 class StepBudget(NamedTuple):
@@ -301,7 +313,7 @@ class BudgetController:
         target less the predicted prefill of a typical interactive prompt, and with a derived
         target at most ``TTFT_MULTIPLE - 1`` times that prefill (module docstring)."""
         p = max(1, round(self.typical_prompt))
-        prefill = self.model.predict(StepFeatures(p, 1, p))
+        prefill = self.model.predict(prefill_features(p))
         slack = self.targets.interactive.ttft_ms - prefill
         if not self.given_ttft:
             slack = min(slack, (TTFT_MULTIPLE - 1.0) * prefill)
@@ -310,20 +322,23 @@ class BudgetController:
     def _batch_only(self, view: StepView, ms: float) -> tuple[int, int, float]:
         """(token budget, batch decode rows, predicted ms) of a batch-only step aimed at `ms`:
         while prompts wait to be prefilled, the decodes that fit half of `ms` (at least one)
-        and a prefill chunk that fits the rest (at least `MIN_PREFILL_CHUNK`); otherwise every
-        decode that fits (at least one)."""
+        and a prefill chunk that fits the rest (at least `MIN_PREFILL_CHUNK`; priced with its
+        attention at the deepest running batch prefill's depth); otherwise every decode that
+        fits (at least one)."""
         coef = self.model.coefficients
         decodes = view.batch_decodes
         per_row = self._batch_row_ms(view)
-        per_token = max(coef[1], 1e-6)
         room = max(ms - coef[0], 0.0)
+        chunk_ms = 0.0
         if view.batch_prefill_tokens:
+            depth = view.batch_prefill_depth
             rows = min(decodes, max(1, int(0.5 * room / per_row)))
-            chunk = max(MIN_PREFILL_CHUNK, int((room - rows * per_row) / per_token))
+            chunk = max(MIN_PREFILL_CHUNK, self.model.chunk_within(room - rows * per_row, depth))
             chunk = min(chunk, view.batch_prefill_tokens)
+            chunk_ms = max(coef[1], 1e-6) * chunk + coef[4] * chunk_pairs(chunk, depth) / 1000.0
         else:
             chunk, rows = 0, min(decodes, max(1, int(room / per_row)))
-        return max(1, rows + chunk), rows, coef[0] + chunk * per_token + rows * per_row
+        return max(1, rows + chunk), rows, coef[0] + chunk_ms + rows * per_row
 
     def note_arrival(self, prompt_tokens: int) -> None:
         """An interactive request with `prompt_tokens` arrived: fold it into the typical prompt
@@ -411,7 +426,7 @@ class BudgetController:
         (monotonic s), what the plan saw (`view`) and chose (`plan`), what ran (`features`),
         the prediction, the target it was planned within (None: none), the measured time, the
         headroom, the cost model's coefficients as the plan used them (ms, ms/token, ms/row,
-        ms/ktoken) and the targets."""
+        ms/ktoken, ms/kpair) and the targets."""
         record = {
             "pid": os.getpid(),  # workers of one stack share the file
             "t": round(start, 6),
@@ -578,7 +593,8 @@ def profile_engine(engine: Any, slo_text: str | None) -> BudgetController:
     model = StepCostModel(theta)
     targets = default_targets(model, given, idle_step)
     logger.info(
-        "step cost prior %s (ms, ms/token, ms/row, ms/ktoken), idle decode step %.2f ms %s; SLO %s",
+        "step cost prior %s (ms, ms/token, ms/row, ms/ktoken, ms/kpair), idle decode step "
+        "%.2f ms %s; SLO %s",
         [round(c, 4) for c in theta], idle_step, source, targets,
     )  # fmt: skip
     return BudgetController(
@@ -640,7 +656,8 @@ def measure_step_cost_prior(engine: Any) -> tuple[list[float], float, int]:
 
 # ---------------------------------------------------------------------- the step-cost cache
 
-STEP_COST_CACHE_VERSION = 2  # 2: the idle decode step is kept beside the prior
+# 2: the idle decode step is kept beside the prior; 3: prefill attention, a fifth coefficient
+STEP_COST_CACHE_VERSION = 3
 _OPENMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
 
 
@@ -693,7 +710,7 @@ def _cpu_identity() -> str:
 
 def read_cached_prior(key: str) -> tuple[list[float], float] | None:
     """(prior, idle decode step ms) cached under `key`, or None (not there, unreadable, or not
-    4 finite coefficients and a positive step; `LANESERVE_STEP_COST_CACHE=0` always gives None)."""
+    `NUM_FEATURES` finite coefficients and a positive step; `LANESERVE_STEP_COST_CACHE=0` always gives None)."""
     if not env.get("LANESERVE_STEP_COST_CACHE"):
         return None
     try:
@@ -702,7 +719,7 @@ def read_cached_prior(key: str) -> tuple[list[float], float] | None:
         idle_step = float(data["idle_step_ms"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if len(theta) != 4 or not all(math.isfinite(c) and c >= 0.0 for c in theta):
+    if len(theta) != NUM_FEATURES or not all(math.isfinite(c) and c >= 0.0 for c in theta):
         return None
     if not (math.isfinite(idle_step) and idle_step > 0.0):
         return None

@@ -2,14 +2,21 @@
 
 The model (Sarathi-Serve and DistServe model step time the same way; here it is fitted online)::
 
-    t_step(ms) ~= theta . x,    x = [1, scheduled_tokens, decode_rows, context_kilotokens]
+    t_step(ms) ~= theta . x,
+    x = [1, scheduled_tokens, decode_rows, context_kilotokens, prefill_kilopairs]
 
 - ``1``: the fixed cost of a step (launch, sampling, Python bookkeeping);
 - ``scheduled_tokens``: tokens computed this step (prefill chunks + decodes): the GEMMs'
   compute, linear in the token count once the weights' read is amortized;
 - ``decode_rows``: requests that emit a token (sampler and per-row overheads);
 - ``context_kilotokens``: KV tokens the step's attention reads (sum over scheduled requests of
-  the positions they attend to, / 1000): the memory-bound part that grows with context.
+  the positions they attend to, / 1000): the memory-bound part that grows with context;
+- ``prefill_kilopairs``: the (query, key) pairs prefill chunks attend (`chunk_pairs`: a chunk
+  of ``n`` tokens after ``d`` computed ones, ``n d + n (n + 1) / 2``, / 1000): attention's
+  compute, which grows with a chunk's length times its depth. Without it a 32-token chunk 700
+  tokens into its prompt (75 % dearer than at its start on a 2-core CPU) was charged to the
+  context read it counts once: the context coefficient grew 100x, priced a batch decode row at
+  ~15 ms instead of ~2, and batch-only steps decoded 1-3 rows while dozens waited.
 
 It is fitted by recursive least squares with exponential forgetting (``forgetting``, the weight
 of a sample ``k`` steps old is ``forgetting ** k``), so a machine that slows down (thermal
@@ -26,33 +33,48 @@ predictions are at least ``min_step_ms``. Predictions use no coefficient below
 ``floor_fraction`` of its prior (tokens and rows move together in decode steps, so the fit alone
 can trade one coefficient for another). A step change of the cost (``reset_after`` steps in a
 row off by more than ``reset_error``, relative) resets ``P`` to ``P0`` (covariance resetting),
-so the model relearns at once instead of at the forgetting factor's pace. Pure Python (four features): no numpy, no torch.
+so the model relearns at once instead of at the forgetting factor's pace. Pure Python (five
+features): no numpy, no torch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["StepCostModel", "StepFeatures", "fit_least_squares"]
+__all__ = ["StepCostModel", "StepFeatures", "chunk_pairs", "fit_least_squares"]
 
-NUM_FEATURES = 4
-# Scale of each feature so the RLS works on numbers near 1 (a 256-token step, 32 rows, 8k ctx).
-_SCALE = (1.0, 1 / 256, 1 / 32, 1 / 8)
+NUM_FEATURES = 5
+# Scale of each feature so the RLS works on numbers near 1 (a 256-token step, 32 rows, 8k ctx,
+# the 33k pairs of a 256-token prompt's prefill).
+_SCALE = (1.0, 1 / 256, 1 / 32, 1 / 8, 1 / 32)
+
+
+def chunk_pairs(num_new: int, depth: int) -> int:
+    """(query, key) pairs causal attention computes for a chunk of `num_new` tokens after
+    `depth` computed ones: ``num_new * depth + num_new * (num_new + 1) / 2``."""
+    return num_new * depth + num_new * (num_new + 1) // 2
 
 
 class StepFeatures(NamedTuple):
     """What one step runs: `tokens` scheduled, `rows` emitting a token, `context` KV tokens
-    read by attention (sum over scheduled requests of their attended positions)."""
+    read by attention (sum over scheduled requests of their attended positions), and
+    `prefill_pairs` its prefill chunks' attention (sum of their `chunk_pairs`)."""
 
     tokens: int
     rows: int
     context: int
+    prefill_pairs: int = 0
 
     def vector(self) -> list[float]:
-        """The scaled feature vector ``[1, tokens, rows, context / 1000]``."""
-        raw = (1.0, float(self.tokens), float(self.rows), self.context / 1000.0)
+        """The scaled feature vector ``[1, tokens, rows, context / 1000, prefill_pairs /
+        1000]``."""
+        raw = (
+            1.0, float(self.tokens), float(self.rows), self.context / 1000.0,
+            self.prefill_pairs / 1000.0,
+        )  # fmt: skip
         return [r * s for r, s in zip(raw, _SCALE, strict=True)]
 
 
@@ -83,7 +105,8 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 def fit_least_squares(
     samples: Sequence[tuple[StepFeatures, float]], ridge: float = 1e-3
 ) -> list[float]:
-    """Ridge least-squares coefficients (per raw unit: ms, ms/token, ms/row, ms/ktoken) of
+    """Ridge least-squares coefficients (per raw unit: ms, ms/token, ms/row, ms/ktoken,
+    ms/kpair) of
     measured ``(features, ms)`` samples; with fewer distinct samples than features the ridge
     term keeps the unseen coefficients near 0.
 
@@ -109,7 +132,8 @@ class StepCostModel:
     """Recursive-least-squares step-time model (see the module docstring).
 
     Args:
-        theta0: prior coefficients per raw unit ``[ms, ms/token, ms/row, ms/ktoken]``.
+        theta0: prior coefficients per raw unit ``[ms, ms/token, ms/row, ms/ktoken,
+            ms/kpair]``.
         forgetting: RLS forgetting factor lambda in (0, 1]; 0.97 remembers ~30 steps.
         prior_variance: initial ``P`` diagonal (scaled units): how far the prior may be off.
         min_step_ms: floor of every prediction.
@@ -150,8 +174,8 @@ class StepCostModel:
 
     @property
     def coefficients(self) -> list[float]:
-        """Current coefficients per raw unit ``[ms, ms/token, ms/row, ms/ktoken]`` (each at
-        least `floor_fraction` of its prior)."""
+        """Current coefficients per raw unit ``[ms, ms/token, ms/row, ms/ktoken, ms/kpair]``
+        (each at least `floor_fraction` of its prior)."""
         return [t * s for t, s in zip(self._used(), _SCALE, strict=True)]
 
     def predict(self, features: StepFeatures) -> float:
@@ -159,12 +183,26 @@ class StepCostModel:
         x = features.vector()
         return max(self.min_step_ms, sum(t * xi for t, xi in zip(self._used(), x, strict=True)))
 
-    def max_tokens_within(self, ms: float, rows: int, context: int) -> int:
-        """The most scheduled tokens a step of `rows` emitting rows over `context` KV tokens may
-        hold and still be predicted to take at most `ms` (0 when even no token fits)."""
-        base = self.predict(StepFeatures(0, rows, context))
-        per_token = max(self.coefficients[1], 1e-6)
-        return max(0, int((ms - base) / per_token))
+    def max_tokens_within(self, ms: float, rows: int, context: int, depth: int = 0) -> int:
+        """The most tokens a step of `rows` emitting rows over `context` KV tokens may add as
+        one prefill chunk `depth` tokens into its prompt and still be predicted to take at most
+        `ms` (0 when even no token fits)."""
+        return self.chunk_within(ms - self.predict(StepFeatures(0, rows, context)), depth)
+
+    def chunk_within(self, ms: float, depth: int) -> int:
+        """The longest prefill chunk, `depth` tokens into its prompt, predicted to add at most
+        `ms` to a step: its tokens and its attention (`chunk_pairs`), the largest ``n`` with
+        ``a n + q (n d + n (n + 1) / 2) <= ms`` (0 when `ms` <= 0)."""
+        if ms <= 0:
+            return 0
+        coef = self.coefficients
+        a = max(coef[1], 1e-6)
+        q = coef[4] / 1000.0  # ms per pair
+        b = a + q * (depth + 0.5)
+        if q <= 0.0:
+            return int(ms / b)
+        n = int((-b + math.sqrt(b * b + 2.0 * q * ms)) / q)  # root of q/2 n^2 + b n = ms
+        return n if n * b + 0.5 * q * n * n <= ms else max(0, n - 1)
 
     def update(self, features: StepFeatures, measured_ms: float) -> float:
         """Fold one measured step into the model; returns the prediction error (ms) before it."""

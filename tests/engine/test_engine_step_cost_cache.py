@@ -65,6 +65,8 @@ def test_second_start_reuses_the_profiled_prior(make_llm, step_cost_cache, monke
     assert step_budget.read_cached_prior(key) is None
     files[0].write_text(json.dumps({"theta": marked}))  # a version-1 entry: no idle step
     assert step_budget.read_cached_prior(key) is None
+    files[0].write_text(json.dumps({"theta": marked[:4], "idle_step_ms": 77.0}))  # version 2's
+    assert step_budget.read_cached_prior(key) is None  # four coefficients: no prefill attention
     monkeypatch.setenv("LANESERVE_STEP_COST_CACHE", "0")
     files[0].write_text(json.dumps({"theta": marked, "idle_step_ms": 77.0}))
     assert step_budget.read_cached_prior(key) is None
