@@ -18,23 +18,30 @@ The model (Sarathi-Serve and DistServe model step time the same way; here it is 
   context read it counts once: the context coefficient grew 100x, priced a batch decode row at
   ~15 ms instead of ~2, and batch-only steps decoded 1-3 rows while dozens waited.
 
-It is fitted by recursive least squares with exponential forgetting (``forgetting``, the weight
-of a sample ``k`` steps old is ``forgetting ** k``), so a machine that slows down (thermal
-throttling, a noisy neighbour, a 2x slower synthetic step) is followed within a few dozen steps::
+It is fitted by least squares with exponential forgetting (``forgetting``, lambda: the weight
+of a sample ``k`` steps old is ``lambda ** k``), so a machine that slows down (thermal
+throttling, a noisy neighbour, a 2x slower synthetic step) is followed within a few dozen steps,
+and a prior that is never forgotten, in information form (recursive least squares' normal
+equations, solved each step: five features make that a 5x5 solve)::
 
-    k     = P x / (lambda + x' P x)
-    theta = theta + k (t - theta . x)
-    P     = (P - k x' P) / lambda
+    A = lambda A + x x',   b = lambda b + x t                    (the data)
+    s = sum lambda^k (theta0 . x_k) t_k / sum lambda^k (theta0 . x_k)^2   (the prior's scale)
+    theta = (A + w I)^-1 (b + w s theta0)
 
-The prior (``theta0``, with ``P0 = prior_variance * I`` in scaled units) comes from a short
-start-up profile (`fit_least_squares` over a handful of measured steps). ``P`` is bounded
-(trace at most its start value) so long runs of identical steps cannot wind it up, and
-predictions are at least ``min_step_ms``. Predictions use no coefficient below
-``floor_fraction`` of its prior (tokens and rows move together in decode steps, so the fit alone
-can trade one coefficient for another). A step change of the cost (``reset_after`` steps in a
-row off by more than ``reset_error``, relative) resets ``P`` to ``P0`` (covariance resetting),
-so the model relearns at once instead of at the forgetting factor's pace. Pure Python (five
-features): no numpy, no torch.
+``theta0`` comes from a short start-up profile (`fit_least_squares` over a handful of measured
+steps); ``s`` is the one-number fit of its shape to the recent steps (2 on a machine twice as
+slow). The prior's weight ``w`` (``prior_weight``, in scaled steps) decides only the directions
+the recent steps leave undetermined: a bulk job's batch-only steps are a 32-token chunk beside a
+few decode rows, their context read, the chunk's attention and the fixed cost all growing with
+the chunk's depth, and recursive least squares with forgetting (covariance form, the prior
+forgotten) traded them freely: replaying a slow machine's trace, it priced a batch decode row at
+~4 ms (the prior shape scaled, ~1.7) and predicted those steps 15-20 % long, against 0-5 % with
+the prior kept (one-step errors 22-26 % of a step against 16 %). Predictions are at least
+``min_step_ms`` and use no coefficient below ``floor_fraction`` of its prior (tokens and rows
+move together in decode steps, so the fit alone can trade one coefficient for another). A step
+change of the cost (``reset_after`` steps in a row off by more than ``reset_error``, relative)
+keeps only ``reset_keep`` of the data so far, so the model relearns at once instead of at the
+forgetting factor's pace. Pure Python: no numpy, no torch.
 """
 
 from __future__ import annotations
@@ -129,26 +136,30 @@ def fit_least_squares(
 
 @dataclass
 class StepCostModel:
-    """Recursive-least-squares step-time model (see the module docstring).
+    """Least-squares step-time model fitted online, with forgetting and a kept prior (see the
+    module docstring).
 
     Args:
         theta0: prior coefficients per raw unit ``[ms, ms/token, ms/row, ms/ktoken,
             ms/kpair]``.
-        forgetting: RLS forgetting factor lambda in (0, 1]; 0.97 remembers ~30 steps.
-        prior_variance: initial ``P`` diagonal (scaled units): how far the prior may be off.
+        forgetting: forgetting factor lambda in (0, 1]; 0.97 remembers ~30 steps.
+        prior_weight: the prior's weight ``w`` (scaled steps' worth per feature): it decides
+            what the recent steps leave undetermined. 0.1: replaying a slow machine's step
+            trace, 0.03-0.1 gave the smallest one-step errors (0.01 and 1.0 a little larger).
         min_step_ms: floor of every prediction.
         floor_fraction: predictions use no coefficient below this fraction of its prior.
-        reset_error, reset_after: covariance reset when that many steps in a row are off by
-            more than that fraction (module docstring).
+        reset_error, reset_after, reset_keep: when that many steps in a row are off by more
+            than that fraction, only `reset_keep` of the data so far is kept.
     """
 
     theta0: Sequence[float]
     forgetting: float = 0.97
-    prior_variance: float = 100.0
+    prior_weight: float = 0.1
     min_step_ms: float = 0.05
     floor_fraction: float = 0.25
     reset_error: float = 0.25
     reset_after: int = 4
+    reset_keep: float = 0.05
 
     def __post_init__(self) -> None:
         if len(self.theta0) != NUM_FEATURES:
@@ -156,6 +167,7 @@ class StepCostModel:
         if not 0.0 < self.forgetting <= 1.0:
             raise ValueError(f"forgetting must be in (0, 1], got {self.forgetting}")
         self.theta = _to_scaled(self.theta0)
+        self._prior = list(self.theta)  # scaled units
         # Predictions use no coefficient below `floor_fraction` of its prior (the fit itself is
         # left alone: clamping inside RLS made it oscillate): tokens and rows move together in
         # decode steps, so the fit can trade one coefficient for another, and a batch row's
@@ -163,7 +175,10 @@ class StepCostModel:
         # an interactive stream as free (a 1.8 s step, planned within a 33 ms target).
         self._floor = [self.floor_fraction * max(t, 0.0) for t in self.theta]
         n = NUM_FEATURES
-        self.p = [[self.prior_variance if i == j else 0.0 for j in range(n)] for i in range(n)]
+        self.info = [[0.0] * n for _ in range(n)]  # A: sum of lambda^k x x'
+        self.moment = [0.0] * n  # b: sum of lambda^k x t
+        self._prior_sums = [0.0, 0.0]  # sum of lambda^k (theta0 . x) t, of (theta0 . x)^2
+        self.prior_scale = 1.0  # s
         self.num_updates = 0
         self.num_resets = 0
         self._num_off = 0  # consecutive steps off by more than reset_error
@@ -207,23 +222,31 @@ class StepCostModel:
     def update(self, features: StepFeatures, measured_ms: float) -> float:
         """Fold one measured step into the model; returns the prediction error (ms) before it."""
         x = features.vector()
-        lam, p, n = self.forgetting, self.p, NUM_FEATURES
-        error = measured_ms - sum(t * xi for t, xi in zip(self.theta, x, strict=True))
-        off = abs(error) > self.reset_error * max(measured_ms, self.min_step_ms)
+        lam, n, t = self.forgetting, NUM_FEATURES, measured_ms
+        error = t - sum(c * xi for c, xi in zip(self.theta, x, strict=True))
+        off = abs(error) > self.reset_error * max(t, self.min_step_ms)
         self._num_off = self._num_off + 1 if off else 0
         if self._num_off >= self.reset_after:  # the cost itself changed: relearn quickly
-            self.p = [[self.prior_variance if i == j else 0.0 for j in range(n)] for i in range(n)]
-            p = self.p
+            lam *= self.reset_keep  # the data so far counts this much less, this once
             self._num_off = 0
             self.num_resets += 1
-        px = [sum(p[i][j] * x[j] for j in range(n)) for i in range(n)]
-        denom = lam + sum(x[i] * px[i] for i in range(n))
-        k = [v / denom for v in px]
-        self.theta = [t + ki * error for t, ki in zip(self.theta, k, strict=True)]
-        self.p = [[(p[i][j] - k[i] * px[j]) / lam for j in range(n)] for i in range(n)]
-        trace = sum(self.p[i][i] for i in range(n))
-        limit = self.prior_variance * n
-        if trace > limit:  # bounded: no wind-up over long runs of identical steps
-            self.p = [[v * limit / trace for v in row] for row in self.p]
+        a, b = self.info, self.moment
+        for i in range(n):
+            b[i] = lam * b[i] + x[i] * t
+            row = a[i]
+            for j in range(n):
+                row[j] = lam * row[j] + x[i] * x[j]
+        p = sum(c * xi for c, xi in zip(self._prior, x, strict=True))
+        sums = self._prior_sums
+        sums[0] = lam * sums[0] + p * t
+        sums[1] = lam * sums[1] + p * p
+        if sums[1] > 0.0:
+            self.prior_scale = sums[0] / sums[1]
+        w = self.prior_weight
+        s = w * self.prior_scale
+        self.theta = _solve(
+            [[v + w if i == j else v for j, v in enumerate(row)] for i, row in enumerate(a)],
+            [bi + s * ci for bi, ci in zip(b, self._prior, strict=True)],
+        )
         self.num_updates += 1
         return error
