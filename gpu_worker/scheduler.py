@@ -379,10 +379,11 @@ class Scheduler:
     def _step_view(self) -> StepView:
         """The running interactive streams (requests already emitting tokens), the running
         batch requests, their KV context, the prompt tokens interactive requests still
-        have to prefill (waiting ones and running ones without output), and the batch lane's
-        prompt tokens to prefill and how deep into its prompt the deepest one is."""
+        have to prefill (waiting ones and running ones without output), the batch lane's
+        prompt tokens to prefill, and how deep into its prompt the deepest prefill of each lane
+        is."""
         streams = batch = context = batch_context = prompt = batch_prefill = batch_decodes = 0
-        batch_depth = 0
+        batch_depth = prompt_depth = 0
         for r in self.running:
             if r.lane is Lane.BATCH:
                 batch += 1
@@ -397,6 +398,7 @@ class Scheduler:
                 context += r.num_computed_tokens
             else:
                 prompt += r.num_tokens - r.num_computed_tokens
+                prompt_depth = max(prompt_depth, r.num_computed_tokens)
         seats = self.config.max_num_seqs - len(self.running)
         for r in self.waiting:
             if r.lane is Lane.INTERACTIVE:  # interactive requests come first in the order
@@ -408,7 +410,7 @@ class Scheduler:
                 batch_prefill += r.num_tokens
         return StepView(
             streams, batch, context, prompt, batch_context, batch_prefill, batch_decodes,
-            batch_depth,
+            batch_depth, prompt_depth,
         )  # fmt: skip
 
     def _chunk(self, step: _StepState, req: Request, remaining: int) -> int:

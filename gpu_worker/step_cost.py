@@ -31,7 +31,8 @@ equations, solved each step: five features make that a 5x5 solve)::
 ``theta0`` comes from a short start-up profile (`fit_least_squares` over a handful of measured
 steps); ``s`` is the one-number fit of its shape to the recent steps (2 on a machine twice as
 slow). The prior's weight ``w`` (``prior_weight``, in scaled steps) decides only the directions
-the recent steps leave undetermined: a bulk job's batch-only steps are a 32-token chunk beside a
+the recent steps leave undetermined (a small ridge pull on every direction, decisive only where
+the steps carry little information): a bulk job's batch-only steps are a 32-token chunk beside a
 few decode rows, their context read, the chunk's attention and the fixed cost all growing with
 the chunk's depth, and recursive least squares with forgetting (covariance form, the prior
 forgotten) traded them freely: replaying a slow machine's trace, it priced a batch decode row at
@@ -40,8 +41,8 @@ the prior kept (one-step errors 22-26 % of a step against 16 %). Predictions are
 ``min_step_ms`` and use no coefficient below ``floor_fraction`` of its prior (tokens and rows
 move together in decode steps, so the fit alone can trade one coefficient for another). A step
 change of the cost (``reset_after`` steps in a row off by more than ``reset_error``, relative)
-keeps only ``reset_keep`` of the data so far, so the model relearns at once instead of at the
-forgetting factor's pace. Pure Python: no numpy, no torch.
+keeps only ``reset_keep`` of the data so far (then forgotten as usual), so the model relearns
+at once instead of at the forgetting factor's pace. Pure Python: no numpy, no torch.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from typing import NamedTuple
 __all__ = ["StepCostModel", "StepFeatures", "chunk_pairs", "fit_least_squares"]
 
 NUM_FEATURES = 5
-# Scale of each feature so the RLS works on numbers near 1 (a 256-token step, 32 rows, 8k ctx,
+# Scale of each feature so the fit works on numbers near 1 (a 256-token step, 32 rows, 8k ctx,
 # the 33k pairs of a 256-token prompt's prefill).
 _SCALE = (1.0, 1 / 256, 1 / 32, 1 / 8, 1 / 32)
 
@@ -166,10 +167,14 @@ class StepCostModel:
             raise ValueError(f"theta0 needs {NUM_FEATURES} coefficients, got {len(self.theta0)}")
         if not 0.0 < self.forgetting <= 1.0:
             raise ValueError(f"forgetting must be in (0, 1], got {self.forgetting}")
+        if not self.prior_weight > 0.0:
+            raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
+        if not 0.0 < self.reset_keep <= 1.0:
+            raise ValueError(f"reset_keep must be in (0, 1], got {self.reset_keep}")
         self.theta = _to_scaled(self.theta0)
         self._prior = list(self.theta)  # scaled units
         # Predictions use no coefficient below `floor_fraction` of its prior (the fit itself is
-        # left alone: clamping inside RLS made it oscillate): tokens and rows move together in
+        # left alone: clamping inside the fit made it oscillate): tokens and rows move together in
         # decode steps, so the fit can trade one coefficient for another, and a batch row's
         # fitted cost (token + row + context) near 0 once priced a 512-token batch chunk beside
         # an interactive stream as free (a 1.8 s step, planned within a 33 ms target).
@@ -199,25 +204,37 @@ class StepCostModel:
         return max(self.min_step_ms, sum(t * xi for t, xi in zip(self._used(), x, strict=True)))
 
     def max_tokens_within(self, ms: float, rows: int, context: int, depth: int = 0) -> int:
-        """The most tokens a step of `rows` emitting rows over `context` KV tokens may add as
-        one prefill chunk `depth` tokens into its prompt and still be predicted to take at most
+        """The most tokens a step of `rows` decodes over `context` KV tokens may add as one
+        prefill chunk `depth` tokens into its prompt and still be predicted to take at most
         `ms` (0 when even no token fits)."""
-        return self.chunk_within(ms - self.predict(StepFeatures(0, rows, context)), depth)
+        return self.chunk_within(ms - self.predict(StepFeatures(rows, rows, context)), depth)
+
+    def chunk_cost(self, n: int, depth: int) -> float:
+        """What a prefill chunk of `n` tokens, `depth` tokens into its prompt, adds to a step
+        (ms): its tokens, its context read and its attention (`chunk_pairs`)."""
+        coef = self.coefficients
+        return (
+            max(coef[1], 1e-6) * n + coef[3] * (depth + n) / 1000.0
+            + coef[4] * chunk_pairs(n, depth) / 1000.0
+        )  # fmt: skip
 
     def chunk_within(self, ms: float, depth: int) -> int:
-        """The longest prefill chunk, `depth` tokens into its prompt, predicted to add at most
-        `ms` to a step: its tokens and its attention (`chunk_pairs`), the largest ``n`` with
-        ``a n + q (n d + n (n + 1) / 2) <= ms`` (0 when `ms` <= 0)."""
-        if ms <= 0:
-            return 0
+        """The longest prefill chunk, `depth` tokens into its prompt, whose `chunk_cost` is at
+        most `ms` (0 when none is): the root of ``q/2 n^2 + b n = ms - c`` (``q`` ms per pair,
+        ``b`` per token with the chunk's own pairs and context, ``c`` the context read of the
+        `depth` tokens before it), in the form that stays exact for a tiny ``q``."""
         coef = self.coefficients
-        a = max(coef[1], 1e-6)
-        q = coef[4] / 1000.0  # ms per pair
-        b = a + q * (depth + 0.5)
-        if q <= 0.0:
-            return int(ms / b)
-        n = int((-b + math.sqrt(b * b + 2.0 * q * ms)) / q)  # root of q/2 n^2 + b n = ms
-        return n if n * b + 0.5 * q * n * n <= ms else max(0, n - 1)
+        q = coef[4] / 1000.0
+        b = max(coef[1], 1e-6) + coef[3] / 1000.0 + q * (depth + 0.5)
+        room = ms - coef[3] * depth / 1000.0
+        if room <= 0.0:
+            return 0
+        n = int(2.0 * room / (b + math.sqrt(b * b + 2.0 * q * room)))
+        while n > 0 and self.chunk_cost(n, depth) > ms:  # rounding: at most a step or two
+            n -= 1
+        while self.chunk_cost(n + 1, depth) <= ms:
+            n += 1
+        return n
 
     def update(self, features: StepFeatures, measured_ms: float) -> float:
         """Fold one measured step into the model; returns the prediction error (ms) before it."""
@@ -240,8 +257,8 @@ class StepCostModel:
         sums = self._prior_sums
         sums[0] = lam * sums[0] + p * t
         sums[1] = lam * sums[1] + p * p
-        if sums[1] > 0.0:
-            self.prior_scale = sums[0] / sums[1]
+        if sums[1] > 0.0:  # a prior's shape never fits a negative cost
+            self.prior_scale = max(sums[0] / sums[1], 1e-3)
         w = self.prior_weight
         s = w * self.prior_scale
         self.theta = _solve(
