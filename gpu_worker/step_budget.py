@@ -19,7 +19,8 @@ a TPOT target (P99, ms), ``--slo interactive:ttft=800,tpot=60 batch:tpot=400``. 
   the share it would get beside one stream;
 - **no interactive traffic**: batch steps grow for throughput, but only so long that an
   interactive arrival, which waits for the running step and then prefills, still meets its TTFT
-  target: step time <= ``headroom x`` the TTFT slack, and at least the interactive TPOT target.
+  target: step time <= ``slack_headroom x`` the TTFT slack, and at least the interactive TPOT
+  target.
   The slack is ``ttft - prefill(p)`` for the prompt length ``p`` interactive requests bring (a
   running mean of the prompts seen, `TYPICAL_PROMPT` before the first), and with a derived
   (default) TTFT target at most ``(TTFT_MULTIPLE - 1) x prefill(p)``, so the arrival's TTFT
@@ -31,9 +32,12 @@ a TPOT target (P99, ms), ``--slo interactive:ttft=800,tpot=60 batch:tpot=400``. 
 
 The plan aims at a headroom (0.5 .. 1.0) times the step's target, one for the steps interactive
 streams pace (``headroom``, against the TPOT target) and one for batch-only steps
-(``slack_headroom``, against the TTFT slack); each follows its own steps' measured times, every
-64 steps: when they averaged over 0.85 of their target, it shrinks by 10 %; when they averaged
-under 0.75 of it, or fewer than 8 had one, it grows back by 3 %. Apart because a tight TPOT
+(``slack_headroom``, against their target: the TTFT slack, at least the TPOT target); each
+follows its own steps' measured times, every 64 steps: when they averaged over 0.85 of their
+target, it shrinks by 10 %; when they averaged under 0.75 of it, or fewer than 8 had one, it
+grows back by 3 % (so a headroom drifts back towards 1.0 while its kind of step is absent: after
+a stretch of streams, the first batch-only steps aim at their whole slack until their own
+measurements say otherwise). Apart because a tight TPOT
 target once shrank the batch-only steps too: twice as slow, streams' steps held the one headroom
 at 0.58 and batch-only steps (70 % of the time) planned 5 decode rows instead of 8, the batch
 lane beside interactive traffic at 0.36-0.47x of alone, where the same steps run at 1.0. The
@@ -41,11 +45,13 @@ mean, not a high percentile: TPOT is a mean over a stream's steps (0.85 leaves t
 means room over their mean), and on a jittery CPU the slowest of 64 lone decode steps runs over
 twice their median (1.7x a target of 1.3x it) whatever the plan (a P99 rule held the headroom at
 its floor from the idle phase on, starving batch work for no TPOT gain). An interactive
-prompt's prefill beside
-running streams counts with the TPOT target: it lengthens those streams' TPOT, and less batch
-beside them is the only compensation (frequent arrivals can so hold the headroom at its floor;
-with no batch running that costs nothing). A batch-only step planned over its slack on purpose
-(the minimum chunk) carries no target.
+prompt's prefill beside running streams counts with the TPOT target: it lengthens those streams'
+TPOT, and less batch beside them is the only compensation (frequent arrivals can so hold the
+headroom at its floor; with no batch running that costs nothing, with batch waiting it leaves
+the streams' steps at `min_batch_rate`: a lone decode step sits near 0.77 of a target of 1.3x
+its median, between the thresholds, so the headroom stays where the prefills put it while
+streams run). A batch-only step planned over its slack on purpose (the minimum chunk) carries no
+target.
 The fixed knobs (``max_num_batched_tokens``, ``interactive_batch_token_cap``,
 ``batch_token_budget``) stay hard upper bounds, applied by the scheduler.
 
@@ -328,9 +334,9 @@ class BudgetController:
     def _batch_only(self, view: StepView, ms: float) -> tuple[int, int, float]:
         """(token budget, batch decode rows, predicted ms) of a batch-only step aimed at `ms`:
         while prompts wait to be prefilled, the decodes that fit half of `ms` (at least one)
-        and a prefill chunk that fits the rest (at least `MIN_PREFILL_CHUNK`; priced with its
-        attention at the deepest running batch prefill's depth); otherwise every decode that
-        fits (at least one)."""
+        and a prefill chunk that fits the rest (at least `MIN_PREFILL_CHUNK`; priced by
+        `StepCostModel.chunk_cost`, its context read and attention at the deepest running batch
+        prefill's depth); otherwise every decode that fits (at least one)."""
         coef = self.model.coefficients
         decodes = view.batch_decodes
         per_row = self._batch_row_ms(view)
@@ -468,7 +474,9 @@ class BudgetController:
     ) -> None:
         """Fold one measured step in: the cost model, the EMAs, and the headroom feedback.
         `paced`: the step was paced by interactive streams (their TPOT target); None infers it
-        from `target_ms` being that target (traces replayed by tests)."""
+        from `target_ms` being that target (traces replayed by tests; a batch-only step whose
+        slack is below the TPOT target, so aimed at it, then counts as paced: the worker itself
+        always passes `paced`)."""
         if paced is None:
             paced = target_ms is not None and target_ms == self.targets.interactive.tpot_ms
         predicted = self.model.predict(features) if predicted_ms is None else predicted_ms
