@@ -12,8 +12,10 @@ DESIGN.md "Speculative decoding". Per step, for every running request that decod
    probability that it and every draft before it are accepted) per millisecond it adds to the
    step beats the step's current tokens per millisecond. Bandwidth-bound steps (small batches,
    where a token more costs almost nothing) speculate; compute-bound ones (large batches) stop.
-   A measured check (`YieldGuard`) vetoes drafts at a batch size where steps with drafts emitted
-   fewer tokens per millisecond, end to end, than steps without them.
+   Adaptive speculation drafts only in pure decode steps (drafts take the token budget before
+   waiting prompts, whose prefill they would delay), and a measured check (`YieldGuard`) vetoes
+   drafts at a batch size where steps with drafts emitted fewer tokens per millisecond, end to
+   end, than steps without them.
 3. **Verify** inside the ordinary varlen step: a request with d drafts computes d + 1 query
    tokens `[last token, x_1 .. x_d]` and gets d + 1 logits rows; row j is sampled by the ordinary
    `Sampler` as if `x_1 .. x_j` were already output (`verify_rows` builds those per-row inputs,
@@ -180,14 +182,15 @@ class YieldGuard:
     decoding rows' bit length: 1, 2-3, 4-7, ..., 64-127) it keeps an exponentially weighted
     mean of the tokens emitted per millisecond of whole step (proposing, forward, verification,
     bookkeeping) in steps that verified drafts and in steps that did not, and vetoes drafts in a
-    bucket where they measured slower (in steps that also prefill too, unmeasured). The fit `a + b * tokens` misses per-row costs that grow
-    with the batch (sampling and verification per row, a kernel switch at some row count), so at
-    a large batch it can still find drafts worth it when, end to end, they are not.
+    bucket where they measured slower (adaptive speculation drafts in no other steps). The fit
+    `a + b * tokens` misses per-row costs that grow with the batch (sampling and verification per
+    row, a kernel switch at some row count), so at a large batch it can still find drafts worth
+    it when, end to end, they are not.
 
     Every `PROBE_EVERY`-th decode step of a bucket runs the other way (without drafts while they
     are allowed, with them while vetoed), so both means stay current; until a bucket has
-    `MIN_SAMPLES` measured steps of each mode its steps alternate between the two (a step the
-    scheduler mixes with prefill is not measured, so neither mode can be stuck waiting for one).
+    `MIN_SAMPLES` measured steps of each mode its steps alternate between the two (a step that
+    also prefills is not measured and drafts nothing, so neither mode waits on one).
     """
 
     PROBE_EVERY = 16
@@ -214,11 +217,6 @@ class YieldGuard:
             return bool(step % 2) if max(n_on, n_off) < self.MIN_SAMPLES else n_on < n_off
         preferred = on >= off
         return preferred != (step % self.PROBE_EVERY == 0)
-
-    def permits(self, num_rows: int) -> bool:
-        """For a step that also prefills (not measured, no probe): drafts unless vetoed."""
-        off, n_off, on, n_on = self._means.get(self.bucket(num_rows), (0.0, 0, 0.0, 0))
-        return min(n_off, n_on) < self.MIN_SAMPLES or on >= off
 
     def observe(self, num_rows: int, drafted: bool, emitted: int, step_ms: float) -> None:
         """One decode step of `num_rows` requests: `emitted` tokens in `step_ms` (whole step)."""
@@ -289,23 +287,28 @@ class SpecController:
         running: Sequence[Request],
         spec_of: Callable[[Request], tuple[SpecRequest | None, SamplingParams]],
         max_model_len: int,
+        admits: bool = False,
     ) -> None:
         """Set `spec_token_ids` of every running request for the coming step: n-gram drafts for
         those that decode, as many as `choose` finds worth verifying. A run emits up to
-        drafts + 1 tokens, so drafts stay within `max_tokens` and `max_model_len`."""
+        drafts + 1 tokens, so drafts stay within `max_tokens` and `max_model_len`.
+
+        Adaptive speculation drafts only in pure decode steps: none while a running request
+        prefills or the step `admits` a waiting prompt (one waits and a seat is free). Drafts
+        count against the step's token budget before waiting prompts do, so there a draft worth
+        0.7 tokens displaced a prompt token and delayed a whole request's start, in steps the
+        `YieldGuard` never measured."""
         started = time.perf_counter()
         k = self.config.num_speculative_tokens
         chosen: list[tuple[Request, np.ndarray, RequestSpecStats]] = []
         decoding = [r for r in running if _decoding(r)]  # prefilling: nothing to draft from yet
         for req in running:
             req.spec_token_ids = []
-        pure = len(decoding) == len(running)
+        pure = len(decoding) == len(running) and not admits
         self._step_rows = len(decoding) if pure else 0
-        if self.config.adaptive and decoding:
-            guard = self.guard
-            if not (guard.allow(len(decoding)) if pure else guard.permits(len(decoding))):
-                self.propose_s += time.perf_counter() - started
-                return  # drafts measured slower at this batch size (`YieldGuard`)
+        if self.config.adaptive and decoding and not (pure and self.guard.allow(len(decoding))):
+            self.propose_s += time.perf_counter() - started
+            return  # prompts to prefill, or drafts measured slower here (`YieldGuard`)
         for req in decoding:
             spec, params = spec_of(req)
             if spec is None:

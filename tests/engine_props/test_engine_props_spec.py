@@ -8,12 +8,15 @@ import pytest
 import torch
 
 from gpu_worker.config import SpeculativeConfig
+from gpu_worker.request import Request
 from gpu_worker.sampler import Sampler
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.spec_decode import (
     NgramProposer,
     RequestSpecStats,
     SpecController,
+    SpecRequest,
+    TokenHistory,
     YieldGuard,
     verify,
 )
@@ -134,6 +137,35 @@ def test_controller_drafts_only_in_pure_decode_steps_the_guard_measured():
     ctl.observe_wall(7, 7 + 5, 5, 10, 10.0)  # not the requests propose saw: not counted
     ctl.observe_wall(8, 8, 0, 7, 10.0)  # no drafts, one row failed: 7 emitted
     assert ctl.guard._means[YieldGuard.bucket(8)] == [0.7, 1, 1.1, 1]
+
+
+def test_adaptive_drafts_only_in_pure_decode_steps():
+    """Drafts take a step's token budget before waiting prompts do: adaptive speculation sends
+    none while a running request prefills or the step may admit a waiting prompt (a seat is
+    free), and drafts again once the step is pure decode; forced speculation always drafts."""
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]  # copies itself: drafts 4, 5, 1, 2
+    params = SamplingParams(max_tokens=50, temperature=0.0)
+
+    def decoding(rid: str) -> Request:
+        req = Request(rid, list(prompt), params)
+        req.append_output_token_ids(4)
+        req.num_computed_tokens = req.num_tokens - 1
+        return req
+
+    reqs = [decoding("a"), decoding("b")]
+    specs = {r.request_id: SpecRequest(TokenHistory(r.all_token_ids)) for r in reqs}
+    prefilling = Request("c", list(prompt), params)  # nothing computed yet
+    spec_of = lambda r: (specs.get(r.request_id), params)  # noqa: E731
+    for config, expect_mixed in ((SpeculativeConfig(num_speculative_tokens=4), False),
+                                 (FORCED, True)):  # fmt: skip
+        ctl = SpecController(config)
+        ctl.guard.allow = lambda rows: True  # the measured check is not what is tested here
+        ctl.propose([*reqs, prefilling], spec_of, 1024)
+        assert bool(reqs[0].spec_token_ids) is expect_mixed
+        ctl.propose(reqs, spec_of, 1024, admits=True)
+        assert bool(reqs[0].spec_token_ids) is expect_mixed
+        ctl.propose(reqs, spec_of, 1024)
+        assert reqs[0].spec_token_ids == [5, 1, 2, 3]
 
 
 def test_yield_guard_buckets_are_octaves_and_bootstrap_alternates():
