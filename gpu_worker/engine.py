@@ -433,9 +433,7 @@ class LLMEngine:
             deltas.extend(self._admit_compiled())
         step_started = time.perf_counter()
         if self.spec is not None:
-            sched = self.scheduler  # a prompt waits for a free seat: this step may admit it
-            admits = bool(sched.waiting) and len(sched.running) < sched.config.max_num_seqs
-            self.spec.propose(sched.running, self._spec_of, self.max_model_len, admits)
+            self.spec.propose(self.scheduler.running, self._spec_of, self.max_model_len)
         out = self.scheduler.schedule()
         if out.is_empty:
             return deltas

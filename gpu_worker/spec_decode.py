@@ -13,9 +13,9 @@ DESIGN.md "Speculative decoding". Per step, for every running request that decod
    step beats the step's current tokens per millisecond. Bandwidth-bound steps (small batches,
    where a token more costs almost nothing) speculate; compute-bound ones (large batches) stop.
    Adaptive speculation drafts only in pure decode steps (drafts take the token budget before
-   waiting prompts, whose prefill they would delay), and a measured check (`YieldGuard`) vetoes
-   drafts at a batch size where steps with drafts emitted fewer tokens per millisecond, end to
-   end, than steps without them.
+   prompts being prefilled, whose start they would delay), and a measured check (`YieldGuard`)
+   vetoes drafts at a batch size where steps with drafts emitted fewer tokens per millisecond,
+   end to end, than steps without them.
 3. **Verify** inside the ordinary varlen step: a request with d drafts computes d + 1 query
    tokens `[last token, x_1 .. x_d]` and gets d + 1 logits rows; row j is sampled by the ordinary
    `Sampler` as if `x_1 .. x_j` were already output (`verify_rows` builds those per-row inputs,
@@ -287,24 +287,24 @@ class SpecController:
         running: Sequence[Request],
         spec_of: Callable[[Request], tuple[SpecRequest | None, SamplingParams]],
         max_model_len: int,
-        admits: bool = False,
     ) -> None:
         """Set `spec_token_ids` of every running request for the coming step: n-gram drafts for
         those that decode, as many as `choose` finds worth verifying. A run emits up to
         drafts + 1 tokens, so drafts stay within `max_tokens` and `max_model_len`.
 
-        Adaptive speculation drafts only in pure decode steps: none while a running request
-        prefills or the step `admits` a waiting prompt (one waits and a seat is free). Drafts
-        count against the step's token budget before waiting prompts do, so there a draft worth
-        0.7 tokens displaced a prompt token and delayed a whole request's start, in steps the
-        `YieldGuard` never measured."""
+        Adaptive speculation drafts only in pure decode steps, none while a running request
+        prefills: drafts count against the step's token budget before prompts' chunks do, so
+        there a draft worth 0.7 tokens displaced a prompt token and delayed a whole request's
+        start, in steps the `YieldGuard` never measured. (A prompt still waiting for admission
+        does not stop drafting: the scheduler may not admit it for long, for want of seats, KV
+        blocks or the batch cap, and drafts would stop for as long.)"""
         started = time.perf_counter()
         k = self.config.num_speculative_tokens
         chosen: list[tuple[Request, np.ndarray, RequestSpecStats]] = []
         decoding = [r for r in running if _decoding(r)]  # prefilling: nothing to draft from yet
         for req in running:
             req.spec_token_ids = []
-        pure = len(decoding) == len(running) and not admits
+        pure = len(decoding) == len(running)
         self._step_rows = len(decoding) if pure else 0
         if self.config.adaptive and decoding and not (pure and self.guard.allow(len(decoding))):
             self.propose_s += time.perf_counter() - started
