@@ -231,7 +231,8 @@ class ModelRunner:
         self.device = model.device
         if self.device.type == "cpu":
             host_memory.tune_for_inference()  # stop per-step mmap/page-fault churn (see module)
-            cpu_ext.load()  # build the C++ CPU kernels now (once per machine), not in a step
+            if cpu_ext.load():  # build the C++ CPU kernels now (once per machine), not in a step
+                model.prepare_gemv_blocks()
         shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         self.kv_caches = [
             host_memory.zeros(shape, model.dtype, self.device) for _ in range(c.num_hidden_layers)

@@ -59,9 +59,11 @@ GGUF block layouts (ggml `block_q4_0`, `block_q4_1`, `block_q8_0`, 32 weights pe
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -235,15 +237,17 @@ class GemvBlocks:
     with the weights rounded to bf16 where the CPU has AVX512-BF16 (`gemv_takes_bf16`), else
     read as float32 (exact) through the int16 path, the result rounded once to bf16.
 
-    int4: qs uint8 [N, K/2] (ggml's nibble order), scale and offset float32 [N, K/32] with
-    W = q * scale + offset (the GGUF's own d and m: no bf16 rounding); q8_0: qs int8 [N, K],
-    scale float32 [N, K/32] (the Q8_0 blocks, exact), offset None.
+    int4: qs uint8 [N, K/2] (ggml's nibble order while `block_groups` is 1; `prepare` reorders
+    them into the blocks of groups the built kernel reads, `int4_block_order`), scale and offset
+    float32 [N, K/32] with W = q * scale + offset (the GGUF's own d and m: no bf16 rounding);
+    q8_0: qs int8 [N, K], scale float32 [N, K/32] (the Q8_0 blocks, exact), offset None.
     """
 
     kind: str  # "int4" | "q8_0"
     qs: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor | None = None
+    block_groups: int = 1  # int4: the order qs is in (1: the GGUF's)
 
     @staticmethod
     def from_int4(groups: Int4Groups) -> GemvBlocks:
@@ -262,12 +266,59 @@ class GemvBlocks:
         tensors = (self.qs, self.scale, self.offset)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
+    def prepare(self) -> None:
+        """Reorder int4 weights into the order the built kernel reads (once; needs
+        `kernels.cpu_ext.load()`). Called by the first call, or ahead of it
+        (`LlamaForCausalLM.prepare_gemv_blocks`) so that no step pays for it."""
+        want = int4_kernel_block_groups()
+        if self.kind != "int4" or self.block_groups == want:
+            return
+        with _PREPARE_LOCK:
+            if self.block_groups != want:
+                if self.block_groups != 1:
+                    raise ValueError(f"int4 blocks of {self.block_groups} groups, need {want}")
+                self.qs = int4_block_order(self.qs)
+                self.block_groups = want
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 or bf16 [M, K], contiguous -> [M, N] in x's dtype (needs
         `kernels.cpu_ext.load()`)."""
         if self.kind == "int4":
-            return torch.ops.laneserve.int4_gemv(x, self.qs, self.scale, self.offset)
+            self.prepare()
+            return torch.ops.laneserve.int4_gemv(
+                x, self.qs, self.scale, self.offset, self.block_groups
+            )
         return torch.ops.laneserve.q8_0_gemv(x, self.qs, self.scale)
+
+
+_PREPARE_LOCK = threading.Lock()
+INT4_BLOCK_GROUPS = 8  # the block order's groups per block (kInt4BlockGroups with AVX2)
+
+
+@functools.cache
+def int4_kernel_block_groups() -> int:
+    """The int4 weight order the built C++ GEMV reads: 8 (`int4_block_order`) where it was built
+    for AVX2 without AVX-512BW, 1 (the GGUF's) elsewhere."""
+    return int(torch.ops.laneserve.int4_gemv_block_groups())
+
+
+def int4_block_order(qs: torch.Tensor) -> torch.Tensor:
+    """int4 weights uint8 [N, K/2] from the GGUF's nibble order (byte 16 g + j: elements j and
+    16 + j of group g) into the kernel's block order: for each full block of 8 groups, 8 chunks
+    of 16 bytes, byte i of chunk c holding element 2 c + i % 2 of the block's group i // 2 in its
+    low nibble and element 2 (c + 8) + i % 2 in its high one, so that a chunk unpacks into lanes
+    that each belong to one group (kernels/cpu_ext_quant.py); the last G % 8 groups as they
+    were."""
+    n, half = qs.shape
+    groups = half // (GROUP_SIZE // 2)
+    full = groups // INT4_BLOCK_GROUPS * INT4_BLOCK_GROUPS
+    b = qs[:, : full * GROUP_SIZE // 2].reshape(n, full, GROUP_SIZE // 2)
+    q = torch.cat([b & 15, b >> 4], dim=2)  # [N, full, 32] in element order
+    q = q.reshape(n, full // INT4_BLOCK_GROUPS, INT4_BLOCK_GROUPS, GROUP_SIZE // 2, 2)
+    q = q.permute(0, 1, 3, 2, 4).reshape(n, -1, GROUP_SIZE // 2, 2 * INT4_BLOCK_GROUPS)
+    chunks = GROUP_SIZE // 4  # element pairs (k) 0..7 in the low nibbles, 8..15 in the high
+    blocks = q[:, :, :chunks] | (q[:, :, chunks:] << 4)  # [N, blocks, chunk c, byte i]
+    return torch.cat([blocks.reshape(n, -1), qs[:, full * GROUP_SIZE // 2 :]], dim=1).contiguous()
 
 
 # --------------------------------------------------------------------------- linears

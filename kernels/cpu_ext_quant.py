@@ -36,6 +36,21 @@ scales serves 8 pairs, each pair picking its two with one permute per row (and o
 where the CPU has AVX512-VNNI): against the previous loop (shuffles, a broadcast per group and
 row) 0.91-0.96x the time at 1-4 float32 rows over SmolLM2's 120 layer linears (2-core Zen 4 EPYC).
 
+int4 with AVX2 but not AVX-512BW reads its weights in the block order (`int4_gemv_block_groups()`
+is 8; `GemvBlocks.prepare` in gpu_worker/quantization.py reorders the GGUF's bytes once, and the
+op refuses weights in another order): every full block of 8 groups is 8 chunks of 16 bytes
+whose byte i holds element 2 c + i % 2 of the block's group i / 2 (low nibble) and element
+2 (c + 8) + i % 2 (high nibble), and each row's activations are stored to match
+(`block_order`). A chunk then unpacks to two vectors whose vpmaddwd with the activations leaves
+int32 lane j holding group j's products, so a block's 8 group dots add up in one vector (exact
+integers, at most 32 x 32767 x 15 < 2^24, so the conversion is exact too) and take one
+conversion, one scale product and one FMA per row, and the offset term one more FMA: the GGUF
+order's loop spent a conversion, a scalar product with its broadcast and an FMA per group and
+row, and that, not vpmaddwd (one per cycle on Zen 2), bounded it (3.9 cycles per group and row
+against 2.7, one thread, 16 rows). The last G % 8 groups go one at a time. On a 2-core Zen 2
+EPYC (AVX2 only) SmolLM2's gate_up linear at 8 rows took 234 vs 359 us, and whole float32 decode
+steps 0.77-0.81x the time from 4 rows up (26.8 vs 33.0 ms at 8 rows; 8.8 vs 9.2 at one).
+
 bfloat16 activations, on a CPU with AVX512-BF16: the weights of a group are dequantized once to
 bfloat16 (``fma(q, scale, offset)`` in float32, rounded to nearest even: a dense bf16 copy's
 values but for a rare last-bit difference) and each row's group dot is one ``vdpbf16ps`` (bf16
@@ -70,6 +85,15 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kRowTile = 4;  // rows of x per pass over one weight row
+
+// int4 weights and activations in blocks of this many groups, lanes = groups (AVX2 without
+// AVX-512BW: see the module docstring and `block_order`); 1: the GGUF's order.
+#if defined(__AVX2__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
+#define LANESERVE_INT4_BLOCKED 1
+constexpr int64_t kInt4BlockGroups = 8;
+#else
+constexpr int64_t kInt4BlockGroups = 1;
+#endif
 
 #ifdef __AVX2__
 inline float hsum8(__m256 v) {
@@ -181,12 +205,12 @@ inline void pair_order(std::vector<int16_t>& e, int64_t M, int64_t K) {
 // One weight row (G groups) against R rows of x: y[r * ldy] = W_n . x'_r, x'_r rounded as in
 // `round_rows` (e: R rows of ldx int16, a and t: R rows of G; for int4 with AVX-512BW, e in
 // `pair_order`, as `gemv_typed` stores it).
-template <int R, bool Q4, typename Y>
-inline void gemv_row(const uint8_t* qs, const float* sc, const float* off, int64_t G,
-                     const int16_t* e, int64_t ldx, const float* a, const float* t, Y* y,
-                     int64_t ldy) {
-  float offset[R] = {};
-  for (int r = 0; Q4 && r < R; ++r) {  // sum_g offset_g * t_g, 8 groups at a time
+// offset[r] = sum_g off_g * t[r, g] (int4's offset term), 8 groups at a time; 0 without off.
+template <int R>
+inline void offset_terms(const float* off, int64_t G, const float* t, float* offset) {
+  for (int r = 0; r < R; ++r) {
+    offset[r] = 0.f;
+    if (off == nullptr) continue;
     int64_t g = 0;
 #ifdef __AVX2__
     __m256 acc = _mm256_setzero_ps();
@@ -196,6 +220,14 @@ inline void gemv_row(const uint8_t* qs, const float* sc, const float* off, int64
 #endif
     for (; g < G; ++g) offset[r] += off[g] * t[r * G + g];
   }
+}
+
+template <int R, bool Q4, typename Y>
+inline void gemv_row(const uint8_t* qs, const float* sc, const float* off, int64_t G,
+                     const int16_t* e, int64_t ldx, const float* a, const float* t, Y* y,
+                     int64_t ldy) {
+  float offset[R];
+  offset_terms<R>(Q4 ? off : nullptr, G, t, offset);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   // 32 weight-activation pairs per vpmaddwd, into two accumulators per row (at one row a single
   // chain of FMAs bounded the loop by its latency)
@@ -333,6 +365,87 @@ inline void gemv_row(const uint8_t* qs, const float* sc, const float* off, int64
 #endif
 }
 
+#ifdef LANESERVE_INT4_BLOCKED
+// Each row's activations in the int4 block order: within every full block of 8 groups the 256
+// elements run k = 0..15, then group j = 0..7, then t = 0..1 (element 2 k + t of group j), the
+// order the weights' nibbles unpack in; the last G % 8 groups stay in order.
+inline void block_order(std::vector<int16_t>& e, int64_t M, int64_t K) {
+  int16_t tmp[8 * kGroup];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k0 = 0; k0 + 8 * kGroup <= K; k0 += 8 * kGroup) {
+      int16_t* p = e.data() + m * K + k0;
+      std::copy(p, p + 8 * kGroup, tmp);
+      for (int k = 0; k < 16; ++k)
+        for (int j = 0; j < 8; ++j)
+          for (int t = 0; t < 2; ++t) p[k * 16 + j * 2 + t] = tmp[j * kGroup + 2 * k + t];
+    }
+}
+
+// One int4 weight row in the block order (see `int4_block_order` in gpu_worker/quantization.py:
+// byte i of a block's chunk c holds element 2 c + i % 2 of group i / 2 in its low nibble and
+// element 2 (c + 8) + i % 2 in its high one) against R rows of x in `block_order`. A chunk
+// unpacks to two vectors of 16 int16 whose vpmaddwd with the activations leaves lane j with group
+// j's products, so a block's 8 integer dots add up in one vector (exact) and take one conversion,
+// one scale product and one FMA per row; the GGUF order's loop spent those per group. The last
+// G % 8 groups go one at a time, as in gemv_row.
+template <int R, typename Y>
+inline void int4_row_blocked(const uint8_t* qs, const float* sc, const float* off, int64_t G,
+                             const int16_t* e, int64_t ldx, const float* a, const float* t,
+                             Y* y, int64_t ldy) {
+  const __m256i low4 = _mm256_set1_epi16(0x0F);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const int64_t blocks = G / 8;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    __m256i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+    const uint8_t* qb = qs + blk * 8 * 16;
+    for (int c = 0; c < 8; ++c) {
+      const __m256i b =
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + c * 16)));
+      const __m256i w0 = _mm256_and_si256(b, low4), w1 = _mm256_srli_epi16(b, 4);
+      for (int r = 0; r < R; ++r) {
+        const __m256i* er = reinterpret_cast<const __m256i*>(e + r * ldx + blk * 8 * kGroup);
+        dot[r] = _mm256_add_epi32(
+            dot[r], _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(er + c)),
+                                     _mm256_madd_epi16(w1, _mm256_loadu_si256(er + c + 8))));
+      }
+    }
+    const __m256 s = _mm256_loadu_ps(sc + blk * 8), o = _mm256_loadu_ps(off + blk * 8);
+    for (int r = 0; r < R; ++r) {  // the block's 8 groups' dots, then their offset terms
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]),
+                               _mm256_mul_ps(s, _mm256_loadu_ps(a + r * G + blk * 8)), acc[r]);
+      acc[r] = _mm256_fmadd_ps(o, _mm256_loadu_ps(t + r * G + blk * 8), acc[r]);
+    }
+  }
+  float tail[R] = {};
+  for (int64_t g = blocks * 8; g < G; ++g) {
+    const __m256i b =
+        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + g * 16)));
+    const __m256i w0 = _mm256_and_si256(b, low4), w1 = _mm256_srli_epi16(b, 4);
+    for (int r = 0; r < R; ++r) {
+      const __m256i* er = reinterpret_cast<const __m256i*>(e + r * ldx + g * kGroup);
+      const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(er)),
+                                         _mm256_madd_epi16(w1, _mm256_loadu_si256(er + 1)));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sc[g] * a[r * G + g]),
+                               acc[r]);
+      tail[r] += off[g] * t[r * G + g];
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = static_cast<Y>(hsum8(acc[r]) + tail[r]);
+}
+#endif
+
+template <int R, bool Q4, typename Y>
+inline void gemv_tile(const uint8_t* qs, const float* sc, const float* off, int64_t G,
+                      const int16_t* e, int64_t ldx, const float* a, const float* t, Y* y,
+                      int64_t ldy) {
+#ifdef LANESERVE_INT4_BLOCKED
+  if constexpr (Q4) return int4_row_blocked<R>(qs, sc, off, G, e, ldx, a, t, y, ldy);
+#endif
+  gemv_row<R, Q4>(qs, sc, off, G, e, ldx, a, t, y, ldy);
+}
+
 template <bool Q4, typename Y>
 void gemv_rows(const uint8_t* qs, const float* sc, const float* off, int64_t N, int64_t K,
                int64_t row_bytes, const RoundedRows& x, int64_t M, Y* y, int64_t n0,
@@ -348,10 +461,10 @@ void gemv_rows(const uint8_t* qs, const float* sc, const float* off, int64_t N, 
       const float* tm = x.t.data() + m * G;
       Y* ym = y + m * N + n;
       switch (std::min<int64_t>(M - m, kRowTile)) {
-        case 4: gemv_row<4, Q4>(qn, sn, on, G, em, K, am, tm, ym, N); m += 4; break;
-        case 3: gemv_row<3, Q4>(qn, sn, on, G, em, K, am, tm, ym, N); m += 3; break;
-        case 2: gemv_row<2, Q4>(qn, sn, on, G, em, K, am, tm, ym, N); m += 2; break;
-        default: gemv_row<1, Q4>(qn, sn, on, G, em, K, am, tm, ym, N); m += 1; break;
+        case 4: gemv_tile<4, Q4>(qn, sn, on, G, em, K, am, tm, ym, N); m += 4; break;
+        case 3: gemv_tile<3, Q4>(qn, sn, on, G, em, K, am, tm, ym, N); m += 3; break;
+        case 2: gemv_tile<2, Q4>(qn, sn, on, G, em, K, am, tm, ym, N); m += 2; break;
+        default: gemv_tile<1, Q4>(qn, sn, on, G, em, K, am, tm, ym, N); m += 1; break;
       }
     }
   }
@@ -492,6 +605,9 @@ void gemv_typed(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sca
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (Q4) pair_order(rows.e, M, K);
 #endif
+#ifdef LANESERVE_INT4_BLOCKED
+  if (Q4) block_order(rows.e, M, K);
+#endif
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const float* sp = scale.data_ptr<float>();
   const float* op = offset ? offset->data_ptr<float>() : nullptr;
@@ -526,9 +642,13 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sca
   return y;
 }
 
-// x [M, K] f32 or bf16; qs uint8 [N, K/2]; scale, offset f32 [N, K/32] -> [M, N] in x's dtype
+// x [M, K] f32 or bf16; qs uint8 [N, K/2] in the block order of block_groups groups (the
+// build's `int4_gemv_block_groups()`); scale, offset f32 [N, K/32] -> [M, N] in x's dtype
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                     const at::Tensor& offset) {
+                     const at::Tensor& offset, int64_t block_groups) {
+  TORCH_CHECK(block_groups == kInt4BlockGroups, "int4 weights in blocks of ", block_groups,
+              " groups, but this build reads blocks of ", kInt4BlockGroups,
+              " (GemvBlocks converts them on its first call)");
   check_gemv_args(x, qs, scale, 16, at::kByte);
   TORCH_CHECK(offset.sizes() == scale.sizes() && offset.scalar_type() == at::kFloat &&
               offset.is_contiguous(), "offset must be float32 like scale");
@@ -541,10 +661,13 @@ at::Tensor q8_0_gemv(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   return gemv<false>(x, qs, d, nullptr);
 }
 
+int64_t int4_gemv_block_groups() { return kInt4BlockGroups; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(laneserve, m) {
-  m.def("int4_gemv(Tensor x, Tensor qs, Tensor scale, Tensor offset) -> Tensor");
+  m.def("int4_gemv(Tensor x, Tensor qs, Tensor scale, Tensor offset, int block_groups) -> Tensor");
+  m.def("int4_gemv_block_groups() -> int", &int4_gemv_block_groups);
   m.def("q8_0_gemv(Tensor x, Tensor qs, Tensor d) -> Tensor");
 }
 
@@ -552,4 +675,5 @@ TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("q8_0_gemv", &q8_0_gemv);
 }
+
 """

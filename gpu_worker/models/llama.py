@@ -221,6 +221,15 @@ class LlamaForCausalLM:
             shared = None
         return sum(quant.nbytes(t) for t in tensors) - (shared.nbytes() if shared else 0)
 
+    def prepare_gemv_blocks(self) -> None:
+        """Put the C++ GEMVs' int4 weights in the built kernel's order now (`GemvBlocks.prepare`;
+        needs `kernels.cpu_ext.load()`), not in the first step."""
+        layers = [getattr(layer, f) for layer in self.layers for f in LayerWeights.__slots__]
+        for weight in [*layers, self.lm_head]:
+            gemv = getattr(weight, "gemv", None)
+            if gemv is not None:
+                gemv.prepare()
+
     @torch.inference_mode()
     def forward(
         self,

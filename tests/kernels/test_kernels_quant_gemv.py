@@ -340,3 +340,38 @@ def test_gemv_rejects_bad_arguments(qkv, args, message):
     blocks = quant.build_linear("qkv", parts, "auto", torch.float32).gemv
     with pytest.raises(RuntimeError, match=message):
         blocks(*args)
+
+
+@pytest.mark.parametrize("groups", [8, 18, 19, 48])
+def test_int4_block_order_keeps_every_weight_and_the_op_checks_the_order(groups):
+    """`int4_block_order` only moves nibbles (every full block of 8 groups permuted, the last
+    G % 8 groups in place: the multiset of each row's 4-bit codes unchanged, the tail bytes
+    identical); blocks prepared ahead of their first call (`prepare`, idempotent) give exactly
+    the results of blocks prepared by it; the op refuses weights in an order this build does not
+    read, rather than multiplying them wrongly."""
+    k = 32 * groups
+    gen = torch.Generator().manual_seed(100 + groups)
+    groups4 = quant.int4_from_float(torch.randn(40, k, generator=gen) * 0.05)
+    natural = GemvBlocks.from_int4(groups4)
+    ordered = quant.int4_block_order(natural.qs)
+    assert ordered.shape == natural.qs.shape and ordered.dtype == torch.uint8
+    full = groups // 8 * 8 * 16
+    assert torch.equal(ordered[:, full:], natural.qs[:, full:])
+
+    def codes(qs):
+        return torch.cat([qs & 15, qs >> 4], dim=1).sort(dim=1).values
+
+    assert torch.equal(codes(ordered), codes(natural.qs))
+    if groups >= 8:
+        assert not torch.equal(ordered[:, :full], natural.qs[:, :full])
+    x = torch.randn(5, k, generator=gen)
+    lazy = GemvBlocks.from_int4(groups4)
+    ahead = GemvBlocks.from_int4(groups4)
+    ahead.prepare()
+    ahead.prepare()
+    want = quant.int4_kernel_block_groups()
+    assert ahead.block_groups == want and lazy.block_groups == 1
+    assert torch.equal(ahead(x), lazy(x)) and lazy.block_groups == want
+    wrong = 1 if want != 1 else quant.INT4_BLOCK_GROUPS
+    with pytest.raises(RuntimeError, match="this build reads blocks of"):
+        torch.ops.laneserve.int4_gemv(x, ahead.qs, ahead.scale, ahead.offset, wrong)
