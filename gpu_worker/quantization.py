@@ -27,7 +27,8 @@ Kernel choice by phase and CPU (measured with scripts/bench_quant.py, docs/bench
 
 The embedding of a GGUF stays in its Q8_0 blocks (exact lookups, 31 MB instead of 57 MB bf16).
 A tied LM head over it (SmolLM2's) reads those same blocks (exact, no second copy) through the C++
-GEMV up to `GEMV_MAX_TOKENS` rows whatever the activations' dtype (bf16 ones of fewer than
+GEMV up to `GEMV_MAX_TOKENS` rows whatever the activations' dtype (float32 ones up to
+`Q8_0_HEAD_DENSE_MIN_TOKENS_FP32` - 1) (bf16 ones of fewer than
 `BF16_GEMV_MIN_TOKENS` rows read exactly by the kernel and rounded to int16 as above, the
 result rounded once to bf16, more rows through the bf16 GEMV where it runs and, timed once per
 linear, beats the int16 path (`QuantLinear.bf16_gemv_pays`); every row count when there is no
@@ -342,8 +343,16 @@ DENSE_MIN_TOKENS = 10
 # float32 time / GEMV time per shape): at 1 row 2.2-6.5, 8 rows 2.2-6.5, 16 rows 1.3-3.1,
 # 32 rows 1.07-2.1, 40 rows 0.99-1.35, 48 rows 1.01-1.18, 56 rows 0.93-1.09, 64 rows 0.85-1.04
 # (the LM head 1.4 at 64). With float32 activations in the GEMVs (before 3 December 2026) the
-# crossover was 32 rows.
-DENSE_MIN_TOKENS_FP32 = 48
+# crossover was 32 rows. Since the int4 GEMV reads its weights in blocks of 8 groups on AVX2
+# (December 2026), on a 2-core Zen 2 EPYC (AVX2 only, 3.3 GHz) the per-linear crossovers are
+# qkv and o 48, down 80, gate_up 96 rows (the Q8_0 LM head: above 128), and whole float32 decode
+# steps of SmolLM2 (thresholds switched step by step on one engine, medians of 8) took 147 vs
+# 180 ms at 48 rows with the GEMVs, 184 vs 218 at 64, 232 vs 259 at 80, 283-284 either way at 96.
+DENSE_MIN_TOKENS_FP32 = 96
+# A tied Q8_0 LM head (`QuantLinear.read_q8_0_blocks`) runs float32 calls on its dense copy
+# only from this many rows: its GEMV took 0.55-0.75x the dense GEMM's time up to 96 rows and
+# about as long at 128 on that EPYC.
+Q8_0_HEAD_DENSE_MIN_TOKENS_FP32 = 128
 GEMV_MAX_TOKENS = DENSE_MIN_TOKENS_FP32 - 1
 
 
@@ -574,6 +583,9 @@ class QuantLinear:
         self.gemv = blocks
         if self._dense is None:
             self.gemv_max_tokens = sys.maxsize
+        elif self._dense.dtype == torch.float32:
+            self.dense_min_tokens = max(self.dense_min_tokens, Q8_0_HEAD_DENSE_MIN_TOKENS_FP32)
+            self.gemv_max_tokens = self.dense_min_tokens - 1
 
     @property
     def dense(self) -> torch.Tensor | None:

@@ -164,3 +164,18 @@ def test_greedy_agreement_on_32_prompts(reference, quantized):
         f"{sum(prefix) / len(prefix):.1f} tokens"
     )
     assert sum(prefix) / len(prefix) >= GREEDY.max_tokens / 4
+
+
+def test_tied_q8_0_head_runs_float32_calls_on_its_gemv_up_to_its_own_threshold(quantized_fp32):
+    """The tied Q8_0 LM head's float32 calls stay on the C++ GEMV below
+    `Q8_0_HEAD_DENSE_MIN_TOKENS_FP32` rows (its dense copy pays only from there), the layer
+    linears below `DENSE_MIN_TOKENS_FP32`."""
+    model = quantized_fp32.engine.runner.model
+    head = model.lm_head
+    assert head.gemv.kind == "q8_0" and head.dense is not None
+    assert head.dense_min_tokens == quant.Q8_0_HEAD_DENSE_MIN_TOKENS_FP32
+    assert head.gemv_max_tokens == head.dense_min_tokens - 1
+    assert model.layers[0].gate_up_proj.dense_min_tokens == quant.DENSE_MIN_TOKENS_FP32
+    x = torch.randn(quant.DENSE_MIN_TOKENS_FP32, head.shape[1])
+    assert torch.equal(head(x), head.gemv(x))
+    assert model.layers[0].qkv_proj.gemv.block_groups == quant.int4_kernel_block_groups()
