@@ -18,17 +18,20 @@ Kernel choice by phase and CPU (measured with scripts/bench_quant.py, docs/bench
   the weight on every call (SmolLM2's linears at 16 / 64 / 512 rows: 0.6-0.7x / 0.8-0.9x /
   0.95-0.97x of `F.linear`'s time). On a CPU without native bf16 no copy is kept: its bf16 GEMMs are
   slower than the int4 kernel at every row count.
-- float32 activations (`dtype="auto"` on an AVX2-only CPU): up to `GEMV_MAX_TOKENS` rows the C++
-  GEMVs (kernels/cpu_ext_quant.py) read the GGUF blocks, each activation row rounded to 16-bit
+- float32 activations (`dtype="auto"` on a CPU without native bf16): below `dense_min_tokens`
+  rows the C++ GEMVs (kernels/cpu_ext_quant.py) read the GGUF's values (int4 ones reordered once
+  into blocks of 8 groups where the kernel was built for AVX2 without AVX-512BW,
+  `int4_block_order`), each activation row rounded to 16-bit
   integers per 32-element group for integer dot products (~3e-5 relative to float32
-  activations; bf16 rounding is ~4e-3); from `DENSE_MIN_TOKENS_FP32` rows a dense float32 copy
+  activations; bf16 rounding is ~4e-3); from `dense_min_tokens(torch.float32)` rows (96 with the
+  block order, 48 otherwise) a dense float32 copy
   (4 bytes per weight) runs oneDNN's GEMM on the activations as they are. Both use the exact GGUF
   values, so kernel switches change outputs by that rounding and float32 summation order only.
 
 The embedding of a GGUF stays in its Q8_0 blocks (exact lookups, 31 MB instead of 57 MB bf16).
 A tied LM head over it (SmolLM2's) reads those same blocks (exact, no second copy) through the C++
-GEMV up to `GEMV_MAX_TOKENS` rows whatever the activations' dtype (float32 ones up to
-`Q8_0_HEAD_DENSE_MIN_TOKENS_FP32` - 1) (bf16 ones of fewer than
+GEMV below its dense threshold whatever the activations' dtype (float32 ones, where the int4
+GEMV reads the block order, below `Q8_0_HEAD_DENSE_MIN_TOKENS_FP32`; bf16 ones of fewer than
 `BF16_GEMV_MIN_TOKENS` rows read exactly by the kernel and rounded to int16 as above, the
 result rounded once to bf16, more rows through the bf16 GEMV where it runs and, timed once per
 linear, beats the int16 path (`QuantLinear.bf16_gemv_pays`); every row count when there is no
@@ -269,10 +272,14 @@ class GemvBlocks:
 
     def prepare(self) -> None:
         """Reorder int4 weights into the order the built kernel reads (once; needs
-        `kernels.cpu_ext.load()`). Called by the first call, or ahead of it
-        (`LlamaForCausalLM.prepare_gemv_blocks`) so that no step pays for it."""
+        `kernels.cpu_ext.load()`). The model runner calls it ahead of the first step
+        (`LlamaForCausalLM.prepare_gemv_blocks`) when the kernels are built; a worker that builds
+        them in the background reorders each linear on its first call after they load (SmolLM2's
+        120 int4 linears: ~0.5 s in all on 2 cores, once)."""
+        if self.kind != "int4":
+            return
         want = int4_kernel_block_groups()
-        if self.kind != "int4" or self.block_groups == want:
+        if self.block_groups == want:
             return
         with _PREPARE_LOCK:
             if self.block_groups != want:
@@ -345,15 +352,28 @@ DENSE_MIN_TOKENS = 10
 # (the LM head 1.4 at 64). With float32 activations in the GEMVs (before 3 December 2026) the
 # crossover was 32 rows. Since the int4 GEMV reads its weights in blocks of 8 groups on AVX2
 # (December 2026), on a 2-core Zen 2 EPYC (AVX2 only, 3.3 GHz) the per-linear crossovers are
-# qkv and o 48, down 80, gate_up 96 rows (the Q8_0 LM head: above 128), and whole float32 decode
+# qkv and o 48, down 80, gate_up 96 rows (the Q8_0 LM head: about 128), and whole float32 decode
 # steps of SmolLM2 (thresholds switched step by step on one engine, medians of 8) took 147 vs
 # 180 ms at 48 rows with the GEMVs, 184 vs 218 at 64, 232 vs 259 at 80, 283-284 either way at 96.
+# Where the int4 GEMV keeps the GGUF order (an AVX-512BW build's pair loop, `int4_blocked_cpu`
+# False) the threshold stays the one measured before the block order.
 DENSE_MIN_TOKENS_FP32 = 96
+DENSE_MIN_TOKENS_FP32_GGUF_ORDER = 48
 # A tied Q8_0 LM head (`QuantLinear.read_q8_0_blocks`) runs float32 calls on its dense copy
-# only from this many rows: its GEMV took 0.55-0.75x the dense GEMM's time up to 96 rows and
-# about as long at 128 on that EPYC.
+# only from this many rows where the int4 GEMV reads the block order (measured there): its GEMV
+# took 0.55-0.75x the dense GEMM's time up to 96 rows and about as long at 128 on that EPYC.
 Q8_0_HEAD_DENSE_MIN_TOKENS_FP32 = 128
 GEMV_MAX_TOKENS = DENSE_MIN_TOKENS_FP32 - 1
+
+
+def int4_blocked_cpu() -> bool:
+    """Whether this CPU's build of the C++ int4 GEMV reads the block order (AVX2 without
+    AVX-512BW: `int4_kernel_block_groups` is 8 there), from the CPU flags the ``-march=native``
+    build follows, so routing can be chosen before the kernels are built."""
+    from gpu_worker.engine import cpu_flags  # lazy: engine imports the model code
+
+    flags = cpu_flags()
+    return "avx2" in flags and not {"avx512f", "avx512bw"} <= flags
 
 
 def _padded_for_packing(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
@@ -448,7 +468,9 @@ def gemv_takes_bf16() -> bool:
 
 def dense_min_tokens(dtype: torch.dtype) -> int:
     """From how many rows a call runs on the dense copy (see `dense_copy_dtype`)."""
-    return DENSE_MIN_TOKENS_FP32 if dtype == torch.float32 else DENSE_MIN_TOKENS
+    if dtype != torch.float32:
+        return DENSE_MIN_TOKENS
+    return DENSE_MIN_TOKENS_FP32 if int4_blocked_cpu() else DENSE_MIN_TOKENS_FP32_GGUF_ORDER
 
 
 def pack_dense(weight: torch.Tensor) -> torch.Tensor:
@@ -583,7 +605,7 @@ class QuantLinear:
         self.gemv = blocks
         if self._dense is None:
             self.gemv_max_tokens = sys.maxsize
-        elif self._dense.dtype == torch.float32:
+        elif self._dense.dtype == torch.float32 and int4_blocked_cpu():
             self.dense_min_tokens = max(self.dense_min_tokens, Q8_0_HEAD_DENSE_MIN_TOKENS_FP32)
             self.gemv_max_tokens = self.dense_min_tokens - 1
 
@@ -745,7 +767,11 @@ def _int4_groups(parts: list[torch.Tensor | GGUFQuantTensor]) -> Int4Groups:
 
 
 def _routes(dtype: torch.dtype, dense: torch.Tensor | None, gemv: GemvBlocks | None) -> dict:
-    return {"dense": dense, "dense_min_tokens": dense_min_tokens(dtype), "gemv": gemv}
+    threshold = dense_min_tokens(dtype)
+    routes = {"dense": dense, "dense_min_tokens": threshold, "gemv": gemv}
+    if dtype == torch.float32:  # below the copy's threshold, every float32 call on the GEMV
+        routes["gemv_max_tokens"] = threshold - 1
+    return routes
 
 
 def _is_q8_0(part: torch.Tensor | GGUFQuantTensor) -> bool:

@@ -1,12 +1,16 @@
 """C++ source of the quantized matmuls for few rows (GEMV), compiled into :mod:`kernels.cpu_ext`.
 
-``torch.ops.laneserve.int4_gemv(x, qs, scale, offset)`` and ``torch.ops.laneserve.q8_0_gemv(x, qs,
-d)`` compute ``y = x @ W.T`` for float32 or bfloat16 activations (the result in x's dtype), reading
-the GGUF blocks (ggml's ``block_q4_0`` / ``block_q4_1`` / ``block_q8_0``) where they lie.
+``torch.ops.laneserve.int4_gemv(x, qs, scale, offset, block_groups)`` and
+``torch.ops.laneserve.q8_0_gemv(x, qs, d)`` compute ``y = x @ W.T`` for float32 or bfloat16
+activations (the result in x's dtype) from the GGUF blocks' values (ggml's ``block_q4_0`` /
+``block_q4_1`` / ``block_q8_0``): Q8_0 ones where they lie, int4 ones in the GGUF's nibble order
+or, where the build reads it (``int4_gemv_block_groups()`` is 8: AVX2 without AVX-512BW), in the
+block order described at the end.
 
 Layouts (N outputs, K inputs, G = K / 32 groups):
 
     int4:  qs uint8 [N, K / 2]   byte 16 g + j of row n: q[n, 32 g + j] | q[n, 32 g + 16 + j] << 4
+                                 (the GGUF's order; the block order permutes each 128 bytes)
            scale, offset float32 [N, G]   W[n, 32 g + i] = q * scale[n, g] + offset[n, g]
            (Q4_1: scale = d, offset = m; Q4_0: scale = d, offset = -8 d: exact)
     q8_0:  qs int8 [N, K]; d float32 [N, G]          W[n, 32 g + i] = qs * d[n, g]  (exact)
@@ -15,7 +19,7 @@ Activations as 16-bit integers: each row's 32-element group g is rounded once to
 e_i``, ``e_i = round(x_i * 32767 / max|x_g|)`` (int16, ``a_g = max|x_g| / 32767``), so ``y = sum_g
 a_g * (scale * (q . e_g) + offset * sum(e_g))`` = ``W . x'`` up to float32 rounding. The dot
 products are integer (AVX2 ``vpmaddwd``: 16 weight-activation pairs per instruction, exact), one
-conversion and one FMA per group: the weights need no conversion to floats (a float32 loop spent 2
+conversion and one FMA per group in the GGUF order (per 8 groups in the block order): the weights need no conversion to floats (a float32 loop spent 2
 shuffles and a convert per 8 weights unpacking them, and ran at half this speed at M = 1 on a
 2-core AVX2 EPYC). The rounding moves an element by about ``max|x_g| / 65534`` at most: outputs are
 within ~3e-5 relative of float32 activations', against ~4e-3 for the bf16 rounding torch's
@@ -47,9 +51,11 @@ integers, at most 32 x 32767 x 15 < 2^24, so the conversion is exact too) and ta
 conversion, one scale product and one FMA per row, and the offset term one more FMA: the GGUF
 order's loop spent a conversion, a scalar product with its broadcast and an FMA per group and
 row, and that, not vpmaddwd (one per cycle on Zen 2), bounded it (3.9 cycles per group and row
-against 2.7, one thread, 16 rows). The last G % 8 groups go one at a time. On a 2-core Zen 2
-EPYC (AVX2 only) SmolLM2's gate_up linear at 8 rows took 234 vs 359 us, and whole float32 decode
-steps 0.77-0.81x the time from 4 rows up (26.8 vs 33.0 ms at 8 rows; 8.8 vs 9.2 at one).
+against 2.7 in an ad-hoc copy of both loops, one thread, 16 rows). The last G % 8 groups go one
+at a time, each row into the same single accumulator (the block order's rows keep one chain:
+the blocks' FMAs are few). On a 2-core Zen 2 EPYC (AVX2 only) whole float32 decode steps of
+SmolLM2 took 0.78-0.82x the time from 4 rows up (26.8 vs 33.0 ms at 8 rows; 8.8 vs 9.2 at one;
+`scripts/bench_quant.py --steps --dtype float32`, two runs, not interleaved).
 
 bfloat16 activations, on a CPU with AVX512-BF16: the weights of a group are dequantized once to
 bfloat16 (``fma(q, scale, offset)`` in float32, rounded to nearest even: a dense bf16 copy's

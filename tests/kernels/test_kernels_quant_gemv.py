@@ -174,7 +174,7 @@ def test_float32_calls_route_to_the_gemv_then_to_the_dense_copy(qkv):
     `BF16_GEMV_MAX_TOKENS` rows, as a bf16 model's do."""
     _, parts, w = qkv
     lin = quant.build_linear("qkv", parts, "auto", torch.float32)
-    assert lin.gemv_max_tokens + 1 == lin.dense_min_tokens == quant.DENSE_MIN_TOKENS_FP32
+    assert lin.gemv_max_tokens + 1 == lin.dense_min_tokens == quant.dense_min_tokens(torch.float32)
     x = torch.randn(lin.dense_min_tokens, K, generator=torch.Generator().manual_seed(9))
     small = x[: lin.gemv_max_tokens]
     assert torch.equal(lin(small), lin.gemv(small))
@@ -375,3 +375,50 @@ def test_int4_block_order_keeps_every_weight_and_the_op_checks_the_order(groups)
     wrong = 1 if want != 1 else quant.INT4_BLOCK_GROUPS
     with pytest.raises(RuntimeError, match="this build reads blocks of"):
         torch.ops.laneserve.int4_gemv(x, ahead.qs, ahead.scale, ahead.offset, wrong)
+
+
+def test_int4_block_order_places_each_nibble_by_its_definition():
+    """Byte i of chunk c of block b holds element 2 c + i % 2 of group 8 b + i // 2 in its low
+    nibble and element 2 (c + 8) + i % 2 in its high one; the tail groups keep the GGUF's bytes
+    (byte j of a group: element j low, 16 + j high). Checked element by element against the
+    definition, on every CPU (the kernel reads this order only where it was built for AVX2)."""
+    gen = torch.Generator().manual_seed(21)
+    n, groups = 3, 19  # two full blocks and a tail of 3
+    q = torch.randint(0, 16, (n, groups, 32), generator=gen, dtype=torch.uint8)
+    qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, groups * 16)
+    ordered = quant.int4_block_order(qs)
+    for row in range(n):
+        for b in range(groups // 8):
+            for c in range(8):
+                for i in range(16):
+                    byte = int(ordered[row, b * 128 + c * 16 + i])
+                    g = 8 * b + i // 2
+                    assert byte & 15 == q[row, g, 2 * c + i % 2]
+                    assert byte >> 4 == q[row, g, 2 * (c + 8) + i % 2]
+    assert torch.equal(ordered[:, 16 * 16 :], qs[:, 16 * 16 :])
+
+
+def test_int4_gemv_rows_do_not_depend_on_the_batch_with_full_blocks_and_a_tail():
+    """K = 576 (SmolLM2's: 18 groups, two blocks of 8 and a tail of 2) and N enough to split over
+    threads: row i is bitwise the same at every M (row tiles of 4 and remainders) and thread
+    count, float32 and bf16, and equals W . x' as `test_gemv_matches_dequantized_matmul` bounds."""
+    k = 576
+    gen = torch.Generator().manual_seed(22)
+    blocks = GemvBlocks.from_int4(quant.int4_from_float(torch.randn(200, k, generator=gen) * 0.05))
+    wd, terms = blocks_weight(blocks)
+    x = torch.randn(22, k, generator=gen)
+    full = blocks(x)
+    rounded = rounded_activations(x)
+    tol = (k // 32 + 16) * 2**-24 * (rounded.abs() @ terms.T)
+    assert ((full.double() - rounded @ wd.T).abs() <= tol).all()
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in {1, threads}:
+            torch.set_num_threads(n_threads)
+            for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 22):
+                assert torch.equal(blocks(x[:m].contiguous()), full[:m]), (m, n_threads)
+                if not quant.gemv_takes_bf16():  # bf16 rows read exactly into the int16 path
+                    xb = x[:m].bfloat16()
+                    assert torch.equal(blocks(xb), blocks(xb.float()).bfloat16()), m
+    finally:
+        torch.set_num_threads(threads)

@@ -19,6 +19,7 @@ import torch
 from gpu_worker import LLM, SamplingParams
 from gpu_worker import quantization as quant
 from gpu_worker.quantization import DENSE_MIN_TOKENS, GEMV_MAX_TOKENS, Q8Embedding, QuantLinear
+from kernels import cpu_ext
 from laneserve.demo_corpus import build_corpus
 
 NUM_TOKENS = 2048
@@ -166,16 +167,32 @@ def test_greedy_agreement_on_32_prompts(reference, quantized):
     assert sum(prefix) / len(prefix) >= GREEDY.max_tokens / 4
 
 
-def test_tied_q8_0_head_runs_float32_calls_on_its_gemv_up_to_its_own_threshold(quantized_fp32):
-    """The tied Q8_0 LM head's float32 calls stay on the C++ GEMV below
-    `Q8_0_HEAD_DENSE_MIN_TOKENS_FP32` rows (its dense copy pays only from there), the layer
-    linears below `DENSE_MIN_TOKENS_FP32`."""
+@pytest.mark.slow
+def test_float32_routing_thresholds_follow_the_int4_gemv_build(quantized_fp32):
+    """float32 calls stay on the C++ GEMVs below `dense_min_tokens(float32)` rows (96 where the
+    int4 GEMV reads the block order, 48 where it keeps the GGUF order), and a tied Q8_0 LM head's
+    below `Q8_0_HEAD_DENSE_MIN_TOKENS_FP32` where the block order is read (its own measured
+    crossover), from there on its dense copy; every int4 linear reads the built kernel's order."""
+    if not cpu_ext.load():
+        pytest.skip("the C++ CPU kernels are not built here")
     model = quantized_fp32.engine.runner.model
-    head = model.lm_head
+    head, gate_up = model.lm_head, model.layers[0].gate_up_proj
+    layer_threshold = quant.dense_min_tokens(torch.float32)
+    assert layer_threshold == (
+        quant.DENSE_MIN_TOKENS_FP32
+        if quant.int4_blocked_cpu()
+        else quant.DENSE_MIN_TOKENS_FP32_GGUF_ORDER
+    )
+    assert gate_up.dense_min_tokens == layer_threshold == gate_up.gemv_max_tokens + 1
+    assert (quant.int4_kernel_block_groups() == 8) == quant.int4_blocked_cpu()
     assert head.gemv.kind == "q8_0" and head.dense is not None
-    assert head.dense_min_tokens == quant.Q8_0_HEAD_DENSE_MIN_TOKENS_FP32
-    assert head.gemv_max_tokens == head.dense_min_tokens - 1
-    assert model.layers[0].gate_up_proj.dense_min_tokens == quant.DENSE_MIN_TOKENS_FP32
-    x = torch.randn(quant.DENSE_MIN_TOKENS_FP32, head.shape[1])
-    assert torch.equal(head(x), head.gemv(x))
-    assert model.layers[0].qkv_proj.gemv.block_groups == quant.int4_kernel_block_groups()
+    head_threshold = (
+        quant.Q8_0_HEAD_DENSE_MIN_TOKENS_FP32 if quant.int4_blocked_cpu() else layer_threshold
+    )
+    assert head.dense_min_tokens == head_threshold == head.gemv_max_tokens + 1
+    below = torch.randn(head_threshold - 1, head.shape[1])
+    assert torch.equal(head(below), head.gemv(below))
+    at = torch.randn(head_threshold, head.shape[1])
+    assert torch.equal(head(at), torch.nn.functional.linear(at, head.dense))
+    for layer in model.layers:
+        assert layer.qkv_proj.gemv.block_groups == quant.int4_kernel_block_groups()
