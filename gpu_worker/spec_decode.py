@@ -8,8 +8,7 @@ DESIGN.md "Speculative decoding". Per step, for every running request that decod
    request's own token history (`TokenHistory`, grown in place), no model.
 2. **Decide** (`SpecController`): how many of those drafts each request actually sends, from the
    measured cost of a step (an online least-squares fit `step_ms ~ a + b * tokens`) and each
-   request's running acceptance rate for drafts matched on an n-gram of that length (drafts of
-   a long match are accepted far more often than those of a 2-token one). A draft is worth sending when its expected yield (the
+   request's running acceptance rate. A draft is worth sending when its expected yield (the
    probability that it and every draft before it are accepted) per millisecond it adds to the
    step beats the step's current tokens per millisecond. Bandwidth-bound steps (small batches,
    where a token more costs almost nothing) speculate; compute-bound ones (large batches) stop.
@@ -115,13 +114,7 @@ class NgramProposer:
         self.max_n = max_n
 
     def propose(self, tokens: np.ndarray, k: int) -> np.ndarray:
-        """Up to `k` draft tokens for the sequence `tokens` ([L] int64), maybe none (`lookup`'s
-        drafts)."""
-        return self.lookup(tokens, k)[0]
-
-    def lookup(self, tokens: np.ndarray, k: int) -> tuple[np.ndarray, int]:
-        """Up to `k` draft tokens for the sequence `tokens` ([L] int64), maybe none, and the
-        length n of the n-gram they were matched on (0 with no drafts).
+        """Up to `k` draft tokens for the sequence `tokens` ([L] int64), maybe none.
 
         The longest n in [min_n, max_n] whose suffix n-gram `tokens[L-n:]` also ends at an
         earlier position i < L - 1 wins; among equally long matches the most recent one (copying
@@ -131,11 +124,11 @@ class NgramProposer:
         """
         L = tokens.shape[0]
         if k < 1 or L < self.min_n + 1:
-            return tokens[:0], 0
+            return tokens[:0]
         # candidate end positions i (< L - 1) of an earlier occurrence of the last token
         cand = np.flatnonzero(tokens[: L - 1] == tokens[L - 1])
         if cand.size == 0:
-            return tokens[:0], 0
+            return tokens[:0]
         length = np.ones(cand.shape[0], dtype=np.int64)  # matched n-gram length per candidate
         alive = np.ones(cand.shape[0], dtype=bool)
         for j in range(1, self.max_n):
@@ -148,10 +141,9 @@ class NgramProposer:
             alive = ok
         best = int(length.max())
         if best < self.min_n:
-            return tokens[:0], 0
+            return tokens[:0]
         i = int(cand[np.flatnonzero(length == best)[-1]])  # most recent of the longest
-        drafts = tokens[i + 1 : i + 1 + k]
-        return drafts, (best if len(drafts) else 0)
+        return tokens[i + 1 : i + 1 + k]
 
 
 @dataclass(slots=True)
@@ -159,39 +151,22 @@ class RequestSpecStats:
     """One request's acceptance evidence (its totals are `Request.num_spec_*_tokens`).
 
     Attributes:
-        by_len: per length n of the n-gram the drafts were matched on (`NgramProposer.lookup`),
-            exponentially forgotten counts `[accepted drafts, rejections]` (a rejection: a run
+        acc / rej: exponentially forgotten counts of accepted drafts and of rejections (a run
             that stopped before its last draft), the per-draft acceptance estimate's evidence.
-            Drafts matched on a longer n-gram are accepted far more often (the demo's
-            summaries: ~0.6 per draft after a 2-token match, ~0.95 after 5 or more).
-        match_len: n of the drafts the request sends in the coming step (0: none).
     """
 
-    by_len: dict[int, list[float]] = field(default_factory=dict)
-    match_len: int = 0
+    acc: float = 0.0
+    rej: float = 0.0
 
-    def acceptance(self, n: int, prior: float = 0.5, prior_weight: float = 0.0) -> float:
-        """Per-draft acceptance probability estimate for drafts matched on an n-gram: the
-        geometric-run MLE over this request's evidence at n plus `prior_weight` pseudo runs at
-        rate `prior` (the controller's figure over every request at n) and Laplace's one
-        pseudo acceptance and one pseudo rejection, in (0, 1)."""
-        acc, rej = self.by_len.get(n, (0.0, 0.0))
-        return (acc + prior_weight * prior + 1.0) / (acc + rej + prior_weight + 2.0)
+    @property
+    def acceptance(self) -> float:
+        """Per-draft acceptance probability estimate: the geometric-run MLE with one pseudo
+        acceptance and one pseudo rejection (Laplace), in (0, 1)."""
+        return (self.acc + 1.0) / (self.acc + self.rej + 2.0)
 
-    def observe(self, num_drafts: int, num_accepted: int, match_len: int) -> None:
-        _forget(self.by_len, match_len, num_drafts, num_accepted, REQUEST_FORGET)
-
-
-# Forgetting per verified run of a request's own evidence (about its last 10 runs at each n) and
-# of the controller's evidence over all requests (about the last 50 at each n).
-REQUEST_FORGET = 0.9
-GLOBAL_FORGET = 0.98
-
-
-def _forget(by_len: dict[int, list[float]], n: int, drafts: int, accepted: int, f: float) -> None:
-    counts = by_len.setdefault(n, [0.0, 0.0])
-    counts[0] = f * counts[0] + accepted
-    counts[1] = f * counts[1] + (accepted < drafts)
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        self.acc = 0.9 * self.acc + num_accepted
+        self.rej = 0.9 * self.rej + (num_accepted < num_drafts)
 
 
 @dataclass(slots=True)
@@ -278,15 +253,6 @@ class SpecController:
     chosen by trying every total, not by adding drafts while one more pays (at a cliff, one more
     draft never pays though four more would).
 
-    A draft's acceptance is estimated per length n of the n-gram it was matched on: the
-    request's own evidence at n (`RequestSpecStats`) plus `PRIOR_WEIGHT` pseudo runs at the rate
-    measured over every request at n. On the demo's summaries (greedy SmolLM2 outputs) a draft
-    after a 2-token match was accepted ~0.6 of the time, after a 5-token one ~0.9; one rate per
-    request priced both alike, so it sent drafts of short matches that failed and held back
-    runs of long ones (replayed over 120 recorded outputs with a step costing 1 + 0.24 rows,
-    tokens per unit of cost 1.34 -> 1.39 summarize, 1.51 -> 1.53 translate; at 0.35 per row
-    1.17 -> 1.27 and 1.19 -> 1.38).
-
     Args:
         config: the engine's speculative config (`adaptive=False`: every proposal is sent whole).
     """
@@ -299,7 +265,6 @@ class SpecController:
     TABLE_TOKENS = 32  # steps of up to this many tokens keep their own measured cost
     TABLE_MIN_SAMPLES = 3
     _TABLE_WEIGHT = 0.2  # of the newest step in a count's mean
-    PRIOR_WEIGHT = 2.0  # pseudo runs at every request's rate (at that n) in a request's estimate
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -308,8 +273,6 @@ class SpecController:
         # per token count n <= TABLE_TOKENS: mean step ms and the steps measured
         self._table_ms = np.zeros(self.TABLE_TOKENS + 1)
         self._table_n = np.zeros(self.TABLE_TOKENS + 1, dtype=np.int64)
-        # per matched n-gram length: forgotten [accepted drafts, rejections] over every request
-        self._by_len: dict[int, list[float]] = {}
         # totals since start (`spec_totals`; the /metrics counters are vLLM's names for them)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -337,7 +300,7 @@ class SpecController:
         blocks or the batch cap, and drafts would stop for as long.)"""
         started = time.perf_counter()
         k = self.config.num_speculative_tokens
-        chosen: list[tuple[Request, np.ndarray, float]] = []
+        chosen: list[tuple[Request, np.ndarray, RequestSpecStats]] = []
         decoding = [r for r in running if _decoding(r)]  # prefilling: nothing to draft from yet
         for req in running:
             req.spec_token_ids = []
@@ -353,10 +316,9 @@ class SpecController:
             n_out = req.num_output_tokens
             limit = min(k, params.max_tokens - n_out - 1, max_model_len - req.num_tokens)
             if limit >= 1:
-                drafts, n = self.proposer.lookup(spec.history.view(), limit)
+                drafts = self.proposer.propose(spec.history.view(), limit)
                 if len(drafts):
-                    spec.stats.match_len = n
-                    chosen.append((req, drafts, self.acceptance(spec.stats, n)))
+                    chosen.append((req, drafts, spec.stats))
         if chosen:
             lengths = self.choose(
                 [d for _, d, _ in chosen], [s for _, _, s in chosen], len(running)
@@ -376,17 +338,8 @@ class SpecController:
             self.num_draft_tokens += drafted
             self.num_accepted_tokens += accepted
             self.num_drafts += 1
-            n = spec.stats.match_len
-            spec.stats.observe(drafted, accepted, n)
-            _forget(self._by_len, n, drafted, accepted, GLOBAL_FORGET)
+            spec.stats.observe(drafted, accepted)
         return rejected
-
-    def acceptance(self, stats: RequestSpecStats, n: int) -> float:
-        """Per-draft acceptance estimate of a request's drafts matched on an n-gram (see the
-        class docstring)."""
-        acc, rej = self._by_len.get(n, (0.0, 0.0))
-        prior = (acc + 1.0) / (acc + rej + 2.0)
-        return stats.acceptance(n, prior, self.PRIOR_WEIGHT)
 
     def observe_wall(
         self, num_scheduled: int, num_tokens: int, num_drafts: int, num_emitted: int,
@@ -443,13 +396,13 @@ class SpecController:
         return a, a / 16.0
 
     def choose(
-        self, proposals: Sequence[np.ndarray], acceptances: Sequence[float], num_rows: int
+        self, proposals: Sequence[np.ndarray], stats: Sequence[RequestSpecStats], num_rows: int
     ) -> list[int]:
         """Draft tokens to send per proposal (a prefix length of each).
 
         Args:
             proposals: per decoding request, its proposed drafts (may be empty).
-            acceptances: the same requests' per-draft acceptance estimates (`acceptance`).
+            stats: the same requests' figures (acceptance).
             num_rows: tokens the step computes without drafts (its decodes, at least).
         """
         lengths = [len(p) for p in proposals]
@@ -459,7 +412,7 @@ class SpecController:
             return lengths  # the first step explores: it also measures
         gains: list[tuple[float, int]] = []  # (P(draft accepted with all before it), request)
         for i, n in enumerate(lengths):
-            alpha = acceptances[i]
+            alpha = stats[i].acceptance
             g = 1.0
             for _ in range(n):
                 g *= alpha

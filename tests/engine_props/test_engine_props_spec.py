@@ -13,6 +13,7 @@ from gpu_worker.sampler import Sampler
 from gpu_worker.sampling_params import SamplingParams
 from gpu_worker.spec_decode import (
     NgramProposer,
+    RequestSpecStats,
     SpecController,
     SpecRequest,
     TokenHistory,
@@ -34,10 +35,6 @@ class ReplayProposer:
         self.outputs = outputs
         self.calls = 0
         self.corrupt = corrupt
-
-    def lookup(self, tokens: np.ndarray, k: int) -> tuple[np.ndarray, int]:
-        drafts = self.propose(tokens, k)
-        return drafts, (3 if len(drafts) else 0)  # a 3-gram match, say
 
     def propose(self, tokens: np.ndarray, k: int) -> np.ndarray:
         self.calls += 1
@@ -72,64 +69,19 @@ def test_proposer_takes_the_longest_then_most_recent_match():
     assert prop.propose(tail, 5).tolist() == [6, 7]
 
 
-def test_proposer_reports_the_length_of_the_matched_ngram():
-    prop = NgramProposer(min_n=2, max_n=4)
-    seq = np.array([1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3], dtype=np.int64)
-    drafts, n = prop.lookup(seq, 3)
-    assert drafts.tolist() == [9, 2, 3] and n == 3
-    seq = np.array([7, 1, 2, 3, 4, 5, 6, 1, 2, 3, 4], dtype=np.int64)
-    assert prop.lookup(seq, 2)[0].tolist() == [5, 6] and prop.lookup(seq, 2)[1] == 4  # max_n
-    assert prop.lookup(np.array([4, 1, 2, 1], dtype=np.int64), 3)[1] == 0  # no drafts: 0
-    assert prop.lookup(seq, 0)[1] == 0
-
-
-def _verified(ctl: SpecController, spec: SpecRequest, n: int, drafted: int, accepted: int):
-    """Account one verified run of `spec`'s drafts matched on an n-gram (as `propose` and the
-    engine's `record` do)."""
-    spec.stats.match_len = n
-    req = Request(request_id="r", prompt_token_ids=[1, 2], sampling_params=SamplingParams())
-    ctl.record([(req, spec, drafted, accepted)])
-
-
-def test_acceptance_is_estimated_per_matched_ngram_length():
-    """Drafts of a 5-token match were all accepted, those of a 2-token match never: the same
-    request's next drafts are sent after a 5-token match and not after a 2-token one, and a new
-    request starts from what every request measured at each length."""
-    ctl = SpecController(SpeculativeConfig(num_speculative_tokens=4))
-    for tokens, ms in [(1, 10.0), (3, 14.0), (5, 18.0)] * 10:  # 2 ms per token more
-        ctl.observe_step(tokens, ms)
-    spec = SpecRequest(TokenHistory([1, 2]))
-    for _ in range(6):
-        _verified(ctl, spec, 5, 4, 4)
-        _verified(ctl, spec, 2, 4, 0)
-    long_, short = ctl.acceptance(spec.stats, 5), ctl.acceptance(spec.stats, 2)
-    assert long_ > 0.85 and short < 0.15
-    drafts = [np.arange(4)]
-    assert ctl.choose(drafts, [long_], 1) == [4]
-    assert ctl.choose(drafts, [short], 1) == [0]
-    fresh = SpecRequest(TokenHistory([3, 4])).stats
-    assert ctl.acceptance(fresh, 5) > 0.6 > 0.4 > ctl.acceptance(fresh, 2)
-    assert ctl.acceptance(fresh, 3) == 0.5  # nothing measured at 3: Laplace's prior only
-    # the request's own evidence outweighs the prior: another request accepts short matches
-    other = SpecRequest(TokenHistory([5, 6]))
-    for _ in range(6):
-        _verified(ctl, other, 2, 4, 4)
-    assert ctl.acceptance(other.stats, 2) > 0.75 and ctl.acceptance(spec.stats, 2) < 0.3
-
-
 def test_controller_speculates_when_a_token_is_cheap_and_stops_when_it_is_not():
     ctl = SpecController(SpeculativeConfig(num_speculative_tokens=4))
     for tokens, ms in [(1, 20.0), (5, 21.0), (9, 22.0)] * 10:  # bandwidth-bound: 0.25 ms/token
         ctl.observe_step(tokens, ms)
-    good = 9 / 11  # acceptance after 8 accepted drafts and 1 rejection
+    good = RequestSpecStats(acc=8.0, rej=1.0)
     drafts = [np.arange(4)]
     assert ctl.choose(drafts, [good], 1) == [4]
     ctl = SpecController(SpeculativeConfig(num_speculative_tokens=4))
     for tokens, ms in [(64, 160.0), (80, 200.0), (96, 240.0)] * 10:  # compute-bound: 2.5 ms/token
         ctl.observe_step(tokens, ms)
-    assert ctl.choose(drafts * 64, [0.5] * 64, 64) == [0] * 64
+    assert ctl.choose(drafts * 64, [RequestSpecStats(acc=2.0, rej=2.0)] * 64, 64) == [0] * 64
     forced = SpecController(FORCED)
-    assert forced.choose(drafts, [0.5], 64) == [4]
+    assert forced.choose(drafts, [RequestSpecStats()], 64) == [4]
 
 
 def test_controller_stops_short_of_a_measured_cost_cliff():
@@ -141,7 +93,7 @@ def test_controller_stops_short_of_a_measured_cost_cliff():
     for _ in range(SpecController.TABLE_MIN_SAMPLES):
         for tokens, t in ms.items():
             ctl.observe_step(tokens, t)
-    good = 9 / 11  # acceptance 0.82
+    good = RequestSpecStats(acc=8.0, rej=1.0)  # acceptance 0.82
     assert ctl.choose([np.arange(4)], [good], 1) == [3]
     assert ctl.step_ms(np.array([4, 5])).tolist() == pytest.approx([13.0, 24.0])
     # fewer samples of the 5-token step than the table needs: the line decides (all 4 drafts)
