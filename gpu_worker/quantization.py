@@ -29,8 +29,9 @@ Kernel choice by phase and CPU (measured with scripts/bench_quant.py, docs/bench
   values, so kernel switches change outputs by that rounding and float32 summation order only.
 
 The embedding of a GGUF stays in its Q8_0 blocks (exact lookups, 31 MB instead of 57 MB bf16).
-A tied LM head over it (SmolLM2's) reads those same blocks (exact, no second copy) through the C++
-GEMV below its dense threshold whatever the activations' dtype (float32 ones, where the int4
+A tied LM head over it (SmolLM2's) reads those same blocks (exact; where the kernel was built for
+AVX-512BW its int16 path reads a copy of them in blocks of 16 groups, `GemvBlocks.block_copy`,
+28 MB for SmolLM2) through the C++ GEMV below its dense threshold whatever the activations' dtype (float32 ones, where the int4
 GEMV reads the block order, below `Q8_0_HEAD_DENSE_MIN_TOKENS_FP32`; bf16 ones of fewer than
 `BF16_GEMV_MIN_TOKENS` rows read exactly by the kernel and rounded to int16 as above, the
 result rounded once to bf16, more rows through the bf16 GEMV where it runs and, timed once per
@@ -244,7 +245,14 @@ class GemvBlocks:
     int4: qs uint8 [N, K/2] (ggml's nibble order while `block_groups` is 1; `prepare` reorders
     them into the blocks of groups the built kernel reads, `int4_block_order`), scale and offset
     float32 [N, K/32] with W = q * scale + offset (the GGUF's own d and m: no bf16 rounding);
-    q8_0: qs int8 [N, K], scale float32 [N, K/32] (the Q8_0 blocks, exact), offset None.
+    q8_0: qs int8 [N, K], scale float32 [N, K/32] (the Q8_0 blocks, exact), offset None. A
+    tied LM head's blocks (`QuantLinear.read_q8_0_blocks` sets `block_copy`) get, where the kernel
+    was built for AVX-512BW, `qs_blocks` from `prepare`: the same weights in blocks of 16 groups
+    (`q8_0_block_order`) for the int16 path, beside `qs` (the embedding's own array, and what
+    the bf16 path reads): 1.0 more byte per weight (28 MB for SmolLM2's head) for 0.66-0.75x
+    the int16 path's time on that head from 4 rows up (whole bf16 decode steps of 4-8 rows
+    0.95-0.96x on a 2-core Zen 4). Other Q8_0 blocks keep the GGUF's order only (a copy would
+    double them).
     """
 
     kind: str  # "int4" | "q8_0"
@@ -252,6 +260,8 @@ class GemvBlocks:
     scale: torch.Tensor
     offset: torch.Tensor | None = None
     block_groups: int = 1  # int4: the order qs is in (1: the GGUF's)
+    block_copy: bool = False  # q8_0: `prepare` adds `qs_blocks` (a tied LM head's)
+    qs_blocks: torch.Tensor | None = None  # q8_0: qs in `q8_0_block_order` (after `prepare`)
 
     @staticmethod
     def from_int4(groups: Int4Groups) -> GemvBlocks:
@@ -267,16 +277,20 @@ class GemvBlocks:
         return GemvBlocks("q8_0", torch.cat(qs).contiguous(), torch.cat(d).contiguous())
 
     def nbytes(self) -> int:
-        tensors = (self.qs, self.scale, self.offset)
+        tensors = (self.qs, self.scale, self.offset, self.qs_blocks)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def prepare(self) -> None:
-        """Reorder int4 weights into the order the built kernel reads (once; needs
-        `kernels.cpu_ext.load()`). The model runner calls it ahead of the first step
-        (`LlamaForCausalLM.prepare_gemv_blocks`) when the kernels are built; a worker that builds
-        them in the background reorders each linear on its first call after they load (SmolLM2's
-        120 int4 linears: ~0.5 s in all on 2 cores, once)."""
-        if self.kind != "int4":
+        """Reorder int4 weights into the order the built kernel reads, or add the block-order
+        copy of Q8_0 ones (once; needs `kernels.cpu_ext.load()`). The model runner calls it ahead
+        of the first step (`LlamaForCausalLM.prepare_gemv_blocks`) when the kernels are built; a
+        worker that builds them in the background reorders each linear on its first call after
+        they load (SmolLM2's 120 int4 linears: ~0.5 s in all on 2 cores, once)."""
+        if self.kind == "q8_0":
+            if self.block_copy and self.qs_blocks is None and q8_0_kernel_block_groups() > 1:
+                with _PREPARE_LOCK:
+                    if self.qs_blocks is None:
+                        self.qs_blocks = q8_0_block_order(self.qs)
             return
         want = int4_kernel_block_groups()
         if self.block_groups == want:
@@ -296,11 +310,36 @@ class GemvBlocks:
             return torch.ops.laneserve.int4_gemv(
                 x, self.qs, self.scale, self.offset, self.block_groups
             )
-        return torch.ops.laneserve.q8_0_gemv(x, self.qs, self.scale)
+        self.prepare()
+        if self.qs_blocks is not None and not (
+            x.dtype == torch.bfloat16 and x.shape[0] >= BF16_GEMV_MIN_TOKENS and gemv_takes_bf16()
+        ):  # the int16 path (the bf16 one reads the GGUF's order)
+            return torch.ops.laneserve.q8_0_gemv(x, self.qs_blocks, self.scale, Q8_0_BLOCK_GROUPS)
+        return torch.ops.laneserve.q8_0_gemv(x, self.qs, self.scale, 1)
 
 
 _PREPARE_LOCK = threading.Lock()
 INT4_BLOCK_GROUPS = 8  # the block order's groups per block (kInt4BlockGroups with AVX2)
+Q8_0_BLOCK_GROUPS = 16  # the Q8_0 block order's (kQ8BlockGroups with AVX-512BW)
+
+
+@functools.cache
+def q8_0_kernel_block_groups() -> int:
+    """16 where the built C++ GEMV's int16 path reads Q8_0 weights in `q8_0_block_order`
+    (AVX-512BW), 1 (the GGUF's order only) elsewhere."""
+    return int(torch.ops.laneserve.q8_0_gemv_block_groups())
+
+
+def q8_0_block_order(qs: torch.Tensor) -> torch.Tensor:
+    """Q8_0 weights int8 [N, K] from the GGUF's order into the kernel's block order: for each full
+    block of 16 groups, 16 chunks of 32 bytes, byte i of chunk c holding element 2 c + i % 2 of
+    the block's group i // 2, so that a chunk widens into int16 pairs that each belong to one
+    group (kernels/cpu_ext_quant.py); the last G % 16 groups as they were."""
+    n, k = qs.shape
+    full = k // GROUP_SIZE // Q8_0_BLOCK_GROUPS * Q8_0_BLOCK_GROUPS
+    b = qs[:, : full * GROUP_SIZE].reshape(n, -1, Q8_0_BLOCK_GROUPS, GROUP_SIZE // 2, 2)
+    blocks = b.permute(0, 1, 3, 2, 4).reshape(n, -1)  # [N, block, chunk c, group, element t]
+    return torch.cat([blocks, qs[:, full * GROUP_SIZE :]], dim=1).contiguous()
 
 
 @functools.cache
@@ -600,8 +639,10 @@ class QuantLinear:
         """Run few-row calls of any dtype on `blocks` (the exact Q8_0 weights, e.g. a tied
         embedding's arrays) through the C++ GEMV: up to `gemv_max_tokens` rows, or every row
         count when no dense copy takes the large ones (the int8 weights are then used only
-        without the C++ kernels)."""
+        without the C++ kernels). Where the kernel reads Q8_0 blocks of 16 groups, `blocks`
+        get their block-order copy (`GemvBlocks.block_copy`)."""
         assert blocks.kind == "q8_0" and self.kind == "int8", (blocks.kind, self.kind)
+        blocks.block_copy = True
         self.gemv = blocks
         if self._dense is None:
             self.gemv_max_tokens = sys.maxsize

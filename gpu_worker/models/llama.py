@@ -219,10 +219,13 @@ class LlamaForCausalLM:
         shared = getattr(self.lm_head, "gemv", None)  # the embedding's arrays, counted there
         if shared is None or shared.qs is not getattr(self.embed_tokens, "qs", None):
             shared = None
-        return sum(quant.nbytes(t) for t in tensors) - (shared.nbytes() if shared else 0)
+        # (a block-order copy, `GemvBlocks.qs_blocks`, is the head's own)
+        return sum(quant.nbytes(t) for t in tensors) - (
+            quant.nbytes(shared.qs) + quant.nbytes(shared.scale) if shared else 0
+        )
 
     def prepare_gemv_blocks(self) -> None:
-        """Put the C++ GEMVs' int4 weights in the built kernel's order now (`GemvBlocks.prepare`;
+        """Put the C++ GEMVs' int4 and Q8_0 weights in the built kernel's order now (`GemvBlocks.prepare`;
         needs `kernels.cpu_ext.load()`), not in the first step."""
         layers = [getattr(layer, f) for layer in self.layers for f in LayerWeights.__slots__]
         for weight in [*layers, self.lm_head]:

@@ -405,11 +405,18 @@ def test_int4_gemv_rows_do_not_depend_on_the_batch_with_full_blocks_and_a_tail()
     k = 576
     gen = torch.Generator().manual_seed(22)
     blocks = GemvBlocks.from_int4(quant.int4_from_float(torch.randn(200, k, generator=gen) * 0.05))
-    wd, terms = blocks_weight(blocks)
-    x = torch.randn(22, k, generator=gen)
+    # bf16 rows read exactly into the int16 path where there is no bf16 one
+    rows_at_every_m(blocks, torch.randn(22, k, generator=gen), bf16=not quant.gemv_takes_bf16())
+
+
+def rows_at_every_m(blocks: GemvBlocks, x: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """`blocks(x)` (returned), checked against W . x' within the float32 rounding bound of
+    `test_gemv_matches_dequantized_matmul`; row i bitwise the same at every M (row tiles and
+    remainders) and thread count; with `bf16`, bf16 rows equal to float32 ones rounded once."""
     full = blocks(x)
+    wd, terms = blocks_weight(blocks)
     rounded = rounded_activations(x)
-    tol = (k // 32 + 16) * 2**-24 * (rounded.abs() @ terms.T)
+    tol = (x.shape[1] // 32 + 16) * 2**-24 * (rounded.abs() @ terms.T)
     assert ((full.double() - rounded @ wd.T).abs() <= tol).all()
     threads = torch.get_num_threads()
     try:
@@ -417,8 +424,71 @@ def test_int4_gemv_rows_do_not_depend_on_the_batch_with_full_blocks_and_a_tail()
             torch.set_num_threads(n_threads)
             for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 22):
                 assert torch.equal(blocks(x[:m].contiguous()), full[:m]), (m, n_threads)
-                if not quant.gemv_takes_bf16():  # bf16 rows read exactly into the int16 path
+                if bf16:
                     xb = x[:m].bfloat16()
                     assert torch.equal(blocks(xb), blocks(xb.float()).bfloat16()), m
     finally:
         torch.set_num_threads(threads)
+    return full
+
+
+def test_q8_0_block_order_places_each_weight_by_its_definition():
+    """Byte i of chunk c of block b holds element 2 c + i % 2 of group 16 b + i // 2; the tail
+    groups keep the GGUF's bytes. Checked element by element, on every CPU (the kernel reads
+    this order only where it was built for AVX-512BW)."""
+    gen = torch.Generator().manual_seed(31)
+    n, groups = 3, 35  # two full blocks of 16 and a tail of 3
+    qs = torch.randint(-127, 128, (n, groups * 32), generator=gen, dtype=torch.int8)
+    ordered = quant.q8_0_block_order(qs)
+    assert ordered.shape == qs.shape and ordered.dtype == torch.int8
+    for row in range(n):
+        for b in range(groups // 16):
+            for c in range(16):
+                for i in range(32):
+                    g = 16 * b + i // 2
+                    want = qs[row, g * 32 + 2 * c + i % 2]
+                    assert ordered[row, b * 512 + c * 32 + i] == want
+    assert torch.equal(ordered[:, 32 * 32 :], qs[:, 32 * 32 :])
+
+
+@pytest.mark.parametrize("groups", [3, 16, 18, 48])
+def test_q8_0_block_copy_rows_match_the_gguf_order_and_do_not_depend_on_the_batch(groups):
+    """A tied head's Q8_0 blocks (`read_q8_0_blocks` asks for the copy) get their block-order
+    copy where the kernel reads it (`prepare`, also on the first call; idempotent); other Q8_0
+    blocks never do. The int16 path's rows through the copy equal W . x' within the float32
+    rounding bound of `test_gemv_matches_dequantized_matmul` and the GGUF order's rows to ~1e-6;
+    row i is bitwise the same at every M (tiles of 4 and, in the block order, of 5-8) and thread
+    count; bf16 calls that run the bf16 path read the GGUF's order (the op refuses the copy
+    there), and the op refuses an order the build does not read."""
+    k = 32 * groups
+    gen = torch.Generator().manual_seed(40 + groups)
+    q8, s8 = quant.int8_from_float(torch.randn(200, k, generator=gen) * 0.05)
+    d = s8[:, None].expand(200, groups).contiguous()
+    plain = GemvBlocks("q8_0", q8, d)
+    plain.prepare()
+    assert plain.qs_blocks is None  # no copy unless asked for
+    head = QuantLinear.from_int8(q8, s8)
+    head.read_q8_0_blocks(GemvBlocks("q8_0", q8, d))
+    blocks = head.gemv
+    want = quant.q8_0_kernel_block_groups()
+    x = torch.randn(22, k, generator=gen)
+    full = rows_at_every_m(blocks, x)
+    assert (blocks.qs_blocks is not None) == (want > 1) and blocks.qs is q8
+    if want > 1:
+        copy = blocks.qs_blocks
+        blocks.prepare()
+        assert blocks.qs_blocks is copy
+        assert torch.equal(copy, quant.q8_0_block_order(q8))
+    gguf_order = torch.ops.laneserve.q8_0_gemv(x, q8, d, 1)
+    assert ((full - gguf_order).abs() <= 1e-5 * gguf_order.abs().max()).all()
+    if want > 1:
+        xb = x[:6].bfloat16()
+        bf16_path = quant.gemv_takes_bf16()
+        assert torch.equal(
+            blocks(xb), torch.ops.laneserve.q8_0_gemv(xb, q8, d, 1 if bf16_path else want)
+        )
+        if bf16_path:
+            with pytest.raises(RuntimeError, match="GGUF's order"):
+                torch.ops.laneserve.q8_0_gemv(xb, blocks.qs_blocks, d, want)
+    with pytest.raises(RuntimeError, match="this build reads blocks of"):
+        torch.ops.laneserve.q8_0_gemv(x, q8, d, 7)
