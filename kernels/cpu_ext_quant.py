@@ -500,18 +500,25 @@ inline void q8_row_blocked(const uint8_t* qs, const float* sc, int64_t G, const 
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t blocks = G / 16;
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    // even and odd chunks into two integer sums per row (one chain of vpdpwssd bounded the
+    // loop by its latency at one row); integer sums are exact, so the split changes nothing
+    __m512i dot[R], dot2[R];
+    for (int r = 0; r < R; ++r) dot[r] = dot2[r] = _mm512_setzero_si512();
     const int8_t* qb = q + blk * 16 * kGroup;
-    for (int c = 0; c < 16; ++c) {
-      const __m512i w = _mm512_cvtepi8_epi16(
+    for (int c = 0; c < 16; c += 2) {
+      const __m512i w0 = _mm512_cvtepi8_epi16(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * kGroup)));
-      for (int r = 0; r < R; ++r)
-        dot[r] = dot_pairs(dot[r], w, _mm512_loadu_si512(e + r * ldx + blk * 16 * kGroup + c * 32));
+      const __m512i w1 = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + (c + 1) * kGroup)));
+      for (int r = 0; r < R; ++r) {
+        const int16_t* er = e + r * ldx + blk * 16 * kGroup + c * 32;
+        dot[r] = dot_pairs(dot[r], w0, _mm512_loadu_si512(er));
+        dot2[r] = dot_pairs(dot2[r], w1, _mm512_loadu_si512(er + 32));
+      }
     }
     const __m512 s = _mm512_loadu_ps(sc + blk * 16);
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot[r], dot2[r])),
                                _mm512_mul_ps(s, _mm512_loadu_ps(a + r * G + blk * 16)), acc[r]);
   }
   for (int64_t g = blocks * 16; g < G; ++g) {
