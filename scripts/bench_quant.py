@@ -11,7 +11,10 @@ lm_head 576->49152) and M = 1 .. 512 rows, times `x @ W.T` through:
     int4_fp32 / int8_fp32     the raw kernels with float32 activations and scales (small M only)
     gemv_int4_fp32            laneserve's C++ int4 GEMV (kernels/cpu_ext_quant.py), float32 in and
                               out (rounded to int16 inside), the same int4 weight
-    gemv_q8_0_fp32            its Q8_0 GEMV over per-channel scales (the LM head's kernel)
+    gemv_q8_0_fp32            its Q8_0 GEMV over per-channel scales, the GGUF's order
+    gemv_q8_0_blocks_fp32     the same reading a copy in blocks of 16 groups where the build reads
+                              it (AVX-512BW: what a tied LM head's int16 path runs; elsewhere
+                              the GGUF's order again)
 
 Variants are timed round-robin, many rounds per cell (the machine may be shared: read the
 per-round ratios, not absolute times). Prints one JSON object: the CPU model and SIMD flags, torch
@@ -136,6 +139,9 @@ def variants(n: int, k: int) -> dict:
     if cpu_ext.load():
         fns["gemv_int4_fp32"] = (torch.float32, gemv4)
         fns["gemv_q8_0_fp32"] = (torch.float32, gemv8)
+        blocks8 = GemvBlocks("q8_0", q8, gemv8.scale, block_copy=True)
+        blocks8.prepare()
+        fns["gemv_q8_0_blocks_fp32"] = (torch.float32, blocks8)
     return fns
 
 

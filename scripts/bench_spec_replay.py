@@ -14,10 +14,13 @@ steps, 7.1 ms at one token and 1.7 ms per token more). The same outputs decoded 
 cost one step per token and sequence; the modelled speedup is that cost over the speculative one.
 
 Prints one JSON object: per task and batch, for the adaptive controller and for `forced` (every
-proposal verified: its tokens per step is what speculation could reach on these outputs at k if
-verification were free), decode steps, tokens per step, drafts, accepted drafts, acceptance and
-the modelled speedup; and the machine. The first token of each output (the prefill step's) is
-left out.
+proposal verified: its tokens per sequence step is what speculation could reach on these outputs
+at k if verification were free), decode steps, tokens per step (the batch's), tokens per
+sequence step (per request and step it decoded in: 1.0 without drafts), drafts, accepted drafts,
+acceptance and the modelled speedup; and the machine. The first token of each output (the
+prefill step's) is left out. Each request's `max_tokens` is its recorded output's length, so no
+draft runs past the recorded end: for an output that ended at EOS the engine would also have
+verified drafts beyond it (all rejected), which the replay does not charge.
 
     python scripts/bench_spec_replay.py [--tasks summarize,translate,chat] [--prompts 24]
         [--batches 1,8] [--k 4] [--cost 5.4,1.7] [--outputs FILE]
@@ -69,7 +72,7 @@ def replay(seqs: Recorded, batch: int, k: int, adaptive: bool, cost: tuple[float
     its sequences end, as `bench_spec.py`'s batch cells do)."""
     a, b = cost
     ctl = SpecController(SpeculativeConfig(num_speculative_tokens=k, adaptive=adaptive))
-    steps = tokens = drafts = accepted = 0
+    steps = row_steps = tokens = drafts = accepted = 0
     spec_ms = plain_ms = 0.0
     for g in range(0, len(seqs), batch):
         group = [(p, o) for p, o in seqs[g : g + batch] if len(o) >= 2]
@@ -114,6 +117,7 @@ def replay(seqs: Recorded, batch: int, k: int, adaptive: bool, cost: tuple[float
             ctl.observe_step(step_tokens, ms)
             ctl.observe_wall(len(reqs), step_tokens, step_drafts, emitted, ms)
             steps += 1
+            row_steps += len(reqs)
             tokens += emitted
             spec_ms += ms
             reqs = [r for r in reqs if r.num_output_tokens < len(wanted[r.request_id])]
@@ -121,6 +125,7 @@ def replay(seqs: Recorded, batch: int, k: int, adaptive: bool, cost: tuple[float
         "decode_steps": steps,
         "tokens": tokens,
         "tokens_per_step": round(tokens / max(steps, 1), 3),
+        "tokens_per_sequence_step": round(tokens / max(row_steps, 1), 3),
         "draft_tokens": drafts,
         "accepted_tokens": accepted,
         "acceptance_rate": round(accepted / drafts, 3) if drafts else None,
@@ -157,8 +162,8 @@ def main() -> None:
             cells.append(cell)
             print(
                 f"{task} B={batch}: adaptive {cell['adaptive']['modelled_speedup']}x, forced "
-                f"{cell['forced']['modelled_speedup']}x ({cell['forced']['tokens_per_step']} "
-                "tokens per step)",
+                f"{cell['forced']['modelled_speedup']}x "
+                f"({cell['forced']['tokens_per_sequence_step']} tokens per sequence step)",
                 file=sys.stderr,
             )
     print(json.dumps({

@@ -17,11 +17,12 @@ FRESH = list(range(500, 540))  # nothing to copy from
 
 def test_forced_replay_of_a_copied_prompt_counts_steps_tokens_and_cost_exactly():
     """40 output tokens, the first the prefill's: one step without drafts (no 2-gram yet), then
-    4 drafts + the bonus token per step, 3 drafts in the last (`max_tokens`): 9 decode steps
+    4 drafts + the bonus token per step, 2 drafts and the bonus in the last (`max_tokens`): 9 steps
     for 39 tokens, every draft accepted. With a step cost of 1 ms whatever its tokens, plain
     decoding costs 39 ms and speculation 9."""
     got = replay([(PROMPT, COPY)], 1, 4, False, (1.0, 0.0))
     assert got["tokens"] == 39 and got["decode_steps"] == 9
+    assert got["tokens_per_sequence_step"] == round(39 / 9, 3)
     assert got["draft_tokens"] == got["accepted_tokens"] == 4 * 7 + 2
     assert got["acceptance_rate"] == 1.0
     assert got["modelled_speedup"] == round(39 / 9, 3)
@@ -43,6 +44,7 @@ def test_a_batch_runs_its_sequences_together_until_the_longest_ends():
     seqs = [(PROMPT, FRESH), short]
     got = replay(seqs, 2, 4, False, (2.0, 1.0))
     assert got["decode_steps"] == 39 and got["tokens"] == 39 + 10
+    assert got["tokens_per_sequence_step"] == 1.0  # 49 tokens in 49 sequence steps, no drafts
     # plain: 10 steps of 2 rows (4 ms), 29 of one (3 ms); the same steps with no drafts
     assert got["modelled_speedup"] == 1.0
     copied = replay([(PROMPT, COPY), short], 2, 4, True, (2.0, 0.25))
