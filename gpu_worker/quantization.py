@@ -31,14 +31,14 @@ Kernel choice by phase and CPU (measured with scripts/bench_quant.py, docs/bench
 The embedding of a GGUF stays in its Q8_0 blocks (exact lookups, 31 MB instead of 57 MB bf16).
 A tied LM head over it (SmolLM2's) reads those same blocks (exact; where the kernel was built for
 AVX-512BW its int16 path reads a copy of them in blocks of 16 groups, `GemvBlocks.block_copy`,
-28 MB for SmolLM2) through the C++ GEMV below its dense threshold whatever the activations' dtype (float32 ones, where the int4
-GEMV reads the block order, below `Q8_0_HEAD_DENSE_MIN_TOKENS_FP32`; bf16 ones of fewer than
-`BF16_GEMV_MIN_TOKENS` rows read exactly by the kernel and rounded to int16 as above, the
-result rounded once to bf16, more rows through the bf16 GEMV where it runs and, timed once per
-linear, beats the int16 path (`QuantLinear.bf16_gemv_pays`); every row count when there is no
-dense copy): on a 2-core Zen 4 with
-AVX512-BF16 its float32-activation version streamed the 49,152 x 576 head at ~27 GB/s, 0.5-0.6x
-the time of torch's per-channel int8 kernel from 1 to 3 rows and 0.55-0.9x up to 9 (which
+28 MB for SmolLM2) through the C++ GEMV below its dense threshold whatever the activations'
+dtype (float32 ones, where the int4 GEMV reads the block order, below
+`Q8_0_HEAD_DENSE_MIN_TOKENS_FP32`; bf16 ones of fewer than `BF16_GEMV_MIN_TOKENS` rows read
+exactly by the kernel and rounded to int16 as above, the result rounded once to bf16, more rows
+through the bf16 GEMV where it runs and, timed once per linear, beats the int16 path
+(`QuantLinear.bf16_gemv_pays`); every row count when there is no dense copy): on a 2-core Zen 4
+with AVX512-BF16 its float32-activation version streamed the 49,152 x 576 head at ~27 GB/s,
+0.5-0.6x the time of torch's per-channel int8 kernel from 1 to 3 rows and 0.55-0.9x up to 9 (which
 requantizes the Q8_0 blocks, and reads them at ~13 GB/s at one row); the int16 version was
 measured on an AVX2 EPYC only (its Q8_0 GEMV 0.65-0.75x the float32-activation version's time
 at one row, its int4 GEMV 0.47-0.61x). The int8 copy stays as the path without the C++ kernels;
@@ -251,8 +251,8 @@ class GemvBlocks:
     (`q8_0_block_order`) for the int16 path, beside `qs` (the embedding's own array, and what
     the bf16 path reads): 1.0 more byte per weight (28 MB for SmolLM2's head) for 0.66-0.75x
     the int16 path's time on that head from 4 rows up (whole bf16 decode steps of 2-8 rows
-    0.94-0.99x on a 2-core Zen 4, docs/benchmarks.md Run 15). Other Q8_0 blocks keep the GGUF's order only (a copy would
-    double them).
+    0.94-0.99x on a 2-core Zen 4, docs/benchmarks.md Run 15). Other Q8_0 blocks keep the
+    GGUF's order only (a copy would double them).
     """
 
     kind: str  # "int4" | "q8_0"

@@ -225,8 +225,8 @@ class LlamaForCausalLM:
         )
 
     def prepare_gemv_blocks(self) -> None:
-        """Put the C++ GEMVs' int4 and Q8_0 weights in the built kernel's order now (`GemvBlocks.prepare`;
-        needs `kernels.cpu_ext.load()`), not in the first step."""
+        """Put the C++ GEMVs' int4 and Q8_0 weights in the built kernel's order now
+        (`GemvBlocks.prepare`; needs `kernels.cpu_ext.load()`), not in the first step."""
         layers = [getattr(layer, f) for layer in self.layers for f in LayerWeights.__slots__]
         for weight in [*layers, self.lm_head]:
             gemv = getattr(weight, "gemv", None)
