@@ -111,15 +111,22 @@ def test_dispatch_forced_triton_matches_torch(gen, monkeypatch, device):
         kernels.unified_attention(**args)
 
 
-def test_bad_attention_arguments_raise_named_errors(gen):
-    args = make_paged_batch([(2, 9)], 4, 2, 32, 8, torch.float32, gen)
+def test_bad_attention_arguments_raise_named_errors(gen, device):
+    """Every tensor on the test's device: on a GPU without TRITON_INTERPRET the Triton wrapper
+    refuses CPU tensors before it looks at their layout."""
+    args = make_paged_batch([(2, 9)], 4, 2, 32, 8, torch.float32, gen, device)
+    dev = args["q"].device
     cases = [
         (dict(cu_seqlens_q=args["cu_seqlens_q"].float()), TypeError, "cu_seqlens_q"),
         (dict(q=args["q"][:, :3]), ValueError, "multiple of num_kv_heads"),
         (dict(q=args["q"][..., :16]), ValueError, "head_dim"),
-        (dict(seq_lens=torch.tensor([9, 9], dtype=torch.int32)), ValueError, "cu_seqlens_q"),
+        (
+            dict(seq_lens=torch.tensor([9, 9], dtype=torch.int32, device=dev)),
+            ValueError,
+            "cu_seqlens_q",
+        ),
         (dict(v_cache=args["v_cache"].half()), TypeError, "v_cache"),
-        (dict(out=torch.empty(2, 4, 16)), ValueError, "out"),
+        (dict(out=torch.empty(2, 4, 16, device=dev)), ValueError, "out"),
         (dict(q=args["q"].unsqueeze(0)), ValueError, "q must have 3 dimensions"),
     ]
     for override, error, message in cases:
@@ -128,7 +135,7 @@ def test_bad_attention_arguments_raise_named_errors(gen):
     # layout errors come from the Triton wrapper (the reference copes with any strides)
     with pytest.raises(TypeError, match="k_cache dtype"):
         triton_attention(**{**args, "q": args["q"].bfloat16()})
-    strided_q = torch.randn(2, 4, 64)[..., ::2]
+    strided_q = torch.randn(2, 4, 64, device=dev)[..., ::2]
     with pytest.raises(ValueError, match="q must be contiguous in its last dimension"):
         triton_attention(**{**args, "q": strided_q})
 
