@@ -1,8 +1,8 @@
 """C++ source of the quantized matmuls for few rows (GEMV), compiled into :mod:`kernels.cpu_ext`.
 
 ``torch.ops.laneserve.int4_gemv(x, qs, scale, offset, block_groups)`` and
-``torch.ops.laneserve.q8_0_gemv(x, qs, d, block_groups)`` compute ``y = x @ W.T`` for float32 or bfloat16
-activations (the result in x's dtype) from the GGUF blocks' values (ggml's ``block_q4_0`` /
+``torch.ops.laneserve.q8_0_gemv(x, qs, d, block_groups)`` compute ``y = x @ W.T`` for float32 or
+bfloat16 activations (the result in x's dtype) from the GGUF blocks' values (ggml's ``block_q4_0`` /
 ``block_q4_1`` / ``block_q8_0``): Q8_0 ones where they lie, int4 ones in the GGUF's nibble order
 or, where the build reads it (``int4_gemv_block_groups()`` is 8: AVX2 without AVX-512BW), in the
 block order described at the end.
@@ -19,9 +19,9 @@ Activations as 16-bit integers: each row's 32-element group g is rounded once to
 e_i``, ``e_i = round(x_i * 32767 / max|x_g|)`` (int16, ``a_g = max|x_g| / 32767``), so ``y = sum_g
 a_g * (scale * (q . e_g) + offset * sum(e_g))`` = ``W . x'`` up to float32 rounding. The dot
 products are integer (AVX2 ``vpmaddwd``: 16 weight-activation pairs per instruction, exact), one
-conversion and one FMA per group in the GGUF order (per 8 groups in the block order): the weights need no conversion to floats (a float32 loop spent 2
-shuffles and a convert per 8 weights unpacking them, and ran at half this speed at M = 1 on a
-2-core AVX2 EPYC). The rounding moves an element by about ``max|x_g| / 65534`` at most: outputs are
+conversion and one FMA per group in the GGUF order (per 8 groups in the block order): the
+weights need no conversion to floats (a float32 loop spent 2 shuffles and a convert per 8
+weights unpacking them, and ran at half this speed at M = 1 on a 2-core AVX2 EPYC). The rounding moves an element by about ``max|x_g| / 65534`` at most: outputs are
 within ~3e-5 relative of float32 activations', against ~4e-3 for the bf16 rounding torch's
 int4/int8 kernels make (llama.cpp rounds activations to 8 bits). A NaN or an infinity in a row
 makes all its outputs NaN. Each output row's arithmetic is the same whatever M or the thread split
@@ -65,11 +65,11 @@ the int16 path stores each row's activations to match (`q8_block_order`): a chun
 int16 whose vpmaddwd (vpdpwssd with AVX512-VNNI) with the activations leaves int32 lane j with
 group j's products, so a block's 16 dots add up in one vector (exact integers; the conversion
 of a sum above 2^24 rounds) and take one conversion, one scale product and one FMA per row, up
-to 8 rows per pass over a weight row. On a 2-core Zen 4
-the 49,152 x 576 head took 0.66-0.75x the GGUF order's time from 4 rows (2.5 vs 3.8 ms at 8,
-1.5 vs 2.3 at 5; 1 row unchanged, bound by memory), and whole bf16 decode steps of 2-8 rows
-0.94-0.99x (the two orders alternating step by step in one engine, docs/benchmarks.md Run 15). The bf16 path reads the
-GGUF's order only (the op refuses the copy there).
+to 8 rows per pass over a weight row. On a 2-core Zen 4 the 49,152 x 576 head took 0.66-0.75x
+the GGUF order's time from 4 rows (2.5 vs 3.8 ms at 8, 1.5 vs 2.3 at 5; 1 row unchanged, bound
+by memory), and whole bf16 decode steps of 2-8 rows 0.94-0.99x (the two orders alternating step
+by step in one engine, docs/benchmarks.md Run 15). The bf16 path reads the GGUF's order only
+(the op refuses the copy there).
 
 bfloat16 activations, on a CPU with AVX512-BF16: the weights of a group are dequantized once to
 bfloat16 (``fma(q, scale, offset)`` in float32, rounded to nearest even: a dense bf16 copy's
@@ -491,8 +491,9 @@ inline void q8_block_order(std::vector<int16_t>& e, int64_t M, int64_t K) {
 // into int32 lane j group j's products, so a block's 16 integer dots add up in one vector
 // (exact: at most 32 x 128 x 32768 < 2^31; the conversion of a sum above 2^24 rounds) and take
 // one conversion, one scale product and one FMA per row; the GGUF order's loop spent a
-// conversion, a broadcast scale product and an FMA per group and row (3.8 vs 1.9 cycles per group and row at 4 rows, one thread of a Zen 4, an
-// ad-hoc copy of both loops). The last G % 16 groups go one at a time.
+// conversion, a broadcast scale product and an FMA per group and row (3.8 vs 1.9 cycles per
+// group and row at 4 rows, one thread of a Zen 4, an ad-hoc copy of both loops). The last
+// G % 16 groups go one at a time.
 template <int R, typename Y>
 inline void q8_row_blocked(const uint8_t* qs, const float* sc, int64_t G, const int16_t* e,
                            int64_t ldx, const float* a, Y* y, int64_t ldy) {
