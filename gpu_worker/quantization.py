@@ -249,7 +249,7 @@ class GemvBlocks:
     tied LM head's blocks (`QuantLinear.read_q8_0_blocks` sets `block_copy`) get, where the kernel
     was built for AVX-512BW, `qs_blocks` from `prepare`: the same weights in blocks of 16 groups
     (`q8_0_block_order`) for the int16 path, beside `qs` (the embedding's own array, and what
-    the bf16 path reads): 1.0 more byte per weight (28 MB for SmolLM2's head) for 0.66-0.75x
+    the bf16 path reads): 1.0 more byte per weight (28 MB for SmolLM2's head) for 0.7-0.9x
     the int16 path's time on that head from 4 rows up (whole bf16 decode steps of 2-8 rows
     0.94-0.99x on a 2-core Zen 4, docs/benchmarks.md Run 15). Other Q8_0 blocks keep the
     GGUF's order only (a copy would double them).

@@ -65,11 +65,11 @@ the int16 path stores each row's activations to match (`q8_block_order`): a chun
 int16 whose vpmaddwd (vpdpwssd with AVX512-VNNI) with the activations leaves int32 lane j with
 group j's products, so a block's 16 dots add up in one vector (exact integers; the conversion
 of a sum above 2^24 rounds) and take one conversion, one scale product and one FMA per row, up
-to 8 rows per pass over a weight row. On a 2-core Zen 4 the 49,152 x 576 head took 0.66-0.75x
-the GGUF order's time from 4 rows (2.5 vs 3.8 ms at 8, 1.5 vs 2.3 at 5; 1 row unchanged, bound
-by memory), and whole bf16 decode steps of 2-8 rows 0.94-0.99x (the two orders alternating step
-by step in one engine, docs/benchmarks.md Run 15). The bf16 path reads the GGUF's order only
-(the op refuses the copy there).
+to 8 rows per pass over a weight row. On a 2-core Zen 4 the 49,152 x 576 head took 0.73-0.92x
+the GGUF order's time from 4 rows (three noisy runs; 1 row unchanged, bound by memory), and
+whole bf16 decode steps of 2-8 rows 0.94-0.99x (the two orders alternating step by step in one
+engine, docs/benchmarks.md Run 15). The bf16 path reads the GGUF's order only (the op refuses
+the copy there).
 
 bfloat16 activations, on a CPU with AVX512-BF16: the weights of a group are dequantized once to
 bfloat16 (``fma(q, scale, offset)`` in float32, rounded to nearest even: a dense bf16 copy's
