@@ -167,6 +167,7 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
     cached_tokens: int | None = None
     error: str | None = None
+    text: str = ""  # the streamed text, concatenated
 
     @property
     def tpot_s(self) -> float | None:
@@ -193,24 +194,53 @@ async def stream_completion(
     headers: dict[str, str] | None = None,
     result: RequestResult | None = None,
 ) -> RequestResult:
-    """POST a streamed /v1/completions and time it (never raises: errors land in `.error`).
+    """POST a streamed /v1/completions (greedy) and time it (never raises: errors land in
+    `.error`).
 
     `result`, when given, is filled in place as chunks arrive (live progress for the caller)."""
     body = {
         "model": model,
         "prompt": prompt_ids,
         "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
         "ignore_eos": ignore_eos,
     }
+    return await stream_request(client, api_url + "/v1/completions", body, headers, result)
+
+
+async def stream_chat(
+    client: httpx.AsyncClient,
+    api_url: str,
+    model: str,
+    messages: list[dict],
+    max_tokens: int,
+    *,
+    result: RequestResult | None = None,
+) -> RequestResult:
+    """POST a streamed /v1/chat/completions (greedy, stopping at EOS) and time it, as
+    `stream_completion`."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens}
+    return await stream_request(client, api_url + "/v1/chat/completions", body, None, result)
+
+
+def _chunk_text(choice: dict) -> str:
+    """A streamed choice's new text: `text` (completions) or `delta.content` (chat)."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+async def stream_request(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict,
+    headers: dict[str, str] | None = None,
+    result: RequestResult | None = None,
+) -> RequestResult:
+    """POST `body` streamed at temperature 0 with usage in the last chunk, timing each chunk
+    that carries text (never a role-only chunk) and collecting the text."""
+    body = body | {"temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     res = result if result is not None else RequestResult()
     res.sent = time.perf_counter()
     try:
-        async with client.stream(
-            "POST", api_url + "/v1/completions", json=body, headers=headers, timeout=None
-        ) as resp:
+        async with client.stream("POST", url, json=body, headers=headers, timeout=None) as resp:
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
                 return res
@@ -226,7 +256,9 @@ async def stream_completion(
                 if chunk.get("error"):
                     res.error = str(chunk["error"])[:300]
                     return res
-                if any(c.get("text") for c in chunk.get("choices") or []):
+                text = "".join(_chunk_text(c) for c in chunk.get("choices") or [])
+                if text:
+                    res.text += text
                     res.chunk_times.append(now)
                     if res.ttft_s is None:
                         res.ttft_s = now - res.sent
@@ -285,7 +317,8 @@ def server_rows(db_url: str, ids: list[str], timeout_s: float = 20.0) -> dict[st
     from db.models import Request
 
     cols = ("id", "ttft_ms", "tpot_ms", "queue_ms", "prefill_ms", "decode_ms", "e2e_ms",
-            "cached_tokens", "completion_tokens", "preemptions", "prefill_chunks")  # fmt: skip
+            "cached_tokens", "completion_tokens", "preemptions", "prefill_chunks",
+            "spec_draft_tokens", "spec_accepted_tokens")  # fmt: skip
     engine = create_engine(db_url)
     rows: dict[str, dict] = {}
     deadline = time.monotonic() + timeout_s

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Speculative decoding (n-gram prompt lookup) off vs on, side by side, through the offline engine.
+"""Speculative decoding (n-gram prompt lookup) off vs on, side by side, offline and through the stack.
 
 Tasks: the demo's corpus (laneserve/demo_corpus.py) as `summarize` and `translate` chat requests
 (the jobs runner's task prompts, jobs/prompts.py) and open-ended `chat` questions (the demo's
@@ -17,14 +17,25 @@ time), mean TPOT (ms, DESIGN definition), acceptance rate (accepted / draft toke
 length (vLLM's: 1 + accepted / verifications), the proposer's cost per step (ms), the ratios to
 `off`, whether the outputs equal `off` token for token, and the CPU model and flags.
 
+`--paths offline,stack` (the default) also runs every cell through the stack: one fresh `laneserve
+up` per mode (`--speculative-config` for `adaptive` / `forced`), all running at once and idle but
+for the mode being measured, the cell's conversations sent as streamed `/v1/chat/completions`
+(greedy, the same `--max-tokens`) by `--batch` concurrent clients (batch 1: one after another).
+Per mode: tok/s (completion tokens from the responses' usage / wall time), the client's mean TPOT,
+the server's (the `requests` table, DESIGN definition), acceptance from the table's
+`spec_draft_tokens` / `spec_accepted_tokens`, and whether the texts equal `off`'s.
+
     python scripts/bench_spec.py [--batches 1,8,64] [--tasks summarize,translate,chat]
-        [--max-tokens 64] [--k 4] [--forced]
+        [--max-tokens 64] [--k 4] [--forced] [--paths offline,stack]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -88,23 +99,81 @@ def run_cell(llm: LLM, convs: list[list[dict]], batch: int, params: SamplingPara
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--tasks", default="summarize,translate,chat")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--batch1-prompts", type=int, default=2, help="prompts run one by one at B=1")
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    ap.add_argument("--forced", action="store_true", help="also run adaptive=false")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", default="auto")
-    args = ap.parse_args()
+def stack_cell(info: dict, convs: list[list[dict]], batch: int, max_tokens: int) -> dict:
+    """One cell through a running stack: `convs` as streamed chat completions, `batch` at once."""
+    import httpx
+    from bench_serving import server_rows, stream_chat
+
+    async def run() -> tuple[list, float]:
+        api = info["api_url"]
+        limits = httpx.Limits(max_connections=batch + 4, max_keepalive_connections=batch)
+        async with httpx.AsyncClient(limits=limits, timeout=None) as client:
+            model = (await client.get(api + "/v1/models")).json()["data"][0]["id"]
+            queue = list(enumerate(convs))[::-1]
+            results: list[Any] = [None] * len(convs)
+
+            async def seat() -> None:
+                while queue:
+                    i, conv = queue.pop()
+                    results[i] = await stream_chat(client, api, model, conv, max_tokens)
+
+            started = time.perf_counter()
+            await asyncio.gather(*(seat() for _ in range(batch)))
+            wall = time.perf_counter() - started
+        return results, wall
+
+    results, wall = asyncio.run(run())
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(results)} requests failed: {errors[0]}")
+    rows = server_rows(info["db_url"], [r.request_id for r in results])
+    tokens = sum(r.tokens for r in results)
+    client_tpots = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None]
+    server_tpots = [row["tpot_ms"] for row in rows.values() if row["tpot_ms"] is not None]
+    drafts = sum(row["spec_draft_tokens"] or 0 for row in rows.values())
+    accepted = sum(row["spec_accepted_tokens"] or 0 for row in rows.values())
+    return {
+        "tokens": tokens,
+        "seconds": round(wall, 3),
+        "tok_s": round(tokens / wall, 2),
+        "tpot_ms": round(statistics.fmean(client_tpots), 2) if client_tpots else None,
+        "server_tpot_ms": round(statistics.fmean(server_tpots), 2) if server_tpots else None,
+        "server_rows": len(rows),
+        "draft_tokens": drafts,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / drafts, 3) if drafts else None,
+        "_outputs": [r.text for r in results],
+    }
+
+
+def compare_to_off(cell: dict, modes: list[str]) -> None:
+    """Add each mode's ratios to `off` and output identity, then drop the outputs."""
+    off = cell["off"]
+    for name in modes:
+        if name == "off":
+            continue
+        cell[name]["speedup_tok_s"] = round(cell[name]["tok_s"] / off["tok_s"], 3)
+        if off["tpot_ms"] and cell[name]["tpot_ms"]:
+            cell[name]["tpot_ratio"] = round(cell[name]["tpot_ms"] / off["tpot_ms"], 3)
+        cell[name]["identical_to_off"] = cell[name]["_outputs"] == off["_outputs"]
+    for name in modes:
+        del cell[name]["_outputs"]
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, int, list[list[dict]]]]:
+    """(task, batch, conversations) per cell; distinct prompts in every cell."""
+    cells, offset = [], 0
+    for task in args.tasks.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            count = args.batch1_prompts if batch == 1 else batch
+            cells.append((task, batch, conversations(task, count, offset)))
+            offset += count
+    return cells
+
+
+def offline_cells(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) -> tuple[list, Any]:
+    """Every cell through one offline engine per mode; (cells, the `off` engine)."""
     batches = [int(b) for b in args.batches.split(",")]
-    tasks = args.tasks.split(",")
-    spec = {"method": "ngram", "num_speculative_tokens": args.k}
-    modes: dict[str, dict[str, Any]] = {"off": {}, "adaptive": {"speculative_config": spec}}
-    if args.forced:
-        modes["forced"] = {"speculative_config": spec | {"adaptive": False}}
     common = {
         "dtype": args.dtype,
         "quantization": args.quantization,
@@ -118,34 +187,79 @@ def main() -> None:
         llm.chat(warm, SamplingParams(max_tokens=8, temperature=0.0))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     cells = []
-    offset = 0
-    for task in tasks:
-        for batch in batches:
-            count = args.batch1_prompts if batch == 1 else batch
-            convs = conversations(task, count, offset)
-            offset += count
-            cell: dict[str, Any] = {"task": task, "batch": batch, "prompts": len(convs)}
-            for name, llm in engines.items():
-                cell[name] = run_cell(llm, convs, batch, params)
-                print(f"{task} B={batch} {name}: {cell[name]['tok_s']} tok/s", file=sys.stderr)
-            off = cell["off"]
-            for name in modes:
-                if name == "off":
-                    continue
-                cell[name]["speedup_tok_s"] = round(cell[name]["tok_s"] / off["tok_s"], 3)
-                if off["tpot_ms"] and cell[name]["tpot_ms"]:
-                    cell[name]["tpot_ratio"] = round(cell[name]["tpot_ms"] / off["tpot_ms"], 3)
-                cell[name]["identical_to_off"] = cell[name]["_outputs"] == off["_outputs"]
-            for name in modes:
-                del cell[name]["_outputs"]
-            cells.append(cell)
+    for task, batch, convs in plan(args):
+        cell: dict[str, Any] = {"path": "offline", "task": task, "batch": batch,
+                                "prompts": len(convs)}  # fmt: skip
+        for name, llm in engines.items():
+            cell[name] = run_cell(llm, convs, batch, params)
+            print(f"offline {task} B={batch} {name}: {cell[name]['tok_s']} tok/s", file=sys.stderr)
+        compare_to_off(cell, list(modes))
+        cells.append(cell)
     engine = engines["off"].engine
+    info = {"model": engine.model_name, "dtype": str(engine.dtype)}
+    del engines  # free the models before any stack starts
+    return cells, info
+
+
+def stack_cells(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) -> list:
+    """Every cell through one fresh stack per mode, the stacks up at once, cells interleaved."""
+    from bench_serving import bench_stack
+
+    stack_args = argparse.Namespace(
+        running=False, model="smollm2-135m", dtype=args.dtype, slowdown=None,
+        max_num_seqs=max(int(b) for b in args.batches.split(",")), max_num_batched_tokens=None,
+    )  # fmt: skip
+    with contextlib.ExitStack() as stacks:
+        infos = {}
+        for name, kw in modes.items():
+            spec = kw.get("speculative_config")
+            extra = ["--speculative-config", json.dumps(spec)] if spec else []
+            infos[name] = stacks.enter_context(bench_stack(stack_args, extra))
+        warm = conversations("chat", 1, 999)
+        for info in infos.values():
+            stack_cell(info, warm, 1, 8)
+        cells = []
+        for task, batch, convs in plan(args):
+            cell: dict[str, Any] = {"path": "stack", "task": task, "batch": batch,
+                                    "prompts": len(convs)}  # fmt: skip
+            for name, info in infos.items():
+                cell[name] = stack_cell(info, convs, batch, args.max_tokens)
+                print(f"stack {task} B={batch} {name}: {cell[name]['tok_s']} tok/s",
+                      file=sys.stderr)  # fmt: skip
+            compare_to_off(cell, list(modes))
+            cells.append(cell)
+    return cells
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--tasks", default="summarize,translate,chat")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--batch1-prompts", type=int, default=2, help="prompts run one by one at B=1")
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--forced", action="store_true", help="also run adaptive=false")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--paths", default="offline,stack", help="offline, stack or both")
+    args = ap.parse_args()
+    paths = args.paths.split(",")
+    if not set(paths) <= {"offline", "stack"}:
+        ap.error(f"--paths takes offline and/or stack, not {args.paths!r}")
+    spec = {"method": "ngram", "num_speculative_tokens": args.k}
+    modes: dict[str, dict[str, Any]] = {"off": {}, "adaptive": {"speculative_config": spec}}
+    if args.forced:
+        modes["forced"] = {"speculative_config": spec | {"adaptive": False}}
+    cells, engine_info = [], {}
+    if "offline" in paths:
+        cells, engine_info = offline_cells(args, modes)
+    if "stack" in paths:
+        cells += stack_cells(args, modes)
     print(
         json.dumps(
             {
                 "bench": "spec_decode",
-                "model": engine.model_name,
-                "dtype": str(engine.dtype),
+                **engine_info,
                 "quantization": args.quantization,
                 "max_tokens": args.max_tokens,
                 "num_speculative_tokens": args.k,
