@@ -25,8 +25,13 @@ Per mode: tok/s (completion tokens from the responses' usage / wall time), the c
 the server's (the `requests` table, DESIGN definition), acceptance from the table's
 `spec_draft_tokens` / `spec_accepted_tokens`, and whether the texts equal `off`'s.
 
+`--rounds N` runs every cell N times on new prompts each time (the modes interleaved within a
+round) and reports the sums, the median TPOT and the median of the per-round ratios: one cell of
+64 short answers lasts about a second, and single cells moved by up to 20 % between runs minutes
+apart.
+
     python scripts/bench_spec.py [--batches 1,8,64] [--tasks summarize,translate,chat]
-        [--max-tokens 64] [--k 4] [--forced] [--paths offline,stack]
+        [--max-tokens 64] [--k 4] [--forced] [--paths offline,stack] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -70,7 +76,7 @@ def conversations(task: str, count: int, offset: int) -> list[list[dict]]:
     return out
 
 
-def run_cell(llm: LLM, convs: list[list[dict]], batch: int, params: SamplingParams) -> dict:
+def run_cell(llm: LLM, convs: list[list[dict]], batch: int, *, params: SamplingParams) -> dict:
     before = llm.stats()
     started = time.perf_counter()
     if batch == 1:
@@ -91,6 +97,7 @@ def run_cell(llm: LLM, convs: list[list[dict]], batch: int, params: SamplingPara
         "draft_tokens": drafts,
         "accepted_tokens": accepted,
         "acceptance_rate": round(accepted / drafts, 3) if drafts else None,
+        "verifications": delta["spec_num_drafts"],
         "mean_accepted_length": (
             round(1 + accepted / delta["spec_num_drafts"], 3) if delta["spec_num_drafts"] else None
         ),
@@ -99,7 +106,7 @@ def run_cell(llm: LLM, convs: list[list[dict]], batch: int, params: SamplingPara
     }
 
 
-def stack_cell(info: dict, convs: list[list[dict]], batch: int, max_tokens: int) -> dict:
+def stack_cell(info: dict, convs: list[list[dict]], batch: int, *, max_tokens: int) -> dict:
     """One cell through a running stack: `convs` as streamed chat completions, `batch` at once."""
     import httpx
     from bench_serving import server_rows, stream_chat
@@ -146,28 +153,90 @@ def stack_cell(info: dict, convs: list[list[dict]], batch: int, max_tokens: int)
     }
 
 
-def compare_to_off(cell: dict, modes: list[str]) -> None:
-    """Add each mode's ratios to `off` and output identity, then drop the outputs."""
-    off = cell["off"]
+def merge_rounds(rounds: list[dict[str, dict]], modes: list[str]) -> dict[str, dict]:
+    """One cell's rounds ({mode: figures} each, the same cell on new prompts) as one entry per
+    mode: tokens, seconds and spec counts summed (tok_s and acceptance from the sums), TPOT and
+    the proposer's cost the median of the rounds', and against `off` the median of the
+    per-round ratios (`speedup_tok_s`, `tpot_ratio`, with `speedup_per_round`) and whether every
+    round's outputs equal `off`'s."""
+    out: dict[str, dict] = {}
     for name in modes:
-        if name == "off":
-            continue
-        cell[name]["speedup_tok_s"] = round(cell[name]["tok_s"] / off["tok_s"], 3)
-        if off["tpot_ms"] and cell[name]["tpot_ms"]:
-            cell[name]["tpot_ratio"] = round(cell[name]["tpot_ms"] / off["tpot_ms"], 3)
-        cell[name]["identical_to_off"] = cell[name]["_outputs"] == off["_outputs"]
-    for name in modes:
-        del cell[name]["_outputs"]
+        figs = [r[name] for r in rounds]
+        tokens, seconds = sum(f["tokens"] for f in figs), sum(f["seconds"] for f in figs)
+        drafts = sum(f["draft_tokens"] for f in figs)
+        accepted = sum(f["accepted_tokens"] for f in figs)
+        entry: dict[str, Any] = {
+            "tokens": tokens,
+            "seconds": round(seconds, 3),
+            "tok_s": round(tokens / seconds, 2),
+            "draft_tokens": drafts,
+            "accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / drafts, 3) if drafts else None,
+        }
+        for key in ("tpot_ms", "server_tpot_ms", "propose_ms_per_step"):
+            values = [f[key] for f in figs if f.get(key) is not None]
+            if key in figs[0]:
+                entry[key] = round(statistics.median(values), 4) if values else None
+        if "verifications" in figs[0]:
+            verifications = sum(f["verifications"] for f in figs)
+            entry["mean_accepted_length"] = (
+                round(1 + accepted / verifications, 3) if verifications else None
+            )
+        if "server_rows" in figs[0]:
+            entry["server_rows"] = sum(f["server_rows"] for f in figs)
+        if name != "off":
+            offs = [r["off"] for r in rounds]
+            speedups = [f["tok_s"] / o["tok_s"] for f, o in zip(figs, offs, strict=True)]
+            entry["speedup_tok_s"] = round(statistics.median(speedups), 3)
+            entry["speedup_per_round"] = [round(x, 3) for x in speedups]
+            tpots = [
+                f["tpot_ms"] / o["tpot_ms"]
+                for f, o in zip(figs, offs, strict=True)
+                if f["tpot_ms"] and o["tpot_ms"]
+            ]
+            if tpots:
+                entry["tpot_ratio"] = round(statistics.median(tpots), 3)
+            entry["identical_to_off"] = all(
+                f["_outputs"] == o["_outputs"] for f, o in zip(figs, offs, strict=True)
+            )
+        out[name] = entry
+    return out
 
 
-def plan(args: argparse.Namespace) -> list[tuple[str, int, list[list[dict]]]]:
-    """(task, batch, conversations) per cell; distinct prompts in every cell."""
+def plan(args: argparse.Namespace) -> list[tuple[str, int, list[list[list[dict]]]]]:
+    """(task, batch, conversations of each round) per cell; distinct prompts in every cell and
+    round (a repeated prompt would hit the prefix cache)."""
     cells, offset = [], 0
     for task in args.tasks.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             count = args.batch1_prompts if batch == 1 else batch
-            cells.append((task, batch, conversations(task, count, offset)))
-            offset += count
+            rounds = []
+            for _ in range(args.rounds):
+                rounds.append(conversations(task, count, offset))
+                offset += count
+            cells.append((task, batch, rounds))
+    return cells
+
+
+def run_cells(path: str, runners: dict, args: argparse.Namespace) -> list[dict]:
+    """Every cell of `plan`, round by round, the modes' `runners` (mode -> fn(convs, batch))
+    interleaved within each round."""
+    cells = []
+    for task, batch, rounds in plan(args):
+        results = []
+        for r, convs in enumerate(rounds):
+            figs = {}
+            for name, run in runners.items():
+                figs[name] = run(convs, batch)
+                print(
+                    f"{path} {task} B={batch} round {r + 1}/{len(rounds)} {name}: "
+                    f"{figs[name]['tok_s']} tok/s",
+                    file=sys.stderr,
+                )
+            results.append(figs)
+        merged = merge_rounds(results, list(runners))
+        cells.append({"path": path, "task": task, "batch": batch, "prompts": len(rounds[0]),
+                      "rounds": len(rounds), **merged})  # fmt: skip
     return cells
 
 
@@ -186,15 +255,10 @@ def offline_cells(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) ->
     for llm in engines.values():
         llm.chat(warm, SamplingParams(max_tokens=8, temperature=0.0))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    cells = []
-    for task, batch, convs in plan(args):
-        cell: dict[str, Any] = {"path": "offline", "task": task, "batch": batch,
-                                "prompts": len(convs)}  # fmt: skip
-        for name, llm in engines.items():
-            cell[name] = run_cell(llm, convs, batch, params)
-            print(f"offline {task} B={batch} {name}: {cell[name]['tok_s']} tok/s", file=sys.stderr)
-        compare_to_off(cell, list(modes))
-        cells.append(cell)
+    runners = {
+        name: functools.partial(run_cell, llm, params=params) for name, llm in engines.items()
+    }
+    cells = run_cells("offline", runners, args)
     engine = engines["off"].engine
     info = {"model": engine.model_name, "dtype": str(engine.dtype)}
     del engines  # free the models before any stack starts
@@ -217,18 +281,12 @@ def stack_cells(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) -> l
             infos[name] = stacks.enter_context(bench_stack(stack_args, extra))
         warm = conversations("chat", 1, 999)
         for info in infos.values():
-            stack_cell(info, warm, 1, 8)
-        cells = []
-        for task, batch, convs in plan(args):
-            cell: dict[str, Any] = {"path": "stack", "task": task, "batch": batch,
-                                    "prompts": len(convs)}  # fmt: skip
-            for name, info in infos.items():
-                cell[name] = stack_cell(info, convs, batch, args.max_tokens)
-                print(f"stack {task} B={batch} {name}: {cell[name]['tok_s']} tok/s",
-                      file=sys.stderr)  # fmt: skip
-            compare_to_off(cell, list(modes))
-            cells.append(cell)
-    return cells
+            stack_cell(info, warm, 1, max_tokens=8)
+        runners = {
+            name: functools.partial(stack_cell, info, max_tokens=args.max_tokens)
+            for name, info in infos.items()
+        }
+        return run_cells("stack", runners, args)
 
 
 def main() -> None:
@@ -242,6 +300,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--paths", default="offline,stack", help="offline, stack or both")
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="each cell this many times, on new prompts each time"
+    )
     args = ap.parse_args()
     paths = args.paths.split(",")
     if not set(paths) <= {"offline", "stack"}:
@@ -263,6 +324,7 @@ def main() -> None:
                 "quantization": args.quantization,
                 "max_tokens": args.max_tokens,
                 "num_speculative_tokens": args.k,
+                "rounds": args.rounds,
                 "torch_threads": torch.get_num_threads(),
                 "threads": thread_settings(),
                 "cpu": cpu_info(),

@@ -5,10 +5,13 @@ the `requests` table (slow)."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
-from tests.harness import run_script
+from tests.harness import load_script, run_script
+
+merge_rounds = load_script("bench_spec").merge_rounds
 
 
 @pytest.mark.slow
@@ -17,23 +20,23 @@ def test_stack_cells_report_each_mode_from_the_streams_and_the_table(smollm2_ggu
         "bench_spec",
         smollm2_gguf.parent.parent,
         "--paths", "stack", "--tasks", "summarize", "--batches", "1,2",
-        "--batch1-prompts", "1", "--max-tokens", "16", "--forced",
+        "--batch1-prompts", "1", "--max-tokens", "16", "--forced", "--rounds", "2",
         cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     cells = report["cells"]
-    assert [(c["path"], c["task"], c["batch"], c["prompts"]) for c in cells] == [
-        ("stack", "summarize", 1, 1),
-        ("stack", "summarize", 2, 2),
+    assert [(c["path"], c["task"], c["batch"], c["prompts"], c["rounds"]) for c in cells] == [
+        ("stack", "summarize", 1, 1, 2),
+        ("stack", "summarize", 2, 2, 2),
     ]
     forced_drafts = 0
     for cell in cells:
         for mode in ("off", "adaptive", "forced"):
             fig = cell[mode]
             # every request's row was recorded, every stream produced tokens
-            assert fig["server_rows"] == cell["prompts"], (mode, fig)
-            assert 0 < fig["tokens"] <= 16 * cell["prompts"], (mode, fig)
+            assert fig["server_rows"] == 2 * cell["prompts"], (mode, fig)
+            assert 0 < fig["tokens"] <= 2 * 16 * cell["prompts"], (mode, fig)
             assert fig["tok_s"] == pytest.approx(fig["tokens"] / fig["seconds"], rel=0.01)
             assert fig["tpot_ms"] > 0 and fig["server_tpot_ms"] > 0, (mode, fig)
             assert 0 <= fig["accepted_tokens"] <= fig["draft_tokens"], (mode, fig)
@@ -41,10 +44,39 @@ def test_stack_cells_report_each_mode_from_the_streams_and_the_table(smollm2_ggu
         forced_drafts += cell["forced"]["draft_tokens"]
         for mode in ("adaptive", "forced"):
             fig = cell[mode]
+            assert len(fig["speedup_per_round"]) == 2
             assert fig["speedup_tok_s"] == pytest.approx(
-                fig["tok_s"] / cell["off"]["tok_s"], abs=2e-3
+                statistics.median(fig["speedup_per_round"]), abs=2e-3
             )
             assert isinstance(fig["identical_to_off"], bool)
     # a summary copies its document: drafting every step finds something to verify
     assert forced_drafts > 0, cells
     assert report["cpu"]["simd_flags"] is not None
+
+
+def _fig(tokens: int, seconds: float, tpot: float, drafts: int = 0, accepted: int = 0, out=(1,)):
+    return {
+        "tokens": tokens, "seconds": seconds, "tok_s": round(tokens / seconds, 2),
+        "tpot_ms": tpot, "draft_tokens": drafts, "accepted_tokens": accepted,
+        "verifications": drafts // 2, "_outputs": [list(out)],
+    }  # fmt: skip
+
+
+def test_rounds_merge_into_sums_medians_and_per_round_ratios():
+    rounds = [
+        {"off": _fig(100, 1.0, 10.0), "adaptive": _fig(100, 0.5, 5.0, 8, 6)},
+        {"off": _fig(100, 2.0, 20.0), "adaptive": _fig(100, 2.5, 25.0, 4, 1)},
+        {"off": _fig(100, 1.0, 10.0), "adaptive": _fig(100, 0.8, 8.0, 4, 3, out=(2,))},
+    ]
+    merged = merge_rounds(rounds, ["off", "adaptive"])
+    off, ada = merged["off"], merged["adaptive"]
+    assert (off["tokens"], off["seconds"], off["tok_s"], off["tpot_ms"]) == (300, 4.0, 75.0, 10.0)
+    assert "speedup_tok_s" not in off and off["acceptance_rate"] is None
+    # per-round speedups 2.0 / 0.8 / 1.25: the median, not the ratio of the sums (300/3.8 / 75)
+    assert ada["speedup_per_round"] == [2.0, 0.8, 1.25] and ada["speedup_tok_s"] == 1.25
+    assert ada["tok_s"] == round(300 / 3.8, 2) and ada["tpot_ms"] == 8.0
+    assert ada["tpot_ratio"] == 0.8  # ratios 0.5 / 1.25 / 0.8
+    assert (ada["draft_tokens"], ada["accepted_tokens"], ada["acceptance_rate"]) == (16, 10, 0.625)
+    assert ada["mean_accepted_length"] == round(1 + 10 / 8, 3)
+    assert ada["identical_to_off"] is False  # the third round's outputs differ
+    assert merge_rounds(rounds[:2], ["off", "adaptive"])["adaptive"]["identical_to_off"] is True
