@@ -28,7 +28,9 @@ the server's (the `requests` table, DESIGN definition), acceptance from the tabl
 `--rounds N` runs every cell N times on new prompts each time (the modes interleaved within a
 round) and reports the sums, the median TPOT and the median of the per-round ratios: one cell of
 64 short answers lasts about a second, and single cells moved by up to 20 % between runs minutes
-apart.
+apart. Where the rounds need more prompts of a task than the corpus has (~130 documents to
+summarize), prompts repeat and every engine and stack runs without prefix caching (the JSON's
+`prefix_caching`).
 
     python scripts/bench_spec.py [--batches 1,8,64] [--tasks summarize,translate,chat]
         [--max-tokens 64] [--k 4] [--forced] [--paths offline,stack] [--rounds 3]
@@ -41,6 +43,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import statistics
 import sys
 import time
@@ -61,19 +64,30 @@ from laneserve.demo_chats import CHAT_MODULES, CHAT_QUESTIONS  # noqa: E402
 from laneserve.demo_corpus import build_corpus  # noqa: E402
 
 
-def conversations(task: str, count: int, offset: int) -> list[list[dict]]:
-    """`count` chat requests of `task`, starting at prompt `offset` (distinct per cell)."""
+@functools.cache
+def prompt_pool(task: str) -> list[list[dict]]:
+    """Every distinct chat request of `task` the demo's corpus gives (summaries: one document per
+    standard-library module, ~130 on CPython 3.11)."""
     if task == "summarize":
-        docs = build_corpus(offset + count, 0, max_doc_chars=600).documents[offset:]
+        docs = build_corpus(100_000, 0, max_doc_chars=600, strict=False).documents
         return [summarize_messages(text) for _, text in docs]
     if task == "translate":
-        sents = build_corpus(0, offset + count).sentences[offset:]
+        sents = build_corpus(0, 100_000, strict=False).sentences
         return [translate_messages(text, "fr", "en") for _, text in sents]
-    out = []
-    for i in range(offset, offset + count):
-        q = CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)].format(m=CHAT_MODULES[i % len(CHAT_MODULES)])
-        out.append([{"role": "user", "content": q}])
-    return out
+    if task != "chat":
+        raise ValueError(f"unknown task {task!r}")
+    pairs = math.lcm(len(CHAT_QUESTIONS), len(CHAT_MODULES))
+    return [
+        [{"role": "user", "content": CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)].format(
+            m=CHAT_MODULES[i % len(CHAT_MODULES)])}]
+        for i in range(pairs)
+    ]  # fmt: skip
+
+
+def conversations(task: str, count: int, offset: int) -> list[list[dict]]:
+    """`count` chat requests of `task` from prompt `offset` on, wrapping around `prompt_pool`."""
+    pool = prompt_pool(task)
+    return [pool[(offset + i) % len(pool)] for i in range(count)]
 
 
 def run_cell(llm: LLM, convs: list[list[dict]], batch: int, *, params: SamplingParams) -> dict:
@@ -206,8 +220,9 @@ def merge_rounds(rounds: list[dict[str, dict]], modes: list[str]) -> dict[str, d
 def plan(args: argparse.Namespace) -> list[tuple[str, int, list[list[list[dict]]]]]:
     """(task, batch, conversations of each round) per cell; distinct prompts in every cell and
     round (a repeated prompt would hit the prefix cache)."""
-    cells, offset = [], 0
+    cells = []
     for task in args.tasks.split(","):
+        offset = 0
         for batch in (int(b) for b in args.batches.split(",")):
             count = args.batch1_prompts if batch == 1 else batch
             rounds = []
@@ -216,6 +231,16 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int, list[list[list[dict]]
                 offset += count
             cells.append((task, batch, rounds))
     return cells
+
+
+def prompts_repeat(args: argparse.Namespace) -> bool:
+    """Whether `plan` needs more prompts of some task than `prompt_pool` has (then both paths run
+    without prefix caching, so a repeated prompt is prefilled again)."""
+    per_task = sum(
+        (args.batch1_prompts if int(b) == 1 else int(b)) * args.rounds
+        for b in args.batches.split(",")
+    )
+    return any(per_task > len(prompt_pool(task)) for task in args.tasks.split(","))
 
 
 def run_cells(path: str, runners: dict, args: argparse.Namespace) -> list[dict]:
@@ -249,6 +274,7 @@ def offline_cells(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) ->
         "max_model_len": 1024,
         "max_num_seqs": max(batches),
         "kv_cache_memory_bytes": 1 << 30,
+        "enable_prefix_caching": not prompts_repeat(args),
     }
     engines = {name: LLM(**common, **kw) for name, kw in modes.items()}
     warm = conversations("chat", 1, 999)
@@ -278,6 +304,8 @@ def stack_cells(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) -> l
         for name, kw in modes.items():
             spec = kw.get("speculative_config")
             extra = ["--speculative-config", json.dumps(spec)] if spec else []
+            if prompts_repeat(args):
+                extra.append("--no-enable-prefix-caching")
             infos[name] = stacks.enter_context(bench_stack(stack_args, extra))
         warm = conversations("chat", 1, 999)
         for info in infos.values():
@@ -325,6 +353,7 @@ def main() -> None:
                 "max_tokens": args.max_tokens,
                 "num_speculative_tokens": args.k,
                 "rounds": args.rounds,
+                "prefix_caching": not prompts_repeat(args),
                 "torch_threads": torch.get_num_threads(),
                 "threads": thread_settings(),
                 "cpu": cpu_info(),
