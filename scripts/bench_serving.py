@@ -354,18 +354,21 @@ def server_figures(db_url: str, results: list[RequestResult]) -> dict[str, Any]:
 
 
 async def closed_loop(
-    api_url: str, model: str, concurrency: int, prompts: list[list[int]], max_tokens: int
+    api_url: str, model: str, concurrency: int, prompts: list, max_tokens: int, send=None
 ) -> tuple[list[RequestResult], float]:
-    """`concurrency` streams at a time over `prompts`; returns (results, wall seconds)."""
-    queue = list(reversed(prompts))
-    results: list[RequestResult] = []
+    """`concurrency` streams at a time over `prompts`, each sent by `send(client, api_url,
+    model, prompt, max_tokens)` (default `stream_completion`); returns (results in the order of
+    `prompts`, wall seconds)."""
+    send = send or stream_completion
+    queue = list(enumerate(prompts))[::-1]
+    results: list[RequestResult] = [RequestResult()] * len(prompts)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=None) as client:
 
         async def worker() -> None:
             while queue:
-                prompt = queue.pop()
-                results.append(await stream_completion(client, api_url, model, prompt, max_tokens))
+                i, prompt = queue.pop()
+                results[i] = await send(client, api_url, model, prompt, max_tokens)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))

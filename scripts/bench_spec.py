@@ -123,25 +123,12 @@ def run_cell(llm: LLM, convs: list[list[dict]], batch: int, *, params: SamplingP
 def stack_cell(info: dict, convs: list[list[dict]], batch: int, *, max_tokens: int) -> dict:
     """One cell through a running stack: `convs` as streamed chat completions, `batch` at once."""
     import httpx
-    from bench_serving import server_rows, stream_chat
+    from bench_serving import closed_loop, first_model, server_rows, stream_chat
 
     async def run() -> tuple[list, float]:
-        api = info["api_url"]
-        limits = httpx.Limits(max_connections=batch + 4, max_keepalive_connections=batch)
-        async with httpx.AsyncClient(limits=limits, timeout=None) as client:
-            model = (await client.get(api + "/v1/models")).json()["data"][0]["id"]
-            queue = list(enumerate(convs))[::-1]
-            results: list[Any] = [None] * len(convs)
-
-            async def seat() -> None:
-                while queue:
-                    i, conv = queue.pop()
-                    results[i] = await stream_chat(client, api, model, conv, max_tokens)
-
-            started = time.perf_counter()
-            await asyncio.gather(*(seat() for _ in range(batch)))
-            wall = time.perf_counter() - started
-        return results, wall
+        async with httpx.AsyncClient(timeout=None) as client:
+            model = await first_model(client, info["api_url"])
+        return await closed_loop(info["api_url"], model, batch, convs, max_tokens, stream_chat)
 
     results, wall = asyncio.run(run())
     errors = [r.error for r in results if r.error]
@@ -266,7 +253,8 @@ def run_cells(path: str, runners: dict, args: argparse.Namespace) -> list[dict]:
 
 
 def offline_cells(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) -> tuple[list, Any]:
-    """Every cell through one offline engine per mode; (cells, the `off` engine)."""
+    """Every cell through one offline engine per mode; (cells, the `off` engine's model and
+    dtype). The engines are freed on return, before any stack starts."""
     batches = [int(b) for b in args.batches.split(",")]
     common = {
         "dtype": args.dtype,
@@ -286,9 +274,7 @@ def offline_cells(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) ->
     }
     cells = run_cells("offline", runners, args)
     engine = engines["off"].engine
-    info = {"model": engine.model_name, "dtype": str(engine.dtype)}
-    del engines  # free the models before any stack starts
-    return cells, info
+    return cells, {"model": engine.model_name, "dtype": str(engine.dtype)}
 
 
 def stack_cells(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) -> list:
