@@ -225,8 +225,10 @@ async def ready(request: Request) -> Response:
 
 async def model_objects(state: GatewayState) -> list[dict]:
     """The OpenAI model objects of every served name (``/v1/models``, ``/v1/models/{id}``)."""
-    if state.status is None:
-        await state.refresh_status()
+    if state.status is None or (
+        not state.model_names() and time.monotonic() - state.status_at > 0.5
+    ):
+        await state.refresh_status()  # none known yet: a worker may have joined since the last poll
     created = state.model_info.created
     data = []
     for name in state.model_names():

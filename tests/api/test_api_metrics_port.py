@@ -25,7 +25,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import API_KEY, ROOT, Stack, free_port
+from tests.harness import API_KEY, ROOT, Stack, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -58,6 +58,10 @@ def gateways() -> Iterator[TwoGateways]:
         stack.wait_workers({"synth"})
         stack.wait_api()
         second.wait_api()
+        for url in (f"http://127.0.0.1:{mport}", f"http://127.0.0.1:{mport2}"):
+            # both gateways have seen the worker (their broker status polls run apart)
+            wait_for(lambda u=url: httpx.get(u + "/ready", timeout=5).status_code == 200, 60,
+                     f"{url}/ready")  # fmt: skip
         yield TwoGateways(stack, second, mport, mport2)
     finally:
         second.stop()
