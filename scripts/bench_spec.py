@@ -25,15 +25,19 @@ Per mode: tok/s (completion tokens from the responses' usage / wall time), the c
 the server's (the `requests` table, DESIGN definition), acceptance from the table's
 `spec_draft_tokens` / `spec_accepted_tokens`, and whether the texts equal `off`'s.
 
+`--control` adds the mode `control`: a second engine / stack configured as `off`, whose ratio to
+`off` (an A/A comparison) shows how far two identical setups differ on this machine in the same
+run, the floor below which a mode's ratio is not a finding.
+
 `--rounds N` runs every cell N times on new prompts each time (the modes interleaved within a
-round) and reports the sums, the median TPOT and the median of the per-round ratios: one cell of
-64 short answers lasts about a second, and single cells moved by up to 20 % between runs minutes
-apart. Where the rounds need more prompts of a task than the corpus has (~130 documents to
-summarize), prompts repeat and every engine and stack runs without prefix caching (the JSON's
-`prefix_caching`).
+round, the first mode rotating from round to round so that none always runs first) and reports
+the sums, the median TPOT and the median of the per-round ratios: one cell of 64 short answers
+lasts about a second, and single cells moved by up to 20 % between runs minutes apart. Where the
+rounds need more prompts of a task than the corpus has (~130 documents to summarize), prompts
+repeat and every engine and stack runs without prefix caching (the JSON's `prefix_caching`).
 
     python scripts/bench_spec.py [--batches 1,8,64] [--tasks summarize,translate,chat]
-        [--max-tokens 64] [--k 4] [--forced] [--paths offline,stack] [--rounds 3]
+        [--max-tokens 64] [--k 4] [--forced] [--control] [--paths offline,stack] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -232,14 +236,15 @@ def prompts_repeat(args: argparse.Namespace) -> bool:
 
 def run_cells(path: str, runners: dict, args: argparse.Namespace) -> list[dict]:
     """Every cell of `plan`, round by round, the modes' `runners` (mode -> fn(convs, batch))
-    interleaved within each round."""
+    interleaved within each round, round r starting at the r-th mode."""
     cells = []
     for task, batch, rounds in plan(args):
         results = []
         for r, convs in enumerate(rounds):
             figs = {}
-            for name, run in runners.items():
-                figs[name] = run(convs, batch)
+            names = list(runners)
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                figs[name] = runners[name](convs, batch)
                 print(
                     f"{path} {task} B={batch} round {r + 1}/{len(rounds)} {name}: "
                     f"{figs[name]['tok_s']} tok/s",
@@ -311,6 +316,11 @@ def main() -> None:
     ap.add_argument("--batch1-prompts", type=int, default=2, help="prompts run one by one at B=1")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--forced", action="store_true", help="also run adaptive=false")
+    ap.add_argument(
+        "--control",
+        action="store_true",
+        help="also run `control`, a second `off`: its ratio to off is the noise floor",
+    )
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--paths", default="offline,stack", help="offline, stack or both")
@@ -325,6 +335,8 @@ def main() -> None:
     modes: dict[str, dict[str, Any]] = {"off": {}, "adaptive": {"speculative_config": spec}}
     if args.forced:
         modes["forced"] = {"speculative_config": spec | {"adaptive": False}}
+    if args.control:
+        modes["control"] = {}  # off again: its own engine / stack, the same configuration
     cells, engine_info = [], {}
     if "offline" in paths:
         cells, engine_info = offline_cells(args, modes)

@@ -1,6 +1,6 @@
-"""`scripts/bench_spec.py --paths stack`: speculation off / adaptive / forced through real stacks
-(`laneserve up` each, the bundled model), the cells' figures read back from the streams and from
-the `requests` table (slow)."""
+"""`scripts/bench_spec.py --paths stack`: speculation off / adaptive / forced and the A/A control
+through real stacks (`laneserve up` each, the bundled model), the cells' figures read back from the
+streams and from the `requests` table, the modes' order rotating from round to round (slow)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def test_stack_cells_report_each_mode_from_the_streams_and_the_table(smollm2_ggu
         "bench_spec",
         smollm2_gguf.parent.parent,
         "--paths", "stack", "--tasks", "summarize", "--batches", "1,2",
-        "--batch1-prompts", "1", "--max-tokens", "16", "--forced", "--rounds", "2",
+        "--batch1-prompts", "1", "--max-tokens", "16", "--forced", "--control",
+        "--rounds", "2",
         cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -32,7 +33,7 @@ def test_stack_cells_report_each_mode_from_the_streams_and_the_table(smollm2_ggu
     ]
     forced_drafts = 0
     for cell in cells:
-        for mode in ("off", "adaptive", "forced"):
+        for mode in ("off", "adaptive", "forced", "control"):
             fig = cell[mode]
             # every request's row was recorded, every stream produced tokens
             assert fig["server_rows"] == 2 * cell["prompts"], (mode, fig)
@@ -40,9 +41,9 @@ def test_stack_cells_report_each_mode_from_the_streams_and_the_table(smollm2_ggu
             assert fig["tok_s"] == pytest.approx(fig["tokens"] / fig["seconds"], rel=0.01)
             assert fig["tpot_ms"] > 0 and fig["server_tpot_ms"] > 0, (mode, fig)
             assert 0 <= fig["accepted_tokens"] <= fig["draft_tokens"], (mode, fig)
-        assert cell["off"]["draft_tokens"] == 0
+        assert cell["off"]["draft_tokens"] == cell["control"]["draft_tokens"] == 0
         forced_drafts += cell["forced"]["draft_tokens"]
-        for mode in ("adaptive", "forced"):
+        for mode in ("adaptive", "forced", "control"):
             fig = cell[mode]
             assert len(fig["speedup_per_round"]) == 2
             assert fig["speedup_tok_s"] == pytest.approx(
@@ -51,6 +52,13 @@ def test_stack_cells_report_each_mode_from_the_streams_and_the_table(smollm2_ggu
             assert isinstance(fig["identical_to_off"], bool)
     # a summary copies its document: drafting every step finds something to verify
     assert forced_drafts > 0, cells
+    # round r starts at the r-th mode: off does not always run first
+    firsts = [line.split(": ")[0] for line in proc.stderr.splitlines() if " round " in line]
+    assert firsts[:8] == [
+        f"stack summarize B=1 round {r}/2 {m}"
+        for r, order in ((1, "off adaptive forced control"), (2, "adaptive forced control off"))
+        for m in order.split()
+    ], firsts
     assert report["cpu"]["simd_flags"] is not None
 
 
