@@ -11,11 +11,12 @@ interactive lane, laneserve/demo_chats.py), where little is copied. For every ta
 - `forced` (with ``--forced``): the same with `"adaptive": false` (every proposal verified).
 
 The engines are built once and the runs interleave (off, adaptive, forced for one cell, then the
-next), so a load change on a shared machine hits every mode alike. A batch-1 cell runs its
-prompts one after another. Prints one JSON object: per cell and mode tok/s (output tokens / wall
-time), mean TPOT (ms, DESIGN definition), acceptance rate (accepted / draft tokens), mean accepted
-length (vLLM's: 1 + accepted / verifications), the proposer's cost per step (ms), the ratios to
-`off`, whether the outputs equal `off` token for token, and the CPU model and flags.
+next), so a load change on a shared machine hits every mode alike. At batch 1 every prompt is a
+round of its own, the modes alternating prompt by prompt. Prints one JSON object: per cell and
+mode tok/s (output tokens / wall time), mean TPOT (ms, DESIGN definition), acceptance rate
+(accepted / draft tokens), mean accepted length (vLLM's: 1 + accepted / verifications), the
+proposer's cost per step (ms), the ratios to `off`, whether the outputs equal `off` token for
+token, and the CPU model and flags.
 
 `--paths offline,stack` (the default) also runs every cell through the stack: one fresh `laneserve
 up` per mode (`--speculative-config` for `adaptive` / `forced`), all running at once and idle but
@@ -210,14 +211,18 @@ def merge_rounds(rounds: list[dict[str, dict]], modes: list[str]) -> dict[str, d
 
 def plan(args: argparse.Namespace) -> list[tuple[str, int, list[list[list[dict]]]]]:
     """(task, batch, conversations of each round) per cell; distinct prompts in every cell and
-    round (a repeated prompt would hit the prefix cache)."""
+    round (a repeated prompt would hit the prefix cache). At batch 1 every prompt is a round of
+    its own (`--batch1-prompts` x `--rounds` of them): the modes alternate prompt by prompt, and
+    the median ratio is taken over that many pairs."""
     cells = []
     for task in args.tasks.split(","):
         offset = 0
         for batch in (int(b) for b in args.batches.split(",")):
-            count = args.batch1_prompts if batch == 1 else batch
+            count, num_rounds = batch, args.rounds
+            if batch == 1:
+                count, num_rounds = 1, args.batch1_prompts * args.rounds
             rounds = []
-            for _ in range(args.rounds):
+            for _ in range(num_rounds):
                 rounds.append(conversations(task, count, offset))
                 offset += count
             cells.append((task, batch, rounds))
@@ -313,7 +318,12 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--tasks", default="summarize,translate,chat")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--batch1-prompts", type=int, default=2, help="prompts run one by one at B=1")
+    ap.add_argument(
+        "--batch1-prompts",
+        type=int,
+        default=2,
+        help="prompts per round at B=1 (each its own round)",
+    )
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--forced", action="store_true", help="also run adaptive=false")
     ap.add_argument(

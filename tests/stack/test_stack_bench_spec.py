@@ -88,3 +88,15 @@ def test_rounds_merge_into_sums_medians_and_per_round_ratios():
     assert ada["mean_accepted_length"] == round(1 + 10 / 8, 3)
     assert ada["identical_to_off"] is False  # the third round's outputs differ
     assert merge_rounds(rounds[:2], ["off", "adaptive"])["adaptive"]["identical_to_off"] is True
+
+
+def test_batch_one_prompts_are_rounds_of_their_own_all_distinct():
+    import argparse
+
+    plan = load_script("bench_spec").plan
+    args = argparse.Namespace(tasks="summarize", batches="1,8", batch1_prompts=4, rounds=3)
+    (t1, b1, one), (t8, b8, eight) = plan(args)
+    assert (t1, b1, len(one), {len(r) for r in one}) == ("summarize", 1, 12, {1})
+    assert (t8, b8, len(eight), {len(r) for r in eight}) == ("summarize", 8, 3, {8})
+    prompts = [json.dumps(conv) for cell in (one, eight) for r in cell for conv in r]
+    assert len(set(prompts)) == len(prompts) == 12 + 24
