@@ -600,19 +600,38 @@ def profile_engine(engine: Any, slo_text: str | None) -> BudgetController:
     cost-model prior from a start-up profile: measured now (`measure_step_cost_prior`) and kept
     in the step-cost cache, or read from there when this machine already profiled this model
     with these options (`step_cost_cache_key`; a warm start then only warms the engine up).
+    Either way a few idle decode steps are timed against the profile's idle step
+    (`steps_agree`): a cached profile that disagrees is measured again, and a fresh one that
+    disagrees (the load changed while it ran) is used but not cached.
     Targets the operator left out are derived from the prior; the caller attaches the
     controller to the scheduler."""
     given = parse_slo(slo_text)
     key = step_cost_cache_key(engine)
     cached = read_cached_prior(key)
+    source = "from the step-cost cache"
+    if cached is not None:
+        _run_profile(engine, _WARMUP, None, round_=0)  # first-call costs before the first request
+        now = idle_decode_step_ms(engine, round_=2)
+        if not steps_agree(now, cached[1]):  # measured under load, or the machine changed
+            logger.warning(
+                "cached idle decode step %.2f ms, measured now %.2f ms: profiling again",
+                cached[1], now or 0.0,
+            )  # fmt: skip
+            cached = None
     if cached is None:
         theta, idle_step, n = measure_step_cost_prior(engine)
-        write_cached_prior(key, theta, idle_step)
-        source = f"from {n} profiled steps"
+        again = idle_decode_step_ms(engine, round_=3)
+        if steps_agree(again, idle_step):
+            write_cached_prior(key, theta, idle_step)
+            source = f"from {n} profiled steps"
+        else:  # the load changed while profiling: this start uses it, no later one does
+            logger.warning(
+                "idle decode step %.2f ms in the profile, %.2f ms right after it: the "
+                "profile is not cached", idle_step, again or 0.0,
+            )  # fmt: skip
+            source = f"from {n} profiled steps, not cached (the load changed meanwhile)"
     else:
         theta, idle_step = cached
-        _run_profile(engine, _WARMUP, None, round_=0)  # first-call costs before the first request
-        source = "from the step-cost cache"
     _reset_after_profile(engine)
     model = StepCostModel(theta)
     targets = default_targets(model, given, idle_step)
@@ -629,6 +648,28 @@ def profile_engine(engine: Any, slo_text: str | None) -> BudgetController:
 
 
 _WARMUP = ((8, 1, 2), (64, 1, 1))  # a cached prior's start: one short decode, one chunk
+_IDLE_CHECK = ((8, 1, 6),)  # five idle single-stream decode steps
+# An idle decode step measured at start-up and one from the profile (cached, or just measured)
+# agree within this factor, or the profile is not trusted: an entry profiled while something
+# else loaded the cores once held a 66.8 ms idle step (6-8 ms unloaded, the same Zen 5) and set
+# every later start's interactive TPOT target 9x too loose; profiles of the same options on
+# one unloaded machine gave idle steps within 1.3x of each other.
+IDLE_STEP_AGREEMENT = 1.5
+
+
+def steps_agree(a_ms: float | None, b_ms: float) -> bool:
+    """Whether two idle decode step times agree within `IDLE_STEP_AGREEMENT` (None: no step
+    was measured, nothing to disagree with)."""
+    return a_ms is None or max(a_ms, b_ms) <= IDLE_STEP_AGREEMENT * min(a_ms, b_ms)
+
+
+def idle_decode_step_ms(engine: Any, round_: int) -> float | None:
+    """The median of `_IDLE_CHECK`'s single-stream decode steps on `engine` (ms), or None when
+    none ran as one (speculative decoding verified drafts in every one)."""
+    samples: list[tuple[StepFeatures, float]] = []
+    _run_profile(engine, _IDLE_CHECK, samples, round_=round_)
+    single = [ms for f, ms in samples if f.tokens == 1 and f.rows == 1]
+    return statistics.median(single) if single else None
 
 
 def _run_profile(engine: Any, shapes: tuple, samples: list | None, round_: int) -> None:
