@@ -98,3 +98,14 @@ def test_idle_steps_agree_within_the_stated_factor():
     assert not step_budget.steps_agree(7.0, 7.0 * f * 1.01)
     assert not step_budget.steps_agree(66.8, 7.0)  # the entry that set a 9x target
     assert step_budget.steps_agree(None, 7.0)  # nothing measured: nothing to disagree with
+
+
+def test_two_measured_rounds_keep_each_steps_lesser_time():
+    f = step_budget.StepFeatures
+    a = [(f(8, 1, 8, 36), 9.0), (f(1, 1, 9, 0), 30.0), (f(1, 1, 10, 0), 6.0)]
+    b = [(f(8, 1, 8, 36), 12.0), (f(1, 1, 9, 0), 6.5), (f(1, 1, 10, 0), 6.2)]
+    # a sibling process loaded the second step of the first round: its time does not count
+    assert step_budget.least_of_rounds(a, b) == [(a[0][0], 9.0), (a[1][0], 6.5), (a[2][0], 6.0)]
+    # rounds that ran different steps (drafts verified in one) are both kept as they are
+    c = [(f(2, 1, 9, 0), 7.0)]
+    assert step_budget.least_of_rounds(a, c) == a + c
