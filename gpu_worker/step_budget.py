@@ -613,7 +613,7 @@ def profile_engine(engine: Any, slo_text: str | None) -> BudgetController:
     source = "from the step-cost cache"
     if cached is not None:
         _run_profile(engine, _WARMUP, None, round_=0)  # first-call costs before the first request
-        now = idle_decode_step_ms(engine, round_=2)
+        now = idle_decode_step_ms(engine, round_=100)  # rounds of its own: no prompt repeats
         if not steps_agree(now, cached[1]):  # measured under load, or the machine changed
             logger.warning(
                 "cached idle decode step %.2f ms, measured now %.2f ms: profiling again",
@@ -622,7 +622,7 @@ def profile_engine(engine: Any, slo_text: str | None) -> BudgetController:
             cached = None
     if cached is None:
         theta, idle_step, n = measure_step_cost_prior(engine)
-        again = idle_decode_step_ms(engine, round_=3)
+        again = idle_decode_step_ms(engine, round_=101)
         if steps_agree(again, idle_step):
             write_cached_prior(key, theta, idle_step)
             source = f"from {n} profiled steps"
