@@ -719,8 +719,8 @@ def measure_step_cost_prior(engine: Any) -> tuple[list[float], float, int]:
     (`least_of_rounds`); the least squares fit of the step costs (intercept at least 0.01 ms,
     no negative coefficient), the idle single-stream decode step (ms: the median of the
     profile's batch-1 decode steps) and the number of steps fitted. About 2.4 s on a 2-core
-    Zen 5 with the bundled model (one measured round took ~10 s on a 2-core AVX2 CPU in
-    float32)."""
+    Zen 5 with the bundled model; the two-round profile before took ~10 s on a 2-core AVX2 CPU
+    in float32, so about 15 s there (not measured)."""
     _run_profile(engine, _PROFILE, None, round_=0)
     first: list[tuple[StepFeatures, float]] = []
     second: list[tuple[StepFeatures, float]] = []
