@@ -232,11 +232,10 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int, list[list[list[dict]]
 def prompts_repeat(args: argparse.Namespace) -> bool:
     """Whether `plan` needs more prompts of some task than `prompt_pool` has (then both paths run
     without prefix caching, so a repeated prompt is prefilled again)."""
-    per_task = sum(
-        (args.batch1_prompts if int(b) == 1 else int(b)) * args.rounds
-        for b in args.batches.split(",")
-    )
-    return any(per_task > len(prompt_pool(task)) for task in args.tasks.split(","))
+    planned: dict[str, int] = {}
+    for task, _, rounds in plan(args):
+        planned[task] = planned.get(task, 0) + sum(len(r) for r in rounds)
+    return any(n > len(prompt_pool(task)) for task, n in planned.items())
 
 
 def run_cells(path: str, runners: dict, args: argparse.Namespace) -> list[dict]:
