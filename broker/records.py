@@ -37,7 +37,7 @@ _NOBLOCK = zmq.NOBLOCK
 _TOKEN_FIELDS = ("prompt_tokens", "cached_tokens", "completion_tokens")
 # engine counts of a final's metrics that the record carries (speculative decoding's included)
 ENGINE_COUNTS = (
-    "preemptions", "prefill_chunks", "spec_draft_tokens", "spec_accepted_tokens"
+    "preemptions", "prefill_chunks", "spec_draft_tokens", "spec_accepted_tokens", "spec_num_drafts"
 )  # fmt: skip
 # The load figures a snapshot copies from the worker's heartbeat stats, and which are counts.
 _SNAPSHOT_STATS = tuple(

@@ -59,12 +59,14 @@ def slo(live: Live) -> None:
 
 
 def speculation(live: Live) -> None:
-    """Speculative decoding's acceptance rate per lane over the window."""
+    """Speculative decoding's acceptance rate and mean accepted length per lane over the
+    window (the length once the requests record their verifications)."""
     st.header("Speculative decoding")
-    if not query_extras.has_spec_columns(query_extras.table_columns(live.engine, "requests")):
+    columns = query_extras.table_columns(live.engine, "requests")
+    if not query_extras.has_spec_columns(columns):
         st.caption("Not measured yet: the requests do not record drafted and accepted tokens.")
         return
-    df = query_extras.spec_acceptance(live.engine, live.window)
+    df = query_extras.spec_acceptance(live.engine, live.window, "spec_num_drafts" in columns)
     if df.empty:
         st.caption("No request in this window used speculative decoding.")
         return
@@ -75,3 +77,10 @@ def speculation(live: Live) -> None:
             help=f"{int(r.accepted_tokens):,} of {int(r.draft_tokens):,} drafted tokens "
             f"accepted over {int(r.requests):,} requests",
         )
+        if r.mean_accepted_length == r.mean_accepted_length:  # not NaN
+            col.metric(
+                f"{r.lane} mean accepted length (tokens per verification)",
+                f"{r.mean_accepted_length:.2f}",
+                help=f"1 + {int(r.accepted_tokens):,} accepted tokens / "
+                f"{int(r.num_drafts):,} verifications that carried drafts",
+            )

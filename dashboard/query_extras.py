@@ -6,7 +6,8 @@ tables and shows what is there, and says "not measured" for the rest. A `worker_
 recognised by its name (`SLO_PATTERNS`, after the SLO controller's columns: `slo_<lane>_ttft_ms`,
 `slo_<lane>_tpot_ms`, `slo_<lane>_attainment`, `step_token_budget`, `step_batch_tokens`,
 `predicted_step_ms`, `measured_step_ms`); `requests.spec_draft_tokens` and
-`requests.spec_accepted_tokens` give the acceptance rate (accepted / drafted tokens).
+`requests.spec_accepted_tokens` give the acceptance rate (accepted / drafted tokens), and
+`requests.spec_num_drafts` (a later column) the mean accepted length (1 + accepted / drafts).
 """
 
 from __future__ import annotations
@@ -81,21 +82,28 @@ def has_spec_columns(columns: list[str]) -> bool:
     return all(c in columns for c in SPEC_COLUMNS)
 
 
-def spec_acceptance(engine: Engine, window: Window) -> pd.DataFrame:
+def spec_acceptance(engine: Engine, window: Window, with_drafts: bool = True) -> pd.DataFrame:
     """Speculative decoding per lane over the window: requests with drafts, drafted and
-    accepted tokens, acceptance rate (accepted / drafted, 0..1; NaN when nothing was drafted).
+    accepted tokens, acceptance rate (accepted / drafted, 0..1; NaN when nothing was drafted)
+    and mean accepted length (tokens a verification emits: 1 + accepted / verifications that
+    carried drafts, vLLM's definition; NaN without `requests.spec_num_drafts`, a column that
+    `with_drafts=False` leaves out for a database migrated before it, or where no row has it).
 
-    Columns: lane, requests, draft_tokens, accepted_tokens, acceptance. Needs the
-    `SPEC_COLUMNS` (check `has_spec_columns` first).
+    Columns: lane, requests, draft_tokens, accepted_tokens, num_drafts, acceptance,
+    mean_accepted_length. Needs the `SPEC_COLUMNS` (check `has_spec_columns` first).
     """
+    drafts = "SUM(spec_num_drafts)" if with_drafts else "NULL"
     sql = text(
-        "SELECT lane, COUNT(*), SUM(spec_draft_tokens), SUM(spec_accepted_tokens) "
+        f"SELECT lane, COUNT(*), SUM(spec_draft_tokens), SUM(spec_accepted_tokens), {drafts} "
         "FROM requests WHERE finished_at >= :start AND finished_at < :end "
         "AND spec_draft_tokens > 0 GROUP BY lane ORDER BY lane"
     )
     with engine.connect() as conn:
         rows = conn.execute(sql, {"start": window.start, "end": window.end}).fetchall()
-    df = _numeric_frame(rows, ["lane", "requests", "draft_tokens", "accepted_tokens"])
+    names = ["lane", "requests", "draft_tokens", "accepted_tokens", "num_drafts"]
+    df = _numeric_frame(rows, names)
     drafted = df["draft_tokens"].where(df["draft_tokens"] > 0)
     df["acceptance"] = (df["accepted_tokens"] / drafted).astype("float64")
+    verified = df["num_drafts"].where(df["num_drafts"] > 0)
+    df["mean_accepted_length"] = (1 + df["accepted_tokens"] / verified).astype("float64")
     return df

@@ -196,9 +196,11 @@ class Request(Base):
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     preemptions: Mapped[int | None] = mapped_column(Integer)
     prefill_chunks: Mapped[int | None] = mapped_column(Integer)
-    # speculative decoding: drafts verified / accepted (acceptance = accepted / draft)
+    # speculative decoding: draft tokens verified / accepted (acceptance = accepted / draft) and
+    # the verifications that carried drafts (mean accepted length = 1 + accepted / num_drafts)
     spec_draft_tokens: Mapped[int | None] = mapped_column(Integer)
     spec_accepted_tokens: Mapped[int | None] = mapped_column(Integer)
+    spec_num_drafts: Mapped[int | None] = mapped_column(Integer)
     arrival_at: Mapped[float | None] = mapped_column(Float)
     first_scheduled_at: Mapped[float | None] = mapped_column(Float)
     first_token_at: Mapped[float | None] = mapped_column(Float)

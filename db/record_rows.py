@@ -168,5 +168,6 @@ _RECORD_COLUMNS = (
     "prefill_chunks",
     "spec_draft_tokens",
     "spec_accepted_tokens",
+    "spec_num_drafts",
     *TIMING_FIELDS,
 )

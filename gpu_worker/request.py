@@ -105,6 +105,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    num_spec_drafts: int = 0  # verifications that carried drafts
 
     # --- KV cache state (owned by the block manager) ---
     block_table: list[int] = field(default_factory=list)  # physical block ids, in order
@@ -172,8 +173,9 @@ class Request:
         (99th percentile of `token_gaps_ms`), all as `contracts.latency` defines them,
         `first_scheduled_delay_ms` and `first_token_delay_ms` (arrival at the engine -> first
         scheduled / first token); counts `prompt_tokens, cached_tokens, completion_tokens,
-        preemptions, prefill_chunks, spec_draft_tokens, spec_accepted_tokens` (speculative
-        decoding's drafts verified and accepted; 0 without it).
+        preemptions, prefill_chunks, spec_draft_tokens, spec_accepted_tokens, spec_num_drafts`
+        (speculative decoding's draft tokens verified and accepted, and the verifications that
+        carried drafts: mean accepted length = 1 + accepted / num_drafts; 0 without it).
         """
         n_out = self.num_output_tokens
         decode_ms = latency.decode_ms(self.first_token_time, self.last_token_time)
@@ -190,6 +192,7 @@ class Request:
             "prefill_chunks": self.num_prefill_chunks,
             "spec_draft_tokens": self.num_spec_draft_tokens,
             "spec_accepted_tokens": self.num_spec_accepted_tokens,
+            "spec_num_drafts": self.num_spec_drafts,
             "first_scheduled_delay_ms": latency.interval_ms(
                 self.arrival_time, self.first_scheduled_time
             ),

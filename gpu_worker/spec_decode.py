@@ -335,6 +335,7 @@ class SpecController:
             rejected[req.request_id] = drafted - accepted
             req.num_spec_draft_tokens += drafted
             req.num_spec_accepted_tokens += accepted
+            req.num_spec_drafts += 1
             self.num_draft_tokens += drafted
             self.num_accepted_tokens += accepted
             self.num_drafts += 1

@@ -186,7 +186,8 @@ class SyntheticEngine:
 
     def stats(self) -> dict[str, Any]:
         """``num_total_blocks, num_free_blocks, num_running, num_waiting, prefix_cache_queries,
-        prefix_cache_hits, num_preemptions, spec_draft_tokens, spec_accepted_tokens`` as in
+        prefix_cache_hits, num_preemptions, spec_draft_tokens, spec_accepted_tokens,
+        spec_num_drafts`` as in
         ``LLM.stats()`` (the synthetic engine never speculates)."""
         return {
             "num_total_blocks": self.num_blocks,
@@ -198,6 +199,7 @@ class SyntheticEngine:
             "num_preemptions": 0,
             "spec_draft_tokens": 0,
             "spec_accepted_tokens": 0,
+            "spec_num_drafts": 0,
         }
 
     # ------------------------------------------------------------------ internals

@@ -318,7 +318,7 @@ def server_rows(db_url: str, ids: list[str], timeout_s: float = 20.0) -> dict[st
 
     cols = ("id", "ttft_ms", "tpot_ms", "queue_ms", "prefill_ms", "decode_ms", "e2e_ms",
             "cached_tokens", "completion_tokens", "preemptions", "prefill_chunks",
-            "spec_draft_tokens", "spec_accepted_tokens")  # fmt: skip
+            "spec_draft_tokens", "spec_accepted_tokens", "spec_num_drafts")  # fmt: skip
     engine = create_engine(db_url)
     rows: dict[str, dict] = {}
     deadline = time.monotonic() + timeout_s

@@ -24,7 +24,8 @@ for the mode being measured, the cell's conversations sent as streamed `/v1/chat
 (greedy, the same `--max-tokens`) by `--batch` concurrent clients (batch 1: one after another).
 Per mode: tok/s (completion tokens from the responses' usage / wall time), the client's mean TPOT,
 the server's (the `requests` table, DESIGN definition), acceptance from the table's
-`spec_draft_tokens` / `spec_accepted_tokens`, and whether the texts equal `off`'s.
+`spec_draft_tokens` / `spec_accepted_tokens`, the mean accepted length from its `spec_num_drafts`,
+and whether the texts equal `off`'s.
 
 `--control` adds the mode `control`: a second engine / stack configured as `off`, whose ratio to
 `off` (an A/A comparison) shows how far two identical setups differ on this machine in the same
@@ -145,6 +146,7 @@ def stack_cell(info: dict, convs: list[list[dict]], batch: int, *, max_tokens: i
     server_tpots = [row["tpot_ms"] for row in rows.values() if row["tpot_ms"] is not None]
     drafts = sum(row["spec_draft_tokens"] or 0 for row in rows.values())
     accepted = sum(row["spec_accepted_tokens"] or 0 for row in rows.values())
+    verifications = sum(row["spec_num_drafts"] or 0 for row in rows.values())
     return {
         "tokens": tokens,
         "seconds": round(wall, 3),
@@ -155,6 +157,8 @@ def stack_cell(info: dict, convs: list[list[dict]], batch: int, *, max_tokens: i
         "draft_tokens": drafts,
         "accepted_tokens": accepted,
         "acceptance_rate": round(accepted / drafts, 3) if drafts else None,
+        "verifications": verifications,
+        "mean_accepted_length": round(1 + accepted / verifications, 3) if verifications else None,
         "_outputs": [r.text for r in results],
     }
 
@@ -185,6 +189,7 @@ def merge_rounds(rounds: list[dict[str, dict]], modes: list[str]) -> dict[str, d
                 entry[key] = round(statistics.median(values), 4) if values else None
         if "verifications" in figs[0]:
             verifications = sum(f["verifications"] for f in figs)
+            entry["verifications"] = verifications
             entry["mean_accepted_length"] = (
                 round(1 + accepted / verifications, 3) if verifications else None
             )

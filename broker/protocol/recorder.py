@@ -46,8 +46,8 @@ class RequestRecord(Message):
     ``arrival_at``: unix seconds when the edge accepted it (display). Durations in ms, None when
     the phase did not happen (aborted in the queue, no token). Token counts: ``prompt_tokens``,
     ``cached_tokens`` (prefix hits), ``completion_tokens``, ``preemptions``, ``prefill_chunks``,
-    ``spec_draft_tokens`` / ``spec_accepted_tokens`` (speculative decoding: drafts verified /
-    accepted).
+    ``spec_draft_tokens`` / ``spec_accepted_tokens`` / ``spec_num_drafts`` (speculative decoding:
+    draft tokens verified / accepted, and verifications that carried drafts).
     ``error_code`` (one of ERROR_CODES) and ``error_message`` are set when ``status`` is
     ``"failed"``. ``job_id``/``custom_id`` are set for bulk-job lines only.
     """
@@ -71,6 +71,7 @@ class RequestRecord(Message):
     prefill_chunks: int | None = spec(_COUNT, None)
     spec_draft_tokens: int | None = spec(_COUNT, None)
     spec_accepted_tokens: int | None = spec(_COUNT, None)
+    spec_num_drafts: int | None = spec(_COUNT, None)
     queue_ms: float | None = spec(_MS, None)
     prefill_ms: float | None = spec(_MS, None)
     ttft_ms: float | None = spec(_MS, None)

@@ -23,7 +23,8 @@ Gauges and counters read from the broker's ``status`` (label ``worker_id``):
 the SLO controller's ``step_token_budget``, ``step_batch_tokens``, ``step_predicted_ms``,
 ``step_measured_ms``, ``slo_interactive_attainment``, ``slo_batch_attainment`` (0..1),
 ``slo_interactive_ttft_target_ms``, ``slo_interactive_tpot_target_ms``,
-``spec_decode_num_draft_tokens_total`` / ``spec_decode_num_accepted_tokens_total`` (vLLM's names), and ``num_requests_queued`` (label ``lane``: requests waiting in the broker's lane queue),
+``spec_decode_num_draft_tokens_total`` / ``spec_decode_num_accepted_tokens_total`` /
+``spec_decode_num_drafts_total`` (vLLM's names; mean accepted length = 1 + accepted / drafts), and ``num_requests_queued`` (label ``lane``: requests waiting in the broker's lane queue),
 ``num_workers`` (label ``lane``).
 
 Bulk-job lines (label ``lane``; DESIGN.md "Health": /metrics counts API and bulk-job requests
@@ -222,6 +223,10 @@ class BrokerCollector:
             "spec_decode_num_accepted_tokens": (
                 "Speculative decoding: draft tokens accepted.",
                 "spec_accepted_tokens",
+            ),
+            "spec_decode_num_drafts": (
+                "Speculative decoding: verifications that carried drafts.",
+                "spec_num_drafts",
             ),
         }
         for name, (doc, key) in counters.items():

@@ -345,6 +345,7 @@ def test_metrics_exposes_vllm_style_names(client, synth_stack) -> None:
         'laneserve:num_preemptions_total{model_name="smollm2",worker_id="synth"}',
         'laneserve:spec_decode_num_draft_tokens_total{model_name="smollm2",worker_id="synth"}',
         'laneserve:spec_decode_num_accepted_tokens_total{model_name="smollm2",worker_id="synth"}',
+        'laneserve:spec_decode_num_drafts_total{model_name="smollm2",worker_id="synth"}',
         'laneserve:prompt_tokens_total{lane="interactive",model_name="smollm2"}',
         'laneserve:generation_tokens_total{lane="interactive",model_name="smollm2"}',
         'laneserve:num_workers{lane="interactive",model_name="smollm2"} 1.0',

@@ -26,6 +26,7 @@ RECORD = {
     "prefill_chunks": 1,
     "spec_draft_tokens": 8,
     "spec_accepted_tokens": 5,
+    "spec_num_drafts": 3,
     "queue_ms": 50.0,
     "prefill_ms": 200.0,
     "ttft_ms": 255.5,

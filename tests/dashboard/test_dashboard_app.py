@@ -169,7 +169,10 @@ def test_slo_and_speculation_panels_show_columns_once_they_exist(db_url, db_engi
             )
         )
         conn.execute(
-            sa.text("UPDATE requests SET spec_draft_tokens = 10, spec_accepted_tokens = 7")
+            sa.text(
+                "UPDATE requests SET spec_draft_tokens = 10, spec_accepted_tokens = 7, "
+                "spec_num_drafts = 4"
+            )
         )
     at = run_app(db_url)
     charts = _charts(at)
@@ -179,3 +182,5 @@ def test_slo_and_speculation_panels_show_columns_once_they_exist(db_url, db_engi
     assert "Not measured yet" not in captions
     (acc,) = [m for m in at.metric if "acceptance" in m.label]
     assert acc.value == "70%"
+    (length,) = [m for m in at.metric if "mean accepted length" in m.label]
+    assert length.value == "2.75"  # 1 + 7 accepted / 4 verifications per request

@@ -503,13 +503,17 @@ def test_no_ack_while_the_database_is_locked_then_resend_commits(tmp_path):
 
 
 def test_spec_decode_counts_land_in_their_columns(engine):
-    """Speculative decoding's per-request figures (migration 0003) travel through the typed
-    record into `requests.spec_draft_tokens` / `spec_accepted_tokens`; absent ones stay NULL."""
+    """Speculative decoding's per-request figures (migrations 0003 and 0007) travel through the
+    typed record into `requests.spec_draft_tokens` / `spec_accepted_tokens` / `spec_num_drafts`;
+    absent ones stay NULL."""
     rows, _ = batch_rows(
         [
             RecordBatch(
                 seq=1,
-                records=[_rec(1, spec_draft_tokens=40, spec_accepted_tokens=31), _rec(2)],
+                records=[
+                    _rec(1, spec_draft_tokens=40, spec_accepted_tokens=31, spec_num_drafts=12),
+                    _rec(2),
+                ],
             )
         ]
     )
@@ -518,5 +522,9 @@ def test_spec_decode_counts_land_in_their_columns(engine):
     with read_session(engine) as s:
         spec = s.get(Request, "chatcmpl-1")
         plain = s.get(Request, "chatcmpl-2")
-        assert (spec.spec_draft_tokens, spec.spec_accepted_tokens) == (40, 31)
-        assert (plain.spec_draft_tokens, plain.spec_accepted_tokens) == (None, None)
+        assert (spec.spec_draft_tokens, spec.spec_accepted_tokens, spec.spec_num_drafts) == (
+            40, 31, 12,
+        )  # fmt: skip
+        assert (plain.spec_draft_tokens, plain.spec_accepted_tokens, plain.spec_num_drafts) == (
+            None, None, None,
+        )  # fmt: skip

@@ -137,8 +137,15 @@ def test_preemption_mid_run_recomputes_to_the_same_tokens(llm, base_llm):
 def test_prefix_cache_serves_only_accepted_kv(llm, base_llm):
     """Blocks filled during speculative decode steps are hit by a later prompt that extends the
     first request's output; its continuation equals the plain engine's."""
+    before = llm.stats()
     first = _run(llm, [COPY], GREEDY)[0]
-    assert first.metrics["spec_accepted_tokens"] > 0
+    m = first.metrics
+    assert m["spec_accepted_tokens"] > 0
+    # every verification carried 1..k drafts; the engine's totals grew by this request's
+    assert m["spec_num_drafts"] <= m["spec_draft_tokens"] <= 4 * m["spec_num_drafts"], m
+    after = llm.stats()
+    for key in ("spec_draft_tokens", "spec_accepted_tokens", "spec_num_drafts"):
+        assert after[key] - before[key] == m[key], key
     prompt = llm.engine.apply_chat_template(COPY) + first.token_ids[:-1]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     on = llm.generate([prompt], params)[0]

@@ -41,6 +41,13 @@ def test_stack_cells_report_each_mode_from_the_streams_and_the_table(smollm2_ggu
             assert fig["tok_s"] == pytest.approx(fig["tokens"] / fig["seconds"], rel=0.01)
             assert fig["tpot_ms"] > 0 and fig["server_tpot_ms"] > 0, (mode, fig)
             assert 0 <= fig["accepted_tokens"] <= fig["draft_tokens"], (mode, fig)
+            # the table's verifications (spec_num_drafts): each carried 1..k (4) drafts
+            v = fig["verifications"]
+            assert v <= fig["draft_tokens"] <= 4 * v, (mode, fig)
+            if v:
+                assert fig["mean_accepted_length"] == round(1 + fig["accepted_tokens"] / v, 3)
+            else:
+                assert fig["mean_accepted_length"] is None, (mode, fig)
         assert cell["off"]["draft_tokens"] == cell["control"]["draft_tokens"] == 0
         forced_drafts += cell["forced"]["draft_tokens"]
         for mode in ("adaptive", "forced", "control"):
