@@ -29,7 +29,12 @@ and whether the texts equal `off`'s.
 
 `--control` adds the mode `control`: a second engine / stack configured as `off`, whose ratio to
 `off` (an A/A comparison) shows how far two identical setups differ on this machine in the same
-run, the floor below which a mode's ratio is not a finding.
+run, the floor below which a mode's ratio is not a finding. The stacks of `off` and `control` share
+a start-up profile through the step-cost cache (their options are the same); `--fresh-profiles`
+runs every stack with `LANESERVE_STEP_COST_CACHE=0`, so each profiles this machine itself and
+the control's ratio also shows how much two start-up profiles differ (the JSON's
+`step_cost_cache`; `stack_slo_targets` gives each stack's derived interactive TTFT / TPOT targets
+after the warm-up and at the end, which follow its profile).
 
 `--rounds N` runs every cell N times on new prompts each time (the modes interleaved within a
 round, the first mode rotating from round to round so that none always runs first) and reports
@@ -39,7 +44,8 @@ rounds need more prompts of a task than the corpus has (~130 documents to summar
 repeat and every engine and stack runs without prefix caching (the JSON's `prefix_caching`).
 
     python scripts/bench_spec.py [--batches 1,8,64] [--tasks summarize,translate,chat]
-        [--max-tokens 64] [--k 4] [--forced] [--control] [--paths offline,stack] [--rounds 3]
+        [--max-tokens 64] [--k 4] [--forced] [--control] [--fresh-profiles]
+        [--paths offline,stack] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -291,8 +298,21 @@ def offline_cells(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) ->
     return cells, {"model": engine.model_name, "dtype": str(engine.dtype)}
 
 
-def stack_cells(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) -> list:
-    """Every cell through one fresh stack per mode, the stacks up at once, cells interleaved."""
+def slo_targets(info: dict) -> dict[str, float | None]:
+    """The interactive TTFT / TPOT targets (ms) a stack's worker runs under now: derived from
+    its start-up profile, then following the steps it measures (gpu_worker/step_budget.py)."""
+    import httpx
+
+    workers = httpx.get(info["api_url"] + "/status", timeout=10).json().get("workers") or []
+    load = (workers[0].get("load") or {}) if workers else {}
+    return {k: load.get(f"slo_interactive_{k}") for k in ("ttft_ms", "tpot_ms")}
+
+
+def stack_cells(
+    args: argparse.Namespace, modes: dict[str, dict[str, Any]]
+) -> tuple[list, dict[str, dict]]:
+    """Every cell through one fresh stack per mode, the stacks up at once, cells interleaved;
+    and per mode the SLO targets its worker derived, after the warm-up and at the end."""
     from bench_serving import bench_stack
 
     stack_args = argparse.Namespace(
@@ -314,7 +334,11 @@ def stack_cells(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) -> l
             name: functools.partial(stack_cell, info, max_tokens=args.max_tokens)
             for name, info in infos.items()
         }
-        return run_cells("stack", runners, args)
+        targets = {name: {"start": slo_targets(info)} for name, info in infos.items()}
+        cells = run_cells("stack", runners, args)
+        for name, info in infos.items():
+            targets[name]["end"] = slo_targets(info)
+        return cells, targets
 
 
 def main() -> None:
@@ -335,6 +359,11 @@ def main() -> None:
         action="store_true",
         help="also run `control`, a second `off`: its ratio to off is the noise floor",
     )
+    ap.add_argument(
+        "--fresh-profiles",
+        action="store_true",
+        help="stacks profile their step cost at start-up instead of reading the cache",
+    )
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--paths", default="offline,stack", help="offline, stack or both")
@@ -351,11 +380,14 @@ def main() -> None:
         modes["forced"] = {"speculative_config": spec | {"adaptive": False}}
     if args.control:
         modes["control"] = {}  # off again: its own engine / stack, the same configuration
-    cells, engine_info = [], {}
+    if args.fresh_profiles:  # inherited by every stack's worker
+        os.environ["LANESERVE_STEP_COST_CACHE"] = "0"
+    cells, engine_info, stack_targets = [], {}, None
     if "offline" in paths:
         cells, engine_info = offline_cells(args, modes)
     if "stack" in paths:
-        cells += stack_cells(args, modes)
+        more, stack_targets = stack_cells(args, modes)
+        cells += more
     print(
         json.dumps(
             {
@@ -366,10 +398,12 @@ def main() -> None:
                 "num_speculative_tokens": args.k,
                 "rounds": args.rounds,
                 "prefix_caching": not prompts_repeat(args),
+                "step_cost_cache": not args.fresh_profiles,
                 "torch_threads": torch.get_num_threads(),
                 "threads": thread_settings(),
                 "cpu": cpu_info(),
                 "cells": cells,
+                "stack_slo_targets": stack_targets,
             },
             indent=1,
         )

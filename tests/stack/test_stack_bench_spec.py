@@ -21,11 +21,16 @@ def test_stack_cells_report_each_mode_from_the_streams_and_the_table(smollm2_ggu
         smollm2_gguf.parent.parent,
         "--paths", "stack", "--tasks", "summarize", "--batches", "1,2",
         "--batch1-prompts", "1", "--max-tokens", "16", "--forced", "--control",
-        "--rounds", "2",
+        "--rounds", "2", "--fresh-profiles",
         cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
+    assert report["step_cost_cache"] is False
+    for mode in ("off", "adaptive", "forced", "control"):  # each stack's derived targets
+        for when in ("start", "end"):
+            got = report["stack_slo_targets"][mode][when]
+            assert got["ttft_ms"] > 0 and got["tpot_ms"] > 0, (mode, when, got)
     cells = report["cells"]
     assert [(c["path"], c["task"], c["batch"], c["prompts"], c["rounds"]) for c in cells] == [
         ("stack", "summarize", 1, 1, 2),
