@@ -380,22 +380,24 @@ class Scheduler:
         """The running interactive streams (requests already emitting tokens), the running
         batch requests, their KV context, the prompt tokens interactive requests still
         have to prefill (waiting ones and running ones without output), the batch lane's
-        prompt tokens to prefill, and how deep into its prompt the deepest prefill of each lane
-        is."""
+        prompt tokens to prefill, how deep into its prompt the deepest prefill of each lane
+        is, and the speculative drafts proposed for the streams and the batch decodes."""
         streams = batch = context = batch_context = prompt = batch_prefill = batch_decodes = 0
-        batch_depth = prompt_depth = 0
+        batch_depth = prompt_depth = drafts = batch_drafts = 0
         for r in self.running:
             if r.lane is Lane.BATCH:
                 batch += 1
                 batch_context += r.num_computed_tokens
                 if _is_decode(r, r.num_computed_tokens):
                     batch_decodes += 1
+                    batch_drafts += len(r.spec_token_ids)
                 else:
                     batch_prefill += r.num_tokens - r.num_computed_tokens
                     batch_depth = max(batch_depth, r.num_computed_tokens)
             elif r.num_output_tokens:
                 streams += 1
                 context += r.num_computed_tokens
+                drafts += len(r.spec_token_ids)
             else:
                 prompt += r.num_tokens - r.num_computed_tokens
                 prompt_depth = max(prompt_depth, r.num_computed_tokens)
@@ -410,7 +412,7 @@ class Scheduler:
                 batch_prefill += r.num_tokens
         return StepView(
             streams, batch, context, prompt, batch_context, batch_prefill, batch_decodes,
-            batch_depth, prompt_depth,
+            batch_depth, prompt_depth, drafts, batch_drafts,
         )  # fmt: skip
 
     def _chunk(self, step: _StepState, req: Request, remaining: int) -> int:
@@ -426,8 +428,16 @@ class Scheduler:
     def _num_drafts(self, step: _StepState, req: Request, num_after: int, batch_after: int) -> int:
         """Draft tokens a decoding `req` may add to its 1 token this step (speculative decoding):
         what is left of the budget and batch cap once every running request after it in the
-        order could still take one token, so drafts never displace another request's decode."""
-        n = min(len(req.spec_token_ids), step.budget - 1 - num_after)
+        order that could still take a token has one, so drafts never displace another
+        request's decode (batch requests after it count as far as the batch cap and the step's
+        batch decode rows let them in: beside capped batch work a stream's drafts were once
+        never sent)."""
+        batch_in = batch_after
+        if step.batch_cap_left is not None:
+            batch_in = min(batch_in, max(step.batch_cap_left, 0))
+        if step.batch_decodes_left is not None:
+            batch_in = min(batch_in, max(step.batch_decodes_left, 0))
+        n = min(len(req.spec_token_ids), step.budget - 1 - (num_after - batch_after + batch_in))
         if req.lane is Lane.BATCH and step.batch_cap_left is not None:
             n = min(n, step.batch_cap_left - 1 - batch_after)
         return max(n, 0)

@@ -273,14 +273,19 @@ class SpecController:
         # per token count n <= TABLE_TOKENS: mean step ms and the steps measured
         self._table_ms = np.zeros(self.TABLE_TOKENS + 1)
         self._table_n = np.zeros(self.TABLE_TOKENS + 1, dtype=np.int64)
-        # totals since start (`spec_totals`; the /metrics counters are vLLM's names for them)
+        self.reset_totals()
+        self._choices = 0
+        self.guard = YieldGuard()
+        self._step_rows = 0  # decoding requests of the coming step when it is pure decode, else 0
+
+    def reset_totals(self) -> None:
+        """Zero the totals since start (`spec_totals`; the /metrics counters are vLLM's names
+        for them): at construction, and after the start-up profile, whose steps are no
+        traffic. What the controller learnt of step costs stays."""
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_drafts = 0  # verifications that carried at least one draft
         self.propose_s = 0.0  # time spent proposing and choosing (s)
-        self._choices = 0
-        self.guard = YieldGuard()
-        self._step_rows = 0  # decoding requests of the coming step when it is pure decode, else 0
 
     def propose(
         self,

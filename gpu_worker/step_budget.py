@@ -224,8 +224,9 @@ def prefill_features(prompt_tokens: int) -> StepFeatures:
 
 class StepView(NamedTuple):
     """What the scheduler holds before a step: running interactive streams and batch requests,
-    the KV tokens each group attends to (`context`, `batch_context`), and the prompt tokens
-    interactive requests still have to prefill."""
+    the KV tokens each group attends to (`context`, `batch_context`), the prompt tokens
+    interactive requests still have to prefill, and the speculative drafts proposed for the
+    coming step (`gpu_worker/spec_decode.py`) of the streams and of the batch decodes."""
 
     interactive_running: int
     batch_running: int
@@ -236,6 +237,8 @@ class StepView(NamedTuple):
     batch_decodes: int = 0  # running batch requests that decode this step (the rest prefill)
     batch_prefill_depth: int = 0  # computed tokens of the deepest running batch prefill
     interactive_prefill_depth: int = 0  # the same of the interactive prompts being prefilled
+    interactive_drafts: int = 0  # draft tokens proposed for the running streams
+    batch_drafts: int = 0  # draft tokens proposed for the running batch decodes
 
 
 class StepBudget(NamedTuple):
@@ -306,11 +309,12 @@ class BudgetController:
         self._trace = _open_trace(env.get("LANESERVE_STEP_TRACE")) if wall_clock else None
 
     # --- planning ---
-    def _batch_share(self, rows: int, view: StepView, target_ms: float) -> float:
+    def _batch_share(self, rows: int, view: StepView, target_ms: float, drafts: int = 0) -> float:
         """Batch tokens (a fraction of one, maybe) that fit beside `rows` interactive decodes
-        (over `view.context`) within `target_ms`, each counted as a batch decode row (the dearer
-        kind: a token, a row and an average batch request's context read)."""
-        base = self.model.predict(StepFeatures(rows, rows, view.context))
+        (over `view.context`) and their `drafts` within `target_ms`, each counted as a batch
+        decode row (the dearer kind: a token, a row and an average batch request's context
+        read)."""
+        base = self.model.predict(StepFeatures(rows + drafts, rows, view.context))
         return max(0.0, (target_ms - base) / self._batch_row_ms(view))
 
     def _batch_row_ms(self, view: StepView) -> float:
@@ -336,12 +340,13 @@ class BudgetController:
         while prompts wait to be prefilled, the decodes that fit half of `ms` (at least one)
         and a prefill chunk that fits the rest (at least `MIN_PREFILL_CHUNK`; priced by
         `StepCostModel.chunk_cost`, its context read and attention at the deepest running batch
-        prefill's depth); otherwise every decode that fits (at least one)."""
+        prefill's depth); otherwise every decode that fits (at least one). The budget also
+        holds the drafts speculation proposed for the decodes it takes (their share of
+        `view.batch_drafts`), priced as tokens, as many as fit the time left."""
         coef = self.model.coefficients
         decodes = view.batch_decodes
         per_row = self._batch_row_ms(view)
         room = max(ms - coef[0], 0.0)
-        chunk_ms = 0.0
         if view.batch_prefill_tokens:
             depth = view.batch_prefill_depth
             rows = min(decodes, max(1, int(0.5 * room / per_row)))
@@ -349,8 +354,13 @@ class BudgetController:
             chunk = min(chunk, view.batch_prefill_tokens)
             chunk_ms = self.model.chunk_cost(chunk, depth)
         else:
-            chunk, rows = 0, min(decodes, max(1, int(room / per_row)))
-        return max(1, rows + chunk), rows, coef[0] + chunk_ms + rows * per_row
+            chunk, rows, chunk_ms = 0, min(decodes, max(1, int(room / per_row))), 0.0
+        # the drafts of the decodes it takes, as far as the time left holds them
+        drafts = round(view.batch_drafts * rows / decodes) if decodes else 0
+        left = ms - (coef[0] + chunk_ms + rows * per_row)
+        drafts = min(drafts, max(0, int(left / max(coef[1], 1e-6))))
+        predicted = coef[0] + chunk_ms + rows * per_row + drafts * coef[1]
+        return max(1, rows + drafts + chunk), rows, predicted
 
     def note_arrival(self, prompt_tokens: int) -> None:
         """An interactive request with `prompt_tokens` arrived: fold it into the typical prompt
@@ -369,7 +379,8 @@ class BudgetController:
         if view.interactive_running:
             target = tpot
             rows = view.interactive_running
-            rate = max(self._batch_share(rows, view, h * target), self.min_batch_rate)
+            drafts = view.interactive_drafts
+            rate = max(self._batch_share(rows, view, h * target, drafts), self.min_batch_rate)
             self._batch_credit += rate  # below 1 after every step: no bursts
             room = int(self._batch_credit)
             self._batch_credit -= room
@@ -385,8 +396,13 @@ class BudgetController:
                     MIN_PREFILL_CHUNK,
                 ),
             )
-            budget = rows + chunk + max(room, 1)
+            # The streams' drafts have room (speculation proposes only those it judged worth
+            # verifying; a stream's TPOT is per token, and a verified run emits several): such
+            # a step is longer than one token's target and is not judged against it.
+            budget = rows + drafts + chunk + max(room, 1)
             batch = room  # a prompt's prefill here keeps the TPOT target (module docstring)
+            if drafts:
+                target = None
         else:
             self._batch_credit = 0.0  # owed beside streams only
             if view.interactive_waiting_tokens:
@@ -701,6 +717,8 @@ def _reset_after_profile(engine: Any) -> None:
     bm.reset_prefix_cache()  # the profile's counters and cached blocks are not traffic
     bm.prefix_cache_queries = bm.prefix_cache_hits = 0
     engine.num_steps = engine.num_generated_tokens = 0
+    if engine.spec is not None:  # the profile's drafts are not traffic either (/metrics)
+        engine.spec.reset_totals()
 
 
 def least_of_rounds(

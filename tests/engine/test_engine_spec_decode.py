@@ -201,3 +201,24 @@ def test_constrained_requests_are_not_speculated_beside_speculated_ones(llm, bas
     assert _key(json_on) == _key(json_off)
     if json_on.finish_reason == "stop":
         assert isinstance(json.loads(json_on.text), dict)
+
+
+def test_slo_budgets_leave_room_for_drafts_and_the_profile_counts_none(
+    make_llm, base_llm, monkeypatch
+):
+    """Under the SLO controller (the stack's default) a lone stream's steps once had a budget
+    of 2 tokens, so every verification carried one draft whatever `num_speculative_tokens`
+    said; and the start-up profile's own drafts showed in the totals (/metrics) before any
+    request."""
+    monkeypatch.setenv("LANESERVE_STEP_COST_CACHE", "0")  # this start profiles
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+    llm = make_llm(slo_control=True, speculative_config=spec)
+    st = llm.stats()
+    assert [st[k] for k in ("spec_draft_tokens", "spec_accepted_tokens", "spec_num_drafts")] == [
+        0, 0, 0,
+    ]  # fmt: skip
+    on = _run(llm, [COPY], GREEDY)[0]
+    m = on.metrics
+    assert m["spec_draft_tokens"] >= 2 * m["spec_num_drafts"] > 0, m
+    assert _key(on) == _key(_run(base_llm, [COPY], GREEDY)[0])
+    llm.check_integrity()

@@ -637,3 +637,43 @@ def test_step_trace_records_what_each_measured_step_saw_planned_and_took(tmp_pat
     monkeypatch.delenv("LANESERVE_STEP_TRACE")
     untraced = BudgetController(targets, model, 2048, given_ttft=True)
     assert untraced._trace is None
+
+
+def test_drafts_proposed_for_streams_get_room_in_the_budget(make_sched):
+    """Speculative drafts count against the step's budget; the controller's budget holds the
+    drafts proposed for the streams (a lone stream's budget was once 2 tokens: at most one
+    draft a verification) and for the batch decodes a batch-only step takes, and a stream's
+    drafts are sent beside capped batch work (the batch decodes after it in the order, which
+    the cap keeps out, once reserved the whole budget)."""
+    model = StepCostModel(TRUE)
+    # a TPOT target just over a lone decode step (5 ms here), as derived ones are
+    targets = SloTargets(LaneSlo(ttft_ms=400.0, tpot_ms=6.0), LaneSlo(10_000.0, 400.0))
+    ctl = BudgetController(targets, model, 2048, wall_clock=False, given_ttft=True)
+    lone = StepView(1, 0, 100, 0, interactive_drafts=4)
+    assert ctl.plan(lone).token_budget >= 1 + 4
+    assert ctl.last_target_ms is None  # a step emitting several tokens a stream: not judged
+    assert ctl.plan(StepView(1, 0, 100, 0)).token_budget < 1 + 4
+    assert ctl.last_target_ms == 6.0
+    batch_only = StepView(0, 8, 0, 0, batch_context=800, batch_decodes=8, batch_drafts=24)
+    assert ctl.plan(batch_only).token_budget == 8 + 24  # all fit the TTFT slack
+
+    sim = _controlled(make_sched, model, targets)
+    for i in range(20):
+        sim.add(f"b{i}", 20, max_tokens=50)
+    while any(r.num_output_tokens == 0 for r in sim.sched.running):
+        sim.step()
+    stream = sim.add("i0", 20, lane="interactive", max_tokens=50)
+    while stream.num_output_tokens == 0:
+        sim.step()
+    stream.spec_token_ids = [1, 2, 3, 4]
+    out = sim.sched.schedule()
+    (mine,) = [e for e in out.scheduled if e.request is stream]
+    assert mine.num_new_tokens == 5 and list(mine.spec_token_ids) == [1, 2, 3, 4]
+    batch = [e for e in out.scheduled if e.request.lane is Lane.BATCH]
+    assert len(batch) <= sim.sched.step_budget.last.batch_tokens  # the cap still holds
+    sim.sched.update_after_step(out, {"i0": 4})  # every draft rejected: nothing computed
+    stream.spec_token_ids = []
+    for e in out.scheduled:
+        if e.samples:
+            e.request.append_output_token_ids([7])
+    sim.bm.check_integrity()
