@@ -41,7 +41,7 @@ import logging
 import os
 import socket
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +64,7 @@ FLUSH_INTERVAL_S = 0.1  # result writes are pooled this long
 FLUSH_MAX = 256  # ... or until this many results wait
 RETRY_BACKOFF_S = (0.2, 5.0)  # first and max sleep before resubmitting a retryable error
 RETRYABLE = ("worker_lost", "overloaded", "no_worker")
+MAX_VALIDATION_ATTEMPTS = 3  # a job whose validation raises this often fails (`_maybe_validate`)
 
 
 @dataclass
@@ -133,6 +134,7 @@ class JobsRunner(LeaseKeeping, MapReduce):
         self.client: BrokerClient | None = None
         self._validating: asyncio.Task | None = None
         self._validating_id: str | None = None
+        self._validation_failures: Counter[str] = Counter()
         self._pruning: asyncio.Task | None = None
         self._outcomes: list[store.Outcome] = []
         self._flush_lock = asyncio.Lock()
@@ -262,11 +264,15 @@ class JobsRunner(LeaseKeeping, MapReduce):
             await self._sql(leases.release, self.runner_id, mine)
 
     def _maybe_validate(self, job_ids: list[str]) -> None:
-        """Validate the first of `job_ids` (oldest first) whose control this runner can claim."""
+        """Validate the first of `job_ids` (oldest first, jobs whose validation raised after
+        the others) whose control this runner can claim. A job whose validation raises
+        `MAX_VALIDATION_ATTEMPTS` times fails with that error: one file the validator cannot
+        handle once held every later job in `validating` for as long as it stayed."""
         if self._validating is not None and not self._validating.done():
             return
         if self._validating is not None and self._validating.exception() is not None:
             logger.error("validation failed: %r", self._validating.exception())
+        job_ids = sorted(job_ids, key=lambda j: self._validation_failures[j])  # stable
 
         async def validate() -> None:
             for job_id in job_ids:
@@ -281,6 +287,14 @@ class JobsRunner(LeaseKeeping, MapReduce):
                 await asyncio.to_thread(
                     store.validate_job, self.engine, job_id, served, self.default_model
                 )
+            except Exception as exc:
+                self._validation_failures[job_id] += 1
+                if self._validation_failures[job_id] >= MAX_VALIDATION_ATTEMPTS:
+                    msg = f"validation failed {MAX_VALIDATION_ATTEMPTS} times: {exc!r}"
+                    logger.error("job %s: %s", job_id, msg)
+                    error = {"code": "validation_error", "message": msg[:2000], "line": None}
+                    await self._sql(store.set_failed, job_id, [error])
+                raise
             finally:
                 self._validating_id = None
                 await self._release_control(job_id)

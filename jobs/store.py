@@ -165,7 +165,7 @@ def validate_job(engine: Engine, job_id: str, counter, default_model: str | None
     except JobValidationError as exc:
         _delete_lines(engine, job_id)
         logger.info("job %s failed validation: %s", job_id, exc)
-        return _set_failed(engine, job_id, exc.errors)
+        return set_failed(engine, job_id, exc.errors)
     with write_session(engine) as session:
         session.execute(
             update(Job)
@@ -223,7 +223,9 @@ def _insert_lines(engine: Engine, job_id: str, chunk: list[LineResult], model: s
             session.execute(insert(Request), bad)
 
 
-def _set_failed(engine: Engine, job_id: str, errors: list[dict]) -> str:
+def set_failed(engine: Engine, job_id: str, errors: list[dict]) -> str:
+    """Fail a `validating` (or `cancelling`) job with `errors` (OpenAI's batch `errors.data`
+    items); returns its status after (another status left alone: a concurrent cancel)."""
     with write_session(engine) as session:
         session.execute(
             update(Job)

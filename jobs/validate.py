@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.openai import Limits, OpenAIError, ParsedRequest, ServedModel, parse
+from contracts.openai.checks import unpaired_surrogate
 from jobs import prompts
 from jobs.limits import (
     MAX_BAD_FRACTION,
@@ -182,6 +183,10 @@ class Validator:
         if not isinstance(obj, dict):
             msg = f"line is a JSON {type(obj).__name__}, not an object"
             return LineResult(line_no, name, error=_err("invalid_request", msg))
+        where = unpaired_surrogate(obj)
+        if where is not None:  # no UTF-8 form: the tokenizer and the database refuse it
+            msg = f"not valid Unicode: {where} holds an unpaired UTF-16 surrogate escape"
+            return LineResult(line_no, name, error=_err("invalid_json", msg))
         try:
             name = self._custom_id(obj, line_no)
         except LineError as exc:

@@ -15,6 +15,50 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 1024
 
 
+def unpaired_surrogate(value: Any) -> str | None:
+    """Where parsed JSON holds a string (or an object key) with an unpaired UTF-16 surrogate
+    (JSON's ``"\\ud800"`` escape alone), as a path like ``messages[0].content``; None when every
+    string is valid Unicode. Such a string has no UTF-8 form: the tokenizer, the database and
+    the response encoder all refuse it, so the edge rejects it first (a 400, a job line's
+    error). Iterative: parsed JSON may nest as deep as the parser allows."""
+    stack: list[tuple[tuple, Any]] = [((), value)]
+    while stack:
+        path, v = stack.pop()
+        if type(v) is str:
+            if not v.isascii() and not _utf8_ok(v):
+                return _path(path)
+        elif type(v) is dict:
+            for k, x in v.items():
+                if type(k) is str and not k.isascii() and not _utf8_ok(k):
+                    return f"an object key of {_path(path)}"
+                if type(x) in (str, dict, list):
+                    stack.append(((path, k), x))
+        elif type(v) is list:
+            for i, x in enumerate(v):
+                if type(x) in (str, dict, list):
+                    stack.append(((path, i), x))
+    return None
+
+
+def _utf8_ok(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path(path: tuple) -> str:
+    parts: list[Any] = []
+    while path:
+        path, key = path
+        parts.append(key)
+    out = ""
+    for key in reversed(parts):
+        out += f"[{key}]" if type(key) is int else (f".{key}" if out else str(key))
+    return out or "the body"
+
+
 def given(v: Any) -> bool:
     """False for ``null``, ``[]``, ``{}`` and ``false`` (an optional field left out)."""
     return not (v is None or v is False or v == [] or v == {})

@@ -15,6 +15,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from contracts.openai.checks import unpaired_surrogate
 from laneserve.api.errors import ApiError, error_response, invalid
 
 OPEN_PATHS = frozenset({"/health", "/ready"})
@@ -75,9 +76,15 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The body parsed as JSON. Raises ApiError: 413 over ``limit``, 400 when not JSON."""
+    """The body parsed as JSON. Raises ApiError: 413 over ``limit``, 400 when not JSON or when
+    a string in it is not valid Unicode (`unpaired_surrogate`)."""
     raw = await read_body(request, limit)
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise invalid(f"the request body is not valid JSON: {exc}") from None
+    where = unpaired_surrogate(body)
+    if where is not None:
+        raise invalid(f"the request body is not valid Unicode: {where} holds an unpaired "
+                      "UTF-16 surrogate (a lone \\ud800-\\udfff escape)")  # fmt: skip
+    return body

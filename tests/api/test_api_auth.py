@@ -76,3 +76,8 @@ def test_body_limit_and_bad_json() -> None:
     assert r.status_code == 413
     r = call("POST", "/echo", content=b"{not json", headers=good)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+    # JSON with an unpaired UTF-16 surrogate parses, but has no UTF-8 form: a 400 naming it
+    r = call("POST", "/echo", content=b'{"m": ["ok", "x\\ud800"]}', headers=good)
+    assert r.status_code == 400 and "m[1]" in r.json()["error"]["message"], r.text
+    r = call("POST", "/echo", content=b'{"m": "\\ud83d\\ude00"}', headers=good)  # a pair
+    assert r.status_code == 200 and r.json() == {"body": {"m": "\U0001f600"}}

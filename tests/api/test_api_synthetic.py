@@ -146,6 +146,10 @@ def _post(stack: Stack, path: str, body, headers=AUTH) -> httpx.Response:
         ("/v1/chat/completions", {"model": MODEL, "messages": MSG, "tools": [{"type": "function"}]}, 400, "invalid_request", "tools"),
         ("/v1/chat/completions", {"model": MODEL, "messages": MSG, "stream": True, "lane": "batch"}, 503, "no_worker", None),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 5_000_000}]}, 413, "payload_too_large", None),
+        # unpaired UTF-16 surrogates (json.dumps writes the lone \ud800 escape): once a 500
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a \ud800"}]}, 400, "invalid_request", None),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["\udfff"]}, 400, "invalid_request", None),
+        ("/tokenize", {"model": MODEL, "prompt": "\ud800"}, 400, "invalid_request", None),
     ],
 )  # fmt: skip
 def test_documented_4xx_then_still_serving(synth_stack, client, path, body, status, code, param):

@@ -7,6 +7,9 @@ step time makes "in the middle of the job" reliable.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from tests.harness import Stack, chat_line, read_lines, submit, wait_job, write_jsonl
@@ -29,12 +32,17 @@ def test_good_overlength_malformed_nonobject(stack, engine, laneserve_home, smol
     lines.insert(2, chat_line("too-long", "word " * 200))
     lines.insert(4, '{"custom_id": "broken", "method": "POST", ')  # malformed: not JSON
     lines.append("[1, 2, 3]")  # JSON, not an object
+    # an unpaired UTF-16 surrogate: valid JSON, no UTF-8 form (the tokenizer refused it, and
+    # the job once stayed `validating`, holding every later job back)
+    bad = chat_line("surrogate", "x")
+    bad["body"]["messages"][0]["content"] = "bad \ud800 text"
+    lines.append(json.dumps(bad))  # ensure_ascii: the lone \ud800 escape as written
     path = write_jsonl(laneserve_home / "in.jsonl", lines)
     job = submit(engine, path)
     stack.wait_workers(1)
     job = wait_job(engine, job.id, ("completed", "failed"), stack, timeout_s=180)
     assert job.status == "completed", job.errors
-    assert job.request_counts == {"total": 8, "completed": 5, "failed": 3}
+    assert job.request_counts == {"total": 9, "completed": 5, "failed": 4}
     out = read_lines(engine, job.output_file_id)
     err = read_lines(engine, job.error_file_id)
     assert sorted(x["custom_id"] for x in out) == [f"good-{i}" for i in range(5)]
@@ -48,7 +56,34 @@ def test_good_overlength_malformed_nonobject(stack, engine, laneserve_home, smol
         "too-long": "prompt_too_long",
         "line-5": "invalid_json",
         "line-8": "invalid_request",
+        "line-9": "invalid_json",
     }
+    (surrogate,) = [x for x in err if x["custom_id"] == "line-9"]
+    assert "unpaired UTF-16 surrogate" in surrogate["error"]["message"]
+
+
+def test_a_job_whose_validation_raises_fails_and_later_jobs_still_run(
+    stack, engine, laneserve_home
+):
+    """Validation that raises (here: the stored input file replaced by a directory) is retried
+    a few times, then fails that job; a job submitted after it completes meanwhile."""
+    from db.models import File
+    from db.session import read_session
+
+    stack.start_broker()
+    stack.start_worker("w1", "--synthetic-step-ms", "5")
+    broken = submit(engine, write_jsonl(laneserve_home / "a.jsonl", [chat_line("a", "x")]))
+    with read_session(engine) as s:
+        stored = Path(s.get(File, broken.input_file_id).path)
+    stored.unlink()
+    stored.mkdir()  # exists, but reading it raises IsADirectoryError
+    good = submit(engine, write_jsonl(laneserve_home / "b.jsonl", [chat_line("b", "y")]))
+    stack.start_jobs_runner()
+    done = wait_job(engine, good.id, ("completed", "failed"), stack, timeout_s=60)
+    assert done.status == "completed", done.errors
+    failed = wait_job(engine, broken.id, ("failed",), stack, timeout_s=60)
+    (error,) = failed.errors
+    assert error["code"] == "validation_error" and "IsADirectoryError" in error["message"]
 
 
 def _custom_ids(engine, job) -> list[str]:
