@@ -9,6 +9,7 @@ from pathlib import Path
 
 from contracts import env
 from contracts.openai.requests import LANES
+from laneserve.commands import port_number
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--broker", default=None, help="broker front endpoint (default: ipc under $LANESERVE_HOME)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    parser.add_argument("--port", type=port_number, default=8000, help="(default: %(default)s)")
     keys = parser.add_mutually_exclusive_group()
     keys.add_argument("--api-key", default=None, help=f"required key (default: ${API_KEY_ENV})")
     keys.add_argument("--api-key-file", default=None, help="file holding the key (one line)")
@@ -45,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=port_number,
         default=None,
         help="also serve /metrics, /health and /ready here without the API key "
         "(default: off; /metrics on --port needs the key)",

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from contracts.procs import parent_gone
+from laneserve.commands import port_number
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,9 @@ STOP_GRACE_S = 10.0
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("dashboard", help="run the live latency dashboard (Streamlit)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="(default: %(default)s)")
+    parser.add_argument(
+        "--port", type=port_number, default=DEFAULT_PORT, help="(default: %(default)s)"
+    )
     parser.add_argument(
         "--db", default=None, help="database URL (default: $LANESERVE_DB_URL or $LANESERVE_HOME)"
     )

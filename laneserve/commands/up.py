@@ -33,6 +33,7 @@ from pathlib import Path
 from contracts import env as lsenv
 from gpu_worker import openmp
 from gpu_worker.config import EngineConfig, add_engine_arguments, config_from_args
+from laneserve.commands import port_number
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lanes per worker: one list for all workers (default: %(default)s), or one list "
         "per worker separated by ';', e.g. --workers 2 --lanes 'interactive;batch'",
     )
-    parser.add_argument("--api-port", type=int, default=DEFAULT_API_PORT, help="0: any free port")
     parser.add_argument(
-        "--dashboard-port", type=int, default=DEFAULT_DASHBOARD_PORT, help="0: any free port"
+        "--api-port", type=port_number, default=DEFAULT_API_PORT, help="0: any free port"
+    )
+    parser.add_argument(
+        "--dashboard-port",
+        type=port_number,
+        default=DEFAULT_DASHBOARD_PORT,
+        help="0: any free port",
     )
     parser.add_argument("--no-dashboard", action="store_true", help="do not start the dashboard")
     parser.add_argument(
@@ -131,7 +137,11 @@ def free_port() -> int:
 
 
 def port_free(port: int) -> bool:
+    """Whether a listener could bind 127.0.0.1:`port` now. With SO_REUSEADDR, as the API's and
+    the dashboard's own listeners bind: sockets of a stack that just stopped linger in
+    TIME_WAIT for up to a minute and refuse a plain bind, but not theirs."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

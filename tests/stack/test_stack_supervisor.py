@@ -139,10 +139,36 @@ def test_up_rejects_bad_options_before_starting_anything(tmp_path):
         (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
         (["--max-num-seqs", "0"], "--max-num-seqs"),
         (["--workers", "2", "--lanes", "interactive;bulk"], "--lanes"),
+        (["--api-port", "99999"], "--api-port: port 99999 is not in 0..65535"),
+        (["--dashboard-port", "-1"], "--dashboard-port"),
     ):
         res = laneserve(tmp_path, "up", "--synthetic", *args, timeout=60)
         assert res.returncode == 2 and needle in res.stderr, res.stderr
     assert not (tmp_path / "stack.json").exists() and not (tmp_path / "logs").exists()
+
+
+def test_a_port_left_in_time_wait_by_a_stopped_stack_is_free():
+    """The side that closes a connection first keeps its port in TIME_WAIT for up to a
+    minute; `laneserve up` right after a stack stopped once refused its own port for that
+    long, though the API's listener (SO_REUSEADDR) binds it at once."""
+    import socket
+
+    from laneserve.commands.up import port_free
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    served.close()  # the server closes first: its port goes to TIME_WAIT
+    client.recv(1)
+    client.close()
+    listener.close()
+    with socket.socket() as plain:  # what the check once did, and failed
+        with pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port))
+    assert port_free(port)
+    with socket.create_server(("127.0.0.1", port)):  # a listener there: not free
+        assert not port_free(port)
 
 
 def test_up_jobs_runners_start_with_distinct_stable_lease_ids(tmp_path):
