@@ -214,11 +214,20 @@ def choice(
     return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
+def service_tier(lane: str) -> str:
+    """The ``service_tier`` a response reports, as OpenAI's echo the tier that served it:
+    ``"flex"`` for the batch lane, ``"default"`` for the interactive one (what
+    ``SERVICE_TIER_LANES`` maps the request's tier to)."""
+    return "flex" if lane == "batch" else "default"
+
+
 def completion_object(
-    kind: str, rid: str, created: int, model: str, choices: list[dict], usage: dict
-) -> dict:
-    """A ``chat.completion`` / ``text_completion`` object (``created``: unix seconds)."""
-    return {
+    kind: str, rid: str, created: int, model: str, choices: list[dict], usage: dict,
+    tier: str | None = None,
+) -> dict:  # fmt: skip
+    """A ``chat.completion`` / ``text_completion`` object (``created``: unix seconds; ``tier``:
+    its ``service_tier``, left out when None)."""
+    out = {
         "id": rid,
         "object": OBJECT[kind],
         "created": created,
@@ -226,12 +235,17 @@ def completion_object(
         "choices": choices,
         "usage": usage,
     }
+    if tier is not None:
+        out["service_tier"] = tier
+    return out
 
 
 def chunk(
-    kind: str, rid: str, created: int, model: str, choices: list[dict], usage: Any = None
-) -> dict:
-    """One stream chunk (``chat.completion.chunk`` / ``text_completion``)."""
+    kind: str, rid: str, created: int, model: str, choices: list[dict], usage: Any = None,
+    tier: str | None = None,
+) -> dict:  # fmt: skip
+    """One stream chunk (``chat.completion.chunk`` / ``text_completion``; ``tier``: its
+    ``service_tier``, left out when None)."""
     out = {
         "id": rid,
         "object": CHUNK_OBJECT[kind],
@@ -239,6 +253,8 @@ def chunk(
         "model": model,
         "choices": choices,
     }
+    if tier is not None:
+        out["service_tier"] = tier
     if usage is not None:
         out["usage"] = usage
     return out

@@ -132,7 +132,9 @@ def _body(gen: Generation, state: GatewayState) -> dict:
         )
         text = info.prompt_text(c.prompt) if req.echo else ""
         choices.append(fmt.echo_choice(one, req, text, c.prompt_logprobs, info.token_text))
-    return fmt.completion_object(req.kind, gen.id, gen.created, req.model, choices, _usage(gen))
+    return fmt.completion_object(
+        req.kind, gen.id, gen.created, req.model, choices, _usage(gen), fmt.service_tier(req.lane)
+    )
 
 
 def _usage(gen: Generation) -> dict:
@@ -211,7 +213,9 @@ def _chat_stream(gen: Generation, state: GatewayState) -> AsyncIterator[bytes]:
     want_lp = req.logprobs is not None
 
     def chunk(choices: list[dict], **kw) -> dict:
-        return fmt.chunk("chat", gen.id, gen.created, req.model, choices, **kw)
+        return fmt.chunk(
+            "chat", gen.id, gen.created, req.model, choices, tier=fmt.service_tier(req.lane), **kw
+        )
 
     def body(text: str | None) -> dict:
         return {"delta": {} if text is None else {"content": text}}
@@ -233,7 +237,8 @@ def _completion_stream(gen: Generation, state: GatewayState) -> AsyncIterator[by
     offsets: dict[int, int] = {}  # text offset of each choice, for the legacy logprobs
 
     def chunk(choices: list[dict], **kw) -> dict:
-        return fmt.chunk("completion", gen.id, gen.created, req.model, choices, **kw)
+        tier = fmt.service_tier(req.lane)
+        return fmt.chunk("completion", gen.id, gen.created, req.model, choices, tier=tier, **kw)
 
     def body(text: str | None) -> dict:
         return {"text": text or ""}

@@ -93,7 +93,8 @@ def test_response_id_is_the_sql_request_id(client, synth_stack) -> None:
 
 def test_service_tier_picks_the_lane(client, synth_stack) -> None:
     """OpenAI's own `service_tier` chooses the lane from an unmodified SDK call: "priority" and
-    "default" are interactive (served and recorded so); "flex" is the batch lane, which no
+    "default" are interactive (served and recorded so, the response's `service_tier` saying
+    "default", the tier of that lane); "flex" is the batch lane, which no
     worker of this stack serves (503 no_worker); an unknown tier is a 400 naming the field."""
     ids = []
     for tier in ("priority", "default", "auto"):
@@ -101,7 +102,10 @@ def test_service_tier_picks_the_lane(client, synth_stack) -> None:
             model=MODEL, messages=MSG, max_tokens=1, service_tier=tier
         )
         assert r.choices[0].message.content == " w0"
+        assert r.service_tier == "default"  # the tier that served it, as OpenAI echoes
         ids.append(r.id)
+    chunks = list(client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True))
+    assert chunks and {c.service_tier for c in chunks} == {"default"}
     with pytest.raises(openai.APIStatusError) as exc:
         client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, service_tier="flex")
     assert exc.value.status_code == 503 and exc.value.body["code"] == "no_worker"
