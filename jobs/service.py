@@ -87,6 +87,18 @@ def new_batch_id() -> str:
     return f"batch_{uuid.uuid4().hex}"
 
 
+def _check_task_max_tokens(value: Any) -> None:
+    """A task job's `max_tokens` option is a positive integer (or a string of one): once any
+    value was taken, and every line of the job then failed with the same error."""
+    if value is None:
+        return
+    text = str(value).strip()
+    if type(value) is bool or not text.isdigit() or int(text) < 1:
+        raise InvalidRequestError(
+            f"task option max_tokens must be a positive integer, got {value!r}"
+        )
+
+
 def _check_metadata(metadata: dict[str, Any] | None) -> dict[str, str] | None:
     if metadata is None:
         return None
@@ -134,6 +146,7 @@ def create_batch(
         unknown = set(task_options) - set(TASK_OPTION_KEYS)
         if unknown:
             raise InvalidRequestError(f"unknown task options {sorted(unknown)}")
+        _check_task_max_tokens(task_options.get("max_tokens"))
         meta = dict(meta or {})
         meta.update({k: str(v) for k, v in task_options.items() if v is not None})
     if task == "extract":

@@ -233,7 +233,10 @@ class Validator:
     def _task_line(self, obj: dict) -> tuple[dict, int | None]:
         text = obj.get("text")
         if not isinstance(text, str) or not text.strip():
-            raise LineError("invalid_request", "missing field 'text' (a non-empty string)")
+            what = "missing" if text is None else f"a JSON {type(text).__name__}, not a string"
+            if isinstance(text, str):
+                what = "empty"
+            raise LineError("invalid_request", f"field 'text' is {what} (a non-empty string)")
         body = prompts.task_body(self.task, text, self.default_model, self.task_options)
         if self.task == "summarize" and self.counter is not None:
             req = self._parse(body)

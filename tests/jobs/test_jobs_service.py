@@ -106,3 +106,13 @@ def test_task_options_go_to_metadata(any_engine):
     )
     assert job.task == "translate"
     assert job.metadata_ == {"project": "x", "target_lang": "fr", "max_tokens": "8"}
+    # a max_tokens no line could run with is the job's 400, not an error on every line
+    for bad in (-5, 0, "abc", "1.5", True):
+        with pytest.raises(InvalidRequestError, match="max_tokens"):
+            service.create_batch(
+                any_engine, f.id, "/v1/chat/completions", task="summarize",
+                task_options={"max_tokens": bad},
+            )  # fmt: skip
+    ok = service.create_batch(any_engine, f.id, "/v1/chat/completions", task="summarize",
+                              task_options={"max_tokens": "12"})  # fmt: skip
+    assert ok.metadata_ == {"max_tokens": "12"}

@@ -106,7 +106,10 @@ def test_completions_prompt_forms(tmp_path):
 
 
 def test_task_lines(tmp_path):
-    lines = [{"id": 7, "text": "Bonjour"}, {"id": "b", "text": ""}, {"text": "Hallo"}]
+    lines = [
+        {"id": 7, "text": "Bonjour"}, {"id": "b", "text": ""}, {"text": "Hallo"},
+        {"id": "n", "text": 7}, {"id": "m"}, '{"id": "s", "text": "bad \\ud800"}',
+    ]  # fmt: skip
     v, results = _validate(
         tmp_path,
         lines,
@@ -114,11 +117,16 @@ def test_task_lines(tmp_path):
         task_options={"target_lang": "fr", "source_lang": "de", "max_tokens": "16"},
         default_model="smollm2-135m",
     )
-    assert [r.custom_id for r in results] == ["7", "b", "line-3"]
+    assert [r.custom_id for r in results] == ["7", "b", "line-3", "n", "m", "line-6"]
     body = results[0].request["body"]
     assert body["max_tokens"] == 16 and body["model"] == "smollm2-135m"
     assert "to French" in body["messages"][-1]["content"]
     assert results[1].error is not None and results[2].error is None
+    # each says what is wrong with the field
+    assert "'text' is empty" in results[1].error["message"]
+    assert "'text' is a JSON int, not a string" in results[3].error["message"]
+    assert "'text' is missing" in results[4].error["message"]
+    assert "unpaired UTF-16 surrogate" in results[5].error["message"]  # named by its line
 
 
 def test_prompt_length_with_the_model_tokenizer(tmp_path, counter, smollm2_dir):
