@@ -179,14 +179,22 @@ def _is_decode(req: Request, start: int) -> bool:
 class _StepState:
     """Mutable bookkeeping for building one step."""
 
-    __slots__ = ("budget", "batch_cap_left", "batch_decodes_left", "entries", "preempted")
+    __slots__ = (
+        "budget", "batch_cap_left", "batch_decodes_left", "batch_drafts_left", "entries",
+        "preempted",
+    )  # fmt: skip
 
     def __init__(
-        self, budget: int, batch_cap: int | None, batch_decodes: int | None = None
+        self,
+        budget: int,
+        batch_cap: int | None,
+        batch_decodes: int | None = None,
+        batch_drafts: int | None = None,
     ) -> None:
         self.budget = budget
         self.batch_cap_left = batch_cap  # None: batch tokens uncapped this step
         self.batch_decodes_left = batch_decodes  # None: every batch decode may run this step
+        self.batch_drafts_left = batch_drafts  # None: batch drafts bounded by the budget only
         self.entries: dict[str, ScheduledRequest] = {}
         self.preempted: list[Request] = []
 
@@ -349,7 +357,11 @@ class Scheduler:
             if plan.batch_tokens is not None:
                 cap = plan.batch_tokens if cap is None else min(cap, plan.batch_tokens)
         self._num_steps += 1
-        step = _StepState(budget, cap, plan.batch_decode_rows if ctl is not None else None)
+        step = (
+            _StepState(budget, cap, plan.batch_decode_rows, plan.batch_drafts)
+            if ctl is not None
+            else _StepState(budget, cap)
+        )
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
@@ -373,7 +385,10 @@ class Scheduler:
                 ),
             )
             if ctl is not None:
-                ctl.on_scheduled(self.last_features)
+                ctl.on_scheduled(
+                    self.last_features,
+                    any(e.spec_token_ids and e.request.lane is Lane.INTERACTIVE for e in scheduled),
+                )
         return out
 
     def _step_view(self) -> StepView:
@@ -425,21 +440,30 @@ class Scheduler:
             n = min(n, step.batch_cap_left)
         return n
 
-    def _num_drafts(self, step: _StepState, req: Request, num_after: int, batch_after: int) -> int:
+    def _num_drafts(
+        self, step: _StepState, req: Request, num_after: int, decodes_after: int,
+        prefills_after: int,
+    ) -> int:  # fmt: skip
         """Draft tokens a decoding `req` may add to its 1 token this step (speculative decoding):
         what is left of the budget and batch cap once every running request after it in the
         order that could still take a token has one, so drafts never displace another
-        request's decode (batch requests after it count as far as the batch cap and the step's
-        batch decode rows let them in: beside capped batch work a stream's drafts were once
-        never sent)."""
-        batch_in = batch_after
+        request's decode or starve a running prefill. Batch requests after it count as far as
+        the batch cap lets them in, their decodes as far as the step's batch decode rows do
+        (beside capped batch work a stream's drafts were once never sent); a batch request's
+        drafts also stay within the plan's batch drafts (`StepBudget.batch_drafts`), so they
+        never take the prefill chunk the plan priced in their place."""
+        batch_after = decodes_after + prefills_after
+        if step.batch_decodes_left is not None:
+            decodes_after = min(decodes_after, max(step.batch_decodes_left, 0))
+        batch_in = decodes_after + prefills_after
         if step.batch_cap_left is not None:
             batch_in = min(batch_in, max(step.batch_cap_left, 0))
-        if step.batch_decodes_left is not None:
-            batch_in = min(batch_in, max(step.batch_decodes_left, 0))
         n = min(len(req.spec_token_ids), step.budget - 1 - (num_after - batch_after + batch_in))
-        if req.lane is Lane.BATCH and step.batch_cap_left is not None:
-            n = min(n, step.batch_cap_left - 1 - batch_after)
+        if req.lane is Lane.BATCH:
+            if step.batch_cap_left is not None:
+                n = min(n, step.batch_cap_left - 1 - batch_in)
+            if step.batch_drafts_left is not None:
+                n = min(n, step.batch_drafts_left)
         return max(n, 0)
 
     def _commit(self, step: _StepState, req: Request, n: int) -> None:
@@ -454,6 +478,8 @@ class Scheduler:
         step.budget -= n
         samples = start + n >= req.num_tokens
         spec = tuple(req.spec_token_ids[: max(start + n - req.num_tokens, 0)])  # drafts sent
+        if spec and req.lane is Lane.BATCH and step.batch_drafts_left is not None:
+            step.batch_drafts_left -= len(spec)
         step.entries[req.request_id] = ScheduledRequest(req, n, samples, start, spec)
 
     def _running_order(self, step: _StepState) -> list[Request]:
@@ -477,10 +503,17 @@ class Scheduler:
 
     def _schedule_running(self, step: _StepState) -> None:
         order = collections.deque(self._running_order(step))
-        num_batch = sum(1 for r in order if r.lane is Lane.BATCH)
+        batch_prefills = sum(
+            1 for r in order if r.lane is Lane.BATCH and not _is_decode(r, r.num_computed_tokens)
+        )
+        batch_decodes = sum(1 for r in order if r.lane is Lane.BATCH) - batch_prefills
         while order and step.budget > 0:
             req = order.popleft()
-            num_batch -= req.lane is Lane.BATCH
+            if req.lane is Lane.BATCH:
+                if _is_decode(req, req.num_computed_tokens):
+                    batch_decodes -= 1
+                else:
+                    batch_prefills -= 1
             remaining = req.num_tokens - req.num_computed_tokens
             assert remaining >= 1, f"running request {req.request_id} has nothing to compute"
             assert req.num_tokens <= self.config.max_model_len, (
@@ -496,7 +529,7 @@ class Scheduler:
                     continue  # this step's batch decodes are taken; it keeps its seat and KV
                 step.batch_decodes_left -= 1
             if remaining == 1 and req.spec_token_ids:
-                n += self._num_drafts(step, req, len(order), num_batch)
+                n += self._num_drafts(step, req, len(order), batch_decodes, batch_prefills)
             while not self.block_manager.allocate_slots(req, n):
                 if n > remaining:  # drop the drafts before preempting anyone for them
                     n = remaining

@@ -30,6 +30,13 @@ a TPOT target (P99, ms), ``--slo interactive:ttft=800,tpot=60 batch:tpot=400``. 
   rotates the ones it skips, so every request progresses) and a prefill chunk that fits the
   rest (at least `MIN_PREFILL_CHUNK` tokens); with nothing to prefill, decodes take it all.
 
+Speculative drafts (`gpu_worker/spec_decode.py` proposes them before the step is planned, and
+only those it judged worth verifying) count against the budget like any tokens, so the plan holds
+them: a stream's drafts are priced into the base cost beside which batch gets its share, a
+batch-only step holds its decodes' drafts as far as its time target allows, and a step carrying
+stream drafts is not judged against the TPOT target (it emits several tokens a stream). A budget
+of `rows + 1` once left a lone stream one draft a step, whatever `num_speculative_tokens` said.
+
 The plan aims at a headroom (0.5 .. 1.0) times the step's target, one for the steps interactive
 streams pace (``headroom``, against the TPOT target) and one for batch-only steps
 (``slack_headroom``, against their target: the TTFT slack, at least the TPOT target); each
@@ -243,11 +250,14 @@ class StepView(NamedTuple):
 
 class StepBudget(NamedTuple):
     """A step's plan: `token_budget` (all lanes), `batch_tokens` (the batch lane's share, None
-    for no separate cap) and `batch_decode_rows` (batch decodes this step, None for all)."""
+    for no separate cap), `batch_decode_rows` (batch decodes this step, None for all) and
+    `batch_drafts` (speculative draft tokens of batch decodes the plan holds, None: no bound
+    but the budget and the cap)."""
 
     token_budget: int
     batch_tokens: int | None
     batch_decode_rows: int | None = None
+    batch_drafts: int | None = None
 
 
 class BudgetController:
@@ -335,8 +345,9 @@ class BudgetController:
             slack = min(slack, (TTFT_MULTIPLE - 1.0) * prefill)
         return slack
 
-    def _batch_only(self, view: StepView, ms: float) -> tuple[int, int, float]:
-        """(token budget, batch decode rows, predicted ms) of a batch-only step aimed at `ms`:
+    def _batch_only(self, view: StepView, ms: float) -> tuple[int, int, float, int]:
+        """(token budget, batch decode rows, predicted ms, batch drafts) of a batch-only step
+        aimed at `ms`:
         while prompts wait to be prefilled, the decodes that fit half of `ms` (at least one)
         and a prefill chunk that fits the rest (at least `MIN_PREFILL_CHUNK`; priced by
         `StepCostModel.chunk_cost`, its context read and attention at the deepest running batch
@@ -360,7 +371,7 @@ class BudgetController:
         left = ms - (coef[0] + chunk_ms + rows * per_row)
         drafts = min(drafts, max(0, int(left / max(coef[1], 1e-6))))
         predicted = coef[0] + chunk_ms + rows * per_row + drafts * coef[1]
-        return max(1, rows + drafts + chunk), rows, predicted
+        return max(1, rows + drafts + chunk), rows, predicted, drafts
 
     def note_arrival(self, prompt_tokens: int) -> None:
         """An interactive request with `prompt_tokens` arrived: fold it into the typical prompt
@@ -372,7 +383,7 @@ class BudgetController:
     def plan(self, view: StepView) -> StepBudget:
         """The budget of the next step."""
         self._view = view
-        rows_cap = None
+        rows_cap = drafts_cap = None
         tpot = self.targets.interactive.tpot_ms
         ttft = self.targets.interactive.ttft_ms
         h = self.headroom
@@ -397,12 +408,10 @@ class BudgetController:
                 ),
             )
             # The streams' drafts have room (speculation proposes only those it judged worth
-            # verifying; a stream's TPOT is per token, and a verified run emits several): such
-            # a step is longer than one token's target and is not judged against it.
+            # verifying; a stream's TPOT is per token, and a verified run emits several): a step
+            # that sends them is not judged against one token's target (`on_scheduled`).
             budget = rows + drafts + chunk + max(room, 1)
             batch = room  # a prompt's prefill here keeps the TPOT target (module docstring)
-            if drafts:
-                target = None
         else:
             self._batch_credit = 0.0  # owed beside streams only
             if view.interactive_waiting_tokens:
@@ -412,18 +421,22 @@ class BudgetController:
             else:
                 target = max(tpot, self.ttft_slack())
                 hs = self.slack_headroom
-                budget, rows_cap, predicted = self._batch_only(view, hs * target)
+                budget, rows_cap, predicted, drafts_cap = self._batch_only(view, hs * target)
                 if predicted > hs * target:
                     target = None  # planned over the slack on purpose: not a headroom miss
                 batch = None
-        self.last = StepBudget(max(1, min(budget, self.max_tokens)), batch, rows_cap)
+        self.last = StepBudget(max(1, min(budget, self.max_tokens)), batch, rows_cap, drafts_cap)
         self.last_target_ms = target  # the target itself; the plan aimed at headroom x it
         self.last_paced = target is not None and bool(view.interactive_running)
         return self.last
 
     # --- measuring ---
-    def on_scheduled(self, features: StepFeatures) -> None:
-        """The step just built runs `features`: remember its prediction and start time."""
+    def on_scheduled(self, features: StepFeatures, stream_drafts: bool = False) -> None:
+        """The step just built runs `features`: remember its prediction and start time.
+        `stream_drafts`: it sends speculative drafts of interactive streams, so it emits several
+        tokens a stream and is not judged against one token's TPOT target."""
+        if stream_drafts:
+            self.last_target_ms, self.last_paced = None, False
         self.predicted_ms = self.model.predict(features)
         self._pending = (
             features, time.monotonic(), self.last_target_ms, self.predicted_ms, self.last_paced

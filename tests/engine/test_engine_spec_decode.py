@@ -213,6 +213,11 @@ def test_slo_budgets_leave_room_for_drafts_and_the_profile_counts_none(
     monkeypatch.setenv("LANESERVE_STEP_COST_CACHE", "0")  # this start profiles
     spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
     llm = make_llm(slo_control=True, speculative_config=spec)
+    c = llm.engine.spec  # whether or not the profile drafted, its reset zeroes the totals
+    c.num_draft_tokens, c.num_accepted_tokens, c.num_drafts = 9, 7, 3
+    from gpu_worker.step_budget import _reset_after_profile
+
+    _reset_after_profile(llm.engine)
     st = llm.stats()
     assert [st[k] for k in ("spec_draft_tokens", "spec_accepted_tokens", "spec_num_drafts")] == [
         0, 0, 0,

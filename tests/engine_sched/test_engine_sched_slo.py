@@ -651,11 +651,15 @@ def test_drafts_proposed_for_streams_get_room_in_the_budget(make_sched):
     ctl = BudgetController(targets, model, 2048, wall_clock=False, given_ttft=True)
     lone = StepView(1, 0, 100, 0, interactive_drafts=4)
     assert ctl.plan(lone).token_budget >= 1 + 4
+    ctl.on_scheduled(StepFeatures(5, 1, 100), stream_drafts=True)
     assert ctl.last_target_ms is None  # a step emitting several tokens a stream: not judged
-    assert ctl.plan(StepView(1, 0, 100, 0)).token_budget < 1 + 4
+    ctl.plan(lone)
+    ctl.on_scheduled(StepFeatures(1, 1, 100))  # the drafts were not sent after all: judged
     assert ctl.last_target_ms == 6.0
+    assert ctl.plan(StepView(1, 0, 100, 0)).token_budget < 1 + 4
     batch_only = StepView(0, 8, 0, 0, batch_context=800, batch_decodes=8, batch_drafts=24)
-    assert ctl.plan(batch_only).token_budget == 8 + 24  # all fit the TTFT slack
+    plan = ctl.plan(batch_only)
+    assert (plan.token_budget, plan.batch_drafts) == (8 + 24, 24)  # all fit the TTFT slack
 
     sim = _controlled(make_sched, model, targets)
     for i in range(20):
@@ -676,4 +680,49 @@ def test_drafts_proposed_for_streams_get_room_in_the_budget(make_sched):
     for e in out.scheduled:
         if e.samples:
             e.request.append_output_token_ids([7])
+    sim.bm.check_integrity()
+
+
+def test_batch_drafts_never_take_a_running_prefills_token_or_the_plans_chunk(make_sched):
+    """Under a batch-only plan of 3 decode rows, a 7-token budget and no batch drafts (the
+    time target held none), three decodes with 4 drafts each and a prompt mid-prefill: the
+    decodes send no drafts and the prefill keeps the rest of the budget (drafts once took
+    what the plan had priced as its chunk, and the reservation counted the prefill as a
+    decode the row cap kept out, leaving it no token)."""
+    from gpu_worker.scheduler import SchedulerOutput, _StepState
+
+    sim = EngineSim(make_sched(num_blocks=256, block_size=16, max_num_batched_tokens=16))
+    decodes = [sim.add(f"d{i}", 4, max_tokens=20) for i in range(3)]
+    while any(r.num_output_tokens == 0 for r in decodes):
+        sim.step()
+    prompt = sim.add("p", 100, max_tokens=4)
+    while prompt.num_computed_tokens == 0:
+        sim.step()
+    assert 0 < prompt.num_computed_tokens < prompt.num_tokens  # mid-prefill
+    for r in decodes:
+        r.spec_token_ids = [1, 2, 3, 4]
+    step = _StepState(7, None, 3, 0)
+    sched = sim.sched
+    sched._schedule_running(step)
+    got = {rid: e.num_new_tokens for rid, e in step.entries.items()}
+    assert got == {"d0": 1, "d1": 1, "d2": 1, "p": 4}, got
+    out = SchedulerOutput(list(step.entries.values()), [], sum(got.values()))
+    sched.update_after_step(out)
+    for r in decodes:
+        r.spec_token_ids = []
+        r.append_output_token_ids([9])
+    sim.bm.check_integrity()
+    # the same step with room for 2 batch drafts: the first decode sends them, the prefill
+    # still gets a token
+    for r in decodes:
+        r.spec_token_ids = [1, 2, 3, 4]
+    step = _StepState(9, None, 3, 2)
+    sched._schedule_running(step)
+    got = {rid: e.num_new_tokens for rid, e in step.entries.items()}
+    assert got["d0"] == 3 and got["p"] >= 1 and sum(got.values()) <= 9, got
+    out = SchedulerOutput(list(step.entries.values()), [], sum(got.values()))
+    sched.update_after_step(out, {"d0": 2})
+    for r in decodes:
+        r.spec_token_ids = []
+        r.append_output_token_ids([9])
     sim.bm.check_integrity()
