@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import OperationalError
 
 from broker import protocol as p
 from broker.client import BrokerClient
@@ -65,6 +66,7 @@ FLUSH_MAX = 256  # ... or until this many results wait
 RETRY_BACKOFF_S = (0.2, 5.0)  # first and max sleep before resubmitting a retryable error
 RETRYABLE = ("worker_lost", "overloaded", "no_worker")
 MAX_VALIDATION_ATTEMPTS = 3  # a job whose validation raises this often fails (`_maybe_validate`)
+VALIDATION_RETRY_S = 2.0  # between two validations of a job whose validation raised
 
 
 @dataclass
@@ -135,6 +137,7 @@ class JobsRunner(LeaseKeeping, MapReduce):
         self._validating: asyncio.Task | None = None
         self._validating_id: str | None = None
         self._validation_failures: Counter[str] = Counter()
+        self._validation_retry_at: dict[str, float] = {}  # monotonic s, per job id
         self._pruning: asyncio.Task | None = None
         self._outcomes: list[store.Outcome] = []
         self._flush_lock = asyncio.Lock()
@@ -265,14 +268,20 @@ class JobsRunner(LeaseKeeping, MapReduce):
 
     def _maybe_validate(self, job_ids: list[str]) -> None:
         """Validate the first of `job_ids` (oldest first, jobs whose validation raised after
-        the others) whose control this runner can claim. A job whose validation raises
-        `MAX_VALIDATION_ATTEMPTS` times fails with that error: one file the validator cannot
-        handle once held every later job in `validating` for as long as it stayed."""
+        the others) whose control this runner can claim. A job whose validation raises is
+        tried again after `VALIDATION_RETRY_S`, and after `MAX_VALIDATION_ATTEMPTS` failures it
+        fails with that error and without lines (a database error is retried, not counted):
+        one file the validator could not handle once held every later job in `validating` for
+        as long as it stayed."""
         if self._validating is not None and not self._validating.done():
             return
         if self._validating is not None and self._validating.exception() is not None:
             logger.error("validation failed: %r", self._validating.exception())
-        job_ids = sorted(job_ids, key=lambda j: self._validation_failures[j])  # stable
+        now = time.monotonic()
+        job_ids = [j for j in job_ids if self._validation_retry_at.get(j, 0.0) <= now]
+        job_ids.sort(key=lambda j: self._validation_failures[j])  # stable: oldest first
+        if not job_ids:
+            return
 
         async def validate() -> None:
             for job_id in job_ids:
@@ -287,13 +296,16 @@ class JobsRunner(LeaseKeeping, MapReduce):
                 await asyncio.to_thread(
                     store.validate_job, self.engine, job_id, served, self.default_model
                 )
+            except OperationalError:
+                raise  # the database's trouble, not the job's: tried again, not counted
             except Exception as exc:
                 self._validation_failures[job_id] += 1
+                self._validation_retry_at[job_id] = time.monotonic() + VALIDATION_RETRY_S
                 if self._validation_failures[job_id] >= MAX_VALIDATION_ATTEMPTS:
                     msg = f"validation failed {MAX_VALIDATION_ATTEMPTS} times: {exc!r}"
                     logger.error("job %s: %s", job_id, msg)
                     error = {"code": "validation_error", "message": msg[:2000], "line": None}
-                    await self._sql(store.set_failed, job_id, [error])
+                    await self._sql(store.fail_validation, job_id, [error])
                 raise
             finally:
                 self._validating_id = None

@@ -93,7 +93,7 @@ def _check_task_max_tokens(value: Any) -> None:
     if value is None:
         return
     text = str(value).strip()
-    if type(value) is bool or not text.isdigit() or int(text) < 1:
+    if type(value) is bool or not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise InvalidRequestError(
             f"task option max_tokens must be a positive integer, got {value!r}"
         )

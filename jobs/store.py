@@ -165,7 +165,7 @@ def validate_job(engine: Engine, job_id: str, counter, default_model: str | None
     except JobValidationError as exc:
         _delete_lines(engine, job_id)
         logger.info("job %s failed validation: %s", job_id, exc)
-        return set_failed(engine, job_id, exc.errors)
+        return _set_failed(engine, job_id, exc.errors)
     with write_session(engine) as session:
         session.execute(
             update(Job)
@@ -223,13 +223,22 @@ def _insert_lines(engine: Engine, job_id: str, chunk: list[LineResult], model: s
             session.execute(insert(Request), bad)
 
 
-def set_failed(engine: Engine, job_id: str, errors: list[dict]) -> str:
-    """Fail a `validating` (or `cancelling`) job with `errors` (OpenAI's batch `errors.data`
-    items); returns its status after (another status left alone: a concurrent cancel)."""
+def fail_validation(engine: Engine, job_id: str, errors: list[dict]) -> str:
+    """Fail a `validating` job whose validation could not complete, dropping the lines an
+    attempt inserted; returns its status after (a job being cancelled is left to the cancel)."""
+    _delete_lines(engine, job_id)
+    return _set_failed(engine, job_id, errors, ("validating",))
+
+
+def _set_failed(
+    engine: Engine, job_id: str, errors: list[dict], statuses=("validating", "cancelling")
+) -> str:
+    """Fail a job in one of `statuses` with `errors` (OpenAI's batch `errors.data` items);
+    returns its status after (another status is left alone: a concurrent cancel)."""
     with write_session(engine) as session:
         session.execute(
             update(Job)
-            .where(Job.id == job_id, Job.status.in_(("validating", "cancelling")))
+            .where(Job.id == job_id, Job.status.in_(statuses))
             .values(
                 status="failed",
                 failed_at=time.time(),

@@ -183,14 +183,16 @@ class Validator:
         if not isinstance(obj, dict):
             msg = f"line is a JSON {type(obj).__name__}, not an object"
             return LineResult(line_no, name, error=_err("invalid_request", msg))
-        where = unpaired_surrogate(obj)
-        if where is not None:  # no UTF-8 form: the tokenizer and the database refuse it
+        where = unpaired_surrogate(obj)  # no UTF-8 form: the tokenizer and database refuse it
+        try:
+            if where not in ("custom_id", "id"):  # the line keeps its name if that is valid
+                name = self._custom_id(obj, line_no)
+        except LineError as exc:
+            if where is None:
+                return LineResult(line_no, name, error=_err(exc.code, str(exc)))
+        if where is not None:
             msg = f"not valid Unicode: {where} holds an unpaired UTF-16 surrogate escape"
             return LineResult(line_no, name, error=_err("invalid_json", msg))
-        try:
-            name = self._custom_id(obj, line_no)
-        except LineError as exc:
-            return LineResult(line_no, name, error=_err(exc.code, str(exc)))
         try:
             if self.task is not None:
                 request, tokens = self._task_line(obj)

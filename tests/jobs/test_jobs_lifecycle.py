@@ -51,14 +51,15 @@ def test_good_overlength_malformed_nonobject(stack, engine, laneserve_home, smol
         assert x["error"] is None and x["response"]["status_code"] == 200
         assert body["choices"][0]["message"]["content"].strip() and body["id"] == x["id"]
         assert 1 <= body["usage"]["completion_tokens"] <= 8 and body["usage"]["prompt_tokens"] > 0
+        assert body["service_tier"] == "flex"  # the batch lane served it
     errors = {x["custom_id"]: x["error"]["code"] for x in err}
     assert errors == {
         "too-long": "prompt_too_long",
         "line-5": "invalid_json",
         "line-8": "invalid_request",
-        "line-9": "invalid_json",
+        "surrogate": "invalid_json",
     }
-    (surrogate,) = [x for x in err if x["custom_id"] == "line-9"]
+    (surrogate,) = [x for x in err if x["custom_id"] == "surrogate"]
     assert "unpaired UTF-16 surrogate" in surrogate["error"]["message"]
 
 
@@ -84,6 +85,7 @@ def test_a_job_whose_validation_raises_fails_and_later_jobs_still_run(
     failed = wait_job(engine, broken.id, ("failed",), stack, timeout_s=60)
     (error,) = failed.errors
     assert error["code"] == "validation_error" and "IsADirectoryError" in error["message"]
+    assert failed.request_total == 0
 
 
 def _custom_ids(engine, job) -> list[str]:

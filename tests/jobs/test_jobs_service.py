@@ -107,7 +107,7 @@ def test_task_options_go_to_metadata(any_engine):
     assert job.task == "translate"
     assert job.metadata_ == {"project": "x", "target_lang": "fr", "max_tokens": "8"}
     # a max_tokens no line could run with is the job's 400, not an error on every line
-    for bad in (-5, 0, "abc", "1.5", True):
+    for bad in (-5, 0, "abc", "1.5", True, "\u00b2"):  # "²".isdigit(), but no int
         with pytest.raises(InvalidRequestError, match="max_tokens"):
             service.create_batch(
                 any_engine, f.id, "/v1/chat/completions", task="summarize",

@@ -109,6 +109,7 @@ def test_task_lines(tmp_path):
     lines = [
         {"id": 7, "text": "Bonjour"}, {"id": "b", "text": ""}, {"text": "Hallo"},
         {"id": "n", "text": 7}, {"id": "m"}, '{"id": "s", "text": "bad \\ud800"}',
+        '{"id": "x\\udfff", "text": "fine"}',
     ]  # fmt: skip
     v, results = _validate(
         tmp_path,
@@ -117,7 +118,7 @@ def test_task_lines(tmp_path):
         task_options={"target_lang": "fr", "source_lang": "de", "max_tokens": "16"},
         default_model="smollm2-135m",
     )
-    assert [r.custom_id for r in results] == ["7", "b", "line-3", "n", "m", "line-6"]
+    assert [r.custom_id for r in results] == ["7", "b", "line-3", "n", "m", "s", "line-7"]
     body = results[0].request["body"]
     assert body["max_tokens"] == 16 and body["model"] == "smollm2-135m"
     assert "to French" in body["messages"][-1]["content"]
@@ -126,7 +127,8 @@ def test_task_lines(tmp_path):
     assert "'text' is empty" in results[1].error["message"]
     assert "'text' is a JSON int, not a string" in results[3].error["message"]
     assert "'text' is missing" in results[4].error["message"]
-    assert "unpaired UTF-16 surrogate" in results[5].error["message"]  # named by its line
+    assert "text holds an unpaired UTF-16 surrogate" in results[5].error["message"]
+    assert "id holds an unpaired" in results[6].error["message"]  # named by its line instead
 
 
 def test_prompt_length_with_the_model_tokenizer(tmp_path, counter, smollm2_dir):
