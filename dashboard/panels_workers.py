@@ -81,6 +81,6 @@ def speculation(live: Live) -> None:
             col.metric(
                 f"{r.lane} mean accepted length (tokens per verification)",
                 f"{r.mean_accepted_length:.2f}",
-                help=f"1 + {int(r.accepted_tokens):,} accepted tokens / "
+                help=f"1 + {int(r.verified_accepted):,} accepted tokens / "
                 f"{int(r.num_drafts):,} verifications that carried drafts",
             )

@@ -89,10 +89,16 @@ def spec_acceptance(engine: Engine, window: Window, with_drafts: bool = True) ->
     carried drafts, vLLM's definition; NaN without `requests.spec_num_drafts`, a column that
     `with_drafts=False` leaves out for a database migrated before it, or where no row has it).
 
-    Columns: lane, requests, draft_tokens, accepted_tokens, num_drafts, acceptance,
-    mean_accepted_length. Needs the `SPEC_COLUMNS` (check `has_spec_columns` first).
+    Columns: lane, requests, draft_tokens, accepted_tokens, num_drafts, verified_accepted (the
+    accepted tokens of the rows that record verifications), acceptance, mean_accepted_length. Needs the `SPEC_COLUMNS` (check `has_spec_columns` first).
     """
-    drafts = "SUM(spec_num_drafts)" if with_drafts else "NULL"
+    # the length's own numerator: rows recorded before the column existed have no verifications
+    drafts = (
+        "SUM(spec_num_drafts), "
+        "SUM(CASE WHEN spec_num_drafts IS NOT NULL THEN spec_accepted_tokens END)"
+        if with_drafts
+        else "NULL, NULL"
+    )
     sql = text(
         f"SELECT lane, COUNT(*), SUM(spec_draft_tokens), SUM(spec_accepted_tokens), {drafts} "
         "FROM requests WHERE finished_at >= :start AND finished_at < :end "
@@ -100,10 +106,17 @@ def spec_acceptance(engine: Engine, window: Window, with_drafts: bool = True) ->
     )
     with engine.connect() as conn:
         rows = conn.execute(sql, {"start": window.start, "end": window.end}).fetchall()
-    names = ["lane", "requests", "draft_tokens", "accepted_tokens", "num_drafts"]
+    names = [
+        "lane",
+        "requests",
+        "draft_tokens",
+        "accepted_tokens",
+        "num_drafts",
+        "verified_accepted",
+    ]
     df = _numeric_frame(rows, names)
     drafted = df["draft_tokens"].where(df["draft_tokens"] > 0)
     df["acceptance"] = (df["accepted_tokens"] / drafted).astype("float64")
     verified = df["num_drafts"].where(df["num_drafts"] > 0)
-    df["mean_accepted_length"] = (1 + df["accepted_tokens"] / verified).astype("float64")
+    df["mean_accepted_length"] = (1 + df["verified_accepted"] / verified).astype("float64")
     return df
