@@ -90,7 +90,8 @@ def spec_acceptance(engine: Engine, window: Window, with_drafts: bool = True) ->
     `with_drafts=False` leaves out for a database migrated before it, or where no row has it).
 
     Columns: lane, requests, draft_tokens, accepted_tokens, num_drafts, verified_accepted (the
-    accepted tokens of the rows that record verifications), acceptance, mean_accepted_length. Needs the `SPEC_COLUMNS` (check `has_spec_columns` first).
+    accepted tokens of the rows that record verifications), acceptance, mean_accepted_length.
+    Needs the `SPEC_COLUMNS` (check `has_spec_columns` first).
     """
     # the length's own numerator: rows recorded before the column existed have no verifications
     drafts = (

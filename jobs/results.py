@@ -128,10 +128,8 @@ def success_response(
         totals = fmt.usage_object(
             totals["prompt_tokens"], 0, totals["prompt_tokens_details"]["cached_tokens"]
         )
-    created = int(time.time())
-    # a job's lines run in the batch lane: the tier that served them is "flex"
-    tier = fmt.service_tier("batch")
-    out = fmt.completion_object(kind, rid, created, model or "", choices, totals, tier)
+    tier = fmt.service_tier("batch")  # a job's lines run in the batch lane
+    out = fmt.completion_object(kind, rid, int(time.time()), model or "", choices, totals, tier)
     if extra:
         out["laneserve"] = extra
     return {"status_code": 200, "request_id": rid, "body": out}

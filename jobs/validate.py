@@ -235,9 +235,12 @@ class Validator:
     def _task_line(self, obj: dict) -> tuple[dict, int | None]:
         text = obj.get("text")
         if not isinstance(text, str) or not text.strip():
-            what = "missing" if text is None else f"a JSON {type(text).__name__}, not a string"
-            if isinstance(text, str):
+            if text is None:
+                what = "missing"
+            elif isinstance(text, str):
                 what = "empty"
+            else:
+                what = f"a JSON {type(text).__name__}, not a string"
             raise LineError("invalid_request", f"field 'text' is {what} (a non-empty string)")
         body = prompts.task_body(self.task, text, self.default_model, self.task_options)
         if self.task == "summarize" and self.counter is not None:

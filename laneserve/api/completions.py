@@ -211,11 +211,10 @@ async def _sse_stream(
 def _chat_stream(gen: Generation, state: GatewayState) -> AsyncIterator[bytes]:
     req, info = gen.req, state.model_info
     want_lp = req.logprobs is not None
+    tier = fmt.service_tier(req.lane)
 
     def chunk(choices: list[dict], **kw) -> dict:
-        return fmt.chunk(
-            "chat", gen.id, gen.created, req.model, choices, tier=fmt.service_tier(req.lane), **kw
-        )
+        return fmt.chunk("chat", gen.id, gen.created, req.model, choices, tier=tier, **kw)
 
     def body(text: str | None) -> dict:
         return {"delta": {} if text is None else {"content": text}}
@@ -235,9 +234,9 @@ def _completion_stream(gen: Generation, state: GatewayState) -> AsyncIterator[by
     req, info = gen.req, state.model_info
     want_lp = req.logprobs is not None
     offsets: dict[int, int] = {}  # text offset of each choice, for the legacy logprobs
+    tier = fmt.service_tier(req.lane)
 
     def chunk(choices: list[dict], **kw) -> dict:
-        tier = fmt.service_tier(req.lane)
         return fmt.chunk("completion", gen.id, gen.created, req.model, choices, tier=tier, **kw)
 
     def body(text: str | None) -> dict:
