@@ -76,6 +76,9 @@ _VARS: tuple[EnvVar, ...] = (
            "0 leaves glibc malloc's defaults; otherwise CPU workers keep freed activations"),
     EnvVar("LANESERVE_CPU_KERNELS", _flag, True,
            "build and use the C++ CPU kernels (kernels/cpu_ext.py); 0 = the PyTorch path only"),
+    EnvVar("LANESERVE_AMX", _flag, True,
+           "0 keeps bf16 linears off the AMX matmuls (kernels/cpu_ext_amx.py) on a CPU that has "
+           "AMX-BF16: torch's int4 kernel, the GEMVs and the dense copy as elsewhere"),
     EnvVar("LANESERVE_STEP_COST_CACHE", _flag, True,
            "0 measures a worker's start-up step-cost profile on every start instead of reusing "
            "the one cached for this machine, model and options"),

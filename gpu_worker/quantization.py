@@ -18,6 +18,10 @@ Kernel choice by phase and CPU (measured with scripts/bench_quant.py, docs/bench
   the weight on every call (SmolLM2's linears at 16 / 64 / 512 rows: 0.6-0.7x / 0.8-0.9x /
   0.95-0.97x of `F.linear`'s time). On a CPU without native bf16 no copy is kept: its bf16 GEMMs are
   slower than the int4 kernel at every row count.
+- bf16 activations on a CPU with AMX-BF16 (`amx_usable`): calls of `AMX_MIN_TOKENS` (5) to
+  `AMX_MAX_TOKENS` (32) rows run laneserve's AMX matmuls over the int4 and Q8_0 blocks
+  (kernels/cpu_ext_amx.py: each 16-output x 32-input weight tile dequantized once to bf16 for up
+  to 16 rows of x, so 5 rows cost about what 1 does), ahead of the bf16 GEMV and the dense copy.
 - float32 activations (`dtype="auto"` on a CPU without native bf16): below `dense_min_tokens`
   rows the C++ GEMVs (kernels/cpu_ext_quant.py) read the GGUF's values (int4 ones reordered once
   into blocks of 8 groups where the kernel was built for AVX2 without AVX-512BW,
@@ -76,6 +80,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from contracts import env
 from gpu_worker.config import QUANTIZATIONS as QUANTIZATION_MODES
 from kernels import cpu_ext
 
@@ -262,6 +267,11 @@ class GemvBlocks:
     block_groups: int = 1  # int4: the order qs is in (1: the GGUF's)
     block_copy: bool = False  # q8_0: `prepare` adds `qs_blocks` (a tied LM head's)
     qs_blocks: torch.Tensor | None = None  # q8_0: qs in `q8_0_block_order` (after `prepare`)
+    # where the AMX matmuls run (`amx_usable`): the same weights in their layout (`amx_order`),
+    # added by `prepare`; bf16 calls of `AMX_MIN_TOKENS` to `AMX_MAX_TOKENS` rows read them
+    amx_qs: torch.Tensor | None = None
+    amx_scale: torch.Tensor | None = None
+    use_amx: bool = True  # False: never add the AMX copy (scripts/bench_quant.py's `noamx`)
 
     @staticmethod
     def from_int4(groups: Int4Groups) -> GemvBlocks:
@@ -277,7 +287,7 @@ class GemvBlocks:
         return GemvBlocks("q8_0", torch.cat(qs).contiguous(), torch.cat(d).contiguous())
 
     def nbytes(self) -> int:
-        tensors = (self.qs, self.scale, self.offset, self.qs_blocks)
+        tensors = (self.qs, self.scale, self.offset, self.qs_blocks, self.amx_qs, self.amx_scale)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def prepare(self) -> None:
@@ -285,7 +295,14 @@ class GemvBlocks:
         copy of Q8_0 ones (once; needs `kernels.cpu_ext.load()`). The model runner calls it ahead
         of the first step (`LlamaForCausalLM.prepare_gemv_blocks`) when the kernels are built; a
         worker that builds them in the background reorders each linear on its first call after
-        they load (SmolLM2's 120 int4 linears: ~0.5 s in all on 2 cores, once)."""
+        they load (SmolLM2's 120 int4 linears: ~0.5 s in all on 2 cores, once). Where the AMX
+        matmuls run, every block first gets its `amx_order` copy (read from the GGUF's order)."""
+        if self.use_amx and self.amx_qs is None and self.qs.shape[0] % 16 == 0 and amx_usable():
+            with _PREPARE_LOCK:
+                if self.amx_qs is None and (self.kind == "q8_0" or self.block_groups == 1):
+                    self.amx_qs, self.amx_scale = amx_order(
+                        self.kind, self.qs, self.scale, self.offset
+                    )
         if self.kind == "q8_0":
             if self.block_copy and self.qs_blocks is None and q8_0_kernel_block_groups() > 1:
                 with _PREPARE_LOCK:
@@ -302,15 +319,27 @@ class GemvBlocks:
                 self.qs = int4_block_order(self.qs)
                 self.block_groups = want
 
+    def takes_amx(self, x: torch.Tensor) -> bool:
+        """Whether a call on `x` runs the AMX matmul (`amx_takes`, and the blocks have their AMX
+        copy, which `prepare` adds where the matmuls run; needs `kernels.cpu_ext.load()`)."""
+        if not amx_takes(x.shape[0], x.dtype):
+            return False
+        self.prepare()
+        return self.amx_qs is not None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 or bf16 [M, K], contiguous -> [M, N] in x's dtype (needs
         `kernels.cpu_ext.load()`)."""
         if self.kind == "int4":
             self.prepare()
+            if self.amx_qs is not None and amx_takes(x.shape[0], x.dtype):
+                return torch.ops.laneserve.int4_amx(x, self.amx_qs, self.amx_scale)
             return torch.ops.laneserve.int4_gemv(
                 x, self.qs, self.scale, self.offset, self.block_groups
             )
         self.prepare()
+        if self.amx_qs is not None and amx_takes(x.shape[0], x.dtype):
+            return torch.ops.laneserve.q8_0_amx(x, self.amx_qs, self.amx_scale)
         if self.qs_blocks is not None and not (
             x.dtype == torch.bfloat16 and x.shape[0] >= BF16_GEMV_MIN_TOKENS and gemv_takes_bf16()
         ):  # the int16 path (the bf16 one reads the GGUF's order)
@@ -328,6 +357,58 @@ def q8_0_kernel_block_groups() -> int:
     """16 where the built C++ GEMV's int16 path reads Q8_0 weights in `q8_0_block_order`
     (AVX-512BW), 1 (the GGUF's order only) elsewhere."""
     return int(torch.ops.laneserve.q8_0_gemv_block_groups())
+
+
+# bf16 calls from this many rows up to AMX_MAX_TOKENS run the AMX matmuls where they run
+# (`amx_usable`; kernels/cpu_ext_amx.py), whatever the GEMV or dense thresholds say. Whole bf16
+# SmolLM2 decode steps on a 2-core Xeon with AMX (`scripts/bench_quant.py --steps --quantization
+# auto,auto-noamx`, the two alternating), time with / without: 3 rows 1.30x, 4 rows 1.07x (torch's
+# int4 kernel unpacks its weights once per 4 rows), 5 rows 0.74x, 8 rows 0.73x, 16 rows 0.68x,
+# 32 rows 0.92x (every 16 rows dequantize the weights again), 64 rows 1.01x (the dense copy).
+AMX_MIN_TOKENS = 5
+AMX_MAX_TOKENS = 32
+
+
+def amx_usable() -> bool:
+    """Whether the built C++ kernels run the AMX matmuls here: a CPU with AMX-BF16 (the build
+    is ``-march=native``) whose kernel granted this process the tile state. False while the
+    kernels are not built (asked again later), and with ``LANESERVE_AMX=0``."""
+    if not cpu_ext.load():
+        return False
+    return _amx_granted()
+
+
+@functools.cache
+def _amx_granted() -> bool:
+    return env.get("LANESERVE_AMX") and bool(torch.ops.laneserve.amx_usable())
+
+
+def amx_takes(rows: int, dtype: torch.dtype) -> bool:
+    """Whether a call of `rows` rows of `dtype` on blocks with an AMX copy runs the AMX matmul."""
+    return dtype == torch.bfloat16 and AMX_MIN_TOKENS <= rows <= AMX_MAX_TOKENS
+
+
+def amx_order(
+    kind: str, qs: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GEMV blocks (`GemvBlocks`, the GGUF's order; N a multiple of 16) in the AMX matmuls'
+    layout (kernels/cpu_ext_amx.py): (qa, sa). Tile row r of output block b and group g holds the
+    pairs k = 32 g + 2 r, 2 r + 1 of outputs 16 b .. 16 b + 7 in its first half and of outputs
+    16 b + 8 .. 16 b + 15 in its second (int4: low and high nibbles of the same 16 bytes)."""
+    n, g = scale.shape
+    nb = n // 16
+    if kind == "int4":
+        b = qs.view(n, g, 16)
+        values = torch.cat([b & 15, b >> 4], dim=2)  # [N, G, 32]: q[n, 32 g + j]
+        q = values.view(nb, 2, 8, g, 16, 2)  # block, half, output, group, row, pair
+        qa = (q[:, 0] | (q[:, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(nb, g, 16, 16)
+        parts = [scale, offset]
+    else:
+        q = qs.view(nb, 2, 8, g, 16, 2)
+        qa = q.permute(0, 3, 4, 1, 2, 5).reshape(nb, g, 16, 32)
+        parts = [scale]
+    sa = torch.cat([p.view(nb, 16, g).permute(0, 2, 1) for p in parts], dim=2)
+    return qa.contiguous(), sa.float().contiguous()
 
 
 def q8_0_block_order(qs: torch.Tensor) -> torch.Tensor:
@@ -685,6 +766,9 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
+        if self.gemv is not None and cpu_ext.load() and self.gemv.takes_amx(x):
+            y = self.gemv(x.contiguous())
+            return y if bias is None else y + bias
         if self._dense is not None and x.shape[0] >= self.dense_min_tokens:
             return dense_linear(x, self._dense, bias)
         y = None

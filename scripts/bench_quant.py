@@ -30,7 +30,8 @@ float32 copy is at least as fast as the C++ GEMV (`crossover_m_fp32`: `DENSE_MIN
 model: decodes at batch 1 / 8 / 64 and the prefill of one 512-token prompt, for `--quantization
 none,auto,auto-nodense` (`--dtype`, default bf16; `auto-nodense` drops the dense bf16 copies, so
 every call reads the 4-bit weights; `auto-nogemv` drops the C++ GEMV blocks used for few rows,
-`auto-nolayergemv` only those of the decoder layers' linears, keeping the LM head's), the
+`auto-nolayergemv` only those of the decoder layers' linears, keeping the LM head's;
+`auto-noamx` drops the AMX copies, kernels/cpu_ext_amx.py, where the CPU has AMX), the
 engines stepped alternately so load from other processes hits all alike; it reports each
 model's weight bytes (quantized blocks, scales, dense copies) and load time:
 
@@ -188,9 +189,14 @@ def build_engines(args) -> tuple[dict, dict]:
         )
         model = llm.engine.runner.model
         linears = [getattr(layer, f) for layer in model.layers for f in LINEARS]
-        for drop in name.split("-")[1:]:  # "nodense", "nogemv", "nolayergemv"
+        for drop in name.split("-")[1:]:  # "nodense", "nogemv", "nolayergemv", "noamx"
             for lin in [*linears, *([] if drop == "nolayergemv" else [model.lm_head])]:
-                if isinstance(lin, QuantLinear):
+                if not isinstance(lin, QuantLinear):
+                    continue
+                if drop == "noamx":
+                    if lin.gemv is not None:
+                        lin.gemv.use_amx, lin.gemv.amx_qs, lin.gemv.amx_scale = False, None, None
+                else:
                     setattr(lin, "_dense" if drop == "nodense" else "gemv", None)
         llms[name] = llm
         memory[name] = {

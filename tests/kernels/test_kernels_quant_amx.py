@@ -1,0 +1,170 @@
+"""The AMX matmuls (kernels/cpu_ext_amx.py) against the bf16 weights' product, their layout
+(`quantization.amx_order`) by its definition, and the routing of bf16 linears to them.
+
+They run only on a CPU with AMX-BF16 (Sapphire Rapids and later); elsewhere `amx_usable()` is
+false, the ops refuse, and the tests that need the tiles skip with that reason.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from gpu_worker import quantization as quant
+from gpu_worker.quantization import GemvBlocks
+from kernels import cpu_ext
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+
+
+@pytest.fixture(autouse=True)
+def built():
+    assert cpu_ext.load(), "the C++ CPU kernels failed to build (see the warning logged)"
+
+
+needs_amx = pytest.mark.skipif(
+    "amx_bf16" not in open("/proc/cpuinfo").read(), reason="the CPU has no AMX-BF16"
+)
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int) -> GemvBlocks:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    if kind == "int4":
+        return GemvBlocks.from_int4(quant.int4_from_float(w))
+    q8, s8 = quant.int8_from_float(w)
+    scale = (s8[:, None] * (1 + torch.rand(n, k // 32, generator=g))).contiguous()
+    return GemvBlocks("q8_0", q8, scale)  # a scale per group, as Q8_0 blocks have
+
+
+def weights(blocks: GemvBlocks) -> torch.Tensor:
+    """W in float32 from the blocks' own arrays (GGUF order)."""
+    n = blocks.qs.shape[0]
+    if blocks.kind == "q8_0":
+        return (blocks.qs.float().view(n, -1, 32) * blocks.scale[..., None]).view(n, -1)
+    b = blocks.qs.to(torch.int32).view(n, -1, 16)
+    q = torch.cat([b & 15, b >> 4], dim=2).float()
+    return (q * blocks.scale[..., None] + blocks.offset[..., None]).view(n, -1)
+
+
+@pytest.mark.parametrize("kind", ["int4", "q8_0"])
+def test_amx_order_places_each_weight_by_its_definition(kind):
+    """Tile row r of block b and group g: its first half the pairs (k = 32 g + 2 r + i) of outputs
+    16 b + j // 2, its second those of 16 b + 8 + j // 2 (int4: the low and the high nibbles of
+    the same bytes); the scales (and offsets) of the block's 16 outputs per group."""
+    blocks = random_blocks(kind, 48, 96, seed=1)
+    qa, sa = quant.amx_order(kind, blocks.qs, blocks.scale, blocks.offset)
+    n, k = 48, 96
+    if kind == "int4":
+        b = blocks.qs.to(torch.int32).view(n, -1, 16)
+        q = torch.cat([b & 15, b >> 4], dim=2).view(n, k)
+        assert qa.shape == (3, 3, 16, 16) and qa.dtype == torch.uint8
+        lo, hi = qa.to(torch.int32) & 15, qa.to(torch.int32) >> 4
+    else:
+        q = blocks.qs.to(torch.int32)
+        assert qa.shape == (3, 3, 16, 32) and qa.dtype == torch.int8
+        lo, hi = qa[..., :16].to(torch.int32), qa[..., 16:].to(torch.int32)
+    for blk, g, r, j in [(0, 0, 0, 0), (1, 2, 15, 15), (2, 1, 7, 6), (0, 2, 3, 9)]:
+        kk = 32 * g + 2 * r + j % 2
+        assert lo[blk, g, r, j] == q[16 * blk + j // 2, kk]
+        assert hi[blk, g, r, j] == q[16 * blk + 8 + j // 2, kk]
+    assert torch.equal(sa[1, 2, :16], blocks.scale[16:32, 2])
+    if kind == "int4":
+        assert sa.shape == (3, 3, 32) and torch.equal(sa[2, 0, 16:], blocks.offset[32:48, 0])
+    else:
+        assert sa.shape == (3, 3, 16)
+
+
+@needs_amx
+@pytest.mark.parametrize("kind", ["int4", "q8_0"])
+def test_amx_matches_bf16_weights_and_rows_do_not_depend_on_the_batch(kind):
+    """The result equals x times the weights rounded to bf16 (float32 sums, one rounding of the
+    output) for M across the 16-row tile (1, 5, 16, 17, 40) and N = 80 (a pass of 4 blocks and a
+    pass of 1); row i is bitwise the same at every M and thread count; a NaN stays in its row."""
+    assert quant.amx_usable()
+    blocks = random_blocks(kind, 80, 160, seed=2)
+    qa, sa = quant.amx_order(kind, blocks.qs, blocks.scale, blocks.offset)
+    op = torch.ops.laneserve.int4_amx if kind == "int4" else torch.ops.laneserve.q8_0_amx
+    x = torch.randn(40, 160, generator=torch.Generator().manual_seed(3)).bfloat16()
+    out = op(x, qa, sa)
+    assert out.dtype == torch.bfloat16 and out.shape == (40, 80)
+    w = weights(blocks)
+    ref = x.double() @ w.bfloat16().double().T
+    err = (out.double() - ref).abs() / (x.double().abs() @ w.abs().double().T)
+    assert err.max() < 2**-8, err.max()  # the output's bf16 rounding, relative to the terms
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in {1, threads}:
+            torch.set_num_threads(n_threads)
+            for m in (1, 5, 16, 17, 40):
+                assert torch.equal(op(x[:m].contiguous(), qa, sa), out[:m]), (m, n_threads)
+            assert torch.equal(op(x[20:37].contiguous(), qa, sa), out[20:37])
+    finally:
+        torch.set_num_threads(threads)
+    nan = x.clone()
+    nan[18, 40] = float("nan")
+    got = op(nan, qa, sa)
+    assert got[18].isnan().all() and torch.equal(got[:18], out[:18])
+    assert torch.equal(got[19:], out[19:])
+
+
+@needs_amx
+def test_amx_ops_reject_bad_arguments():
+    blocks = random_blocks("int4", 32, 64, seed=4)
+    qa, sa = quant.amx_order("int4", blocks.qs, blocks.scale, blocks.offset)
+    x = torch.randn(5, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.laneserve.int4_amx(x.float(), qa, sa)
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.laneserve.int4_amx(torch.randn(5, 96).bfloat16(), qa, sa)
+    with pytest.raises(RuntimeError, match="qa must be"):
+        torch.ops.laneserve.q8_0_amx(x, qa, sa)  # int4 tiles to the Q8_0 op
+
+
+@needs_amx
+@pytest.mark.parametrize("kind", ["int4", "q8_0"])
+def test_bf16_calls_route_to_amx_between_its_thresholds(kind):
+    """GEMV blocks whose N is a multiple of 16 get their AMX copy on first use; bf16 calls of
+    `AMX_MIN_TOKENS` to `AMX_MAX_TOKENS` rows run it (a `QuantLinear` too, ahead of its dense
+    copy's threshold), fewer rows and float32 calls the GEMV paths as before; blocks whose N is
+    not a multiple of 16 keep no copy."""
+    blocks = random_blocks(kind, 64, 128, seed=5)
+    x = torch.randn(quant.AMX_MAX_TOKENS + 1, 128, generator=torch.Generator().manual_seed(6))
+    xb = x.bfloat16()
+    lo, hi = quant.AMX_MIN_TOKENS, quant.AMX_MAX_TOKENS
+    assert not blocks.takes_amx(xb[: lo - 1]) and not blocks.takes_amx(x[:lo])
+    assert blocks.takes_amx(xb[:lo]) and blocks.amx_qs is not None
+    op = torch.ops.laneserve.int4_amx if kind == "int4" else torch.ops.laneserve.q8_0_amx
+    amx = op(xb, blocks.amx_qs, blocks.amx_scale)
+    for m in (lo, hi):
+        assert torch.equal(blocks(xb[:m]), amx[:m]), m
+    few = xb[: lo - 1]
+    assert torch.equal(blocks(few), blocks(few.float()).bfloat16())  # the int16 path
+    assert not blocks.takes_amx(xb)  # past the range: the GEMVs
+    torch.testing.assert_close(blocks(xb).float(), amx.float(), atol=2e-2, rtol=2e-2)
+    if kind == "int4":
+        lin = quant.QuantLinear.from_int4(
+            quant.int4_from_float(weights(blocks)),
+            dense=weights(blocks).bfloat16(),
+            dense_min_tokens=lo + 1,
+            gemv=blocks,
+        )
+        assert torch.equal(lin(xb[: lo + 3]), amx[: lo + 3])  # not the dense copy
+        assert torch.equal(lin(xb[: lo - 1]), lin._kernel(xb[: lo - 1]))
+    odd = random_blocks(kind, 72, 128, seed=7)
+    assert not odd.takes_amx(xb[:lo]) and odd.amx_qs is None
+
+
+def test_without_amx_nothing_changes():
+    """Where the tiles are not usable (`amx_usable()` false) no block gets an AMX copy and the
+    ops refuse with a clear error; where they are, a block told not to use them keeps none."""
+    blocks = random_blocks("int4", 32, 64, seed=8)
+    blocks.use_amx = False
+    xb = torch.randn(8, 64).bfloat16()
+    assert not blocks.takes_amx(xb) and blocks.amx_qs is None
+    if not quant.amx_usable():
+        qa, sa = quant.amx_order("int4", blocks.qs, blocks.scale, blocks.offset)
+        with pytest.raises(RuntimeError, match="AMX"):
+            torch.ops.laneserve.int4_amx(xb, qa, sa)
