@@ -271,7 +271,9 @@ class GemvBlocks:
     # added by `prepare`; bf16 calls of `AMX_MIN_TOKENS` to `AMX_MAX_TOKENS` rows read them
     amx_qs: torch.Tensor | None = None
     amx_scale: torch.Tensor | None = None
-    use_amx: bool = True  # False: never add the AMX copy (scripts/bench_quant.py's `noamx`)
+    # whether `prepare` adds the AMX copy: set by the builders for a bf16 model's linears only,
+    # so no other model holds a copy no call reads (scripts/bench_quant.py's `noamx` clears it)
+    use_amx: bool = False
 
     @staticmethod
     def from_int4(groups: Int4Groups) -> GemvBlocks:
@@ -300,9 +302,9 @@ class GemvBlocks:
         if self.use_amx and self.amx_qs is None and self.qs.shape[0] % 16 == 0 and amx_usable():
             with _PREPARE_LOCK:
                 if self.amx_qs is None and (self.kind == "q8_0" or self.block_groups == 1):
-                    self.amx_qs, self.amx_scale = amx_order(
-                        self.kind, self.qs, self.scale, self.offset
-                    )
+                    qa, sa = amx_order(self.kind, self.qs, self.scale, self.offset)
+                    self.amx_scale = sa
+                    self.amx_qs = qa  # last: a set `amx_qs` means the copy is whole
         if self.kind == "q8_0":
             if self.block_copy and self.qs_blocks is None and q8_0_kernel_block_groups() > 1:
                 with _PREPARE_LOCK:
@@ -573,7 +575,8 @@ def bf16_takes_gemv(kind: str, rows: int) -> bool:
 
 def gemv_takes_bf16() -> bool:
     """Whether a bf16 model's int4 and Q8_0 linears get GEMV blocks, about 0.75 bytes per weight
-    beside torch's int4 pack and the dense copy (SmolLM2's weights 396 -> 475 MB). On a CPU with
+    beside torch's int4 pack and the dense copy (SmolLM2's weights 396 -> 475 MB; on an AMX CPU
+    the AMX copies, `amx_order`, add ~0.75 bytes per weight more: 504 -> 615 MB). On a CPU with
     AVX512-BF16 the kernel converts each weight group to bf16 once and runs one vdpbf16ps per
     group and row, so extra rows cost little (`BF16_GEMV_MIN_TOKENS` rows up: 5-row calls of the
     SmolLM2 linears took 0.47-0.74x the time of torch's int4 kernel, scripts/bench_quant.py;
@@ -724,6 +727,7 @@ class QuantLinear:
         get their block-order copy (`GemvBlocks.block_copy`)."""
         assert blocks.kind == "q8_0" and self.kind == "int8", (blocks.kind, self.kind)
         blocks.block_copy = True
+        blocks.use_amx = self._dense is not None and self._dense.dtype == torch.bfloat16
         self.gemv = blocks
         if self._dense is None:
             self.gemv_max_tokens = sys.maxsize
@@ -766,7 +770,12 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
-        if self.gemv is not None and cpu_ext.load() and self.gemv.takes_amx(x):
+        if (
+            self.gemv is not None
+            and amx_takes(x.shape[0], x.dtype)
+            and cpu_ext.load()
+            and self.gemv.takes_amx(x)
+        ):
             y = self.gemv(x.contiguous())
             return y if bias is None else y + bias
         if self._dense is not None and x.shape[0] >= self.dense_min_tokens:
@@ -871,11 +880,13 @@ def build_linear(
         dense = groups.dequantize().to(dense_dtype) if dense_dtype else None
         if with_gemv:
             gemv = GemvBlocks.from_int4(groups)
+            gemv.use_amx = dtype == torch.bfloat16
         return QuantLinear.from_int4(groups, **_routes(dtype, dense, gemv))
     weight = torch.cat([_as_float(p) for p in parts])
     dense = weight.to(dense_dtype) if dense_dtype else None
     if with_gemv and all(_is_q8_0(p) for p in parts):
         gemv = GemvBlocks.from_q8_0(parts)  # the Q8_0 blocks themselves: exact weights
+        gemv.use_amx = dtype == torch.bfloat16
     return QuantLinear.from_int8(*int8_from_float(weight), **_routes(dtype, dense, gemv))
 
 

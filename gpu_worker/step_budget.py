@@ -784,8 +784,11 @@ def step_cost_cache_dir() -> Path:
 def step_cost_cache_key(engine: Any) -> str:
     """What a step's cost depends on: the model file (path, size, mtime), the engine options
     (all but the SLO text), the resolved dtype, device and weight kernels, torch's version and
-    thread count, the CPU (model name and flags), the OpenMP policy and the profile's shapes."""
+    thread count, the CPU (model name and flags), the OpenMP policy, the profile's shapes, the C++
+    kernels' build and `LANESERVE_AMX`."""
     import torch
+
+    from kernels import cpu_ext
 
     config = {k: v for k, v in dataclasses.asdict(engine.config).items() if k != "slo"}
     path = Path(engine.model_path)
@@ -806,6 +809,8 @@ def step_cost_cache_key(engine: Any) -> str:
         "cpu": _cpu_identity(),
         "openmp": {name: env.get(name) for name in _OPENMP_VARS},
         "profile": _PROFILE,
+        # the C++ kernels' source and CPU flags (their build), and whether AMX may run them
+        "kernels": [cpu_ext.build_directory().name, env.get("LANESERVE_AMX")],
     }
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -4,7 +4,8 @@
 compute ``y = x @ W.T`` for bfloat16 activations on a CPU with AMX-BF16 (Sapphire Rapids and
 later), reading the weights in their 4- or 8-bit form. Each weight tile (16 outputs x one
 32-element group) is dequantized once per 16 activation rows to bf16 (``w = q * scale +
-offset`` in float32, rounded to nearest even: the rounding of a dense bf16 copy) in the VNNI
+offset`` by one float32 FMA, rounded to nearest even: a dense bf16 copy's values but for a
+rare last bit, and subnormals flushed to zero as oneDNN's AMX GEMMs do) in the VNNI
 pair layout the tile unit reads, and one ``tdpbf16ps`` multiplies it with up to 16 rows of x
 (products exact in float32, float32 sums). The dequantization is the work; the rows are nearly
 free: on a 2-core Xeon with AMX the SmolLM2 linears took the same time at 1 and 16 rows (qkv
@@ -67,6 +68,11 @@ struct TileConfig {
   uint16_t colsb[16];
   uint8_t rows[16];
 };
+
+// GCC's tile intrinsics are asm statements that name no memory: without this, the compiler may
+// drop the stores a tile load reads (bbuf) or read cbuf before the tile store (seen at -O3 in a
+// copy of one pass, where the dequantized tiles were never written).
+inline void memory_barrier() { asm volatile("" ::: "memory"); }
 
 void configure_tiles(int rows) {
   TileConfig cfg{};
@@ -148,6 +154,7 @@ void amx_mm(const at::Tensor& x, const at::Tensor& qa, const at::Tensor& sa, at:
   if (J < nb) {                                                                            \
     const int64_t t = (b0 + J) * G + g;                                                    \
     dequant_tile<Q4>(qp + t * tile_bytes, sp + t * sa_floats, bbuf[BUF]);                  \
+    memory_barrier(); /* the tile load reads bbuf */                                       \
     _tile_loadd(BT, bbuf[BUF], 64);                                                        \
     _tile_dpbf16ps(J, 4, BT);                                                              \
   }
@@ -160,6 +167,7 @@ void amx_mm(const at::Tensor& x, const at::Tensor& qa, const at::Tensor& sa, at:
 #define LANESERVE_AMX_STORE(J)                                                             \
   if (J < nb) {                                                                            \
     _tile_stored(J, cbuf, 64);                                                             \
+    memory_barrier(); /* the tile store wrote cbuf */                                      \
     for (int r = 0; r < rows; ++r)                                                         \
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + (m0 + r) * N + (b0 + J) * 16),   \
                           (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(cbuf + r * 16)));     \

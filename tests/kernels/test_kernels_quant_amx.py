@@ -25,18 +25,23 @@ def built():
 
 
 needs_amx = pytest.mark.skipif(
-    "amx_bf16" not in open("/proc/cpuinfo").read(), reason="the CPU has no AMX-BF16"
+    not quant.amx_usable(),
+    reason="AMX matmuls not usable here (no AMX-BF16, the kernel refused it, or LANESERVE_AMX=0)",
 )
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int) -> GemvBlocks:
+    """Blocks of a bf16 model's linear (`use_amx`, as `build_linear` sets it for bf16)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
     if kind == "int4":
-        return GemvBlocks.from_int4(quant.int4_from_float(w))
-    q8, s8 = quant.int8_from_float(w)
-    scale = (s8[:, None] * (1 + torch.rand(n, k // 32, generator=g))).contiguous()
-    return GemvBlocks("q8_0", q8, scale)  # a scale per group, as Q8_0 blocks have
+        blocks = GemvBlocks.from_int4(quant.int4_from_float(w))
+    else:
+        q8, s8 = quant.int8_from_float(w)
+        scale = (s8[:, None] * (1 + torch.rand(n, k // 32, generator=g))).contiguous()
+        blocks = GemvBlocks("q8_0", q8, scale)  # a scale per group, as Q8_0 blocks have
+    blocks.use_amx = True
+    return blocks
 
 
 def weights(blocks: GemvBlocks) -> torch.Tensor:
@@ -79,17 +84,18 @@ def test_amx_order_places_each_weight_by_its_definition(kind):
 
 @needs_amx
 @pytest.mark.parametrize("kind", ["int4", "q8_0"])
-def test_amx_matches_bf16_weights_and_rows_do_not_depend_on_the_batch(kind):
+@pytest.mark.parametrize("n", [32, 80, 112])
+def test_amx_matches_bf16_weights_and_rows_do_not_depend_on_the_batch(kind, n):
     """The result equals x times the weights rounded to bf16 (float32 sums, one rounding of the
-    output) for M across the 16-row tile (1, 5, 16, 17, 40) and N = 80 (a pass of 4 blocks and a
-    pass of 1); row i is bitwise the same at every M and thread count; a NaN stays in its row."""
-    assert quant.amx_usable()
-    blocks = random_blocks(kind, 80, 160, seed=2)
+    output) for M across the 16-row tile (1, 5, 16, 17, 40) and N = 32 / 80 / 112 (passes of 2,
+    4 + 1 and 4 + 3 blocks); row i is bitwise the same at every M and thread count; a NaN stays
+    in its row."""
+    blocks = random_blocks(kind, n, 160, seed=2)
     qa, sa = quant.amx_order(kind, blocks.qs, blocks.scale, blocks.offset)
     op = torch.ops.laneserve.int4_amx if kind == "int4" else torch.ops.laneserve.q8_0_amx
     x = torch.randn(40, 160, generator=torch.Generator().manual_seed(3)).bfloat16()
     out = op(x, qa, sa)
-    assert out.dtype == torch.bfloat16 and out.shape == (40, 80)
+    assert out.dtype == torch.bfloat16 and out.shape == (40, n)
     w = weights(blocks)
     ref = x.double() @ w.bfloat16().double().T
     err = (out.double() - ref).abs() / (x.double().abs() @ w.abs().double().T)
@@ -157,14 +163,42 @@ def test_bf16_calls_route_to_amx_between_its_thresholds(kind):
     assert not odd.takes_amx(xb[:lo]) and odd.amx_qs is None
 
 
+@pytest.mark.parametrize("kind", ["int4", "q8_0"])
+def test_only_bf16_models_get_amx_copies(kind):
+    """The builders ask for the AMX copy for bf16 models only: `build_linear`'s int4 GEMV blocks
+    and a tied LM head's Q8_0 blocks (`read_q8_0_blocks`, by its dense copy's dtype). A float32
+    model's blocks never get one (no call could read it); a bf16 model's get theirs on the first
+    call in range, where the matmuls run, and give the float32 model's result to bf16 rounding."""
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(9)) * 0.05
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(10))
+    lins = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        if kind == "int4":
+            lin = quant.build_linear("w", [w], "int4", dtype)
+        else:
+            lin = quant.build_linear("head", [w], "int8", dtype)
+            q8, s8 = quant.int8_from_float(w)
+            lin.read_q8_0_blocks(GemvBlocks("q8_0", q8, s8[:, None].expand(64, 4).contiguous()))
+        lin(x.to(dtype))
+        lins[dtype] = lin
+    f32, bf16 = lins[torch.float32], lins[torch.bfloat16]
+    assert f32.gemv is not None and not f32.gemv.use_amx and f32.gemv.amx_qs is None
+    if bf16.gemv is None or bf16.dense is None:  # no AVX512-BF16 / no fast bf16: no AMX either
+        assert not quant.amx_usable()
+        return
+    assert bf16.gemv.use_amx
+    assert (bf16.gemv.amx_qs is not None) == quant.amx_usable()
+    torch.testing.assert_close(bf16(x.bfloat16()).float(), f32(x), atol=3e-2, rtol=3e-2)
+
+
 def test_without_amx_nothing_changes():
-    """Where the tiles are not usable (`amx_usable()` false) no block gets an AMX copy and the
-    ops refuse with a clear error; where they are, a block told not to use them keeps none."""
+    """A block not asked for an AMX copy keeps none; where the C++ op cannot use the tiles it
+    refuses with a clear error."""
     blocks = random_blocks("int4", 32, 64, seed=8)
     blocks.use_amx = False
     xb = torch.randn(8, 64).bfloat16()
     assert not blocks.takes_amx(xb) and blocks.amx_qs is None
-    if not quant.amx_usable():
+    if not torch.ops.laneserve.amx_usable():
         qa, sa = quant.amx_order("int4", blocks.qs, blocks.scale, blocks.offset)
         with pytest.raises(RuntimeError, match="AMX"):
             torch.ops.laneserve.int4_amx(xb, qa, sa)
