@@ -45,6 +45,7 @@ from typing import Any
 
 from sqlalchemy import Engine, select, update
 
+from contracts.openai import Limits
 from db.models import JOB_TERMINAL_STATUSES, File, Job
 from db.session import read_session, write_session
 from jobs.errors import ConflictError, InvalidRequestError, NotFoundError
@@ -87,9 +88,11 @@ def new_batch_id() -> str:
     return f"batch_{uuid.uuid4().hex}"
 
 
-def _check_task_max_tokens(value: Any) -> None:
-    """A task job's `max_tokens` option is a positive integer (or a string of one): once any
-    value was taken, and every line of the job then failed with the same error."""
+def _check_task_max_tokens(value: Any, limit: int | None) -> None:
+    """A task job's `max_tokens` option is a positive integer (or a string of one) within the
+    per-request cap: the jobs runner validates every line with `Limits()`'s, and `limit` (the
+    API's `--max-tokens-limit`) when lower. Before, any value was taken, and every line of the
+    job then failed with the same error."""
     if value is None:
         return
     text = str(value).strip()
@@ -97,6 +100,9 @@ def _check_task_max_tokens(value: Any) -> None:
         raise InvalidRequestError(
             f"task option max_tokens must be a positive integer, got {value!r}"
         )
+    cap = min(Limits().max_tokens_limit, limit or Limits().max_tokens_limit)
+    if int(text) > cap:
+        raise InvalidRequestError(f"task option max_tokens must be <= {cap}, got {int(text)}")
 
 
 def _check_metadata(metadata: dict[str, Any] | None) -> dict[str, str] | None:
@@ -121,11 +127,14 @@ def create_batch(
     task: str | None = None,
     task_options: dict[str, Any] | None = None,
     model: str | None = None,
+    max_tokens_limit: int | None = None,
 ) -> Job:
     """Create a batch (status `validating`) over an uploaded input file.
 
     `model` is the job's default model for lines that do not name one (and the model of task
-    shorthand jobs). Returns the new `jobs` row.
+    shorthand jobs); `max_tokens_limit` the caller's cap on a request's `max_tokens` (the API's
+    `--max-tokens-limit`), which a task's `max_tokens` option must respect. Returns the new
+    `jobs` row.
 
     Raises:
         InvalidRequestError: unknown endpoint or task, bad window or metadata, task options
@@ -146,7 +155,7 @@ def create_batch(
         unknown = set(task_options) - set(TASK_OPTION_KEYS)
         if unknown:
             raise InvalidRequestError(f"unknown task options {sorted(unknown)}")
-        _check_task_max_tokens(task_options.get("max_tokens"))
+        _check_task_max_tokens(task_options.get("max_tokens"), max_tokens_limit)
         meta = dict(meta or {})
         meta.update({k: str(v) for k, v in task_options.items() if v is not None})
     if task == "extract":

@@ -11,7 +11,8 @@ bad. Line-level problems (not JSON, not an object, a missing or wrong field, a p
 than `max_model_len`) are `LineResult.error` entries named by the line's `custom_id`, or
 `line-N` (1-based line number) when it has none. Job-level problems raise `JobValidationError`
 with OpenAI-shaped `errors` (`[{"code", "message", "line"}]`): a file over the size or line
-limit, a duplicate `custom_id` (naming both line numbers), more than one model. The caller
+limit, more than one model, and (after the whole file is read, with the other lines' first
+errors beside them) every duplicate `custom_id`, each naming both line numbers. The caller
 fails the job when more than half the lines are bad (`Validator.too_many_bad`).
 
 A line's `body` is checked by the gateway's own code (`contracts.openai`): the same parser, the
@@ -95,6 +96,7 @@ class Validator:
     models: set[str] = field(default_factory=set)
     first_errors: list[dict[str, Any]] = field(default_factory=list)
     _seen: dict[str, int] = field(default_factory=dict)
+    _duplicates: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def max_model_len(self) -> int | None:
@@ -154,23 +156,33 @@ class Validator:
                         [{"code": "too_many_lines", "message": msg, "line": line_no}]
                     )
                 result = self._line(line_no, raw)
-                self._check_duplicate(result)
+                if self._is_duplicate(result):
+                    continue  # not yielded: the job fails below, with every other error
                 if result.error is not None:
                     self.num_bad += 1
                     if len(self.first_errors) < MAX_JOB_ERRORS:
                         self.first_errors.append({**result.error, "line": line_no})
                 yield result
+        if self._duplicates:
+            room = max(MAX_JOB_ERRORS - len(self._duplicates), 0)
+            raise JobValidationError([*self._duplicates, *self.first_errors[:room]])
 
     # ------------------------------------------------------------------ internals
 
-    def _check_duplicate(self, result: LineResult) -> None:
+    def _is_duplicate(self, result: LineResult) -> bool:
+        """Whether `result` repeats an earlier line's custom_id (the first `MAX_JOB_ERRORS`
+        repeats are kept as job errors, each naming both lines; the file is read to its end so
+        the job's errors also hold the other lines' problems)."""
         first = self._seen.get(result.custom_id)
-        if first is not None:
+        if first is None:
+            self._seen[result.custom_id] = result.line_no
+            return False
+        if len(self._duplicates) < MAX_JOB_ERRORS:
             msg = f"duplicate custom_id {result.custom_id!r} on lines {first} and {result.line_no}"
-            raise JobValidationError(
-                [{"code": "duplicate_custom_id", "message": msg, "line": result.line_no}]
+            self._duplicates.append(
+                {"code": "duplicate_custom_id", "message": msg, "line": result.line_no}
             )
-        self._seen[result.custom_id] = result.line_no
+        return True
 
     def _line(self, line_no: int, raw: bytes) -> LineResult:
         name = f"line-{line_no}"

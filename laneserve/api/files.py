@@ -199,6 +199,7 @@ async def create_batch(request: Request) -> Response:
         task=body.get("task"),
         task_options=body.get("task_options"),
         model=model,
+        max_tokens_limit=state.config.max_tokens_limit,
     )
     return JSONResponse(service.batch_object(job))
 

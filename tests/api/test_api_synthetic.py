@@ -395,6 +395,14 @@ def test_files_and_batches_with_the_sdk(client, tmp_path) -> None:
         client.batches.create(
             input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h"
         )
+    # a task's max_tokens above the gateway's cap is the job's 400, not an error on every line
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be <= 4096, got 5000"):
+        client.batches.create(
+            input_file_id=f.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            extra_body={"task": "summarize", "task_options": {"max_tokens": 5000}},
+        )
 
 
 def test_batch_round_trip_with_the_sdk(client, synth_stack, smollm2_gguf) -> None:

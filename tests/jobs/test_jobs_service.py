@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from contracts.openai import Limits
 from jobs import service
 from jobs.errors import ConflictError, InvalidRequestError, NotFoundError, PayloadTooLargeError
 
@@ -116,3 +117,14 @@ def test_task_options_go_to_metadata(any_engine):
     ok = service.create_batch(any_engine, f.id, "/v1/chat/completions", task="summarize",
                               task_options={"max_tokens": "12"})  # fmt: skip
     assert ok.metadata_ == {"max_tokens": "12"}
+    # above the cap every line is validated with (the runner's), or the caller's lower one
+    cap = Limits().max_tokens_limit
+    with pytest.raises(InvalidRequestError, match=f"<= {cap}, got {cap + 1}"):
+        service.create_batch(any_engine, f.id, "/v1/chat/completions", task="summarize",
+                             task_options={"max_tokens": cap + 1})  # fmt: skip
+    with pytest.raises(InvalidRequestError, match="<= 100, got 101"):
+        service.create_batch(any_engine, f.id, "/v1/chat/completions", task="summarize",
+                             task_options={"max_tokens": 101}, max_tokens_limit=100)  # fmt: skip
+    at_cap = service.create_batch(any_engine, f.id, "/v1/chat/completions", task="summarize",
+                                  task_options={"max_tokens": 100}, max_tokens_limit=100)  # fmt: skip
+    assert at_cap.metadata_ == {"max_tokens": "100"}

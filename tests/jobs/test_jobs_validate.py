@@ -72,6 +72,28 @@ def test_duplicate_custom_id_names_both_lines(tmp_path):
     assert "lines 2 and 4" in err.value.errors[0]["message"]
 
 
+def test_duplicates_do_not_hide_the_other_errors(tmp_path):
+    """The file is read to its end: every duplicate custom_id (each naming both lines) and the
+    other lines' errors come back together, so one upload shows everything to fix."""
+    lines = [
+        chat_line("a", "1"),
+        "not json",
+        chat_line("a", "2"),
+        chat_line("b", "3"),
+        chat_line("b", "4"),
+        {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions"},
+    ]
+    with pytest.raises(JobValidationError) as err:
+        _validate(tmp_path, lines)
+    errors = err.value.errors
+    assert [e["code"] for e in errors[:2]] == ["duplicate_custom_id", "duplicate_custom_id"]
+    assert "lines 1 and 3" in errors[0]["message"] and "lines 4 and 5" in errors[1]["message"]
+    assert {(e["code"], e["line"]) for e in errors[2:]} == {
+        ("invalid_json", 2),
+        ("invalid_request", 6),
+    }
+
+
 def test_job_limits_and_one_model(tmp_path):
     with pytest.raises(JobValidationError, match="more than 2 lines"):
         _validate(tmp_path, [chat_line(str(i), "x") for i in range(3)], max_lines=2)
