@@ -290,54 +290,79 @@ def kv_pool_text(pool: Any) -> str:
     return text
 
 
-def _print_slo(console, workers: list[dict[str, Any]]) -> None:
+# Below this many columns each worker prints as a block of "field value" lines instead of one
+# row of a wide table (whose cells rich squeezes into unreadable slivers at 80 columns).
+WIDE_COLUMNS = 120
+
+
+def _slo_cells(ld: dict[str, Any]) -> dict[str, str]:
     """Per worker under SLO control: the targets (P99 ms), attainment, the chosen budget and
     the step-cost model's predicted vs measured step time (gpu_worker/step_budget.py)."""
-    from rich.table import Table
+    return {
+        "interactive ttft/tpot ms": (
+            f"{_ms(ld.get('slo_interactive_ttft_ms'))}/{_ms(ld.get('slo_interactive_tpot_ms'))}"
+        ),
+        "interactive met": _pct(ld.get("slo_interactive_attainment")),
+        "batch ttft/tpot ms": f"{_ms(ld.get('slo_batch_ttft_ms'))}/{_ms(ld.get('slo_batch_tpot_ms'))}",
+        "batch met": _pct(ld.get("slo_batch_attainment")),
+        "budget": str(ld.get("step_token_budget", "-")),
+        "batch tok": "all" if ld.get("step_batch_tokens") is None else str(ld["step_batch_tokens"]),
+        "step ms pred/meas": (
+            f"{ld.get('predicted_step_ms', 0):.1f}/{ld.get('measured_step_ms', 0):.1f}"
+        ),
+    }
 
-    rows = [w for w in workers if (w.get("load") or {}).get("slo_interactive_tpot_ms")]
-    if not rows:
-        return
-    table = Table("worker", "interactive ttft/tpot ms", "met", "batch ttft/tpot ms", "met",
-                  "budget", "batch tok", "step ms pred/meas", title="SLO")  # fmt: skip
-    for w in rows:
-        ld = w["load"]
-        table.add_row(
-            str(w.get("worker_id")),
-            f"{_ms(ld.get('slo_interactive_ttft_ms'))}/{_ms(ld.get('slo_interactive_tpot_ms'))}",
-            _pct(ld.get("slo_interactive_attainment")),
-            f"{_ms(ld.get('slo_batch_ttft_ms'))}/{_ms(ld.get('slo_batch_tpot_ms'))}",
-            _pct(ld.get("slo_batch_attainment")),
-            str(ld.get("step_token_budget", "-")),
-            "all" if ld.get("step_batch_tokens") is None else str(ld["step_batch_tokens"]),
-            f"{ld.get('predicted_step_ms', 0):.1f}/{ld.get('measured_step_ms', 0):.1f}",
-        )
-    console.print(table)
+
+def _worker_cells(w: dict[str, Any]) -> dict[str, str]:
+    load = w.get("load") or {}
+    kv = load.get("kv_usage")
+    return {
+        "worker": str(w.get("worker_id")),
+        "pid": str(w.get("pid")),
+        "lanes": ",".join(w.get("lanes") or []),
+        "model": str(w.get("model")),
+        "in flight": f"{w.get('in_flight', 0)}/{w.get('capacity', '?')}",
+        "running": str(load.get("num_running", load.get("running", "-"))),
+        "waiting": str(load.get("num_waiting", load.get("waiting", "-"))),
+        "KV use": f"{kv:.1%}" if isinstance(kv, (int, float)) else "-",
+        "KV pool": kv_pool_text((w.get("info") or {}).get("kv_pool")),
+    }
+
+
+def _under_slo(w: dict[str, Any]) -> bool:
+    return bool((w.get("load") or {}).get("slo_interactive_tpot_ms"))
 
 
 def _print_workers(console, status: dict[str, Any]) -> None:
-    """The workers table and the queue depths (local and remote reports alike)."""
+    """The workers table, the SLO table of those under SLO control, and the queue depths (local
+    and remote reports alike); on a console narrower than `WIDE_COLUMNS`, one block of lines per
+    worker holding the same fields."""
     from rich.table import Table
 
-    if status["workers"]:
-        wt = Table("worker", "pid", "lanes", "model", "in flight", "running", "waiting", "KV use",
-                   "KV pool")  # fmt: skip
-        for w in status["workers"]:
-            load = w.get("load") or {}
-            kv = load.get("kv_usage")
-            wt.add_row(
-                str(w.get("worker_id")),
-                str(w.get("pid")),
-                ",".join(w.get("lanes") or []),
-                str(w.get("model")),
-                f"{w.get('in_flight', 0)}/{w.get('capacity', '?')}",
-                str(load.get("num_running", load.get("running", "-"))),
-                str(load.get("num_waiting", load.get("waiting", "-"))),
-                f"{kv:.1%}" if isinstance(kv, (int, float)) else "-",
-                kv_pool_text((w.get("info") or {}).get("kv_pool")),
-            )
+    workers = status["workers"]
+    if workers and console.width >= WIDE_COLUMNS:
+        wt = Table(*_worker_cells(workers[0]))
+        for w in workers:
+            wt.add_row(*_worker_cells(w).values())
         console.print(wt)
-        _print_slo(console, status["workers"])
+        slo = [w for w in workers if _under_slo(w)]
+        if slo:
+            st = Table("worker", *_slo_cells(slo[0]["load"]), title="SLO")
+            for w in slo:
+                st.add_row(str(w.get("worker_id")), *_slo_cells(w["load"]).values())
+            console.print(st)
+    for w in workers if console.width < WIDE_COLUMNS else []:
+        cells = _worker_cells(w)
+        block = Table(show_header=False, box=None, padding=(0, 1), title_justify="left",
+                      title=f"[bold]{cells.pop('worker')}[/bold]")  # fmt: skip
+        block.add_column(style="dim", no_wrap=True)
+        block.add_column(overflow="fold")
+        for name, value in cells.items():
+            block.add_row(name, value)
+        if _under_slo(w):
+            for name, value in _slo_cells(w["load"]).items():
+                block.add_row(f"SLO {name}", value)
+        console.print(block)
     q = status.get("queues") or {}
     console.print(
         f"queues: interactive {q.get('interactive', '-')}, batch {q.get('batch', '-')}, "
