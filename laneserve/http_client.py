@@ -176,6 +176,10 @@ class StackClient:
         files = {"file": (filename, data, "application/jsonl")}
         return self._json("POST", "/v1/files", files=files, data={"purpose": purpose})
 
+    def delete_file(self, file_id: str) -> dict:
+        """`DELETE /v1/files/{id}`: the OpenAI deletion object."""
+        return self._json("DELETE", f"/v1/files/{file_id}")
+
     def download_file(self, file_id: str, dest: Path) -> int:
         """Stream `GET /v1/files/{id}/content` into `dest` (replaced only when complete);
         return the bytes written.

@@ -170,6 +170,13 @@ def _file_line(info: dict | None, name: bool = False) -> str:
     return f"{info['id']}  {info['filename'] + '  ' if name else ''}({info['bytes']} bytes)"
 
 
+def error_text(err: dict) -> str:
+    """One job error for a person: its input line first where it names one (the API's `line`),
+    then its code and message."""
+    where = f"line {err['line']}: " if isinstance(err.get("line"), int) else ""
+    return f"{where}{err.get('code')}: {err.get('message')}"
+
+
 def summary_lines(batch: dict, stats: dict | None) -> list[str]:
     """The `jobs show` summary of an OpenAI batch object and its laneserve stats (None: the
     stack has no stats route, so only what the batch object says)."""
@@ -183,7 +190,7 @@ def summary_lines(batch: dict, stats: dict | None) -> list[str]:
         f"  created     {_when(batch.get('created_at'))}",
     ]
     for err in (batch.get("errors") or {}).get("data") or []:
-        lines.append(f"  error       {err.get('code')}: {err.get('message')}")
+        lines.append(f"  error       {error_text(err)}")
     if stats is None:
         files = {"input": batch.get("input_file_id"), "output": batch.get("output_file_id"),
                  "errors": batch.get("error_file_id")}  # fmt: skip
@@ -409,7 +416,7 @@ def watch(client: StackClient, job_id: str, timeout_s: float | None = None, cons
         file=sys.stderr,
     )
     for err in (batch.get("errors") or {}).get("data") or []:
-        print(f"  {err.get('code')}: {err.get('message')}", file=sys.stderr)
+        print(f"  {error_text(err)}", file=sys.stderr)
     files = result_files(batch)
     if files:
         names = " and ".join(f"./{path}" for _, _, path in files)

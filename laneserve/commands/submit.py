@@ -19,6 +19,7 @@ Exit codes: 0 submitted (with --wait: completed, failed lines included), 1 faile
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -149,7 +150,12 @@ def run(args: argparse.Namespace) -> int:
             else:
                 with args.file.open("rb") as f:
                     file = client.upload_file(f, args.file.name)
-            job = client.create_batch(_batch_body(args, file["id"]))
+            try:
+                job = client.create_batch(_batch_body(args, file["id"]))
+            except StackError:  # refused: the upload would be left behind, unused
+                with contextlib.suppress(StackError):
+                    client.delete_file(file["id"])
+                raise
             print(json.dumps(job) if args.json else job["id"], flush=True)
             if not args.wait:
                 print(f"follow it with: laneserve jobs watch {job['id']}", file=sys.stderr)

@@ -555,7 +555,7 @@ def print_banner(plan: dict, home: Path, elapsed_s: float) -> None:
         f"  logs       {home / 'logs'}",
         f"  stack      {home / 'stack.json'}",
         '  try        laneserve chat "What does the json module do?"  |  laneserve status',
-        "Ctrl-C stops everything.",
+        "Ctrl-C (or `laneserve down` from another shell) stops everything.",
     ]
     print("\n".join(lines), flush=True)
 

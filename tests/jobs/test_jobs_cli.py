@@ -65,7 +65,7 @@ def test_submit_wait_show_download_and_exit_codes(laneserve_home, tmp_path):
         stack.start_broker()
         stack.start_worker()
         stack.start_jobs_runner()
-        start_api(stack)
+        api_url = start_api(stack)
         lines = [chat_line(f"q{i}", f"question {i}") for i in range(4)] + ["oops"]
         path = write_jsonl(tmp_path / "in.jsonl", lines)
         done = _cli(laneserve_home, "submit", str(path), "--wait")
@@ -115,11 +115,35 @@ def test_submit_wait_show_download_and_exit_codes(laneserve_home, tmp_path):
 
         assert _cli(laneserve_home, "jobs", "cancel", job_id).returncode == 1  # already ended
 
-        dup = write_jsonl(tmp_path / "dup.jsonl", [chat_line("same", "a"), chat_line("same", "b")])
+        dup = write_jsonl(
+            tmp_path / "dup.jsonl", [chat_line("same", "a"), "not json", chat_line("same", "b")]
+        )
         failed = _cli(laneserve_home, "submit", str(dup), "--wait")
-        assert failed.returncode == 1 and "duplicate_custom_id" in failed.stderr
+        assert failed.returncode == 1, failed.stderr
+        # every error, each with the input line it is about
+        assert "line 3: duplicate_custom_id: duplicate custom_id 'same' on lines 1 and 3" in (
+            failed.stderr
+        )
+        assert "line 2: invalid_json: not JSON" in failed.stderr
+
+        # a refused batch leaves no uploaded file behind
+        files_before = stack_files(api_url)
+        docs = write_jsonl(tmp_path / "docs.jsonl", [{"id": "d", "text": "some text"}])
+        refused = _cli(laneserve_home, "submit", str(docs), "--task", "summarize",
+                       "--max-tokens", "100000")  # fmt: skip
+        assert refused.returncode != 0 and "max_tokens must be <= 4096" in refused.stderr
+        assert stack_files(api_url) == files_before
     finally:
         stack.stop()
+
+
+def stack_files(api_url: str) -> list[str]:
+    """The ids of the files the API holds (`GET /v1/files`)."""
+    import httpx
+
+    res = httpx.get(f"{api_url}/v1/files", timeout=10)
+    res.raise_for_status()
+    return sorted(f["id"] for f in res.json()["data"])
 
 
 def test_submit_rejects_bad_arguments(laneserve_home, tmp_path):

@@ -1,6 +1,7 @@
 """`laneserve up` on the bundled model, used the way a person would: the OpenAI client, a task
 job through `laneserve submit`, SQL rows, `laneserve status --json`, `laneserve chat`, and a clean
-shutdown. One stack per module (the tests run in file order; the last one stops it)."""
+shutdown. One stack per module (the tests run in file order; the last of them stops it), and
+`laneserve down` on a synthetic stack of its own."""
 
 from __future__ import annotations
 
@@ -215,3 +216,24 @@ def test_sigint_stops_everything(up):
     assert processes_mentioning(str(up.home)) == []
     res = laneserve(up.home, "status", "--json")
     assert res.returncode == 1 and json.loads(res.stdout)["running"] is False
+
+
+def test_down_stops_the_stack_and_is_idempotent(tmp_path):
+    """`laneserve down` (found from LANESERVE_HOME alone) stops the supervisor and every child,
+    removes stack.json, and exits 0; run again with nothing running it still exits 0 and says so."""
+    stack = UpProcess(tmp_path, "--api-port", "0", "--no-dashboard", "--synthetic")
+    try:
+        stack.wait_ready()
+        descendants = psutil.Process(stack.proc.pid).children(recursive=True)
+        assert len(descendants) >= 5
+        res = laneserve(tmp_path, "down")
+        assert res.returncode == 0 and "stopped" in res.stderr, res.stderr
+        assert not psutil.pid_exists(stack.proc.pid) or stack.proc.poll() is not None
+        gone, alive = psutil.wait_procs(descendants, timeout=5)
+        assert not alive, alive
+        assert not (tmp_path / "stack.json").exists()
+        again = laneserve(tmp_path, "down")
+        assert again.returncode == 0 and "No laneserve stack running" in again.stderr
+    finally:
+        if stack.proc.poll() is None:
+            stack.stop()
