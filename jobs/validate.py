@@ -178,7 +178,8 @@ class Validator:
             self._seen[result.custom_id] = result.line_no
             return False
         if len(self._duplicates) < MAX_JOB_ERRORS:
-            msg = f"duplicate custom_id {result.custom_id!r} on lines {first} and {result.line_no}"
+            field = "id" if self.task is not None else "custom_id"  # the user's own field name
+            msg = f"duplicate {field} {result.custom_id!r} on lines {first} and {result.line_no}"
             self._duplicates.append(
                 {"code": "duplicate_custom_id", "message": msg, "line": result.line_no}
             )
@@ -191,7 +192,11 @@ class Validator:
         try:
             obj = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return LineResult(line_no, name, error=_err("invalid_json", f"not JSON: {exc}"))
+            # the decoder's "line 1 column 5" would read as the file's line: name the column only
+            why = (
+                f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else exc
+            )
+            return LineResult(line_no, name, error=_err("invalid_json", f"not JSON: {why}"))
         if not isinstance(obj, dict):
             msg = f"line is a JSON {type(obj).__name__}, not an object"
             return LineResult(line_no, name, error=_err("invalid_request", msg))

@@ -92,6 +92,12 @@ def test_duplicates_do_not_hide_the_other_errors(tmp_path):
         ("invalid_json", 2),
         ("invalid_request", 6),
     }
+    bad_json = next(e for e in errors if e["code"] == "invalid_json")
+    assert bad_json["message"] == "not JSON: Expecting value at column 1"  # not "line 1 ..."
+    # a task job's lines are named by their own field, `id`
+    tasks = [{"id": "x", "text": "a"}, {"id": "x", "text": "b"}]
+    with pytest.raises(JobValidationError, match="duplicate id 'x' on lines 1 and 2"):
+        _validate(tmp_path, tasks, task="summarize")
 
 
 def test_job_limits_and_one_model(tmp_path):
