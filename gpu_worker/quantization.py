@@ -19,9 +19,10 @@ Kernel choice by phase and CPU (measured with scripts/bench_quant.py, docs/bench
   0.95-0.97x of `F.linear`'s time). On a CPU without native bf16 no copy is kept: its bf16 GEMMs are
   slower than the int4 kernel at every row count.
 - bf16 activations on a CPU with AMX-BF16 (`amx_usable`): calls of `AMX_MIN_TOKENS` (5) to
-  `AMX_MAX_TOKENS` (32) rows run laneserve's AMX matmuls over the int4 and Q8_0 blocks
-  (kernels/cpu_ext_amx.py: each 16-output x 32-input weight tile dequantized once to bf16 for up
-  to 16 rows of x, so 5 rows cost about what 1 does), ahead of the bf16 GEMV and the dense copy.
+  `AMX_MAX_TOKENS` (512) rows run laneserve's AMX matmuls over the int4 and Q8_0 blocks
+  (kernels/cpu_ext_amx.py: each 16-output x 32-input weight tile dequantized once to bf16 for
+  all the rows of x, so 5 rows cost about what 1 does and a 512-token prefill reads 4-bit
+  weights instead of the bf16 copy), ahead of the bf16 GEMV and the dense copy.
 - float32 activations (`dtype="auto"` on a CPU without native bf16): below `dense_min_tokens`
   rows the C++ GEMVs (kernels/cpu_ext_quant.py) read the GGUF's values (int4 ones reordered once
   into blocks of 8 groups where the kernel was built for AVX2 without AVX-512BW,
@@ -365,10 +366,13 @@ def q8_0_kernel_block_groups() -> int:
 # (`amx_usable`; kernels/cpu_ext_amx.py), whatever the GEMV or dense thresholds say. Whole bf16
 # SmolLM2 decode steps on a 2-core Xeon with AMX (`scripts/bench_quant.py --steps --quantization
 # auto,auto-noamx`, the two alternating), time with / without: 3 rows 1.30x, 4 rows 1.07x (torch's
-# int4 kernel unpacks its weights once per 4 rows), 5 rows 0.74x, 8 rows 0.73x, 16 rows 0.68x,
-# 32 rows 0.92x (every 16 rows dequantize the weights again), 64 rows 1.01x (the dense copy).
+# int4 kernel unpacks its weights once per 4 rows), 5 rows 0.74x, 8 rows 0.68-0.73x, 16 rows
+# 0.58-0.68x; since each pass's tiles are dequantized once for all its rows (not once per 16),
+# 32 rows 0.72-0.77x, 64 rows 0.78-0.82x, 128 rows 0.87-0.88x, 256 rows 0.93x and a 512-token
+# prefill 0.90-0.92x against the dense copy. In a loop (weights in cache) the dense copy wins
+# from ~1,024 rows, so it keeps the calls above 512.
 AMX_MIN_TOKENS = 5
-AMX_MAX_TOKENS = 32
+AMX_MAX_TOKENS = 512
 
 
 def amx_usable() -> bool:

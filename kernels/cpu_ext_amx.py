@@ -3,15 +3,17 @@
 ``torch.ops.laneserve.int4_amx(x, qa, sa)`` and ``torch.ops.laneserve.q8_0_amx(x, qa, sa)``
 compute ``y = x @ W.T`` for bfloat16 activations on a CPU with AMX-BF16 (Sapphire Rapids and
 later), reading the weights in their 4- or 8-bit form. Each weight tile (16 outputs x one
-32-element group) is dequantized once per 16 activation rows to bf16 (``w = q * scale +
-offset`` by one float32 FMA, rounded to nearest even: a dense bf16 copy's values but for a
-rare last bit, and subnormals flushed to zero as oneDNN's AMX GEMMs do) in the VNNI
-pair layout the tile unit reads, and one ``tdpbf16ps`` multiplies it with up to 16 rows of x
-(products exact in float32, float32 sums). The dequantization is the work; the rows are nearly
-free: on a 2-core Xeon with AMX the SmolLM2 linears took the same time at 1 and 16 rows (qkv
-~23 us, gate_up ~62 us in a loop), against 1.2x / 4-6x for torch's int4 kernel from 1 to 16
-rows. So a batch-1 speculative verification or a small decode batch costs about what one row
-through the GEMVs does.
+32-element group) is dequantized once per call to bf16 (``w = q * scale + offset`` by one float32
+FMA, rounded to nearest even: a dense bf16 copy's values but for a rare last bit, and subnormals
+flushed to zero as oneDNN's AMX GEMMs do) in the VNNI pair layout the tile unit reads, and one
+``tdpbf16ps`` multiplies it with 16 rows of x at a time (products exact in float32, float32
+sums). Up to 16 rows, a tile is dequantized just before its product; with more, a pass's tiles (4
+blocks of 16 outputs x all of K) are dequantized into a per-thread buffer (L2) and every 16-row
+chunk reads them back. The dequantization is the work; the rows are nearly free: on a 2-core Xeon
+with AMX the SmolLM2 linears took the same time at 1 and 16 rows (qkv ~23 us, gate_up ~62 us in a
+loop), against 1.2x / 4-6x for torch's int4 kernel from 1 to 16 rows. So a batch-1 speculative
+verification or a small decode batch costs about what one row through the GEMVs does, and a
+decode batch of 64 about 0.8x what the dense bf16 copy's GEMMs cost (whole steps).
 
 Layouts (N outputs, a multiple of 16; K inputs; G = K / 32; NB = N / 16 blocks of 16 outputs),
 built by :func:`gpu_worker.quantization.amx_order`:
@@ -38,6 +40,8 @@ SOURCE = r"""
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 #include <algorithm>
+#include <cstdint>
+#include <vector>
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__) && defined(__linux__)
 #define LANESERVE_AMX 1
@@ -70,8 +74,9 @@ struct TileConfig {
 };
 
 // GCC's tile intrinsics are asm statements that name no memory: without this, the compiler may
-// drop the stores a tile load reads (bbuf) or read cbuf before the tile store (seen at -O3 in a
-// copy of one pass, where the dequantized tiles were never written).
+// drop the stores a tile load or the config load reads, or read cbuf before the tile store (seen
+// at -O3: dequantized tiles never written in a copy of one pass; the tile config's rows and
+// column bytes dropped, leaving stack garbage for ldtilecfg to fault on).
 inline void memory_barrier() { asm volatile("" ::: "memory"); }
 
 void configure_tiles(int rows) {
@@ -85,6 +90,7 @@ void configure_tiles(int rows) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
+  memory_barrier();  // the config load reads cfg: without it GCC dropped the rows/colsb stores
   _tile_loadconfig(&cfg);
 }
 
@@ -121,6 +127,50 @@ inline void dequant_tile(const uint8_t* q, const float* sa, uint16_t* out) {
   }
 }
 
+// C[0..nb) += x[m0 .. m0 + 16) @ the pass's tiles, then y = bf16(C) for those rows and blocks.
+// `tile(J, g)` gives block J's bf16 B tile for group g (dequantized on the spot or read back).
+template <typename TileFn>
+inline void amx_pass(const c10::BFloat16* xm, int64_t K, int64_t G, int64_t nb, int rows,
+                     c10::BFloat16* ym, int64_t N, float* cbuf, TileFn&& tile) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t g = 0; g < G; ++g) {
+    _tile_loadd(4, xm + g * 32, K * 2);
+    // tile numbers must be constants: one line per block of the pass
+#define LANESERVE_AMX_BLOCK(J, BT)                                                         \
+  if (J < nb) {                                                                            \
+    const uint16_t* b = tile(J, g);                                                        \
+    memory_barrier(); /* the tile load reads what tile() wrote */                          \
+    _tile_loadd(BT, b, 64);                                                                \
+    _tile_dpbf16ps(J, 4, BT);                                                              \
+  }
+    LANESERVE_AMX_BLOCK(0, 5)
+    LANESERVE_AMX_BLOCK(1, 6)
+    LANESERVE_AMX_BLOCK(2, 7)
+    LANESERVE_AMX_BLOCK(3, 5)
+#undef LANESERVE_AMX_BLOCK
+  }
+#define LANESERVE_AMX_STORE(J)                                                             \
+  if (J < nb) {                                                                            \
+    _tile_stored(J, cbuf, 64);                                                             \
+    memory_barrier(); /* the tile store wrote cbuf */                                      \
+    for (int r = 0; r < rows; ++r)                                                         \
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ym + r * N + J * 16),                 \
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(cbuf + r * 16)));     \
+  }
+  LANESERVE_AMX_STORE(0)
+  LANESERVE_AMX_STORE(1)
+  LANESERVE_AMX_STORE(2)
+  LANESERVE_AMX_STORE(3)
+#undef LANESERVE_AMX_STORE
+}
+
+// Up to 16 rows: each tile is dequantized into a small ring (L1) just before its product. More
+// rows: each pass's tiles (kAmxBlocks x G of them, <= 4 x 48 KiB for K = 1,536, in L2) are
+// dequantized once into a buffer and every 16-row chunk reads them back, so the dequantization,
+// the work, is paid once per pass however many rows there are.
 template <bool Q4>
 void amx_mm(const at::Tensor& x, const at::Tensor& qa, const at::Tensor& sa, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), NB = qa.size(0), G = qa.size(1), N = NB * 16;
@@ -131,52 +181,48 @@ void amx_mm(const at::Tensor& x, const at::Tensor& qa, const at::Tensor& sa, at:
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   const int64_t passes = (NB + kAmxBlocks - 1) / kAmxBlocks;
   at::parallel_for(0, passes, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) uint16_t bbuf[3][16 * 32];
     alignas(64) float cbuf[16 * 16];
-    int configured = -1;
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
-      const int rows = static_cast<int>(std::min<int64_t>(16, M - m0));
-      if (rows != configured) {
-        configure_tiles(rows);
-        configured = rows;
-      }
-      const c10::BFloat16* xm = xp + m0 * K;
+    if (M <= 16) {
+      alignas(64) uint16_t ring[3][16 * 32];
+      configure_tiles(static_cast<int>(M));
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t b0 = p * kAmxBlocks, nb = std::min<int64_t>(kAmxBlocks, NB - b0);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t g = 0; g < G; ++g) {
-          _tile_loadd(4, xm + g * 32, K * 2);
-          // tile numbers must be constants: one line per block of the pass
-#define LANESERVE_AMX_BLOCK(J, BT, BUF)                                                    \
-  if (J < nb) {                                                                            \
-    const int64_t t = (b0 + J) * G + g;                                                    \
-    dequant_tile<Q4>(qp + t * tile_bytes, sp + t * sa_floats, bbuf[BUF]);                  \
-    memory_barrier(); /* the tile load reads bbuf */                                       \
-    _tile_loadd(BT, bbuf[BUF], 64);                                                        \
-    _tile_dpbf16ps(J, 4, BT);                                                              \
-  }
-          LANESERVE_AMX_BLOCK(0, 5, 0)
-          LANESERVE_AMX_BLOCK(1, 6, 1)
-          LANESERVE_AMX_BLOCK(2, 7, 2)
-          LANESERVE_AMX_BLOCK(3, 5, 0)
-#undef LANESERVE_AMX_BLOCK
+        amx_pass(xp, K, G, nb, static_cast<int>(M), yp + b0 * 16, N, cbuf,
+                 [&](int J, int64_t g) {
+                   uint16_t* out = ring[J == 3 ? 0 : J];
+                   const int64_t t = (b0 + J) * G + g;
+                   dequant_tile<Q4>(qp + t * tile_bytes, sp + t * sa_floats, out);
+                   return static_cast<const uint16_t*>(out);
+                 });
+      }
+    } else {
+      // [block J][group g] tiles of 16 x 32 bf16 (1 KiB each), 64-byte aligned
+      // kept per thread across calls: a fresh 192 KiB buffer per call would be mapped and
+      // faulted in anew each time
+      thread_local std::vector<uint16_t> storage;
+      const size_t needed = static_cast<size_t>(kAmxBlocks * G * 16 * 32 + 32);
+      if (storage.size() < needed) storage.resize(needed);
+      uint16_t* buf = reinterpret_cast<uint16_t*>(
+          (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
+      int configured = -1;
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t b0 = p * kAmxBlocks, nb = std::min<int64_t>(kAmxBlocks, NB - b0);
+        for (int64_t J = 0; J < nb; ++J)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t t = (b0 + J) * G + g;
+            dequant_tile<Q4>(qp + t * tile_bytes, sp + t * sa_floats, buf + (J * G + g) * 512);
+          }
+        for (int64_t m0 = 0; m0 < M; m0 += 16) {
+          const int rows = static_cast<int>(std::min<int64_t>(16, M - m0));
+          if (rows != configured) {
+            configure_tiles(rows);
+            configured = rows;
+          }
+          amx_pass(xp + m0 * K, K, G, nb, rows, yp + m0 * N + b0 * 16, N, cbuf,
+                   [&](int J, int64_t g) {
+                     return static_cast<const uint16_t*>(buf + (J * G + g) * 512);
+                   });
         }
-#define LANESERVE_AMX_STORE(J)                                                             \
-  if (J < nb) {                                                                            \
-    _tile_stored(J, cbuf, 64);                                                             \
-    memory_barrier(); /* the tile store wrote cbuf */                                      \
-    for (int r = 0; r < rows; ++r)                                                         \
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + (m0 + r) * N + (b0 + J) * 16),   \
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(cbuf + r * 16)));     \
-  }
-        LANESERVE_AMX_STORE(0)
-        LANESERVE_AMX_STORE(1)
-        LANESERVE_AMX_STORE(2)
-        LANESERVE_AMX_STORE(3)
-#undef LANESERVE_AMX_STORE
       }
     }
     _tile_release();

@@ -67,11 +67,16 @@ def record_outputs(tasks: list[str], prompts: int, max_tokens: int, dtype: str) 
     return out
 
 
-def replay(seqs: Recorded, batch: int, k: int, adaptive: bool, cost: tuple[float, float]) -> dict:
+def replay(
+    seqs: Recorded,
+    batch: int,
+    config: SpeculativeConfig,
+    cost: tuple[float, float],
+) -> dict:
     """Replay the controller over `seqs`, `batch` sequences at a time (a group runs until all of
     its sequences end, as `bench_spec.py`'s batch cells do)."""
     a, b = cost
-    ctl = SpecController(SpeculativeConfig(num_speculative_tokens=k, adaptive=adaptive))
+    ctl = SpecController(config)
     steps = row_steps = tokens = drafts = accepted = 0
     spec_ms = plain_ms = 0.0
     for g in range(0, len(seqs), batch):
@@ -140,12 +145,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--lookup", default="2,5", help="prompt_lookup_min,prompt_lookup_max")
     ap.add_argument("--cost", default="5.4,1.7", help="a,b: a step of t tokens takes a + b t ms")
     ap.add_argument("--outputs", type=Path, help="recorded outputs: read, or written when absent")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     tasks = args.tasks.split(",")
     a, b = (float(x) for x in args.cost.split(","))
+    lookup_min, lookup_max = (int(x) for x in args.lookup.split(","))
     if args.outputs is not None and args.outputs.exists():
         recorded = json.loads(args.outputs.read_text())
     else:
@@ -158,7 +165,13 @@ def main() -> None:
         for batch in (int(x) for x in args.batches.split(",")):
             cell: dict[str, Any] = {"task": task, "batch": batch, "sequences": len(seqs)}
             for name, adaptive in (("adaptive", True), ("forced", False)):
-                cell[name] = replay(seqs, batch, args.k, adaptive, (a, b))
+                config = SpeculativeConfig(
+                    num_speculative_tokens=args.k,
+                    prompt_lookup_min=lookup_min,
+                    prompt_lookup_max=lookup_max,
+                    adaptive=adaptive,
+                )
+                cell[name] = replay(seqs, batch, config, (a, b))
             cells.append(cell)
             print(
                 f"{task} B={batch}: adaptive {cell['adaptive']['modelled_speedup']}x, forced "
@@ -169,6 +182,7 @@ def main() -> None:
     print(json.dumps({
         "bench": "spec_replay",
         "k": args.k,
+        "prompt_lookup": [lookup_min, lookup_max],
         "cost_ms": {"a": a, "b": b},
         "cpu": cpu_info(),
         "cells": cells,

@@ -87,15 +87,16 @@ def test_amx_order_places_each_weight_by_its_definition(kind):
 @pytest.mark.parametrize("n", [32, 80, 112])
 def test_amx_matches_bf16_weights_and_rows_do_not_depend_on_the_batch(kind, n):
     """The result equals x times the weights rounded to bf16 (float32 sums, one rounding of the
-    output) for M across the 16-row tile (1, 5, 16, 17, 40) and N = 32 / 80 / 112 (passes of 2,
-    4 + 1 and 4 + 3 blocks); row i is bitwise the same at every M and thread count; a NaN stays
-    in its row."""
+    output) for M across the 16-row tile (1, 5, 16, 17, 40, 70: one tile dequantized per product
+    up to 16 rows, a pass's tiles dequantized once and read back by every 16-row chunk above) and
+    N = 32 / 80 / 112 (passes of 2, 4 + 1 and 4 + 3 blocks); row i is bitwise the same at every M
+    and thread count; a NaN stays in its row."""
     blocks = random_blocks(kind, n, 160, seed=2)
     qa, sa = quant.amx_order(kind, blocks.qs, blocks.scale, blocks.offset)
     op = torch.ops.laneserve.int4_amx if kind == "int4" else torch.ops.laneserve.q8_0_amx
-    x = torch.randn(40, 160, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x = torch.randn(70, 160, generator=torch.Generator().manual_seed(3)).bfloat16()
     out = op(x, qa, sa)
-    assert out.dtype == torch.bfloat16 and out.shape == (40, n)
+    assert out.dtype == torch.bfloat16 and out.shape == (70, n)
     w = weights(blocks)
     ref = x.double() @ w.bfloat16().double().T
     err = (out.double() - ref).abs() / (x.double().abs() @ w.abs().double().T)
@@ -104,7 +105,7 @@ def test_amx_matches_bf16_weights_and_rows_do_not_depend_on_the_batch(kind, n):
     try:
         for n_threads in {1, threads}:
             torch.set_num_threads(n_threads)
-            for m in (1, 5, 16, 17, 40):
+            for m in (1, 5, 16, 17, 40, 70):
                 assert torch.equal(op(x[:m].contiguous(), qa, sa), out[:m]), (m, n_threads)
             assert torch.equal(op(x[20:37].contiguous(), qa, sa), out[20:37])
     finally:
