@@ -8,10 +8,16 @@ from __future__ import annotations
 
 
 class JobsError(Exception):
-    """Base class. `code` is a DESIGN.md "Error codes" value, `status_code` its HTTP status."""
+    """Base class. `code` is a DESIGN.md "Error codes" value, `status_code` its HTTP status,
+    `param` the request field at fault where one is (the OpenAI error object's `param`, e.g.
+    "task_options.max_tokens"), else None."""
 
     code = "internal"
     status_code = 500
+
+    def __init__(self, message: str = "", *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class InvalidRequestError(JobsError, ValueError):

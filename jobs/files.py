@@ -98,7 +98,7 @@ def create_file(
         PayloadTooLargeError: more than `max_bytes` bytes (default 200 MB).
     """
     if purpose != "batch":
-        raise InvalidRequestError(f"purpose must be 'batch', got {purpose!r}")
+        raise InvalidRequestError(f"purpose must be 'batch', got {purpose!r}", param="purpose")
     if not filename or len(filename) > 255:
         raise InvalidRequestError("filename must be 1..255 characters")
     file_id = new_file_id()
@@ -218,7 +218,7 @@ def list_files(
     if not 1 <= limit <= LIST_LIMIT_MAX:
         raise InvalidRequestError(f"limit must be between 1 and {LIST_LIMIT_MAX}")
     if order not in ORDERS:
-        raise InvalidRequestError(f"order must be 'asc' or 'desc', got {order!r}")
+        raise InvalidRequestError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
     descending = order == "desc"
     query = select(File).order_by(*keyset_order(File, descending))
     if purpose is not None:

@@ -95,14 +95,19 @@ def check_extract_schema(schema_text: str | None) -> None:
     """
     if not schema_text:
         raise InvalidRequestError(
-            "task 'extract' needs the task option 'schema' (JSON schema text)"
+            "task 'extract' needs the task option 'schema' (JSON schema text)",
+            param="task_options.schema",
         )
     try:
         parse_structured({"response_format": extract_format(schema_text)})
     except json.JSONDecodeError as exc:
-        raise InvalidRequestError(f"extract schema is not valid JSON: {exc}") from None
+        raise InvalidRequestError(
+            f"extract schema is not valid JSON: {exc}", param="task_options.schema"
+        ) from None
     except OpenAIError as exc:
-        raise InvalidRequestError(f"extract schema: {exc.message}") from None
+        raise InvalidRequestError(
+            f"extract schema: {exc.message}", param="task_options.schema"
+        ) from None
 
 
 def task_body(task: str, text: str, model: str | None, options: dict[str, str]) -> dict:

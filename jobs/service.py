@@ -38,6 +38,7 @@ Batches:
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -88,6 +89,14 @@ def new_batch_id() -> str:
     return f"batch_{uuid.uuid4().hex}"
 
 
+def _as_json(value: Any) -> str:
+    """`value` as the caller wrote it in JSON (`true`, not Python's `True`), else its repr."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def _check_task_max_tokens(value: Any, limit: int | None) -> None:
     """A task job's `max_tokens` option is a positive integer (or a string of one) within the
     per-request cap: the jobs runner validates every line with `Limits()`'s, and `limit` (the
@@ -98,11 +107,15 @@ def _check_task_max_tokens(value: Any, limit: int | None) -> None:
     text = str(value).strip()
     if type(value) is bool or not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise InvalidRequestError(
-            f"task option max_tokens must be a positive integer, got {value!r}"
+            f"task option max_tokens must be a positive integer, got {_as_json(value)}",
+            param="task_options.max_tokens",
         )
     cap = min(Limits().max_tokens_limit, limit or Limits().max_tokens_limit)
     if int(text) > cap:
-        raise InvalidRequestError(f"task option max_tokens must be <= {cap}, got {int(text)}")
+        raise InvalidRequestError(
+            f"task option max_tokens must be <= {cap}, got {int(text)}",
+            param="task_options.max_tokens",
+        )
 
 
 def _check_metadata(metadata: dict[str, Any] | None) -> dict[str, str] | None:
@@ -142,19 +155,25 @@ def create_batch(
         NotFoundError: no file `input_file_id`.
     """
     if endpoint not in ENDPOINTS:
-        raise InvalidRequestError(f"endpoint must be one of {list(ENDPOINTS)}, got {endpoint!r}")
+        raise InvalidRequestError(
+            f"endpoint must be one of {list(ENDPOINTS)}, got {endpoint!r}", param="endpoint"
+        )
     window_s = parse_completion_window(completion_window)
     meta = _check_metadata(metadata)
     if task is not None and task not in TASKS:
-        raise InvalidRequestError(f"task must be one of {list(TASKS)}, got {task!r}")
+        raise InvalidRequestError(f"task must be one of {list(TASKS)}, got {task!r}", param="task")
     if task is not None and endpoint != "/v1/chat/completions":
-        raise InvalidRequestError("task shorthand jobs use the /v1/chat/completions endpoint")
+        raise InvalidRequestError(
+            "task shorthand jobs use the /v1/chat/completions endpoint", param="endpoint"
+        )
     if task_options:
         if task is None:
-            raise InvalidRequestError("task options given without a task")
+            raise InvalidRequestError("task options given without a task", param="task")
         unknown = set(task_options) - set(TASK_OPTION_KEYS)
         if unknown:
-            raise InvalidRequestError(f"unknown task options {sorted(unknown)}")
+            raise InvalidRequestError(
+                f"unknown task options {sorted(unknown)}", param="task_options"
+            )
         _check_task_max_tokens(task_options.get("max_tokens"), max_tokens_limit)
         meta = dict(meta or {})
         meta.update({k: str(v) for k, v in task_options.items() if v is not None})

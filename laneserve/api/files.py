@@ -70,7 +70,7 @@ async def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.to_thread(fn, *args, **kwargs)
     except JobsError as exc:
         code = exc.code if exc.code in STATUS_BY_CODE else "internal"
-        raise ApiError(code, str(exc), status=exc.status_code) from None
+        raise ApiError(code, str(exc), param=exc.param, status=exc.status_code) from None
 
 
 # ---------------------------------------------------------------------------- files

@@ -4,7 +4,8 @@ Finds the API like every CLI command (laneserve/http_client.py: `--url` / `$LANE
 `$LANESERVE_HOME/stack.json`; `--api-key` / `$LANESERVE_API_KEY`) and talks to it with the
 official `openai` client, so this is also the smallest example of the Python SDK. The answer goes to
 stdout as it streams; timing (TTFT at the first content token, TPOT = (total - TTFT) /
-(tokens - 1), in ms) goes to stderr. Exit codes: 0 answered, 1 API error, 2 no usable API (no
+(tokens - 1), in ms) goes to stderr, and a line there says when `--max-tokens` cut the answer
+short (finish_reason "length"). Exit codes: 0 answered, 1 API error, 2 no usable API (no
 stack, unreachable, wrong key): one line on stderr.
 """
 
@@ -65,10 +66,12 @@ def run(args: argparse.Namespace) -> int:
         )
         ttft = None
         usage = None
+        finish_reason = None
         for chunk in stream:
             if chunk.usage is not None:
                 usage = chunk.usage
             for choice in chunk.choices:
+                finish_reason = choice.finish_reason or finish_reason
                 text = choice.delta.content
                 if text:
                     if ttft is None:
@@ -99,6 +102,12 @@ def run(args: argparse.Namespace) -> int:
         print(file=sys.stderr)
         return 130
     sys.stdout.write("\n")
+    if finish_reason == "length":  # said even with --quiet: the answer on stdout is cut short
+        print(
+            f"laneserve chat: the answer was cut at --max-tokens {args.max_tokens} "
+            "(raise it for a longer one)",
+            file=sys.stderr,
+        )
     if not args.quiet:
         tokens = usage.completion_tokens if usage is not None else None
         parts = [f"TTFT {ttft * 1000:.0f} ms" if ttft is not None else "no content"]

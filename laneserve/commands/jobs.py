@@ -177,15 +177,24 @@ def error_text(err: dict) -> str:
     return f"{where}{err.get('code')}: {err.get('message')}"
 
 
+def failed_validation(batch: dict) -> bool:
+    """Whether the job was refused before any line ran (its input failed validation): its
+    line counts are all 0, and "0 of 0 lines" would hide why."""
+    return batch["status"] == "failed" and batch["request_counts"]["total"] == 0
+
+
 def summary_lines(batch: dict, stats: dict | None) -> list[str]:
     """The `jobs show` summary of an OpenAI batch object and its laneserve stats (None: the
     stack has no stats route, so only what the batch object says)."""
     c = batch["request_counts"]
     done = c["completed"] + c["failed"]
+    if failed_validation(batch):
+        counts = "(failed validation: no line ran)"
+    else:
+        counts = f"({done}/{c['total']} lines: {c['completed']} completed, {c['failed']} failed)"
     lines = [
         batch["id"],
-        f"  status      {batch['status']}  ({done}/{c['total']} lines: "
-        f"{c['completed']} completed, {c['failed']} failed)",
+        f"  status      {batch['status']}  {counts}",
         f"  kind        {_kind(batch)}   model {batch.get('model') or '-'}",
         f"  created     {_when(batch.get('created_at'))}",
     ]
@@ -410,12 +419,20 @@ def watch(client: StackClient, job_id: str, timeout_s: float | None = None, cons
             file=sys.stderr,
         )
         return EXIT_WATCH_TIMEOUT
-    print(
-        f"{job_id}: {batch['status']} ({c['completed']} completed, {c['failed']} failed"
-        f" of {c['total']})",
-        file=sys.stderr,
-    )
-    for err in (batch.get("errors") or {}).get("data") or []:
+    errors = (batch.get("errors") or {}).get("data") or []
+    if failed_validation(batch):
+        print(
+            f"{job_id}: failed validation, no line ran ({len(errors)} error"
+            f"{'' if len(errors) == 1 else 's'}; fix the file and submit it again)",
+            file=sys.stderr,
+        )
+    else:
+        print(
+            f"{job_id}: {batch['status']} ({c['completed']} completed, {c['failed']} failed"
+            f" of {c['total']})",
+            file=sys.stderr,
+        )
+    for err in errors:
         print(f"  {error_text(err)}", file=sys.stderr)
     files = result_files(batch)
     if files:

@@ -243,20 +243,27 @@ def _print_remote(view: dict[str, Any]) -> None:
     _print_workers(console, view)
 
 
+def components_table(components: list[dict[str, Any]]):
+    """The supervisor's children, one row each. An address is one long word (an ipc:// path):
+    on a narrow terminal it folds onto more lines instead of ending in "…"."""
+    from rich.table import Column, Table
+
+    table = Table("component", "pid", Column("address", overflow="fold"), "health")
+    for c in components:
+        health = "[green]ok" if c["healthy"] else ("[red]down" if not c["alive"] else "[yellow]?")
+        table.add_row(c["name"], str(c["pid"] or "-"), str(c["address"] or "-"), health)
+    return table
+
+
 def _print_table(status: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     console.print(
         f"[bold]laneserve[/bold] {status['state']} (supervisor pid {status['supervisor_pid']}) "
         f"model {status['model']}"
     )
-    table = Table("component", "pid", "address", "health")
-    for c in status["components"]:
-        health = "[green]ok" if c["healthy"] else ("[red]down" if not c["alive"] else "[yellow]?")
-        table.add_row(c["name"], str(c["pid"] or "-"), str(c["address"] or "-"), health)
-    console.print(table)
+    console.print(components_table(status["components"]))
     if status.get("reason"):
         console.print(f"API not ready: {status['reason']}", markup=False)
     _print_workers(console, status)

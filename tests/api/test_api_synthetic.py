@@ -391,18 +391,23 @@ def test_files_and_batches_with_the_sdk(client, tmp_path) -> None:
         client.batches.retrieve("batch_nope")
     with pytest.raises(openai.NotFoundError):
         client.files.content("file-nope")
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as bad:
         client.batches.create(
             input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h"
         )
-    # a task's max_tokens above the gateway's cap is the job's 400, not an error on every line
-    with pytest.raises(openai.BadRequestError, match="max_tokens must be <= 4096, got 5000"):
-        client.batches.create(
-            input_file_id=f.id,
-            endpoint="/v1/chat/completions",
-            completion_window="24h",
-            extra_body={"task": "summarize", "task_options": {"max_tokens": 5000}},
-        )
+    assert bad.value.param == "endpoint"
+    # a task's max_tokens above the gateway's cap is the job's 400, not an error on every line;
+    # the error names the field, and a value echoes as JSON spells it
+    for value, message in ((5000, "max_tokens must be <= 4096, got 5000"),
+                           (True, "max_tokens must be a positive integer, got true")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError, match=message) as bad:
+            client.batches.create(
+                input_file_id=f.id,
+                endpoint="/v1/chat/completions",
+                completion_window="24h",
+                extra_body={"task": "summarize", "task_options": {"max_tokens": value}},
+            )
+        assert bad.value.param == "task_options.max_tokens"
 
 
 def test_batch_round_trip_with_the_sdk(client, synth_stack, smollm2_gguf) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -125,6 +126,13 @@ def test_submit_wait_show_download_and_exit_codes(laneserve_home, tmp_path):
             failed.stderr
         )
         assert "line 2: invalid_json: not JSON" in failed.stderr
+        # no "0 completed, 0 failed of 0": the job never counted its lines
+        failed_id = re.search(r"(batch_\w+): failed validation, no line ran \(2 errors;",
+                              failed.stderr)  # fmt: skip
+        assert failed_id, failed.stderr
+        shown = _cli(laneserve_home, "jobs", "show", failed_id.group(1))
+        assert "failed  (failed validation: no line ran)" in shown.stdout, shown.stdout
+        assert "line 3: duplicate_custom_id" in shown.stdout
 
         # a refused batch leaves no uploaded file behind
         files_before = stack_files(api_url)

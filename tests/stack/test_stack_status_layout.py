@@ -9,7 +9,12 @@ import re
 
 from rich.console import Console
 
-from laneserve.commands.status import WIDE_COLUMNS, _print_workers, kv_pool_text
+from laneserve.commands.status import (
+    WIDE_COLUMNS,
+    _print_workers,
+    components_table,
+    kv_pool_text,
+)
 
 POOL = {"num_blocks": 5825, "block_size": 16, "num_tokens": 93200, "kv_cache_bytes": 2**31,
         "dtype": "bfloat16"}  # fmt: skip
@@ -80,3 +85,20 @@ def test_wide_terminal_keeps_one_row_per_worker():
     assert len(rows) == 2 and all(kv_pool_text(POOL) in r for r in rows), text
     slo_rows = [line for line in text.splitlines() if "172/11" in line]
     assert len(slo_rows) == 1 and "8.4/9.1" in slo_rows[0], text
+
+
+def test_components_table_folds_long_addresses_at_60_columns():
+    """An ipc:// address is one word: at 60 columns it folds over lines, whole, not "…"."""
+    address = "ipc:///home/someone/.laneserve/run/broker-frontend-4f2a9c.sock"
+    components = [
+        {"name": "broker", "pid": 4242, "address": address, "healthy": True, "alive": True},
+        {"name": "worker-0", "pid": 4243, "address": None, "healthy": False, "alive": False},
+    ]
+    console = Console(width=60, record=True, file=io.StringIO())
+    console.print(components_table(components))
+    text = console.export_text()
+    assert "…" not in text, text
+    assert max(len(line) for line in text.splitlines()) <= 60
+    # the address column's cells, line by line, joined: the whole address, in order
+    column = [ln.split("│")[3].strip() for ln in text.splitlines() if ln.startswith("│")]
+    assert address in "".join(column), text
