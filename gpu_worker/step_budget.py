@@ -127,7 +127,8 @@ BATCH_MULTIPLE = 10.0  # batch targets / interactive targets
 # Prefill tokens a step with prompts to prefill always has room for (a batch-only step's batch
 # prompts, an interactive prompt beside running streams): at least the
 # rows from which the linears run dense GEMMs (gpu_worker/quantization.py: 10 rows in bf16, 32 in
-# float32). Below that a CPU step pays the per-row GEMV price for every prompt token: on a 2-core
+# float32; on a CPU with AMX, bf16 calls of 5 to 512 rows run the AMX matmuls, which cost about
+# the same per call from 5 to 16 rows, so the floor costs nothing there either). Below that a CPU step pays the per-row GEMV price for every prompt token: on a 2-core
 # AVX2 CPU in float32, 16-token chunks cost ~9 ms a row against ~4.7 in 64-token dense ones, and
 # a bulk job beside the TTFT slack ran at 0.6x. Besides keeping new prompts coming in, it keeps
 # the cost model seeing steps of real size: fed only tiny steps (tokens and rows moving
@@ -785,9 +786,10 @@ def step_cost_cache_key(engine: Any) -> str:
     """What a step's cost depends on: the model file (path, size, mtime), the engine options
     (all but the SLO text), the resolved dtype, device and weight kernels, torch's version and
     thread count, the CPU (model name and flags), the OpenMP policy, the profile's shapes, the C++
-    kernels' build and `LANESERVE_AMX`."""
+    kernels' build, `LANESERVE_AMX` and the rows routed to AMX."""
     import torch
 
+    from gpu_worker import quantization
     from kernels import cpu_ext
 
     config = {k: v for k, v in dataclasses.asdict(engine.config).items() if k != "slo"}
@@ -809,8 +811,14 @@ def step_cost_cache_key(engine: Any) -> str:
         "cpu": _cpu_identity(),
         "openmp": {name: env.get(name) for name in _OPENMP_VARS},
         "profile": _PROFILE,
-        # the C++ kernels' source and CPU flags (their build), and whether AMX may run them
-        "kernels": [cpu_ext.build_directory().name, env.get("LANESERVE_AMX")],
+        # the C++ kernels' source and CPU flags (their build), whether AMX may run them, and
+        # the row counts routed to them
+        "kernels": [
+            cpu_ext.build_directory().name,
+            env.get("LANESERVE_AMX"),
+            quantization.AMX_MIN_TOKENS,
+            quantization.AMX_MAX_TOKENS,
+        ],
     }
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]

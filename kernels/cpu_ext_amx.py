@@ -8,8 +8,9 @@ FMA, rounded to nearest even: a dense bf16 copy's values but for a rare last bit
 flushed to zero as oneDNN's AMX GEMMs do) in the VNNI pair layout the tile unit reads, and one
 ``tdpbf16ps`` multiplies it with 16 rows of x at a time (products exact in float32, float32
 sums). Up to 16 rows, a tile is dequantized just before its product; with more, a pass's tiles (4
-blocks of 16 outputs x all of K) are dequantized into a per-thread buffer (L2) and every 16-row
-chunk reads them back. The dequantization is the work; the rows are nearly free: on a 2-core Xeon
+blocks of 16 outputs x all of K, up to 1 MiB: K <= 8,192) are dequantized into a per-thread buffer
+and every 16-row chunk reads them back; where there are fewer passes than threads the 16-row chunks
+are split among threads too. The dequantization is the work; the rows are nearly free: on a 2-core Xeon
 with AMX the SmolLM2 linears took the same time at 1 and 16 rows (qkv ~23 us, gate_up ~62 us in a
 loop), against 1.2x / 4-6x for torch's int4 kernel from 1 to 16 rows. So a batch-1 speculative
 verification or a small decode batch costs about what one row through the GEMVs does, and a
@@ -141,6 +142,7 @@ inline void amx_pass(const c10::BFloat16* xm, int64_t K, int64_t G, int64_t nb, 
     // tile numbers must be constants: one line per block of the pass
 #define LANESERVE_AMX_BLOCK(J, BT)                                                         \
   if (J < nb) {                                                                            \
+    memory_barrier(); /* tile() may overwrite a ring buffer an earlier tile load read */   \
     const uint16_t* b = tile(J, g);                                                        \
     memory_barrier(); /* the tile load reads what tile() wrote */                          \
     _tile_loadd(BT, b, 64);                                                                \
@@ -154,6 +156,7 @@ inline void amx_pass(const c10::BFloat16* xm, int64_t K, int64_t G, int64_t nb, 
   }
 #define LANESERVE_AMX_STORE(J)                                                             \
   if (J < nb) {                                                                            \
+    memory_barrier(); /* the previous block's reads of cbuf come before this store */      \
     _tile_stored(J, cbuf, 64);                                                             \
     memory_barrier(); /* the tile store wrote cbuf */                                      \
     for (int r = 0; r < rows; ++r)                                                         \
@@ -167,10 +170,18 @@ inline void amx_pass(const c10::BFloat16* xm, int64_t K, int64_t G, int64_t nb, 
 #undef LANESERVE_AMX_STORE
 }
 
-// Up to 16 rows: each tile is dequantized into a small ring (L1) just before its product. More
-// rows: each pass's tiles (kAmxBlocks x G of them, <= 4 x 48 KiB for K = 1,536, in L2) are
-// dequantized once into a buffer and every 16-row chunk reads them back, so the dequantization,
-// the work, is paid once per pass however many rows there are.
+// Largest per-thread pass buffer (kAmxBlocks x G tiles of 1 KiB): 1 MiB, K <= 8,192, stays in a
+// core's L2 on the CPUs with AMX; a pass of a longer K is dequantized again per 16 rows instead.
+constexpr int64_t kMaxPassBufferTiles = 1024;
+
+// Up to 16 rows (or a K too long for the buffer): each tile is dequantized into a small ring
+// (L1) just before its product. More rows: each pass's tiles (kAmxBlocks x G of them, 72-192 KiB
+// for SmolLM2's K of 576-1,536) are dequantized once into a per-thread buffer and every 16-row
+// chunk reads them back, so the dequantization, the work, is paid once per pass however many rows
+// there are. Work items are (pass, group of 16-row chunks): one group per pass while there are
+// at least as many passes as threads; with fewer (a narrow linear on many cores) the chunks are
+// split into groups too, each dequantizing its pass again, so every thread has work. A row's
+// result does not depend on the split: its sums run over K in one order whatever the item.
 template <bool Q4>
 void amx_mm(const at::Tensor& x, const at::Tensor& qa, const at::Tensor& sa, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), NB = qa.size(0), G = qa.size(1), N = NB * 16;
@@ -179,49 +190,58 @@ void amx_mm(const at::Tensor& x, const at::Tensor& qa, const at::Tensor& sa, at:
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(qa.data_ptr());
   const float* sp = sa.data_ptr<float>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  const int64_t passes = (NB + kAmxBlocks - 1) / kAmxBlocks;
-  at::parallel_for(0, passes, 1, [&](int64_t p0, int64_t p1) {
+  const int64_t passes = (NB + kAmxBlocks - 1) / kAmxBlocks, chunks = (M + 15) / 16;
+  const bool buffered = M > 16 && kAmxBlocks * G <= kMaxPassBufferTiles;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t groups =
+      passes >= threads ? 1 : std::min<int64_t>(chunks, (threads + passes - 1) / passes);
+  const int64_t group_chunks = (chunks + groups - 1) / groups;
+  at::parallel_for(0, passes * groups, 1, [&](int64_t w0, int64_t w1) {
     alignas(64) float cbuf[16 * 16];
-    if (M <= 16) {
-      alignas(64) uint16_t ring[3][16 * 32];
-      configure_tiles(static_cast<int>(M));
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t b0 = p * kAmxBlocks, nb = std::min<int64_t>(kAmxBlocks, NB - b0);
-        amx_pass(xp, K, G, nb, static_cast<int>(M), yp + b0 * 16, N, cbuf,
-                 [&](int J, int64_t g) {
-                   uint16_t* out = ring[J == 3 ? 0 : J];
-                   const int64_t t = (b0 + J) * G + g;
-                   dequant_tile<Q4>(qp + t * tile_bytes, sp + t * sa_floats, out);
-                   return static_cast<const uint16_t*>(out);
-                 });
-      }
-    } else {
-      // [block J][group g] tiles of 16 x 32 bf16 (1 KiB each), 64-byte aligned
-      // kept per thread across calls: a fresh 192 KiB buffer per call would be mapped and
-      // faulted in anew each time
+    alignas(64) uint16_t ring[3][16 * 32];
+    uint16_t* buf = nullptr;
+    if (buffered) {
+      // [block J][group g] tiles of 16 x 32 bf16 (1 KiB each), 64-byte aligned; kept per
+      // thread across calls (a fresh buffer per call would be mapped and faulted in anew)
       thread_local std::vector<uint16_t> storage;
       const size_t needed = static_cast<size_t>(kAmxBlocks * G * 16 * 32 + 32);
       if (storage.size() < needed) storage.resize(needed);
-      uint16_t* buf = reinterpret_cast<uint16_t*>(
+      buf = reinterpret_cast<uint16_t*>(
           (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
-      int configured = -1;
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t b0 = p * kAmxBlocks, nb = std::min<int64_t>(kAmxBlocks, NB - b0);
+    }
+    int configured = -1;
+    int64_t in_buffer = -1;  // the pass whose tiles buf holds
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t p = w / groups, c0 = (w % groups) * group_chunks;
+      const int64_t b0 = p * kAmxBlocks, nb = std::min<int64_t>(kAmxBlocks, NB - b0);
+      if (buffered && in_buffer != p) {
         for (int64_t J = 0; J < nb; ++J)
           for (int64_t g = 0; g < G; ++g) {
             const int64_t t = (b0 + J) * G + g;
             dequant_tile<Q4>(qp + t * tile_bytes, sp + t * sa_floats, buf + (J * G + g) * 512);
           }
-        for (int64_t m0 = 0; m0 < M; m0 += 16) {
-          const int rows = static_cast<int>(std::min<int64_t>(16, M - m0));
-          if (rows != configured) {
-            configure_tiles(rows);
-            configured = rows;
-          }
-          amx_pass(xp + m0 * K, K, G, nb, rows, yp + m0 * N + b0 * 16, N, cbuf,
-                   [&](int J, int64_t g) {
-                     return static_cast<const uint16_t*>(buf + (J * G + g) * 512);
-                   });
+        in_buffer = p;
+      }
+      for (int64_t c = c0; c < std::min(chunks, c0 + group_chunks); ++c) {
+        const int64_t m0 = c * 16;
+        const int rows = static_cast<int>(std::min<int64_t>(16, M - m0));
+        if (rows != configured) {
+          configure_tiles(rows);
+          configured = rows;
+        }
+        const c10::BFloat16* xm = xp + m0 * K;
+        c10::BFloat16* ym = yp + m0 * N + b0 * 16;
+        if (buffered) {
+          amx_pass(xm, K, G, nb, rows, ym, N, cbuf, [&](int J, int64_t g) {
+            return static_cast<const uint16_t*>(buf + (J * G + g) * 512);
+          });
+        } else {
+          amx_pass(xm, K, G, nb, rows, ym, N, cbuf, [&](int J, int64_t g) {
+            uint16_t* out = ring[J == 3 ? 0 : J];
+            const int64_t t = (b0 + J) * G + g;
+            dequant_tile<Q4>(qp + t * tile_bytes, sp + t * sa_floats, out);
+            return static_cast<const uint16_t*>(out);
+          });
         }
       }
     }

@@ -6,9 +6,17 @@ from __future__ import annotations
 
 import json
 
+from gpu_worker.config import SpeculativeConfig
 from tests.harness import load_script, run_script
 
 replay = load_script("bench_spec_replay").replay
+
+
+def config(adaptive: bool, lookup_min: int = 2) -> SpeculativeConfig:
+    return SpeculativeConfig(
+        num_speculative_tokens=4, prompt_lookup_min=lookup_min, adaptive=adaptive
+    )
+
 
 PROMPT = list(range(100, 140))
 COPY = list(range(100, 140))  # the output copies the prompt: every 2-gram after the first matches
@@ -20,20 +28,23 @@ def test_forced_replay_of_a_copied_prompt_counts_steps_tokens_and_cost_exactly()
     4 drafts + the bonus token per step, 2 drafts and the bonus in the last (`max_tokens`): 9 steps
     for 39 tokens, every draft accepted. With a step cost of 1 ms whatever its tokens, plain
     decoding costs 39 ms and speculation 9."""
-    got = replay([(PROMPT, COPY)], 1, 4, False, (1.0, 0.0))
+    got = replay([(PROMPT, COPY)], 1, config(False), (1.0, 0.0))
     assert got["tokens"] == 39 and got["decode_steps"] == 9
+    # prompt_lookup_min 1: the first decode step drafts from the one-token match too
+    one = replay([(PROMPT, COPY)], 1, config(False, lookup_min=1), (1.0, 0.0))
+    assert one["tokens"] == 39 and one["decode_steps"] == 8
     assert got["tokens_per_sequence_step"] == round(39 / 9, 3)
     assert got["draft_tokens"] == got["accepted_tokens"] == 4 * 7 + 2
     assert got["acceptance_rate"] == 1.0
     assert got["modelled_speedup"] == round(39 / 9, 3)
     # a cost of 1 ms per token instead: verification rows cost what they save
-    per_token = replay([(PROMPT, COPY)], 1, 4, False, (0.0, 1.0))
+    per_token = replay([(PROMPT, COPY)], 1, config(False), (0.0, 1.0))
     assert per_token["modelled_speedup"] == 1.0  # 9 steps + 30 drafts = 39 rows either way
 
 
 def test_outputs_with_nothing_to_copy_decode_one_token_a_step():
     for adaptive in (True, False):
-        got = replay([(PROMPT, FRESH)], 1, 4, adaptive, (5.0, 1.0))
+        got = replay([(PROMPT, FRESH)], 1, config(adaptive), (5.0, 1.0))
         assert got["decode_steps"] == got["tokens"] == 39
         assert got["draft_tokens"] == 0 and got["acceptance_rate"] is None
         assert got["modelled_speedup"] == 1.0
@@ -42,12 +53,12 @@ def test_outputs_with_nothing_to_copy_decode_one_token_a_step():
 def test_a_batch_runs_its_sequences_together_until_the_longest_ends():
     short = (PROMPT, FRESH[:11])  # 10 tokens after the first
     seqs = [(PROMPT, FRESH), short]
-    got = replay(seqs, 2, 4, False, (2.0, 1.0))
+    got = replay(seqs, 2, config(False), (2.0, 1.0))
     assert got["decode_steps"] == 39 and got["tokens"] == 39 + 10
     assert got["tokens_per_sequence_step"] == 1.0  # 49 tokens in 49 sequence steps, no drafts
     # plain: 10 steps of 2 rows (4 ms), 29 of one (3 ms); the same steps with no drafts
     assert got["modelled_speedup"] == 1.0
-    copied = replay([(PROMPT, COPY), short], 2, 4, True, (2.0, 0.25))
+    copied = replay([(PROMPT, COPY), short], 2, config(True), (2.0, 0.25))
     assert copied["tokens"] == 49 and copied["decode_steps"] < 39 and copied["accepted_tokens"]
     assert copied["modelled_speedup"] > 1.0
 
@@ -62,6 +73,7 @@ def test_script_reads_recorded_outputs_and_prints_json(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     assert report["bench"] == "spec_replay" and report["cost_ms"] == {"a": 1.0, "b": 0.0}
+    assert report["prompt_lookup"] == [2, 5]
     assert report["cpu"]["cores"] >= 1
     cells = {c["batch"]: c for c in report["cells"]}
     assert set(cells) == {1, 2} and cells[1]["sequences"] == 2

@@ -118,6 +118,37 @@ def test_amx_matches_bf16_weights_and_rows_do_not_depend_on_the_batch(kind, n):
 
 
 @needs_amx
+@pytest.mark.parametrize("kind", ["int4", "q8_0"])
+def test_amx_across_shapes_buffers_and_thread_splits(kind):
+    """Calls of other shapes in a row, so the per-thread pass buffer grows and is reused: K
+    from 160 to 2,048 and back, a K past the buffer's 1 MiB (8,224: dequantized again per 16
+    rows), one pass only (fewer passes than threads: the 16-row chunks split among threads) and
+    M up to 512. Each result is within the bf16 bound of the reference, and every row equals
+    that row computed alone."""
+    threads = torch.get_num_threads()
+    try:
+        for n, k, m in ((48, 160, 70), (80, 2048, 512), (16, 8224, 40), (64, 160, 300),
+                        (16, 576, 512)):  # fmt: skip
+            blocks = random_blocks(kind, n, k, seed=n + k)
+            qa, sa = quant.amx_order(kind, blocks.qs, blocks.scale, blocks.offset)
+            op = torch.ops.laneserve.int4_amx if kind == "int4" else torch.ops.laneserve.q8_0_amx
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+            w = weights(blocks)
+            for n_threads in {1, max(2, threads)}:
+                torch.set_num_threads(n_threads)
+                out = op(x, qa, sa)
+                ref = x.double() @ w.bfloat16().double().T
+                err = (out.double() - ref).abs() / (x.double().abs() @ w.abs().double().T)
+                assert err.max() < 2**-8, (n, k, m, n_threads, err.max())
+                for i in (0, 17, m - 1):
+                    assert torch.equal(op(x[i : i + 1].contiguous(), qa, sa)[0], out[i]), (
+                        n, k, m, n_threads, i,
+                    )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx
 def test_amx_ops_reject_bad_arguments():
     blocks = random_blocks("int4", 32, 64, seed=4)
     qa, sa = quant.amx_order("int4", blocks.qs, blocks.scale, blocks.offset)

@@ -99,7 +99,8 @@ def results(request) -> dict[str, dict[str, float]]:
 # How far below bf16 dense each path may fall. float32 activations: one token per prompt on
 # average. bf16 activations: also the kernel choice by phase, which is not batch-invariant by design
 # (a step of >= DENSE_MIN_TOKENS rows runs the dense bf16 GEMM, a smaller one the int4 kernel, and
-# the two round differently), so a prompt batched with others runs other kernels than alone; measured 0.82-0.93
+# on a CPU with AMX one of AMX_MIN_TOKENS..AMX_MAX_TOKENS rows the AMX matmuls; they round
+# differently), so a prompt batched with others runs other kernels than alone; measured 0.82-0.93
 # where bf16 dense scores 0.83-0.98. The bound still fails for a broken path (agreement near 0).
 MARGIN = {"fp32_quantized": 1 / GREEDY.max_tokens, "bf16_quantized": 0.2}
 
