@@ -100,7 +100,7 @@ def create_file(
     if purpose != "batch":
         raise InvalidRequestError(f"purpose must be 'batch', got {purpose!r}", param="purpose")
     if not filename or len(filename) > 255:
-        raise InvalidRequestError("filename must be 1..255 characters")
+        raise InvalidRequestError("filename must be 1..255 characters", param="file")
     file_id = new_file_id()
     path = files_dir() / f"{file_id}.jsonl"
     size = _write_atomic(path, data, max_bytes)
@@ -216,7 +216,7 @@ def list_files(
         NotFoundError: `after` names no file.
     """
     if not 1 <= limit <= LIST_LIMIT_MAX:
-        raise InvalidRequestError(f"limit must be between 1 and {LIST_LIMIT_MAX}")
+        raise InvalidRequestError(f"limit must be between 1 and {LIST_LIMIT_MAX}", param="limit")
     if order not in ORDERS:
         raise InvalidRequestError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
     descending = order == "desc"

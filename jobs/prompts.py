@@ -93,6 +93,12 @@ def check_extract_schema(schema_text: str | None) -> None:
     Raises:
         InvalidRequestError: missing, not JSON, or refused (the message says why).
     """
+    if schema_text is not None and not isinstance(schema_text, str):
+        raise InvalidRequestError(
+            "task option schema must be JSON schema text (a string), got "
+            f"{type(schema_text).__name__}",
+            param="task_options.schema",
+        )
     if not schema_text:
         raise InvalidRequestError(
             "task 'extract' needs the task option 'schema' (JSON schema text)",

@@ -80,7 +80,8 @@ def parse_completion_window(window: str) -> float:
     match = _WINDOW_RE.match(window or "")
     if match is None:
         raise InvalidRequestError(
-            f"completion_window must look like '24h' (or '<N>m', '<N>s'), got {window!r}"
+            f"completion_window must look like '24h' (or '<N>m', '<N>s'), got {window!r}",
+            param="completion_window",
         )
     return int(match.group(1)) * _WINDOW_UNIT_S[match.group(2)]
 
@@ -122,10 +123,14 @@ def _check_metadata(metadata: dict[str, Any] | None) -> dict[str, str] | None:
     if metadata is None:
         return None
     if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_KEYS:
-        raise InvalidRequestError(f"metadata must be a map of at most {MAX_METADATA_KEYS} pairs")
+        raise InvalidRequestError(
+            f"metadata must be a map of at most {MAX_METADATA_KEYS} pairs", param="metadata"
+        )
     for key, value in metadata.items():
         if not isinstance(key, str) or not isinstance(value, str) or len(key) > 64:
-            raise InvalidRequestError("metadata keys (<= 64 chars) and values must be strings")
+            raise InvalidRequestError(
+                "metadata keys (<= 64 chars) and values must be strings", param="metadata"
+            )
     return dict(metadata)
 
 
@@ -166,9 +171,13 @@ def create_batch(
         raise InvalidRequestError(
             "task shorthand jobs use the /v1/chat/completions endpoint", param="endpoint"
         )
+    if task_options is not None and not isinstance(task_options, dict):
+        raise InvalidRequestError(
+            f"task_options must be an object, got {_as_json(task_options)}", param="task_options"
+        )
     if task_options:
         if task is None:
-            raise InvalidRequestError("task options given without a task", param="task")
+            raise InvalidRequestError("task options given without a task", param="task_options")
         unknown = set(task_options) - set(TASK_OPTION_KEYS)
         if unknown:
             raise InvalidRequestError(
@@ -179,6 +188,12 @@ def create_batch(
         meta.update({k: str(v) for k, v in task_options.items() if v is not None})
     if task == "extract":
         check_extract_schema((task_options or {}).get("schema"))
+    if task == "translate" and not (task_options or {}).get("target_lang"):
+        # refused here, not by the runner: the job would otherwise be created and then fail
+        raise InvalidRequestError(
+            "task 'translate' needs the task option 'target_lang'",
+            param="task_options.target_lang",
+        )
     now = time.time()
     job = Job(
         id=new_batch_id(),
@@ -202,7 +217,8 @@ def create_batch(
             raise NotFoundError(f"no file {input_file_id!r}")
         if file.purpose != "batch":
             raise InvalidRequestError(
-                f"file {input_file_id!r} has purpose {file.purpose!r}; a batch input needs 'batch'"
+                f"file {input_file_id!r} has purpose {file.purpose!r}; a batch input needs 'batch'",
+                param="input_file_id",
             )
         session.add(job)
     return job
@@ -227,7 +243,7 @@ def list_batches(
         NotFoundError: `after` names no batch.
     """
     if not 1 <= limit <= 100:
-        raise InvalidRequestError("limit must be between 1 and 100")
+        raise InvalidRequestError("limit must be between 1 and 100", param="limit")
     query = select(Job).order_by(*keyset_order(Job, True)).limit(limit)
     if owner is not None:
         query = query.where(Job.owner == owner)

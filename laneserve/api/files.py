@@ -97,7 +97,7 @@ async def create_file(request: Request) -> Response:
         if not isinstance(purpose, str):
             raise invalid("'purpose' must be a string", "purpose")
         if upload.size is not None and upload.size > limit:
-            raise ApiError("payload_too_large", f"file over {limit} bytes")
+            raise ApiError("payload_too_large", f"file over {limit} bytes", param="file")
         row = await _call(
             service.create_file, svc.engine, upload.file, upload.filename or "upload", purpose
         )

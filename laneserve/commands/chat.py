@@ -95,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
     except openai.APIStatusError as exc:
         print(f"\nlaneserve chat: {_message(exc)}", file=sys.stderr)
         return 1
+    except openai.APIError as exc:  # an error event inside the stream (no HTTP status)
+        print(f"\nlaneserve chat: {exc.message}", file=sys.stderr)
+        return 1
     except IndexError:
         print(f"laneserve chat: the API at {base_url} serves no model", file=sys.stderr)
         return 1

@@ -421,11 +421,7 @@ def watch(client: StackClient, job_id: str, timeout_s: float | None = None, cons
         return EXIT_WATCH_TIMEOUT
     errors = (batch.get("errors") or {}).get("data") or []
     if failed_validation(batch):
-        print(
-            f"{job_id}: failed validation, no line ran ({len(errors)} error"
-            f"{'' if len(errors) == 1 else 's'}; fix the file and submit it again)",
-            file=sys.stderr,
-        )
+        print(f"{job_id}: failed validation, no line ran; why:", file=sys.stderr)
     else:
         print(
             f"{job_id}: {batch['status']} ({c['completed']} completed, {c['failed']} failed"

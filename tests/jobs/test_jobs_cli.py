@@ -127,7 +127,7 @@ def test_submit_wait_show_download_and_exit_codes(laneserve_home, tmp_path):
         )
         assert "line 2: invalid_json: not JSON" in failed.stderr
         # no "0 completed, 0 failed of 0": the job never counted its lines
-        failed_id = re.search(r"(batch_\w+): failed validation, no line ran \(2 errors;",
+        failed_id = re.search(r"(batch_\w+): failed validation, no line ran; why:\n  line",
                               failed.stderr)  # fmt: skip
         assert failed_id, failed.stderr
         shown = _cli(laneserve_home, "jobs", "show", failed_id.group(1))

@@ -173,7 +173,8 @@ def _jobs_in_every_shape(engine) -> list[str]:
     ]
     for status, endpoint, task, (total, done, failed) in shapes:
         f = service.create_file(engine, b"{}\n", "in.jsonl")
-        job = service.create_batch(engine, f.id, endpoint, task=task)
+        options = {"target_lang": "fr"} if task == "translate" else None
+        job = service.create_batch(engine, f.id, endpoint, task=task, task_options=options)
         with write_session(engine) as s:
             row = s.get(Job, job.id)
             row.status, row.request_total = status, total

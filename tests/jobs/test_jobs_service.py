@@ -128,3 +128,16 @@ def test_task_options_go_to_metadata(any_engine):
     at_cap = service.create_batch(any_engine, f.id, "/v1/chat/completions", task="summarize",
                                   task_options={"max_tokens": 100}, max_tokens_limit=100)  # fmt: skip
     assert at_cap.metadata_ == {"max_tokens": "100"}
+    # options the runner could not use are the job's 400 too, each naming its field
+    for task, options, param in (
+        ("translate", {"max_tokens": 8}, "task_options.target_lang"),
+        ("summarize", ["max_tokens", 8], "task_options"),
+        ("extract", {"schema": {"type": "object"}}, "task_options.schema"),
+    ):
+        with pytest.raises(InvalidRequestError) as refused:
+            service.create_batch(any_engine, f.id, "/v1/chat/completions", task=task,
+                                 task_options=options)  # fmt: skip
+        assert refused.value.param == param, (task, options, refused.value)
+    with pytest.raises(InvalidRequestError) as refused:
+        service.create_batch(any_engine, f.id, "/v1/chat/completions", completion_window="1y")
+    assert refused.value.param == "completion_window"
