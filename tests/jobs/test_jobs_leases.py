@@ -77,10 +77,12 @@ def test_lapsed_lease_is_taken_over_and_its_holder_told(any_engine, laneserve_ho
 def test_control_lease_is_exclusive_until_released_or_lapsed(any_engine, laneserve_home):
     engine = any_engine
     job = _job(engine, laneserve_home)
-    assert leases.claim_control(engine, job.id, "a", 0.2)
+    # a's lease lasts 2 s: long enough that b's claim lands inside it on a loaded machine
+    # (0.2 s lapsed before b's claim once, in a full test run on 2 busy cores)
+    assert leases.claim_control(engine, job.id, "a", 2.0)
     assert not leases.claim_control(engine, job.id, "b", 30.0)
-    assert leases.claim_control(engine, job.id, "a", 0.2)  # renewing one's own
-    time.sleep(0.3)
+    assert leases.claim_control(engine, job.id, "a", 2.0)  # renewing one's own
+    time.sleep(2.5)
     assert leases.claim_control(engine, job.id, "b", 30.0)  # lapsed: b takes over
     leases.release(engine, "b", [(job.id, leases.CONTROL)])
     assert leases.claim_control(engine, job.id, "a", 30.0)
