@@ -368,8 +368,8 @@ def q8_0_kernel_block_groups() -> int:
 # auto,auto-noamx`, the two alternating), time with / without: 3 rows 1.30x, 4 rows 1.07x (torch's
 # int4 kernel unpacks its weights once per 4 rows), 5 rows 0.74x, 8 rows 0.68-0.73x, 16 rows
 # 0.58-0.68x; since each pass's tiles are dequantized once for all its rows (not once per 16),
-# 32 rows 0.70-0.76x, 64 rows 0.78-0.82x, 128 rows 0.87-0.88x, 256 rows 0.92-0.94x and a
-# 512-token prefill 0.90-0.93x against the dense copy (docs/benchmarks.md Run 20). In a loop
+# 32 rows 0.70-0.82x, 64 rows 0.78-0.87x, 128 rows 0.87-0.95x, 256 rows 0.92-0.94x and a
+# 512-token prefill 0.90-0.94x against the dense copy (docs/benchmarks.md Run 20). In a loop
 # (weights in cache) the dense copy wins from ~1,024 rows, so it keeps the calls above 512.
 AMX_MIN_TOKENS = 5
 AMX_MAX_TOKENS = 512

@@ -125,15 +125,16 @@ TTFT_MULTIPLE = 1.8  # interactive TTFT target / idle TTFT (issue 19: <= 2.0x)
 TYPICAL_PROMPT = 256  # tokens: the prompt an interactive arrival is assumed to bring
 BATCH_MULTIPLE = 10.0  # batch targets / interactive targets
 # Prefill tokens a step with prompts to prefill always has room for (a batch-only step's batch
-# prompts, an interactive prompt beside running streams): at least the
-# rows from which the linears run dense GEMMs (gpu_worker/quantization.py: 10 rows in bf16, 32 in
-# float32; on a CPU with AMX, bf16 calls of 5 to 512 rows run the AMX matmuls, which cost about
-# the same per call from 5 to 16 rows, so the floor costs nothing there either). Below that a CPU step pays the per-row GEMV price for every prompt token: on a 2-core
-# AVX2 CPU in float32, 16-token chunks cost ~9 ms a row against ~4.7 in 64-token dense ones, and
-# a bulk job beside the TTFT slack ran at 0.6x. Besides keeping new prompts coming in, it keeps
-# the cost model seeing steps of real size: fed only tiny steps (tokens and rows moving
-# together), its least-squares fit once put the cost on tokens, planned 5-token chunks from then
-# on and held a 64-seat worker at 3 running requests after its first bulk job.
+# prompts, an interactive prompt beside running streams): at least the rows from which the linears
+# run dense GEMMs (gpu_worker/quantization.py: 10 rows in bf16, 32 in float32; on a CPU with AMX,
+# bf16 calls of 5 to 512 rows run the AMX matmuls, which cost about the same per call from 5 to 16
+# rows, so the floor costs nothing there either). Below that a CPU step pays the per-row GEMV
+# price for every prompt token: on a 2-core AVX2 CPU in float32, 16-token chunks cost ~9 ms a row
+# against ~4.7 in 64-token dense ones, and a bulk job beside the TTFT slack ran at 0.6x. Besides
+# keeping new prompts coming in, it keeps the cost model seeing steps of real size: fed only tiny
+# steps (tokens and rows moving together), its least-squares fit once put the cost on tokens,
+# planned 5-token chunks from then on and held a 64-seat worker at 3 running requests after its
+# first bulk job.
 MIN_PREFILL_CHUNK = 32
 MIN_BATCH_RATE = 0.25  # batch tokens per step beside interactive streams, at least (average)
 RETARGET_STEPS = 64  # measured steps between re-derivations of a derived TTFT target

@@ -6,15 +6,15 @@ later), reading the weights in their 4- or 8-bit form. Each weight tile (16 outp
 32-element group) is dequantized once per call to bf16 (``w = q * scale + offset`` by one float32
 FMA, rounded to nearest even: a dense bf16 copy's values but for a rare last bit, and subnormals
 flushed to zero as oneDNN's AMX GEMMs do) in the VNNI pair layout the tile unit reads, and one
-``tdpbf16ps`` multiplies it with 16 rows of x at a time (products exact in float32, float32
-sums). Up to 16 rows, a tile is dequantized just before its product; with more, a pass's tiles (4
-blocks of 16 outputs x all of K, up to 1 MiB: K <= 8,192) are dequantized into a per-thread buffer
-and every 16-row chunk reads them back; where there are fewer passes than threads the 16-row chunks
-are split among threads too. The dequantization is the work; the rows are nearly free: on a 2-core Xeon
+``tdpbf16ps`` multiplies it with 16 rows of x at a time (products exact in float32, float32 sums).
+Up to 16 rows, a tile is dequantized just before its product; with more, a pass's tiles (4 blocks
+of 16 outputs x all of K, up to 1 MiB: K <= 8,192) are dequantized into a per-thread buffer and
+every 16-row chunk reads them back; where there are fewer passes than threads the 16-row chunks are
+split among threads too. The dequantization is the work; the rows are nearly free: on a 2-core Xeon
 with AMX the SmolLM2 linears took the same time at 1 and 16 rows (qkv ~23 us, gate_up ~62 us in a
 loop), against 1.2x / 4-6x for torch's int4 kernel from 1 to 16 rows. So a batch-1 speculative
-verification or a small decode batch costs about what one row through the GEMVs does, and a
-decode batch of 64 about 0.8x what the dense bf16 copy's GEMMs cost (whole steps).
+verification or a small decode batch costs about what one row through the GEMVs does, and a decode
+batch of 64 about 0.8x what the dense bf16 copy's GEMMs cost (whole steps).
 
 Layouts (N outputs, a multiple of 16; K inputs; G = K / 32; NB = N / 16 blocks of 16 outputs),
 built by :func:`gpu_worker.quantization.amx_order`:
