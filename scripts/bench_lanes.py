@@ -283,8 +283,8 @@ def run_phases(args, extra: list[str], rng: random.Random) -> dict:
                 warmup = min(args.batch_warmup_lines, args.bulk_lines // 2)
                 if not _wait_lines(service, engine, job_id, warmup, args.timeout):
                     log(f"warning: {warmup} lines not completed in {args.timeout} s; measuring")
-                done0, t0 = _completed(service, engine, job_id), time.perf_counter()
-                tokens0 = _generated(front)
+                done0 = _completed(service, engine, job_id)
+                tokens0, t0 = _generated(front)
             if lane is None:  # batch alone, as long as the interactive phases send
                 time.sleep(args.interactive / args.rate)
                 results, wall = [], 0.0
@@ -308,10 +308,11 @@ def run_phases(args, extra: list[str], rng: random.Random) -> dict:
                 log(f"  TTFT {c['ttft_ms']}, TPOT {c['tpot_ms']}, errors {c['errors']}")
                 log(f"  server queue {srv['queue_ms']}, prefill {srv['prefill_ms']}")
             if job_id:
-                span = time.perf_counter() - t0
+                tokens1, t1 = _generated(front)
+                span = t1 - t0
                 lines = _completed(service, engine, job_id) - done0
                 # engine output tokens minus the interactive requests' own
-                tokens = _generated(front) - tokens0 - sum(r.tokens or 0 for r in results)
+                tokens = tokens1 - tokens0 - sum(r.tokens or 0 for r in results)
                 entry["batch_lines_per_s"] = round(lines / span, 3)
                 entry["batch_tok_s"] = round(tokens / span, 1)
                 log(f"  batch lane: {entry['batch_tok_s']} tok/s, {lines / span:.2f} lines/s")
@@ -325,12 +326,26 @@ def run_phases(args, extra: list[str], rng: random.Random) -> dict:
     return phases
 
 
-def _generated(front: str) -> int:
-    """Output tokens the workers generated so far (their engines' cumulative count)."""
+def _generated(front: str, fresh_s: float = 2.5) -> tuple[int, float]:
+    """(output tokens the workers generated so far, their engines' cumulative count, and the
+    `time.perf_counter()` it held at). The count rides on the workers' heartbeats (one a second
+    by default), so a plain read can be a second old: at the end of a short window on a slow
+    machine that undercounted the window's tokens, even below the interactive requests' own (a
+    negative batch figure). So wait for the count to move (the next heartbeat) and take the time
+    then; a count that does not move in `fresh_s` (nothing generating) held at the first read."""
     from broker.client import broker_status
 
-    workers = broker_status(front, timeout_s=30.0)["workers"]
-    return sum(int((w.get("load") or {}).get("num_generated_tokens") or 0) for w in workers)
+    def count() -> int:
+        workers = broker_status(front, timeout_s=30.0)["workers"]
+        return sum(int((w.get("load") or {}).get("num_generated_tokens") or 0) for w in workers)
+
+    first, t_first = count(), time.perf_counter()
+    while time.perf_counter() < t_first + fresh_s:
+        time.sleep(0.05)
+        now = count()
+        if now != first:
+            return now, time.perf_counter()
+    return first, t_first
 
 
 def _completed(service, engine, job_id: str) -> int:

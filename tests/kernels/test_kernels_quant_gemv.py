@@ -56,6 +56,7 @@ def rounded_activations(x: torch.Tensor) -> torch.Tensor:
 def blocks_weight(blocks: GemvBlocks) -> tuple[torch.Tensor, torch.Tensor]:
     """(W, |scale| * q + |offset|) in float64 from the blocks' own arrays: the weight the kernel
     multiplies, and the size of the terms it adds (the offset term does not cancel in it)."""
+    assert blocks.kind == "q8_0" or blocks.block_groups == 1, "read them before a call reorders"
     n = blocks.qs.shape[0]
     if blocks.kind == "q8_0":
         q = blocks.qs.double().view(n, -1, 32)
@@ -413,8 +414,8 @@ def rows_at_every_m(blocks: GemvBlocks, x: torch.Tensor, bf16: bool = False) -> 
     """`blocks(x)` (returned), checked against W . x' within the float32 rounding bound of
     `test_gemv_matches_dequantized_matmul`; row i bitwise the same at every M (row tiles and
     remainders) and thread count; with `bf16`, bf16 rows equal to float32 ones rounded once."""
+    wd, terms = blocks_weight(blocks)  # before the first call puts the weights in the block order
     full = blocks(x)
-    wd, terms = blocks_weight(blocks)
     rounded = rounded_activations(x)
     tol = (x.shape[1] // 32 + 16) * 2**-24 * (rounded.abs() @ terms.T)
     assert ((full.double() - rounded @ wd.T).abs() <= tol).all()
