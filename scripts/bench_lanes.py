@@ -283,8 +283,8 @@ def run_phases(args, extra: list[str], rng: random.Random) -> dict:
                 warmup = min(args.batch_warmup_lines, args.bulk_lines // 2)
                 if not _wait_lines(service, engine, job_id, warmup, args.timeout):
                     log(f"warning: {warmup} lines not completed in {args.timeout} s; measuring")
-                done0 = _completed(service, engine, job_id)
                 tokens0, t0 = _generated(front)
+                done0 = _completed(service, engine, job_id)
             if lane is None:  # batch alone, as long as the interactive phases send
                 time.sleep(args.interactive / args.rate)
                 results, wall = [], 0.0
@@ -327,22 +327,27 @@ def run_phases(args, extra: list[str], rng: random.Random) -> dict:
 
 
 def _generated(front: str, fresh_s: float = 2.5) -> tuple[int, float]:
-    """(output tokens the workers generated so far, their engines' cumulative count, and the
+    """(output tokens the workers generated so far (their engines' cumulative count), the
     `time.perf_counter()` it held at). The count rides on the workers' heartbeats (one a second
     by default), so a plain read can be a second old: at the end of a short window on a slow
     machine that undercounted the window's tokens, even below the interactive requests' own (a
     negative batch figure). So wait for the count to move (the next heartbeat) and take the time
-    then; a count that does not move in `fresh_s` (nothing generating) held at the first read."""
+    then; a count that does not move in `fresh_s` (nothing generating) held at the first read.
+    With several workers the sum moves at the first one's heartbeat (the bench runs one); a
+    status read that times out while waiting counts as no change."""
     from broker.client import broker_status
 
-    def count() -> int:
-        workers = broker_status(front, timeout_s=30.0)["workers"]
+    def count(timeout_s: float = 30.0) -> int:
+        workers = broker_status(front, timeout_s=timeout_s)["workers"]
         return sum(int((w.get("load") or {}).get("num_generated_tokens") or 0) for w in workers)
 
     first, t_first = count(), time.perf_counter()
     while time.perf_counter() < t_first + fresh_s:
         time.sleep(0.05)
-        now = count()
+        try:
+            now = count(timeout_s=1.0)
+        except TimeoutError:
+            continue
         if now != first:
             return now, time.perf_counter()
     return first, t_first

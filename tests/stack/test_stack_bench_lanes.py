@@ -38,7 +38,7 @@ def test_two_rounds_report_medians_of_each_rounds_ratios(smollm2_gguf, tmp_path)
         "--output-tokens",
         "4",
         "--bulk-lines",
-        "24",
+        "48",
         "--bulk-tokens",
         "8",
         "--batch-warmup-lines",
