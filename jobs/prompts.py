@@ -87,6 +87,23 @@ def extract_format(schema_text: str) -> dict:
     }
 
 
+def check_task_options(task: str | None, options: dict) -> None:
+    """The options `task` cannot run without: an extract job's schema (`check_extract_schema`),
+    a translate job's target language. Checked when a job is created and again when it is
+    validated (a job stored before a check existed).
+
+    Raises:
+        InvalidRequestError: a missing or unusable option, its `param` naming it.
+    """
+    if task == "extract":
+        check_extract_schema(options.get("schema"))
+    if task == "translate" and not options.get("target_lang"):
+        raise InvalidRequestError(
+            "task 'translate' needs the task option 'target_lang'",
+            param="task_options.target_lang",
+        )
+
+
 def check_extract_schema(schema_text: str | None) -> None:
     """An extract job's schema option must be JSON text of a schema the grammar library enforces.
 

@@ -62,7 +62,7 @@ from jobs.files import (  # noqa: F401 - re-exported API
     rows_after,
 )
 from jobs.limits import DEFAULT_COMPLETION_WINDOW, ENDPOINTS, TASKS
-from jobs.prompts import check_extract_schema
+from jobs.prompts import check_task_options
 
 _WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([smh])$")
 _WINDOW_UNIT_S = {"s": 1, "m": 60, "h": 3600}
@@ -186,14 +186,8 @@ def create_batch(
         _check_task_max_tokens(task_options.get("max_tokens"), max_tokens_limit)
         meta = dict(meta or {})
         meta.update({k: str(v) for k, v in task_options.items() if v is not None})
-    if task == "extract":
-        check_extract_schema((task_options or {}).get("schema"))
-    if task == "translate" and not (task_options or {}).get("target_lang"):
-        # refused here, not by the runner: the job would otherwise be created and then fail
-        raise InvalidRequestError(
-            "task 'translate' needs the task option 'target_lang'",
-            param="task_options.target_lang",
-        )
+    # refused here, not by the runner: the job would otherwise be created and then fail
+    check_task_options(task, task_options or {})
     now = time.time()
     job = Job(
         id=new_batch_id(),

@@ -35,6 +35,7 @@ from typing import Any
 from contracts.openai import Limits, OpenAIError, ParsedRequest, ServedModel, parse
 from contracts.openai.checks import unpaired_surrogate
 from jobs import prompts
+from jobs.errors import InvalidRequestError
 from jobs.limits import (
     MAX_BAD_FRACTION,
     MAX_CUSTOM_ID_CHARS,
@@ -127,20 +128,12 @@ class Validator:
         Raises:
             JobValidationError: size/line limits, duplicate custom_id, more than one model.
         """
-        if self.task == "extract" and not self.task_options.get("schema"):
+        try:
+            prompts.check_task_options(self.task, self.task_options)
+        except InvalidRequestError as exc:
             raise JobValidationError(
-                [{"code": "invalid_request", "message": "extract needs schema", "line": None}]
-            )
-        if self.task == "translate" and not self.task_options.get("target_lang"):
-            raise JobValidationError(
-                [
-                    {
-                        "code": "invalid_request",
-                        "message": "translate needs target_lang",
-                        "line": None,
-                    }
-                ]
-            )
+                [{"code": "invalid_request", "message": str(exc), "line": None}]
+            ) from None
         size = path.stat().st_size
         if size > self.max_bytes:
             msg = f"input file is {size} bytes; the limit is {self.max_bytes}"
