@@ -135,9 +135,13 @@ def success_response(
     return {"status_code": 200, "request_id": rid, "body": out}
 
 
-def error_response(code: str, message: str, attempts: int | None = None) -> dict[str, Any]:
-    """The stored `response` of a failed line."""
+def error_response(
+    code: str, message: str, attempts: int | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """The stored `response` of a failed line (`param`: the line's field at fault, if known)."""
     error: dict[str, Any] = {"code": code, "message": message}
+    if param is not None:
+        error["param"] = param
     if attempts is not None:
         error["attempts"] = attempts
     return {"error": error}

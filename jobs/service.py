@@ -276,8 +276,9 @@ def batch_object(job: Job) -> dict[str, Any]:
         return None if value is None else int(value)
 
     errors = None
-    if job.errors:
-        errors = {"object": "list", "data": list(job.errors)}
+    if job.errors:  # OpenAI's BatchError: code, line, message, param (each may be null)
+        data = [{k: e.get(k) for k in ("code", "line", "message", "param")} for e in job.errors]
+        errors = {"object": "list", "data": data}
     return {
         "id": job.id,
         "object": "batch",

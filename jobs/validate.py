@@ -46,15 +46,18 @@ from jobs.limits import (
 
 
 class LineError(ValueError):
-    """A bad line: `code` (DESIGN.md error code) and message."""
+    """A bad line: `code` (DESIGN.md error code), message, and `param` (the line's field at
+    fault, as the OpenAI error object names it, e.g. "body.max_tokens") where one is known."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.param = param
 
 
 class JobValidationError(ValueError):
-    """The whole job fails at validation; `errors` is `[{"code", "message", "line"}]`."""
+    """The whole job fails at validation; `errors` is `[{"code", "message", "line"}]` (+
+    `"param"` where a field is at fault)."""
 
     def __init__(self, errors: list[dict[str, Any]]) -> None:
         super().__init__("; ".join(e["message"] for e in errors))
@@ -131,9 +134,8 @@ class Validator:
         try:
             prompts.check_task_options(self.task, self.task_options)
         except InvalidRequestError as exc:
-            raise JobValidationError(
-                [{"code": "invalid_request", "message": str(exc), "line": None}]
-            ) from None
+            error = {"code": "invalid_request", "message": str(exc), "param": exc.param}
+            raise JobValidationError([{**error, "line": None}]) from None
         size = path.stat().st_size
         if size > self.max_bytes:
             msg = f"input file is {size} bytes; the limit is {self.max_bytes}"
@@ -199,7 +201,7 @@ class Validator:
                 name = self._custom_id(obj, line_no)
         except LineError as exc:
             if where is None:
-                return LineResult(line_no, name, error=_err(exc.code, str(exc)))
+                return LineResult(line_no, name, error=_line_err(exc))
         if where is not None:
             msg = f"not valid Unicode: {where} holds an unpaired UTF-16 surrogate escape"
             return LineResult(line_no, name, error=_err("invalid_json", msg))
@@ -209,7 +211,7 @@ class Validator:
             else:
                 request, tokens = self._openai_line(obj)
         except LineError as exc:
-            return LineResult(line_no, name, error=_err(exc.code, str(exc)))
+            return LineResult(line_no, name, error=_line_err(exc))
         return LineResult(line_no, name, request=request, prompt_tokens=tokens)
 
     def _custom_id(self, obj: dict, line_no: int) -> str:
@@ -220,11 +222,10 @@ class Validator:
         if self.task is not None and type(value) is int:
             value = str(value)
         if not isinstance(value, str) or not value:
-            raise LineError("invalid_request", f"{key} must be a non-empty string")
+            raise LineError("invalid_request", f"{key} must be a non-empty string", param=key)
         if len(value) > MAX_CUSTOM_ID_CHARS:
-            raise LineError(
-                "invalid_request", f"{key} is longer than {MAX_CUSTOM_ID_CHARS} characters"
-            )
+            msg = f"{key} is longer than {MAX_CUSTOM_ID_CHARS} characters"
+            raise LineError("invalid_request", msg, param=key)
         return value
 
     def _openai_line(self, obj: dict) -> tuple[dict, int | None]:
@@ -232,14 +233,14 @@ class Validator:
         if missing:
             raise LineError("invalid_request", f"missing field(s) {missing}")
         if obj["method"] != "POST":
-            raise LineError("invalid_request", f"method must be POST, got {obj['method']!r}")
+            msg = f"method must be POST, got {obj['method']!r}"
+            raise LineError("invalid_request", msg, param="method")
         if obj["url"] != self.endpoint:
-            raise LineError(
-                "invalid_request", f"url {obj['url']!r} is not the batch endpoint {self.endpoint}"
-            )
+            msg = f"url {obj['url']!r} is not the batch endpoint {self.endpoint}"
+            raise LineError("invalid_request", msg, param="url")
         body = obj["body"]
         if not isinstance(body, dict):
-            raise LineError("invalid_request", "body must be an object")
+            raise LineError("invalid_request", "body must be an object", param="body")
         return self._request(body)
 
     def _task_line(self, obj: dict) -> tuple[dict, int | None]:
@@ -251,7 +252,8 @@ class Validator:
                 what = "empty"
             else:
                 what = f"a JSON {type(text).__name__}, not a string"
-            raise LineError("invalid_request", f"field 'text' is {what} (a non-empty string)")
+            msg = f"field 'text' is {what} (a non-empty string)"
+            raise LineError("invalid_request", msg, param="text")
         body = prompts.task_body(self.task, text, self.default_model, self.task_options)
         if self.task == "summarize" and self.counter is not None:
             req = self._parse(body)
@@ -270,7 +272,7 @@ class Validator:
         try:
             (self.counter or ServedModel()).check(req, self.limits)
         except OpenAIError as exc:
-            raise LineError(exc.code, exc.message) from exc
+            raise LineError(exc.code, exc.message, param=self._param(exc.param)) from exc
         request = {"url": self.endpoint, "body": req_body(req, body)}
         request["sampling_params"] = req.sampling
         counts = [p.num_tokens for p in req.prompts]
@@ -287,12 +289,23 @@ class Validator:
                 self.counter.check_name(req.model)
             self._note_model(req.model)
         except OpenAIError as exc:
-            raise LineError(exc.code, exc.message) from exc
+            raise LineError(exc.code, exc.message, param=self._param(exc.param)) from exc
         if req.stream:
-            raise LineError("invalid_request", "stream must be false in a batch")
+            raise LineError(
+                "invalid_request", "stream must be false in a batch", param="body.stream"
+            )
         if body.get("lane") not in (None, "batch") or body.get("priority") == "interactive":
-            raise LineError("invalid_request", "a batch line runs in the batch lane")
+            param = "body.lane" if body.get("lane") not in (None, "batch") else "body.priority"
+            raise LineError("invalid_request", "a batch line runs in the batch lane", param=param)
         return req
+
+    def _param(self, param: str | None) -> str | None:
+        """A request body's field at fault as the user wrote it: "body.max_tokens" on an OpenAI
+        batch line; on a task line the field the body was built from ("text", a task option)."""
+        if param is None or self.task is None:
+            return None if param is None else f"body.{param}"
+        root = param.split(".", 1)[0].split("[", 1)[0]
+        return _TASK_PARAMS.get(root)
 
     def _note_model(self, model: str) -> None:
         if model not in self.models:
@@ -302,6 +315,15 @@ class Validator:
                 raise JobValidationError(
                     [{"code": "multiple_models", "message": msg, "line": None}]
                 )
+
+
+# A task line's body field -> what the user wrote it as (`prompts.task_body` builds the body).
+_TASK_PARAMS = {
+    "messages": "text",
+    "max_tokens": "task_options.max_tokens",
+    "response_format": "task_options.schema",
+    "model": "model",
+}
 
 
 def req_body(req: ParsedRequest, body: dict) -> dict:
@@ -319,3 +341,11 @@ def req_body(req: ParsedRequest, body: dict) -> dict:
 
 def _err(code: str, message: str) -> dict[str, str]:
     return {"code": code, "message": message}
+
+
+def _line_err(exc: LineError) -> dict[str, str]:
+    """A bad line's error object: code and message, and the field at fault where known."""
+    error = _err(exc.code, str(exc))
+    if exc.param is not None:
+        error["param"] = exc.param
+    return error

@@ -61,6 +61,8 @@ def test_good_overlength_malformed_nonobject(stack, engine, laneserve_home, smol
     }
     (surrogate,) = [x for x in err if x["custom_id"] == "surrogate"]
     assert "unpaired UTF-16 surrogate" in surrogate["error"]["message"]
+    params = {x["custom_id"]: x["error"].get("param") for x in err}
+    assert params["too-long"] == "body.messages" and params["line-5"] is None
 
 
 def test_a_job_whose_validation_raises_fails_and_later_jobs_still_run(

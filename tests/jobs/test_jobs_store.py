@@ -7,6 +7,7 @@ import json
 from db.models import Job, Request
 from db.session import read_session, write_session
 from jobs import results, store
+from jobs.service import batch_object
 from tests.harness import chat_line, read_lines, submit, write_jsonl
 
 
@@ -98,13 +99,18 @@ def test_revalidation_after_a_crash_replaces_rows(any_engine, laneserve_home):
 
 def test_mostly_bad_file_fails_the_job_with_errors(any_engine, laneserve_home):
     engine = any_engine
-    lines = [chat_line("ok", "x"), "bad 1", "[2]", {"custom_id": "no-body"}]
+    wrong_url = {**chat_line("u", "x"), "url": "/v1/embeddings"}
+    lines = [chat_line("ok", "x"), "bad 1", "[2]", {"custom_id": "no-body"}, wrong_url]
     job = submit(engine, write_jsonl(laneserve_home / "bad.jsonl", lines))
     assert store.validate_job(engine, job.id, None, "m") == "failed"
     with read_session(engine) as s:
         row = s.get(Job, job.id)
         n = s.query(Request).filter(Request.job_id == job.id).count()
-    assert row.errors[0]["code"] == "too_many_failed_lines" and "3 of 4" in row.errors[0]["message"]
-    assert [e["line"] for e in row.errors[1:]] == [2, 3, 4]
+    assert row.errors[0]["code"] == "too_many_failed_lines" and "4 of 5" in row.errors[0]["message"]
+    assert [e["line"] for e in row.errors[1:]] == [2, 3, 4, 5]
+    # the batch object's errors.data items are OpenAI's BatchError: code, line, message, param
+    data = batch_object(row)["errors"]["data"]
+    assert all(set(e) == {"code", "line", "message", "param"} for e in data)
+    assert [e["param"] for e in data] == [None, None, None, None, "url"]
     assert row.request_counts == {"total": 0, "completed": 0, "failed": 0} and n == 0
     assert row.failed_at is not None

@@ -61,6 +61,10 @@ def test_line_errors_are_named_and_the_rest_is_kept(tmp_path):
     assert "tools" in by_id["tools"].error["message"]
     assert "body" in by_id["missing-body"].error["message"]
     assert by_id["line-9"].error is not None  # custom_id is required in OpenAI format
+    # the field at fault, where there is one, as OpenAI's error objects name it
+    assert by_id["wrong-url"].error["param"] == "url"
+    assert by_id["tools"].error.get("param") == "body.tools"
+    assert "param" not in by_id["line-2"].error and "param" not in by_id["line-3"].error
     assert (v.num_lines, v.num_bad) == (8, 7) and v.too_many_bad()  # blank line not counted
 
 
@@ -130,6 +134,7 @@ def test_completions_prompt_forms(tmp_path):
     assert by_id["bad"].error == {
         "code": "invalid_request",
         "message": "token-id prompts must hold non-negative integers",
+        "param": "body.prompt",
     }
 
 
@@ -157,6 +162,7 @@ def test_task_lines(tmp_path):
     assert "'text' is missing" in results[4].error["message"]
     assert "text holds an unpaired UTF-16 surrogate" in results[5].error["message"]
     assert "id holds an unpaired" in results[6].error["message"]  # named by its line instead
+    assert [results[i].error["param"] for i in (1, 3, 4)] == ["text"] * 3
 
 
 def test_prompt_length_with_the_model_tokenizer(tmp_path, counter, smollm2_dir):
@@ -185,7 +191,10 @@ def test_prompt_length_with_the_model_tokenizer(tmp_path, counter, smollm2_dir):
         tmp_path, docs, counter=counter, task="translate", task_options={"target_lang": "fr"}
     )
     assert r.error["code"] == "prompt_too_long"
+    assert r.error["param"] == "text"  # the task line's field, not the body built from it
     assert json.dumps(r.error)
+    _, (r,) = _validate(tmp_path, lines[1:], counter=counter)
+    assert r.error["param"] == "body.messages"
 
 
 def test_byte_order_mark_and_crlf_are_accepted(tmp_path):
