@@ -537,15 +537,16 @@ def laneserve(home: Path, *args: str, timeout: float = 120.0) -> subprocess.Comp
 
 
 class UpProcess:
-    """`laneserve up` as a child process, with its stack.json once ready."""
+    """`laneserve up` as a child process, with its stack.json once ready (`env`: variables added
+    to its environment, e.g. a test-only fault)."""
 
-    def __init__(self, home: Path, *args: str) -> None:
+    def __init__(self, home: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.home = home
         self.log = home / "up.log"
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "laneserve.commands.up", *args],
-                env=child_env(home),
+                env={**child_env(home), **(env or {})},
                 cwd=ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,

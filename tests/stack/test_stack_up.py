@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import select as io_select
 import signal
+import subprocess
+import sys
 import time
 
 import openai
@@ -18,7 +22,7 @@ from sqlalchemy import create_engine, select
 
 from db.models import Request
 from laneserve.commands.status import _print_workers, kv_pool_text
-from tests.harness import UpProcess, laneserve, processes_mentioning
+from tests.harness import ROOT, UpProcess, child_env, laneserve, processes_mentioning, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +42,10 @@ ENGINE_OPTIONS = {
 }
 
 
+# A chat holding this text fails inside the engine's step (test-only fault; other chats run).
+STEP_FAULT = "STEP-FAULT-41c7"
+
+
 @pytest.fixture(scope="module")
 def up(model_home):
     stack = UpProcess(
@@ -45,6 +53,7 @@ def up(model_home):
         "--max-num-seqs", "16", "--block-size", "32", "--max-num-batched-tokens", "64",
         "--kv-cache-memory", "256MiB", "--interactive-batch-token-cap", "6",
         "--batch-token-budget", "48",
+        env={"LANESERVE_FAULT_STEP": STEP_FAULT},
     )  # fmt: skip
     stack.wait_ready()
     yield stack
@@ -190,6 +199,60 @@ def test_chat_command_streams_an_answer(up):
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip()
     assert "TTFT" in res.stderr
+
+
+def test_chat_command_reports_an_engine_error_and_the_stack_serves_on(up):
+    """A request that fails inside the engine's step before its first token gets an HTTP error:
+    `laneserve chat` says what failed in one line and exits 1, no traceback; the next chat runs."""
+    res = laneserve(up.home, "chat", f"Repeat {STEP_FAULT}", "--max-tokens", "8", "--quiet")
+    assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("laneserve chat: 500: "), res.stderr
+    assert "engine step failed" in lines[0] and "Traceback" not in res.stderr, res.stderr
+    again = laneserve(up.home, "chat", "Say hello.", "--max-tokens", "4", "--temperature", "0")
+    assert again.returncode == 0 and again.stdout.strip(), again.stderr
+
+
+def test_chat_command_reports_a_worker_lost_mid_answer(up):
+    """The worker dies while `laneserve chat` streams (HTTP 200 and text already sent): the stream
+    ends with an SSE error event, the command keeps the text it printed, says `worker_lost`-style
+    what happened in one stderr line and exits 1; the supervisor restarts the worker and the
+    next chat is answered."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "laneserve.cli", "chat", "Count from 1 to 400, one number a line.",
+         "--max-tokens", "1500", "--temperature", "0", "--quiet"],
+        env=child_env(up.home), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        first = b""
+        deadline = time.monotonic() + 120
+        while len(first) < 8 and time.monotonic() < deadline and proc.poll() is None:
+            ready, _, _ = io_select.select([proc.stdout], [], [], 1.0)
+            if ready:
+                first += os.read(proc.stdout.fileno(), 4096)
+        assert len(first) >= 8, (first, proc.poll())
+        worker = up.stack()["children"]["worker-0"]
+        psutil.Process(worker).kill()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = err.decode()
+    assert proc.returncode == 1, (proc.returncode, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("laneserve chat: "), err
+    assert "worker" in lines[0] and "Traceback" not in err, err
+    assert (first + out).decode().strip()  # the text streamed before the loss stays on stdout
+
+    def restarted():
+        new = up.stack()["children"].get("worker-0")
+        if new in (None, worker):
+            return None
+        res = laneserve(up.home, "chat", "Say hello.", "--max-tokens", "4", "--temperature", "0")
+        return res if res.returncode == 0 else None
+
+    res = wait_for(restarted, 240, "a restarted worker that answers", poll_s=1.0)
+    assert res.stdout.strip()
 
 
 def test_crashed_child_is_restarted(up):
