@@ -272,6 +272,7 @@ class LLMEngine:
         self._pending: list[RequestDelta] = []  # aborts/errors reported at the next step
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.num_prefill_tokens = 0  # prompt positions computed (prefix-cache hits excluded)
         spec = config.speculative_config
         self.spec = SpecController(spec) if spec is not None and spec.enabled else None
         if config.slo_control:  # SLO-driven step budgets, from a start-up profile of this engine
@@ -454,6 +455,11 @@ class LLMEngine:
                         self._final(state, "", [], "error", error=f"engine step failed: {exc}")
                     )
             return deltas
+        self.num_prefill_tokens += sum(
+            max(0, min(e.num_computed_tokens + e.num_new_tokens, e.request.num_prompt_tokens)
+                - e.num_computed_tokens)
+            for e in out.scheduled
+        )  # fmt: skip
         rejected = None
         if self.spec is not None:  # figures of this step's verified drafts
             runs = [(r.state.request, r.state.spec, r.num_drafts, r.num_accepted) for r in sampled
@@ -737,12 +743,14 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         """Queue and KV figures: num_total_blocks, num_free_blocks, kv_usage, num_running,
         num_waiting, prefix_cache_queries, prefix_cache_hits (tokens), num_preemptions,
-        num_steps, num_generated_tokens, and speculative decoding's totals spec_draft_tokens,
+        num_steps, num_generated_tokens, num_prefill_tokens (prompt positions computed, cache hits
+        excluded), and speculative decoding's totals spec_draft_tokens,
         spec_accepted_tokens, spec_num_drafts, spec_propose_ms (`spec_decode.spec_totals`)."""
         stats = dict(self.scheduler.stats())
         stats.update(
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
+            num_prefill_tokens=self.num_prefill_tokens,
             **spec_totals(self.spec),
         )
         return stats

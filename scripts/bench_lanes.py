@@ -14,7 +14,11 @@ text, TPOT = (total - TTFT) / (tokens - 1)) in three phases:
 
 4. batch alone: the same kind of job with no interactive traffic, for as long as phase 2 sent
    requests: the batch lane's throughput (output tokens per second: the engines' generated
-   tokens minus the interactive requests') to compare phase 2's with.
+   tokens minus the interactive requests') to compare phase 2's with. Beside it, the batch
+   lane's work per second (`batch_total_tok_s`: prompt positions computed plus output tokens,
+   the interactive requests' own taken out) and its ratio: a window shorter than a bulk job's
+   wave of prefills and decodes sees a different mix of the two in each phase, which moves the
+   output-token ratio, not this one.
 
 Each bulk phase starts measuring (and sending) once its job has completed
 `--batch-warmup-lines` lines: a job's first seconds are the prefill of every prompt the worker
@@ -283,7 +287,7 @@ def run_phases(args, extra: list[str], rng: random.Random) -> dict:
                 warmup = min(args.batch_warmup_lines, args.bulk_lines // 2)
                 if not _wait_lines(service, engine, job_id, warmup, args.timeout):
                     log(f"warning: {warmup} lines not completed in {args.timeout} s; measuring")
-                tokens0, t0 = _generated(front)
+                tokens0, prefill0, t0 = _generated(front)
                 done0 = _completed(service, engine, job_id)
             if lane is None:  # batch alone, as long as the interactive phases send
                 time.sleep(args.interactive / args.rate)
@@ -308,14 +312,21 @@ def run_phases(args, extra: list[str], rng: random.Random) -> dict:
                 log(f"  TTFT {c['ttft_ms']}, TPOT {c['tpot_ms']}, errors {c['errors']}")
                 log(f"  server queue {srv['queue_ms']}, prefill {srv['prefill_ms']}")
             if job_id:
-                tokens1, t1 = _generated(front)
+                tokens1, prefill1, t1 = _generated(front)
                 span = t1 - t0
                 lines = _completed(service, engine, job_id) - done0
                 # engine output tokens minus the interactive requests' own
                 tokens = tokens1 - tokens0 - sum(r.tokens or 0 for r in results)
+                # prompt positions computed minus the interactive prompts' (random ids: no
+                # prefix-cache hits; a request that never produced a token counted as computed)
+                prefill = prefill1 - prefill0 - args.input_tokens * len(results)
                 entry["batch_lines_per_s"] = round(lines / span, 3)
                 entry["batch_tok_s"] = round(tokens / span, 1)
-                log(f"  batch lane: {entry['batch_tok_s']} tok/s, {lines / span:.2f} lines/s")
+                entry["batch_total_tok_s"] = round((tokens + prefill) / span, 1)
+                log(
+                    f"  batch lane: {entry['batch_tok_s']} output tok/s, "
+                    f"{entry['batch_total_tok_s']} prompt + output tok/s, {lines / span:.2f} lines/s"
+                )
                 row = service.get_batch(engine, job_id)
                 entry["bulk_job"] = {"id": job_id, "status": row.status, **row.request_counts}
                 if not service.is_terminal(row.status):
@@ -326,20 +337,25 @@ def run_phases(args, extra: list[str], rng: random.Random) -> dict:
     return phases
 
 
-def _generated(front: str, fresh_s: float = 2.5) -> tuple[int, float]:
-    """(output tokens the workers generated so far (their engines' cumulative count), the
-    `time.perf_counter()` it held at). The count rides on the workers' heartbeats (one a second
-    by default), so a plain read can be a second old: at the end of a short window on a slow
-    machine that undercounted the window's tokens, even below the interactive requests' own (a
-    negative batch figure). So wait for the count to move (the next heartbeat) and take the time
-    then; a count that does not move in `fresh_s` (nothing generating) held at the first read.
-    With several workers the sum moves at the first one's heartbeat (the bench runs one); a
-    status read that times out while waiting counts as no change."""
+def _generated(front: str, fresh_s: float = 2.5) -> tuple[int, int, float]:
+    """(output tokens the workers generated so far, prompt positions they computed so far (their
+    engines' cumulative `num_generated_tokens`, `num_prefill_tokens`), the `time.perf_counter()`
+    they held at). The counts ride on the workers' heartbeats (one a second by default), so a
+    plain read can be a second old: at the end of a short window on a slow machine that
+    undercounted the window's tokens, even below the interactive requests' own (a negative batch
+    figure). So wait for the counts to move (the next heartbeat) and take the time then; counts
+    that do not move in `fresh_s` (nothing running) held at the first read. With several workers
+    the sums move at the first one's heartbeat (the bench runs one); a status read that times out
+    while waiting counts as no change."""
     from broker.client import broker_status
 
-    def count(timeout_s: float = 30.0) -> int:
+    def count(timeout_s: float = 30.0) -> tuple[int, int]:
         workers = broker_status(front, timeout_s=timeout_s)["workers"]
-        return sum(int((w.get("load") or {}).get("num_generated_tokens") or 0) for w in workers)
+        loads = [w.get("load") or {} for w in workers]
+        return (
+            sum(int(load.get("num_generated_tokens") or 0) for load in loads),
+            sum(int(load.get("num_prefill_tokens") or 0) for load in loads),
+        )
 
     first, t_first = count(), time.perf_counter()
     while time.perf_counter() < t_first + fresh_s:
@@ -349,8 +365,8 @@ def _generated(front: str, fresh_s: float = 2.5) -> tuple[int, float]:
         except TimeoutError:
             continue
         if now != first:
-            return now, time.perf_counter()
-    return first, t_first
+            return *now, time.perf_counter()
+    return *first, t_first
 
 
 def _completed(service, engine, job_id: str) -> int:
@@ -386,6 +402,11 @@ def verdict(phases: dict) -> dict:
         and ratio(fifo["tpot_ms"]["p99"], idle["tpot_ms"]["p50"]),
         "batch_with_interactive_over_alone": ratio(
             phases["lanes"]["batch_tok_s"], phases.get("batch_alone", {}).get("batch_tok_s")
+        ),
+        # the same by work done: prompt positions computed + output tokens (reported beside)
+        "batch_total_with_interactive_over_alone": ratio(
+            phases["lanes"].get("batch_total_tok_s"),
+            phases.get("batch_alone", {}).get("batch_total_tok_s"),
         ),
     }
     return {"ratios": r, "target_met": targets_met(r)}

@@ -128,3 +128,21 @@ def test_interactive_lane_runs(llm):
     assert out.token_ids
     with pytest.raises(InvalidRequestError, match="lane"):
         llm.generate(["Hi"], GREEDY, lane="vip")
+
+
+def test_token_counters_count_prompt_positions_computed_and_tokens_generated(llm):
+    """`num_prefill_tokens` counts the prompt positions the engine computed (prefix-cache hits
+    are not computed) and `num_generated_tokens` every output token: a lane's work per second
+    (bench_lanes reads both from the workers' heartbeats)."""
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prompts = [[300 + i for i in range(40)], [900 + i for i in range(70)]]
+    before = llm.stats()
+    outs = llm.generate(prompts, params)
+    mid = llm.stats()
+    assert mid["num_generated_tokens"] - before["num_generated_tokens"] == 10
+    assert mid["num_prefill_tokens"] - before["num_prefill_tokens"] == 110
+    assert [len(o.token_ids) for o in outs] == [5, 5]
+    llm.generate(prompts[1:], params)  # again: its full blocks come from the prefix cache
+    after = llm.stats()
+    hits = after["prefix_cache_hits"] - mid["prefix_cache_hits"]
+    assert hits > 0 and after["num_prefill_tokens"] - mid["num_prefill_tokens"] == 70 - hits

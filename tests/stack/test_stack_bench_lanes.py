@@ -16,6 +16,7 @@ RATIOS = (
     "lanes_ttft_p99_over_idle_p50",
     "lanes_tpot_p99_over_idle_p50",
     "batch_with_interactive_over_alone",
+    "batch_total_with_interactive_over_alone",
 )
 
 
@@ -59,6 +60,9 @@ def test_two_rounds_report_medians_of_each_rounds_ratios(smollm2_gguf, tmp_path)
         assert round_phases["idle"]["client"]["errors"] == 0
         assert round_phases["lanes"]["client"]["errors"] == 0
         assert round_phases["batch_alone"]["batch_tok_s"] > 0
+        for phase in ("lanes", "batch_alone"):  # prompt positions computed + output tokens
+            entry_phase = round_phases[phase]
+            assert entry_phase["batch_total_tok_s"] > entry_phase["batch_tok_s"], entry_phase
     for key in RATIOS:
         values = entry["ratios_per_round"][key]
         assert len(values) == 2 and all(v is not None and v > 0 for v in values), (key, values)
