@@ -4,7 +4,8 @@ A finished line stores in `requests.response` either
 
 - success: `{"status_code": 200, "request_id": <requests.id>, "body": <chat.completion or
   text_completion object>}` (the OpenAI batch output line's `response`), or
-- failure: `{"error": {"code", "message"[, "attempts"]}}`,
+- failure: `{"error": {"code", "message"[, "param"][, "attempts"]}}` (`param`: the line's field
+  at fault, where validation knows it),
 
 and the output/error file line is composed from the row (`output_line`):
 `{"id", "custom_id", "response", "error"}`, the OpenAI batch output format. A chat line constrained

@@ -176,8 +176,9 @@ class Validator:
             field = "id" if self.task is not None else "custom_id"  # the user's own field name
             msg = f"duplicate {field} {result.custom_id!r} on lines {first} and {result.line_no}"
             self._duplicates.append(
-                {"code": "duplicate_custom_id", "message": msg, "line": result.line_no}
-            )
+                {"code": "duplicate_custom_id", "message": msg, "param": field,
+                 "line": result.line_no}
+            )  # fmt: skip
         return True
 
     def _line(self, line_no: int, raw: bytes) -> LineResult:
@@ -204,7 +205,8 @@ class Validator:
                 return LineResult(line_no, name, error=_line_err(exc))
         if where is not None:
             msg = f"not valid Unicode: {where} holds an unpaired UTF-16 surrogate escape"
-            return LineResult(line_no, name, error=_err("invalid_json", msg))
+            error = {**_err("invalid_json", msg), "param": where.removeprefix("an object key of ")}
+            return LineResult(line_no, name, error=error)
         try:
             if self.task is not None:
                 request, tokens = self._task_line(obj)
@@ -231,7 +233,7 @@ class Validator:
     def _openai_line(self, obj: dict) -> tuple[dict, int | None]:
         missing = [k for k in ("custom_id", "method", "url", "body") if k not in obj]
         if missing:
-            raise LineError("invalid_request", f"missing field(s) {missing}")
+            raise LineError("invalid_request", f"missing field(s) {missing}", param=missing[0])
         if obj["method"] != "POST":
             msg = f"method must be POST, got {obj['method']!r}"
             raise LineError("invalid_request", msg, param="method")
@@ -322,7 +324,6 @@ _TASK_PARAMS = {
     "messages": "text",
     "max_tokens": "task_options.max_tokens",
     "response_format": "task_options.schema",
-    "model": "model",
 }
 
 

@@ -318,7 +318,9 @@ def run_phases(args, extra: list[str], rng: random.Random) -> dict:
                 # engine output tokens minus the interactive requests' own
                 tokens = tokens1 - tokens0 - sum(r.tokens or 0 for r in results)
                 # prompt positions computed minus the interactive prompts' (random ids: no
-                # prefix-cache hits; a request that never produced a token counted as computed)
+                # prefix-cache hits; counted once each, so an interactive request that failed
+                # before its prefill or was preempted and prefilled again shifts this by its
+                # prompt)
                 prefill = prefill1 - prefill0 - args.input_tokens * len(results)
                 entry["batch_lines_per_s"] = round(lines / span, 3)
                 entry["batch_tok_s"] = round(tokens / span, 1)

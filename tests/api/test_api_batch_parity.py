@@ -243,7 +243,10 @@ def test_batch_line_validates_as_the_api(gateway, served, tmp_path, endpoint, ch
         return
     error = response.json()["error"]
     assert response.status_code in (400, 404), response.text
-    assert line_error == {"code": error["code"], "message": error["message"]}
+    expected = {"code": error["code"], "message": error["message"]}
+    if error.get("param") is not None:
+        expected["param"] = f"body.{error['param']}"
+    assert line_error == expected
 
 
 def test_the_cases_cover_every_body_field() -> None:

@@ -111,6 +111,6 @@ def test_mostly_bad_file_fails_the_job_with_errors(any_engine, laneserve_home):
     # the batch object's errors.data items are OpenAI's BatchError: code, line, message, param
     data = batch_object(row)["errors"]["data"]
     assert all(set(e) == {"code", "line", "message", "param"} for e in data)
-    assert [e["param"] for e in data] == [None, None, None, None, "url"]
+    assert [e["param"] for e in data] == [None, None, None, "method", "url"]  # first missing
     assert row.request_counts == {"total": 0, "completed": 0, "failed": 0} and n == 0
     assert row.failed_at is not None

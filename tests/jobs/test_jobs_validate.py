@@ -57,6 +57,7 @@ def test_line_errors_are_named_and_the_rest_is_kept(tmp_path):
     assert by_id["line-2"].error["code"] == "invalid_json"
     assert "not an object" in by_id["line-3"].error["message"]
     assert "custom_id" in by_id["line-4"].error["message"]  # missing field
+    assert by_id["line-4"].error["param"] == "custom_id"
     assert "endpoint" in by_id["wrong-url"].error["message"]
     assert "tools" in by_id["tools"].error["message"]
     assert "body" in by_id["missing-body"].error["message"]
@@ -91,6 +92,7 @@ def test_duplicates_do_not_hide_the_other_errors(tmp_path):
         _validate(tmp_path, lines)
     errors = err.value.errors
     assert [e["code"] for e in errors[:2]] == ["duplicate_custom_id", "duplicate_custom_id"]
+    assert [e["param"] for e in errors[:2]] == ["custom_id", "custom_id"]
     assert "lines 1 and 3" in errors[0]["message"] and "lines 4 and 5" in errors[1]["message"]
     assert {(e["code"], e["line"]) for e in errors[2:]} == {
         ("invalid_json", 2),
@@ -162,7 +164,7 @@ def test_task_lines(tmp_path):
     assert "'text' is missing" in results[4].error["message"]
     assert "text holds an unpaired UTF-16 surrogate" in results[5].error["message"]
     assert "id holds an unpaired" in results[6].error["message"]  # named by its line instead
-    assert [results[i].error["param"] for i in (1, 3, 4)] == ["text"] * 3
+    assert [results[i].error["param"] for i in (1, 3, 4, 5, 6)] == ["text"] * 4 + ["id"]
 
 
 def test_prompt_length_with_the_model_tokenizer(tmp_path, counter, smollm2_dir):
