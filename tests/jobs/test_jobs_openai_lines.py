@@ -51,10 +51,15 @@ def test_chat_lines_with_logprobs_ignore_eos_and_api_errors(stack, engine, lanes
     ]
     out, err = _run(engine, stack, write_jsonl(laneserve_home / "chat.jsonl", lines), chat)
     assert sorted(out) == ["eos", "lp", "n2", "plain"] and sorted(err) == ["gpt", "huge"]
-    assert err["gpt"] == {"code": "not_found", "message": "the model 'gpt-4o' does not exist"}
+    assert err["gpt"] == {
+        "code": "not_found",
+        "message": "the model 'gpt-4o' does not exist",
+        "param": "body.model",
+    }
     assert err["huge"] == {
         "code": "invalid_request",
         "message": "'max_tokens' must be <= 4096, got 100000",
+        "param": "body.max_tokens",
     }
 
     body = out["lp"]["response"]["body"]
