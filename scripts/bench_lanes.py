@@ -17,8 +17,8 @@ text, TPOT = (total - TTFT) / (tokens - 1)) in three phases:
    tokens minus the interactive requests') to compare phase 2's with. Beside it, the batch
    lane's work per second (`batch_total_tok_s`: prompt positions computed plus output tokens,
    the interactive requests' own taken out) and its ratio: a window shorter than a bulk job's
-   wave of prefills and decodes sees a different mix of the two in each phase, which moves the
-   output-token ratio, not this one.
+   wave of prefills and decodes sees a different mix of the two in each phase, and the
+   output-token ratio counts the decodes only (the verdict still uses it).
 
 Each bulk phase starts measuring (and sending) once its job has completed
 `--batch-warmup-lines` lines: a job's first seconds are the prefill of every prompt the worker
