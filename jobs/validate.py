@@ -202,18 +202,18 @@ class Validator:
                 name = self._custom_id(obj, line_no)
         except LineError as exc:
             if where is None:
-                return LineResult(line_no, name, error=_line_err(exc))
+                return LineResult(line_no, name, error=_err(exc.code, str(exc), exc.param))
         if where is not None:
             msg = f"not valid Unicode: {where} holds an unpaired UTF-16 surrogate escape"
-            error = {**_err("invalid_json", msg), "param": where.removeprefix("an object key of ")}
-            return LineResult(line_no, name, error=error)
+            param = where.removeprefix("an object key of ")
+            return LineResult(line_no, name, error=_err("invalid_json", msg, param))
         try:
             if self.task is not None:
                 request, tokens = self._task_line(obj)
             else:
                 request, tokens = self._openai_line(obj)
         except LineError as exc:
-            return LineResult(line_no, name, error=_line_err(exc))
+            return LineResult(line_no, name, error=_err(exc.code, str(exc), exc.param))
         return LineResult(line_no, name, request=request, prompt_tokens=tokens)
 
     def _custom_id(self, obj: dict, line_no: int) -> str:
@@ -340,13 +340,9 @@ def req_body(req: ParsedRequest, body: dict) -> dict:
     return out
 
 
-def _err(code: str, message: str) -> dict[str, str]:
-    return {"code": code, "message": message}
-
-
-def _line_err(exc: LineError) -> dict[str, str]:
+def _err(code: str, message: str, param: str | None = None) -> dict[str, str]:
     """A bad line's error object: code and message, and the field at fault where known."""
-    error = _err(exc.code, str(exc))
-    if exc.param is not None:
-        error["param"] = exc.param
+    error = {"code": code, "message": message}
+    if param is not None:
+        error["param"] = param
     return error
