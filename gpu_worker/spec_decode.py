@@ -66,6 +66,7 @@ __all__ = [
     "VerifiedRun",
     "num_accepted",
     "spec_totals",
+    "suffix_matches",
     "verify",
     "verify_rows",
 ]
@@ -102,6 +103,26 @@ class TokenHistory:
         return self._buf[: self._len]
 
 
+def suffix_matches(tokens: np.ndarray, max_n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Earlier occurrences of the suffix of `tokens` ([L] int64): the end positions i < L - 1
+    where `tokens[i] == tokens[L - 1]`, and per position the length n <= `max_n` of the longest
+    suffix n-gram `tokens[L-n:]` that also ends there. One vectorised compare over the sequence
+    for the last token, then one per n-gram position over the candidates only."""
+    L = tokens.shape[0]
+    cand = np.flatnonzero(tokens[: L - 1] == tokens[L - 1])
+    length = np.ones(cand.shape[0], dtype=np.int64)
+    alive = np.ones(cand.shape[0], dtype=bool)
+    for j in range(1, max_n):
+        pos = cand - j
+        ok = alive & (pos >= 0)
+        ok[ok] = tokens[pos[ok]] == tokens[L - 1 - j]
+        if not ok.any():
+            break
+        length += ok
+        alive = ok
+    return cand, length
+
+
 class NgramProposer:
     """Prompt-lookup drafts (vLLM's `ngram` method; Saxena's prompt lookup decoding).
 
@@ -118,27 +139,15 @@ class NgramProposer:
 
         The longest n in [min_n, max_n] whose suffix n-gram `tokens[L-n:]` also ends at an
         earlier position i < L - 1 wins; among equally long matches the most recent one (copying
-        continues where the text was last copied from). Drafts are `tokens[i+1 : i+1+k]`.
-        Cost: one vectorised compare over the sequence for the last token, then one per
-        n-gram position over the candidates only.
+        continues where the text was last copied from). Drafts are `tokens[i+1 : i+1+k]`
+        (`suffix_matches` finds the matches).
         """
         L = tokens.shape[0]
         if k < 1 or L < self.min_n + 1:
             return tokens[:0]
-        # candidate end positions i (< L - 1) of an earlier occurrence of the last token
-        cand = np.flatnonzero(tokens[: L - 1] == tokens[L - 1])
+        cand, length = suffix_matches(tokens, self.max_n)
         if cand.size == 0:
             return tokens[:0]
-        length = np.ones(cand.shape[0], dtype=np.int64)  # matched n-gram length per candidate
-        alive = np.ones(cand.shape[0], dtype=bool)
-        for j in range(1, self.max_n):
-            pos = cand - j
-            ok = alive & (pos >= 0)
-            ok[ok] = tokens[pos[ok]] == tokens[L - 1 - j]
-            if not ok.any():
-                break
-            length += ok
-            alive = ok
         best = int(length.max())
         if best < self.min_n:
             return tokens[:0]

@@ -17,7 +17,10 @@ Prints one JSON object: per task and batch, for the adaptive controller and for 
 proposal verified: its tokens per sequence step is what speculation could reach on these outputs
 at k if verification were free), decode steps, tokens per step (the batch's), tokens per
 sequence step (per request and step it decoded in: 1.0 without drafts), drafts, accepted drafts,
-acceptance and the modelled speedup; and the machine. The first token of each output (the
+acceptance and the modelled speedup; per task `lookup_ceiling_tokens_per_sequence_step`, the tokens
+per sequence step if every step verified, for free, the best of all earlier n-gram matches' drafts
+(`lookup_ceiling`: what no prompt-lookup proposer can beat at k, whatever the step cost); and the
+machine. The first token of each output (the
 prefill step's) is left out. Each request's `max_tokens` is its recorded output's length, so no
 draft runs past the recorded end: for an output that ended at EOS the engine would also have
 verified drafts beyond it (all rejected), which the replay does not charge.
@@ -42,13 +45,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_worker.openmp import apply_openmp_policy  # isort: skip
 
 apply_openmp_policy()
+import numpy as np  # noqa: E402
 from bench_offline import cpu_info  # noqa: E402
 from bench_spec import conversations  # noqa: E402
 
 from gpu_worker.config import SpeculativeConfig  # noqa: E402
 from gpu_worker.request import Request  # noqa: E402
 from gpu_worker.sampling_params import SamplingParams  # noqa: E402
-from gpu_worker.spec_decode import SpecController, SpecRequest, TokenHistory  # noqa: E402
+from gpu_worker.spec_decode import (  # noqa: E402
+    SpecController,
+    SpecRequest,
+    TokenHistory,
+    suffix_matches,
+)
 
 Recorded = list[tuple[list[int], list[int]]]  # (prompt ids, greedy output ids) per prompt
 
@@ -138,6 +147,40 @@ def replay(
     }
 
 
+def lookup_ceiling(seqs: Recorded, k: int, min_n: int, max_n: int) -> float:
+    """Tokens per sequence step if every step verified the best of all prompt-lookup drafts.
+
+    At each decode step of each sequence every earlier occurrence of the sequence's suffix n-gram
+    (`min_n <= n <= max_n`, in its prompt + output so far) proposes the k tokens that followed
+    it; the step emits the longest accepted run among all of them plus the bonus token. No
+    lookup proposer that picks one match per step (the engine's takes the longest, most recent
+    one) can emit more, and verification is taken as free: the figure bounds what prompt lookup
+    can reach on these outputs at k, whatever the step cost.
+    """
+    tokens = steps = 0
+    for prompt, out in seqs:
+        seq = np.asarray(list(prompt) + list(out), dtype=np.int64)
+        start, pos = len(prompt), 1  # the first output token is the prefill step's
+        while pos < len(out):
+            n_ctx = start + pos  # seq[:n_ctx] is known; seq[n_ctx:] is what the step must emit
+            ctx = seq[:n_ctx]
+            cand, length = suffix_matches(ctx, max_n)
+            cand = cand[length >= min_n]
+            best = 0
+            if cand.size:
+                want = min(k, len(out) - pos - 1)  # drafts past the recorded end are not counted
+                offs = np.arange(1, want + 1)
+                src = cand[:, None] + offs[None, :]  # draft positions in ctx
+                valid = src < n_ctx
+                drafted = ctx[np.minimum(src, n_ctx - 1)]
+                hit = valid & (drafted == seq[n_ctx : n_ctx + want][None, :])
+                best = int(np.cumprod(hit, axis=1).sum(axis=1).max()) if want else 0
+            pos += best + 1
+            tokens += best + 1
+            steps += 1
+    return round(tokens / max(steps, 1), 3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", default="summarize,translate,chat")
@@ -160,8 +203,12 @@ def main() -> None:
         if args.outputs is not None:
             args.outputs.write_text(json.dumps(recorded))
     cells: list[dict[str, Any]] = []
+    ceilings: dict[str, float] = {}
     for task in tasks:
         seqs = [(list(p), list(o)) for p, o in recorded[task]]
+        ceilings[task] = lookup_ceiling(seqs, args.k, lookup_min, lookup_max)
+        print(f"{task}: best of all lookup drafts {ceilings[task]} tokens per sequence step",
+              file=sys.stderr)  # fmt: skip
         for batch in (int(x) for x in args.batches.split(",")):
             cell: dict[str, Any] = {"task": task, "batch": batch, "sequences": len(seqs)}
             for name, adaptive in (("adaptive", True), ("forced", False)):
@@ -185,6 +232,7 @@ def main() -> None:
         "prompt_lookup": [lookup_min, lookup_max],
         "cost_ms": {"a": a, "b": b},
         "cpu": cpu_info(),
+        "lookup_ceiling_tokens_per_sequence_step": ceilings,
         "cells": cells,
     }, indent=1))  # fmt: skip
 

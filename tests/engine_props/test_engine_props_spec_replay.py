@@ -1,6 +1,7 @@
 """`scripts/bench_spec_replay.py`: the engine's speculative controller replayed over recorded
 outputs under a stated step cost (no model): the step and token accounting on outputs that copy
-their prompt and on outputs that copy nothing, batches, and the script's JSON end to end."""
+their prompt and on outputs that copy nothing, batches, the best-of-all-drafts ceiling, and the
+script's JSON end to end."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import json
 from gpu_worker.config import SpeculativeConfig
 from tests.harness import load_script, run_script
 
-replay = load_script("bench_spec_replay").replay
+_script = load_script("bench_spec_replay")
+replay = _script.replay
+lookup_ceiling = _script.lookup_ceiling
 
 
 def config(adaptive: bool, lookup_min: int = 2) -> SpeculativeConfig:
@@ -63,6 +66,24 @@ def test_a_batch_runs_its_sequences_together_until_the_longest_ends():
     assert copied["modelled_speedup"] > 1.0
 
 
+def test_the_ceiling_verifies_the_best_of_all_matches_where_the_proposer_takes_the_latest():
+    """The bigram (1, 2) occurs twice in the prompt: first followed by what the output goes on
+    to say (3 4 5 6), last by 50-53. The engine's proposer drafts after the most recent match
+    and has every draft rejected, then copies 3 tokens from a 3-gram match: 6 tokens in 3 steps.
+    The ceiling takes the earlier match's 4 drafts: 6 tokens in 2 steps (the prefill's token
+    not counted, no draft in the first step: its last token's earlier matches are 1-grams)."""
+    prompt = [10, 1, 2, 3, 4, 5, 6, 11, 1, 2, 50, 51, 52, 53, 12]
+    out = [1, 2, 3, 4, 5, 6, 13]
+    forced = replay([(prompt, out)], 1, config(False), (1.0, 0.0))
+    assert forced["tokens"] == 6 and forced["decode_steps"] == 3
+    assert lookup_ceiling([(prompt, out)], 4, 2, 5) == 3.0
+    # k bounds each step's run; the recorded end bounds the last one
+    assert lookup_ceiling([(prompt, out)], 2, 2, 5) == round(6 / 3, 3)  # 1, then 3 and 2
+    # where the proposer's choice is the only match, the ceiling is the forced replay's figure
+    assert lookup_ceiling([(PROMPT, COPY)], 4, 2, 5) == round(39 / 9, 3)
+    assert lookup_ceiling([(PROMPT, FRESH)], 4, 2, 5) == 1.0
+
+
 def test_script_reads_recorded_outputs_and_prints_json(tmp_path):
     recorded = tmp_path / "outputs.json"
     recorded.write_text(json.dumps({"summarize": [[PROMPT, COPY], [PROMPT, FRESH]]}))
@@ -74,6 +95,7 @@ def test_script_reads_recorded_outputs_and_prints_json(tmp_path):
     report = json.loads(proc.stdout)
     assert report["bench"] == "spec_replay" and report["cost_ms"] == {"a": 1.0, "b": 0.0}
     assert report["prompt_lookup"] == [2, 5]
+    assert report["lookup_ceiling_tokens_per_sequence_step"] == {"summarize": round(78 / 48, 3)}
     assert report["cpu"]["cores"] >= 1
     cells = {c["batch"]: c for c in report["cells"]}
     assert set(cells) == {1, 2} and cells[1]["sequences"] == 2
