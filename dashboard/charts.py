@@ -53,10 +53,12 @@ class TimeAxis:
     """The x axis every time chart of one refresh shares: UTC time of the window
     [`start`, `end`) (unix seconds).
 
-    Tick labels are left to Vega's multi-scale time format, which picks the unit from the tick
-    spacing (11:40, 11:45, ... or :15, :30, ...), so a label never repeats; a fixed `%H:%M` on
-    sub-minute ticks is what printed "06:50 06:50 06:51". (A numeric scale domain or tick list
-    is not read as dates by the Vega-Lite that Streamlit ships, so the axis spans the data.)
+    Tick labels follow the tick spacing as Vega's multi-scale time format does (19:40, 19:45,
+    ... or :15, :30, ... between whole minutes; the date at midnight), so a label never repeats
+    (a fixed `%H:%M` on sub-minute ticks printed "06:50 06:50 06:51"), but on a 24-hour clock:
+    Vega's own labels are 12-hour without AM/PM ("07:31" at 19:31 UTC). (A numeric scale
+    domain or tick list is not read as dates by the Vega-Lite that Streamlit ships, so the axis
+    spans the data.)
     """
 
     start: float
@@ -64,7 +66,16 @@ class TimeAxis:
 
     def x(self, field: str = "bucket") -> dict[str, Any]:
         return {"field": field, "type": "temporal", "title": "time (UTC)",
-                "scale": {"type": "utc"}, "axis": {"labelOverlap": True}}  # fmt: skip
+                "scale": {"type": "utc"},
+                "axis": {"labelOverlap": True, "labelExpr": TIME_LABEL_EXPR}}  # fmt: skip
+
+
+# Vega expression for a UTC time tick's label (datum.value: ms since the epoch).
+TIME_LABEL_EXPR = (
+    "utcseconds(datum.value) != 0 ? utcFormat(datum.value, ':%S')"
+    " : (utchours(datum.value) == 0 && utcminutes(datum.value) == 0)"
+    " ? utcFormat(datum.value, '%b %d') : utcFormat(datum.value, '%H:%M')"
+)
 
 
 def _color(field: str, title: str, legend: dict, scale: dict | None = None) -> dict[str, Any]:

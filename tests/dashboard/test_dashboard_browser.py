@@ -14,6 +14,7 @@ import contextlib
 import io
 import itertools
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -140,7 +141,8 @@ DOM_PROBE = """JSON.stringify((() => {
 })())"""
 
 
-def _fill(db_engine) -> None:
+def _fill(db_engine) -> float:
+    """Stores the dashboard's data up to now; returns now (unix seconds)."""
     now = time.time()
     rng = np.random.default_rng(11)
     recs = make_records(rng, 200, now - 3000, now - 1, "interactive")
@@ -149,6 +151,7 @@ def _fill(db_engine) -> None:
     snaps += make_snapshots("w1", "batch", now - 900, now, every_s=15, kv_usage=0.8, running=20)
     job = dict(JOB, id="batch_demo", created_at=now - 200, in_progress_at=now - 180)
     store(db_engine, records=recs, snapshots=snaps, jobs=[job])
+    return now
 
 
 @contextlib.contextmanager
@@ -199,7 +202,7 @@ def _artifacts(tmp_path: Path) -> Path:
 
 
 def test_chromium_renders_dashboard_charts(chromium_path, db_url, db_engine, tmp_path):
-    _fill(db_engine)
+    now = _fill(db_engine)
     shots = _artifacts(tmp_path)
     with _browser(chromium_path, db_url, tmp_path) as (tools, base, dash):
         tools.call("Page.navigate", url=base)
@@ -242,9 +245,16 @@ def test_chromium_renders_dashboard_charts(chromium_path, db_url, db_engine, tmp
     assert "batch_demo" in dom["text"] and "120/500 completed" in dom["text"]
     assert "tokens/s · last 30 s" in dom["text"] and "tokens/s · window avg" in dom["text"]
     assert "DESIGN" not in dom["text"]
-    # time axis labels are never repeated within a chart
+    # time axis labels are never repeated within a chart, and read on a 24-hour UTC clock:
+    # HH:MM ticks fall in the hours the data spans (Vega's default printed 07:31 at 19:31 UTC)
+    hours = {
+        time.strftime("%H", time.gmtime(t)) for t in range(int(now) - 3700, int(now) + 600, 60)
+    }
     for labels in dom["axis_labels"]:
         assert len(labels) == len(set(labels)), labels
+        for label in labels:
+            assert re.fullmatch(r"\d\d:\d\d|:\d\d|[A-Z][a-z]{2} \d\d", label), labels
+            assert not re.fullmatch(r"\d\d:\d\d", label) or label[:2] in hours, (label, hours)
 
     image = matplotlib.image.imread(io.BytesIO(png), format="png")  # (H, W, 3|4) float in [0, 1]
     assert image.shape[:2] == (HEIGHT, WIDTH)
