@@ -160,7 +160,8 @@ class Validator:
                 yield result
         if self._duplicates:
             room = max(MAX_JOB_ERRORS - len(self._duplicates), 0)
-            raise JobValidationError([*self._duplicates, *self.first_errors[:room]])
+            errors = [*self._duplicates, *self.first_errors[:room]]  # the duplicates kept first
+            raise JobValidationError(sorted(errors, key=lambda e: e["line"]))  # in file order
 
     # ------------------------------------------------------------------ internals
 
@@ -186,7 +187,8 @@ class Validator:
         if line_no == 1:
             raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
         try:
-            obj = json.loads(raw)
+            # without its line break: a line cut short would otherwise fail at "line 2 column 1"
+            obj = json.loads(raw.rstrip(b"\r\n"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             # the decoder's "line 1 column 5" would read as the file's line: name the column only
             why = (

@@ -91,15 +91,26 @@ def test_duplicates_do_not_hide_the_other_errors(tmp_path):
     with pytest.raises(JobValidationError) as err:
         _validate(tmp_path, lines)
     errors = err.value.errors
-    assert [e["code"] for e in errors[:2]] == ["duplicate_custom_id", "duplicate_custom_id"]
-    assert [e["param"] for e in errors[:2]] == ["custom_id", "custom_id"]
-    assert "lines 1 and 3" in errors[0]["message"] and "lines 4 and 5" in errors[1]["message"]
-    assert {(e["code"], e["line"]) for e in errors[2:]} == {
+    assert [(e["code"], e["line"]) for e in errors] == [  # in the file's order
         ("invalid_json", 2),
+        ("duplicate_custom_id", 3),
+        ("duplicate_custom_id", 5),
         ("invalid_request", 6),
-    }
+    ]
+    dups = [e for e in errors if e["code"] == "duplicate_custom_id"]
+    assert [e["param"] for e in dups] == ["custom_id", "custom_id"]
+    assert "lines 1 and 3" in dups[0]["message"] and "lines 4 and 5" in dups[1]["message"]
     bad_json = next(e for e in errors if e["code"] == "invalid_json")
     assert bad_json["message"] == "not JSON: Expecting value at column 1"  # not "line 1 ..."
+    # a line cut short: the column where it ends, not the decoder's "line 2 column 1" after
+    # the line break
+    cut = '{"id": "d4", "text": '
+    with pytest.raises(JobValidationError) as err:
+        _validate(
+            tmp_path, [{"id": "x", "text": "a"}, cut, {"id": "x", "text": "b"}], task="summarize"
+        )
+    bad_json = next(e for e in err.value.errors if e["code"] == "invalid_json")
+    assert bad_json["message"] == f"not JSON: Expecting value at column {len(cut) + 1}"
     # a task job's lines are named by their own field, `id`
     tasks = [{"id": "x", "text": "a"}, {"id": "x", "text": "b"}]
     with pytest.raises(JobValidationError, match="duplicate id 'x' on lines 1 and 2"):
