@@ -299,8 +299,8 @@ class EngineConfig:
         None, "most requests running at once (default: lane profile; 256, 64 on a CPU worker)"
     )
     max_num_batched_tokens: int | None = _opt(
-        None, "token budget per engine step (default: lane profile; 2048, 48 on a CPU worker "
-        "serving interactive traffic)"
+        None, "token budget per engine step (default 2048: an upper bound under SLO control; "
+        "with --no-slo-control, 48 on a CPU worker serving interactive traffic)"
     )  # fmt: skip
     long_prefill_token_threshold: int | None = _opt(
         None, "largest prefill chunk of one request per step (default: the budget)"
@@ -310,8 +310,9 @@ class EngineConfig:
         None, "longest sequence (default: the model's, capped to what the KV pool holds)"
     )
     interactive_batch_token_cap: int | None = _opt(
-        None, "batch-lane tokens per step while interactive requests run (default: lane "
-        "profile; 512, 8 on a CPU worker serving interactive traffic)"
+        None, "batch-lane tokens per step while interactive requests run (default 512: an "
+        "upper bound under SLO control; with --no-slo-control, 8 on a CPU worker serving "
+        "interactive traffic)"
     )  # fmt: skip
     batch_token_budget: int | None = _opt(
         None, "batch-lane tokens per step even without interactive traffic (default: none, "
