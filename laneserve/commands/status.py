@@ -56,8 +56,12 @@ def _http_ok(url: str | None, timeout_s: float) -> bool:
         return False
 
 
-def api_view(client: StackClient) -> dict[str, Any]:
-    """What the HTTP API tells about its stack (module docstring). Raises StackError (401)."""
+def api_view(client: StackClient, details: bool = True) -> dict[str, Any]:
+    """What the HTTP API tells about its stack (module docstring). Raises StackError (401).
+
+    `details`: also read `/status` (broker, model, workers, queues), which needs the API key
+    where the stack has one; without it only the open probes `/health` and `/ready` are read
+    (a local `laneserve status` reads the details from the broker itself)."""
     view: dict[str, Any] = {"api_url": client.base_url, "running": False, "ready": False}
     view.update(reason=None, broker=None, model=None, workers=[], queues={})
     try:
@@ -67,7 +71,7 @@ def api_view(client: StackClient) -> dict[str, Any]:
             raise
         return view | {"reason": str(exc)}
     view["running"] = code == 200
-    code, status = client.probe("/status")
+    code, status = client.probe("/status") if details else (None, None)
     if code == 200 and isinstance(status, dict):
         view.update({k: status.get(k) for k in ("broker", "model", "workers", "queues")})
         models = [w.get("model") for w in view["workers"] or [] if w.get("model")]
@@ -76,6 +80,8 @@ def api_view(client: StackClient) -> dict[str, Any]:
     if code in (200, 503):  # the stack's own readiness check
         view["ready"] = code == 200
         view["reason"] = None if code == 200 else _reason_of(ready)
+    elif not details:
+        view["ready"] = view["running"]
     elif not view["broker"]:
         view["reason"] = "the broker does not answer the API"
     elif not view["workers"]:
@@ -197,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     target = Target(info["api_url"], args.api_key or env.get("LANESERVE_API_KEY"), local=True)
     try:
         with StackClient(target, args.timeout) as client:
-            view = api_view(client)
+            view = api_view(client, details=False)  # the details come from the broker above
     except StackError as exc:
         view = {"ready": False, "reason": str(exc)}
     status.update(ready=view["ready"], reason=view["reason"])

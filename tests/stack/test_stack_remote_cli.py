@@ -264,3 +264,19 @@ def test_progress_bar_on_a_terminal_reattaches(remote, tmp_path):
     for text in texts:
         assert "/8" in text and "failed 0" in text and "tok/s" in text and "ETA" in text
     assert "8/8" in texts[-1] and "completed" in texts[-1]
+
+
+def test_local_status_of_a_stack_with_an_api_key_needs_no_key(remote):
+    """On the stack's own machine (its LANESERVE_HOME, no URL) `laneserve status` reads the
+    workers from the broker and readiness from the API's open probe: no key needed, and no
+    "API not ready" under "laneserve ready" (it said the key was missing and exited 1)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LANESERVE_URL", "LANESERVE_API_KEY")}
+    env |= {"PYTHONPATH": str(ROOT), "LANESERVE_HOME": str(remote.home), "COLUMNS": "200"}
+    cmd = [sys.executable, "-m", "laneserve.cli", "status"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    assert "laneserve ready" in res.stdout and "not ready" not in res.stdout, res.stdout
+    res = subprocess.run([*cmd, "--json"], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    status = json.loads(res.stdout)
+    assert status["ready"] is True and status["reason"] is None and status["workers"], status
