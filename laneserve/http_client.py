@@ -17,6 +17,7 @@ cannot be used at all (no stack, unreachable, wrong key), 1 when it answered wit
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,31 +181,34 @@ class StackClient:
         """`DELETE /v1/files/{id}`: the OpenAI deletion object."""
         return self._json("DELETE", f"/v1/files/{file_id}")
 
-    def download_file(self, file_id: str, dest: Path) -> int:
-        """Stream `GET /v1/files/{id}/content` into `dest` (replaced only when complete);
-        return the bytes written.
+    def download_file(self, file_id: str, dest: Path | BinaryIO) -> int:
+        """Stream `GET /v1/files/{id}/content` into `dest`, a path (replaced only when
+        complete) or an open binary stream (stdout); return the bytes written.
 
         Raises:
             StackError: the API failed, or `dest` cannot be written (exit code 1).
         """
-        tmp = dest.with_name(f".{dest.name}.part")
+        to_path = isinstance(dest, Path)
+        tmp = dest.with_name(f".{dest.name}.part") if to_path else None
         n = 0
         try:
             with self._http.stream("GET", f"/v1/files/{file_id}/content") as response:
                 if response.status_code >= 400:
                     response.read()
                     self._check(response)
-                with tmp.open("wb") as f:
+                with tmp.open("wb") if tmp else contextlib.nullcontext(dest) as f:
                     for chunk in response.iter_bytes():
                         f.write(chunk)
                         n += len(chunk)
-            tmp.replace(dest)
+            if tmp:
+                tmp.replace(dest)
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from None
         except OSError as exc:
             raise StackError(f"cannot write {dest}: {exc.strerror or exc}") from None
         finally:
-            tmp.unlink(missing_ok=True)
+            if tmp:
+                tmp.unlink(missing_ok=True)
         return n
 
     # ------------------------------------------------------------------ batches

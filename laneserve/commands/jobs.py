@@ -50,8 +50,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p_cancel.add_argument("id")
     p_dl = sub.add_parser("download", help="write a job's output and error files")
     p_dl.add_argument("id")
-    p_dl.add_argument("--output", type=Path, default=None, help="default: ./ID_output.jsonl")
-    p_dl.add_argument("--errors", type=Path, default=None, help="default: ./ID_errors.jsonl")
+    p_dl.add_argument(
+        "--output", type=Path, default=None, help="default: ./ID_output.jsonl; - for stdout"
+    )
+    p_dl.add_argument(
+        "--errors", type=Path, default=None, help="default: ./ID_errors.jsonl; - for stdout"
+    )
     for p in (p_list, p_show, p_watch, p_cancel, p_dl):  # also accepted after the action
         p.add_argument("--url", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         p.add_argument("--api-key", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -256,10 +260,17 @@ def _download(client: StackClient, args: argparse.Namespace) -> int:
     if not files:
         print(f"laneserve jobs: {batch['id']} is {batch['status']}; no files yet", file=sys.stderr)
         return 1
+    # `-`: the file's bytes on stdout, and then what was written goes to stderr
+    piped = "-" in (str(args.output), str(args.errors))
     for kind, file_id, default in files:
         dest = (args.output if kind == "output" else args.errors) or default
-        n = client.download_file(file_id, dest)
-        print(f"{kind}: {dest} ({n} bytes)")
+        if str(dest) == "-":
+            n = client.download_file(file_id, sys.stdout.buffer)
+            sys.stdout.flush()
+        else:
+            n = client.download_file(file_id, dest)
+        print(f"{kind}: {'stdout' if str(dest) == '-' else dest} ({n} bytes)",
+              file=sys.stderr if piped else sys.stdout)  # fmt: skip
     return 0
 
 

@@ -113,6 +113,12 @@ def test_submit_wait_show_download_and_exit_codes(laneserve_home, tmp_path):
         err = [json.loads(x) for x in (laneserve_home / "e.jsonl").read_text().splitlines()]
         assert sorted(x["custom_id"] for x in out) == ["q0", "q1", "q2", "q3"]
         assert [x["custom_id"] for x in err] == ["line-5"]
+        # `-`: the file's bytes on stdout (not a file named "-"), what was written on stderr
+        piped = _cli(laneserve_home, "jobs", "download", job_id, "--output", "-", "--errors", "e2")
+        assert piped.returncode == 0, piped.stderr
+        assert piped.stdout == (laneserve_home / "o.jsonl").read_text()
+        assert "output: stdout (" in piped.stderr and not (laneserve_home / "-").exists()
+        assert (laneserve_home / "e2").read_text() == (laneserve_home / "e.jsonl").read_text()
 
         assert _cli(laneserve_home, "jobs", "cancel", job_id).returncode == 1  # already ended
 
