@@ -46,7 +46,8 @@ def job_page(engine: Engine, job_id: str, api_url: str | None) -> None:
     c.metric("elapsed", _dur(s.elapsed_s))
     d.metric("ETA", _dur(s.eta_s) if s.ended_at is None else "done")
     window = view.completion_window or "-"
-    e.metric(f"left in completion window ({window})", _dur(view.window_left_s))
+    e.metric(f"left in completion window ({window})",
+             _dur(view.window_left_s) if s.ended_at is None else "ended")  # fmt: skip
     if s.eta_s is not None and view.window_left_s is not None and s.eta_s > view.window_left_s:
         st.warning("At the current rate this job will not finish within its completion window.")
     rows = queries.job_request_rows(engine, job_id)

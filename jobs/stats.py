@@ -27,6 +27,10 @@ from jobs.errors import NotFoundError
 
 PERCENTILES = (50, 90, 99)
 LATENCY_FIELDS = ("ttft_ms", "e2e_ms")
+# A line's status once the job's cancellation or expiry ended it: the runner writes `cancelled` /
+# `expired` with the error line (jobs.store.fail_unfinished), the recorder the broker's final
+# `aborted` for a line aborted in flight (whichever writes last).
+ENDED_BY_JOB_STATUSES = ("cancelled", "expired", "aborted")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +47,11 @@ class BatchStats:
     """Figures of one job (all durations ms, rates per second, times unix seconds).
 
     `finished_lines`: lines with a result (output or error) recorded in `requests`;
-    `prompt_tokens` / `completion_tokens` / `cached_tokens`: sums over the lines that finished;
+    `cancelled_lines`: of those, lines the job's cancellation or expiry ended (error lines
+    `batch_cancelled` / `batch_expired`, counted in `failed` as DESIGN.md says), whatever they
+    had computed before it: they are left out of the token sums, rates and latencies, since
+    their output is thrown away;
+    `prompt_tokens` / `completion_tokens` / `cached_tokens`: sums over the other finished lines;
     `elapsed_s`: seconds since the job started running (to its end once ended), None before;
     `output_tokens_per_s` and `lines_per_s` over `elapsed_s`; `eta_s`: seconds left at the
     current line rate (None when ended or no line is done yet); `latency_ms`: for `ttft_ms` and
@@ -55,6 +63,7 @@ class BatchStats:
     status: str
     request_counts: dict[str, int]
     finished_lines: int
+    cancelled_lines: int
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -105,6 +114,7 @@ def batch_stats(
         NotFoundError: no such batch.
     """
     finished = Request.response.is_not(None) | Request.error.is_not(None)
+    ran = Request.status.is_(None) | Request.status.not_in(ENDED_BY_JOB_STATUSES)
     with read_session(engine) as session:
         job = session.get(Job, batch_id)
         if job is None:
@@ -115,14 +125,19 @@ def batch_stats(
                 func.sum(Request.prompt_tokens),
                 func.sum(Request.completion_tokens),
                 func.sum(Request.cached_tokens),
-            ).where(Request.job_id == batch_id, finished)
+            ).where(Request.job_id == batch_id, finished, ran)
         ).one()
+        cancelled = session.scalar(
+            select(func.count(Request.id)).where(
+                Request.job_id == batch_id, finished, Request.status.in_(ENDED_BY_JOB_STATUSES)
+            )
+        )
         values = {
             name: [
                 v
                 for (v,) in session.execute(
                     select(getattr(Request, name)).where(
-                        Request.job_id == batch_id, getattr(Request, name).is_not(None)
+                        Request.job_id == batch_id, ran, getattr(Request, name).is_not(None)
                     )
                 )
             ]
@@ -155,7 +170,8 @@ def batch_stats(
         id=job.id,
         status=job.status,
         request_counts=counts,
-        finished_lines=int(sums[0] or 0),
+        finished_lines=int(sums[0] or 0) + int(cancelled or 0),
+        cancelled_lines=int(cancelled or 0),
         prompt_tokens=int(sums[1] or 0),
         completion_tokens=int(sums[2] or 0),
         cached_tokens=int(sums[3] or 0),

@@ -210,8 +210,13 @@ def summary_lines(batch: dict, stats: dict | None) -> list[str]:
         lines.append("  files       " + "   ".join(f"{k} {v or '-'}" for k, v in files.items()))
         return lines
     tps, lps = stats["output_tokens_per_s"], stats["lines_per_s"]
+    if stats.get("cancelled_lines"):
+        kind = "expiry" if batch["status"] == "expired" else "cancellation"
+        lines[1] = lines[1][:-1] + f", {stats['cancelled_lines']} of them ended by the {kind})"
+    ended = stats.get("ended_at") is not None
     lines += [
-        f"  running     {_duration(stats['elapsed_s'])}   ETA {_duration(stats['eta_s'])}",
+        f"  {'ran' if ended else 'running':<11} {_duration(stats['elapsed_s'])}"
+        + ("" if ended else f"   ETA {_duration(stats['eta_s'])}"),
         f"  tokens      prompt {stats['prompt_tokens']}, completion {stats['completion_tokens']}"
         f" (cached {stats['cached_tokens']})",
         f"  throughput  {'-' if tps is None else f'{tps:.1f}'} output tok/s, "

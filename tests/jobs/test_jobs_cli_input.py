@@ -143,10 +143,43 @@ def test_show_summary_names_every_figure(engine):
     assert "completed  (3/3 lines: 3 completed, 0 failed)" in text
     assert "prompt 21, completion 90" in text and "9.0 output tok/s" in text
     assert "TTFT ms     p50 12.5  p90 12.5  p99 12.5  (3 lines)" in text
-    assert "e2e ms      p50 250.0" in text and "ETA -" in text and "running     0:00:10" in text
+    assert "e2e ms      p50 250.0" in text and "ran         0:00:10" in text  # ended:
+    assert "ETA" not in text  # no ETA
     assert "in.jsonl" in text and batch["input_file_id"] in text
     bare = "\n".join(summary_lines(batch, None))  # a stack without the stats route
     assert "3/3 lines" in bare and batch["input_file_id"] in bare and "TTFT" not in bare
+
+
+def test_a_cancelled_jobs_figures_leave_out_the_lines_the_cancellation_ended(engine):
+    """Lines the cancellation ended go to the error file (`batch_cancelled`) whatever they had
+    computed: their tokens and latencies are not the job's output, so the figures leave them
+    out (they counted 1,768 completion tokens of a job whose output file held 156), and `jobs
+    show` says how many failed lines the cancellation ended."""
+    from db.models import Job, Request
+    from db.session import write_session
+    from jobs import service, stats
+    from laneserve.commands.jobs import summary_lines
+
+    ran = {"prompt_tokens": 7, "completion_tokens": 30, "ttft_ms": 12.5, "e2e_ms": 250.0}
+    cut = {"prompt_tokens": 7, "completion_tokens": 400, "ttft_ms": 50.0, "e2e_ms": 6000.0}
+    job_id = _finished_job(engine, [ran, ran, cut, cut, {"prompt_tokens": 7}])
+    with write_session(engine) as s:
+        row = s.get(Job, job_id)
+        row.status, row.completed_at, row.cancelled_at = "cancelled", None, 1010.0
+        row.request_completed, row.request_failed = 2, 3
+        for i, status in ((1, "completed"), (2, None), (3, "aborted"), (4, "cancelled"),
+                          (5, "cancelled")):  # fmt: skip
+            s.get(Request, f"{job_id}-{i}").status = status
+    got = stats.batch_stats(engine, job_id)
+    assert got.finished_lines == 5 and got.cancelled_lines == 3
+    assert got.prompt_tokens == 14 and got.completion_tokens == 60
+    assert got.output_tokens_per_s == 6.0
+    assert got.latency_ms["e2e_ms"] == {"count": 2, "p50": 250.0, "p90": 250.0, "p99": 250.0}
+    batch = service.batch_object(service.get_batch(engine, job_id))
+    text = "\n".join(summary_lines(batch, got.to_dict()))
+    assert "cancelled  (5/5 lines: 2 completed, 3 failed, 3 of them ended by the cancellation)" in (
+        text
+    ), text
 
 
 def test_plain_progress_line():
