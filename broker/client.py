@@ -193,6 +193,9 @@ class BrokerClient(Connections):
             custom_id=custom_id,
         )
         p.Submit.from_payload(msg.payload())  # validate here, not at the broker
+        # ... and encode it once: a request the wire cannot carry fails here, before it is
+        # tracked (a tracked one is sent again on every reconnect, from the reader task)
+        msg.to_frames()
         if self._conn is None:
             raise RuntimeError("BrokerClient.start() was not called")
         pend = self._track(msg, now, deadline, restartable)

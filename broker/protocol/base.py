@@ -60,10 +60,14 @@ class Message:
         return {name: getattr(self, name) for name, _, _ in self._fields}
 
     def to_frames(self) -> list[bytes]:
-        """Encode as ``[VERSION_TAG, kind, msgpack(payload)]``; raises ProtocolError if too big.
+        """Encode as ``[VERSION_TAG, kind, msgpack(payload)]``; raises ProtocolError if too big
+        or not encodable (an int outside msgpack's [-2**63, 2**64 - 1], an unknown type).
 
         Messages nested in a field (a batch's records) travel as their payload maps."""
-        body = msgpack.packb(self.payload(), use_bin_type=True, default=_nested_payload)
+        try:
+            body = msgpack.packb(self.payload(), use_bin_type=True, default=_nested_payload)
+        except (TypeError, ValueError, OverflowError) as exc:  # e.g. an int past 64 bits
+            raise ProtocolError(f"{self.KIND} message cannot be encoded: {exc}") from None
         if len(body) > MAX_MESSAGE_BYTES:
             raise ProtocolError(f"{self.KIND} message of {len(body)} bytes exceeds the limit")
         return [VERSION_TAG, self.KIND.encode("ascii"), body]

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contracts.openai.checks import (
+    WIRE_INT_MAX,
     bool_field,
     given,
     int_field,
@@ -214,7 +215,8 @@ class ParsedRequest:
         sample ``j`` uses ``seed + j`` (distinct but reproducible samples)."""
         sampling = dict(self.sampling)
         if self.n > 1 and "seed" in sampling:
-            sampling["seed"] = sampling["seed"] + index % self.n
+            seed = sampling["seed"] + index % self.n
+            sampling["seed"] = seed - 2**64 if seed > WIRE_INT_MAX else seed  # stays a seed
         return sampling
 
 
@@ -495,7 +497,7 @@ def _finish(body: dict, req: ParsedRequest, limits: Limits) -> None:
     for name, value in (
         ("temperature", num_field(body, "temperature", 0.0, 2.0)),
         ("top_p", num_field(body, "top_p", 0.0, 1.0, lo_open=True)),
-        ("top_k", int_field(body, "top_k", lo=-1)),
+        ("top_k", int_field(body, "top_k", lo=-1, hi=2**31 - 1)),
         ("seed", int_field(body, "seed", lo=-(2**63), hi=2**64 - 1)),
         ("presence_penalty", num_field(body, "presence_penalty", -2.0, 2.0)),
         ("frequency_penalty", num_field(body, "frequency_penalty", -2.0, 2.0)),

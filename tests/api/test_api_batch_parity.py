@@ -48,8 +48,12 @@ CASES = [
     (CHAT, {"top_k": 5}),
     (CHAT, {"top_k": -1}),
     (CHAT, {"top_k": -2}),
+    (CHAT, {"top_k": 2**64}),  # past what the wire carries: was a 500 (and stalled a client)
+    (CHAT, {"top_k": 1e308}),
     (CHAT, {"seed": 3}),
     (CHAT, {"seed": 1.5}),
+    (CHAT, {"seed": 2**64}),
+    (CHAT, {"n": 2, "seed": 2**64 - 1, "temperature": 1.0}),  # seed + 1 wraps, was a 500
     (CHAT, {"stop": "x"}),
     (CHAT, {"stop": ["a", "b"]}),
     (CHAT, {"stop": [""]}),

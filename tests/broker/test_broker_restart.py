@@ -205,3 +205,35 @@ def test_restartable_stream_runs_again_after_its_worker_is_lost(stack) -> None:
     assert sum(len(m.token_ids) for m in after) == 100, [type(m) for m in after][:5]
     err = plain_rest[-1]
     assert type(err) is p.Error and err.code == "worker_lost" and err.retryable, err
+
+
+def test_a_request_the_wire_cannot_carry_fails_at_submit_and_a_restart_still_recovers(
+    stack,
+) -> None:
+    """A sampling value msgpack cannot encode (an int past 64 bits) raises ProtocolError at
+    submit, before the request is tracked. It used to be tracked first: every reconnect then
+    sent it again from the reader task, whose TypeError killed the reader, so after a broker
+    restart the client never heard the broker again (every request a 503)."""
+    stack.start_broker()
+    stack.start_worker("w1", "--synthetic-step-ms", "5")
+    stack.wait_workers({"w1"})
+
+    async def main():
+        async with BrokerClient(stack.front, heartbeat_interval_s=HB, liveness_s=1.0) as c:
+            with pytest.raises(p.ProtocolError, match="cannot be encoded"):
+                c.submit(prompt="x", sampling_params={"max_tokens": 4, "top_k": 2**64})
+            assert c.in_flight == 0
+            before = await _drain(c.submit(prompt="a", sampling_params={"max_tokens": 3}))
+            stack.kill("broker")
+            stack.start_broker()
+            t0 = time.monotonic()
+            after = await _drain(
+                c.submit(prompt="b", sampling_params={"max_tokens": 3}, deadline=t0 + 20)
+            )
+            return before, after, time.monotonic() - t0
+
+    before, after, elapsed = run(main())
+    assert type(before[-1]) is p.Final, before
+    tokens = [t for m in after for t in m.token_ids]
+    assert type(after[-1]) is p.Final and len(tokens) == 3, (after, stack.logs())
+    assert elapsed < 20, elapsed
