@@ -68,6 +68,7 @@ _WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([smh])$")
 _WINDOW_UNIT_S = {"s": 1, "m": 60, "h": 3600}
 TASK_OPTION_KEYS = ("target_lang", "source_lang", "max_tokens", "schema")
 MAX_METADATA_KEYS = 16  # OpenAI: up to 16 key-value pairs
+MAX_METADATA_VALUE_CHARS = 512  # OpenAI: values up to 512 characters
 CANCELLABLE = ("validating", "in_progress", "finalizing")
 
 
@@ -131,6 +132,11 @@ def _check_metadata(metadata: dict[str, Any] | None) -> dict[str, str] | None:
             raise InvalidRequestError(
                 "metadata keys (<= 64 chars) and values must be strings", param="metadata"
             )
+        if len(value) > MAX_METADATA_VALUE_CHARS:  # OpenAI's limit
+            raise InvalidRequestError(
+                f"metadata value of {key!r} is longer than {MAX_METADATA_VALUE_CHARS} characters",
+                param="metadata",
+            )
     return dict(metadata)
 
 
@@ -184,8 +190,15 @@ def create_batch(
                 f"unknown task options {sorted(unknown)}", param="task_options"
             )
         _check_task_max_tokens(task_options.get("max_tokens"), max_tokens_limit)
-        meta = dict(meta or {})
-        meta.update({k: str(v) for k, v in task_options.items() if v is not None})
+        options = {k: str(v) for k, v in task_options.items() if v is not None}
+        clash = sorted(k for k in options if k in (meta or {}) and meta[k] != options[k])
+        if clash:  # the job keeps its task options in its metadata: one value per key
+            raise InvalidRequestError(
+                f"metadata key {clash[0]!r} is also a task option of this job, with another "
+                "value; give it once, in task_options",
+                param="metadata",
+            )
+        meta = dict(meta or {}) | options
     # refused here, not by the runner: the job would otherwise be created and then fail
     check_task_options(task, task_options or {})
     now = time.time()

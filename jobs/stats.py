@@ -81,6 +81,18 @@ class BatchStats:
         return {"object": "batch.stats", **asdict(self)}
 
 
+def usage_of(stats: BatchStats) -> dict[str, Any]:
+    """OpenAI's batch `usage` object from a job's figures: the tokens of its lines so far (the
+    lines its cancellation or expiry cut left out, as in `BatchStats`)."""
+    return {
+        "input_tokens": stats.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": stats.cached_tokens},
+        "output_tokens": stats.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+    }
+
+
 def _ended_at(job: Job) -> float | None:
     for value in (job.completed_at, job.failed_at, job.cancelled_at, job.expired_at):
         if value is not None:

@@ -188,7 +188,12 @@ async def create_batch(request: Request) -> Response:
     window = body.get("completion_window") or "24h"
     if type(window) is not str:
         raise invalid("'completion_window' must be a string", "completion_window")
-    model = body.get("model") or state.model_info.served_name
+    model = body.get("model")
+    if model is not None:
+        if type(model) is not str or not model:
+            raise invalid("'model' must be a non-empty string", "model")
+        await state.check_model(model)  # a 404 now, not a job whose every line fails later
+    model = model or state.model_info.served_name
     job = await _call(
         service.create_batch,
         svc.engine,
@@ -220,9 +225,12 @@ async def list_batches(request: Request) -> Response:
 
 async def get_batch(request: Request) -> Response:
     from jobs import service
+    from jobs.stats import batch_stats, usage_of
 
-    job = await _call(service.get_batch, _service(request).engine, request.path_params["batch_id"])
-    return JSONResponse(service.batch_object(job))
+    engine = _service(request).engine
+    job = await _call(service.get_batch, engine, request.path_params["batch_id"])
+    stats = await _call(batch_stats, engine, job.id, latency=False)
+    return JSONResponse(service.batch_object(job) | {"usage": usage_of(stats)})
 
 
 async def cancel_batch(request: Request) -> Response:

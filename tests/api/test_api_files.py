@@ -109,6 +109,22 @@ def test_list_retrieve_delete_and_in_use_conflict(client, synth_stack, smollm2_g
     cancelled = _wait_batch(client, held.id, {"cancelled"}, synth_stack)
     done = _wait_batch(client, run.id, {"completed", "failed"}, synth_stack)
     assert done.status == "completed" and done.output_file_id, synth_stack.logs()
+    usage = done.usage  # OpenAI's batch usage: the lines' tokens (it was null)
+    assert usage is not None and usage.output_tokens > 0 and usage.input_tokens > 0, done
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    stats = httpx.get(f"{client.base_url}batches/{run.id}/stats", headers=auth).json()
+    assert (usage.input_tokens, usage.output_tokens) == (
+        stats["prompt_tokens"],
+        stats["completion_tokens"],
+    )
+    # laneserve's `model` extra: a string naming a served model, or a 400 / 404 at creation
+    with pytest.raises(openai.BadRequestError, match="'model' must be a non-empty string"):
+        client.batches.create(input_file_id=ids[2], endpoint="/v1/completions",
+                              completion_window="24h", extra_body={"model": {"a": 1}})  # fmt: skip
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id=ids[2], endpoint="/v1/completions",
+                              completion_window="24h", extra_body={"model": "no-such-model"})  # fmt: skip
     produced = {done.output_file_id, cancelled.output_file_id, cancelled.error_file_id} - {None}
     assert {f.id for f in client.files.list(purpose="batch_output")} == produced
     batch_ids = {f.id for f in client.files.list(purpose="batch")}

@@ -78,6 +78,8 @@ def test_create_batch_rejects_bad_input(any_engine):
         service.create_batch(any_engine, "file-missing", "/v1/completions")
     with pytest.raises(InvalidRequestError, match="task"):
         service.create_batch(any_engine, f.id, "/v1/chat/completions", task="poem")
+    with pytest.raises(InvalidRequestError, match="longer than 512 characters"):  # OpenAI's cap
+        service.create_batch(any_engine, f.id, "/v1/completions", metadata={"k": "v" * 513})
     with pytest.raises(NotFoundError):
         service.get_batch(any_engine, "batch_nope")
 
@@ -107,6 +109,14 @@ def test_task_options_go_to_metadata(any_engine):
     )
     assert job.task == "translate"
     assert job.metadata_ == {"project": "x", "target_lang": "fr", "max_tokens": "8"}
+    # the user's own metadata key with another value was silently overwritten: now a 400
+    with pytest.raises(InvalidRequestError, match="'target_lang' is also a task option") as err:
+        service.create_batch(any_engine, f.id, "/v1/chat/completions", task="translate",
+                             metadata={"target_lang": "de"}, task_options={"target_lang": "fr"})  # fmt: skip
+    assert err.value.param == "metadata"
+    same = service.create_batch(any_engine, f.id, "/v1/chat/completions", task="translate",
+                                metadata={"target_lang": "fr"}, task_options={"target_lang": "fr"})  # fmt: skip
+    assert same.metadata_ == {"target_lang": "fr"}
     # a max_tokens no line could run with is the job's 400, not an error on every line
     for bad in (-5, 0, "abc", "1.5", True, "\u00b2"):  # "²".isdigit(), but no int
         with pytest.raises(InvalidRequestError, match="max_tokens"):
