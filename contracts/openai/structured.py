@@ -256,4 +256,47 @@ def _grammar_error(spec_key: str) -> str | None:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error or messages:
         return "; ".join(m.strip() for m in messages)[:1000] or "invalid grammar"
-    return None
+    return _lexer_probe(grammar)
+
+
+LEXER_PROBE_BYTES = 8
+
+
+class _ByteTokenizer:
+    """A tokenizer of single bytes (and an EOS) for llguidance: enough to run a grammar's first
+    steps without the model's tokenizer (`_lexer_probe`)."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+    special_token_ids = [256]
+
+    def __call__(self, s: str | bytes) -> list[int]:
+        return list(s if isinstance(s, bytes) else s.encode("utf-8"))
+
+
+@functools.cache
+def _byte_tokenizer() -> Any:
+    import llguidance
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()))
+
+
+def _lexer_probe(grammar: str) -> str | None:
+    """llguidance builds its lexer lazily, so a grammar that validates can still exceed the
+    lexer's limits at the first byte it reads (`a{1000000}`: "too many expressions
+    constructed"), which surfaced as a failed request mid-answer. Walk its first
+    `LEXER_PROBE_BYTES` bytes (the lowest byte allowed each step) and report such an error."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    for _ in range(LEXER_PROBE_BYTES):
+        if matcher.is_error():
+            break
+        mask = int.from_bytes(matcher.compute_bitmask()[:32], "little")  # bytes 0-255
+        if matcher.is_error() or not mask:
+            break
+        matcher.consume_token((mask & -mask).bit_length() - 1)
+    if not matcher.is_error():
+        return None
+    return f"the grammar is too large to enforce: {matcher.get_error().splitlines()[0][:500]}"

@@ -99,6 +99,19 @@ def test_a_huge_schema_is_refused_before_any_grammar_work() -> None:
     assert f"at most {MAX_SCHEMA_CHARS}" in e.message and e.param == "response_format"
 
 
+@pytest.mark.parametrize("regex", ["a{1000000}", "(a?){10000}a{10000}"])
+def test_a_grammar_past_the_lexers_limits_is_a_400_not_a_failed_answer(regex) -> None:
+    """These validate, but llguidance builds its lexer lazily and gives up at the first byte
+    read ("too many expressions constructed"): that was a 500 in the middle of the answer. The
+    edge walks a grammar's first bytes and refuses it; a large grammar within the limits
+    passes."""
+    e = err(structured_outputs={"regex": regex})
+    assert "too large to enforce" in e.message and "lexer" in e.message, e.message
+    assert e.param == "structured_outputs"
+    ok = chat(structured_outputs={"regex": "a{20000}"}).sampling["structured_outputs"]
+    assert ok == {"regex": "a{20000}"}
+
+
 def test_tolerated_no_ops_are_accepted() -> None:
     req = chat(tool_choice="none", skip_special_tokens=True, response_format={"type": "text"})
     assert "structured_outputs" not in req.sampling
