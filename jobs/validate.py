@@ -169,6 +169,8 @@ class Validator:
         """Whether `result` repeats an earlier line's custom_id (the first `MAX_JOB_ERRORS`
         repeats are kept as job errors, each naming both lines; the file is read to its end so
         the job's errors also hold the other lines' problems)."""
+        if result.error is not None and result.custom_id == f"line-{result.line_no}":
+            return False  # a bad line's own name (it had no usable id): never a duplicate
         first = self._seen.get(result.custom_id)
         if first is None:
             self._seen[result.custom_id] = result.line_no
