@@ -87,7 +87,17 @@ def build_report(
     """The demo's summary.json (without its verdict, `ok` and `failures`)."""
     return {
         "wall_s": round(wall, 2),
-        "jobs": {n: {"id": j.id, "status": j.status, **j.request_counts} for n, j in final.items()},
+        "jobs": {
+            n: {
+                "id": j.id,
+                "status": j.status,
+                **j.request_counts,
+                "cut_at_max_tokens": cut_answers(Path(files[f"{n}_output"]))[0]
+                if f"{n}_output" in files
+                else 0,
+            }
+            for n, j in final.items()
+        },  # fmt: skip
         "chats": {
             "done": chats.done,
             "errors": len(chats.errors),
@@ -217,13 +227,36 @@ def _print_outcomes(report, final, files, chats: ChatStats, out: Path, console) 
         console.print(f"  e.g. [bold]{chats.sample[0]}[/bold] -> {chats.sample[1][:200]}")
     for key, path in files.items():
         sample = _first_answer(Path(path)) if key.endswith("_output") else None
-        console.print(f"{key}: {path}" + (f"\n  e.g. {sample[:200]}" if sample else ""))
+        cut = ""
+        if key.endswith("_output"):
+            n_cut, n = cut_answers(Path(path))
+            if n_cut:
+                flag = CUT_FLAGS.get(key.removesuffix("_output"), "max_tokens")
+                cut = f" ({n_cut} of {n} answers cut at their max tokens: {flag} raises it)"
+        console.print(f"{key}: {path}{cut}" + (f"\n  e.g. {sample[:200]}" if sample else ""))
     console.print(f"summary: {out / 'summary.json'}")
     if report["dashboard_url"]:
         note = ""
         if report["stack_stops_after_demo"]:
             note = " (live while the stack runs: `laneserve up` first, or --keep-running)"
         console.print(f"dashboard: {report['dashboard_url']}{note}")
+
+
+# the demo flag that sets each job's max tokens per answer
+CUT_FLAGS = {"summarize": "--summary-tokens", "translate": "--translation-tokens"}
+
+
+def cut_answers(path: Path) -> tuple[int, int]:
+    """(answers that ended at their max tokens, answers) of a job's output file."""
+    cut = total = 0
+    try:
+        for text in path.read_text().splitlines():
+            choices = json.loads(text)["response"]["body"]["choices"]
+            total += 1
+            cut += choices[0].get("finish_reason") == "length"
+    except (OSError, KeyError, IndexError, TypeError, json.JSONDecodeError):
+        pass
+    return cut, total
 
 
 def _first_answer(path: Path) -> str | None:

@@ -163,6 +163,11 @@ def test_demo_quick_completes_and_stops_its_stack(model_home):
     outputs = [json.loads(x) for x in open(summary["files"]["summarize_output"])]
     assert len(outputs) == 4
     assert all(o["response"]["body"]["choices"][0]["message"]["content"] for o in outputs)
+    # answers cut at their max tokens are counted and said (they were shown as if whole)
+    cut = [o["response"]["body"]["choices"][0]["finish_reason"] == "length" for o in outputs]
+    assert summary["jobs"]["summarize"]["cut_at_max_tokens"] == sum(cut)
+    said = f"({sum(cut)} of 4 answers cut at their max tokens: --summary-tokens raises it)"
+    assert (said in res.stdout) == (sum(cut) > 0), res.stdout
     assert not (model_home / "stack.json").exists()  # the demo stopped the stack it started
     assert processes_mentioning(str(model_home)) == []
 
