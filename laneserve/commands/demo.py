@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         if proc is not None and args.keep_running and proc.poll() is None:
             console.print(
                 f"the stack keeps running (supervisor pid {proc.pid}); "
-                f"stop it with: kill -INT {proc.pid}"
+                f"stop it with: laneserve down (or kill -INT {proc.pid})"
             )
         elif proc is not None:
             from laneserve.stack import stop_stack_process
