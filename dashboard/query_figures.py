@@ -112,7 +112,24 @@ def figures_from_frames(
         tokens_per_s=tok,
         tokens_per_s_baseline=base_tok,
         jobs=jobs if lane == "batch" else (),
+        **_slo_targets(workers, lane),
     )
+
+
+def _slo_targets(workers: pd.DataFrame, lane: str) -> dict[str, float | None]:
+    """The lane's TTFT / TPOT targets (P99 ms) its workers report (`--slo`, or derived from
+    their start-up profile): each worker's latest snapshot, the loosest over the workers (a
+    lane's requests may run on any of them). None where no worker reports one."""
+    out: dict[str, float | None] = {"ttft_target_ms": None, "tpot_target_ms": None}
+    if workers.empty:
+        return out
+    last = workers.sort_values("at").groupby("worker_id").tail(1)
+    for phase in ("ttft", "tpot"):
+        col = f"slo_{lane}_{phase}_ms"
+        if col in last:
+            values = pd.to_numeric(last[col], errors="coerce").dropna()
+            out[f"{phase}_target_ms"] = float(values.max()) if len(values) else None
+    return out
 
 
 def job_etas(jobs: pd.DataFrame) -> tuple[JobEta, ...]:

@@ -215,6 +215,26 @@ def test_live_figures_healthy_traffic_is_quiet(db_engine):
     assert diagnose_all(figs) == []
 
 
+def test_live_figures_judge_against_the_slo_targets_the_workers_report(db_engine):
+    """Healthy traffic by the default limits (TTFT 1,000 ms), but over the TTFT target its
+    workers report: the diagnosis judges against the target (`laneserve status` showed one
+    figure, the dashboard another). Each worker's latest target counts, the loosest of them."""
+    rng = np.random.default_rng(2)
+    recs = make_records(rng, 400, NOW - HOUR, NOW, "interactive")
+    snaps = make_snapshots("w0", "interactive", NOW - 300, NOW, kv_usage=0.6)
+    snaps += make_snapshots("w1", "interactive", NOW - 300, NOW, kv_usage=0.6)
+    for snap in snaps:
+        late = snap["at"] >= NOW - 100  # w0 loosened its target later on
+        loose = snap["worker_id"] == "w1" or late
+        snap |= {"slo_interactive_ttft_ms": 20.0 if loose else 5.0,
+                 "slo_interactive_tpot_ms": 1000.0}  # fmt: skip
+    store(db_engine, records=recs, snapshots=snaps)
+    (fig,) = live_figures(db_engine, Window(NOW - HOUR, NOW, lane="interactive"))
+    assert (fig.ttft_target_ms, fig.tpot_target_ms) == (20.0, 1000.0)
+    assert fig.ttft_p99_ms > 20.0  # make_records' TTFTs: well under 1,000 ms, over 20
+    assert {x.symptom for x in diagnose_all([fig])} == {Symptom.TTFT_HIGH}
+
+
 def test_empty_database(db_engine):
     win = Window.last(HOUR, now=NOW)
     assert not has_data(db_engine)
