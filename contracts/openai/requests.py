@@ -339,6 +339,9 @@ def parse_messages(v: Any) -> list[dict]:
         extra = sorted(set(m) - {"role", "content", "name", "tool_calls", "refusal"})
         if extra:
             raise invalid(f"{where}: unknown field(s) {', '.join(extra)}", "messages")
+        for key in ("name", "refusal"):  # OpenAI's: strings (refusal null too)
+            if m.get(key) is not None and type(m[key]) is not str:
+                raise invalid(f"{where}.{key} must be a string", "messages")
         out.append(
             {"role": "system" if role == "developer" else role, "content": _content(m, where)}
         )

@@ -50,6 +50,8 @@ CASES = [
     (CHAT, {"top_k": -2}),
     (CHAT, {"top_k": 2**64}),  # past what the wire carries: was a 500 (and stalled a client)
     (CHAT, {"top_k": 1e308}),
+    (CHAT, {"messages": [{"role": "user", "content": "Say hi.", "name": "ann"}]}),
+    (CHAT, {"messages": [{"role": "user", "content": "Say hi.", "name": {"a": 1}}]}),  # was 200
     (CHAT, {"seed": 3}),
     (CHAT, {"seed": 1.5}),
     (CHAT, {"seed": 2**64}),

@@ -108,6 +108,11 @@ def test_chat_wrong_types_and_ranges(field, value) -> None:
 
 def test_limits() -> None:
     assert err(chat, n=5).param == "n"
+    # integers past what the wire carries are 400s naming the field (they were 500s)
+    assert err(chat, top_k=2**64).param == "top_k" and err(chat, top_k=1e308).param == "top_k"
+    assert err(chat, seed=2**64).param == "seed"
+    fanned = chat(n=2, seed=2**64 - 1, temperature=1.0)
+    assert [fanned.sampling_for(i)["seed"] for i in range(2)] == [2**64 - 1, 0]
     assert chat(n=4).n == 4
     assert err(chat, max_tokens=101).param == "max_tokens"
     assert err(chat, max_completion_tokens=101).param == "max_completion_tokens"
@@ -121,6 +126,10 @@ def test_messages_validation() -> None:
     assert err(parse_chat, {"model": "m"}, CFG).param == "messages"
     assert err(chat, messages=[{"role": "tool", "content": "x"}]).param == "messages"
     assert err(chat, messages=[{"role": "user", "content": 3}]).param == "messages"
+    named = err(chat, messages=[{"role": "user", "content": "x", "name": {"a": 1}}])
+    assert named.param == "messages" and "messages[0].name must be a string" in named.message
+    assert chat(messages=[{"role": "user", "content": "x", "name": "ann"}]).prompts
+    assert chat(messages=[{"role": "assistant", "content": "x", "refusal": None}]).prompts
     image = [{"type": "image_url", "image_url": {"url": "x"}}]
     assert err(chat, messages=[{"role": "user", "content": image}]).param == "messages"
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
