@@ -27,10 +27,10 @@ from jobs.errors import NotFoundError
 
 PERCENTILES = (50, 90, 99)
 LATENCY_FIELDS = ("ttft_ms", "e2e_ms")
-# A line's status once the job's cancellation or expiry ended it: the runner writes `cancelled` /
-# `expired` with the error line (jobs.store.fail_unfinished), the recorder the broker's final
-# `aborted` for a line aborted in flight (whichever writes last).
-ENDED_BY_JOB_STATUSES = ("cancelled", "expired", "aborted")
+# The error codes of the lines a job's cancellation or expiry ended (jobs.store.fail_unfinished
+# stores them as the line's `response`, which only the runner writes: the line's `status` is
+# also written by the recorder, whichever comes last, so it cannot tell).
+ENDED_BY_JOB_CODES = ("batch_cancelled", "batch_expired")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +126,8 @@ def batch_stats(
         NotFoundError: no such batch.
     """
     finished = Request.response.is_not(None) | Request.error.is_not(None)
-    ran = Request.status.is_(None) | Request.status.not_in(ENDED_BY_JOB_STATUSES)
+    code = func.coalesce(Request.response["error"]["code"].as_string(), "")
+    ran = code.not_in(ENDED_BY_JOB_CODES)
     with read_session(engine) as session:
         job = session.get(Job, batch_id)
         if job is None:
@@ -141,7 +142,7 @@ def batch_stats(
         ).one()
         cancelled = session.scalar(
             select(func.count(Request.id)).where(
-                Request.job_id == batch_id, finished, Request.status.in_(ENDED_BY_JOB_STATUSES)
+                Request.job_id == batch_id, finished, code.in_(ENDED_BY_JOB_CODES)
             )
         )
         values = {

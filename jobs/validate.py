@@ -169,8 +169,6 @@ class Validator:
         """Whether `result` repeats an earlier line's custom_id (the first `MAX_JOB_ERRORS`
         repeats are kept as job errors, each naming both lines; the file is read to its end so
         the job's errors also hold the other lines' problems)."""
-        if result.error is not None and result.custom_id == f"line-{result.line_no}":
-            return False  # a bad line's own name (it had no usable id): never a duplicate
         first = self._seen.get(result.custom_id)
         if first is None:
             self._seen[result.custom_id] = result.line_no
@@ -178,6 +176,10 @@ class Validator:
         if len(self._duplicates) < MAX_JOB_ERRORS:
             field = "id" if self.task is not None else "custom_id"  # the user's own field name
             msg = f"duplicate {field} {result.custom_id!r} on lines {first} and {result.line_no}"
+            named = [n for n in (first, result.line_no) if result.custom_id == f"line-{n}"]
+            if named:  # one of them had no usable id: it is named after its line (DESIGN.md)
+                msg += (f" (line {named[0]} has no usable {field} and is named after its line; "
+                        f"give it its own {field})")  # fmt: skip
             self._duplicates.append(
                 {"code": "duplicate_custom_id", "message": msg, "param": field,
                  "line": result.line_no}

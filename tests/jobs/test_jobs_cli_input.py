@@ -150,26 +150,32 @@ def test_show_summary_names_every_figure(engine):
     assert "3/3 lines" in bare and batch["input_file_id"] in bare and "TTFT" not in bare
 
 
-def test_a_cancelled_jobs_figures_leave_out_the_lines_the_cancellation_ended(engine):
+def test_a_cancelled_jobs_figures_leave_out_the_lines_the_cancellation_ended(any_engine):
     """Lines the cancellation ended go to the error file (`batch_cancelled`) whatever they had
     computed: their tokens and latencies are not the job's output, so the figures leave them
     out (they counted 1,768 completion tokens of a job whose output file held 156), and `jobs
     show` says how many failed lines the cancellation ended."""
     from db.models import Job, Request
     from db.session import write_session
-    from jobs import service, stats
+    from jobs import results, service, stats
     from laneserve.commands.jobs import summary_lines
 
+    engine = any_engine
     ran = {"prompt_tokens": 7, "completion_tokens": 30, "ttft_ms": 12.5, "e2e_ms": 250.0}
     cut = {"prompt_tokens": 7, "completion_tokens": 400, "ttft_ms": 50.0, "e2e_ms": 6000.0}
     job_id = _finished_job(engine, [ran, ran, cut, cut, {"prompt_tokens": 7}])
+    ended = results.error_response("batch_cancelled", "the batch was cancelled")
     with write_session(engine) as s:
         row = s.get(Job, job_id)
         row.status, row.completed_at, row.cancelled_at = "cancelled", None, 1010.0
         row.request_completed, row.request_failed = 2, 3
-        for i, status in ((1, "completed"), (2, None), (3, "aborted"), (4, "cancelled"),
-                          (5, "cancelled")):  # fmt: skip
-            s.get(Request, f"{job_id}-{i}").status = status
+        # the status is the recorder's or the runner's, whichever wrote last: it does not
+        # tell (line 2 finished with an output, its status is the broker's "aborted")
+        for i, status, response in ((1, "completed", None), (2, "aborted", None),
+                                    (3, "aborted", ended), (4, "completed", ended),
+                                    (5, "cancelled", ended)):  # fmt: skip
+            line = s.get(Request, f"{job_id}-{i}")
+            line.status, line.response = status, response or line.response
     got = stats.batch_stats(engine, job_id)
     assert got.finished_lines == 5 and got.cancelled_lines == 3
     assert got.prompt_tokens == 14 and got.completion_tokens == 60

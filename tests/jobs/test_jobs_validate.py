@@ -102,13 +102,15 @@ def test_duplicates_do_not_hide_the_other_errors(tmp_path):
     assert "lines 1 and 3" in dups[0]["message"] and "lines 4 and 5" in dups[1]["message"]
     bad_json = next(e for e in errors if e["code"] == "invalid_json")
     assert bad_json["message"] == "not JSON: Expecting value at column 1"  # not "line 1 ..."
-    # a line without a usable custom_id is an error line named line-N: that name is no
-    # duplicate of a real custom_id "line-N" (the whole job failed on it)
-    v, results = _validate(
-        tmp_path, [{**chat_line("x", "a"), "custom_id": 5}, chat_line("line-1", "b")]
+    # a line without a usable custom_id is named line-N; a real custom_id "line-N" then
+    # repeats it (each custom_id once across the result files): the error says why
+    with pytest.raises(JobValidationError) as err:
+        _validate(tmp_path, [{**chat_line("x", "a"), "custom_id": 5}, chat_line("line-1", "b")])
+    dup = next(e for e in err.value.errors if e["code"] == "duplicate_custom_id")
+    assert (
+        "'line-1' on lines 1 and 2 (line 1 has no usable custom_id and is named after its"
+        in (dup["message"])
     )
-    assert [r.custom_id for r in results] == ["line-1", "line-1"]
-    assert results[0].error["param"] == "custom_id" and results[1].error is None
     # a line cut short: the column where it ends, not the decoder's "line 2 column 1" after
     # the line break
     cut = '{"id": "d4", "text": '
