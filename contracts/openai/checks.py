@@ -64,6 +64,8 @@ def given(v: Any) -> bool:
     return not (v is None or v is False or v == [] or v == {})
 
 
+MAX_TOKEN_ID = 2**31 - 1  # a token id past any vocabulary (and past what the wire carries)
+
 # What the wire (msgpack) carries: a bound left out is this one, so no integer that passes a
 # check fails later when the request is encoded.
 WIRE_INT_MIN, WIRE_INT_MAX = -(2**63), 2**64 - 1
@@ -135,7 +137,7 @@ def token_ids(body: dict, name: str) -> list[int] | None:
         return None
     if (
         type(v) is not list
-        or not all(type(t) is int and t >= 0 for t in v)
+        or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in v)
         or len(v) > MAX_STOP_TOKEN_IDS
     ):
         raise invalid(f"'{name}' must be an array of at most {MAX_STOP_TOKEN_IDS} token ids", name)

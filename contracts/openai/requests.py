@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contracts.openai.checks import (
+    MAX_TOKEN_ID,
     WIRE_INT_MAX,
     bool_field,
     given,
@@ -229,7 +230,7 @@ def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
     messages = parse_messages(body.get("messages"))
     req = ParsedRequest(kind="chat", model=_model(body), prompts=[Prompt(messages=messages)])
     _common(body, req, limits)
-    max_completion = int_field(body, "max_completion_tokens", lo=1)
+    max_completion = int_field(body, "max_completion_tokens", lo=1, hi=limits.max_tokens_limit)
     if max_completion is not None:
         req.max_tokens = max_completion
     want = bool_field(body, "logprobs")
@@ -406,7 +407,7 @@ def _prompts(v: Any) -> list[Prompt]:
         elif type(item) is list:
             if not item:
                 raise invalid("'prompt' must not be empty (an empty token list)", "prompt")
-            if not all(type(t) is int and t >= 0 for t in item):
+            if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in item):
                 raise invalid("token-id prompts must hold non-negative integers", "prompt")
             out.append(Prompt(token_ids=list(item), num_tokens=len(item)))
         else:
@@ -436,9 +437,7 @@ def _common(body: dict, req: ParsedRequest, limits: Limits) -> None:
             )
         usage = bool_field(opts, "include_usage")
         req.include_usage = bool(usage)
-    n = int_field(body, "n", lo=1)
-    if n is not None and n > limits.max_n:
-        raise invalid(f"'n' must be <= {limits.max_n}, got {n}", "n")
+    n = int_field(body, "n", lo=1, hi=limits.max_n)
     req.n = n or 1
     if req.num_choices > max(MAX_PROMPTS, limits.max_n):
         raise invalid(
@@ -446,7 +445,7 @@ def _common(body: dict, req: ParsedRequest, limits: Limits) -> None:
             f"{max(MAX_PROMPTS, limits.max_n)} choices",
             "n",
         )
-    req.max_tokens = int_field(body, "max_tokens", lo=1)
+    req.max_tokens = int_field(body, "max_tokens", lo=1, hi=limits.max_tokens_limit)
     _lane(body, req)
 
 
@@ -537,7 +536,11 @@ def logit_bias(v: Any) -> list[list] | None:
         raise invalid(f"'logit_bias' has more than {MAX_LOGIT_BIAS} entries", "logit_bias")
     out = []
     for key, bias in v.items():
-        if type(key) is not str or not key.isdigit():
+        if (
+            type(key) is not str
+            or not (key.isascii() and key.isdigit())  # "²".isdigit(), but no int
+            or int(key) > MAX_TOKEN_ID
+        ):
             raise invalid(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
         if type(bias) not in (int, float) or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
             raise invalid(

@@ -111,6 +111,12 @@ def test_limits() -> None:
     # integers past what the wire carries are 400s naming the field (they were 500s)
     assert err(chat, top_k=2**64).param == "top_k" and err(chat, top_k=1e308).param == "top_k"
     assert err(chat, seed=2**64).param == "seed"
+    assert err(chat, n=2**70).message == f"'n' must be <= 4, got {2**70}"
+    assert err(chat, max_tokens=2**70).param == "max_tokens"
+    assert err(chat, stop_token_ids=[2**64]).param == "stop_token_ids"
+    assert err(chat, logit_bias={str(2**64): 1}).param == "logit_bias"
+    assert err(chat, logit_bias={"\u00b2": 1}).param == "logit_bias"  # isdigit, but no int
+    assert err(completion, prompt=[[1, 2**64]]).param == "prompt"
     fanned = chat(n=2, seed=2**64 - 1, temperature=1.0)
     assert [fanned.sampling_for(i)["seed"] for i in range(2)] == [2**64 - 1, 0]
     assert chat(n=4).n == 4
