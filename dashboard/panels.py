@@ -61,17 +61,20 @@ def _finding_text(f: Finding) -> str:
 def _healthy_line(fig: Figures, t: Thresholds) -> str:
     ttft = "-" if fig.ttft_p99_ms is None else f"{fig.ttft_p99_ms:,.0f} ms"
     tpot = "-" if fig.tpot_p99_ms is None else f"{fig.tpot_p99_ms:,.0f} ms"
-    lim_ttft, lim_tpot = t.ttft_p99_ms.get(fig.lane), t.tpot_p99_ms.get(fig.lane)
-    slo = fig.ttft_target_ms is not None or fig.tpot_target_ms is not None
-    lim_ttft = fig.ttft_target_ms if fig.ttft_target_ms is not None else lim_ttft
-    lim_tpot = fig.tpot_target_ms if fig.tpot_target_ms is not None else lim_tpot
-    kind = "SLO target" if slo else "limit"  # the workers' targets replace the defaults
     kv = "-" if fig.kv_usage_max is None else f"{fig.kv_usage_max:.0%}"
     return (
-        f"{fig.lane}: {fig.requests} requests, TTFT P99 {ttft} ({kind} {lim_ttft:,.0f} ms), "
-        f"TPOT P99 {tpot} ({kind} {lim_tpot:,.0f} ms), KV usage max {kv}, "
-        f"preemptions {fig.preemptions}"
+        f"{fig.lane}: {fig.requests} requests, TTFT P99 {ttft} "
+        f"({_bound(fig.ttft_target_ms, t.ttft_p99_ms.get(fig.lane))}), "
+        f"TPOT P99 {tpot} ({_bound(fig.tpot_target_ms, t.tpot_p99_ms.get(fig.lane))}), "
+        f"KV usage max {kv}, preemptions {fig.preemptions}"
     )
+
+
+def _bound(target: float | None, limit: float | None) -> str:
+    """A P99's bound as the diagnosis uses it: the workers' SLO target, else the default."""
+    if target is not None:
+        return f"SLO target {target:,.0f} ms"
+    return "no limit" if limit is None else f"limit {limit:,.0f} ms"
 
 
 def diagnosis(live: Live, thresholds: Thresholds | None = None) -> None:

@@ -233,6 +233,11 @@ def test_live_figures_judge_against_the_slo_targets_the_workers_report(db_engine
     assert (fig.ttft_target_ms, fig.tpot_target_ms) == (20.0, 1000.0)
     assert fig.ttft_p99_ms > 20.0  # make_records' TTFTs: well under 1,000 ms, over 20
     assert {x.symptom for x in diagnose_all([fig])} == {Symptom.TTFT_HIGH}
+    # the batch lane keeps the default limits: its TTFT is queueing behind its job by design
+    batch = [dict(s, lanes="batch", slo_batch_ttft_ms=20.0) for s in snaps]
+    store(db_engine, records=make_records(rng, 100, NOW - HOUR, NOW, "batch"), snapshots=batch)
+    (bfig,) = live_figures(db_engine, Window(NOW - HOUR, NOW, lane="batch"))
+    assert bfig.ttft_target_ms is None
 
 
 def test_empty_database(db_engine):
