@@ -259,7 +259,8 @@ def _grammar_error(spec_key: str) -> str | None:
     return _lexer_probe(grammar)
 
 
-LEXER_PROBE_BYTES = 8
+LEXER_PROBE_BYTES = 8  # bytes walked from each first byte
+LEXER_PROBE_BRANCHES = 16  # first bytes tried (spread over those the grammar allows)
 
 
 class _ByteTokenizer:
@@ -282,21 +283,37 @@ def _byte_tokenizer() -> Any:
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()))
 
 
+def _allowed_bytes(matcher: Any) -> list[int]:
+    mask = int.from_bytes(matcher.compute_bitmask()[:32], "little")  # bytes 0-255
+    return [b for b in range(256) if mask >> b & 1]
+
+
 def _lexer_probe(grammar: str) -> str | None:
     """llguidance builds its lexer lazily, so a grammar that validates can still exceed the
-    lexer's limits at the first byte it reads (`a{1000000}`: "too many expressions
-    constructed"), which surfaced as a failed request mid-answer. Walk its first
-    `LEXER_PROBE_BYTES` bytes (the lowest byte allowed each step) and report such an error."""
+    lexer's limits at the first bytes it reads (`a{1000000}`: "too many expressions
+    constructed"), which surfaced as a failed request mid-answer. From up to
+    `LEXER_PROBE_BRANCHES` of the first bytes it allows, walk `LEXER_PROBE_BYTES` bytes (the
+    lowest allowed each step) and report such an error. A heuristic: a limit reached only
+    deeper, or down another branch, still fails the request in the worker."""
     import llguidance
 
-    matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
-    for _ in range(LEXER_PROBE_BYTES):
+    root = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    first = [] if root.is_error() else _allowed_bytes(root)
+    if root.is_error():  # at its start, or computing the first mask
+        return _too_large(root)
+    step = max(1, len(first) // LEXER_PROBE_BRANCHES)
+    for byte in first[::step][:LEXER_PROBE_BRANCHES]:
+        matcher = root.deep_copy()
+        matcher.consume_token(byte)
+        for _ in range(LEXER_PROBE_BYTES - 1):
+            allowed = [] if matcher.is_error() else _allowed_bytes(matcher)
+            if matcher.is_error() or not allowed:
+                break
+            matcher.consume_token(allowed[0])
         if matcher.is_error():
-            break
-        mask = int.from_bytes(matcher.compute_bitmask()[:32], "little")  # bytes 0-255
-        if matcher.is_error() or not mask:
-            break
-        matcher.consume_token((mask & -mask).bit_length() - 1)
-    if not matcher.is_error():
-        return None
+            return _too_large(matcher)
+    return None
+
+
+def _too_large(matcher: Any) -> str:
     return f"the grammar is too large to enforce: {matcher.get_error().splitlines()[0][:500]}"
