@@ -193,14 +193,14 @@ class BrokerClient(Connections):
             custom_id=custom_id,
         )
         p.Submit.from_payload(msg.payload())  # validate here, not at the broker
-        # ... and encode it once: a request the wire cannot carry fails here, before it is
-        # tracked (a tracked one is sent again on every reconnect, from the reader task)
-        msg.to_frames()
+        # ... and encode it: a request the wire cannot carry fails here, before it is tracked
+        # (a tracked one is sent again on every reconnect, from the reader task)
+        frames = msg.to_frames()
         if self._conn is None:
             raise RuntimeError("BrokerClient.start() was not called")
         pend = self._track(msg, now, deadline, restartable)
         if self._conn.epoch is not None:
-            self._send_submit(self._conn, pend, now)
+            self._send_submit(self._conn, pend, now, frames)
         return RequestStream(self, msg.request_id, pend.queue)
 
     def _track(
@@ -273,16 +273,20 @@ class BrokerClient(Connections):
             pend.delivered = False
             pend.queue.put_nowait(Restart(pend.submit.request_id, why))
 
-    def _send_submit(self, conn: Conn, pend: _Pending, now: float) -> None:
+    def _send_submit(
+        self, conn: Conn, pend: _Pending, now: float, frames: list[bytes] | None = None
+    ) -> None:
+        """Send `pend` on `conn` (`frames`: its first send's, already encoded)."""
         msg = pend.submit
         if pend.sends:
             # The broker measures queueing from the edge's arrival: count the wait as edge time.
             edge_ms = msg.edge_ms + (now - pend.submitted_at) * 1000.0
             msg = replace(msg, edge_ms=min(edge_ms, 1e9))
             self.counters["resubmitted"] += 1
+            frames = None
         pend.sends += 1
         pend.gen = conn.gen
-        self._send(conn, msg.to_frames())
+        self._send(conn, frames or msg.to_frames())
 
     def _on_frames(self, conn: Conn, frames: list[bytes]) -> None:
         try:

@@ -153,7 +153,11 @@ class Connections:
         self._last_heard = now
         self._up.set()
         for pend in waiting:
-            self._send_submit(conn, pend, now)
+            try:
+                self._send_submit(conn, pend, now)
+            except p.ProtocolError as exc:  # submit() encodes first; should it still fail,
+                rid = pend.submit.request_id  # that request ends, not the connection
+                self._end(rid, p.Error(request_id=rid, code="invalid_request", message=str(exc)))
 
     def _send_hello(self, conn: Conn) -> None:
         conn.hello_at = time.monotonic()
@@ -185,7 +189,10 @@ class Connections:
                 return False
             if not i:
                 self._last_heard = time.monotonic()
-            self._on_frames(conn, frames)
+            try:
+                self._on_frames(conn, frames)
+            except Exception:  # one message's handling must not end the reader (and with it
+                logger.exception("broker client: handling a message failed")  # every request)
         return True
 
     async def _watch(self, conn: Conn) -> None:
