@@ -260,6 +260,10 @@ def result_files(batch: dict) -> list[tuple[str, str, Path]]:
 
 
 def _download(client: StackClient, args: argparse.Namespace) -> int:
+    if str(args.output) == str(args.errors) == "-":
+        print("laneserve jobs: only one of --output and --errors can be - (stdout)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     batch = client.find_batch(args.id)
     files = result_files(batch)
     if not files:

@@ -119,6 +119,8 @@ def test_submit_wait_show_download_and_exit_codes(laneserve_home, tmp_path):
         assert piped.stdout == (laneserve_home / "o.jsonl").read_text()
         assert "output: stdout (" in piped.stderr and not (laneserve_home / "-").exists()
         assert (laneserve_home / "e2").read_text() == (laneserve_home / "e.jsonl").read_text()
+        both = _cli(laneserve_home, "jobs", "download", job_id, "--output", "-", "--errors", "-")
+        assert both.returncode == 2 and "only one of --output and --errors" in both.stderr
 
         assert _cli(laneserve_home, "jobs", "cancel", job_id).returncode == 1  # already ended
 
