@@ -64,7 +64,7 @@ def given(v: Any) -> bool:
     return not (v is None or v is False or v == [] or v == {})
 
 
-MAX_TOKEN_ID = 2**31 - 1  # a token id past any vocabulary (and past what the wire carries)
+MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; a token id above it is a 400
 
 # What the wire (msgpack) carries: a bound left out is this one, so no integer that passes a
 # check fails later when the request is encoded.
