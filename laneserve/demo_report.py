@@ -92,7 +92,7 @@ def build_report(
                 "id": j.id,
                 "status": j.status,
                 **j.request_counts,
-                "cut_at_max_tokens": cut_answers(Path(files[f"{n}_output"]))[0]
+                "cut_at_max_tokens": cut_answers(Path(files[f"{n}_output"]))
                 if f"{n}_output" in files
                 else 0,
             }
@@ -228,11 +228,11 @@ def _print_outcomes(report, final, files, chats: ChatStats, out: Path, console) 
     for key, path in files.items():
         sample = _first_answer(Path(path)) if key.endswith("_output") else None
         cut = ""
-        if key.endswith("_output"):
-            n_cut, n = cut_answers(Path(path))
-            if n_cut:
-                flag = CUT_FLAGS.get(key.removesuffix("_output"), "max_tokens")
-                cut = f" ({n_cut} of {n} answers cut at their max tokens: {flag} raises it)"
+        job = report["jobs"].get(key.removesuffix("_output")) if key.endswith("_output") else None
+        if job and job["cut_at_max_tokens"]:  # counted once, in build_report
+            flag = CUT_FLAGS.get(key.removesuffix("_output"), "max_tokens")
+            cut = (f" ({job['cut_at_max_tokens']} of {job['completed']} answers cut at their "
+                   f"max tokens: {flag} raises it)")  # fmt: skip
         console.print(f"{key}: {path}{cut}" + (f"\n  e.g. {sample[:200]}" if sample else ""))
     console.print(f"summary: {out / 'summary.json'}")
     if report["dashboard_url"]:
@@ -246,17 +246,16 @@ def _print_outcomes(report, final, files, chats: ChatStats, out: Path, console) 
 CUT_FLAGS = {"summarize": "--summary-tokens", "translate": "--translation-tokens"}
 
 
-def cut_answers(path: Path) -> tuple[int, int]:
-    """(answers that ended at their max tokens, answers) of a job's output file."""
-    cut = total = 0
+def cut_answers(path: Path) -> int:
+    """The answers of a job's output file that ended at their max tokens."""
+    cut = 0
     try:
         for text in path.read_text().splitlines():
             choices = json.loads(text)["response"]["body"]["choices"]
-            total += 1
             cut += choices[0].get("finish_reason") == "length"
     except (OSError, KeyError, IndexError, TypeError, json.JSONDecodeError):
         pass
-    return cut, total
+    return cut
 
 
 def _first_answer(path: Path) -> str | None:

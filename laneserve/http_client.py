@@ -188,8 +188,7 @@ class StackClient:
         Raises:
             StackError: the API failed, or `dest` cannot be written (exit code 1).
         """
-        to_path = isinstance(dest, Path)
-        tmp = dest.with_name(f".{dest.name}.part") if to_path else None
+        tmp = dest.with_name(f".{dest.name}.part") if isinstance(dest, Path) else None
         n = 0
         try:
             with self._http.stream("GET", f"/v1/files/{file_id}/content") as response:

@@ -298,7 +298,7 @@ def _lexer_probe(grammar: str) -> str | None:
     import llguidance
 
     root = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
-    first = [] if root.is_error() else _allowed_bytes(root)
+    first = _allowed_bytes(root)  # llguidance answers an empty mask once in error
     if root.is_error():  # at its start, or computing the first mask
         return _too_large(root)
     step = max(1, len(first) // LEXER_PROBE_BRANCHES)
@@ -306,7 +306,7 @@ def _lexer_probe(grammar: str) -> str | None:
         matcher = root.deep_copy()
         matcher.consume_token(byte)
         for _ in range(LEXER_PROBE_BYTES - 1):
-            allowed = [] if matcher.is_error() else _allowed_bytes(matcher)
+            allowed = _allowed_bytes(matcher)
             if matcher.is_error() or not allowed:
                 break
             matcher.consume_token(allowed[0])
