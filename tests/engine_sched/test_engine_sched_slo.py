@@ -441,28 +441,89 @@ def test_attainment_counts_finished_requests_per_lane(make_sched):
     assert stats["slo_interactive_tpot_ms"] == 1e6 and stats["step_token_budget"] >= 1
 
 
-def test_ttft_slack_follows_the_interactive_prompts_seen(make_sched):
-    """With a derived TTFT target the batch-only step's slack is at most 0.8x the prefill of
-    the prompts interactive users actually send (the profile assumes 256 tokens); an
+def test_ttft_slack_is_planned_for_a_robust_prompt_not_the_last_few(make_sched):
+    """With a derived TTFT target a batch-only step's slack is 0.8x the prefill of a robust
+    interactive prompt: the 90th percentile of the recent ones, never below 256 tokens. One-token
+    chats ("Hi") never shrink it (a running mean once cut a bulk job's steps to 1-4 tokens after
+    one), a few odd long prompts never stretch it, and prompts that are really long do. An
     operator's target is met as stated."""
     model = StepCostModel(TRUE)
     derived = default_targets(model, {})
     ctl = BudgetController(derived, model, 2048, wall_clock=False)
     prefill = lambda p: model.predict(prefill_features(p))  # noqa: E731
+    view = StepView(0, 8, 0, 0, 8 * 500, batch_prefill_tokens=900, batch_decodes=8)
+    assert ctl.robust_prompt() == 256
     assert ctl.ttft_slack() == pytest.approx(0.8 * prefill(256), rel=1e-6)
-    sched = make_sched(num_blocks=512, block_size=16, max_num_seqs=8)
+    alone = ctl.plan(view)
+    assert alone.reason == "batch-alone" and alone.token_budget >= 8
+    sched = make_sched(num_blocks=2048, block_size=16, max_num_seqs=8)
     sched.step_budget = ctl
     sim = EngineSim(sched)
-    for i in range(3):
-        sim.add(f"i{i}", 64, lane="interactive", max_tokens=2)
-    assert ctl.typical_prompt == pytest.approx(64.0)
-    assert ctl.ttft_slack() == pytest.approx(0.8 * prefill(64), rel=1e-6)
-    before = ctl.plan(StepView(0, 8, 0, 0, 8 * 500, batch_prefill_tokens=900, batch_decodes=8))
+    sim.add("hi", 4, lane="interactive", max_tokens=1)  # one tiny chat ...
+    sim.run()
+    assert ctl.robust_prompt() == 256  # ... changes nothing
+    assert ctl.plan(view) == alone
+    for i in range(40):  # a stream of tiny chats neither
+        ctl.note_arrival(3 + i % 5)
+    assert ctl.plan(view) == alone
+    for _ in range(3):  # a few odd long prompts among 43 do not stretch it
+        ctl.note_arrival(4000)
+    assert ctl.robust_prompt() == 256
+    for _ in range(40):  # prompts that are really long do (40 of the last 83)
+        ctl.note_arrival(600)
+    assert ctl.robust_prompt() == 600
+    assert ctl.ttft_slack() == pytest.approx(0.8 * prefill(600), rel=1e-6)
+    assert ctl.plan(view).token_budget > alone.token_budget
     given = BudgetController(derived, model, 2048, wall_clock=False, given_ttft=True)
-    given.note_arrival(64)
-    assert given.ttft_slack() == pytest.approx(derived.interactive.ttft_ms - prefill(64))
-    after = given.plan(StepView(0, 8, 0, 0, 8 * 500, batch_prefill_tokens=900, batch_decodes=8))
-    assert before.token_budget < after.token_budget  # the stated target leaves longer steps
+    for _ in range(20):
+        given.note_arrival(5)
+    assert given.ttft_slack() == pytest.approx(derived.interactive.ttft_ms - prefill(256))
+
+
+def _bulk_job_after(make_sched, chat_prompt: int | None, rng: random.Random) -> dict:
+    """A bulk job of 300-token lines (64 seats, 120 lines queued) run for 300 steps on a
+    simulated clock after one one-token chat of `chat_prompt` tokens (None: no chat), under a
+    derived TTFT target; its batch-only steps' (budget, running rows) and its tokens per ms."""
+    sched = make_sched(num_blocks=8192, block_size=16, max_num_seqs=64,
+                       max_num_batched_tokens=2048, interactive_batch_token_cap=512)  # fmt: skip
+    model = StepCostModel(TRUE)
+    ctl = BudgetController(default_targets(model, {}), model, 2048, wall_clock=False)
+    sched.step_budget = ctl
+    sim = EngineSim(sched)
+    if chat_prompt is not None:
+        sim.add("chat", chat_prompt, lane="interactive", max_tokens=1)
+        sim.run()
+    steps, clock, tokens = [], 0.0, 0
+    for k in range(300):
+        while len(sched.requests) < 120:
+            sim.add(f"line{k}-{rng.random()}", 300, max_tokens=64)
+        out = sim.step()
+        f = sched.last_features
+        ms = true_ms(f, 1.0, rng)
+        ctl.observe(f, ms, ctl.last_target_ms)
+        clock += ms
+        tokens += out.num_batched_tokens
+        steps.append((ctl.last.token_budget, ctl._view.batch_running, ctl.last.reason, ms))
+    return {"steps": steps, "tokens_per_ms": tokens / clock, "slack": ctl.ttft_slack()}
+
+
+def test_a_tiny_or_huge_chat_leaves_a_bulk_jobs_steps_as_they_were(make_sched):
+    """Issue 53: one one-token chat before a bulk job once shrank every later batch-only step to
+    1-4 tokens (the slack followed a running mean of the prompts seen). Replayed on the
+    simulated clock: after a 4-token chat, and after one 3,000-token chat, the job's steps are
+    batch-alone plans of at least their running rows and fit the slack, and it runs as fast
+    as with no chat at all."""
+    runs = {
+        name: _bulk_job_after(make_sched, prompt, random.Random(13))
+        for name, prompt in (("none", None), ("tiny", 4), ("huge", 3000))
+    }
+    for name, run in runs.items():
+        steps = run["steps"][20:]
+        assert all(reason.startswith("batch-alone") for _, _, reason, _ in steps), name
+        assert all(budget >= rows for budget, rows, _, _ in steps), name
+        assert max(ms for *_, ms in steps) <= 1.05 * run["slack"], name
+        assert run["slack"] == pytest.approx(runs["none"]["slack"])
+        assert run["tokens_per_ms"] == pytest.approx(runs["none"]["tokens_per_ms"], rel=0.05)
 
 
 def test_derived_tpot_target_follows_the_lone_decode_steps_measured():

@@ -1,0 +1,584 @@
+#!/usr/bin/env python
+"""A bulk job through the stack against the offline engine on the same lines (issue 53).
+
+For each size in `--lines` the same summarization lines (the stdlib documents of
+`bench_offline.sample_documents`, chat-templated, `--max-tokens` forced output tokens with
+`ignore_eos`) run:
+
+1. **offline**: the offline `LLM` (`llm.chat`, greedy) in a process of its own, with the engine
+   options `laneserve up` gives a worker on this machine (`--offline-defaults`: the `LLM`'s own
+   defaults instead);
+2. **alone**: a fresh stack (`laneserve up`, defaults), the lines as an OpenAI batch file through
+   `POST /v1/files` + `POST /v1/batches`, nothing else running;
+3. **after_chat**: a fresh stack that answered one one-token chat ("Hi", `max_tokens` 1, as a
+   health check or a greeting would) before the same job;
+4. **beside_chats** (`--interactive-rate R`): a fresh stack that first answers `--chats` chats
+   idle (their idle TTFT/TPOT), then runs the job while the same chats arrive at `R` per second
+   (Poisson; a third one-token answers to "Hi", a third short prompts, a third of 200-400 words,
+   32 forced tokens). Reported: the chats' TTFT P99 and TPOT P99 against the idle ones (P99 over
+   idle P99: the same mix of prompt sizes on both sides; and over idle P50, and per class), and
+   the job's rate against its ceiling beside them: the rate alone x (1 - the chats' own machine
+   time per second), where a chat's machine time is its idle engine time (prefill + decode, from
+   the idle phase, by class) -- the work the worker must spend on them whatever the scheduling;
+5. **offline_at_step**: the offline engine again with `max_num_batched_tokens` set to the median
+   token budget of the alone phase's batch-only steps: what the engine itself does at the step
+   size the TTFT slack allows (the stack's loss beyond that is the path's, not the bound's).
+
+A job's rate is its lines' completion tokens over the job's own span (first line dispatched ->
+last result written, from the `requests` rows), and also over in_progress -> completed. The
+per-stage time of a line (medians, ms): runner queue (job in progress -> the line's dispatch),
+queue (dispatch -> first scheduled: broker + engine queue), prefill, decode, and write-back (the
+rest of e2e). Each worker writes a step trace (`LANESERVE_STEP_TRACE`); its batch-only steps'
+budgets and rows are summarised (`steps`). `--rounds N` repeats everything N times on fresh
+stacks and reports medians. Prints one JSON object on stdout (progress on stderr).
+
+    python scripts/bench_bulk.py --lines 256 --rounds 3
+    python scripts/bench_bulk.py --lines 256 --interactive-rate 0.5 --phases offline,beside_chats
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_offline import sample_documents  # noqa: E402
+from bench_serving import (  # noqa: E402
+    add_stack_args,
+    bench_stack,
+    log,
+    machine,
+    model_path,
+    pct,
+)
+
+PHASES = ("offline", "alone", "after_chat", "beside_chats", "offline_at_step")
+SUMMARY_PROMPT = "Summarize in two sentences:\n\n{doc}"
+
+# The offline engine in a process of its own: the lines' messages -> tok/s.
+_OFFLINE = r"""
+import json, sys, time
+spec = json.loads(sys.stdin.read())
+from gpu_worker.openmp import apply_openmp_policy
+apply_openmp_policy(exclusive=True)
+from gpu_worker import LLM, SamplingParams
+opts = spec["options"]
+llm = LLM(model=spec["model"], dtype=spec["dtype"], **opts)
+params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
+llm.chat(spec["conversations"][:8], params)  # warm-up (first-call costs)
+llm.engine.block_manager.reset_prefix_cache()
+t0 = time.perf_counter()
+outs = llm.chat(spec["conversations"], params)
+wall = time.perf_counter() - t0
+tokens = sum(len(o.token_ids) for o in outs)
+print(json.dumps({"seconds": round(wall, 3), "completion_tokens": tokens,
+                  "tok_s": round(tokens / wall, 1), "options": opts}))
+"""
+
+
+def conversations(n: int) -> list[list[dict[str, str]]]:
+    return [
+        [{"role": "user", "content": SUMMARY_PROMPT.format(doc=doc)}] for doc in sample_documents(n)
+    ]
+
+
+def batch_file(convs: list, model: str, max_tokens: int) -> bytes:
+    lines = []
+    for i, messages in enumerate(convs):
+        body = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        lines.append(
+            json.dumps(
+                {
+                    "custom_id": f"l{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": body,
+                }
+            )
+        )
+    return ("\n".join(lines) + "\n").encode()
+
+
+def worker_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options a `laneserve up` worker gets here (or the `LLM`'s own defaults)."""
+    if args.offline_defaults:
+        return {}
+    from gpu_worker.config import lane_profile
+
+    profile = lane_profile(("interactive", "batch"), on_gpu=False, slo_control=True)
+    return {
+        "max_num_seqs": args.max_num_seqs or profile.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens or profile.max_num_batched_tokens,
+    }
+
+
+def run_offline(args: argparse.Namespace, convs: list, budget: int | None = None) -> dict:
+    options = worker_options(args)
+    if budget:
+        options["max_num_batched_tokens"] = budget
+    spec = {
+        "model": model_path(args.model),
+        "dtype": args.dtype,
+        "max_tokens": args.max_tokens,
+        "conversations": convs,
+        "options": options,
+    }
+    repo = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", _OFFLINE], input=json.dumps(spec),
+        capture_output=True, text=True, env=env, cwd=tempfile.gettempdir(), timeout=3600,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- the stack
+
+
+def api_call(client, method: str, path: str, **kw) -> dict[str, Any]:
+    r = client.request(method, path, **kw)
+    r.raise_for_status()
+    return r.json()
+
+
+def one_token_chat(api_url: str, model: str) -> None:
+    import httpx
+
+    with httpx.Client(base_url=api_url, timeout=120) as c:
+        body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        api_call(c, "POST", "/v1/chat/completions", json=body)
+
+
+def run_job(info: dict[str, Any], data: bytes, model: str) -> dict[str, Any]:
+    """Submit `data` as a batch through the API and wait for it; the batch object and wall s."""
+    import httpx
+
+    with httpx.Client(base_url=info["api_url"], timeout=120) as c:
+        f = api_call(c, "POST", "/v1/files", files={"file": ("bulk.jsonl", data)},
+                     data={"purpose": "batch"})  # fmt: skip
+        t0 = time.time()
+        b = api_call(c, "POST", "/v1/batches", json={
+            "input_file_id": f["id"], "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        })  # fmt: skip
+        while b["status"] not in ("completed", "failed", "cancelled", "expired"):
+            time.sleep(0.25)
+            b = api_call(c, "GET", f"/v1/batches/{b['id']}")
+        return {"batch": b, "wall_s": time.time() - t0}
+
+
+def job_figures(db_url: str, batch: dict[str, Any]) -> dict[str, Any]:
+    """The job's rate and per-stage times of its lines from SQL."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(db_url)
+    deadline = time.monotonic() + 15.0  # the recorder commits within about a second
+    while time.monotonic() < deadline:
+        with engine.connect() as c:
+            n = c.execute(
+                text(
+                    "SELECT count(*) FROM requests WHERE job_id = :id AND finished_at IS NOT NULL"
+                ),
+                {"id": batch["id"]},
+            ).scalar()
+        if n >= batch["request_counts"]["completed"]:
+            break
+        time.sleep(0.5)
+    with engine.connect() as c:
+        job = c.execute(
+            text("SELECT in_progress_at, completed_at FROM jobs WHERE id = :id"),
+            {"id": batch["id"]},
+        ).one()
+        rows = c.execute(
+            text(
+                "SELECT arrival_at, finished_at, completion_tokens, queue_ms, prefill_ms, "
+                "decode_ms, e2e_ms FROM requests WHERE job_id = :id"
+            ),
+            {"id": batch["id"]},
+        ).all()
+    engine.dispose()
+    done = [r for r in rows if r.completion_tokens and r.arrival_at and r.finished_at]
+    tokens = sum(r.completion_tokens for r in done)
+    first = min(r.arrival_at for r in done)
+    last = max(r.finished_at for r in done)
+    span = max(last - first, 1e-6)
+    job_s = max((job.completed_at or last) - (job.in_progress_at or first), 1e-6)
+
+    def med(values: list[float | None]) -> float | None:
+        vals = [v for v in values if v is not None]
+        return round(statistics.median(vals), 1) if vals else None
+
+    stages = {
+        "runner_queue_ms": med([(r.arrival_at - job.in_progress_at) * 1e3 for r in done]),
+        "queue_ms": med([r.queue_ms for r in done]),
+        "prefill_ms": med([r.prefill_ms for r in done]),
+        "decode_ms": med([r.decode_ms for r in done]),
+        "write_back_ms": med(
+            [
+                r.e2e_ms - (r.queue_ms or 0) - (r.prefill_ms or 0) - (r.decode_ms or 0)
+                for r in done
+                if r.e2e_ms is not None
+            ]
+        ),  # fmt: skip
+    }
+    return {
+        "lines_completed": len(done),
+        "completion_tokens": tokens,
+        "tok_s": round(tokens / span, 1),
+        "tok_s_in_progress_to_completed": round(tokens / job_s, 1),
+        "span_s": round(span, 2),
+        "stages_median": stages,
+    }
+
+
+def step_summary(trace: Path) -> dict[str, Any]:
+    """Batch-only steps of the worker's step trace: budgets, rows, measured ms (medians, P10)."""
+    steps = []
+    try:
+        for line in trace.read_text().splitlines():
+            rec = json.loads(line)
+            view = rec.get("view") or {}
+            if view.get("interactive_running") or view.get("interactive_waiting_tokens"):
+                continue
+            if not view.get("batch_running"):
+                continue
+            steps.append(rec)
+    except OSError:
+        return {}
+    if not steps:
+        return {"batch_only_steps": 0}
+    budgets = [s["plan"]["token_budget"] for s in steps]
+    running = [s["view"]["batch_running"] for s in steps]
+    tokens = [s["features"]["tokens"] for s in steps]
+    below = sum(1 for b, r in zip(budgets, running, strict=True) if b < r)
+    return {
+        "batch_only_steps": len(steps),
+        "budget_p10": pct(budgets, 10),
+        "budget_p50": pct(budgets, 50),
+        "running_p50": pct(running, 50),
+        "tokens_p50": pct(tokens, 50),
+        "measured_ms_p50": pct([s["measured_ms"] for s in steps], 50),
+        "steps_with_budget_below_running": below,
+    }
+
+
+# ----------------------------------------------------------------------------- chats
+
+
+def chat_prompt(rng: random.Random, words: int) -> str:
+    vocab = "the of and to in is was for on that with as by at from it an be this are".split()
+    return " ".join(rng.choice(vocab) for _ in range(words))
+
+
+def chat_plan(rng: random.Random, n: int) -> list[tuple[str, int, str]]:
+    """n chats: (class, max_tokens, text): tiny one-token ones, short and long prompts."""
+    out = []
+    for i in range(n):
+        kind = ("tiny", "short", "long")[i % 3]
+        if kind == "tiny":
+            out.append((kind, 1, "Hi"))
+        elif kind == "short":
+            out.append((kind, 32, chat_prompt(rng, rng.randint(8, 64))))
+        else:
+            out.append((kind, 32, chat_prompt(rng, rng.randint(200, 400))))
+    return out
+
+
+async def stream_chat(client, model: str, text: str, max_tokens: int) -> dict[str, Any]:
+    body = {
+        "model": model, "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    t0 = time.perf_counter()
+    first = None
+    tokens = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for ch in chunk.get("choices", []):
+                if ch.get("delta", {}).get("content") and first is None:
+                    first = time.perf_counter()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    first = first or end
+    tpot = (end - first) / (tokens - 1) * 1e3 if tokens >= 2 else None
+    return {"ttft_ms": (first - t0) * 1e3, "tpot_ms": tpot, "tokens": tokens}
+
+
+async def chats_at_rate(api_url: str, model: str, plan, rate: float, stop: asyncio.Event, rng):
+    """Send `plan`'s chats in a loop at Poisson `rate` until `stop`; their results by class."""
+    import httpx
+
+    results: list[tuple[str, dict]] = []
+    tasks = []
+    async with httpx.AsyncClient(base_url=api_url, timeout=300) as client:
+        i = 0
+        while not stop.is_set():
+            kind, mt, text = plan[i % len(plan)]
+            i += 1
+
+            async def one(kind=kind, mt=mt, text=text):
+                results.append((kind, await stream_chat(client, model, text, mt)))
+
+            tasks.append(asyncio.create_task(one()))
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=rng.expovariate(rate))
+            except TimeoutError:
+                pass
+        await asyncio.gather(*tasks)
+    return results
+
+
+async def chats_idle(api_url: str, model: str, plan) -> list[tuple[str, dict]]:
+    import httpx
+
+    out = []
+    async with httpx.AsyncClient(base_url=api_url, timeout=300) as client:
+        for kind, mt, text in plan:
+            out.append((kind, await stream_chat(client, model, text, mt)))
+    return out
+
+
+def chat_machine_ms(db_url: str, since: float) -> dict[str, float]:
+    """Median idle engine time (prefill + decode, ms) of the interactive requests since `since`
+    by prompt class (told apart by completion tokens and prompt size)."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(db_url)
+    with engine.connect() as c:
+        rows = c.execute(
+            text(
+                "SELECT prompt_tokens, completion_tokens, prefill_ms, decode_ms FROM requests "
+                "WHERE lane = 'interactive' AND arrival_at >= :t"
+            ),
+            {"t": since},
+        ).all()
+    engine.dispose()
+    by: dict[str, list[float]] = {}
+    for r in rows:
+        kind = (
+            "tiny" if r.completion_tokens == 1 else ("long" if r.prompt_tokens > 150 else "short")
+        )
+        by.setdefault(kind, []).append((r.prefill_ms or 0) + (r.decode_ms or 0))
+    return {k: statistics.median(v) for k, v in by.items()}
+
+
+def beside_chats(args, info, data: bytes, model: str, alone_tok_s: float | None) -> dict:
+    rng = random.Random(7)
+    plan = chat_plan(rng, args.chats)
+    t_idle = time.time()
+    idle = asyncio.run(chats_idle(info["api_url"], model, plan))
+    time.sleep(1.5)  # the recorder commits within about a second
+    machine_ms = chat_machine_ms(info["db_url"], t_idle)
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    chat_task = loop.create_task(
+        chats_at_rate(info["api_url"], model, plan, args.interactive_rate, stop, rng)
+    )
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def job() -> None:
+        box.update(run_job(info, data, model))
+        loop.call_soon_threadsafe(stop.set)
+
+    th = threading.Thread(target=job)
+    th.start()
+    loop_results = loop.run_until_complete(chat_task)
+    th.join()
+    loop.close()
+    figures = job_figures(info["db_url"], box["batch"])
+    idle_ttft = [r["ttft_ms"] for _, r in idle]
+    idle_tpot = [r["tpot_ms"] for _, r in idle if r["tpot_ms"] is not None]
+    load_ttft = [r["ttft_ms"] for _, r in loop_results]
+    load_tpot = [r["tpot_ms"] for _, r in loop_results if r["tpot_ms"] is not None]
+    # the chats' own machine time per second of the job
+    busy_ms = sum(machine_ms.get(k, 0.0) for k, _ in loop_results)
+    busy_frac = busy_ms / 1e3 / max(figures["span_s"], 1e-6)
+    ceiling = alone_tok_s * max(0.0, 1 - busy_frac) if alone_tok_s else None
+    by_class = {}
+    for kind in ("tiny", "short", "long"):
+        i_t = [r["ttft_ms"] for k, r in idle if k == kind]
+        l_t = [r["ttft_ms"] for k, r in loop_results if k == kind]
+        by_class[kind] = {"idle_ttft_p50_ms": pct(i_t, 50), "ttft_p99_ms": pct(l_t, 99),
+                          "chats": len(l_t)}  # fmt: skip
+    return {
+        **figures,
+        "chats": len(loop_results),
+        "chat_errors": sum(1 for _, r in loop_results if "error" in r),
+        "idle_ttft_p99_ms": pct(idle_ttft, 99),
+        "idle_tpot_p99_ms": pct(idle_tpot, 99),
+        "ttft_p99_over_idle_p99": _ratio(pct(load_ttft, 99), pct(idle_ttft, 99)),
+        "tpot_p99_over_idle_p99": _ratio(pct(load_tpot, 99), pct(idle_tpot, 99)),
+        "ttft_by_class": by_class,
+        "idle_ttft_p50_ms": pct(idle_ttft, 50),
+        "idle_tpot_p50_ms": pct(idle_tpot, 50),
+        "ttft_p99_ms": pct(load_ttft, 99),
+        "tpot_p99_ms": pct(load_tpot, 99),
+        "ttft_p99_over_idle_p50": _ratio(pct(load_ttft, 99), pct(idle_ttft, 50)),
+        "tpot_p99_over_idle_p50": _ratio(pct(load_tpot, 99), pct(idle_tpot, 50)),
+        "chat_machine_ms_by_class": {k: round(v, 1) for k, v in machine_ms.items()},
+        "chats_busy_fraction": round(busy_frac, 3),
+        "ceiling_tok_s": round(ceiling, 1) if ceiling else None,
+        "tok_s_over_ceiling": _ratio(figures["tok_s"], ceiling),
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def stack_phase(args, phase: str, convs: list, alone_tok_s: float | None) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="lsbulk") as tmp:
+        trace = Path(tmp) / "steps.jsonl"
+        if args.keep_traces:
+            args.keep_traces.mkdir(parents=True, exist_ok=True)
+            trace = args.keep_traces / f"{phase}-{time.strftime('%H%M%S')}.jsonl"
+        os.environ["LANESERVE_STEP_TRACE"] = str(trace)
+        try:
+            with bench_stack(args) as info:
+                model = served_model(info["api_url"])
+                data = batch_file(convs, model, args.max_tokens)
+                if phase == "after_chat":
+                    one_token_chat(info["api_url"], model)
+                if phase == "beside_chats":
+                    out = beside_chats(args, info, data, model, alone_tok_s)
+                else:
+                    before = cpu_seconds(info)
+                    job = run_job(info, data, model)
+                    out = job_figures(info["db_url"], job["batch"])
+                    out["client_wall_s"] = round(job["wall_s"], 2)
+                    out["cpu_s_by_process"] = cpu_delta(before, cpu_seconds(info))
+        finally:
+            os.environ.pop("LANESERVE_STEP_TRACE", None)
+        out["steps"] = step_summary(trace)
+        return out
+
+
+def cpu_seconds(info: dict[str, Any]) -> dict[str, float]:
+    """CPU seconds (user + system, children included) of each process of the stack."""
+    import psutil
+
+    out = {}
+    for name, pid in (info.get("children") or {}).items():
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        out[name] = t.user + t.system
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(after[k] - before.get(k, 0.0), 1) for k in after}
+
+
+def served_model(api_url: str) -> str:
+    import httpx
+
+    return httpx.get(f"{api_url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_stack_args(ap)
+    ap.add_argument("--lines", default="256", help="comma-separated job sizes")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--phases", default="offline,alone,after_chat")
+    ap.add_argument("--interactive-rate", type=float, default=None,
+                    help="chats per second beside the job (adds the beside_chats phase)")  # fmt: skip
+    ap.add_argument("--chats", type=int, default=12, help="distinct chats of beside_chats")
+    ap.add_argument("--offline-defaults", action="store_true",
+                    help="the offline LLM with its own defaults, not the worker's options")  # fmt: skip
+    ap.add_argument("--keep-traces", type=Path, default=None,
+                    help="keep each stack's step trace in this folder")  # fmt: skip
+    args = ap.parse_args()
+    phases = [p for p in args.phases.split(",") if p]
+    if args.interactive_rate and "beside_chats" not in phases:
+        phases.append("beside_chats")
+    bad = set(phases) - set(PHASES)
+    if bad:
+        ap.error(f"unknown phases {sorted(bad)}; choose from {PHASES}")
+    report: dict[str, Any] = {"machine": machine(), "model": args.model, "dtype": args.dtype,
+                              "max_tokens": args.max_tokens, "sizes": {}}  # fmt: skip
+    for n in [int(x) for x in args.lines.split(",")]:
+        convs = conversations(n)
+        rounds: list[dict[str, Any]] = []
+        for k in range(args.rounds):
+            got: dict[str, Any] = {}
+            for phase in phases:
+                log(f"{n} lines, round {k + 1}/{args.rounds}: {phase}")
+                if phase == "offline":
+                    got[phase] = run_offline(args, convs)
+                elif phase == "offline_at_step":
+                    budget = ((got.get("alone") or {}).get("steps") or {}).get("budget_p50")
+                    if budget is None:
+                        got[phase] = {"skipped": "needs the alone phase before it"}
+                    else:
+                        got[phase] = run_offline(args, convs, int(budget))
+                else:
+                    alone = (got.get("alone") or {}).get("tok_s")
+                    got[phase] = stack_phase(args, phase, convs, alone)
+                log(f"  {phase}: {json.dumps(got[phase])}")
+            rounds.append(got)
+        report["sizes"][str(n)] = summarize(rounds, phases)
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+def summarize(rounds: list[dict[str, Any]], phases: list[str]) -> dict[str, Any]:
+    def med(phase: str, key: str) -> float | None:
+        vals = [r[phase].get(key) for r in rounds if phase in r and r[phase].get(key) is not None]
+        return round(statistics.median(vals), 3) if vals else None
+
+    out: dict[str, Any] = {"rounds": rounds}
+    offline = med("offline", "tok_s")
+    for phase in phases:
+        if phase == "offline":
+            out["offline_tok_s_median"] = offline
+            continue
+        if phase == "offline_at_step":
+            out["offline_at_step_tok_s_median"] = med(phase, "tok_s")
+            out["alone_over_offline_at_step_median"] = _ratio(med("alone", "tok_s"),
+                                                              med(phase, "tok_s"))  # fmt: skip
+            continue
+        out[f"{phase}_tok_s_median"] = med(phase, "tok_s")
+        out[f"{phase}_over_offline_median"] = _ratio(med(phase, "tok_s"), offline)
+    if "beside_chats" in phases:
+        for key in ("ttft_p99_over_idle_p99", "tpot_p99_over_idle_p99", "ttft_p99_over_idle_p50",
+                    "tpot_p99_over_idle_p50", "tok_s_over_ceiling"):  # fmt: skip
+            out[f"beside_chats_{key}_median"] = med("beside_chats", key)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""A bulk job after a one-token chat keeps its steps sized for throughput (issue 53), through
+`scripts/bench_bulk.py` on real stacks with the bundled model (slow).
+
+The property read from the worker's step trace, not a timing: once the chat is answered, every
+step with no interactive request running or waiting is a batch-alone plan whose token budget is
+at least the batch rows running (a running mean of prompt lengths once cut them to 1-4 tokens
+beside 64 running rows after one "Hi")."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.harness import run_script
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_one_token_chat_leaves_the_jobs_steps_sized_for_throughput(model_home, tmp_path):
+    traces = tmp_path / "traces"
+    proc = run_script(
+        "bench_bulk",
+        model_home,
+        "--lines", "40",
+        "--max-tokens", "8",
+        "--phases", "offline,after_chat,beside_chats",
+        "--interactive-rate", "2",
+        "--chats", "3",
+        "--keep-traces", str(traces),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["machine"]["simd_flags"] is not None
+    size = report["sizes"]["40"]
+    got = size["rounds"][0]
+    for phase in ("after_chat", "beside_chats"):
+        assert got[phase]["lines_completed"] == 40, got[phase]
+        assert got[phase]["completion_tokens"] == 40 * 8
+        assert got[phase]["tok_s"] > 0
+    assert got["offline"]["completion_tokens"] == 40 * 8
+    assert size["after_chat_over_offline_median"] > 0
+    assert got["after_chat"]["steps"]["steps_with_budget_below_running"] == 0
+    beside = got["beside_chats"]
+    assert beside["chats"] >= 1 and beside["chat_errors"] == 0
+    assert beside["ttft_p99_over_idle_p99"] > 0
+
+    (trace,) = traces.glob("after_chat-*.jsonl")
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    chat = [s for s in steps if s["plan"]["reason"] == "prompt"]
+    assert len(chat) == 1  # the chat's one prefill step (its one token ends it)
+    alone = [
+        s
+        for s in steps
+        if s["t"] > chat[0]["t"]
+        and not s["view"]["interactive_running"]
+        and not s["view"]["interactive_waiting_tokens"]
+        and s["view"]["batch_running"]
+    ]
+    assert len(alone) >= 10  # the job ran after the chat, in steps of its own
+    for s in alone:
+        assert s["plan"]["reason"].startswith("batch-alone"), s
+        assert s["plan"]["token_budget"] >= s["view"]["batch_running"], s
+        assert s["robust_prompt"] >= 256, s
+    budgets = sorted(s["plan"]["token_budget"] for s in alone)
+    assert budgets[len(budgets) // 2] >= 32  # prefill chunks of real size, not 1-4 tokens
