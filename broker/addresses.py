@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from contracts.env import laneserve_home
+from laneserve.contracts.env import laneserve_home
 
 MAX_IPC_PATH = 100
 

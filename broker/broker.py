@@ -44,16 +44,16 @@ from typing import Any
 
 import zmq
 
-from broker import protocol as p
-from broker.config import BrokerConfig
-from broker.curve import curve_server
-from broker.dispatch import Dispatcher
-from broker.protocol.sockets import bind_router
-from broker.records import ENGINE_COUNTS, RecordLink
-from broker.requests import RequestState, outcome, timings, usage
-from broker.worker_side import WorkerSide
-from broker.workers import WorkerRegistry, WorkerState
-from contracts.procs import parent_gone
+from laneserve.broker import protocol as p
+from laneserve.broker.config import BrokerConfig
+from laneserve.broker.curve import curve_server
+from laneserve.broker.dispatch import Dispatcher
+from laneserve.broker.protocol.sockets import bind_router
+from laneserve.broker.records import ENGINE_COUNTS, RecordLink
+from laneserve.broker.requests import RequestState, outcome, timings, usage
+from laneserve.broker.worker_side import WorkerSide
+from laneserve.broker.workers import WorkerRegistry, WorkerState
+from laneserve.contracts.procs import parent_gone
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +64,9 @@ class Broker(WorkerSide):
     """The broker event loop. ``run()`` blocks until ``stop()`` (thread-safe flag) is called.
 
     Public state for tests and status: ``counters`` (dict of ints), ``workers``, ``requests``.
-    The parts it composes: :class:`~broker.workers.WorkerRegistry` (workers, liveness),
-    :class:`~broker.dispatch.Dispatcher` (queues, credits, solo reservations) and
-    :class:`~broker.records.RecordLink` (the recorder link, None without a recorder).
+    The parts it composes: :class:`~laneserve.broker.workers.WorkerRegistry` (workers, liveness),
+    :class:`~laneserve.broker.dispatch.Dispatcher` (queues, credits, solo reservations) and
+    :class:`~laneserve.broker.records.RecordLink` (the recorder link, None without a recorder).
     """
 
     def __init__(self, config: BrokerConfig, ctx: zmq.Context | None = None) -> None:

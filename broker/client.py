@@ -8,13 +8,13 @@ Usage::
             if isinstance(msg, Delta): print(msg.text, end="")
             else: print(msg)            # the last item: a Final or an Error
 
-``submit`` returns an async iterator of :class:`~broker.protocol.Delta` messages ending with one
-:class:`~broker.protocol.Final` or :class:`~broker.protocol.Error`; errors are yielded, not
+``submit`` returns an async iterator of :class:`~laneserve.broker.protocol.Delta` messages ending with one
+:class:`~laneserve.broker.protocol.Final` or :class:`~laneserve.broker.protocol.Error`; errors are yielded, not
 raised, so a caller sees the broker's code (``overloaded``, ``worker_lost``, ...). Leaving the
 iteration early (``break``, task cancellation, ``aclose()``) sends an ``abort``.
 
 Broker restarts (DESIGN.md "Scale beyond one machine"): the connection and reconnect machinery is
-:mod:`broker.client_conn`; requests in flight survive a broker restart as described there.
+:mod:`laneserve.broker.client_conn`; requests in flight survive a broker restart as described there.
 
 A caller that shows nothing before the end (the gateway for a non-streaming HTTP response, which
 streams from the broker only to time tokens at the edge) submits with ``restartable=True``: such
@@ -36,8 +36,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from broker import protocol as p
-from broker.client_conn import Conn, Connections
+from laneserve.broker import protocol as p
+from laneserve.broker.client_conn import Conn, Connections
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from broker import protocol as p
+from laneserve.broker import protocol as p
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Conn:
 
 
 class Connections:
-    """The connection half of :class:`broker.client.BrokerClient` (a mixin): opening, watching,
+    """The connection half of :class:`laneserve.broker.client.BrokerClient` (a mixin): opening, watching,
     reading, leaving and replacing the connection, the ``hello`` heartbeat and liveness.
 
     The host class provides ``ctx``, ``address``, ``heartbeat_interval_s``, ``liveness_s``,

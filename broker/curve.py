@@ -37,7 +37,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from contracts import env
+from laneserve.contracts import env
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ class CurveServer:
     ) -> None:
         self.public, self.secret = load_secret(server_secret_file)
         self.allow = AllowList(allow_dir)
-        self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("broker.curve.zap"))
+        self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("laneserve.broker.curve.zap"))
         self.auth.start()
         self.auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self.allow)
 
@@ -253,7 +253,7 @@ def curve_server(
     socket ``back`` would listen beyond loopback without CURVE (remote workers must use
     CurveZMQ, DESIGN.md "Wire protocol"); :class:`CurveKeyError` on bad key files.
     """
-    from broker.addresses import is_local_endpoint
+    from laneserve.broker.addresses import is_local_endpoint
 
     if bool(server_key) != bool(allow):
         raise ValueError("CURVE needs both a server key (--curve-server-key) and --curve-allow")

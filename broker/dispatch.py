@@ -21,12 +21,12 @@ import bisect
 import collections
 from typing import TYPE_CHECKING
 
-from broker import protocol as p
-from broker.requests import RequestState
-from broker.workers import WorkerState
+from laneserve.broker import protocol as p
+from laneserve.broker.requests import RequestState
+from laneserve.broker.workers import WorkerState
 
 if TYPE_CHECKING:
-    from broker.config import BrokerConfig
+    from laneserve.broker.config import BrokerConfig
 
 LANE_NAMES = ("interactive", "batch")
 

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from broker import protocol as p
-from broker.requests import RequestState
-from broker.workers import WorkerState
-from contracts.latency import TIMING_FIELDS
+from laneserve.broker import protocol as p
+from laneserve.broker.requests import RequestState
+from laneserve.broker.workers import WorkerState
+from laneserve.contracts.latency import TIMING_FIELDS
 
 if TYPE_CHECKING:
-    from broker.config import BrokerConfig
+    from laneserve.broker.config import BrokerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A request's life at the broker: its state, and what it ends with (final or error, timings).
 
-Latency fields follow :mod:`contracts.latency`: the broker composes them from the edge's hold
+Latency fields follow :mod:`laneserve.contracts.latency`: the broker composes them from the edge's hold
 time (``Submit.edge_ms``, the edge's clock), its own monotonic intervals and the engine's delays
 (the engine metrics dict, docs/interfaces.md "Engine metrics dict").
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker import protocol as p
-from contracts import latency
+from laneserve.broker import protocol as p
+from laneserve.contracts import latency
 
 
 @dataclass(slots=True)

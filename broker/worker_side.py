@@ -1,4 +1,4 @@
-"""The broker's worker side (a mixin of :class:`broker.broker.Broker`): messages from workers
+"""The broker's worker side (a mixin of :class:`laneserve.broker.broker.Broker`): messages from workers
 on the back socket -- ``ready`` (register; a restarted worker's old requests are lost),
 ``step_outputs`` (stream deltas or accumulate text, finish requests, free credits), errors, and
 worker loss (requeue at the head of the lane, or a final ``worker_lost``; see broker/broker.py).
@@ -10,18 +10,18 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from broker import protocol as p
-from broker.protocol.front import encode_delta
+from laneserve.broker import protocol as p
+from laneserve.broker.protocol.front import encode_delta
 
 if TYPE_CHECKING:
-    from broker.requests import RequestState
-    from broker.workers import WorkerState
+    from laneserve.broker.requests import RequestState
+    from laneserve.broker.workers import WorkerState
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerSide:
-    """Handlers of worker messages. The host (:class:`~broker.broker.Broker`) provides
+    """Handlers of worker messages. The host (:class:`~laneserve.broker.broker.Broker`) provides
     ``config``, ``counters``, ``registry``, ``workers``, ``requests``, ``dispatcher``, ``back``
     and ``_send``, ``_send_client``, ``_heartbeat_frames``, ``_dispatch``, ``_finish``."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from broker import protocol as p
+from laneserve.broker import protocol as p
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Code reads the environment only through :func:`get` (or :func:`laneserve_home`),
 
 Usage::
 
-    from contracts import env
+    from laneserve.contracts import env
     url = env.get("LANESERVE_DB_URL")          # None when unset
     home = env.laneserve_home()                 # Path, ~ expanded
 """
@@ -67,48 +67,116 @@ _VARS: tuple[EnvVar, ...] = (
         "LANESERVE_API_KEY", _str, None, "the user API key the gateway requires and clients send"
     ),
     EnvVar("LANESERVE_URL", _str, None, "base URL of a (remote) stack's HTTP API for the CLI"),
-    EnvVar("LANESERVE_RETENTION_DAYS", float, None,
-           "age in days after which API request rows and snapshots (recorder), job files and "
-           "job line bodies (jobs runner) are pruned; 0 keeps all (default 30)"),
-    EnvVar("LANESERVE_ATTENTION_BACKEND", lambda s: s.strip().lower() or None, None,
-           "torch or triton for every kernels op (default: by device)"),
-    EnvVar("LANESERVE_MALLOC_TUNING", _flag, True,
-           "0 leaves glibc malloc's defaults; otherwise CPU workers keep freed activations"),
-    EnvVar("LANESERVE_CPU_KERNELS", _flag, True,
-           "build and use the C++ CPU kernels (kernels/cpu_ext.py); 0 = the PyTorch path only"),
-    EnvVar("LANESERVE_AMX", _flag, True,
-           "0 keeps bf16 linears off the AMX matmuls (kernels/cpu_ext_amx.py) on a CPU that has "
-           "AMX-BF16: torch's int4 kernel, the GEMVs and the dense copy as elsewhere"),
-    EnvVar("LANESERVE_STEP_COST_CACHE", _flag, True,
-           "0 measures a worker's start-up step-cost profile on every start instead of reusing "
-           "the one cached for this machine, model and options"),
-    EnvVar("LANESERVE_STEP_TRACE", _path, None,
-           "worker: append one JSON line per measured engine step (what the SLO controller saw, "
-           "planned, predicted and measured) to this file"),
-    EnvVar("LANESERVE_CPU_SINGLE_THREAD_TOKENS", int, None,
-           "CPU steps of at most this many tokens run on one torch thread"),
-    EnvVar("LANESERVE_PEERS_DIR", _path, None,
-           "benchmark peers' venvs (scripts/setup_peers.sh; default ~/.cache/laneserve-peers)"),
-    EnvVar("LANESERVE_CHROMIUM", _str, None, "path of the headless Chromium for browser tests",
-           test_only=True),
-    EnvVar("LANESERVE_DASHBOARD_SCREENSHOT", _path, None,
-           "folder the dashboard browser tests keep their screenshots in (default: pytest's tmp)",
-           test_only=True),
-    EnvVar("LANESERVE_TEST_PG_URL", _str, None, "PostgreSQL URL for the postgres tests",
-           test_only=True),
-    EnvVar("LANESERVE_REQUIRE_ALL", _flag, False,
-           "tests that would skip for a missing service fail instead (CI)", test_only=True),
-    EnvVar("LANESERVE_HYPOTHESIS_EXAMPLES", int, None,
-           "examples per property test, random instead of the fixed CI set (default: CI budget)",
-           test_only=True),
-    EnvVar("LANESERVE_FAULT_STEP", _str, None,
-           "worker: an engine step holding a prompt with this text raises in the model call",
-           test_only=True),
-    EnvVar("LANESERVE_FAULT_CRASH", _str, None,
-           "worker: a request whose prompt has this text makes the worker exit", test_only=True),
-    EnvVar("LANESERVE_FAULT_SLOWDOWN", float, None,
-           "worker: every model call takes this many times as long (SLO adaptation benchmark)",
-           test_only=True),
+    EnvVar(
+        "LANESERVE_RETENTION_DAYS",
+        float,
+        None,
+        "age in days after which API request rows and snapshots (recorder), job files and "
+        "job line bodies (jobs runner) are pruned; 0 keeps all (default 30)",
+    ),
+    EnvVar(
+        "LANESERVE_ATTENTION_BACKEND",
+        lambda s: s.strip().lower() or None,
+        None,
+        "torch or triton for every kernels op (default: by device)",
+    ),
+    EnvVar(
+        "LANESERVE_MALLOC_TUNING",
+        _flag,
+        True,
+        "0 leaves glibc malloc's defaults; otherwise CPU workers keep freed activations",
+    ),
+    EnvVar(
+        "LANESERVE_CPU_KERNELS",
+        _flag,
+        True,
+        "build and use the C++ CPU kernels (kernels/cpu_ext.py); 0 = the PyTorch path only",
+    ),
+    EnvVar(
+        "LANESERVE_AMX",
+        _flag,
+        True,
+        "0 keeps bf16 linears off the AMX matmuls (kernels/cpu_ext_amx.py) on a CPU that has "
+        "AMX-BF16: torch's int4 kernel, the GEMVs and the dense copy as elsewhere",
+    ),
+    EnvVar(
+        "LANESERVE_STEP_COST_CACHE",
+        _flag,
+        True,
+        "0 measures a worker's start-up step-cost profile on every start instead of reusing "
+        "the one cached for this machine, model and options",
+    ),
+    EnvVar(
+        "LANESERVE_STEP_TRACE",
+        _path,
+        None,
+        "worker: append one JSON line per measured engine step (what the SLO controller saw, "
+        "planned, predicted and measured) to this file",
+    ),
+    EnvVar(
+        "LANESERVE_CPU_SINGLE_THREAD_TOKENS",
+        int,
+        None,
+        "CPU steps of at most this many tokens run on one torch thread",
+    ),
+    EnvVar(
+        "LANESERVE_PEERS_DIR",
+        _path,
+        None,
+        "benchmark peers' venvs (scripts/setup_peers.sh; default ~/.cache/laneserve-peers)",
+    ),
+    EnvVar(
+        "LANESERVE_CHROMIUM",
+        _str,
+        None,
+        "path of the headless Chromium for browser tests",
+        test_only=True,
+    ),
+    EnvVar(
+        "LANESERVE_DASHBOARD_SCREENSHOT",
+        _path,
+        None,
+        "folder the dashboard browser tests keep their screenshots in (default: pytest's tmp)",
+        test_only=True,
+    ),
+    EnvVar(
+        "LANESERVE_TEST_PG_URL", _str, None, "PostgreSQL URL for the postgres tests", test_only=True
+    ),
+    EnvVar(
+        "LANESERVE_REQUIRE_ALL",
+        _flag,
+        False,
+        "tests that would skip for a missing service fail instead (CI)",
+        test_only=True,
+    ),
+    EnvVar(
+        "LANESERVE_HYPOTHESIS_EXAMPLES",
+        int,
+        None,
+        "examples per property test, random instead of the fixed CI set (default: CI budget)",
+        test_only=True,
+    ),
+    EnvVar(
+        "LANESERVE_FAULT_STEP",
+        _str,
+        None,
+        "worker: an engine step holding a prompt with this text raises in the model call",
+        test_only=True,
+    ),
+    EnvVar(
+        "LANESERVE_FAULT_CRASH",
+        _str,
+        None,
+        "worker: a request whose prompt has this text makes the worker exit",
+        test_only=True,
+    ),
+    EnvVar(
+        "LANESERVE_FAULT_SLOWDOWN",
+        float,
+        None,
+        "worker: every model call takes this many times as long (SLO adaptation benchmark)",
+        test_only=True,
+    ),
     # Not ours, read to decide what laneserve sets (see gpu_worker/openmp.py, kernels/__init__.py)
     EnvVar(
         "OMP_WAIT_POLICY",
@@ -118,8 +186,12 @@ _VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar("GOMP_SPINCOUNT", _str, None, "libgomp spins before sleeping (default here: 3000)"),
     EnvVar("OMP_NUM_THREADS", _str, None, "OpenMP threads (`laneserve up` sets it per worker)"),
-    EnvVar("XDG_CACHE_HOME", _path, None,
-           "user cache root (default ~/.cache): the step-cost cache, torch's extension cache"),
+    EnvVar(
+        "XDG_CACHE_HOME",
+        _path,
+        None,
+        "user cache root (default ~/.cache): the step-cost cache, torch's extension cache",
+    ),
     EnvVar("TRITON_INTERPRET", _flag, False, "Triton runs kernels in its CPU interpreter"),
     EnvVar("CUDA_VISIBLE_DEVICES", _str, None, "CUDA devices a process may use"),
 )

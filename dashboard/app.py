@@ -24,9 +24,9 @@ st.title("laneserve")
 
 from sqlalchemy.exc import DBAPIError  # noqa: E402
 
-from contracts import env  # noqa: E402
-from dashboard import live_rows, panels, panels_job, panels_workers, queries  # noqa: E402
-from db.session import make_engine, resolve_url  # noqa: E402
+from laneserve.contracts import env  # noqa: E402
+from laneserve.dashboard import live_rows, panels, panels_job, panels_workers, queries  # noqa: E402
+from laneserve.db.session import make_engine, resolve_url  # noqa: E402
 
 WINDOWS_S = {"last 15 minutes": 900, "last hour": 3600, "last 6 hours": 21600, "last day": 86400}
 ALL = "all"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pandas as pd
 from sqlalchemy import Engine
 
-from dashboard.query_rows import Window, request_rows
+from laneserve.dashboard.query_rows import Window, request_rows
 
 LAG_S = 30.0  # s: a row committed up to this long after it finished is still read
 FULL_READ_S = 300.0  # s between full re-reads of the window

@@ -14,8 +14,8 @@ import pandas as pd
 import streamlit as st
 from sqlalchemy import Engine
 
-from dashboard import charts, queries
-from dashboard.diagnose import Figures, Finding, Thresholds, diagnose_all
+from laneserve.dashboard import charts, queries
+from laneserve.dashboard.diagnose import Figures, Finding, Thresholds, diagnose_all
 
 RECENT_S = 300.0  # s: the recent window the diagnosis judges (against the rest of the window)
 

@@ -10,7 +10,7 @@ import time
 import streamlit as st
 from sqlalchemy import Engine
 
-from dashboard import charts, queries, query_jobs
+from laneserve.dashboard import charts, queries, query_jobs
 
 
 def _dur(seconds: float | None) -> str:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, queries, query_extras
-from dashboard.panels import Live
+from laneserve.dashboard import charts, queries, query_extras
+from laneserve.dashboard.panels import Live
 
 
 def workers(live: Live) -> None:

@@ -24,8 +24,8 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Engine
 
-from dashboard.query_figures import figures_from_frames, live_figures
-from dashboard.query_rows import (
+from laneserve.dashboard.query_figures import figures_from_frames, live_figures
+from laneserve.dashboard.query_rows import (
     LANES,
     PERCENTILES,
     PHASES,
@@ -41,7 +41,7 @@ from dashboard.query_rows import (
     request_rows,
     worker_rows,
 )
-from dashboard.query_workers import (
+from laneserve.dashboard.query_workers import (
     RetentionSummary,
     job_progress,
     lane_load,

@@ -17,7 +17,7 @@ import re
 import pandas as pd
 from sqlalchemy import Engine, inspect, text
 
-from dashboard.query_rows import Window, _bucket, auto_bucket_s
+from laneserve.dashboard.query_rows import Window, _bucket, auto_bucket_s
 
 # What the SLO panel shows -> a regex over worker_stats column names.
 SLO_PATTERNS: dict[str, str] = {

@@ -10,9 +10,9 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Engine
 
-from dashboard.diagnose import Figures, JobEta
-from dashboard.query_rows import LANES, Window, percentiles, request_rows, worker_rows
-from dashboard.query_workers import ACTIVE_JOB_STATUSES, job_progress
+from laneserve.dashboard.diagnose import Figures, JobEta
+from laneserve.dashboard.query_rows import LANES, Window, percentiles, request_rows, worker_rows
+from laneserve.dashboard.query_workers import ACTIVE_JOB_STATUSES, job_progress
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import pandas as pd
 from sqlalchemy import Engine, select
 
-from db.models import Job, Request
-from jobs.stats import BatchStats, batch_stats
+from laneserve.db.models import Job, Request
+from laneserve.jobs.stats import BatchStats, batch_stats
 
 # Line statuses that carry no error (the rest, once answered, are error lines).
 _OK_STATUSES = ("completed", "pending", "in_progress")

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Engine, and_, or_, select
 
-from db.models import Job, Request, WorkerStat
+from laneserve.db.models import Job, Request, WorkerStat
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import pandas as pd
 from sqlalchemy import Engine, and_, func, or_, select
 
-from dashboard.query_rows import Window, _bucket, auto_bucket_s, worker_rows
-from db.models import File, Job, RetentionPass
+from laneserve.dashboard.query_rows import Window, _bucket, auto_bucket_s, worker_rows
+from laneserve.db.models import File, Job, RetentionPass
 
 logger = logging.getLogger(__name__)
 

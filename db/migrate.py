@@ -22,7 +22,7 @@ from filelock import FileLock
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.engine import URL
 
-from db.session import make_engine, resolve_url, sqlite_path, writer
+from laneserve.db.session import make_engine, resolve_url, sqlite_path, writer
 
 logger = logging.getLogger(__name__)
 # Alembic logs every plugin it sets up (at import) and every migration step at INFO; keep

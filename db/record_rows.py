@@ -14,11 +14,11 @@ import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from contracts.latency import TIMING_FIELDS
-from db.models import REQUEST_COLUMNS, WORKER_STAT_COLUMNS, Request, WorkerStat
+from laneserve.contracts.latency import TIMING_FIELDS
+from laneserve.db.models import REQUEST_COLUMNS, WORKER_STAT_COLUMNS, Request, WorkerStat
 
 if TYPE_CHECKING:
-    from broker.protocol import EdgeTimings, RecordBatch, RequestRecord, WorkerSnapshot
+    from laneserve.broker.protocol import EdgeTimings, RecordBatch, RequestRecord, WorkerSnapshot
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from sqlalchemy import Connection, Engine, and_, delete, or_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
-from db.models import Request, WorkerStat
-from db.record_rows import RecordError, normalize_record, normalize_snapshot
-from db.session import writer
+from laneserve.db.models import Request, WorkerStat
+from laneserve.db.record_rows import RecordError, normalize_record, normalize_snapshot
+from laneserve.db.session import writer
 
 logger = logging.getLogger(__name__)
 

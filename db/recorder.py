@@ -35,9 +35,9 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
-from contracts.procs import parent_gone
-from db.record_rows import batch_rows
-from db.record_writes import prune, write_batch
+from laneserve.contracts.procs import parent_gone
+from laneserve.db.record_rows import batch_rows
+from laneserve.db.record_writes import prune, write_batch
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class RecorderServer:
     ) -> None:
         import zmq
 
-        from broker.protocol import secure_socket_options
+        from laneserve.broker.protocol import secure_socket_options
 
         self.addr = addr
         self.engine = engine
@@ -151,7 +151,7 @@ class RecorderServer:
     def _receive_all(self) -> None:
         import zmq
 
-        from broker.protocol import BROKER_TO_RECORDER, ProtocolError, decode
+        from laneserve.broker.protocol import BROKER_TO_RECORDER, ProtocolError, decode
 
         while self._pending_items < self.max_pending_records:
             try:
@@ -197,7 +197,7 @@ class RecorderServer:
     def _ack(self, pending: Sequence[tuple[bytes, Any]]) -> None:
         import zmq
 
-        from broker.protocol import RecordAck
+        from laneserve.broker.protocol import RecordAck
 
         for identity, batch in pending:
             try:

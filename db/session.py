@@ -24,8 +24,8 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from contracts import env
-from contracts.env import laneserve_home
+from laneserve.contracts import env
+from laneserve.contracts.env import laneserve_home
 
 DB_URL_ENV = "LANESERVE_DB_URL"
 HOME_ENV = "LANESERVE_HOME"

@@ -14,12 +14,12 @@ from typing import Any
 __all__ = ["LLM", "Engine", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 _LAZY = {
-    "LLM": "gpu_worker.llm",
-    "RequestOutput": "gpu_worker.llm",
-    "LLMEngine": "gpu_worker.engine",
-    "Engine": "gpu_worker.engine_protocol",
-    "EngineConfig": "gpu_worker.config",
-    "SamplingParams": "gpu_worker.sampling_params",
+    "LLM": "laneserve.gpu_worker.llm",
+    "RequestOutput": "laneserve.gpu_worker.llm",
+    "LLMEngine": "laneserve.gpu_worker.engine",
+    "Engine": "laneserve.gpu_worker.engine_protocol",
+    "EngineConfig": "laneserve.gpu_worker.config",
+    "SamplingParams": "laneserve.gpu_worker.sampling_params",
 }
 
 

@@ -54,7 +54,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gpu_worker.request import Request
+from laneserve.gpu_worker.request import Request
 
 __all__ = ["BlockManager", "KVBlock", "hash_block_tokens"]
 

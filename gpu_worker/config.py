@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_worker.model_files import DEFAULT_MODEL
+from laneserve.gpu_worker.model_files import DEFAULT_MODEL
 
 __all__ = [
     "CPU_BATCH_PROFILE",
@@ -143,7 +143,7 @@ def lane_profile(lanes: Iterable[str], on_gpu: bool, slo_control: bool = False) 
 
 
 def _parse_slo(text: str) -> str:
-    from gpu_worker.step_budget import parse_slo
+    from laneserve.gpu_worker.step_budget import parse_slo
 
     try:
         parse_slo(text)
@@ -355,7 +355,7 @@ class EngineConfig:
         if len(set(self.lanes)) != len(self.lanes):
             raise EngineConfigError(f"lanes repeat: {self.lanes}")
         if self.slo is not None:
-            from gpu_worker.step_budget import parse_slo
+            from laneserve.gpu_worker.step_budget import parse_slo
 
             try:
                 parse_slo(self.slo)

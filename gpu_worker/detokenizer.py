@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_worker.sampling_params import SamplingParams
+from laneserve.gpu_worker.sampling_params import SamplingParams
 
 __all__ = ["DetokenizerUpdate", "IncrementalDetokenizer"]
 

@@ -33,28 +33,34 @@ from typing import Any, NamedTuple
 
 import torch
 
-from contracts.tokens import PromptError, PromptTokenizer, prompt_ids
-from gpu_worker.block_manager import BlockManager
-from gpu_worker.config import ENGINE_DEFAULTS, EngineConfig
-from gpu_worker.detokenizer import IncrementalDetokenizer
-from gpu_worker.errors import InvalidRequestError, PromptTooLongError
-from gpu_worker.model_files import model_display_name, resolve_model_path
-from gpu_worker.model_loader import load_model_files
-from gpu_worker.model_runner import (
+from laneserve.contracts.tokens import PromptError, PromptTokenizer, prompt_ids
+from laneserve.gpu_worker.block_manager import BlockManager
+from laneserve.gpu_worker.config import ENGINE_DEFAULTS, EngineConfig
+from laneserve.gpu_worker.detokenizer import IncrementalDetokenizer
+from laneserve.gpu_worker.errors import InvalidRequestError, PromptTooLongError
+from laneserve.gpu_worker.model_files import model_display_name, resolve_model_path
+from laneserve.gpu_worker.model_loader import load_model_files
+from laneserve.gpu_worker.model_runner import (
     ModelRunner,
     choose_num_blocks,
     kv_pool_info,
     profile_activation_bytes,
 )
-from gpu_worker.models.llama import LlamaForCausalLM
-from gpu_worker.outputs import RequestDelta
-from gpu_worker.quantization import resolve_mode
-from gpu_worker.request import Lane, Request, RequestStatus
-from gpu_worker.sampler import Sampler
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from gpu_worker.spec_decode import SpecController, SpecRequest, TokenHistory, spec_totals, verify
-from gpu_worker.structured_output import (
+from laneserve.gpu_worker.models.llama import LlamaForCausalLM
+from laneserve.gpu_worker.outputs import RequestDelta
+from laneserve.gpu_worker.quantization import resolve_mode
+from laneserve.gpu_worker.request import Lane, Request, RequestStatus
+from laneserve.gpu_worker.sampler import Sampler
+from laneserve.gpu_worker.sampling_params import SamplingParams
+from laneserve.gpu_worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from laneserve.gpu_worker.spec_decode import (
+    SpecController,
+    SpecRequest,
+    TokenHistory,
+    spec_totals,
+    verify,
+)
+from laneserve.gpu_worker.structured_output import (
     GrammarCompiler,
     GrammarMask,
     GrammarMatcher,
@@ -276,7 +282,7 @@ class LLMEngine:
         spec = config.speculative_config
         self.spec = SpecController(spec) if spec is not None and spec.enabled else None
         if config.slo_control:  # SLO-driven step budgets, from a start-up profile of this engine
-            from gpu_worker.step_budget import profile_engine
+            from laneserve.gpu_worker.step_budget import profile_engine
 
             self.scheduler.step_budget = profile_engine(self, config.slo)
         logger.info(

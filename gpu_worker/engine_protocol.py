@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from gpu_worker.outputs import RequestDelta
+from laneserve.gpu_worker.outputs import RequestDelta
 
 __all__ = ["Engine"]
 

@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from contracts import env
-from gpu_worker.engine_protocol import Engine
-from gpu_worker.outputs import RequestDelta
+from laneserve.contracts import env
+from laneserve.gpu_worker.engine_protocol import Engine
+from laneserve.gpu_worker.outputs import RequestDelta
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class FaultInjectingEngine:
         logger.warning("test fault injection on: %s", plan)
 
     def _failing(self, execute: Any) -> Any:
-        from gpu_worker.errors import EngineError
+        from laneserve.gpu_worker.errors import EngineError
 
         def execute_model(out: Any) -> Any:
             if any(e.request.request_id in self._marked for e in out.scheduled):

@@ -24,7 +24,7 @@ import sys
 import numpy as np
 import torch
 
-from contracts import env
+from laneserve.contracts import env
 
 logger = logging.getLogger(__name__)
 

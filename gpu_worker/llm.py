@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_worker.config import EngineConfig
-from gpu_worker.model_files import DEFAULT_MODEL
-from gpu_worker.openmp import apply_openmp_policy
-from gpu_worker.outputs import Logprob, prompt_logprob_dicts
-from gpu_worker.sampling_params import SamplingParams
+from laneserve.gpu_worker.config import EngineConfig
+from laneserve.gpu_worker.model_files import DEFAULT_MODEL
+from laneserve.gpu_worker.openmp import apply_openmp_policy
+from laneserve.gpu_worker.outputs import Logprob, prompt_logprob_dicts
+from laneserve.gpu_worker.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -59,7 +59,7 @@ class LLM:
         # the process owns the cores: spinning threads (gpu_worker/openmp.py); takes effect
         # when torch is not loaded yet
         apply_openmp_policy(exclusive=True)
-        from gpu_worker.engine import LLMEngine
+        from laneserve.gpu_worker.engine import LLMEngine
 
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs))
         self._ids = itertools.count()

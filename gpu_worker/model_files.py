@@ -23,8 +23,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from contracts import env
-from gpu_worker.errors import ModelLoadError
+from laneserve.contracts import env
+from laneserve.gpu_worker.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

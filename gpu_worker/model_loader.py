@@ -29,14 +29,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu_worker.errors import ModelLoadError
-from gpu_worker.model_files import (
+from laneserve.gpu_worker.errors import ModelLoadError
+from laneserve.gpu_worker.model_files import (
     conversion_valid,
     gguf_cache_dir,
     gguf_stamp,
     write_conversion_marker,
 )
-from gpu_worker.quantization import GGUF_QUANT_TYPES, GGUFQuantTensor
+from laneserve.gpu_worker.quantization import GGUF_QUANT_TYPES, GGUFQuantTensor
 
 logger = logging.getLogger(__name__)
 

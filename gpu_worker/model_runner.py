@@ -21,14 +21,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from contracts import env
-from gpu_worker import host_memory
-from gpu_worker.config import ENGINE_DEFAULTS
-from gpu_worker.model_loader import ModelConfig
-from gpu_worker.models.llama import AttentionMetadata, LlamaForCausalLM
-from gpu_worker.openmp import openmp_is_purely_passive
-from gpu_worker.step_upload import StepUploader
-from kernels import cpu_ext
+from laneserve.contracts import env
+from laneserve.gpu_worker import host_memory
+from laneserve.gpu_worker.config import ENGINE_DEFAULTS
+from laneserve.gpu_worker.model_loader import ModelConfig
+from laneserve.gpu_worker.models.llama import AttentionMetadata, LlamaForCausalLM
+from laneserve.gpu_worker.openmp import openmp_is_purely_passive
+from laneserve.gpu_worker.step_upload import StepUploader
+from laneserve.kernels import cpu_ext
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ class ModelRunner:
             self.graphs = self._capture_graphs(max_num_seqs, -(-max_model_len // block_size))
 
     def _capture_graphs(self, max_num_seqs: int, max_blocks: int):
-        from kernels.cuda_graphs import DecodeGraphs, StaticInput, default_ladder
+        from laneserve.kernels.cuda_graphs import DecodeGraphs, StaticInput, default_ladder
 
         graphs = DecodeGraphs(
             self._decode_fn,

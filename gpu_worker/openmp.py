@@ -35,7 +35,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from contracts import env
+from laneserve.contracts import env
 
 logger = logging.getLogger(__name__)
 

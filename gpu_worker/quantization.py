@@ -81,9 +81,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from contracts import env
-from gpu_worker.config import QUANTIZATIONS as QUANTIZATION_MODES
-from kernels import cpu_ext
+from laneserve.contracts import env
+from laneserve.gpu_worker.config import QUANTIZATIONS as QUANTIZATION_MODES
+from laneserve.kernels import cpu_ext
 
 logger = logging.getLogger(__name__)
 
@@ -496,7 +496,7 @@ def int4_blocked_cpu() -> bool:
     """Whether this CPU's build of the C++ int4 GEMV reads the block order (AVX2 without
     AVX-512BW: `int4_kernel_block_groups` is 8 there), from the CPU flags the ``-march=native``
     build follows, so routing can be chosen before the kernels are built."""
-    from gpu_worker.engine import cpu_flags  # lazy: engine imports the model code
+    from laneserve.gpu_worker.engine import cpu_flags  # lazy: engine imports the model code
 
     flags = cpu_flags()
     return "avx2" in flags and not {"avx512f", "avx512bw"} <= flags
@@ -534,7 +534,7 @@ def dense_copy_dtype(dtype: torch.dtype) -> torch.dtype | None:
     DENSE_MIN_TOKENS_FP32); bf16/fp16 ones a copy in their dtype only on a CPU with AMX or
     AVX512-BF16, where those GEMMs beat the int4 kernel from DENSE_MIN_TOKENS rows.
     """
-    from gpu_worker.engine import cpu_has_fast_bf16  # lazy: engine imports the model code
+    from laneserve.gpu_worker.engine import cpu_has_fast_bf16  # lazy: engine imports the model code
 
     if dtype == torch.float32 or cpu_has_fast_bf16():
         return dtype
@@ -588,7 +588,7 @@ def gemv_takes_bf16() -> bool:
     bf16 int4 calls stay on torch's kernel. The CPU flag decides, read at load time, when the
     extension may still be building; its ``-march=native`` build compiles the bf16 path for
     exactly these CPUs."""
-    from gpu_worker.engine import cpu_flags  # lazy: engine imports the model code
+    from laneserve.gpu_worker.engine import cpu_flags  # lazy: engine imports the model code
 
     return "avx512_bf16" in cpu_flags()
 

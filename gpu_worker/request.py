@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts import latency
+from laneserve.contracts import latency
 
 __all__ = ["Lane", "Request", "RequestStatus"]
 

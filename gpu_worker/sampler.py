@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.structured_output import GrammarMask, apply_token_bitmask
+from laneserve.gpu_worker.sampling_params import SamplingParams
+from laneserve.gpu_worker.structured_output import GrammarMask, apply_token_bitmask
 
 __all__ = ["Sampler", "SamplerOutput", "make_generator"]
 

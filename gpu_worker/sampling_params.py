@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from contracts.openai.structured import spec_shape_error
-from gpu_worker.errors import InvalidRequestError
+from laneserve.contracts.openai.structured import spec_shape_error
+from laneserve.gpu_worker.errors import InvalidRequestError
 
 __all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "SAMPLING_EPS", "SamplingParams"]
 

@@ -47,11 +47,11 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from gpu_worker.block_manager import BlockManager
-from gpu_worker.config import ENGINE_DEFAULTS, EngineConfig
-from gpu_worker.request import Lane, Request, RequestStatus
-from gpu_worker.step_budget import BudgetController, StepView
-from gpu_worker.step_cost import StepFeatures, chunk_pairs
+from laneserve.gpu_worker.block_manager import BlockManager
+from laneserve.gpu_worker.config import ENGINE_DEFAULTS, EngineConfig
+from laneserve.gpu_worker.request import Lane, Request, RequestStatus
+from laneserve.gpu_worker.step_budget import BudgetController, StepView
+from laneserve.gpu_worker.step_cost import StepFeatures, chunk_pairs
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
 

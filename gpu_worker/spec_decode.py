@@ -50,11 +50,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from gpu_worker.config import SpeculativeConfig
-from gpu_worker.request import Request
-from gpu_worker.sampler import Sampler
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.structured_output import GrammarMask
+from laneserve.gpu_worker.config import SpeculativeConfig
+from laneserve.gpu_worker.request import Request
+from laneserve.gpu_worker.sampler import Sampler
+from laneserve.gpu_worker.sampling_params import SamplingParams
+from laneserve.gpu_worker.structured_output import GrammarMask
 
 __all__ = [
     "NgramProposer",

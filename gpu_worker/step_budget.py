@@ -97,8 +97,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from contracts import env
-from gpu_worker.step_cost import (
+from laneserve.contracts import env
+from laneserve.gpu_worker.step_cost import (
     NUM_FEATURES,
     StepCostModel,
     StepFeatures,
@@ -107,7 +107,7 @@ from gpu_worker.step_cost import (
 )
 
 if TYPE_CHECKING:
-    from gpu_worker.request import Request
+    from laneserve.gpu_worker.request import Request
 
 __all__ = [
     "BudgetController",
@@ -741,7 +741,7 @@ def _run_profile(engine: Any, shapes: tuple, samples: list | None, round_: int) 
     """Run `shapes` ((prompt tokens, requests, output tokens), ...) to completion on `engine`,
     appending (features, ms) of every step to `samples` unless it is None. Each `round_` has
     its own prompts, so a later round never reads an earlier one's from the prefix cache."""
-    from gpu_worker.sampling_params import SamplingParams
+    from laneserve.gpu_worker.sampling_params import SamplingParams
 
     sched = engine.scheduler
     vocab = engine.token_id_limit
@@ -822,8 +822,8 @@ def step_cost_cache_key(engine: Any) -> str:
     kernels' build, `LANESERVE_AMX` and the rows routed to AMX."""
     import torch
 
-    from gpu_worker import quantization
-    from kernels import cpu_ext
+    from laneserve.gpu_worker import quantization
+    from laneserve.kernels import cpu_ext
 
     config = {k: v for k, v in dataclasses.asdict(engine.config).items() if k != "slo"}
     path = Path(engine.model_path)

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import llguidance
 import torch
 
-from contracts.openai.structured import grammar_of
+from laneserve.contracts.openai.structured import grammar_of
 
 __all__ = [
     "DEFAULT_GRAMMAR_CACHE_SIZE",

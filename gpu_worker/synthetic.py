@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts import latency
-from gpu_worker.config import ENGINE_DEFAULTS
-from gpu_worker.outputs import RequestDelta
+from laneserve.contracts import latency
+from laneserve.gpu_worker.config import ENGINE_DEFAULTS
+from laneserve.gpu_worker.outputs import RequestDelta
 
 
 @dataclass(slots=True)

@@ -44,9 +44,9 @@ from typing import Any
 
 import zmq
 
-from broker import protocol as p
-from gpu_worker.engine_protocol import Engine
-from gpu_worker.worker_io import RESET_DONE, IoLoop
+from laneserve.broker import protocol as p
+from laneserve.gpu_worker.engine_protocol import Engine
+from laneserve.gpu_worker.worker_io import RESET_DONE, IoLoop
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def _curve_keys(
     """
     if not (server_public or client_key):
         return None
-    from broker.curve import apply_client
+    from laneserve.broker.curve import apply_client
 
     if not (server_public and client_key):
         raise ValueError("CURVE needs both the server public key and a client key")

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from broker import protocol as p
-from contracts.procs import parent_gone
+from laneserve.broker import protocol as p
+from laneserve.contracts.procs import parent_gone
 
 if TYPE_CHECKING:
-    from gpu_worker.worker import Worker
+    from laneserve.gpu_worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class IoLoop:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         if w.curve is not None:
-            from broker.curve import apply_client
+            from laneserve.broker.curve import apply_client
 
             apply_client(sock, *w.curve)
         self.monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)

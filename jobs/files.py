@@ -25,10 +25,15 @@ from typing import BinaryIO
 from sqlalchemy import Engine, delete, select, update
 from sqlalchemy.orm import Session
 
-from db.models import JOB_TERMINAL_STATUSES, File, Job
-from db.session import laneserve_home, read_session, write_session
-from jobs.errors import ConflictError, InvalidRequestError, NotFoundError, PayloadTooLargeError
-from jobs.limits import MAX_FILE_BYTES
+from laneserve.db.models import JOB_TERMINAL_STATUSES, File, Job
+from laneserve.db.session import laneserve_home, read_session, write_session
+from laneserve.jobs.errors import (
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+)
+from laneserve.jobs.limits import MAX_FILE_BYTES
 
 PURPOSES = ("batch", "batch_output")
 LIST_LIMIT_MAX = 10_000  # OpenAI's maximum (and default) page size of GET /v1/files

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from sqlalchemy import Engine, and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from db.models import JobLease, Request
-from db.session import read_session, write_session
-from jobs.store import request_id
+from laneserve.db.models import JobLease, Request
+from laneserve.db.session import read_session, write_session
+from laneserve.jobs.store import request_id
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from jobs import prompts, results, store
+from laneserve.jobs import prompts, results, store
 
 MAX_REDUCE_LEVELS = 6  # map-reduce levels before a document is given up
 

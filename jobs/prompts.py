@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import json
 
-from contracts.openai.errors import OpenAIError
-from contracts.openai.structured import parse_structured
-from jobs.errors import InvalidRequestError
-from jobs.limits import DEFAULT_TASK_MAX_TOKENS
+from laneserve.contracts.openai.errors import OpenAIError
+from laneserve.contracts.openai.structured import parse_structured
+from laneserve.jobs.errors import InvalidRequestError
+from laneserve.jobs.limits import DEFAULT_TASK_MAX_TOKENS
 
 SUMMARIZE_SYSTEM = "You are a helpful assistant that writes short, faithful summaries."
 SUMMARIZE_USER = "Summarize the following text in a few sentences.\n\n{text}"

@@ -20,11 +20,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from broker import protocol as p
-from contracts.openai import Limits, ServedModel, parse
-from contracts.openai import responses as fmt
-from contracts.openai.responses import TokenText
-from contracts.openai.structured import parsed_json, wants_json
+from laneserve.broker import protocol as p
+from laneserve.contracts.openai import Limits, ServedModel, parse
+from laneserve.contracts.openai import responses as fmt
+from laneserve.contracts.openai.responses import TokenText
+from laneserve.contracts.openai.structured import parsed_json, wants_json
 
 
 def choice_requests(rid: str, request: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

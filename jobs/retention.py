@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine, func, null, select, update
 
-from db.models import JOB_TERMINAL_STATUSES, File, Job, Request, RetentionPass
-from db.session import read_session, write_session
-from jobs import files
+from laneserve.db.models import JOB_TERMINAL_STATUSES, File, Job, Request, RetentionPass
+from laneserve.db.session import read_session, write_session
+from laneserve.jobs import files
 
 logger = logging.getLogger(__name__)
 

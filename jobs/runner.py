@@ -49,13 +49,13 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
-from broker import protocol as p
-from broker.client import BrokerClient
-from contracts.openai import ServedModel
-from contracts.procs import parent_gone
-from jobs import leases, results, retention, store
-from jobs.map_reduce import MapReduce
-from jobs.runner_leases import LeaseKeeping
+from laneserve.broker import protocol as p
+from laneserve.broker.client import BrokerClient
+from laneserve.contracts.openai import ServedModel
+from laneserve.contracts.procs import parent_gone
+from laneserve.jobs import leases, results, retention, store
+from laneserve.jobs.map_reduce import MapReduce
+from laneserve.jobs.runner_leases import LeaseKeeping
 
 logger = logging.getLogger(__name__)
 

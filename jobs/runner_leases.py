@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections import deque
 
-from jobs import leases
+from laneserve.jobs import leases
 
 logger = logging.getLogger(__name__)
 

@@ -46,11 +46,11 @@ from typing import Any
 
 from sqlalchemy import Engine, select, update
 
-from contracts.openai import Limits
-from db.models import JOB_TERMINAL_STATUSES, File, Job
-from db.session import read_session, write_session
-from jobs.errors import ConflictError, InvalidRequestError, NotFoundError
-from jobs.files import (  # noqa: F401 - re-exported API
+from laneserve.contracts.openai import Limits
+from laneserve.db.models import JOB_TERMINAL_STATUSES, File, Job
+from laneserve.db.session import read_session, write_session
+from laneserve.jobs.errors import ConflictError, InvalidRequestError, NotFoundError
+from laneserve.jobs.files import (  # noqa: F401 - re-exported API
     create_file,
     delete_file,
     file_content,
@@ -61,8 +61,8 @@ from jobs.files import (  # noqa: F401 - re-exported API
     list_files,
     rows_after,
 )
-from jobs.limits import DEFAULT_COMPLETION_WINDOW, ENDPOINTS, TASKS
-from jobs.prompts import check_task_options
+from laneserve.jobs.limits import DEFAULT_COMPLETION_WINDOW, ENDPOINTS, TASKS
+from laneserve.jobs.prompts import check_task_options
 
 _WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([smh])$")
 _WINDOW_UNIT_S = {"s": 1, "m": 60, "h": 3600}

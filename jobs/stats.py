@@ -20,10 +20,10 @@ from typing import Any
 
 from sqlalchemy import Engine, func, select
 
-from contracts.latency import percentile
-from db.models import File, Job, Request
-from db.session import read_session
-from jobs.errors import NotFoundError
+from laneserve.contracts.latency import percentile
+from laneserve.db.models import File, Job, Request
+from laneserve.db.session import read_session
+from laneserve.jobs.errors import NotFoundError
 
 PERCENTILES = (50, 90, 99)
 LATENCY_FIELDS = ("ttft_ms", "e2e_ms")

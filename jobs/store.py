@@ -23,10 +23,10 @@ from typing import Any
 
 from sqlalchemy import Engine, delete, insert, select, update
 
-from db.models import File, Job, Request
-from db.session import read_session, write_session
-from jobs import files, results
-from jobs.validate import JobValidationError, LineResult, Validator
+from laneserve.db.models import File, Job, Request
+from laneserve.db.session import read_session, write_session
+from laneserve.jobs import files, results
+from laneserve.jobs.validate import JobValidationError, LineResult, Validator
 
 logger = logging.getLogger(__name__)
 

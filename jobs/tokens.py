@@ -1,14 +1,14 @@
 """The served model of the jobs runner: names, tokenizer and context length, without torch.
 
 DESIGN.md "Edge validation": the jobs runner counts prompt tokens with the model's tokenizer and
-the engine's rule, through the same :class:`contracts.openai.model.ServedModel` as the gateway,
+the engine's rule, through the same :class:`laneserve.contracts.openai.model.ServedModel` as the gateway,
 so an over-length prompt becomes an error line before any inference, worded as the API's 400.
 """
 
 from __future__ import annotations
 
-from contracts.openai.model import ServedModel
-from jobs.limits import DEFAULT_MAX_MODEL_LEN
+from laneserve.contracts.openai.model import ServedModel
+from laneserve.jobs.limits import DEFAULT_MAX_MODEL_LEN
 
 
 def load_served_model(
@@ -25,7 +25,7 @@ def load_served_model(
     """
     if not tokenizer:
         return ServedModel(served_name=served_name)
-    from gpu_worker.model_files import resolve_model_path
+    from laneserve.gpu_worker.model_files import resolve_model_path
 
     served = ServedModel.load(resolve_model_path(model), served_name, max_model_len)
     if served.max_model_len is None:

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from contracts.openai import Limits, OpenAIError, ParsedRequest, ServedModel, parse
-from contracts.openai.checks import unpaired_surrogate
-from jobs import prompts
-from jobs.errors import InvalidRequestError
-from jobs.limits import (
+from laneserve.contracts.openai import Limits, OpenAIError, ParsedRequest, ServedModel, parse
+from laneserve.contracts.openai.checks import unpaired_surrogate
+from laneserve.jobs import prompts
+from laneserve.jobs.errors import InvalidRequestError
+from laneserve.jobs.limits import (
     MAX_BAD_FRACTION,
     MAX_CUSTOM_ID_CHARS,
     MAX_FILE_BYTES,

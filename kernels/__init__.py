@@ -2,12 +2,12 @@
 
 Each op has a Triton implementation (``kernels.triton``) and a plain-PyTorch reference
 (``kernels.reference``) with the same signature. The functions here check their arguments
-(see :mod:`kernels._validate`) and dispatch: Triton for CUDA tensors, the reference elsewhere.
+(see :mod:`laneserve.kernels._validate`) and dispatch: Triton for CUDA tensors, the reference elsewhere.
 ``LANESERVE_ATTENTION_BACKEND=torch|triton`` overrides the choice for every op (``triton`` on CPU
 tensors runs them in the Triton interpreter: on a machine without CUDA the first forced call sets
 ``TRITON_INTERPRET=1`` before ``kernels.triton`` is imported). On CPU the torch backend runs the
 fused layer ops (RMSNorm with its residual add, SiLU-mul, RoPE with the cache write), decode
-attention and multi-token (prefill) attention as one C++ op each (:mod:`kernels.cpu_ext`: the
+attention and multi-token (prefill) attention as one C++ op each (:mod:`laneserve.kernels.cpu_ext`: the
 layer ops with the reference's numerics, attention within tolerance of it) when that extension
 is built, the reference otherwise. A model's forward gets its layer ops from
 :func:`step_ops`, which checks one step's tensors once and then calls those C++ ops directly.
@@ -25,8 +25,8 @@ from types import SimpleNamespace
 
 import torch
 
-from contracts import env
-from kernels import _validate, cpu_ext, reference
+from laneserve.contracts import env
+from laneserve.kernels import _validate, cpu_ext, reference
 
 __all__ = [
     "unified_attention",
@@ -62,13 +62,17 @@ def backend_for(t: torch.Tensor) -> str:
 
 def _impl(t: torch.Tensor):
     if backend_for(t) == "triton":
-        if "kernels.triton" not in sys.modules and not t.is_cuda and not torch.cuda.is_available():
+        if (
+            "laneserve.kernels.triton" not in sys.modules
+            and not t.is_cuda
+            and not torch.cuda.is_available()
+        ):
             # Forced Triton on a machine without a GPU: the kernels can only run interpreted, and
             # triton reads TRITON_INTERPRET when the kernels are defined, i.e. on first import.
             if not env.get("TRITON_INTERPRET"):
                 logger.info("no CUDA device: running Triton kernels with TRITON_INTERPRET=1")
                 os.environ["TRITON_INTERPRET"] = "1"
-        from kernels import triton as triton_backend  # lazy: importing triton costs ~1 s
+        from laneserve.kernels import triton as triton_backend  # lazy: importing triton costs ~1 s
 
         return triton_backend
     return reference
@@ -89,7 +93,7 @@ def unified_attention(
     Shapes: q ``[num_tokens, num_q_heads, head_dim]``; k_cache/v_cache ``[num_blocks, block_size,
     num_kv_heads, head_dim]``; cu_seqlens_q int32 ``[num_seqs + 1]``; seq_lens int32 ``[num_seqs]``
     (context length including this step's query tokens); block_tables int32
-    ``[num_seqs, max_blocks_per_seq]``. See :func:`kernels.reference.unified_attention`.
+    ``[num_seqs, max_blocks_per_seq]``. See :func:`laneserve.kernels.reference.unified_attention`.
 
     Raises:
         TypeError / ValueError: wrong dtype / shape, device or layout (the message names the argument).
@@ -112,7 +116,7 @@ def reshape_and_cache(
     """Write key/value ``[num_tokens, num_kv_heads, head_dim]`` to flat cache slots (in place).
 
     slot_mapping int64 ``[num_tokens]`` = block * block_size + offset; negative slots are skipped.
-    See :func:`kernels.reference.reshape_and_cache`. Raises TypeError / ValueError on bad input.
+    See :func:`laneserve.kernels.reference.reshape_and_cache`. Raises TypeError / ValueError on bad input.
     """
     _validate.cache_args(key, value, k_cache, v_cache, slot_mapping)
     return _impl(key).reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
@@ -126,7 +130,7 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of ``x [..., hidden]``; with ``residual`` returns ``(out, x + residual)``.
 
-    See :func:`kernels.reference.rms_norm`. Raises TypeError / ValueError on bad input.
+    See :func:`laneserve.kernels.reference.rms_norm`. Raises TypeError / ValueError on bad input.
     """
     _validate.rms_norm_args(x, weight, eps, residual)
     if _cpu_fused(x, weight, *(() if residual is None else (residual,))):
@@ -142,7 +146,7 @@ def rotary_embedding(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE applied in place to q ``[T, Hq, D]`` and k ``[T, Hk, D]``; returns ``(q, k)``.
 
-    cos_sin_cache ``[max_pos, D]`` = cat(cos, sin). See :func:`kernels.reference.rotary_embedding`.
+    cos_sin_cache ``[max_pos, D]`` = cat(cos, sin). See :func:`laneserve.kernels.reference.rotary_embedding`.
     Raises TypeError / ValueError on bad input.
     """
     _validate.rotary_args(positions, q, k, cos_sin_cache)
@@ -150,7 +154,7 @@ def rotary_embedding(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``[..., 2I] -> [..., I]`` = silu(x[..., :I]) * x[..., I:]. See :func:`kernels.reference.silu_and_mul`."""
+    """``[..., 2I] -> [..., I]`` = silu(x[..., :I]) * x[..., I:]. See :func:`laneserve.kernels.reference.silu_and_mul`."""
     _validate.silu_and_mul_args(x)
     if _cpu_fused(x):
         return torch.ops.laneserve.silu_and_mul(x)

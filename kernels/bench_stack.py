@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+from laneserve import kernels
 
 
 @dataclass(frozen=True, slots=True)

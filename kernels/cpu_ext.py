@@ -6,8 +6,8 @@ rows; see its comment: 8 query tokens x their query heads share each 32-key tile
 online softmax, a row's result independent of its chunk of 2+ tokens and of its batch; 1.5x the
 speed of the gather + float copy + PyTorch CPU flash attention it replaces over 64-460-token
 prompts on a 2-core EPYC, 1.1x at 1,024 tokens, 2.8x on 5 verification rows) and the
-quantized GEMVs of :mod:`kernels.cpu_ext_quant` (``int4_gemv``, ``q8_0_gemv``) and, on a CPU with
-AMX, the tile matmuls of :mod:`kernels.cpu_ext_amx` (``int4_amx``, ``q8_0_amx``).
+quantized GEMVs of :mod:`laneserve.kernels.cpu_ext_quant` (``int4_gemv``, ``q8_0_gemv``) and, on a CPU with
+AMX, the tile matmuls of :mod:`laneserve.kernels.cpu_ext_amx` (``int4_amx``, ``q8_0_amx``).
 
 ``torch.ops.laneserve.paged_decode_attention`` computes one query token per sequence against its
 context, walking the block table and reading each block where it lies in the cache: no gather, no
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from contracts import env
-from kernels import cpu_ext_amx, cpu_ext_quant
+from laneserve.contracts import env
+from laneserve.kernels import cpu_ext_amx, cpu_ext_quant
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""C++ source of the quantized matmuls for few rows (GEMV), compiled into :mod:`kernels.cpu_ext`.
+"""C++ source of the quantized matmuls for few rows (GEMV), compiled into :mod:`laneserve.kernels.cpu_ext`.
 
 ``torch.ops.laneserve.int4_gemv(x, qs, scale, offset, block_groups)`` and
 ``torch.ops.laneserve.q8_0_gemv(x, qs, d, block_groups)`` compute ``y = x @ W.T`` for float32 or

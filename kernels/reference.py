@@ -5,7 +5,7 @@ Attention accumulates in fp32 and returns the input dtype; the layer ops reprodu
 Hugging Face's Llama modules (``LlamaRMSNorm``, ``apply_rotary_pos_emb``, ``LlamaMLP``) so a model built on
 them matches ``transformers`` token for token in float32.
 
-Validation of shapes/dtypes lives in :mod:`kernels._validate` and is done by the dispatcher in
+Validation of shapes/dtypes lives in :mod:`laneserve.kernels._validate` and is done by the dispatcher in
 ``kernels/__init__.py``; these functions assume valid input.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ext
+from laneserve.kernels import cpu_ext
 
 __all__ = [
     "unified_attention",
@@ -199,7 +199,7 @@ def _layout(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor) -> tuple:
 
 
 def _cpp_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the C++ attention kernels (:mod:`kernels.cpu_ext`: decode rows, and the rows of
+    """Whether the C++ attention kernels (:mod:`laneserve.kernels.cpu_ext`: decode rows, and the rows of
     sequences with several query tokens) can take these tensors."""
     return (
         q.device.type == "cpu"

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from contracts.latency import percentile
+from laneserve.contracts.latency import percentile
 from laneserve.demo_chats import ChatStats
 
 LANES = ("interactive", "batch")
@@ -26,8 +26,8 @@ def phase_summary(engine, since: float, until: float | None = None) -> dict[str,
     by the recorder)."""
     from sqlalchemy import select
 
-    from db.models import Request
-    from db.session import read_session
+    from laneserve.db.models import Request
+    from laneserve.db.session import read_session
 
     cols = [getattr(Request, c) for c in PHASES]
     stmt = select(
@@ -63,8 +63,8 @@ def count_rows(engine, since: float, job_ids: list[str]) -> tuple[int, int]:
     """(finished rows of these jobs with timings, interactive rows since `since`)."""
     from sqlalchemy import func, select
 
-    from db.models import Request
-    from db.session import read_session
+    from laneserve.db.models import Request
+    from laneserve.db.session import read_session
 
     with read_session(engine) as session:
         jobs = session.scalar(

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 import httpx
 
-from contracts import env
+from laneserve.contracts import env
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from contracts.env import laneserve_home
-from contracts.procs import pid_alive
+from laneserve.contracts.env import laneserve_home
+from laneserve.contracts.procs import pid_alive
 
 STACK_FILE = "stack.json"
 STACK_VERSION = 1

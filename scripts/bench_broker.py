@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from contracts.latency import percentile  # noqa: E402
+from laneserve.contracts.latency import percentile  # noqa: E402
 
 
 def _client_proc(front: str, streams: int, start_at: float, duration: float, queue) -> None:
@@ -47,8 +47,8 @@ def _client_proc(front: str, streams: int, start_at: float, duration: float, que
         uvloop.install()
     except ImportError:
         pass
-    from broker import protocol as p
-    from broker.client import BrokerClient
+    from laneserve.broker import protocol as p
+    from laneserve.broker.client import BrokerClient
 
     async def main() -> dict:
         count = 0
@@ -132,7 +132,7 @@ def run_phase(args, tmp: Path, name: str, step_ms: float, stamp: bool) -> dict:
             wargs.append("--synthetic-stamp")
         procs.append(_spawn("laneserve.commands.worker", wargs, tmp / f"{name}-worker{i}.log"))
     try:
-        from broker.client import broker_status
+        from laneserve.broker.client import broker_status
 
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

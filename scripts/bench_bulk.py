@@ -70,9 +70,9 @@ SUMMARY_PROMPT = "Summarize in two sentences:\n\n{doc}"
 _OFFLINE = r"""
 import json, sys, time
 spec = json.loads(sys.stdin.read())
-from gpu_worker.openmp import apply_openmp_policy
+from laneserve.gpu_worker.openmp import apply_openmp_policy
 apply_openmp_policy(exclusive=True)
-from gpu_worker import LLM, SamplingParams
+from laneserve.gpu_worker import LLM, SamplingParams
 opts = spec["options"]
 llm = LLM(model=spec["model"], dtype=spec["dtype"], **opts)
 params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
@@ -120,7 +120,7 @@ def worker_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options a `laneserve up` worker gets here (or the `LLM`'s own defaults)."""
     if args.offline_defaults:
         return {}
-    from gpu_worker.config import lane_profile
+    from laneserve.gpu_worker.config import lane_profile
 
     profile = lane_profile(("interactive", "batch"), on_gpu=False, slo_control=True)
     return {

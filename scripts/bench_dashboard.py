@@ -94,8 +94,8 @@ def _py(v):
 def fill(url: str, cols: dict[str, np.ndarray], start: float, end: float) -> float:
     """Write the requests (COPY on PostgreSQL, executemany on SQLite), snapshots and a job;
     returns seconds taken."""
-    from db.migrate import upgrade
-    from db.session import make_engine
+    from laneserve.db.migrate import upgrade
+    from laneserve.db.session import make_engine
 
     t0 = time.perf_counter()
     upgrade(url)
@@ -167,9 +167,9 @@ def measure(url: str, window_s: float, repeats: int) -> dict[str, Any]:
     """Page and row-read times for one window (seconds)."""
     from streamlit.testing.v1 import AppTest
 
-    from dashboard import live_rows
-    from dashboard.queries import Window, request_rows
-    from db.session import make_engine
+    from laneserve.dashboard import live_rows
+    from laneserve.dashboard.queries import Window, request_rows
+    from laneserve.db.session import make_engine
 
     engine = make_engine(url)
     window = Window.last(window_s)

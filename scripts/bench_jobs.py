@@ -71,8 +71,8 @@ def _completion_tokens(engine, job_id: str) -> int:
     """Output tokens the job's lines really produced (written by the runner per line)."""
     from sqlalchemy import func, select
 
-    from db.models import Request
-    from db.session import read_session
+    from laneserve.db.models import Request
+    from laneserve.db.session import read_session
 
     with read_session(engine) as session:
         total = session.scalar(
@@ -82,9 +82,9 @@ def _completion_tokens(engine, job_id: str) -> int:
 
 
 def run_one(n: int, args) -> dict:
-    from db import migrate
-    from db.session import make_engine
-    from jobs import service
+    from laneserve.db import migrate
+    from laneserve.db.session import make_engine
+    from laneserve.jobs import service
     from tests.harness import Stack, wait_job
 
     home = Path(tempfile.mkdtemp(prefix="lsbench"))

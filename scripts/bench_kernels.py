@@ -9,7 +9,7 @@ Figures:
 - ``correctness``: Triton vs the PyTorch reference on the GPU (a mixed prefill/decode batch, and
   the decode batch above) as max abs error.
 - ``decode_step``: one decode step of a randomly initialised 8B-shaped stack
-  (:mod:`kernels.bench_stack`) with and without CUDA graphs (:mod:`kernels.cuda_graphs`).
+  (:mod:`laneserve.kernels.bench_stack`) with and without CUDA graphs (:mod:`laneserve.kernels.cuda_graphs`).
 
 ``--smoke`` runs tiny shapes on CPU under TRITON_INTERPRET=1 to check the script itself (its
 timings mean nothing).
@@ -49,10 +49,10 @@ if ARGS.smoke:
 
 import torch  # noqa: E402
 
-from kernels import reference  # noqa: E402
-from kernels.bench_stack import PagedLlamaStack, StackConfig  # noqa: E402
-from kernels.cuda_graphs import DecodeGraphs, StaticInput  # noqa: E402
-from kernels.triton import unified_attention as triton_attention  # noqa: E402
+from laneserve.kernels import reference  # noqa: E402
+from laneserve.kernels.bench_stack import PagedLlamaStack, StackConfig  # noqa: E402
+from laneserve.kernels.cuda_graphs import DecodeGraphs, StaticInput  # noqa: E402
+from laneserve.kernels.triton import unified_attention as triton_attention  # noqa: E402
 
 
 def _time_ms(fn, device: str, iters: int = 20) -> float:
@@ -134,7 +134,7 @@ def bench_decode_attention(device: str, gen: torch.Generator) -> tuple[dict, dic
 
 def sweep_decode_attention(device: str, gen: torch.Generator) -> list[dict]:
     """Decode attention GB/s at batch x context, one pass vs split-KV (Llama-3-8B heads, bf16)."""
-    from kernels.triton.attention import SPLIT_KV_SEGMENTS, choose_num_segments
+    from laneserve.kernels.triton.attention import SPLIT_KV_SEGMENTS, choose_num_segments
 
     hq, hk, d = (32, 8, 128) if not ARGS.smoke else (4, 2, 32)
     grid = [(b, c) for b in (1, 8, 64) for c in (1024, 8192, 32768)]

@@ -70,7 +70,7 @@ PER_REQUEST = ("queue_ms", "prefill_ms", "ttft_ms", "tpot_ms", "preemptions", "p
 
 
 async def one_request(bc, lane: str, ids: list[int], max_tokens: int) -> RequestResult:
-    from broker import protocol as p
+    from laneserve.broker import protocol as p
 
     res = RequestResult(sent=time.perf_counter())
     stream = bc.submit(
@@ -96,7 +96,7 @@ async def one_request(bc, lane: str, ids: list[int], max_tokens: int) -> Request
 
 async def steady(front: str, lane: str, args, rng: random.Random) -> tuple[list, float]:
     """`args.interactive` requests, one every 1/rate s, on `lane`; wait for all (bounded)."""
-    from broker.client import BrokerClient
+    from laneserve.broker.client import BrokerClient
 
     async with BrokerClient(front, liveness_s=60.0) as bc:
         tasks = []
@@ -117,8 +117,8 @@ async def steady(front: str, lane: str, args, rng: random.Random) -> tuple[list,
 def submit_bulk(engine, args, phase: str) -> str:
     import io
 
-    from jobs import service
     from laneserve.demo_corpus import build_corpus
+    from laneserve.jobs import service
 
     corpus = build_corpus(args.bulk_lines, 0, strict=False).documents
     if not corpus:
@@ -141,7 +141,7 @@ def submit_bulk(engine, args, phase: str) -> str:
 
 
 def wait_busy(front: str, min_in_flight: int, timeout_s: float = 120.0) -> dict:
-    from broker.client import broker_status
+    from laneserve.broker.client import broker_status
 
     deadline = time.monotonic() + timeout_s
     st = {}
@@ -157,7 +157,7 @@ def wait_busy(front: str, min_in_flight: int, timeout_s: float = 120.0) -> dict:
 
 
 def wait_idle(front: str, timeout_s: float = 180.0) -> None:
-    from broker.client import broker_status
+    from laneserve.broker.client import broker_status
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -262,8 +262,8 @@ def run_phases(args, extra: list[str], rng: random.Random) -> dict:
     """The four phases (module docstring) on one fresh stack (`laneserve up` + `extra`)."""
     phases: dict = {}
     with bench_stack(args, extra) as info:
-        from db.session import make_engine
-        from jobs import service
+        from laneserve.db.session import make_engine
+        from laneserve.jobs import service
 
         front = info["broker_front"]
         engine = make_engine(info["db_url"])
@@ -349,7 +349,7 @@ def _generated(front: str, fresh_s: float = 2.5) -> tuple[int, int, float]:
     that do not move in `fresh_s` (nothing running) held at the first read. With several workers
     the sums move at the first one's heartbeat (the bench runs one); a status read that times out
     while waiting counts as no change."""
-    from broker.client import broker_status
+    from laneserve.broker.client import broker_status
 
     def count(timeout_s: float = 30.0) -> tuple[int, int]:
         workers = broker_status(front, timeout_s=timeout_s)["workers"]

@@ -49,7 +49,7 @@ from typing import Any
 # laneserve's offline OpenMP wait policy (the one `LLM` applies: this process and the laneserve
 # and transformers workers run torch as its only user), before torch loads (libgomp reads it
 # once, at load). The vLLM and llama.cpp peers start without it: their own defaults.
-from gpu_worker.openmp import POLICY_VARIABLES, apply_openmp_policy  # isort: skip
+from laneserve.gpu_worker.openmp import POLICY_VARIABLES, apply_openmp_policy  # isort: skip
 
 USER_OPENMP = {name: os.environ.get(name) for name in POLICY_VARIABLES}
 apply_openmp_policy(exclusive=True)
@@ -192,7 +192,7 @@ VLLM_KV_CACHE_GIB = "1"  # vLLM CPU's default reserves 4 GiB; 1 GiB holds 64 x 2
 
 def peers_dir() -> Path:
     """Where scripts/setup_peers.sh puts the peers' virtual environments."""
-    from contracts import env
+    from laneserve.contracts import env
 
     return env.get("LANESERVE_PEERS_DIR") or DEFAULT_PEERS_DIR
 
@@ -240,7 +240,7 @@ def steal_pct(before: list[int] | None, after: list[int] | None) -> float | None
 def thread_settings() -> dict[str, Any]:
     """The OpenMP policy this run's torch engines start under (each engine's thread count is in
     its own entry)."""
-    from contracts import env
+    from laneserve.contracts import env
 
     return {name: env.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
 
@@ -373,8 +373,8 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
     """The --peers benchmark: laneserve and each peer in its own process; returns the report."""
     from transformers import AutoTokenizer
 
-    from gpu_worker.model_files import resolve_model_path
-    from gpu_worker.model_loader import convert_gguf
+    from laneserve.gpu_worker.model_files import resolve_model_path
+    from laneserve.gpu_worker.model_loader import convert_gguf
 
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     unknown = sorted(set(peers) - set(PEERS))
@@ -555,10 +555,10 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from gpu_worker import LLM, SamplingParams
-    from gpu_worker.engine import resolve_dtype
-    from gpu_worker.model_files import resolve_model_path
-    from gpu_worker.model_loader import convert_gguf
+    from laneserve.gpu_worker import LLM, SamplingParams
+    from laneserve.gpu_worker.engine import resolve_dtype
+    from laneserve.gpu_worker.model_files import resolve_model_path
+    from laneserve.gpu_worker.model_loader import convert_gguf
 
     path = resolve_model_path(args.model)
     hf_dir = convert_gguf(path) if path.is_file() else path

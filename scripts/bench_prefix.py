@@ -43,8 +43,8 @@ TARGET_RATIO = 0.35
 
 def text_tokens(model: str, n: int) -> list[int]:
     """At least `n` token ids of standard-library docstring text."""
-    from gpu_worker.model_loader import load_tokenizer
     from laneserve.demo_corpus import build_corpus
+    from laneserve.gpu_worker.model_loader import load_tokenizer
 
     tokenizer = load_tokenizer(model_path(model))
     docs = build_corpus(120, 0).documents

@@ -46,15 +46,15 @@ import statistics
 import time
 
 # the OpenMP wait policy the engine runs under, set before torch loads
-from gpu_worker.openmp import apply_openmp_policy  # isort: skip
+from laneserve.gpu_worker.openmp import apply_openmp_policy  # isort: skip
 
 apply_openmp_policy()
 import torch  # noqa: E402  # isort: skip
 import torch.nn.functional as F  # noqa: E402  # isort: skip
 
 from bench_offline import cpu_info  # noqa: E402  # isort: skip  (scripts/ is on sys.path)
-from kernels import cpu_ext  # noqa: E402  # isort: skip
-from gpu_worker.quantization import (  # noqa: E402  # isort: skip
+from laneserve.kernels import cpu_ext  # noqa: E402  # isort: skip
+from laneserve.gpu_worker.quantization import (  # noqa: E402  # isort: skip
     GemvBlocks,
     QuantLinear,
     dense_linear,
@@ -173,8 +173,8 @@ def build_engines(args) -> tuple[dict, dict]:
     dropped, every call on the quantized kernels; `auto-nogemv`: without the C++ GEMV blocks,
     float32 activations on torch's kernels; both: `auto-nodense-nogemv`) and its memory
     figures."""
-    from gpu_worker import LLM
-    from gpu_worker.quantization import QuantLinear
+    from laneserve.gpu_worker import LLM
+    from laneserve.gpu_worker.quantization import QuantLinear
 
     llms, memory = {}, {}
     for name in args.quantization.split(","):
@@ -218,7 +218,7 @@ def summarize(times: dict[str, list[float]]) -> dict:
 
 def decode_step_ms(llms: dict, batch: int, num_steps: int) -> dict:
     """Median step time of `batch` running decodes (32-token prompts), engines alternating."""
-    from gpu_worker import SamplingParams
+    from laneserve.gpu_worker import SamplingParams
 
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     prompt = list(range(1000, 1032))
@@ -243,7 +243,7 @@ def decode_step_ms(llms: dict, batch: int, num_steps: int) -> dict:
 
 def prefill_step_ms(llms: dict, reps: int) -> dict:
     """Median time of the one step that prefills a PREFILL_TOKENS-token prompt."""
-    from gpu_worker import SamplingParams
+    from laneserve.gpu_worker import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     prompt = [1000 + (i * 37) % 20000 for i in range(PREFILL_TOKENS)]

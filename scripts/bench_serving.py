@@ -98,7 +98,7 @@ def variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 def model_path(model: str) -> str:
     """A local path for `model` (an alias is pulled into the current $LANESERVE_HOME once), so a
     fresh stack in a temporary home does not download it again."""
-    from gpu_worker.model_files import resolve_model_path
+    from laneserve.gpu_worker.model_files import resolve_model_path
 
     return str(resolve_model_path(model))
 
@@ -314,7 +314,7 @@ def server_rows(db_url: str, ids: list[str], timeout_s: float = 20.0) -> dict[st
     """`requests` rows (id -> dict of timing columns) for these ids, waiting for the recorder."""
     from sqlalchemy import create_engine, select
 
-    from db.models import Request
+    from laneserve.db.models import Request
 
     cols = ("id", "ttft_ms", "tpot_ms", "queue_ms", "prefill_ms", "decode_ms", "e2e_ms",
             "cached_tokens", "completion_tokens", "preemptions", "prefill_chunks",

@@ -65,16 +65,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_worker.openmp import apply_openmp_policy  # isort: skip
+from laneserve.gpu_worker.openmp import apply_openmp_policy  # isort: skip
 
 apply_openmp_policy()
 import torch  # noqa: E402
 from bench_offline import cpu_info, thread_settings  # noqa: E402
 
-from gpu_worker import LLM, SamplingParams  # noqa: E402
-from jobs.prompts import summarize_messages, translate_messages  # noqa: E402
 from laneserve.demo_chats import CHAT_MODULES, CHAT_QUESTIONS  # noqa: E402
 from laneserve.demo_corpus import build_corpus  # noqa: E402
+from laneserve.gpu_worker import LLM, SamplingParams  # noqa: E402
+from laneserve.jobs.prompts import summarize_messages, translate_messages  # noqa: E402
 
 
 @functools.cache

@@ -42,17 +42,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_worker.openmp import apply_openmp_policy  # isort: skip
+from laneserve.gpu_worker.openmp import apply_openmp_policy  # isort: skip
 
 apply_openmp_policy()
 import numpy as np  # noqa: E402
 from bench_offline import cpu_info  # noqa: E402
 from bench_spec import conversations  # noqa: E402
 
-from gpu_worker.config import SpeculativeConfig  # noqa: E402
-from gpu_worker.request import Request  # noqa: E402
-from gpu_worker.sampling_params import SamplingParams  # noqa: E402
-from gpu_worker.spec_decode import (  # noqa: E402
+from laneserve.gpu_worker.config import SpeculativeConfig  # noqa: E402
+from laneserve.gpu_worker.request import Request  # noqa: E402
+from laneserve.gpu_worker.sampling_params import SamplingParams  # noqa: E402
+from laneserve.gpu_worker.spec_decode import (  # noqa: E402
     SpecController,
     SpecRequest,
     TokenHistory,
@@ -64,7 +64,7 @@ Recorded = list[tuple[list[int], list[int]]]  # (prompt ids, greedy output ids) 
 
 def record_outputs(tasks: list[str], prompts: int, max_tokens: int, dtype: str) -> dict:
     """Greedy outputs of the bundled model for `prompts` prompts of each task."""
-    from gpu_worker import LLM
+    from laneserve.gpu_worker import LLM
 
     llm = LLM(model="smollm2-135m", dtype=dtype, max_model_len=1024)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_offline import cpu_info  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
-from gpu_worker.model_files import models_dir  # noqa: E402
+from laneserve.gpu_worker.model_files import models_dir  # noqa: E402
 from laneserve.stack import start_stack_process, stop_stack_process  # noqa: E402
 
 

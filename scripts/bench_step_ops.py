@@ -32,17 +32,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu_worker.openmp import apply_openmp_policy  # noqa: E402  (torch-free; before torch loads)
+from laneserve.gpu_worker.openmp import apply_openmp_policy  # noqa: E402  (torch-free; before torch loads)
 
 OPENMP_POLICY_APPLIED = apply_openmp_policy()
 
 import torch  # noqa: E402
 from bench_offline import cpu_info  # noqa: E402  (scripts/ is on sys.path: the one CPU report)
 
-from gpu_worker.model_loader import load_model_files  # noqa: E402
-from gpu_worker.model_runner import ModelRunner  # noqa: E402
-from gpu_worker.models.llama import LlamaForCausalLM  # noqa: E402
-from gpu_worker.quantization import resolve_mode  # noqa: E402
+from laneserve.gpu_worker.model_loader import load_model_files  # noqa: E402
+from laneserve.gpu_worker.model_runner import ModelRunner  # noqa: E402
+from laneserve.gpu_worker.models.llama import LlamaForCausalLM  # noqa: E402
+from laneserve.gpu_worker.quantization import resolve_mode  # noqa: E402
 
 BLOCK_SIZE = 16
 OP_NAMESPACES = ("aten::", "laneserve::")
@@ -72,7 +72,7 @@ def _parse() -> argparse.Namespace:
 
 def default_model() -> Path:
     """The bundled model, from the test cache when it is there (no download), else pulled."""
-    from gpu_worker.model_files import BUNDLED_MODELS, DEFAULT_MODEL, pull_model
+    from laneserve.gpu_worker.model_files import BUNDLED_MODELS, DEFAULT_MODEL, pull_model
 
     cache = Path(os.environ.get("LANESERVE_TEST_CACHE") or Path.home() / ".cache/laneserve-test")
     cached = cache / "models" / BUNDLED_MODELS[DEFAULT_MODEL].filename

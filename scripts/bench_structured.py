@@ -35,9 +35,9 @@ import jsonschema  # noqa: E402
 import torch  # noqa: E402
 from bench_offline import cpu_info  # noqa: E402  (applies the engines' OpenMP policy first)
 
-from contracts.openai.structured import parse_structured  # noqa: E402
-from gpu_worker import LLM, SamplingParams  # noqa: E402
-from gpu_worker.structured_output import GrammarCompiler  # noqa: E402
+from laneserve.contracts.openai.structured import parse_structured  # noqa: E402
+from laneserve.gpu_worker import LLM, SamplingParams  # noqa: E402
+from laneserve.gpu_worker.structured_output import GrammarCompiler  # noqa: E402
 
 SCHEMA = {
     "type": "object",

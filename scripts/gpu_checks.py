@@ -50,13 +50,13 @@ PROMPTS = [
 
 # step name -> (time limit in seconds, modules its process imports)
 STEPS: dict[str, tuple[float, tuple[str, ...]]] = {
-    "kernel_tests": (240.0, ("pytest", "kernels.triton")),
-    "parity": (150.0, ("transformers", "gpu_worker")),
-    "cuda_graphs": (120.0, ("gpu_worker", "kernels.cuda_graphs")),
-    "throughput": (150.0, ("transformers", "gpu_worker")),
-    "int4": (150.0, ("gpu_worker", "gpu_worker.quantization")),
-    "decode_attention": (150.0, ("kernels.triton",)),
-    "stack": (240.0, ("openai", "broker.client")),
+    "kernel_tests": (240.0, ("pytest", "laneserve.kernels.triton")),
+    "parity": (150.0, ("transformers", "laneserve.gpu_worker")),
+    "cuda_graphs": (120.0, ("laneserve.gpu_worker", "laneserve.kernels.cuda_graphs")),
+    "throughput": (150.0, ("transformers", "laneserve.gpu_worker")),
+    "int4": (150.0, ("laneserve.gpu_worker", "laneserve.gpu_worker.quantization")),
+    "decode_attention": (150.0, ("laneserve.kernels.triton",)),
+    "stack": (240.0, ("openai", "laneserve.broker.client")),
 }
 
 
@@ -68,14 +68,14 @@ def _prompt_ids() -> list[list[int]]:
 
 
 def _hf_dir() -> str:
-    from gpu_worker.model_files import resolve_model_path
-    from gpu_worker.model_loader import convert_gguf
+    from laneserve.gpu_worker.model_files import resolve_model_path
+    from laneserve.gpu_worker.model_loader import convert_gguf
 
     return str(convert_gguf(resolve_model_path(MODEL)))
 
 
 def _generate(dtype: str, enforce_eager: bool, max_tokens: int) -> list[list[int]]:
-    from gpu_worker import LLM, SamplingParams
+    from laneserve.gpu_worker import LLM, SamplingParams
 
     llm = LLM(MODEL, dtype=dtype, device="cuda", enforce_eager=enforce_eager)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -153,7 +153,7 @@ def step_throughput() -> dict:
 
     prompts = [f"{p} (request {i})" for i in range(8) for p in PROMPTS]  # 64 prompts
     max_tokens = 128
-    from gpu_worker import LLM, SamplingParams
+    from laneserve.gpu_worker import LLM, SamplingParams
 
     llm = LLM(MODEL, dtype="bfloat16", device="cuda")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -191,7 +191,7 @@ def step_throughput() -> dict:
 
 
 def _tok_s(llm, prompts: list[str], max_tokens: int) -> float:
-    from gpu_worker import SamplingParams
+    from laneserve.gpu_worker import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], params)  # warm-up: graph capture, kernel compile
@@ -203,7 +203,7 @@ def _tok_s(llm, prompts: list[str], max_tokens: int) -> float:
 def step_int4() -> dict:
     import torch
 
-    from gpu_worker import LLM, SamplingParams
+    from laneserve.gpu_worker import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     prompts64 = [f"{p} (request {i})" for i in range(8) for p in PROMPTS]

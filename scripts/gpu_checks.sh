@@ -9,7 +9,5 @@ out_dir="${OUT:-.}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
 python -c "import laneserve" 2>/dev/null || python -m pip install -q -e ".[dev]"
-# GPU images often ship Hugging Face's `kernels`, which collides with ours (laneserve/cli.py)
-python -m pip uninstall -y -q kernels 2>/dev/null || true
 laneserve model pull >/dev/null
 python scripts/gpu_checks.py --out "$out_dir/gpu_checks.json" "$@"

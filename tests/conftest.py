@@ -65,8 +65,8 @@ def laneserve_home(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    from gpu_worker.model_files import pull_model
-    from gpu_worker.model_loader import convert_gguf
+    from laneserve.gpu_worker.model_files import pull_model
+    from laneserve.gpu_worker.model_loader import convert_gguf
 
     old = os.environ.get("LANESERVE_HOME")
     os.environ["LANESERVE_HOME"] = str(test_cache_dir())
@@ -86,7 +86,7 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf) -> Path:
     """The bundled model converted once into a cached Hugging Face directory (fast loads)."""
-    from gpu_worker.model_loader import convert_gguf
+    from laneserve.gpu_worker.model_loader import convert_gguf
 
     return convert_gguf(smollm2_gguf)
 

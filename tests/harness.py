@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from broker.client import broker_status
+from laneserve.broker.client import broker_status
 
 ROOT = Path(__file__).resolve().parents[1]
 HB = 0.2  # heartbeat interval (s)
@@ -398,7 +398,7 @@ def chat_line(
 
 def submit(engine, path: Path, **kwargs):
     """Upload `path` and create a batch on it through jobs.service; returns the Job."""
-    from jobs import service
+    from laneserve.jobs import service
 
     endpoint = kwargs.pop("endpoint", "/v1/chat/completions")
     with path.open("rb") as f:
@@ -412,7 +412,7 @@ def submit_job(engine, tmp: Path, lines: list[dict]):
 
 
 def job_state(engine, job_id: str):
-    from jobs import service
+    from laneserve.jobs import service
 
     return service.get_batch(engine, job_id)
 
@@ -445,7 +445,7 @@ def wait_job_done(engine, job_id: str, timeout_s: float, stack: Stack | None = N
 
 def read_lines(engine, file_id: str | None) -> list[dict]:
     """The JSON lines of a stored file ([] for None)."""
-    from jobs import service
+    from laneserve.jobs import service
 
     if file_id is None:
         return []

@@ -189,7 +189,7 @@ class RigStack:
     """A running multi-host stack: `stack` (children in namespaces), `rig` (the namespaces)."""
 
     def __init__(self, tmp: Path, rig: NetRig, db_url: str | None = None) -> None:
-        from broker.curve import generate_keys
+        from laneserve.broker.curve import generate_keys
 
         self.rig, self.tmp = rig, tmp
         self.keys = generate_keys(tmp / "keys", list(WORKERS))

@@ -13,16 +13,16 @@ Never pickle: msgpack only, with ext types refused.
 
 Modules, by direction (DESIGN.md "Wire protocol"):
 
-- :mod:`broker.protocol.checks`: vocabulary (lanes, finish reasons, error codes, sampling
+- :mod:`laneserve.broker.protocol.checks`: vocabulary (lanes, finish reasons, error codes, sampling
   keys), size limits, ``ProtocolError`` and the field checkers (``t_str``, ``t_int``, ...);
-- :mod:`broker.protocol.base`: the ``Message`` base class, the kind registry, ``decode``;
-- :mod:`broker.protocol.front`: client <-> broker (``submit``, ``abort``, ``edge_timings``,
+- :mod:`laneserve.broker.protocol.base`: the ``Message`` base class, the kind registry, ``decode``;
+- :mod:`laneserve.broker.protocol.front`: client <-> broker (``submit``, ``abort``, ``edge_timings``,
   ``status``, ``hello``; ``delta``, ``final``, ``error``, ``heartbeat``, ``status_reply``);
-- :mod:`broker.protocol.back`: worker <-> broker (``ready``, ``worker_heartbeat``,
+- :mod:`laneserve.broker.protocol.back`: worker <-> broker (``ready``, ``worker_heartbeat``,
   ``step_outputs``, ``worker_error``; ``request``, ``abort``, ``heartbeat``, ``disconnect``);
-- :mod:`broker.protocol.recorder`: broker <-> recorder (``record_batch`` of typed
+- :mod:`laneserve.broker.protocol.recorder`: broker <-> recorder (``record_batch`` of typed
   ``RequestRecord``/``EdgeTimings``/``WorkerSnapshot`` items; ``record_ack``);
-- :mod:`broker.protocol.sockets`: socket limits and the fast multipart send.
+- :mod:`laneserve.broker.protocol.sockets`: socket limits and the fast multipart send.
 
 Everything is re-exported here: ``from broker import protocol as p; p.Submit(...)``.
 
@@ -32,7 +32,7 @@ are durations in milliseconds measured with monotonic clocks on one host.
 
 from __future__ import annotations
 
-from broker.protocol.back import (
+from laneserve.broker.protocol.back import (
     BROKER_TO_WORKER,
     WORKER_TO_BROKER,
     Disconnect,
@@ -43,8 +43,8 @@ from broker.protocol.back import (
     WorkerHeartbeat,
     WorkRequest,
 )
-from broker.protocol.base import VERSION_TAG, Message, decode, message
-from broker.protocol.checks import (
+from laneserve.broker.protocol.base import VERSION_TAG, Message, decode, message
+from laneserve.broker.protocol.checks import (
     ERROR_CODES,
     FINISH_REASONS,
     LANES,
@@ -61,7 +61,7 @@ from broker.protocol.checks import (
     SAMPLING_FIELDS,
     ProtocolError,
 )
-from broker.protocol.front import (
+from laneserve.broker.protocol.front import (
     BROKER_TO_CLIENT,
     CLIENT_TO_BROKER,
     Abort,
@@ -77,7 +77,7 @@ from broker.protocol.front import (
     Submit,
     encode_delta,
 )
-from broker.protocol.recorder import (
+from laneserve.broker.protocol.recorder import (
     BROKER_TO_RECORDER,
     RECORDER_TO_BROKER,
     REQUEST_STATUSES,
@@ -86,7 +86,7 @@ from broker.protocol.recorder import (
     RequestRecord,
     WorkerSnapshot,
 )
-from broker.protocol.sockets import bind_router, secure_socket_options, send_frames
+from laneserve.broker.protocol.sockets import bind_router, secure_socket_options, send_frames
 
 __all__ = [
     "BROKER_TO_CLIENT",

@@ -2,7 +2,7 @@
 
 - worker -> broker: ``ready``, ``worker_heartbeat``, ``step_outputs``, ``worker_error``
 - broker -> worker: ``request``, ``abort``, ``heartbeat``, ``disconnect`` (``abort`` and
-  ``heartbeat`` are the client-side classes of :mod:`broker.protocol.front`)
+  ``heartbeat`` are the client-side classes of :mod:`laneserve.broker.protocol.front`)
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, ClassVar, NamedTuple
 
-from broker.protocol.base import Message, message
-from broker.protocol.checks import (
+from laneserve.broker.protocol.base import Message, message
+from laneserve.broker.protocol.checks import (
     ERROR_CODES,
     FINISH_REASONS,
     LANES,
@@ -34,7 +34,7 @@ from broker.protocol.checks import (
     t_str,
     t_token_ids,
 )
-from broker.protocol.front import Abort, Heartbeat, PromptRequest
+from laneserve.broker.protocol.front import Abort, Heartbeat, PromptRequest
 
 # worker -> broker
 
@@ -172,7 +172,7 @@ class WorkerError(Message):
 @message
 class WorkRequest(PromptRequest):
     """A request dispatched to a worker (kind ``request``): the prompt fields of
-    :class:`~broker.protocol.front.PromptRequest` and the dispatch ``attempt`` (1-based)."""
+    :class:`~laneserve.broker.protocol.front.PromptRequest` and the dispatch ``attempt`` (1-based)."""
 
     KIND: ClassVar[str] = "request"
     attempt: int = spec(t_int(0, 1000), 1)

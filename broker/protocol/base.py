@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from broker.protocol.checks import (
+from laneserve.broker.protocol.checks import (
     MAX_MAP_ITEMS,
     MAX_MESSAGE_BYTES,
     MAX_TEXT_CHARS,

@@ -13,9 +13,9 @@ from typing import Any
 
 # One definition each, in the OpenAI layer: a prompt or message body (also an error message's cap),
 # chat messages in one request, the lane names, the sampling keys.
-from contracts.openai.requests import LANES as LANES
-from contracts.openai.requests import MAX_MESSAGES as MAX_MESSAGES
-from contracts.openai.requests import MAX_TEXT_CHARS, SAMPLING_KEYS
+from laneserve.contracts.openai.requests import LANES as LANES
+from laneserve.contracts.openai.requests import MAX_MESSAGES as MAX_MESSAGES
+from laneserve.contracts.openai.requests import MAX_TEXT_CHARS, SAMPLING_KEYS
 
 # Size limits. MAX_MESSAGE_BYTES is also the ZMQ_MAXMSGSIZE set on every socket: a peer that
 # sends a larger frame is disconnected by libzmq before Python sees it.

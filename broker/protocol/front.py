@@ -5,7 +5,7 @@
 - broker -> client: ``delta``, ``final``, ``error``, ``heartbeat`` (broker epoch),
   ``status_reply``
 
-``abort`` and ``heartbeat`` also travel broker -> worker (:mod:`broker.protocol.back`).
+``abort`` and ``heartbeat`` also travel broker -> worker (:mod:`laneserve.broker.protocol.back`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import ClassVar
 
 import msgpack
 
-from broker.protocol.base import VERSION_TAG, Message, message
-from broker.protocol.checks import (
+from laneserve.broker.protocol.base import VERSION_TAG, Message, message
+from laneserve.broker.protocol.checks import (
     ERROR_CODES,
     FINISH_REASONS,
     LANES,

@@ -7,15 +7,15 @@
 The broker describes what happened in its own terms; the recorder (``db/recorder.py``) maps
 these onto the ``requests`` and ``worker_stats`` rows, so no SQL column name crosses the link.
 Times: ``*_at`` are unix seconds (display only), ``*_ms`` durations from monotonic intervals
-(:mod:`contracts.latency`).
+(:mod:`laneserve.contracts.latency`).
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from broker.protocol.base import Message, message, t_message
-from broker.protocol.checks import (
+from laneserve.broker.protocol.base import Message, message, t_message
+from laneserve.broker.protocol.checks import (
     ERROR_CODES,
     FINISH_REASONS,
     LANES,
@@ -29,7 +29,7 @@ from broker.protocol.checks import (
     t_opt,
     t_str,
 )
-from broker.protocol.front import EdgeTimings
+from laneserve.broker.protocol.front import EdgeTimings
 
 REQUEST_STATUSES = ("completed", "failed", "aborted")
 """A finished request's outcome: a final answer, an error, or an abort."""

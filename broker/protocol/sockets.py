@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from broker.protocol.checks import MAX_MESSAGE_BYTES
+from laneserve.broker.protocol.checks import MAX_MESSAGE_BYTES
 
 
 def secure_socket_options(sock: Any, *, router: bool = False) -> None:

@@ -1,7 +1,7 @@
 """Typed field checks of OpenAI request bodies: each names the field in its 400.
 
 ``null`` counts as "not given" (the checker returns None); JSON's ``2.0`` is accepted as an
-integer. Used by :mod:`contracts.openai.requests`.
+integer. Used by :mod:`laneserve.contracts.openai.requests`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from contracts.openai.errors import invalid
+from laneserve.contracts.openai.errors import invalid
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 1024

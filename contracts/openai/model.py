@@ -1,7 +1,7 @@
 """The served model as an edge sees it: its names, tokenizer and context length; prompt checks.
 
 DESIGN.md "Edge validation": the gateway and the jobs runner count prompt tokens with the
-model's tokenizer and the engine's rule (:func:`contracts.tokens.prompt_ids`), so an over-length
+model's tokenizer and the engine's rule (:func:`laneserve.contracts.tokens.prompt_ids`), so an over-length
 prompt is a 400 (an error line in a batch) before any inference, and a stream's status is known
 before its first byte. :meth:`ServedModel.check` settles ``max_tokens`` the same way for both.
 """
@@ -14,9 +14,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from contracts.openai.errors import OpenAIError, invalid, model_not_found
-from contracts.openai.requests import DEFAULT_COMPLETIONS_MAX_TOKENS, Limits, ParsedRequest, Prompt
-from contracts.tokens import PromptError, PromptTokenizer, count_prompt
+from laneserve.contracts.openai.errors import OpenAIError, invalid, model_not_found
+from laneserve.contracts.openai.requests import (
+    DEFAULT_COMPLETIONS_MAX_TOKENS,
+    Limits,
+    ParsedRequest,
+    Prompt,
+)
+from laneserve.contracts.tokens import PromptError, PromptTokenizer, count_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +46,7 @@ class ServedModel:
     ) -> ServedModel:
         """Load the tokenizer and context length of a resolved model path (a ``.gguf`` file
         with its converted cache, or a Hugging Face directory); ``max_model_len`` may only
-        lower the model's own. Raises :class:`contracts.tokens.TokenizerError`."""
+        lower the model's own. Raises :class:`laneserve.contracts.tokens.TokenizerError`."""
         tokenizer = PromptTokenizer.load(path)
         max_len = tokenizer.max_model_len
         if max_model_len is not None:

@@ -22,7 +22,7 @@ own ``service_tier`` picks the lane too: ``"flex"`` -> batch; ``"auto"``, ``"def
 ``"priority"``, ``"scale"`` -> interactive (`SERVICE_TIER_LANES`).
 
 The wire ``sampling_params`` keys are :data:`SAMPLING_KEYS` (the broker's ``SAMPLING_FIELDS``).
-Prompt token counting needs the tokenizer and happens next (:mod:`contracts.openai.lengths`);
+Prompt token counting needs the tokenizer and happens next (:mod:`laneserve.contracts.openai.lengths`);
 ``max_tokens`` stays None here when the body leaves it out.
 """
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts.openai.checks import (
+from laneserve.contracts.openai.checks import (
     MAX_TOKEN_ID,
     WIRE_INT_MAX,
     bool_field,
@@ -43,8 +43,8 @@ from contracts.openai.checks import (
     tolerated_no_ops,
     type_name,
 )
-from contracts.openai.errors import invalid
-from contracts.openai.structured import parse_structured
+from laneserve.contracts.openai.errors import invalid
+from laneserve.contracts.openai.structured import parse_structured
 
 LANES = ("interactive", "batch")  # the wire protocol uses these (broker.protocol.LANES)
 MAX_TEXT_CHARS = 8 * 1024 * 1024  # a prompt or message body (also the wire protocol's text cap)

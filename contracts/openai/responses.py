@@ -2,8 +2,8 @@
 
 Used by the gateway (responses and SSE streams) and by bulk-job output lines (the ``body`` of a
 batch output line is the same completion object). ``kind`` is ``"chat"`` or ``"completion"``
-(:attr:`contracts.openai.requests.ParsedRequest.kind`). Logprob builders take ``token_text``, a
-function from a token id to its text (:meth:`contracts.openai.model.ServedModel.token_text`).
+(:attr:`laneserve.contracts.openai.requests.ParsedRequest.kind`). Logprob builders take ``token_text``, a
+function from a token id to its text (:meth:`laneserve.contracts.openai.model.ServedModel.token_text`).
 
 JSON never carries ``NaN`` or ``Infinity`` (they are not JSON): a ``-inf`` logprob is sent as
 ``-9999.0``, vLLM's convention (vllm/entrypoints/openai/serving_chat.py clamps to -9999.0), and
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from contracts.openai.requests import ParsedRequest
+    from laneserve.contracts.openai.requests import ParsedRequest
 
 TokenText = Callable[[int], str]
 OBJECT = {"chat": "chat.completion", "completion": "text_completion"}

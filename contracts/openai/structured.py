@@ -31,8 +31,8 @@ import functools
 import json
 from typing import Any
 
-from contracts.openai.checks import type_name
-from contracts.openai.errors import invalid
+from laneserve.contracts.openai.checks import type_name
+from laneserve.contracts.openai.errors import invalid
 
 # A schema's compact JSON text: validating costs ~4 ms per 1 KB of schema (a 1 MB schema takes
 # seconds), so larger ones are refused before any work. OpenAI's own limits are of the same order

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from alembic import context
 
-from db.models import Base
-from db.session import make_engine, writer
+from laneserve.db.models import Base
+from laneserve.db.session import make_engine, writer
 
 config = context.config
 target_metadata = Base.metadata

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from gpu_worker import quantization as quant
-from gpu_worker.errors import ModelLoadError
-from gpu_worker.model_loader import ModelConfig
-from gpu_worker.quantization import GGUFQuantTensor, QuantLinear
+from laneserve import kernels
+from laneserve.gpu_worker import quantization as quant
+from laneserve.gpu_worker.errors import ModelLoadError
+from laneserve.gpu_worker.model_loader import ModelConfig
+from laneserve.gpu_worker.quantization import GGUFQuantTensor, QuantLinear
 
 Linear = torch.Tensor | QuantLinear
 

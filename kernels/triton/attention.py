@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import (
+from laneserve.kernels.triton._common import (
     INTERPRET,
     check_contiguous,
     check_device,
@@ -282,7 +282,7 @@ def unified_attention(
     max_query_len: int | None = None,
     num_segments: int | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`kernels.reference.unified_attention` (same shapes and semantics).
+    """Triton version of :func:`laneserve.kernels.reference.unified_attention` (same shapes and semantics).
 
     ``max_query_len`` (optional, host int) picks a smaller tile for pure-decode batches; when it is
     ``None`` the wrapper guesses it from the shapes without a device sync (``num_tokens ==

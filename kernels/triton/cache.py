@@ -10,7 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import check_contiguous, check_device, check_last_dim_contiguous
+from laneserve.kernels.triton._common import (
+    check_contiguous,
+    check_device,
+    check_last_dim_contiguous,
+)
 
 
 @triton.jit
@@ -64,7 +68,7 @@ def reshape_and_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Triton version of :func:`kernels.reference.reshape_and_cache` (same shapes and semantics).
+    """Triton version of :func:`laneserve.kernels.reference.reshape_and_cache` (same shapes and semantics).
 
     Slots must be ``< num_blocks * block_size`` (not checked on the device: that would need a sync).
 

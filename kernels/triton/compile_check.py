@@ -21,7 +21,7 @@ _DT = {"bf16": "bf16", "fp32": "fp32"}
 
 
 def _cases():
-    from kernels.triton import attention, cache, layer_ops
+    from laneserve.kernels.triton import attention, cache, layer_ops
 
     # (num_q_heads, num_kv_heads, head_dim): Llama-3-8B and SmolLM2-135M
     for hq, hk, d in ((32, 8, 128), (9, 3, 64)):

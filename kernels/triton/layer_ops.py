@@ -1,6 +1,6 @@
 """Triton fused layer ops of the Llama block: RMSNorm (+ residual add), RoPE, SiLU-and-mul.
 
-Numerics mirror transformers' Llama modules (see :mod:`kernels.reference`): where transformers
+Numerics mirror transformers' Llama modules (see :mod:`laneserve.kernels.reference`): where transformers
 computes in the activation dtype, intermediate products are rounded to that dtype here too
 (``ROUND`` below), so bf16 results agree with the reference to the last bit in most elements.
 """
@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import check_device, check_last_dim_contiguous
-from kernels.triton._common import round_to as _round
+from laneserve.kernels.triton._common import check_device, check_last_dim_contiguous
+from laneserve.kernels.triton._common import round_to as _round
 
 
 # --------------------------------------------------------------------------------------- RMSNorm
@@ -59,7 +59,7 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`kernels.reference.rms_norm` (same shapes, returns and numerics).
+    """Triton version of :func:`laneserve.kernels.reference.rms_norm` (same shapes, returns and numerics).
 
     Raises:
         ValueError: a tensor is not on a usable device or not contiguous in its last dimension.
@@ -169,7 +169,7 @@ def rotary_embedding(
     k: torch.Tensor,
     cos_sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`kernels.reference.rotary_embedding` (in place; returns ``(q, k)``).
+    """Triton version of :func:`laneserve.kernels.reference.rotary_embedding` (in place; returns ``(q, k)``).
 
     Positions must be ``< max_pos`` (not checked on the device).
 
@@ -224,7 +224,7 @@ def _silu_and_mul_kernel(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """Triton version of :func:`kernels.reference.silu_and_mul`: ``[..., 2I] -> [..., I]``.
+    """Triton version of :func:`laneserve.kernels.reference.silu_and_mul`: ``[..., 2I] -> [..., I]``.
 
     Raises:
         ValueError: ``x`` is not on a usable device or not contiguous in its last dimension.

@@ -7,7 +7,7 @@ Modules: ``config`` (ApiConfig), ``app`` (create_app, state, health/models/metri
 jobs.service), ``metrics`` (Prometheus), ``errors`` (error responses).
 
 Body validation, prompt counting, response objects and error objects are the shared OpenAI layer
-:mod:`contracts.openai` (the same code checks bulk-job lines); the process never imports torch.
+:mod:`laneserve.contracts.openai` (the same code checks bulk-job lines); the process never imports torch.
 """
 
 from __future__ import annotations

@@ -36,9 +36,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from broker.client import BrokerClient
-from contracts.openai.model import ServedModel
-from contracts.procs import parent_gone
 from laneserve.api import completions, files, tokenize
 from laneserve.api import inspection as inspection_routes
 from laneserve.api.arrival import ArrivalMiddleware
@@ -48,6 +45,9 @@ from laneserve.api.errors import ApiError, error_response, response_for
 from laneserve.api.health import ReadinessProbe
 from laneserve.api.metrics import GatewayMetrics
 from laneserve.api.model_info import load_served_model
+from laneserve.broker.client import BrokerClient
+from laneserve.contracts.openai.model import ServedModel
+from laneserve.contracts.procs import parent_gone
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from contracts.openai.checks import unpaired_surrogate
 from laneserve.api.errors import ApiError, error_response, invalid
+from laneserve.contracts.openai.checks import unpaired_surrogate
 
 OPEN_PATHS = frozenset({"/health", "/ready"})
 

@@ -1,11 +1,11 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``.
 
 Flow of one request: arrival stamped before anything else (:mod:`laneserve.api.arrival`) ->
-read the body (size limit) -> validate (:func:`contracts.openai.parse`) -> check the model name
-and count prompt tokens (:class:`contracts.openai.ServedModel`) -> make sure a worker serves the
+read the body (size limit) -> validate (:func:`laneserve.contracts.openai.parse`) -> check the model name
+and count prompt tokens (:class:`laneserve.contracts.openai.ServedModel`) -> make sure a worker serves the
 lane (else 503 at once, not after the broker's no-worker timeout) -> submit every choice
 (:class:`~laneserve.api.generate.Generation`) -> respond with the objects of
-:mod:`contracts.openai.responses`.
+:mod:`laneserve.contracts.openai.responses`.
 
 Streams decide their HTTP status before the first SSE byte: the response starts only once every
 choice has heard back from the broker (its first token, or an error such as ``overloaded`` ->
@@ -24,12 +24,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from contracts.openai import responses as fmt
-from contracts.openai.requests import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, parse
 from laneserve.api.arrival import arrival
 from laneserve.api.auth import read_json
 from laneserve.api.errors import response_for
 from laneserve.api.generate import DISCONNECTED, Event, Generation, race_disconnect
+from laneserve.contracts.openai import responses as fmt
+from laneserve.contracts.openai.requests import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, parse
 
 if TYPE_CHECKING:
     from laneserve.api.app import GatewayState

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contracts.openai.requests import DEFAULT_MAX_N, DEFAULT_MAX_TOKENS_LIMIT, LANES, Limits
+from laneserve.contracts.openai.requests import (
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_TOKENS_LIMIT,
+    LANES,
+    Limits,
+)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # JSON request bodies; a prompt is text, not a file
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file (200 MB)
@@ -51,5 +56,5 @@ class ApiConfig:
 
     @property
     def limits(self) -> Limits:
-        """The per-request caps shared with bulk-job lines (:mod:`contracts.openai`)."""
+        """The per-request caps shared with bulk-job lines (:mod:`laneserve.contracts.openai`)."""
         return Limits(max_n=self.max_n, max_tokens_limit=self.max_tokens_limit)

@@ -1,6 +1,6 @@
-"""Errors at the HTTP edge: :class:`contracts.openai.errors.OpenAIError` as a JSON response.
+"""Errors at the HTTP edge: :class:`laneserve.contracts.openai.errors.OpenAIError` as a JSON response.
 
-The error objects, codes and statuses live in :mod:`contracts.openai.errors` (shared with
+The error objects, codes and statuses live in :mod:`laneserve.contracts.openai.errors` (shared with
 bulk-job lines); this module adds the HTTP response and ``Retry-After`` (DESIGN.md "Error codes":
 429 and 503 carry one).
 """
@@ -11,8 +11,8 @@ import json
 
 from starlette.responses import Response
 
-from contracts.openai.errors import STATUS_BY_CODE, error_body, invalid
-from contracts.openai.errors import OpenAIError as ApiError
+from laneserve.contracts.openai.errors import STATUS_BY_CODE, error_body, invalid
+from laneserve.contracts.openai.errors import OpenAIError as ApiError
 
 RETRY_AFTER_S = 1  # Retry-After for 429 / 503
 

@@ -45,8 +45,8 @@ class JobsService:
 def open_jobs_service(config: ApiConfig) -> JobsService | None:
     """Migrate the database and open an engine; None (routes answer 503) when it fails."""
     try:
-        from db import migrate
-        from db.session import make_engine
+        from laneserve.db import migrate
+        from laneserve.db.session import make_engine
 
         migrate.upgrade(config.db_url)
         return JobsService(make_engine(config.db_url))
@@ -64,7 +64,7 @@ def _service(request: Request) -> JobsService:
 
 async def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Run a jobs-library call in a thread; its typed errors become ApiError."""
-    from jobs.errors import JobsError
+    from laneserve.jobs.errors import JobsError
 
     try:
         return await asyncio.to_thread(fn, *args, **kwargs)
@@ -77,7 +77,7 @@ async def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 async def create_file(request: Request) -> Response:
-    from jobs import service
+    from laneserve.jobs import service
 
     svc = _service(request)
     limit = request.app.state.gateway.config.max_file_bytes
@@ -107,7 +107,7 @@ async def create_file(request: Request) -> Response:
 
 
 async def get_file(request: Request) -> Response:
-    from jobs import service
+    from laneserve.jobs import service
 
     row = await _call(service.get_file, _service(request).engine, request.path_params["file_id"])
     return JSONResponse(service.file_object(row))
@@ -134,8 +134,8 @@ def _page(data: list[dict], more: bool) -> JSONResponse:
 
 
 async def list_files(request: Request) -> Response:
-    from jobs import service
-    from jobs.files import LIST_LIMIT_MAX
+    from laneserve.jobs import service
+    from laneserve.jobs.files import LIST_LIMIT_MAX
 
     q = request.query_params
     rows, more = await _call(
@@ -150,7 +150,7 @@ async def list_files(request: Request) -> Response:
 
 
 async def delete_file(request: Request) -> Response:
-    from jobs import service
+    from laneserve.jobs import service
 
     file_id = request.path_params["file_id"]
     await _call(service.delete_file, _service(request).engine, file_id)
@@ -158,7 +158,7 @@ async def delete_file(request: Request) -> Response:
 
 
 async def file_content(request: Request) -> Response:
-    from jobs import service
+    from laneserve.jobs import service
 
     path = await _call(service.file_path, _service(request).engine, request.path_params["file_id"])
     return FileResponse(path, media_type="application/octet-stream")
@@ -172,7 +172,7 @@ _BATCH_FIELDS = frozenset(
 
 
 async def create_batch(request: Request) -> Response:
-    from jobs import service
+    from laneserve.jobs import service
 
     state = request.app.state.gateway
     svc = _service(request)
@@ -210,7 +210,7 @@ async def create_batch(request: Request) -> Response:
 
 
 async def list_batches(request: Request) -> Response:
-    from jobs import service
+    from laneserve.jobs import service
 
     limit = _query_int(request, "limit", 20)
     engine = _service(request).engine
@@ -224,8 +224,8 @@ async def list_batches(request: Request) -> Response:
 
 
 async def get_batch(request: Request) -> Response:
-    from jobs import service
-    from jobs.stats import batch_stats, usage_of
+    from laneserve.jobs import service
+    from laneserve.jobs.stats import batch_stats, usage_of
 
     engine = _service(request).engine
     job = await _call(service.get_batch, engine, request.path_params["batch_id"])
@@ -234,7 +234,7 @@ async def get_batch(request: Request) -> Response:
 
 
 async def cancel_batch(request: Request) -> Response:
-    from jobs import service
+    from laneserve.jobs import service
 
     job = await _call(
         service.cancel_batch, _service(request).engine, request.path_params["batch_id"]

@@ -32,14 +32,14 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from broker import protocol as p
-from broker.client import BrokerClient, Restart
-from contracts import latency
 from laneserve.api.errors import STATUS_BY_CODE, ApiError
 from laneserve.api.metrics import GatewayMetrics
+from laneserve.broker import protocol as p
+from laneserve.broker.client import BrokerClient, Restart
+from laneserve.contracts import latency
 
 if TYPE_CHECKING:
-    from contracts.openai.requests import ParsedRequest, Prompt
+    from laneserve.contracts.openai.requests import ParsedRequest, Prompt
 
 logger = logging.getLogger(__name__)
 

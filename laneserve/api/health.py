@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts.openai.requests import LANES
+from laneserve.contracts.openai.requests import LANES
 
 logger = logging.getLogger(__name__)
 

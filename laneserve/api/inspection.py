@@ -2,7 +2,7 @@
 ``/health``)::
 
     GET /v1/batches/{id}/stats   a job's tokens, throughput, TTFT/e2e percentiles, ETA, files
-                                 (:func:`jobs.stats.batch_stats`; 404 for an unknown batch;
+                                 (:func:`laneserve.jobs.stats.batch_stats`; 404 for an unknown batch;
                                  ``?latency=0`` leaves the percentiles out: cheaper to poll)
     GET /status                  the broker as the gateway sees it: {"broker": bool, "model",
                                  "workers": [...], "queues": {...}} (workers as the broker
@@ -25,8 +25,8 @@ from laneserve.api.errors import ApiError
 
 
 async def batch_stats(request: Request) -> Response:
-    from jobs.errors import JobsError
-    from jobs.stats import batch_stats as compute
+    from laneserve.jobs.errors import JobsError
+    from laneserve.jobs.stats import batch_stats as compute
 
     svc = request.app.state.gateway.jobs
     if svc is None:

@@ -278,8 +278,8 @@ class JobsCollector:
         """Re-read the job lines' counts (blocking: one grouped query)."""
         from sqlalchemy import func, select
 
-        from db.models import Request
-        from db.session import read_session
+        from laneserve.db.models import Request
+        from laneserve.db.session import read_session
 
         query = (
             select(

@@ -1,14 +1,14 @@
 """Load the served model's names, tokenizer and context length for the gateway (no torch).
 
-The checks themselves live in :class:`contracts.openai.model.ServedModel` (shared with the jobs
+The checks themselves live in :class:`laneserve.contracts.openai.model.ServedModel` (shared with the jobs
 runner); this module resolves the ``--model`` flag (a bundled alias, a ``.gguf`` file whose
 converted cache ``<stem>.hf/`` holds the tokenizer, or a Hugging Face directory).
 """
 
 from __future__ import annotations
 
-from contracts.openai.model import ServedModel
 from laneserve.api.config import ApiConfig
+from laneserve.contracts.openai.model import ServedModel
 
 
 def load_served_model(config: ApiConfig) -> ServedModel:
@@ -20,7 +20,7 @@ def load_served_model(config: ApiConfig) -> ServedModel:
     """
     if config.model is None:
         return ServedModel(served_name=config.served_model_name, max_model_len=config.max_model_len)
-    from gpu_worker.model_files import model_display_name, resolve_model_path
+    from laneserve.gpu_worker.model_files import model_display_name, resolve_model_path
 
     name = config.served_model_name or model_display_name(config.model)
     return ServedModel.load(resolve_model_path(config.model), name, config.max_model_len)

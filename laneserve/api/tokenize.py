@@ -5,7 +5,7 @@
 ``return_token_strs``) and answers ``{"count", "max_model_len", "tokens", "token_strs"}``;
 ``/detokenize`` takes ``{"tokens": [int], "model"?}`` and answers ``{"prompt": str}``. Both use the
 served model's tokenizer in the gateway (no engine round trip) and the engine's rule for chat
-messages (:func:`contracts.tokens.prompt_ids`), so ``count`` is what ``usage.prompt_tokens`` will
+messages (:func:`laneserve.contracts.tokens.prompt_ids`), so ``count`` is what ``usage.prompt_tokens`` will
 say. Errors: 400 naming the field, 404 for an unknown ``model``, 503 when the gateway holds no
 tokenizer.
 """
@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from contracts.openai.checks import bool_field, type_name
-from contracts.openai.errors import invalid, model_not_found
-from contracts.openai.requests import MAX_TEXT_CHARS, parse_messages
-from contracts.tokens import PromptError, PromptTokenizer
 from laneserve.api.auth import read_json
 from laneserve.api.errors import ApiError
+from laneserve.contracts.openai.checks import bool_field, type_name
+from laneserve.contracts.openai.errors import invalid, model_not_found
+from laneserve.contracts.openai.requests import MAX_TEXT_CHARS, parse_messages
+from laneserve.contracts.tokens import PromptError, PromptTokenizer
 
 if TYPE_CHECKING:
     from laneserve.api.app import GatewayState

@@ -7,9 +7,9 @@ import logging
 import sys
 from pathlib import Path
 
-from contracts import env
-from contracts.openai.requests import LANES
 from laneserve.commands import port_number
+from laneserve.contracts import env
+from laneserve.contracts.openai.requests import LANES
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +89,8 @@ def _lanes(spec: str) -> tuple[str, ...]:
 
 
 def build_config(args: argparse.Namespace):
-    from broker.addresses import default_front
     from laneserve.api.config import ApiConfig
+    from laneserve.broker.addresses import default_front
 
     extra = {
         name: getattr(args, name)

@@ -104,8 +104,8 @@ def _add_curve(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from broker.addresses import default_back, default_front
-    from broker.broker import Broker, BrokerConfig
+    from laneserve.broker.addresses import default_back, default_front
+    from laneserve.broker.broker import Broker, BrokerConfig
 
     config = BrokerConfig(
         front=args.front or default_front(),

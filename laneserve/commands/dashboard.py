@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from contracts.procs import parent_gone
 from laneserve.commands import port_number
+from laneserve.contracts.procs import parent_gone
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def app_path() -> Path:
     """The installed package's `dashboard/app.py`."""
-    import dashboard
+    from laneserve import dashboard
 
     return Path(dashboard.__file__).resolve().with_name("app.py")
 
@@ -71,15 +71,15 @@ def streamlit_command(port: int) -> list[str]:
 
 def _stack_api_url() -> str | None:
     """$LANESERVE_URL, else the API of the stack running under $LANESERVE_HOME (or None)."""
-    from contracts import env
+    from laneserve.contracts import env
     from laneserve.stack import running_stack
 
     return env.get("LANESERVE_URL") or (running_stack(ready=False) or {}).get("api_url")
 
 
 def run(args: argparse.Namespace) -> int:
-    from db.migrate import MigrationError, upgrade
-    from db.session import resolve_url
+    from laneserve.db.migrate import MigrationError, upgrade
+    from laneserve.db.session import resolve_url
 
     url = resolve_url(args.db)
     try:

@@ -23,8 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from db import migrate
-    from db.session import DatabaseURLError
+    from laneserve.db import migrate
+    from laneserve.db.session import DatabaseURLError
 
     try:
         if args.db_action == "upgrade":

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from contracts import env
-from contracts.latency import percentile
+from laneserve.contracts import env
+from laneserve.contracts.latency import percentile
 from laneserve.demo_chats import ChatStats, run_chats
 from laneserve.demo_report import (
     build_report,
@@ -210,7 +210,7 @@ def _wait_for_rows(engine, since: float, final: dict, chats: ChatStats) -> None:
 
 def _submit_jobs(engine, inputs: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
     """Create the summarize and translate jobs from their input files; {name: jobs row}."""
-    from jobs import service
+    from laneserve.jobs import service
 
     options = {
         "summarize": {"max_tokens": args.summary_tokens},
@@ -234,7 +234,7 @@ def _follow(
     cancelled), then stop the chats. Returns ({name: last jobs row}, problems seen)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from jobs import service
+    from laneserve.jobs import service
 
     columns = (
         TextColumn("{task.description:<34}"),
@@ -281,7 +281,7 @@ def _follow(
 
 def _update_bars(engine, jobs: dict, rows: dict, bar, bars: dict) -> None:
     """Read each job's row into `rows` and show its counts on its progress bar."""
-    from jobs import service
+    from laneserve.jobs import service
 
     for name, job in jobs.items():
         rows[name] = row = service.get_batch(engine, job.id)
@@ -295,7 +295,7 @@ def _update_bars(engine, jobs: dict, rows: dict, bar, bars: dict) -> None:
 
 def _cancel_unfinished(engine, jobs: dict, rows: dict, timeout_s: float) -> str:
     """Cancel the jobs not done after `timeout_s` seconds; returns the problem to report."""
-    from jobs import service
+    from laneserve.jobs import service
 
     unfinished = [n for n, r in rows.items() if not service.is_terminal(r.status)]
     for name in unfinished:
@@ -305,7 +305,7 @@ def _cancel_unfinished(engine, jobs: dict, rows: dict, timeout_s: float) -> str:
 
 def _copy_results(engine, final: dict, out: Path) -> dict[str, str]:
     """Copy each job's output and error file next to the demo's inputs; {"NAME_KIND": path}."""
-    from jobs.files import copy_file_content
+    from laneserve.jobs.files import copy_file_content
 
     files = {}
     for name, job in final.items():

@@ -18,8 +18,8 @@ import signal
 import sys
 import time
 
-from contracts.env import laneserve_home
-from contracts.procs import pid_alive
+from laneserve.contracts.env import laneserve_home
+from laneserve.contracts.procs import pid_alive
 from laneserve.stack import read_stack
 
 

@@ -91,10 +91,10 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
-    from broker.addresses import default_front
-    from db import migrate
-    from db.session import DatabaseURLError, make_engine
-    from jobs.runner import JobsRunner
+    from laneserve.broker.addresses import default_front
+    from laneserve.db import migrate
+    from laneserve.db.session import DatabaseURLError, make_engine
+    from laneserve.jobs.runner import JobsRunner
 
     if args.lease_timeout <= 0:
         print("laneserve jobs-runner: --lease-timeout must be > 0", file=sys.stderr)
@@ -105,10 +105,10 @@ def run(args: argparse.Namespace) -> int:
     except (migrate.MigrationError, DatabaseURLError) as exc:
         print(f"laneserve jobs-runner: {exc}", file=sys.stderr)
         return 1
-    from contracts.tokens import TokenizerError
-    from gpu_worker.errors import ModelLoadError
-    from gpu_worker.model_files import model_display_name
-    from jobs.tokens import load_served_model
+    from laneserve.contracts.tokens import TokenizerError
+    from laneserve.gpu_worker.errors import ModelLoadError
+    from laneserve.gpu_worker.model_files import model_display_name
+    from laneserve.jobs.tokens import load_served_model
 
     model_name = args.model_name or model_display_name(args.model)
     try:

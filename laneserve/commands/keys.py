@@ -34,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from broker.curve import CurveKeyError, generate_keys
+    from laneserve.broker.curve import CurveKeyError, generate_keys
 
     try:
         paths = generate_keys(args.dir, args.client, force=args.force)

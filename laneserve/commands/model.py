@@ -8,7 +8,7 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from gpu_worker.model_files import BUNDLED_MODELS, DEFAULT_MODEL, models_dir, pull_model
+from laneserve.gpu_worker.model_files import BUNDLED_MODELS, DEFAULT_MODEL, models_dir, pull_model
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -48,7 +48,7 @@ def run_pull(args: argparse.Namespace) -> int:
 
         path = pull_model(args.alias, progress=report)
         if not args.no_convert:
-            from gpu_worker.model_loader import convert_gguf
+            from laneserve.gpu_worker.model_loader import convert_gguf
 
             task = progress.add_task("convert (tokenizer + dequantize, once)", total=None)
             cache = convert_gguf(path)
@@ -73,7 +73,7 @@ def _build_cpu_kernels(progress: Progress) -> str:
     """Compile the C++ CPU kernels once per machine here, at install time, so that a worker's
     first start does not spend minutes in the compiler (kernels/cpu_ext.py): "built", or
     "unavailable" (no compiler, or LANESERVE_CPU_KERNELS=0: workers use the PyTorch path)."""
-    from kernels import cpu_ext
+    from laneserve.kernels import cpu_ext
 
     task = progress.add_task("build C++ CPU kernels (once per machine)", total=None)
     built = cpu_ext.load()

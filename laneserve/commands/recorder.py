@@ -7,7 +7,7 @@ import logging
 import signal
 import sys
 
-from contracts import env
+from laneserve.contracts import env
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +57,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import zmq
 
-    from db import migrate
-    from db.recorder import RecorderServer
-    from db.session import DatabaseURLError, make_engine
+    from laneserve.db import migrate
+    from laneserve.db.recorder import RecorderServer
+    from laneserve.db.session import DatabaseURLError, make_engine
 
     try:
         migrate.upgrade(args.db)

@@ -117,8 +117,8 @@ def _hide_password(url: str | None) -> str | None:
 
 def collect(info: dict[str, Any], timeout_s: float = 3.0) -> dict[str, Any]:
     """The status object (module docstring) for a running stack's `stack.json` dict."""
-    from broker.client import broker_status
-    from contracts.procs import pid_alive
+    from laneserve.broker.client import broker_status
+    from laneserve.contracts.procs import pid_alive
 
     try:
         broker = broker_status(info["broker_front"], timeout_s=timeout_s)
@@ -181,8 +181,8 @@ def _home():
 
 
 def run(args: argparse.Namespace) -> int:
-    from contracts import env
     from laneserve.commands.up import quiet_http_logs
+    from laneserve.contracts import env
     from laneserve.stack import running_stack
 
     quiet_http_logs()

@@ -57,8 +57,8 @@ def open_engine(explicit: str | None):
     """A migrated engine on the local stack's database (`--db`, else stack.json's `db_url`, else
     db.session's default), for `laneserve demo`, which starts and reads a stack on this host.
     The submit/jobs/status/chat commands never use it: they talk HTTP."""
-    from db import migrate
-    from db.session import make_engine
+    from laneserve.db import migrate
+    from laneserve.db.session import make_engine
     from laneserve.stack import read_stack
 
     url = explicit or (read_stack() or {}).get("db_url") or None

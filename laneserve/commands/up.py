@@ -30,10 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-from contracts import env as lsenv
-from gpu_worker import openmp
-from gpu_worker.config import EngineConfig, add_engine_arguments, config_from_args
 from laneserve.commands import port_number
+from laneserve.contracts import env as lsenv
+from laneserve.gpu_worker import openmp
+from laneserve.gpu_worker.config import EngineConfig, add_engine_arguments, config_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,11 @@ def prepare_model(model: str) -> None:
     Raises:
         gpu_worker.errors.ModelLoadError: unknown alias, download failure, bad file.
     """
-    from gpu_worker.model_files import conversion_valid, gguf_cache_dir, resolve_model_path
+    from laneserve.gpu_worker.model_files import (
+        conversion_valid,
+        gguf_cache_dir,
+        resolve_model_path,
+    )
 
     path = resolve_model_path(model)  # pulls a bundled alias
     if (
@@ -220,7 +224,9 @@ def prepare_model(model: str) -> None:
         and path.suffix == ".gguf"
         and not conversion_valid(gguf_cache_dir(path), path)
     ):
-        from gpu_worker.model_loader import convert_gguf  # imports torch: only when converting
+        from laneserve.gpu_worker.model_loader import (
+            convert_gguf,  # imports torch: only when converting
+        )
 
         convert_gguf(path)
 
@@ -309,7 +315,7 @@ def check_ready(plan: dict) -> list[str]:
     """Components not answering yet (empty when the stack is ready)."""
     import httpx
 
-    from broker.client import broker_status
+    from laneserve.broker.client import broker_status
 
     waiting = []
     try:
@@ -385,8 +391,8 @@ def run(args: argparse.Namespace) -> int:
 def _run_locked(
     args: argparse.Namespace, home: Path, lanes: list[list[str]], engine: EngineConfig
 ) -> int:
-    from broker.addresses import default_back, default_front, run_dir
     from laneserve import stack
+    from laneserve.broker.addresses import default_back, default_front, run_dir
     from laneserve.supervisor import Supervisor
 
     ports = {}
@@ -413,8 +419,8 @@ def _run_locked(
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
 
-    from db import migrate
-    from db.session import DatabaseURLError, resolve_url
+    from laneserve.db import migrate
+    from laneserve.db.session import DatabaseURLError, resolve_url
 
     try:
         db_url = resolve_url(args.db).render_as_string(hide_password=False)
@@ -425,7 +431,7 @@ def _run_locked(
         return 1
     gpus = 0
     if not args.synthetic:
-        from gpu_worker.errors import ModelLoadError
+        from laneserve.gpu_worker.errors import ModelLoadError
 
         say(f"preparing the model {engine.model} (downloaded and converted once)")
         try:
@@ -530,7 +536,7 @@ def _run_locked(
 
 
 def _watch(sup, parent_pid: int | None, stop: _Stop) -> None:
-    from contracts.procs import parent_gone
+    from laneserve.contracts.procs import parent_gone
 
     sup.poll()
     if parent_gone(parent_pid):

@@ -8,17 +8,17 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from gpu_worker.config import (
+from laneserve.gpu_worker.config import (
     EngineConfig,
     EngineConfigError,
     add_engine_arguments,
     config_from_args,
     lane_profile,
 )
-from gpu_worker.openmp import apply_openmp_policy
+from laneserve.gpu_worker.openmp import apply_openmp_policy
 
 if TYPE_CHECKING:
-    from gpu_worker.engine_protocol import Engine
+    from laneserve.gpu_worker.engine_protocol import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +112,10 @@ def _on_gpu(device: str | None, synthetic: bool) -> bool:
 def build_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
     """SyntheticEngine with --synthetic, else LLMEngine, wrapped in the test-only fault
     injection when its variables are set (gpu_worker/faults.py, read once here)."""
-    from gpu_worker.faults import FaultPlan, with_faults
+    from laneserve.gpu_worker.faults import FaultPlan, with_faults
 
     if args.synthetic:
-        from gpu_worker.synthetic import SyntheticEngine
+        from laneserve.gpu_worker.synthetic import SyntheticEngine
 
         engine: Engine = SyntheticEngine(
             step_s=args.synthetic_step_ms / 1000.0,
@@ -126,8 +126,8 @@ def build_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
             cost_scale=args.synthetic_cost_scale,
         )
     else:
-        from gpu_worker.engine import LLMEngine
-        from kernels import cpu_ext
+        from laneserve.gpu_worker.engine import LLMEngine
+        from laneserve.kernels import cpu_ext
 
         # a fresh machine serves on the PyTorch path while the C++ CPU kernels compile
         cpu_ext.load_or_build_in_background()
@@ -137,8 +137,8 @@ def build_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
 
 def run(args: argparse.Namespace) -> int:
     apply_openmp_policy()  # before anything imports torch (libgomp reads it when it loads)
-    from broker.addresses import default_back
-    from gpu_worker.worker import Worker
+    from laneserve.broker.addresses import default_back
+    from laneserve.gpu_worker.worker import Worker
 
     if bool(args.curve_server_public) != bool(args.curve_client_key):
         raise SystemExit("--curve-server-public and --curve-client-key go together")

@@ -14,7 +14,7 @@ from common import Engine, run_worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/: bench_offline
 
-from gpu_worker.openmp import apply_openmp_policy  # isort: skip
+from laneserve.gpu_worker.openmp import apply_openmp_policy  # isort: skip
 
 apply_openmp_policy(exclusive=True)  # the libgomp policy of the laneserve side
 

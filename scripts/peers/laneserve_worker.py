@@ -12,7 +12,7 @@ from typing import Any
 
 from common import Engine, run_worker
 
-from gpu_worker.openmp import apply_openmp_policy  # isort: skip
+from laneserve.gpu_worker.openmp import apply_openmp_policy  # isort: skip
 
 apply_openmp_policy(exclusive=True)  # before torch loads, as the offline LLM does
 
@@ -42,7 +42,7 @@ def _version() -> str:
 def build(spec: dict[str, Any]) -> Engine:
     import torch
 
-    from gpu_worker import LLM, SamplingParams
+    from laneserve.gpu_worker import LLM, SamplingParams
 
     opts = spec.get("options", {})
     if spec.get("threads"):

@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from jobs.results import choice_requests
-from jobs.tokens import load_served_model
-from jobs.validate import Validator
+from laneserve.jobs.results import choice_requests
+from laneserve.jobs.tokens import load_served_model
+from laneserve.jobs.validate import Validator
 from tests.harness import Stack, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -256,7 +256,7 @@ def test_batch_line_validates_as_the_api(gateway, served, tmp_path, endpoint, ch
 
 
 def test_the_cases_cover_every_body_field() -> None:
-    from contracts.openai.requests import CHAT_FIELDS, COMPLETION_FIELDS
+    from laneserve.contracts.openai.requests import CHAT_FIELDS, COMPLETION_FIELDS
 
     covered = set().union(*(changes for _, changes in CASES), *(c for _, c, _ in BATCH_ONLY))
     assert CHAT_FIELDS | COMPLETION_FIELDS <= covered

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from gpu_worker import LLM, SamplingParams
+from laneserve.gpu_worker import LLM, SamplingParams
 from tests.harness import API_KEY, TERMINAL, Stack, real_model_stack, wait_for
 
 pytestmark = pytest.mark.slow

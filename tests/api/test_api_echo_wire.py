@@ -6,10 +6,10 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from broker import protocol as p
-from contracts.openai import Limits, OpenAIError, parse
-from contracts.openai import responses as fmt
-from gpu_worker.sampling_params import SamplingParams
+from laneserve.broker import protocol as p
+from laneserve.contracts.openai import Limits, OpenAIError, parse
+from laneserve.contracts.openai import responses as fmt
+from laneserve.gpu_worker.sampling_params import SamplingParams
 
 ENTRIES = [
     {"token_id": 7, "logprob": None, "rank": None, "top": []},

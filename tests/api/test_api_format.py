@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from contracts.openai import ServedModel
-from contracts.openai import responses as fmt
 from laneserve.api.errors import ApiError, error_response
+from laneserve.contracts.openai import ServedModel
+from laneserve.contracts.openai import responses as fmt
 
 INFO = ServedModel().token_text  # no tokenizer: tokens render as "token_id:N"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from contracts.tokens import PromptTokenizer, TokenizerError, prompt_ids, tokenizer_dir
+from laneserve.contracts.tokens import PromptTokenizer, TokenizerError, prompt_ids, tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 CHATS = [
@@ -93,7 +93,7 @@ def test_a_gguf_without_its_converted_cache_says_what_to_run(tmp_path, smollm2_d
 
 TORCH_FREE = """
 import json, resource, sys
-from contracts.openai import Prompt
+from laneserve.contracts.openai import Prompt
 from laneserve.api.app import create_app
 from laneserve.api.config import ApiConfig
 from laneserve.api.model_info import load_served_model
@@ -103,8 +103,8 @@ app = create_app(config)
 served = load_served_model(config)  # what the app's start-up does
 chat = served.count(Prompt(messages=[{"role": "user", "content": "hi"}]))
 text = served.count(Prompt(text="hello world"))
-import jobs.runner
-from jobs.tokens import load_served_model as load_for_jobs
+import laneserve.jobs.runner
+from laneserve.jobs.tokens import load_served_model as load_for_jobs
 jobs_chat = load_for_jobs(sys.argv[1], "smollm2").count(
     Prompt(messages=[{"role": "user", "content": "hi"}]))
 print(json.dumps({

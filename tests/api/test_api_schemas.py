@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from contracts.openai import Limits, OpenAIError, parse_chat, parse_completion
+from laneserve.contracts.openai import Limits, OpenAIError, parse_chat, parse_completion
 
 ApiError = OpenAIError
 CFG = Limits(max_n=4, max_tokens_limit=100)
@@ -157,9 +157,9 @@ def test_one_list_of_sampling_keys() -> None:
     the engine's SamplingParams has a field for each."""
     from dataclasses import fields
 
-    from broker.protocol import SAMPLING_FIELDS
-    from contracts.openai import SAMPLING_KEYS
-    from gpu_worker.sampling_params import SamplingParams
+    from laneserve.broker.protocol import SAMPLING_FIELDS
+    from laneserve.contracts.openai import SAMPLING_KEYS
+    from laneserve.gpu_worker.sampling_params import SamplingParams
 
     assert len(set(SAMPLING_KEYS)) == len(SAMPLING_KEYS)
     assert set(SAMPLING_KEYS) == SAMPLING_FIELDS

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from contracts.openai import Limits, OpenAIError, parse_chat, parse_completion
-from contracts.openai.structured import MAX_SCHEMA_CHARS
+from laneserve.contracts.openai import Limits, OpenAIError, parse_chat, parse_completion
+from laneserve.contracts.openai.structured import MAX_SCHEMA_CHARS
 
 MSG = [{"role": "user", "content": "hi"}]
 

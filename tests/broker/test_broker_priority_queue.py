@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import collections
 
-from broker import protocol as p
-from broker.config import BrokerConfig
-from broker.dispatch import Dispatcher
-from broker.requests import RequestState
-from broker.workers import WorkerState
+from laneserve.broker import protocol as p
+from laneserve.broker.config import BrokerConfig
+from laneserve.broker.dispatch import Dispatcher
+from laneserve.broker.requests import RequestState
+from laneserve.broker.workers import WorkerState
 
 
 def _dispatcher() -> tuple[Dispatcher, dict[str, RequestState]]:

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from broker import protocol as p
-from broker.client import BrokerClient
+from laneserve.broker import protocol as p
+from laneserve.broker.client import BrokerClient
 from tests.harness import HB, run
 
 pytestmark = pytest.mark.slow

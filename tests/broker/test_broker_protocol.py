@@ -9,7 +9,7 @@ import re
 import msgpack
 import pytest
 
-from broker import protocol as p
+from laneserve.broker import protocol as p
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from broker import protocol as p
-from broker.client import BrokerClient
+from laneserve.broker import protocol as p
+from laneserve.broker.client import BrokerClient
 from tests.harness import run
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ import math
 import msgpack
 import pytest
 
-from broker import protocol as p
+from laneserve.broker import protocol as p
 
 RECORD = {
     "request_id": "chatcmpl-1",

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from broker import protocol as p
-from broker.client import BrokerClient
+from laneserve.broker import protocol as p
+from laneserve.broker.client import BrokerClient
 from tests.harness import ROOT, run
 
 pytestmark = pytest.mark.slow

@@ -17,8 +17,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from broker import protocol as p
-from broker.client import BrokerClient
+from laneserve.broker import protocol as p
+from laneserve.broker.client import BrokerClient
 from tests.harness import HB, run
 
 pytestmark = pytest.mark.slow

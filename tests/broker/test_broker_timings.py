@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from broker import protocol as p
-from broker.requests import RequestState, timings, usage
+from laneserve.broker import protocol as p
+from laneserve.broker.requests import RequestState, timings, usage
 
 METRICS = {
     "first_scheduled_delay_ms": 20.0,

@@ -7,10 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from contracts import env
+from laneserve.contracts import env
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT_PACKAGES = ("contracts", "broker", "gpu_worker", "kernels", "jobs", "db", "dashboard", "laneserve")
+PRODUCT_PACKAGES = (
+    "contracts",
+    "broker",
+    "gpu_worker",
+    "kernels",
+    "jobs",
+    "db",
+    "dashboard",
+    "laneserve",
+)
 
 
 def test_home_default_and_expanduser():
@@ -28,7 +37,9 @@ def test_typed_values_and_defaults():
 
 def test_bad_value_is_a_clear_error():
     with pytest.raises(env.EnvError, match="LANESERVE_CPU_SINGLE_THREAD_TOKENS='many'"):
-        env.get("LANESERVE_CPU_SINGLE_THREAD_TOKENS", {"LANESERVE_CPU_SINGLE_THREAD_TOKENS": "many"})
+        env.get(
+            "LANESERVE_CPU_SINGLE_THREAD_TOKENS", {"LANESERVE_CPU_SINGLE_THREAD_TOKENS": "many"}
+        )
 
 
 def test_unregistered_name_is_refused():

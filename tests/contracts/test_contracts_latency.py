@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from contracts import latency as lat
+from laneserve.contracts import latency as lat
 
 EDGE_ARRIVAL, EDGE_FIRST_SENT, EDGE_FINAL_SENT = 100.0, 100.26, 100.46
 EDGE_HOLD_MS = 5.0

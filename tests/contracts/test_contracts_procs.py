@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from contracts.procs import parent_gone, pid_alive
+from laneserve.contracts.procs import parent_gone, pid_alive
 
 
 def test_pid_alive_live_gone_and_zombie():
@@ -43,7 +43,7 @@ def test_orphaned_grandchild_sees_its_watched_parent_gone(tmp_path):
     flag = tmp_path / "gone"
     grandchild = textwrap.dedent(f"""
         import os, sys, time
-        from contracts.procs import parent_gone
+        from laneserve.contracts.procs import parent_gone
         watched = os.getppid()
         print("ready", flush=True)
         deadline = time.monotonic() + 60

@@ -10,9 +10,9 @@ import pytest
 import sqlalchemy as sa
 from streamlit.testing.v1 import AppTest
 
-import dashboard
-from db.migrate import upgrade
-from db.session import make_engine
+from laneserve import dashboard
+from laneserve.db.migrate import upgrade
+from laneserve.db.session import make_engine
 
 APP = Path(dashboard.__file__).with_name("app.py")
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import sqlalchemy as sa
 
-from db.models import Job
-from db.recorder import write_batch
-from db.session import write_session
+from laneserve.db.models import Job
+from laneserve.db.recorder import write_batch
+from laneserve.db.session import write_session
 
 # A fixed "now" (2023-11-14T22:00:00Z, a whole hour) so tests are deterministic; windows end here.
 NOW = 1_699_999_200.0

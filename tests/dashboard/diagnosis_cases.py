@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from dashboard_data import Profile, make_records, make_snapshots, store
 
-from dashboard.diagnose import Cause
+from laneserve.dashboard.diagnose import Cause
 
 HOUR = 3600.0
 RECENT = 300.0

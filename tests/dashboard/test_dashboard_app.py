@@ -10,7 +10,7 @@ import pyarrow as pa
 from dashboard_data import Profile, make_records, make_snapshots, store
 from streamlit.testing.v1 import AppTest
 
-from dashboard.queries import PHASES
+from laneserve.dashboard.queries import PHASES
 
 
 def _charts(at: AppTest) -> dict[str, int]:
@@ -102,7 +102,7 @@ def test_job_view_shows_progress_latency_and_error_lines(db_url, db_engine, run_
     store(db_engine, records=lines, jobs=[job])
     import sqlalchemy as sa
 
-    from db.models import Request
+    from laneserve.db.models import Request
 
     with db_engine.begin() as conn:
         conn.execute(sa.update(Request).where(Request.job_id == "batch_j")
@@ -138,7 +138,7 @@ def test_job_view_shows_progress_latency_and_error_lines(db_url, db_engine, run_
 
 
 def test_slo_columns_of_an_older_schema_are_reported_not_measured():
-    from dashboard.query_extras import has_spec_columns, slo_columns
+    from laneserve.dashboard.query_extras import has_spec_columns, slo_columns
 
     old = ["at", "worker_id", "kv_usage", "step_ms", "running"]
     assert all(cols == [] for cols in slo_columns(old).values())

@@ -31,8 +31,8 @@ import pytest
 from dashboard_data import Profile, make_records, make_snapshots, store
 from websockets.sync.client import connect
 
-from contracts import env
-from dashboard.queries import PHASES
+from laneserve.contracts import env
+from laneserve.dashboard.queries import PHASES
 from tests.harness import API_KEY, Stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.chromium]

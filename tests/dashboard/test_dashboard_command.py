@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import dashboard
+from laneserve import dashboard
 from laneserve.commands.dashboard import app_path, streamlit_command
 
 

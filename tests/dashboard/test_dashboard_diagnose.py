@@ -8,7 +8,15 @@ import dataclasses
 
 import pytest
 
-from dashboard.diagnose import Cause, Figures, JobEta, Symptom, Thresholds, diagnose, diagnose_all
+from laneserve.dashboard.diagnose import (
+    Cause,
+    Figures,
+    JobEta,
+    Symptom,
+    Thresholds,
+    diagnose,
+    diagnose_all,
+)
 
 # A healthy interactive lane: latencies as in the baseline, no queue, KV half used.
 HEALTHY = Figures(

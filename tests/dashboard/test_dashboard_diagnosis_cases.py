@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from diagnosis_cases import CASES, RECENT, store_case
 
-from dashboard.diagnose import Cause, diagnose_all
-from dashboard.panels import _fmt
-from dashboard.queries import Window, live_figures
+from laneserve.dashboard.diagnose import Cause, diagnose_all
+from laneserve.dashboard.panels import _fmt
+from laneserve.dashboard.queries import Window, live_figures
 
 NOW = 1_699_999_200.0
 
@@ -49,8 +49,8 @@ def test_misdiagnosis_case_evidence_equals_the_rows(db_engine):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_page_shows_each_rule_on_its_case_only(name, tmp_path, run_app):
-    from db.migrate import upgrade
-    from db.session import make_engine
+    from laneserve.db.migrate import upgrade
+    from laneserve.db.session import make_engine
 
     url = f"sqlite:///{tmp_path / 'case.db'}"
     upgrade(url)

@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 from dashboard_data import NOW, make_records, store
 
-from dashboard.live_rows import RowCache
-from dashboard.queries import Window, request_rows
+from laneserve.dashboard.live_rows import RowCache
+from laneserve.dashboard.queries import Window, request_rows
 
 
 def _ids(df: pd.DataFrame) -> list[str]:

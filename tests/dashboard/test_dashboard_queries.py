@@ -7,9 +7,9 @@ import pandas as pd
 import pytest
 from dashboard_data import MODEL, NOW, Profile, make_records, make_snapshots, store
 
-from contracts.latency import percentile
-from dashboard.diagnose import Cause, Symptom, diagnose_all
-from dashboard.queries import (
+from laneserve.contracts.latency import percentile
+from laneserve.dashboard.diagnose import Cause, Symptom, diagnose_all
+from laneserve.dashboard.queries import (
     PHASES,
     QueryError,
     Window,
@@ -295,7 +295,7 @@ def test_current_rates_beside_window_averages(db_engine):
     burst = make_records(rng, 30, NOW - 29, NOW - 1, "interactive")
     store(db_engine, records=recs + burst)
     win = Window(NOW - HOUR, NOW)
-    from dashboard.queries import request_rows
+    from laneserve.dashboard.queries import request_rows
 
     (r,) = current_rates(request_rows(db_engine, win), NOW, win).itertuples()
     tokens = sum(x["completion_tokens"] for x in burst)

@@ -12,8 +12,8 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from db import migrate
-from db.session import make_engine
+from laneserve.db import migrate
+from laneserve.db.session import make_engine
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -9,9 +9,9 @@ import pytest
 import sqlalchemy as sa
 from alembic import command
 
-from db import migrate
-from db.session import make_engine
 from laneserve.cli import main
+from laneserve.db import migrate
+from laneserve.db.session import make_engine
 
 TABLES = {"files", "job_leases", "jobs", "requests", "retention_passes", "worker_stats"}
 

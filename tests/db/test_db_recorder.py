@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 import zmq
 
-from broker.protocol import (
+from laneserve.broker.protocol import (
     EdgeTimings,
     RecordAck,
     RecordBatch,
@@ -20,10 +20,10 @@ from broker.protocol import (
     WorkerSnapshot,
     decode,
 )
-from contracts import latency
-from db.models import Job, Request, WorkerStat
-from db.recorder import RecorderServer, batch_rows, prune, write_batch
-from db.session import make_engine, read_session, write_session
+from laneserve.contracts import latency
+from laneserve.db.models import Job, Request, WorkerStat
+from laneserve.db.recorder import RecorderServer, batch_rows, prune, write_batch
+from laneserve.db.session import make_engine, read_session, write_session
 
 
 def _record(i: int, **extra) -> dict:
@@ -465,8 +465,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_cli_defaults_match_the_library():
-    from db import recorder
     from laneserve.commands import recorder as command
+    from laneserve.db import recorder
 
     assert command.FLUSH_INTERVAL_S == recorder.FLUSH_INTERVAL_S
     assert command.DEFAULT_RETENTION_DAYS * 86400 == recorder.DEFAULT_RETENTION_S
@@ -475,7 +475,7 @@ def test_cli_defaults_match_the_library():
 def test_no_ack_while_the_database_is_locked_then_resend_commits(tmp_path):
     import sqlite3
 
-    from db import migrate
+    from laneserve.db import migrate
 
     url = f"sqlite:///{tmp_path / 'locked.db'}"
     migrate.upgrade(url)

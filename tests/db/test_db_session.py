@@ -9,8 +9,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
-from db.models import File, Job, Request, WorkerStat
-from db.session import (
+from laneserve.db.models import File, Job, Request, WorkerStat
+from laneserve.db.session import (
     DatabaseURLError,
     make_engine,
     read_session,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker import LLM
+from laneserve.gpu_worker import LLM
 
 
 @pytest.fixture(scope="session")

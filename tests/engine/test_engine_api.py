@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker import SamplingParams
-from gpu_worker.errors import InvalidRequestError, PromptTooLongError
+from laneserve.gpu_worker import SamplingParams
+from laneserve.gpu_worker.errors import InvalidRequestError, PromptTooLongError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from gpu_worker import openmp
+from laneserve.gpu_worker import openmp
 
 OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
@@ -155,7 +155,7 @@ def test_small_cpu_steps_run_single_threaded_and_restore_threads(base_llm, monke
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        from gpu_worker import SamplingParams
+        from laneserve.gpu_worker import SamplingParams
 
         engine.add_request(
             "t",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker import SamplingParams
+from laneserve.gpu_worker import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 SEEDS = [

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from gpu_worker import SamplingParams
-from gpu_worker.errors import InvalidRequestError
+from laneserve.gpu_worker import SamplingParams
+from laneserve.gpu_worker.errors import InvalidRequestError
 
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when movable type "

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.config import EngineConfig
-from gpu_worker.engine import LLMEngine
-from gpu_worker.engine_protocol import Engine
-from gpu_worker.faults import FaultInjectingEngine, FaultPlan, with_faults
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.synthetic import SyntheticEngine
 from laneserve.commands.status import kv_pool_text
+from laneserve.gpu_worker.config import EngineConfig
+from laneserve.gpu_worker.engine import LLMEngine
+from laneserve.gpu_worker.engine_protocol import Engine
+from laneserve.gpu_worker.faults import FaultInjectingEngine, FaultPlan, with_faults
+from laneserve.gpu_worker.sampling_params import SamplingParams
+from laneserve.gpu_worker.synthetic import SyntheticEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("add_request", "step", "abort_request", "has_unfinished_requests", "stats")
@@ -200,7 +200,7 @@ def procs(tmp_path_factory) -> Iterator[_Processes]:
 
 
 def _wait_worker(stack: _Processes, timeout_s: float) -> dict:
-    from broker.client import broker_status
+    from laneserve.broker.client import broker_status
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -215,7 +215,7 @@ def _wait_worker(stack: _Processes, timeout_s: float) -> dict:
 
 
 async def _generate(front: str, max_tokens: int) -> tuple[list[str], str, dict]:
-    from broker.client import BrokerClient
+    from laneserve.broker.client import BrokerClient
 
     async with BrokerClient(front) as client:
         stream = client.submit(

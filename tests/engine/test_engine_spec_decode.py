@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker import SamplingParams
-from gpu_worker.config import EngineConfig, EngineConfigError, SpeculativeConfig
+from laneserve.gpu_worker import SamplingParams
+from laneserve.gpu_worker.config import EngineConfig, EngineConfigError, SpeculativeConfig
 
 PASSAGE = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, "
@@ -188,7 +188,7 @@ def test_constrained_requests_are_not_speculated_beside_speculated_ones(llm, bas
     its output parses; the copy request beside it still verifies drafts and keeps its tokens."""
     import json
 
-    from contracts.openai.structured import parse_structured
+    from laneserve.contracts.openai.structured import parse_structured
 
     spec = parse_structured({"response_format": {"type": "json_object"}})
     constrained = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=spec)
@@ -215,7 +215,7 @@ def test_slo_budgets_leave_room_for_drafts_and_the_profile_counts_none(
     llm = make_llm(slo_control=True, speculative_config=spec)
     c = llm.engine.spec  # whether or not the profile drafted, its reset zeroes the totals
     c.num_draft_tokens, c.num_accepted_tokens, c.num_drafts = 9, 7, 3
-    from gpu_worker.step_budget import _reset_after_profile
+    from laneserve.gpu_worker.step_budget import _reset_after_profile
 
     _reset_after_profile(llm.engine)
     st = llm.stats()

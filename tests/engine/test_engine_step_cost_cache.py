@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from gpu_worker import step_budget
-from gpu_worker.sampling_params import SamplingParams
-from kernels import cpu_ext
+from laneserve.gpu_worker import step_budget
+from laneserve.gpu_worker.sampling_params import SamplingParams
+from laneserve.kernels import cpu_ext
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu_worker import SamplingParams
-from gpu_worker.step_upload import StepUploader
+from laneserve.gpu_worker import SamplingParams
+from laneserve.gpu_worker.step_upload import StepUploader
 
 
 def _arrays(rng: np.random.Generator, num_reqs: int, tokens: int) -> list[np.ndarray]:
@@ -54,7 +54,7 @@ def test_engine_tokens_equal_with_the_packed_upload(make_llm):
 
 def test_profile_forward_runs_and_leaves_the_kv_cache_alone(make_llm):
     """The KV-sizing profile run (CUDA: peak bytes) works on this device and writes no KV slot."""
-    from gpu_worker.model_runner import profile_activation_bytes
+    from laneserve.gpu_worker.model_runner import profile_activation_bytes
 
     llm = make_llm()
     runner = llm.engine.runner

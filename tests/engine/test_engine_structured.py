@@ -11,10 +11,10 @@ import jsonschema
 import pytest
 import torch
 
-from contracts.openai.structured import parse_structured
-from gpu_worker import SamplingParams
-from gpu_worker.sampler import Sampler
-from gpu_worker.structured_output import GrammarCompiler, GrammarMask, batch_bitmask
+from laneserve.contracts.openai.structured import parse_structured
+from laneserve.gpu_worker import SamplingParams
+from laneserve.gpu_worker.sampler import Sampler
+from laneserve.gpu_worker.structured_output import GrammarCompiler, GrammarMask, batch_bitmask
 
 PERSON = {
     "type": "object",

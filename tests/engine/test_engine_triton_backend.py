@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker import LLM, SamplingParams
+from laneserve.gpu_worker import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,8 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
 def make_engine(tiny_llama_dir):
     """Factory: make_engine(cache=True, **EngineConfig fields) -> a float32 CPU `LLMEngine` on
     the tiny Llama, built once per distinct set of options (or afresh with cache=False)."""
-    from gpu_worker.config import EngineConfig
-    from gpu_worker.engine import LLMEngine
+    from laneserve.gpu_worker.config import EngineConfig
+    from laneserve.gpu_worker.engine import LLMEngine
 
     built: dict[tuple, LLMEngine] = {}
 
@@ -53,6 +53,6 @@ def make_engine(tiny_llama_dir):
 @pytest.fixture(scope="session")
 def tokenizer(smollm2_dir):
     """The bundled SmolLM2 tokenizer (byte-level BPE)."""
-    from gpu_worker.model_loader import load_tokenizer
+    from laneserve.gpu_worker.model_loader import load_tokenizer
 
     return load_tokenizer(smollm2_dir)

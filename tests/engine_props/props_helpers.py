@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 
-from contracts import env
+from laneserve.contracts import env
 
 TOKENIZER_LEN = 49152  # the SmolLM2 tokenizer
 PADDED_VOCAB = TOKENIZER_LEN + 64  # the tiny Llama's embedding rows

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpu_worker.detokenizer import IncrementalDetokenizer
-from gpu_worker.sampling_params import SamplingParams
+from laneserve.gpu_worker.detokenizer import IncrementalDetokenizer
+from laneserve.gpu_worker.sampling_params import SamplingParams
 from tests.engine_props.props_helpers import prop_settings
 
 ALPHABET = (

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from gpu_worker.sampling_params import SamplingParams
+from laneserve.gpu_worker.sampling_params import SamplingParams
 from tests.engine_props.props_helpers import TOKENIZER_LEN, prop_settings, run_engine
 
 MAX_MODEL_LEN = 96

@@ -10,9 +10,9 @@ import inspect
 
 import pytest
 
-from gpu_worker import LLM
-from gpu_worker.errors import InvalidRequestError
-from gpu_worker.sampling_params import SamplingParams
+from laneserve.gpu_worker import LLM
+from laneserve.gpu_worker.errors import InvalidRequestError
+from laneserve.gpu_worker.sampling_params import SamplingParams
 from tests.engine_props.props_helpers import PADDED_VOCAB, TOKENIZER_LEN, run_engine
 
 PROMPT = [17, 2000, 345, 9000, 12, 77, 40000, 5]
@@ -101,7 +101,7 @@ def test_one_row_failing_in_the_sampler_leaves_the_others_their_tokens(make_engi
 
 def test_sampled_ids_beyond_the_tokenizer_decode_to_empty_text(make_engine):
     """The model may sample a padding row the tokenizer does not know: no text, no error."""
-    from gpu_worker.detokenizer import IncrementalDetokenizer
+    from laneserve.gpu_worker.detokenizer import IncrementalDetokenizer
 
     tokenizer = make_engine().tokenizer
     ids = tokenizer.encode(" hello world", add_special_tokens=False)

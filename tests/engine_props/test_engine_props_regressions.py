@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.sampler import Sampler
-from gpu_worker.sampling_params import SamplingParams
+from laneserve.gpu_worker.sampler import Sampler
+from laneserve.gpu_worker.sampling_params import SamplingParams
 from tests.engine_props.props_helpers import run_engine
 
 PREFIX = [66, 213, 154, 281, 4545, 1227, 493, 768, 10490, 151, 445, 6262, 3, 302, 1343, 645]

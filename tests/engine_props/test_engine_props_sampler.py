@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpu_worker.sampler import TOP_P_CANDIDATES, Sampler
-from gpu_worker.sampling_params import SamplingParams
+from laneserve.gpu_worker.sampler import TOP_P_CANDIDATES, Sampler
+from laneserve.gpu_worker.sampling_params import SamplingParams
 from tests.engine_props.props_helpers import prop_settings
 
 

@@ -21,9 +21,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from gpu_worker.block_manager import BlockManager
-from gpu_worker.request import Lane, Request, RequestStatus
-from gpu_worker.scheduler import Scheduler, SchedulerConfig
+from laneserve.gpu_worker.block_manager import BlockManager
+from laneserve.gpu_worker.request import Lane, Request, RequestStatus
+from laneserve.gpu_worker.scheduler import Scheduler, SchedulerConfig
 from tests.engine_props.props_helpers import prop_settings
 
 PREFIXES = [[], [3, 1, 4, 1, 5, 9, 2, 6], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7], [7] * 20]

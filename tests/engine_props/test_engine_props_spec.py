@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.config import SpeculativeConfig
-from gpu_worker.request import Request
-from gpu_worker.sampler import Sampler
-from gpu_worker.sampling_params import SamplingParams
-from gpu_worker.spec_decode import (
+from laneserve.gpu_worker.config import SpeculativeConfig
+from laneserve.gpu_worker.request import Request
+from laneserve.gpu_worker.sampler import Sampler
+from laneserve.gpu_worker.sampling_params import SamplingParams
+from laneserve.gpu_worker.spec_decode import (
     NgramProposer,
     RequestSpecStats,
     SpecController,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from gpu_worker.config import SpeculativeConfig
+from laneserve.gpu_worker.config import SpeculativeConfig
 from tests.harness import load_script, run_script
 
 _script = load_script("bench_spec_replay")

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from gpu_worker.detokenizer import IncrementalDetokenizer
-from gpu_worker.sampling_params import SamplingParams
+from laneserve.gpu_worker.detokenizer import IncrementalDetokenizer
+from laneserve.gpu_worker.sampling_params import SamplingParams
 
 MULTILINGUAL = "你好，世界！🎉👍 naïve café — 日本語のテキスト 🤖🧠 Ελληνικά 👨‍👩‍👧 done."
 

@@ -7,8 +7,8 @@ import pickle
 import msgpack
 import pytest
 
-from gpu_worker.errors import InvalidRequestError, PromptTooLongError
-from gpu_worker.sampling_params import SamplingParams
+from laneserve.gpu_worker.errors import InvalidRequestError, PromptTooLongError
+from laneserve.gpu_worker.sampling_params import SamplingParams
 
 
 def test_defaults_and_normalisation():

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from gpu_worker.sampler import Sampler, make_generator
-from gpu_worker.sampling_params import SamplingParams
+from laneserve.gpu_worker.sampler import Sampler, make_generator
+from laneserve.gpu_worker.sampling_params import SamplingParams
 
 
 def run(sampler, logits, params, generators=None, prompts=None, outputs=None):

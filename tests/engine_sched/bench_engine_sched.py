@@ -13,9 +13,9 @@ import argparse
 import json
 import time
 
-from gpu_worker.block_manager import BlockManager
-from gpu_worker.request import Request, RequestStatus
-from gpu_worker.scheduler import Scheduler, SchedulerConfig
+from laneserve.gpu_worker.block_manager import BlockManager
+from laneserve.gpu_worker.request import Request, RequestStatus
+from laneserve.gpu_worker.scheduler import Scheduler, SchedulerConfig
 
 
 def one_step(sched: Scheduler) -> None:

@@ -12,9 +12,9 @@ import itertools
 
 import pytest
 
-from gpu_worker.block_manager import BlockManager
-from gpu_worker.request import Lane, Request, RequestStatus
-from gpu_worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from laneserve.gpu_worker.block_manager import BlockManager
+from laneserve.gpu_worker.request import Lane, Request, RequestStatus
+from laneserve.gpu_worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 
 class EngineSim:

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-import gpu_worker.block_manager as block_manager_mod
-from gpu_worker.block_manager import hash_block_tokens
-from gpu_worker.request import Request
+import laneserve.gpu_worker.block_manager as block_manager_mod
+from laneserve.gpu_worker.block_manager import hash_block_tokens
+from laneserve.gpu_worker.request import Request
 
 
 def compute(bm, req, hit=None, num_hit=0):

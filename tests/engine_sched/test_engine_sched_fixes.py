@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 
-from gpu_worker.request import RequestStatus
+from laneserve.gpu_worker.request import RequestStatus
 
 
 def split(out):

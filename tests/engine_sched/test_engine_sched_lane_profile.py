@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from gpu_worker.config import (
+from laneserve.gpu_worker.config import (
     ENGINE_DEFAULTS,
     EngineConfig,
     EngineConfigError,
@@ -15,7 +15,7 @@ from gpu_worker.config import (
     config_from_args,
     lane_profile,
 )
-from gpu_worker.scheduler import SchedulerConfig
+from laneserve.gpu_worker.scheduler import SchedulerConfig
 
 
 def test_cpu_worker_serving_interactive_keeps_steps_short():

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.block_manager import BlockManager
-from gpu_worker.request import Lane, Request, RequestStatus
-from gpu_worker.scheduler import Scheduler, SchedulerConfig
+from laneserve.gpu_worker.block_manager import BlockManager
+from laneserve.gpu_worker.request import Lane, Request, RequestStatus
+from laneserve.gpu_worker.scheduler import Scheduler, SchedulerConfig
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +28,9 @@ BLOCK = 4
 
 @pytest.fixture(scope="module")
 def runner_and_prompts(smollm2_dir):
-    from gpu_worker.model_loader import load_model_files
-    from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.models.llama import LlamaForCausalLM
+    from laneserve.gpu_worker.model_loader import load_model_files
+    from laneserve.gpu_worker.model_runner import ModelRunner
+    from laneserve.gpu_worker.models.llama import LlamaForCausalLM
 
     loaded = load_model_files(smollm2_dir)
     model = LlamaForCausalLM(loaded.config, loaded.weights, torch.float32, "cpu")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_worker.request import Lane, Request, RequestStatus
+from laneserve.gpu_worker.request import Lane, Request, RequestStatus
 
 
 def test_status_finish_reasons():

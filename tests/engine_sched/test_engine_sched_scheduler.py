@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from gpu_worker.request import Lane, RequestStatus
-from gpu_worker.scheduler import SchedulerConfig
+from laneserve.gpu_worker.request import Lane, RequestStatus
+from laneserve.gpu_worker.scheduler import SchedulerConfig
 
 
 def split(out):

@@ -15,14 +15,14 @@ from typing import NamedTuple
 
 import pytest
 
-from gpu_worker.config import (
+from laneserve.gpu_worker.config import (
     EngineConfig,
     EngineConfigError,
     add_engine_arguments,
     config_from_args,
 )
-from gpu_worker.request import Lane
-from gpu_worker.step_budget import (
+from laneserve.gpu_worker.request import Lane
+from laneserve.gpu_worker.step_budget import (
     MIN_BATCH_RATE,
     MIN_PREFILL_CHUNK,
     RETARGET_STEPS,
@@ -35,7 +35,7 @@ from gpu_worker.step_budget import (
     parse_slo,
     prefill_features,
 )
-from gpu_worker.step_cost import (
+from laneserve.gpu_worker.step_cost import (
     StepCostModel,
     StepFeatures,
     chunk_pairs,
@@ -750,7 +750,7 @@ def test_batch_drafts_never_take_a_running_prefills_token_or_the_plans_chunk(mak
     decodes send no drafts and the prefill keeps the rest of the budget (drafts once took
     what the plan had priced as its chunk, and the reservation counted the prefill as a
     decode the row cap kept out, leaving it no token)."""
-    from gpu_worker.scheduler import SchedulerOutput, _StepState
+    from laneserve.gpu_worker.scheduler import SchedulerOutput, _StepState
 
     sim = EngineSim(make_sched(num_blocks=256, block_size=16, max_num_batched_tokens=16))
     decodes = [sim.add(f"d{i}", 4, max_tokens=20) for i in range(3)]

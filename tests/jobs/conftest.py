@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture
 def db_url(laneserve_home) -> str:
-    from db import migrate
+    from laneserve.db import migrate
 
     url = f"sqlite:///{laneserve_home / 'laneserve.db'}"
     migrate.upgrade(url)
@@ -16,7 +16,7 @@ def db_url(laneserve_home) -> str:
 
 @pytest.fixture
 def engine(db_url):
-    from db.session import make_engine
+    from laneserve.db.session import make_engine
 
     eng = make_engine(db_url)
     yield eng
@@ -27,7 +27,7 @@ def engine(db_url):
 def any_db_url(request, laneserve_home) -> str:
     """A migrated database on each backend (PostgreSQL through the shared `pg_url`, or a database of
     its own for a test marked `own_database`)."""
-    from db import migrate
+    from laneserve.db import migrate
 
     if request.param == "sqlite":
         url = f"sqlite:///{laneserve_home / 'laneserve.db'}"
@@ -41,7 +41,7 @@ def any_db_url(request, laneserve_home) -> str:
 
 @pytest.fixture
 def any_engine(any_db_url):
-    from db.session import make_engine
+    from laneserve.db.session import make_engine
 
     eng = make_engine(any_db_url)
     yield eng

@@ -57,7 +57,7 @@ def start_api(stack: Stack) -> str:
 
 
 def test_submit_wait_show_download_and_exit_codes(laneserve_home, tmp_path):
-    from db import migrate
+    from laneserve.db import migrate
 
     db_url = f"sqlite:///{tmp_path / 'stack.db'}"
     migrate.upgrade(db_url)
@@ -174,7 +174,7 @@ def test_submit_rejects_bad_arguments(laneserve_home, tmp_path):
 def test_submit_wait_exits_3_when_the_job_is_cancelled(laneserve_home, tmp_path):
     import time
 
-    from db import migrate
+    from laneserve.db import migrate
 
     db_url = f"sqlite:///{laneserve_home / 'laneserve.db'}"
     migrate.upgrade(db_url)

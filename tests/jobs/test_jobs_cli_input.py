@@ -64,9 +64,9 @@ def test_endpoint_comes_from_the_first_line(tmp_path):
 
 def _finished_job(engine, lines: list[dict]) -> str:
     """A completed job whose `requests` rows carry `lines` (token counts and latencies)."""
-    from db.models import Job, Request
-    from db.session import write_session
-    from jobs import service
+    from laneserve.db.models import Job, Request
+    from laneserve.db.session import write_session
+    from laneserve.jobs import service
 
     f = service.create_file(engine, b"{}\n" * len(lines), "in.jsonl")
     job = service.create_batch(engine, f.id, "/v1/chat/completions", model="m")
@@ -83,7 +83,7 @@ def _finished_job(engine, lines: list[dict]) -> str:
 def test_batch_stats_from_sql(engine):
     import numpy as np
 
-    from jobs import stats
+    from laneserve.jobs import stats
 
     rng = np.random.default_rng(7)
     ttft, e2e = rng.uniform(1, 500, 40), rng.uniform(500, 9000, 40)
@@ -115,10 +115,10 @@ def test_batch_stats_from_sql(engine):
 
 
 def test_batch_stats_eta_while_running_and_unknown_batch(engine):
-    from db.models import Job
-    from db.session import write_session
-    from jobs import stats
-    from jobs.errors import NotFoundError
+    from laneserve.db.models import Job
+    from laneserve.db.session import write_session
+    from laneserve.jobs import stats
+    from laneserve.jobs.errors import NotFoundError
 
     job_id = _finished_job(engine, [{"completion_tokens": 5}] * 2)
     with write_session(engine) as s:
@@ -133,8 +133,8 @@ def test_batch_stats_eta_while_running_and_unknown_batch(engine):
 
 
 def test_show_summary_names_every_figure(engine):
-    from jobs import service, stats
     from laneserve.commands.jobs import summary_lines
+    from laneserve.jobs import service, stats
 
     job_id = _finished_job(engine, [{"prompt_tokens": 7, "completion_tokens": 30,
                                      "ttft_ms": 12.5, "e2e_ms": 250.0}] * 3)  # fmt: skip
@@ -155,10 +155,10 @@ def test_a_cancelled_jobs_figures_leave_out_the_lines_the_cancellation_ended(any
     computed: their tokens and latencies are not the job's output, so the figures leave them
     out (they counted 1,768 completion tokens of a job whose output file held 156), and `jobs
     show` says how many failed lines the cancellation ended."""
-    from db.models import Job, Request
-    from db.session import write_session
-    from jobs import results, service, stats
     from laneserve.commands.jobs import summary_lines
+    from laneserve.db.models import Job, Request
+    from laneserve.db.session import write_session
+    from laneserve.jobs import results, service, stats
 
     engine = any_engine
     ran = {"prompt_tokens": 7, "completion_tokens": 30, "ttft_ms": 12.5, "e2e_ms": 250.0}
@@ -200,9 +200,9 @@ def test_plain_progress_line():
 
 def _jobs_in_every_shape(engine) -> list[str]:
     """Jobs with long statuses, kinds and counts; their ids, newest first."""
-    from db.models import Job
-    from db.session import write_session
-    from jobs import service
+    from laneserve.db.models import Job
+    from laneserve.db.session import write_session
+    from laneserve.jobs import service
 
     ids = []
     shapes = [
@@ -299,8 +299,8 @@ def test_jobs_list_folds_but_never_cuts_ids_when_very_narrow(engine):
 
     from rich.console import Console
 
-    from jobs import service
     from laneserve.commands.jobs import list_table
+    from laneserve.jobs import service
 
     ids = _jobs_in_every_shape(engine)
     out = io.StringIO()

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from db.models import Request
-from db.session import read_session
-from jobs import leases, results, store
+from laneserve.db.models import Request
+from laneserve.db.session import read_session
+from laneserve.jobs import leases, results, store
 from tests.harness import chat_line, submit, write_jsonl
 
 PER_PART = 2  # lines per range here: 5 lines make ranges 1-2, 3-4, 5

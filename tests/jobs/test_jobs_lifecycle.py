@@ -70,8 +70,8 @@ def test_a_job_whose_validation_raises_fails_and_later_jobs_still_run(
 ):
     """Validation that raises (here: the stored input file replaced by a directory) is retried
     a few times, then fails that job; a job submitted after it completes meanwhile."""
-    from db.models import File
-    from db.session import read_session
+    from laneserve.db.models import File
+    from laneserve.db.session import read_session
 
     stack.start_broker()
     stack.start_worker("w1", "--synthetic-step-ms", "5")
@@ -122,7 +122,7 @@ def _slow_job(stack, engine, home, n: int, max_tokens: int, recorder: bool = Fal
 def _wait_progress(engine, job_id, at_least: int, stack, timeout_s=90.0):
     import time
 
-    from jobs import service
+    from laneserve.jobs import service
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -134,7 +134,7 @@ def _wait_progress(engine, job_id, at_least: int, stack, timeout_s=90.0):
 
 
 def test_cancel_keeps_finished_results(stack, engine, laneserve_home):
-    from jobs import service
+    from laneserve.jobs import service
 
     job = _slow_job(stack, engine, laneserve_home, n=40, max_tokens=25)  # ~1 s a line
     stack.start_jobs_runner("--max-in-flight", "4")
@@ -175,8 +175,8 @@ def _assert_recorded(
 
     from sqlalchemy import func, select
 
-    from db.models import Request
-    from db.session import read_session
+    from laneserve.db.models import Request
+    from laneserve.db.session import read_session
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -215,8 +215,8 @@ def test_worker_lost_after_max_attempts_goes_to_error_file(stack, engine, lanese
 
 @pytest.mark.postgres
 def test_lifecycle_on_postgresql_with_runner_restart(laneserve_home, pg_url):
-    from db import migrate
-    from db.session import make_engine
+    from laneserve.db import migrate
+    from laneserve.db.session import make_engine
 
     migrate.upgrade(pg_url)
     engine = make_engine(pg_url)
@@ -244,8 +244,8 @@ def test_lifecycle_on_postgresql_with_runner_restart(laneserve_home, pg_url):
 
 def test_expired_job_ends_with_batch_expired_lines(stack, engine, laneserve_home):
     job = _slow_job(stack, engine, laneserve_home, n=20, max_tokens=50)  # ~2 s a line
-    from db.models import Job
-    from db.session import write_session
+    from laneserve.db.models import Job
+    from laneserve.db.session import write_session
 
     stack.start_jobs_runner("--max-in-flight", "2")
     _wait_progress(engine, job.id, 1, stack)

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select, update
 
-from db.models import File, Job, Request, RetentionPass
-from db.session import read_session, write_session
-from jobs import results, retention, service, store
-from jobs.errors import NotFoundError
-from jobs.runner import JobsRunner
+from laneserve.db.models import File, Job, Request, RetentionPass
+from laneserve.db.session import read_session, write_session
+from laneserve.jobs import results, retention, service, store
+from laneserve.jobs.errors import NotFoundError
+from laneserve.jobs.runner import JobsRunner
 from tests.harness import Stack, chat_line, submit, wait_job, write_jsonl
 
 DAY_S = 86400.0
@@ -28,7 +28,7 @@ DAY_S = 86400.0
 
 def _finished_job(engine, home: Path, tag: str, n: int = 3) -> Job:
     """A job run to `completed` through jobs.store: n lines, the last one failed."""
-    from broker import protocol as p
+    from laneserve.broker import protocol as p
 
     lines = [chat_line(f"{tag}{i}", f"question {tag} {i}") for i in range(n)]
     job = submit(engine, write_jsonl(home / f"{tag}.jsonl", lines))
@@ -129,7 +129,7 @@ def test_pass_prunes_what_is_older_than_the_window_and_nothing_newer(
 
     with read_session(engine) as s:  # the PostgreSQL database is shared by the test session
         passes_before = s.scalar(select(func.coalesce(func.max(RetentionPass.id), 0)))
-    with caplog.at_level(logging.INFO, logger="jobs.runner"):
+    with caplog.at_level(logging.INFO, logger="laneserve.jobs.runner"):
         counts = _prune_through_runner(engine, 30)
     assert counts == retention.PruneCounts(files=4, bytes=freed, lines=3, jobs=1)
     passes = [r.getMessage() for r in caplog.records if "retention pass" in r.getMessage()]
@@ -169,7 +169,7 @@ def test_pass_prunes_what_is_older_than_the_window_and_nothing_newer(
     assert _bodies(engine, live.id) == (1, 1, 0)
 
     # the dashboard's reading of the counters and of what is stored
-    from dashboard import panels, queries
+    from laneserve.dashboard import panels, queries
 
     summary = queries.retention_summary(engine)
     assert summary == queries.RetentionSummary(

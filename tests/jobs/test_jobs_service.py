@@ -7,9 +7,14 @@ import json
 
 import pytest
 
-from contracts.openai import Limits
-from jobs import service
-from jobs.errors import ConflictError, InvalidRequestError, NotFoundError, PayloadTooLargeError
+from laneserve.contracts.openai import Limits
+from laneserve.jobs import service
+from laneserve.jobs.errors import (
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+)
 
 LINE = {
     "custom_id": "a",
@@ -85,8 +90,8 @@ def test_create_batch_rejects_bad_input(any_engine):
 
 
 def test_cancel_of_ended_batch_is_a_conflict(any_engine):
-    from db.models import Job
-    from db.session import write_session
+    from laneserve.db.models import Job
+    from laneserve.db.session import write_session
 
     f = service.create_file(any_engine, b"{}\n", "in.jsonl")
     job = service.create_batch(any_engine, f.id, "/v1/completions", completion_window="30m")

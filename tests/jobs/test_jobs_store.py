@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from db.models import Job, Request
-from db.session import read_session, write_session
-from jobs import results, store
-from jobs.service import batch_object
+from laneserve.db.models import Job, Request
+from laneserve.db.session import read_session, write_session
+from laneserve.jobs import results, store
+from laneserve.jobs.service import batch_object
 from tests.harness import chat_line, read_lines, submit, write_jsonl
 
 
@@ -23,7 +23,7 @@ def _ok(job_id, rid):
 
 
 def _final(rid):
-    from broker import protocol as p
+    from laneserve.broker import protocol as p
 
     return p.Final(
         request_id=rid,

@@ -10,8 +10,8 @@ import json
 import jsonschema
 import pytest
 
-from jobs.errors import InvalidRequestError
 from laneserve.commands import submit as submit_cmd
+from laneserve.jobs.errors import InvalidRequestError
 from tests.harness import Stack, chat_line, read_lines, submit, wait_job, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -82,7 +82,7 @@ def test_json_schema_batch_and_extract_task(laneserve_home, db_url, engine, smol
 
 
 def job_of(engine, job_id):
-    from jobs import service
+    from laneserve.jobs import service
 
     return service.get_batch(engine, job_id)
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from contracts.openai import Prompt, ServedModel
-from jobs.tokens import load_served_model
-from jobs.validate import JobValidationError, Validator
+from laneserve.contracts.openai import Prompt, ServedModel
+from laneserve.jobs.tokens import load_served_model
+from laneserve.jobs.validate import JobValidationError, Validator
 from tests.harness import chat_line, write_jsonl
 
 

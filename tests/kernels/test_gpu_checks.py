@@ -27,8 +27,15 @@ def test_every_step_reports_a_skip_reason_without_a_gpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     assert json.loads(out.read_text()) == report
-    expected = ["kernel_tests", "parity", "cuda_graphs", "throughput", "int4", "decode_attention",
-                "stack"]
+    expected = [
+        "kernel_tests",
+        "parity",
+        "cuda_graphs",
+        "throughput",
+        "int4",
+        "decode_attention",
+        "stack",
+    ]
     assert list(report["steps"]) == expected
     for name, figures in report["steps"].items():
         assert "no CUDA device" in figures["skipped"], name

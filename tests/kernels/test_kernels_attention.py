@@ -6,9 +6,9 @@ import pytest
 import torch
 from kernels_testutil import make_paged_batch, naive_attention
 
-import kernels
-from kernels import reference
-from kernels.triton import unified_attention as triton_attention
+from laneserve import kernels
+from laneserve.kernels import reference
+from laneserve.kernels.triton import unified_attention as triton_attention
 
 MIXED = [(1, 37), (7, 7), (20, 45), (1, 200), (13, 13)]
 
@@ -183,7 +183,7 @@ def test_split_kv_large_pool_and_in_place_output(gen, device):
 
 
 def test_split_kv_is_chosen_only_for_small_decode_grids():
-    from kernels.triton.attention import SPLIT_KV_SEGMENTS, choose_num_segments
+    from laneserve.kernels.triton.attention import SPLIT_KV_SEGMENTS, choose_num_segments
 
     cpu = torch.device("cpu")
     assert choose_num_segments(cpu, 1, 8, 1) == 1  # no SMs to fill on the CPU interpreter

@@ -18,7 +18,7 @@ import pytest
 def test_triton_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.triton.compile_check", "--arch", "90"],
+        [sys.executable, "-m", "laneserve.kernels.triton.compile_check", "--arch", "90"],
         env=env,
         capture_output=True,
         text=True,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernels_testutil import make_paged_batch, naive_attention
 
-from kernels import cpu_ext, reference
+from laneserve.kernels import cpu_ext, reference
 
 # (query_len, kv_len) mixes: long and tiny decodes, a prefill chunk, a decode at a block edge
 MIXES = {

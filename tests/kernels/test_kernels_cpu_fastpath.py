@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernels_testutil import make_paged_batch, naive_attention
 
-from kernels import reference
+from laneserve.kernels import reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

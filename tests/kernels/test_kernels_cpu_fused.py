@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import kernels
-from kernels import cpu_ext, reference
+from laneserve import kernels
+from laneserve.kernels import cpu_ext, reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -145,9 +145,9 @@ def test_decode_attention_rejects_a_block_id_outside_the_pool():
 
 def test_batch1_decode_step_dispatches_at_most_400_ops(smollm2_dir):
     """Issue target: <= 400 ops dispatched from Python per batch-1 decode step (was ~2,750)."""
-    from gpu_worker.model_loader import load_model_files
-    from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.models.llama import LlamaForCausalLM
+    from laneserve.gpu_worker.model_loader import load_model_files
+    from laneserve.gpu_worker.model_runner import ModelRunner
+    from laneserve.gpu_worker.models.llama import LlamaForCausalLM
 
     loaded = load_model_files(smollm2_dir)
     model = LlamaForCausalLM(loaded.config, loaded.weights, torch.bfloat16, "cpu")
@@ -195,9 +195,9 @@ def test_cpp_ops_reject_mismatched_shapes_instead_of_reading_past_them():
 def test_step_ops_go_straight_to_cpp_and_equal_the_checked_ops(smollm2_dir, monkeypatch):
     """kernels.step_ops checks a step's tensors once and hands the model the C++ ops directly
     (the in-place decode kernel for a pure decode step); logits equal the checked path's."""
-    from gpu_worker.model_loader import load_model_files
-    from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.models.llama import LlamaForCausalLM
+    from laneserve.gpu_worker.model_loader import load_model_files
+    from laneserve.gpu_worker.model_runner import ModelRunner
+    from laneserve.gpu_worker.models.llama import LlamaForCausalLM
 
     loaded = load_model_files(smollm2_dir)
     model = LlamaForCausalLM(loaded.config, loaded.weights, torch.bfloat16, "cpu")
@@ -252,7 +252,7 @@ def test_an_unbuilt_extension_compiles_in_the_background_without_blocking(tmp_pa
     code = """if True:
         import threading
         import time
-        from kernels import cpu_ext
+        from laneserve.kernels import cpu_ext
         assert cpu_ext.is_built() is False
         t0 = time.perf_counter()
         assert cpu_ext.load_or_build_in_background() is False

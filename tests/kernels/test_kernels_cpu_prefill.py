@@ -10,7 +10,7 @@ import pytest
 import torch
 from kernels_testutil import make_paged_batch, naive_attention
 
-from kernels import cpu_ext, reference
+from laneserve.kernels import cpu_ext, reference
 
 TOL = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},

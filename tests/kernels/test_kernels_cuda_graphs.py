@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cuda_graphs import DecodeGraphs, StaticInput, default_ladder, pick_batch_size
+from laneserve.kernels.cuda_graphs import DecodeGraphs, StaticInput, default_ladder, pick_batch_size
 
 INPUTS = [
     StaticInput("input_ids", (), torch.int64),

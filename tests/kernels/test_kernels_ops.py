@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-import kernels
-from kernels import reference
-from kernels import triton as triton_ops
+from laneserve import kernels
+from laneserve.kernels import reference
+from laneserve.kernels import triton as triton_ops
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -173,48 +173,3 @@ def test_forced_triton_without_gpu_turns_on_the_interpreter():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["1", "True"]
 
-
-def test_cli_refuses_a_foreign_kernels_package(tmp_path):
-    """Hugging Face's `kernels` (required by transformers 5.25+) collides with ours: the CLI, each
-    `python -m laneserve.commands.X` and `up` say so and how to fix it, instead of failing later in
-    the middle of a step; so they do when another `kernels` comes first on sys.path. From another
-    directory, with neither, the CLI runs."""
-    import os
-    import subprocess
-    import sys
-
-    from laneserve.cli import foreign_kernels_package
-
-    assert foreign_kernels_package() is None
-    shadow = tmp_path / "shadow"  # a `kernels` package first on sys.path
-    (shadow / "kernels").mkdir(parents=True)
-    (shadow / "kernels" / "__init__.py").write_text("")
-    installed = tmp_path / "installed"  # Hugging Face's distribution, as pip records it
-    (installed / "kernels-0.19.1.dist-info").mkdir(parents=True)
-    (installed / "kernels-0.19.1.dist-info" / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: kernels\nVersion: 0.19.1\n"
-    )
-    status = ["-m", "laneserve.cli", "status", "--help"]
-    for argv, extra, message in [
-        (status, None, None),
-        (status, shadow, f"loads {shadow / 'kernels' / '__init__.py'}"),
-        (["-m", "laneserve.commands.broker", "--help"], shadow, "comes first on sys.path"),
-        (status, installed, "`kernels` package 0.19.1 is installed"),
-        (["-m", "laneserve.commands.up", "--help"], installed, "transformers<5.25"),
-    ]:
-        env = dict(os.environ)
-        if extra is not None:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra), env.get("PYTHONPATH")]))
-        proc = subprocess.run(
-            [sys.executable, *argv],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if message is None:
-            assert proc.returncode == 0, proc.stderr[-2000:]
-            continue
-        assert proc.returncode == 2, (argv, proc.returncode, proc.stderr[-2000:])
-        assert message in proc.stderr, proc.stderr

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from gguf import quants
 
-from gpu_worker import quantization as quant
-from gpu_worker.model_loader import ModelConfig, load_gguf_weights
-from gpu_worker.quantization import GGUFQuantTensor, QuantLinear
+from laneserve.gpu_worker import quantization as quant
+from laneserve.gpu_worker.model_loader import ModelConfig, load_gguf_weights
+from laneserve.gpu_worker.quantization import GGUFQuantTensor, QuantLinear
 
 K = 160  # 5 groups of 32; not a multiple of 128
 SHAPES = {  # GGUF tensor name -> (N, K); N = 40, 24, 72 are not multiples of 64
@@ -98,7 +98,7 @@ def test_blocks_kept_and_q_k_rows_unpermuted(loaded):
 
 def test_fallback_is_logged_with_tensor_and_type(tmp_path, caplog):
     path = write_gguf(tmp_path / "m.gguf", "Q4_1", np.random.default_rng(1))
-    with caplog.at_level(logging.INFO, logger="gpu_worker.model_loader"):
+    with caplog.at_level(logging.INFO, logger="laneserve.gpu_worker.model_loader"):
         load_gguf_weights(gguf.GGUFReader(str(path)), CONFIG, path, keep_quantized=True)
     lines = [r.getMessage() for r in caplog.records if "no quantized kernel" in r.getMessage()]
     assert len(lines) == 1 and "blk.0.ffn_up.weight" in lines[0] and "Q5_0" in lines[0]
@@ -231,12 +231,16 @@ def test_cuda_int4_linear_matches_the_gguf_values(qtype):
     d = rng.integers(1, 8, (n, nb)).astype(np.float16) / 64
     m = -rng.integers(0, 32, (n, nb)).astype(np.float16) / 64
     qs = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
-    head = [d[..., None].view(np.uint8)] + ([m[..., None].view(np.uint8)] if qtype == "Q4_1" else [])
+    head = [d[..., None].view(np.uint8)] + (
+        [m[..., None].view(np.uint8)] if qtype == "Q4_1" else []
+    )
     blocks = np.concatenate([*(h.reshape(n, nb, 2) for h in head), qs], axis=-1).reshape(n, -1)
     t = GGUFQuantTensor("w", qtype, blocks, (n, K))
     lin = quant.build_linear("w", [t], "int4", torch.bfloat16, torch.device("cuda"))
     assert lin.weight.is_cuda and lin.dense is None and lin.gemv is None
-    ref = torch.from_numpy(quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype]).reshape(n, K))
+    ref = torch.from_numpy(
+        quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype]).reshape(n, K)
+    )
     np.testing.assert_array_equal(lin.dequantize().cpu().numpy(), ref.numpy())
     for rows in (1, 7, 64):
         x = torch.randn(rows, K, device="cuda").bfloat16()

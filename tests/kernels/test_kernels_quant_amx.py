@@ -12,9 +12,9 @@ import shutil
 import pytest
 import torch
 
-from gpu_worker import quantization as quant
-from gpu_worker.quantization import GemvBlocks
-from kernels import cpu_ext
+from laneserve.gpu_worker import quantization as quant
+from laneserve.gpu_worker.quantization import GemvBlocks
+from laneserve.kernels import cpu_ext
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker import quantization as quant
-from gpu_worker.engine import cpu_has_fast_bf16
-from gpu_worker.model_loader import load_gguf_weights
-from gpu_worker.quantization import GemvBlocks, QuantLinear
-from kernels import cpu_ext
+from laneserve.gpu_worker import quantization as quant
+from laneserve.gpu_worker.engine import cpu_has_fast_bf16
+from laneserve.gpu_worker.model_loader import load_gguf_weights
+from laneserve.gpu_worker.quantization import GemvBlocks, QuantLinear
+from laneserve.kernels import cpu_ext
 from tests.kernels.test_kernels_quant import CONFIG, K, write_gguf
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.bench_stack import PagedLlamaStack, StackConfig, greedy_generate
+from laneserve.kernels.bench_stack import PagedLlamaStack, StackConfig, greedy_generate
 
 TINY = StackConfig(
     vocab_size=97,

@@ -6,7 +6,7 @@ import torch
 
 @pytest.fixture(scope="session")
 def smollm2_loaded(smollm2_dir):
-    from gpu_worker.model_loader import load_model_files
+    from laneserve.gpu_worker.model_loader import load_model_files
 
     return load_model_files(smollm2_dir)
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from gguf import quants
 
-from gpu_worker.errors import ModelLoadError
-from gpu_worker.model_files import resolve_model_path
-from gpu_worker.model_loader import (
+from laneserve.gpu_worker.errors import ModelLoadError
+from laneserve.gpu_worker.model_files import resolve_model_path
+from laneserve.gpu_worker.model_loader import (
     config_from_gguf,
     dequantize_gguf_tensor,
     load_gguf_weights,
@@ -22,8 +22,8 @@ from gpu_worker.model_loader import (
     read_tensor_index,
     write_tensor_index,
 )
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.models.llama import LlamaForCausalLM
+from laneserve.gpu_worker.model_runner import ModelRunner
+from laneserve.gpu_worker.models.llama import LlamaForCausalLM
 
 TINY = dict(
     hidden_size=64,
@@ -319,7 +319,7 @@ def test_tensor_index_maps_every_type_as_gguf_reader_does(tmp_path):
 def test_quantized_load_from_index_equals_parsed_file(smollm2_gguf):
     """The bundled model's second quantized load reads the index, not the metadata, and gets the
     same config and the same blocks as `gguf.GGUFReader` gives."""
-    from gpu_worker.model_loader import convert_gguf, gguf_cache_dir
+    from laneserve.gpu_worker.model_loader import convert_gguf, gguf_cache_dir
 
     cache = convert_gguf(smollm2_gguf)
     (cache / "gguf_tensors.json").unlink(missing_ok=True)
@@ -364,7 +364,7 @@ def test_backend_tokenizer_loads_without_autotokenizer_and_behaves_the_same(smol
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_host_zeros_are_zero_writable_and_separate(dtype):
-    from gpu_worker import host_memory
+    from laneserve.gpu_worker import host_memory
 
     a = host_memory.zeros((2, 3, 4, 5), dtype, torch.device("cpu"))
     b = host_memory.zeros((2, 3, 4, 5), dtype, torch.device("cpu"))

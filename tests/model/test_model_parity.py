@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.models.llama import LlamaForCausalLM
+from laneserve.gpu_worker.model_runner import ModelRunner
+from laneserve.gpu_worker.models.llama import LlamaForCausalLM
 
 BLOCK = 16
 TEXT = (

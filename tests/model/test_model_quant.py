@@ -16,11 +16,16 @@ import math
 import pytest
 import torch
 
-from gpu_worker import LLM, SamplingParams
-from gpu_worker import quantization as quant
-from gpu_worker.quantization import DENSE_MIN_TOKENS, GEMV_MAX_TOKENS, Q8Embedding, QuantLinear
-from kernels import cpu_ext
 from laneserve.demo_corpus import build_corpus
+from laneserve.gpu_worker import LLM, SamplingParams
+from laneserve.gpu_worker import quantization as quant
+from laneserve.gpu_worker.quantization import (
+    DENSE_MIN_TOKENS,
+    GEMV_MAX_TOKENS,
+    Q8Embedding,
+    QuantLinear,
+)
+from laneserve.kernels import cpu_ext
 
 NUM_TOKENS = 2048
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker import LLM
+from laneserve.gpu_worker import LLM
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from broker import protocol as p
-from broker.client import BrokerClient
+from laneserve.broker import protocol as p
+from laneserve.broker.client import BrokerClient
 from tests.harness import (
     Stack,
     chat_line,
@@ -45,8 +45,8 @@ def tmpdir_short() -> Iterator[Path]:
 
 
 def _db(stack: Stack):
-    from db import migrate
-    from db.session import make_engine
+    from laneserve.db import migrate
+    from laneserve.db.session import make_engine
 
     migrate.upgrade(stack.db_url)
     return make_engine(stack.db_url)

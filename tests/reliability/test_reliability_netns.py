@@ -50,8 +50,8 @@ def rig(netns_rig: NetRig) -> Iterator[RigStack]:
 
 
 def _engine(stack: Stack):
-    from db import migrate
-    from db.session import make_engine
+    from laneserve.db import migrate
+    from laneserve.db.session import make_engine
 
     migrate.upgrade(stack.db_url)
     return make_engine(stack.db_url)

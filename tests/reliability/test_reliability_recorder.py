@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from broker import protocol as p
-from broker.client import BrokerClient
+from laneserve.broker import protocol as p
+from laneserve.broker.client import BrokerClient
 from tests.harness import Stack, report, run, wait_for
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ KILL_AT_S, DOWN_S, AFTER_S = 2.0, 2.0, 2.0
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db_url(request, tmp_path) -> str:
-    from db import migrate
+    from laneserve.db import migrate
 
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'rec.db'}"
@@ -59,7 +59,7 @@ def _integrity(engine: sa.Engine) -> str:
 
 
 def test_recorder_sigkill_during_writes_loses_no_acknowledged_record(db_url) -> None:
-    from db.session import make_engine
+    from laneserve.db.session import make_engine
 
     tmp = Path(tempfile.mkdtemp(prefix="lsr", dir="/tmp"))
     stack = Stack(tmp)

@@ -23,8 +23,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from broker import protocol as p
-from broker.client import BrokerClient
+from laneserve.broker import protocol as p
+from laneserve.broker.client import BrokerClient
 from tests.harness import Stack, report, run
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from jobs import leases
+from laneserve.jobs import leases
 from tests.harness import (
     Stack,
     chat_line,
@@ -33,8 +33,8 @@ def _owners(engine, job_id) -> set[str | None]:
 
 
 def test_two_runners_share_a_job_and_survive_one_killed(own_pg_url, laneserve_home) -> None:
-    from db import migrate
-    from db.session import make_engine
+    from laneserve.db import migrate
+    from laneserve.db.session import make_engine
 
     migrate.upgrade(own_pg_url)
     engine = make_engine(own_pg_url)

@@ -20,7 +20,7 @@ import psutil
 import pytest
 from sqlalchemy.engine import make_url
 
-from jobs import leases
+from laneserve.jobs import leases
 from tests.harness import (
     chat_line,
     check_exactly_once,
@@ -89,8 +89,8 @@ def _footprint(procs: dict[str, psutil.Process]) -> dict[str, tuple[int, int]]:
 def test_two_runners_two_gateways_two_workers_survive_kills_and_a_partition(
     rig: RigStack, own_pg_url
 ) -> None:
-    from db import migrate
-    from db.session import make_engine
+    from laneserve.db import migrate
+    from laneserve.db.session import make_engine
 
     migrate.upgrade(own_pg_url)
     engine = make_engine(own_pg_url)

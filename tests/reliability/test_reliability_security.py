@@ -19,10 +19,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from broker import protocol as p
-from broker.broker import Broker, BrokerConfig
-from broker.client import BrokerClient
-from broker.curve import CurveKeyError, generate_keys, load_public, load_secret
+from laneserve.broker import protocol as p
+from laneserve.broker.broker import Broker, BrokerConfig
+from laneserve.broker.client import BrokerClient
+from laneserve.broker.curve import CurveKeyError, generate_keys, load_public, load_secret
 from tests.harness import ROOT, Stack, free_port, run, wait_for
 
 
@@ -79,7 +79,7 @@ def test_keys_reject_bad_names_and_open_secret_files(tmp_path) -> None:
 
 
 def test_allow_list_follows_the_directory(tmp_path) -> None:
-    from broker.curve import ZAP_DOMAIN, AllowList
+    from laneserve.broker.curve import ZAP_DOMAIN, AllowList
 
     keys = generate_keys(tmp_path / "k", ["a", "b"])
     allow = AllowList(keys.allow_dir)

@@ -92,7 +92,7 @@ def up(tmp_path_factory) -> Iterator[Up]:
 
 
 def test_worker_sigkill_mid_job_supervisor_restarts_it(up, tmp_path) -> None:
-    from db.session import make_engine
+    from laneserve.db.session import make_engine
 
     info = up.info()
     engine = make_engine(info["db_url"])

@@ -23,8 +23,8 @@ import psutil
 import pytest
 import zmq
 
-from broker import protocol as p
-from broker.client import BrokerClient
+from laneserve.broker import protocol as p
+from laneserve.broker.client import BrokerClient
 from tests.harness import Stack, run
 
 pytestmark = pytest.mark.slow

@@ -174,8 +174,8 @@ def test_a_port_left_in_time_wait_by_a_stopped_stack_is_free():
 def test_up_jobs_runners_start_with_distinct_stable_lease_ids(tmp_path):
     import argparse
 
-    from gpu_worker.config import EngineConfig
     from laneserve.commands import up
+    from laneserve.gpu_worker.config import EngineConfig
 
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)

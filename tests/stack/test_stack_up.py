@@ -20,8 +20,8 @@ import pytest
 from rich.console import Console
 from sqlalchemy import create_engine, select
 
-from db.models import Request
 from laneserve.commands.status import _print_workers, kv_pool_text
+from laneserve.db.models import Request
 from tests.harness import ROOT, UpProcess, child_env, laneserve, processes_mentioning, wait_for
 
 pytestmark = pytest.mark.slow
