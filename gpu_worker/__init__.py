@@ -1,7 +1,7 @@
 """gpu_worker: one engine per accelerator (scheduler, paged KV cache, model runner, sampler) and the
 worker process that connects it to the broker.
 
-`from gpu_worker import LLM, SamplingParams` is the offline API. Names are imported lazily so
+`from laneserve.gpu_worker import LLM, SamplingParams` is the offline API. Names are imported lazily so
 that light users (the worker's IO side, the synthetic engine) do not pay for torch at import.
 Importing the package changes nothing in the process (the OpenMP policy is applied by the entry
 points, see gpu_worker/openmp.py).

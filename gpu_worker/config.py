@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from laneserve.gpu_worker.model_files import DEFAULT_MODEL
+from laneserve.gpu_worker.slo import parse_slo
 
 __all__ = [
     "CPU_BATCH_PROFILE",
@@ -143,8 +144,6 @@ def lane_profile(lanes: Iterable[str], on_gpu: bool, slo_control: bool = False) 
 
 
 def _parse_slo(text: str) -> str:
-    from laneserve.gpu_worker.step_budget import parse_slo
-
     try:
         parse_slo(text)
     except ValueError as exc:
@@ -355,8 +354,6 @@ class EngineConfig:
         if len(set(self.lanes)) != len(self.lanes):
             raise EngineConfigError(f"lanes repeat: {self.lanes}")
         if self.slo is not None:
-            from laneserve.gpu_worker.step_budget import parse_slo
-
             try:
                 parse_slo(self.slo)
             except ValueError as exc:

@@ -25,11 +25,10 @@ request is accepted and finishes with finish_reason "length" once the sequence r
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -38,21 +37,27 @@ from laneserve.gpu_worker.block_manager import BlockManager
 from laneserve.gpu_worker.config import ENGINE_DEFAULTS, EngineConfig
 from laneserve.gpu_worker.detokenizer import IncrementalDetokenizer
 from laneserve.gpu_worker.errors import InvalidRequestError, PromptTooLongError
+from laneserve.gpu_worker.hardware import default_device, resolve_dtype
+from laneserve.gpu_worker.kv_pool import plan_kv_pool
 from laneserve.gpu_worker.model_files import model_display_name, resolve_model_path
 from laneserve.gpu_worker.model_loader import load_model_files
-from laneserve.gpu_worker.model_runner import (
-    ModelRunner,
-    choose_num_blocks,
-    kv_pool_info,
-    profile_activation_bytes,
-)
+from laneserve.gpu_worker.model_runner import ModelRunner
 from laneserve.gpu_worker.models.llama import LlamaForCausalLM
 from laneserve.gpu_worker.outputs import RequestDelta
+from laneserve.gpu_worker.prompt_logprobs import (
+    attach_prompt_logprobs,
+    flat_rows,
+    prompt_logprob_rows,
+    record_prompt_logprobs,
+)
 from laneserve.gpu_worker.quantization import resolve_mode
 from laneserve.gpu_worker.request import Lane, Request, RequestStatus
+from laneserve.gpu_worker.request_state import RequestState
 from laneserve.gpu_worker.sampler import Sampler
 from laneserve.gpu_worker.sampling_params import SamplingParams
-from laneserve.gpu_worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from laneserve.gpu_worker.scheduler import Scheduler
+from laneserve.gpu_worker.scheduler_config import SchedulerConfig
+from laneserve.gpu_worker.scheduler_output import SchedulerOutput
 from laneserve.gpu_worker.spec_decode import (
     SpecController,
     SpecRequest,
@@ -60,62 +65,9 @@ from laneserve.gpu_worker.spec_decode import (
     spec_totals,
     verify,
 )
-from laneserve.gpu_worker.structured_output import (
-    GrammarCompiler,
-    GrammarMask,
-    GrammarMatcher,
-    StructuredOutputs,
-)
+from laneserve.gpu_worker.structured_output import GrammarCompiler, GrammarMask, StructuredOutputs
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo, read once; empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU advertises AMX-BF16 or AVX512-BF16."""
-    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """`auto` -> bfloat16 on a GPU or a CPU with AMX/AVX512-BF16, float32 otherwise (DESIGN.md).
-
-    Raises:
-        ValueError: an unknown dtype name.
-    """
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        if device.type == "cuda" or cpu_has_fast_bf16():
-            return torch.bfloat16
-        return torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-    return _DTYPES[dtype]
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @dataclass(slots=True)
@@ -123,35 +75,12 @@ class _Sampled:
     """One request's sampled tokens of a step (one, or with speculative decoding its accepted
     drafts plus one) and their logprobs, or the error that ended it."""
 
-    state: _RequestState
+    state: RequestState
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict | None] = field(default_factory=list)
     error: str | None = None
     num_drafts: int = 0  # drafts verified this step
     num_accepted: int = 0  # of which accepted
-
-
-@dataclass(slots=True)
-class _RequestState:
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
-    params: SamplingParams
-    text_parts: list[str] = field(default_factory=list)
-    # prompt_logprobs requested: entries so far (one per position); sent once complete
-    prompt_logprobs: list | None = None
-    prompt_logprobs_sent: bool = False
-    spec: SpecRequest | None = None  # speculative decoding: token history, acceptance
-    matcher: GrammarMatcher | None = None  # structured outputs: the request's grammar state
-
-
-class _PromptRows(NamedTuple):
-    """Prompt positions [start, end) of one request computed this step, from flat row `row`."""
-
-    state: _RequestState
-    row: int
-    start: int
-    end: int
 
 
 def _expand_mask_rows(
@@ -169,24 +98,6 @@ def _expand_mask_rows(
     return GrammarMask([offsets[i] for i in masks.rows], masks.bitmask)
 
 
-def _flat_rows(rows: list[_PromptRows], device: torch.device) -> torch.Tensor:
-    """The varlen-batch row indices of `rows`, in order: `[sum(end - start)]` int64."""
-    flat = [r.row + k for r in rows for k in range(r.end - r.start)]
-    return torch.tensor(flat, dtype=torch.int64, device=device)
-
-
-def _attach_prompt_logprobs(state: _RequestState, delta: RequestDelta) -> None:
-    """Put a request's complete prompt logprobs on `delta`, once (not again after a recompute)."""
-    if state.prompt_logprobs is None or state.prompt_logprobs_sent:
-        return
-    assert len(state.prompt_logprobs) == state.request.num_prompt_tokens, (
-        f"{state.request.request_id}: {len(state.prompt_logprobs)} prompt logprobs for "
-        f"{state.request.num_prompt_tokens} prompt tokens"
-    )
-    delta.prompt_logprobs = state.prompt_logprobs
-    state.prompt_logprobs_sent = True
-
-
 class LLMEngine:
     """Continuous-batching engine over one model on one device (an `engine_protocol.Engine`).
 
@@ -201,6 +112,36 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         config = config.with_profile(ENGINE_DEFAULTS)  # step knobs left to the lane profile
         self.config = config
+        model = self._load_model(config)
+        pool = plan_kv_pool(model, config, self.dtype, self.device)
+        self.max_model_len = pool.max_model_len
+        self.kv_pool = pool.info
+        self._build_step_parts(model, pool.num_blocks)
+        self.states: dict[str, RequestState] = {}
+        self._pending: list[RequestDelta] = []  # aborts/errors reported at the next step
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prefill_tokens = 0  # prompt positions computed (prefix-cache hits excluded)
+        spec = config.speculative_config
+        self.spec = SpecController(spec) if spec is not None and spec.enabled else None
+        if config.slo_control:  # SLO-driven step budgets, from a start-up profile of this engine
+            from laneserve.gpu_worker.step_profile import profile_engine
+
+            self.scheduler.step_budget = profile_engine(self, config.slo)
+        logger.info(
+            "engine ready: model=%s dtype=%s device=%s blocks=%d x %d (KV %.2f GiB) max_model_len=%d",
+            self.model_name,
+            self.dtype,
+            self.device,
+            pool.num_blocks,
+            config.block_size,
+            self.runner.kv_cache_bytes() / 2**30,
+            self.max_model_len,
+        )
+
+    def _load_model(self, config: EngineConfig) -> LlamaForCausalLM:
+        """Resolve the device, dtype, model path and weight kernels; load the model files and
+        build the model (its tokenizer and config kept on the engine)."""
         self.device = torch.device(config.device) if config.device else default_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
         path = resolve_model_path(config.model)
@@ -212,47 +153,14 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.prompt_tokenizer = PromptTokenizer.from_hf(loaded.tokenizer)  # the edge's rule
         self.load_seconds = loaded.load_seconds
-        model = LlamaForCausalLM(
+        return LlamaForCausalLM(
             loaded.config, loaded.weights, self.dtype, self.device, quantization
         )
-        del loaded
-        max_len = min(
-            config.max_model_len or model.config.max_model_len, model.config.max_model_len
-        )
-        activation_bytes = None
-        if self.device.type == "cuda" and not (config.num_blocks or config.kv_cache_memory_bytes):
-            activation_bytes = profile_activation_bytes(
-                model,
-                min(config.max_num_batched_tokens, max_len),
-                config.max_num_seqs,
-                config.block_size,
-            )
-        num_blocks = config.num_blocks or choose_num_blocks(
-            model.config,
-            config.block_size,
-            self.dtype,
-            self.device,
-            config.kv_cache_memory_bytes,
-            config.max_num_seqs,
-            max_len,
-            activation_bytes or 0,
-        )
-        pool_tokens = num_blocks * config.block_size
-        if max_len > pool_tokens:
-            if config.max_model_len is not None:
-                raise ValueError(
-                    f"max_model_len={config.max_model_len} does not fit the KV pool of "
-                    f"{num_blocks} blocks x {config.block_size} tokens"
-                )
-            logger.warning(
-                "max_model_len capped at %d tokens: the KV pool holds no more", pool_tokens
-            )
-            max_len = pool_tokens
-        self.max_model_len = max_len
-        self.kv_pool = kv_pool_info(
-            model.config, config.block_size, num_blocks, self.dtype, self.device,
-            activation_bytes, max_len,
-        )  # fmt: skip
+
+    def _build_step_parts(self, model: LlamaForCausalLM, num_blocks: int) -> None:
+        """The model runner over a KV pool of `num_blocks`, the block manager, scheduler,
+        sampler and grammar compiler."""
+        config, max_len = self.config, self.max_model_len
         self.runner = ModelRunner(
             model,
             config.block_size,
@@ -273,27 +181,6 @@ class LLMEngine:
             GrammarCompiler(
                 self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
             )
-        )
-        self.states: dict[str, _RequestState] = {}
-        self._pending: list[RequestDelta] = []  # aborts/errors reported at the next step
-        self.num_steps = 0
-        self.num_generated_tokens = 0
-        self.num_prefill_tokens = 0  # prompt positions computed (prefix-cache hits excluded)
-        spec = config.speculative_config
-        self.spec = SpecController(spec) if spec is not None and spec.enabled else None
-        if config.slo_control:  # SLO-driven step budgets, from a start-up profile of this engine
-            from laneserve.gpu_worker.step_budget import profile_engine
-
-            self.scheduler.step_budget = profile_engine(self, config.slo)
-        logger.info(
-            "engine ready: model=%s dtype=%s device=%s blocks=%d x %d (KV %.2f GiB) max_model_len=%d",
-            self.model_name,
-            self.dtype,
-            self.device,
-            num_blocks,
-            config.block_size,
-            self.runner.kv_cache_bytes() / 2**30,
-            max_len,
         )
 
     # ------------------------------------------------------------------ requests
@@ -407,7 +294,7 @@ class LLMEngine:
             self.structured.add(request_id, params.structured_outputs)
         else:
             self.scheduler.add_request(req)
-        self.states[request_id] = _RequestState(
+        self.states[request_id] = RequestState(
             req, IncrementalDetokenizer(self.tokenizer, ids, params), generator, params
         )
         if self.spec is not None and params.structured_outputs is None:
@@ -477,7 +364,7 @@ class LLMEngine:
             if row.error is None:
                 try:
                     deltas.append(self._process_tokens(row, now))
-                    _attach_prompt_logprobs(row.state, deltas[-1])
+                    attach_prompt_logprobs(row.state, deltas[-1])
                     continue
                 except Exception as exc:  # this request's output only: the others go on
                     logger.exception(
@@ -513,7 +400,7 @@ class LLMEngine:
             self.scheduler.add_request(state.request)
         return deltas
 
-    def _fail(self, state: _RequestState, error: str) -> RequestDelta:
+    def _fail(self, state: RequestState, error: str) -> RequestDelta:
         """End one request with finish_reason "error" (the broker reports `engine_error`)."""
         self.states.pop(state.request.request_id, None)
         self.scheduler.finish_request(state.request, RequestStatus.FINISHED_ERROR)
@@ -540,17 +427,17 @@ class LLMEngine:
             num_drafts,
         )
         num_sampled = inputs.logits_indices.shape[0]
-        prompt_rows = self._prompt_logprob_rows(entries)
+        prompt_rows = prompt_logprob_rows(entries, self.states)
         if prompt_rows:  # extra logits rows for the prompt positions of requests that ask
             inputs.logits_indices = torch.cat(
-                [inputs.logits_indices, _flat_rows(prompt_rows, inputs.logits_indices.device)]
+                [inputs.logits_indices, flat_rows(prompt_rows, inputs.logits_indices.device)]
             )
         states = [self.states[entries[i].request.request_id] for i in inputs.sample_rows]
         # grammar bitmasks of the constrained rows, computed while the forward pass runs
         masks = self.structured.start_bitmask([s.matcher for s in states])
         logits = self.runner.execute(inputs)
         if prompt_rows:
-            self._record_prompt_logprobs(prompt_rows, logits[num_sampled:])
+            record_prompt_logprobs(prompt_rows, logits[num_sampled:])
             logits = logits[:num_sampled]
         if not inputs.sample_rows:
             return []
@@ -561,7 +448,7 @@ class LLMEngine:
     def _sample(
         self,
         logits: torch.Tensor,
-        states: list[_RequestState],
+        states: list[RequestState],
         drafts: list[tuple[int, ...]],
         masks: GrammarMask | None = None,
     ) -> list[_Sampled]:
@@ -593,7 +480,7 @@ class LLMEngine:
     def _sample_rows(
         self,
         logits: torch.Tensor,
-        states: list[_RequestState],
+        states: list[RequestState],
         drafts: list[tuple[int, ...]],
         masks: GrammarMask | None,
     ) -> list[_Sampled]:
@@ -611,64 +498,6 @@ class LLMEngine:
             _Sampled(s, r.token_ids, r.logprobs, num_drafts=len(d), num_accepted=r.num_accepted)
             for s, r, d in zip(states, runs, drafts, strict=True)
         ]
-
-    def _prompt_logprob_rows(self, entries) -> list[_PromptRows]:
-        """The prompt positions still lacking logprobs that this step computes, per request.
-
-        Position p's logits give the logprob of prompt token p + 1, so a request needs positions
-        [0, P - 1). Positions already recorded (before a preemption) are not asked for again.
-        Requests without `prompt_logprobs` cost nothing.
-        """
-        out: list[_PromptRows] = []
-        offset = 0  # first flat row of each entry in the step's varlen batch
-        for e in entries:
-            if e.request.sampling_params.prompt_logprobs is None:  # the common case: no lookup
-                offset += e.num_new_tokens
-                continue
-            state = self.states.get(e.request.request_id)
-            if state is not None and state.prompt_logprobs is not None:
-                start = max(e.num_computed_tokens, len(state.prompt_logprobs) - 1)
-                end = min(e.num_computed_tokens + e.num_new_tokens, e.request.num_prompt_tokens - 1)
-                if end > start:
-                    assert start == len(state.prompt_logprobs) - 1, (
-                        f"{e.request.request_id}: prompt logprobs skip positions "
-                        f"{len(state.prompt_logprobs) - 1}..{start}"
-                    )
-                    out.append(
-                        _PromptRows(state, offset + start - e.num_computed_tokens, start, end)
-                    )
-            offset += e.num_new_tokens
-        return out
-
-    def _record_prompt_logprobs(self, rows: list[_PromptRows], logits: torch.Tensor) -> None:
-        """Append the entries of `rows` from their logits `[sum(end - start), V]` (fp32)."""
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
-        targets = [
-            t for r in rows for t in r.state.request.prompt_token_ids[r.start + 1 : r.end + 1]
-        ]
-        target = torch.tensor(targets, dtype=torch.int64, device=logprobs.device)
-        chosen = logprobs.gather(1, target[:, None])  # [R, 1]
-        ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
-        chosen_list = chosen.squeeze(1).tolist()
-        max_n = max(r.state.params.prompt_logprobs for r in rows)
-        top_vals: list[list[float]] = [[] for _ in targets]
-        top_ids: list[list[int]] = [[] for _ in targets]
-        if max_n > 0:
-            vals, ids = torch.topk(logprobs, max_n, dim=-1)
-            top_vals, top_ids = vals.tolist(), ids.tolist()
-        i = 0
-        for r in rows:
-            n = r.state.params.prompt_logprobs
-            for _ in range(r.end - r.start):
-                r.state.prompt_logprobs.append(
-                    {
-                        "token_id": targets[i],
-                        "logprob": chosen_list[i],
-                        "rank": ranks[i],
-                        "top": list(zip(top_ids[i][:n], top_vals[i][:n], strict=True)),
-                    }
-                )
-                i += 1
 
     def _process_tokens(self, row: _Sampled, now: float) -> RequestDelta:
         """Append a step's tokens of one request, one by one, until one of them stops it (EOS,
@@ -723,7 +552,7 @@ class LLMEngine:
 
     def _final(
         self,
-        state: _RequestState,
+        state: RequestState,
         text: str,
         token_ids: list[int],
         reason: str,

@@ -1,5 +1,7 @@
 """Model runner: owns the weights and the paged KV cache, turns a scheduled step into one forward.
 
+The pool's size is chosen before (gpu_worker/kv_pool.py).
+
 For each step it builds the flattened varlen batch (DESIGN.md, "Model runner"):
 
     input_ids[T], positions[T], slot_mapping[T]     T = tokens computed this step, all requests
@@ -24,7 +26,6 @@ import torch
 from laneserve.contracts import env
 from laneserve.gpu_worker import host_memory
 from laneserve.gpu_worker.config import ENGINE_DEFAULTS
-from laneserve.gpu_worker.model_loader import ModelConfig
 from laneserve.gpu_worker.models.llama import AttentionMetadata, LlamaForCausalLM
 from laneserve.gpu_worker.openmp import openmp_is_purely_passive
 from laneserve.gpu_worker.step_upload import StepUploader
@@ -32,8 +33,6 @@ from laneserve.kernels import cpu_ext
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_BYTES = 2 * 1024**3  # DESIGN: the CPU KV pool is bounded (about 2 GiB)
-DEFAULT_GPU_KV_FRACTION = 0.90  # of the memory free after the weights and the profiled activations
 # Under a purely passive OpenMP wait policy (OMP_WAIT_POLICY=PASSIVE with no GOMP_SPINCOUNT, or
 # GOMP_SPINCOUNT=0) every parallel region pays ~40 us to wake its threads, ~240 regions per decode
 # step, so CPU steps of at most this many tokens run on one intra-op thread: they are memory-bound
@@ -43,126 +42,6 @@ DEFAULT_GPU_KV_FRACTION = 0.90  # of the memory free after the weights and the p
 # at every size (B=1 18 vs 25), so the rule is off then. LANESERVE_CPU_SINGLE_THREAD_TOKENS
 # overrides it either way (0 turns it off).
 CPU_SINGLE_THREAD_TOKENS = 48
-
-
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one block across all layers: 2 x layers x block x kv_heads x head_dim x elem."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return (
-        2
-        * config.num_hidden_layers
-        * block_size
-        * config.num_key_value_heads
-        * config.head_dim
-        * elem
-    )
-
-
-def choose_num_blocks(
-    config: ModelConfig,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    kv_cache_memory_bytes: int | None,
-    max_num_seqs: int,
-    max_model_len: int,
-    activation_bytes: int = 0,
-) -> int:
-    """Blocks that fit in `kv_cache_memory_bytes`, capped at what `max_num_seqs` sequences of
-    `max_model_len` tokens could ever use. Default budget: ~2 GiB on CPU; on a GPU 90 % of the
-    memory free after the weights less `activation_bytes` (the peak of a profiled forward at the
-    largest step, :func:`profile_activation_bytes`)."""
-    per_block = kv_bytes_per_block(config, block_size, dtype)
-    if kv_cache_memory_bytes is None:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            kv_cache_memory_bytes = int(max(free - activation_bytes, 0) * DEFAULT_GPU_KV_FRACTION)
-            logger.info(
-                "KV pool sizing: %.2f GiB free after weights, %.2f GiB activation peak "
-                "(profiled), %.2f GiB for KV",
-                free / 2**30,
-                activation_bytes / 2**30,
-                kv_cache_memory_bytes / 2**30,
-            )
-        else:
-            kv_cache_memory_bytes = DEFAULT_CPU_KV_BYTES
-    blocks = int(kv_cache_memory_bytes // per_block)
-    cap = max_num_seqs * -(-max_model_len // block_size)
-    blocks = min(blocks, cap)
-    if blocks < 2:
-        raise ValueError(
-            f"kv_cache_memory_bytes={kv_cache_memory_bytes} holds {blocks} blocks of {per_block} bytes; "
-            "need at least 2"
-        )
-    return blocks
-
-
-def kv_pool_info(
-    config: ModelConfig,
-    block_size: int,
-    num_blocks: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    activation_bytes: int | None,
-    max_model_len: int,
-) -> dict:
-    """The KV pool's chosen numbers as the worker announces them (``laneserve status`` shows them):
-    blocks, tokens, bytes, the profiled activation peak (None where nothing was profiled)."""
-    per_block = kv_bytes_per_block(config, block_size, dtype)
-    return {
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "num_blocks": num_blocks,
-        "block_size": block_size,
-        "num_tokens": num_blocks * block_size,
-        "kv_cache_bytes": num_blocks * per_block,
-        "activation_bytes": activation_bytes,
-        "max_model_len": max_model_len,
-    }
-
-
-def profile_activation_bytes(
-    model: LlamaForCausalLM, num_tokens: int, num_samples: int, block_size: int
-) -> int | None:
-    """Memory one forward of the largest step needs beyond what is allocated now (vLLM's profile run).
-
-    The step is `num_tokens` prompt tokens of one sequence with `num_samples` logits rows, over a
-    throwaway one-block cache: every slot is -1 (nothing is written) and every block-table entry
-    is block 0, so attention reads as many keys as a real step of that size. Returns the CUDA peak
-    in bytes, or None on other devices (the CPU pool has a fixed size; the forward still runs, so
-    the path is exercised everywhere).
-    """
-    c = model.config
-    dev = model.device
-    num_tokens = max(1, num_tokens)
-    blocks = -(-num_tokens // block_size)
-    shape = (1, block_size, c.num_key_value_heads, c.head_dim)
-    caches = [
-        (torch.zeros(shape, dtype=model.dtype, device=dev),) * 2 for _ in range(c.num_hidden_layers)
-    ]
-    attn = AttentionMetadata(
-        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
-        cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
-        block_tables=torch.zeros((1, blocks), dtype=torch.int32, device=dev),
-    )
-    ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-    positions = torch.arange(num_tokens, dtype=torch.int64, device=dev)
-    rows = torch.arange(num_tokens - min(num_samples, num_tokens), num_tokens, device=dev)
-    if dev.type != "cuda":
-        with torch.inference_mode():
-            model.forward(ids, positions, attn, caches, rows)
-        return None
-    torch.cuda.synchronize(dev)
-    before = torch.cuda.memory_allocated(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    with torch.inference_mode():
-        model.forward(ids, positions, attn, caches, rows)
-    torch.cuda.synchronize(dev)
-    peak = torch.cuda.max_memory_allocated(dev) - before
-    del caches, attn, ids, positions, rows
-    torch.cuda.empty_cache()
-    return int(peak)
 
 
 @dataclass(slots=True)

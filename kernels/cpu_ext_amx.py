@@ -17,7 +17,7 @@ verification or a small decode batch costs about what one row through the GEMVs 
 batch of 64 about 0.8x what the dense bf16 copy's GEMMs cost (whole steps).
 
 Layouts (N outputs, a multiple of 16; K inputs; G = K / 32; NB = N / 16 blocks of 16 outputs),
-built by :func:`laneserve.gpu_worker.quantization.amx_order`:
+built by :func:`laneserve.gpu_worker.gemv_blocks.amx_order`:
 
     int4:  qa uint8 [NB, G, 16, 16]  tile row r (k = 32 g + 2 r and 2 r + 1) of block b: byte j
                                      holds q[16 b + j // 2, k + j % 2] in its low nibble and

@@ -41,7 +41,7 @@ where the CPU has AVX512-VNNI): against the previous loop (shuffles, a broadcast
 row) 0.91-0.96x the time at 1-4 float32 rows over SmolLM2's 120 layer linears (2-core Zen 4 EPYC).
 
 int4 with AVX2 but not AVX-512BW reads its weights in the block order (`int4_gemv_block_groups()`
-is 8; `GemvBlocks.prepare` in gpu_worker/quantization.py reorders the GGUF's bytes once, and the
+is 8; `GemvBlocks.prepare` in gpu_worker/gemv_blocks.py reorders the GGUF's bytes once, and the
 op refuses weights in another order): every full block of 8 groups is 8 chunks of 16 bytes
 whose byte i holds element 2 c + i % 2 of the block's group i / 2 (low nibble) and element
 2 (c + 8) + i % 2 (high nibble), and each row's activations are stored to match
@@ -78,7 +78,7 @@ products are exact in float32, float32 sums; the instruction treats denormals as
 rows and up to 6 activation rows per pass, so extra rows cost little: a
 speculative verification of 5 rows took 0.47-0.74x the time of torch's int4 kernel (which
 unpacks the weights once per 4 rows) on SmolLM2's linears. It runs calls of 5 rows or more
-(`kBf16GemvMinRows`, equal to `BF16_GEMV_MIN_TOKENS` in gpu_worker/quantization.py); fewer bf16
+(`kBf16GemvMinRows`, equal to `BF16_GEMV_MIN_TOKENS` in gpu_worker/gemv_blocks.py); fewer bf16
 rows, and every bf16 row on a CPU without AVX512-BF16, are read exactly into the int16 path above
 (no float32 copy to make) and the result rounded once to bf16. So a bf16 row's result depends
 on M only through whether M < 5 (with AVX512-BF16), never on the thread split (weight rows go in
@@ -412,7 +412,7 @@ inline void block_order(std::vector<int16_t>& e, int64_t M, int64_t K) {
     }
 }
 
-// One int4 weight row in the block order (see `int4_block_order` in gpu_worker/quantization.py:
+// One int4 weight row in the block order (see `int4_block_order` in gpu_worker/gemv_blocks.py:
 // byte i of a block's chunk c holds element 2 c + i % 2 of group i / 2 in its low nibble and
 // element 2 (c + 8) + i % 2 in its high one) against R rows of x in `block_order`. A chunk
 // unpacks to two vectors of 16 int16 whose vpmaddwd with the activations leaves lane j with group
@@ -470,7 +470,7 @@ inline void int4_row_blocked(const uint8_t* qs, const float* sc, const float* of
 #ifdef LANESERVE_Q8_BLOCKED
 // Each row's activations in the Q8_0 block order: within every full block of 16 groups the 512
 // elements run c = 0..15, then group j = 0..15, then t = 0..1 (element 2 c + t of group j), the
-// order the weights of `q8_0_block_order` (gpu_worker/quantization.py) unpack in; the last G % 16
+// order the weights of `q8_0_block_order` (gpu_worker/gemv_blocks.py) unpack in; the last G % 16
 // groups stay in order.
 inline void q8_block_order(std::vector<int16_t>& e, int64_t M, int64_t K) {
   constexpr int64_t kBlock = 16 * kGroup;
@@ -611,7 +611,7 @@ void check_gemv_args(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 constexpr int64_t kNb = 4;
 constexpr int64_t kRowTileBf16 = 6;
 // Fewer bf16 rows go through the int16 path (see the module docstring). Keep equal to
-// BF16_GEMV_MIN_TOKENS (gpu_worker/quantization.py: fewer int4 rows go to torch's kernel).
+// BF16_GEMV_MIN_TOKENS (gpu_worker/gemv_blocks.py: fewer int4 rows go to torch's kernel).
 constexpr int64_t kBf16GemvMinRows = 5;
 
 template <bool Q4>

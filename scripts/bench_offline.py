@@ -556,7 +556,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from laneserve.gpu_worker import LLM, SamplingParams
-    from laneserve.gpu_worker.engine import resolve_dtype
+    from laneserve.gpu_worker.hardware import resolve_dtype
     from laneserve.gpu_worker.model_files import resolve_model_path
     from laneserve.gpu_worker.model_loader import convert_gguf
 

@@ -54,12 +54,11 @@ import torch.nn.functional as F  # noqa: E402  # isort: skip
 
 from bench_offline import cpu_info  # noqa: E402  # isort: skip  (scripts/ is on sys.path)
 from laneserve.kernels import cpu_ext  # noqa: E402  # isort: skip
+from laneserve.gpu_worker.gemv_blocks import GemvBlocks  # noqa: E402  # isort: skip
+from laneserve.gpu_worker.gguf_blocks import int4_from_float, int8_from_float  # noqa: E402  # isort: skip
 from laneserve.gpu_worker.quantization import (  # noqa: E402  # isort: skip
-    GemvBlocks,
     QuantLinear,
     dense_linear,
-    int4_from_float,
-    int8_from_float,
     pack_dense,
 )
 

@@ -22,8 +22,10 @@ import torch
 from laneserve import kernels
 from laneserve.gpu_worker import quantization as quant
 from laneserve.gpu_worker.errors import ModelLoadError
-from laneserve.gpu_worker.model_loader import ModelConfig
-from laneserve.gpu_worker.quantization import GGUFQuantTensor, QuantLinear
+from laneserve.gpu_worker.gemv_blocks import GemvBlocks
+from laneserve.gpu_worker.gguf_blocks import GGUFQuantTensor, dequantize
+from laneserve.gpu_worker.model_config import ModelConfig
+from laneserve.gpu_worker.quantization import QuantLinear
 
 Linear = torch.Tensor | QuantLinear
 
@@ -53,6 +55,47 @@ class LayerWeights:
     post_attention_layernorm: torch.Tensor  # [H]
     gate_up_proj: Linear  # [2 I, H]
     down_proj: Linear  # [H, I]
+
+
+class _WeightReader:
+    """Takes the model's weights out of a loader's dict (Hugging Face naming), checking each
+    one's shape, onto `device`: dense in `dtype` (`take`), or as (fused) linears in the
+    quantization mode (`take_linear`).
+
+    Raises (every method):
+        ModelLoadError: a weight is missing or has the wrong shape.
+    """
+
+    def __init__(
+        self,
+        weights: dict[str, torch.Tensor | GGUFQuantTensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        quantization: str,
+    ):
+        self.weights = weights
+        self.dtype = dtype
+        self.device = device
+        self.quantization = quantization
+
+    def raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | GGUFQuantTensor:
+        tensor = self.weights.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"weight {name} is missing")
+        if tuple(tensor.shape) != shape:
+            raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, expected {shape}")
+        return tensor
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = self.raw(name, shape)
+        if isinstance(tensor, GGUFQuantTensor):
+            tensor = dequantize(tensor)
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def take_linear(self, names: list[str], shapes: list[tuple[int, int]]) -> Linear:
+        parts = [self.raw(n, s) for n, s in zip(names, shapes, strict=True)]
+        built = quant.build_linear(names[0], parts, self.quantization, self.dtype, self.device)
+        return built.to(self.device) if isinstance(built, torch.Tensor) else built
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -102,7 +145,8 @@ class LlamaForCausalLM:
 
     Args:
         config: the model's shape.
-        weights: float32 tensors in Hugging Face naming, or GGUF blocks (see `model_loader`).
+        weights: float32 tensors in Hugging Face naming, or GGUF blocks (see `model_loader`,
+            `gguf_loader`).
         dtype: activation dtype (torch.float32 or torch.bfloat16 / float16), and the dense
             weights' dtype.
         device: where weights live.
@@ -130,84 +174,76 @@ class LlamaForCausalLM:
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_attention_heads * config.head_dim
         self.kv_size = config.num_key_value_heads * config.head_dim
+        w = _WeightReader(weights, dtype, self.device, self.quantization)
+        self._load_embedding(w)
+        self.norm = w.take("model.norm.weight", (config.hidden_size,))
+        self._load_lm_head(w)
+        self.layers = [self._load_layer(w, i) for i in range(config.num_hidden_layers)]
+        self.cos_sin_cache = build_cos_sin_cache(config, config.max_model_len, self.device)
 
-        def raw(name: str, shape: tuple[int, ...]) -> torch.Tensor | GGUFQuantTensor:
-            tensor = weights.get(name)
-            if tensor is None:
-                raise ModelLoadError(f"weight {name} is missing")
-            if tuple(tensor.shape) != shape:
-                raise ModelLoadError(
-                    f"weight {name} has shape {tuple(tensor.shape)}, expected {shape}"
-                )
-            return tensor
-
-        def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            tensor = raw(name, shape)
-            if isinstance(tensor, GGUFQuantTensor):
-                tensor = quant.dequantize(tensor)
-            return tensor.to(device=self.device, dtype=dtype).contiguous()
-
-        def take_linear(names: list[str], shapes: list[tuple[int, int]]) -> Linear:
-            parts = [raw(n, s) for n, s in zip(names, shapes, strict=True)]
-            built = quant.build_linear(names[0], parts, self.quantization, dtype, self.device)
-            return built.to(self.device) if isinstance(built, torch.Tensor) else built
-
-        c = config
-        h, inter = c.hidden_size, c.intermediate_size
-        embed_name, vh = "model.embed_tokens.weight", (c.vocab_size, h)
+    def _load_embedding(self, w: _WeightReader) -> None:
+        """The token embedding: Q8_0 blocks stay quantized on the CPU (`build_embedding`)."""
+        c = self.config
+        vh = (c.vocab_size, c.hidden_size)
         embed_mode = self.quantization if self.device.type == "cpu" else "none"  # CUDA: dense
-        self.embed_tokens = quant.build_embedding(raw(embed_name, vh), embed_mode, dtype)
+        self.embed_tokens = quant.build_embedding(
+            w.raw("model.embed_tokens.weight", vh), embed_mode, self.dtype
+        )
         if isinstance(self.embed_tokens, torch.Tensor):
             self.embed_tokens = self.embed_tokens.to(self.device)
-        self.norm = take("model.norm.weight", (h,))
+
+    def _load_lm_head(self, w: _WeightReader) -> None:
+        """The LM head: its own weight, or tied to the embedding (the same tensor when both are
+        dense; a quantized head over a Q8_0 embedding reads the embedding's blocks)."""
+        c = self.config
+        embed_name, vh = "model.embed_tokens.weight", (c.vocab_size, c.hidden_size)
         head_name = embed_name
-        if not c.tie_word_embeddings and "lm_head.weight" in weights:
+        if not c.tie_word_embeddings and "lm_head.weight" in w.weights:
             head_name = "lm_head.weight"
         tied_dense = head_name == embed_name and isinstance(self.embed_tokens, torch.Tensor)
         # one tensor for both; on CUDA a tied head stays the dense table (int4 would requantize
         # the GGUF's Q8_0 table and hold a second copy of the largest matrix)
         if tied_dense and (
             self.device.type != "cpu"
-            or quant.build_is_dense([raw(head_name, vh)], self.quantization)
+            or quant.build_is_dense([w.raw(head_name, vh)], self.quantization)
         ):
             self.lm_head: Linear = self.embed_tokens
-        else:
-            self.lm_head = take_linear([head_name], [vh])
-            head, table = self.lm_head, self.embed_tokens
-            if (
-                head_name == embed_name
-                and isinstance(table, quant.Q8Embedding)
-                and isinstance(head, quant.QuantLinear)
-                and head.kind == "int8"
-            ):  # few-row calls read the embedding's own Q8_0 arrays: exact, one copy
-                head.read_q8_0_blocks(quant.GemvBlocks("q8_0", table.qs, table.d))
-        self.layers: list[LayerWeights] = []
-        for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}."
-            qkv_names = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
-            qkv_shapes = [(self.q_size, h), (self.kv_size, h), (self.kv_size, h)]
-            bias = None
-            if c.attention_bias:
-                bias = torch.cat(
-                    [
-                        take(p + "self_attn.q_proj.bias", (self.q_size,)),
-                        take(p + "self_attn.k_proj.bias", (self.kv_size,)),
-                        take(p + "self_attn.v_proj.bias", (self.kv_size,)),
-                    ]
-                )
-            gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-            self.layers.append(
-                LayerWeights(
-                    input_layernorm=take(p + "input_layernorm.weight", (h,)),
-                    qkv_proj=take_linear(qkv_names, qkv_shapes),
-                    qkv_bias=bias,
-                    o_proj=take_linear([p + "self_attn.o_proj.weight"], [(h, self.q_size)]),
-                    post_attention_layernorm=take(p + "post_attention_layernorm.weight", (h,)),
-                    gate_up_proj=take_linear(gate_up, [(inter, h), (inter, h)]),
-                    down_proj=take_linear([p + "mlp.down_proj.weight"], [(h, inter)]),
-                )
+            return
+        self.lm_head = w.take_linear([head_name], [vh])
+        head, table = self.lm_head, self.embed_tokens
+        if (
+            head_name == embed_name
+            and isinstance(table, quant.Q8Embedding)
+            and isinstance(head, QuantLinear)
+            and head.kind == "int8"
+        ):  # few-row calls read the embedding's own Q8_0 arrays: exact, one copy
+            head.read_q8_0_blocks(GemvBlocks("q8_0", table.qs, table.d))
+
+    def _load_layer(self, w: _WeightReader, i: int) -> LayerWeights:
+        """Layer `i`'s weights, q/k/v and gate/up fused into one linear each."""
+        h, inter = self.config.hidden_size, self.config.intermediate_size
+        p = f"model.layers.{i}."
+        qkv_names = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+        qkv_shapes = [(self.q_size, h), (self.kv_size, h), (self.kv_size, h)]
+        bias = None
+        if self.config.attention_bias:
+            bias = torch.cat(
+                [
+                    w.take(p + "self_attn.q_proj.bias", (self.q_size,)),
+                    w.take(p + "self_attn.k_proj.bias", (self.kv_size,)),
+                    w.take(p + "self_attn.v_proj.bias", (self.kv_size,)),
+                ]
             )
-        self.cos_sin_cache = build_cos_sin_cache(c, c.max_model_len, self.device)
+        gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        return LayerWeights(
+            input_layernorm=w.take(p + "input_layernorm.weight", (h,)),
+            qkv_proj=w.take_linear(qkv_names, qkv_shapes),
+            qkv_bias=bias,
+            o_proj=w.take_linear([p + "self_attn.o_proj.weight"], [(h, self.q_size)]),
+            post_attention_layernorm=w.take(p + "post_attention_layernorm.weight", (h,)),
+            gate_up_proj=w.take_linear(gate_up, [(inter, h), (inter, h)]),
+            down_proj=w.take_linear([p + "mlp.down_proj.weight"], [(h, inter)]),
+        )
 
     def weight_bytes(self) -> int:
         """Bytes held by the weights (quantized blocks, scales and dense copies; a tied LM head

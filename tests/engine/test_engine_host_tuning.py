@@ -31,7 +31,7 @@ def _in_fresh_process(code: str, **env: str) -> str:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
 def test_malloc_tuning_applies_once_and_can_be_turned_off():
     code = (
-        "from gpu_worker import host_memory as h; "
+        "from laneserve.gpu_worker import host_memory as h; "
         "print(h.tune_for_inference(), h.tune_for_inference())"
     )
     assert _in_fresh_process(code) == "True True"
@@ -64,9 +64,10 @@ def _clean_env(**extra: str) -> dict[str, str]:
 def test_importing_gpu_worker_leaves_the_environment_alone():
     code = (
         "import os, json; before = dict(os.environ); "
-        "import gpu_worker, gpu_worker.config, gpu_worker.worker, gpu_worker.synthetic, "
-        "gpu_worker.faults, gpu_worker.llm, gpu_worker.engine, kernels; "
-        "from gpu_worker import LLM, EngineConfig, SamplingParams; "
+        "import laneserve.gpu_worker, laneserve.gpu_worker.config, laneserve.gpu_worker.worker, "
+        "laneserve.gpu_worker.synthetic, laneserve.gpu_worker.faults, laneserve.gpu_worker.llm, "
+        "laneserve.gpu_worker.engine, laneserve.kernels; "
+        "from laneserve.gpu_worker import LLM, EngineConfig, SamplingParams; "
         "after = dict(os.environ); "
         "print(json.dumps({k: [before.get(k), after.get(k)] for k in set(before) | set(after) "
         "if before.get(k) != after.get(k)}))"
@@ -101,7 +102,7 @@ def _libgomp_settings(stderr: str) -> dict[str, str]:
         # the offline API owns the cores: LLM() makes the threads spin, before the engine loads
         # (libgomp's spin count for ACTIVE)
         (
-            ["-c", "from gpu_worker import LLM; LLM(model='/nonexistent/model.gguf')"],
+            ["-c", "from laneserve.gpu_worker import LLM; LLM(model='/nonexistent/model.gguf')"],
             {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "30000000000"},
         ),
     ],
@@ -125,7 +126,7 @@ def test_entry_points_start_torch_under_their_policy(argv, policy):
 def test_plain_torch_import_keeps_libgomps_long_spin():
     """The control for the test above: without the entry points libgomp spins 300000 times."""
     out = subprocess.run(
-        [sys.executable, "-c", "import gpu_worker, torch"],
+        [sys.executable, "-c", "import laneserve.gpu_worker, torch"],
         env=_clean_env(OMP_DISPLAY_ENV="VERBOSE"), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert _libgomp_settings(out.stderr)["GOMP_SPINCOUNT"] == "300000"

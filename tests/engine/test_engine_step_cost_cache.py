@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from laneserve.gpu_worker import step_budget
+from laneserve.gpu_worker import step_budget, step_profile
 from laneserve.gpu_worker.sampling_params import SamplingParams
 from laneserve.kernels import cpu_ext
 
@@ -43,7 +43,7 @@ def test_second_start_reuses_the_profiled_prior(make_llm, step_cost_cache, monke
     )
     engine = first.engine
     assert engine.num_steps == 0 and engine.block_manager.prefix_cache_queries == 0
-    key = step_budget.step_cost_cache_key(engine)
+    key = step_profile.step_cost_cache_key(engine)
     assert files[0].stem == key
     del first, engine
 
@@ -68,7 +68,7 @@ def test_second_start_reuses_the_profiled_prior(make_llm, step_cost_cache, monke
     repaired = make_llm(slo_control=True)
     assert _prior(repaired)[0] != pytest.approx(marked[0])
     fresh = json.loads(files[0].read_text())
-    assert fresh["idle_step_ms"] < idle_step * 10.0 / step_budget.IDLE_STEP_AGREEMENT
+    assert fresh["idle_step_ms"] < idle_step * 10.0 / step_profile.IDLE_STEP_AGREEMENT
     assert fresh["theta"] == pytest.approx(_prior(repaired))
     tpot = repaired.engine.scheduler.step_budget.targets.interactive.tpot_ms
     assert tpot == pytest.approx(step_budget.TPOT_MULTIPLE * fresh["idle_step_ms"], abs=0.1)
@@ -76,28 +76,28 @@ def test_second_start_reuses_the_profiled_prior(make_llm, step_cost_cache, monke
 
     # other options are another key; a damaged entry or the switch off means a fresh profile
     third = make_llm(slo_control=True, max_num_seqs=7)
-    assert step_budget.step_cost_cache_key(third.engine) != key
+    assert step_profile.step_cost_cache_key(third.engine) != key
     assert len(list(step_cost_cache.glob("*.json"))) == 2
     del third
     files[0].write_text("{broken")
-    assert step_budget.read_cached_prior(key) is None
+    assert step_profile.read_cached_prior(key) is None
     files[0].write_text(json.dumps({"theta": marked}))  # a version-1 entry: no idle step
-    assert step_budget.read_cached_prior(key) is None
+    assert step_profile.read_cached_prior(key) is None
     files[0].write_text(json.dumps({"theta": marked[:4], "idle_step_ms": 77.0}))  # version 2's
-    assert step_budget.read_cached_prior(key) is None  # four coefficients: no prefill attention
+    assert step_profile.read_cached_prior(key) is None  # four coefficients: no prefill attention
     monkeypatch.setenv("LANESERVE_STEP_COST_CACHE", "0")
     files[0].write_text(json.dumps({"theta": marked, "idle_step_ms": 77.0}))
-    assert step_budget.read_cached_prior(key) is None
+    assert step_profile.read_cached_prior(key) is None
     fourth = make_llm(slo_control=True)
     assert _prior(fourth)[0] != pytest.approx(marked[0])
 
 
 def test_idle_steps_agree_within_the_stated_factor():
-    f = step_budget.IDLE_STEP_AGREEMENT
-    assert step_budget.steps_agree(7.0, 7.0 * f) and step_budget.steps_agree(7.0 * f, 7.0)
-    assert not step_budget.steps_agree(7.0, 7.0 * f * 1.01)
-    assert not step_budget.steps_agree(66.8, 7.0)  # the entry that set a 9x target
-    assert step_budget.steps_agree(None, 7.0)  # nothing measured: nothing to disagree with
+    f = step_profile.IDLE_STEP_AGREEMENT
+    assert step_profile.steps_agree(7.0, 7.0 * f) and step_profile.steps_agree(7.0 * f, 7.0)
+    assert not step_profile.steps_agree(7.0, 7.0 * f * 1.01)
+    assert not step_profile.steps_agree(66.8, 7.0)  # the entry that set a 9x target
+    assert step_profile.steps_agree(None, 7.0)  # nothing measured: nothing to disagree with
 
 
 def test_two_measured_rounds_keep_each_steps_lesser_time():
@@ -105,7 +105,7 @@ def test_two_measured_rounds_keep_each_steps_lesser_time():
     a = [(f(8, 1, 8, 36), 9.0), (f(1, 1, 9, 0), 30.0), (f(1, 1, 10, 0), 6.0)]
     b = [(f(8, 1, 8, 36), 12.0), (f(1, 1, 9, 0), 6.5), (f(1, 1, 10, 0), 6.2)]
     # a sibling process loaded the second step of the first round: its time does not count
-    assert step_budget.least_of_rounds(a, b) == [(a[0][0], 9.0), (a[1][0], 6.5), (a[2][0], 6.0)]
+    assert step_profile.least_of_rounds(a, b) == [(a[0][0], 9.0), (a[1][0], 6.5), (a[2][0], 6.0)]
     # rounds that ran different steps (drafts verified in one) are both kept as they are
     c = [(f(2, 1, 9, 0), 7.0)]
-    assert step_budget.least_of_rounds(a, c) == a + c
+    assert step_profile.least_of_rounds(a, c) == a + c

@@ -54,7 +54,7 @@ def test_engine_tokens_equal_with_the_packed_upload(make_llm):
 
 def test_profile_forward_runs_and_leaves_the_kv_cache_alone(make_llm):
     """The KV-sizing profile run (CUDA: peak bytes) works on this device and writes no KV slot."""
-    from laneserve.gpu_worker.model_runner import profile_activation_bytes
+    from laneserve.gpu_worker.kv_pool import profile_activation_bytes
 
     llm = make_llm()
     runner = llm.engine.runner

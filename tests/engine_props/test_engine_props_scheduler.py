@@ -23,7 +23,8 @@ from hypothesis.stateful import (
 
 from laneserve.gpu_worker.block_manager import BlockManager
 from laneserve.gpu_worker.request import Lane, Request, RequestStatus
-from laneserve.gpu_worker.scheduler import Scheduler, SchedulerConfig
+from laneserve.gpu_worker.scheduler import Scheduler
+from laneserve.gpu_worker.scheduler_config import SchedulerConfig
 from tests.engine_props.props_helpers import prop_settings
 
 PREFIXES = [[], [3, 1, 4, 1, 5, 9, 2, 6], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7], [7] * 20]

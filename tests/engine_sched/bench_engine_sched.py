@@ -15,7 +15,8 @@ import time
 
 from laneserve.gpu_worker.block_manager import BlockManager
 from laneserve.gpu_worker.request import Request, RequestStatus
-from laneserve.gpu_worker.scheduler import Scheduler, SchedulerConfig
+from laneserve.gpu_worker.scheduler import Scheduler
+from laneserve.gpu_worker.scheduler_config import SchedulerConfig
 
 
 def one_step(sched: Scheduler) -> None:

@@ -14,7 +14,9 @@ import pytest
 
 from laneserve.gpu_worker.block_manager import BlockManager
 from laneserve.gpu_worker.request import Lane, Request, RequestStatus
-from laneserve.gpu_worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from laneserve.gpu_worker.scheduler import Scheduler
+from laneserve.gpu_worker.scheduler_config import SchedulerConfig
+from laneserve.gpu_worker.scheduler_output import SchedulerOutput
 
 
 class EngineSim:

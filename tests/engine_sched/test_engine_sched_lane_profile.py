@@ -15,7 +15,7 @@ from laneserve.gpu_worker.config import (
     config_from_args,
     lane_profile,
 )
-from laneserve.gpu_worker.scheduler import SchedulerConfig
+from laneserve.gpu_worker.scheduler_config import SchedulerConfig
 
 
 def test_cpu_worker_serving_interactive_keeps_steps_short():

@@ -12,7 +12,8 @@ import torch
 
 from laneserve.gpu_worker.block_manager import BlockManager
 from laneserve.gpu_worker.request import Lane, Request, RequestStatus
-from laneserve.gpu_worker.scheduler import Scheduler, SchedulerConfig
+from laneserve.gpu_worker.scheduler import Scheduler
+from laneserve.gpu_worker.scheduler_config import SchedulerConfig
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from laneserve.gpu_worker.request import Lane, RequestStatus
-from laneserve.gpu_worker.scheduler import SchedulerConfig
+from laneserve.gpu_worker.scheduler_config import SchedulerConfig
 
 
 def split(out):

@@ -17,9 +17,12 @@ import torch
 import torch.nn.functional as F
 from gguf import quants
 
+from laneserve.gpu_worker import gguf_blocks
 from laneserve.gpu_worker import quantization as quant
-from laneserve.gpu_worker.model_loader import ModelConfig, load_gguf_weights
-from laneserve.gpu_worker.quantization import GGUFQuantTensor, QuantLinear
+from laneserve.gpu_worker.gguf_blocks import GGUFQuantTensor
+from laneserve.gpu_worker.gguf_loader import load_gguf_weights
+from laneserve.gpu_worker.model_config import ModelConfig
+from laneserve.gpu_worker.quantization import QuantLinear
 
 K = 160  # 5 groups of 32; not a multiple of 128
 SHAPES = {  # GGUF tensor name -> (N, K); N = 40, 24, 72 are not multiples of 64
@@ -91,14 +94,14 @@ def test_blocks_kept_and_q_k_rows_unpermuted(loaded):
         t = kept[hf + name + ".weight"]
         assert isinstance(t, GGUFQuantTensor) and t.qtype == qtype
         torch.testing.assert_close(
-            quant.dequantize(t), dense[hf + name + ".weight"], rtol=0, atol=0
+            gguf_blocks.dequantize(t), dense[hf + name + ".weight"], rtol=0, atol=0
         )
     assert isinstance(kept[hf + "mlp.up_proj.weight"], torch.Tensor)
 
 
 def test_fallback_is_logged_with_tensor_and_type(tmp_path, caplog):
     path = write_gguf(tmp_path / "m.gguf", "Q4_1", np.random.default_rng(1))
-    with caplog.at_level(logging.INFO, logger="laneserve.gpu_worker.model_loader"):
+    with caplog.at_level(logging.INFO, logger="laneserve.gpu_worker.gguf_loader"):
         load_gguf_weights(gguf.GGUFReader(str(path)), CONFIG, path, keep_quantized=True)
     lines = [r.getMessage() for r in caplog.records if "no quantized kernel" in r.getMessage()]
     assert len(lines) == 1 and "blk.0.ffn_up.weight" in lines[0] and "Q5_0" in lines[0]
@@ -144,7 +147,7 @@ def test_int4_convention_is_exact(qtype):
         head.append(m[..., None].view(np.uint8))
     blocks = np.concatenate([*(h.reshape(n, nb, 2) for h in head), qs], axis=-1).reshape(n, -1)
     t = GGUFQuantTensor("w", qtype, blocks, (n, K))
-    lin = QuantLinear.from_int4(quant.int4_from_gguf(t))
+    lin = QuantLinear.from_int4(gguf_blocks.int4_from_gguf(t))
     ref = quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype]).reshape(n, K)
     np.testing.assert_array_equal(lin.dequantize().numpy(), ref)
 
@@ -156,8 +159,8 @@ def test_rows_do_not_depend_on_the_batch():
     w = torch.randn(72, K, generator=gen) * 0.05
     x = torch.randn(40, K, generator=gen).bfloat16()
     for lin in (
-        QuantLinear.from_int4(quant.int4_from_float(w)),
-        QuantLinear.from_int8(*quant.int8_from_float(w)),
+        QuantLinear.from_int4(gguf_blocks.int4_from_float(w)),
+        QuantLinear.from_int8(*gguf_blocks.int8_from_float(w)),
     ):
         full = lin(x)
         assert full.is_contiguous()  # N = 72 is padded to 80 for the int4 packer: rows dropped
@@ -169,7 +172,7 @@ def test_dense_copy_routes_large_calls():
     """A dense copy (kept for bf16 activations on CPUs with native bf16: `dense_copy_dtype`)
     takes calls of >= dense_min_tokens rows through F.linear."""
     w = torch.randn(72, K, generator=torch.Generator().manual_seed(4)) * 0.05
-    groups = quant.int4_from_float(w)
+    groups = gguf_blocks.int4_from_float(w)
     lin = QuantLinear.from_int4(groups, dense=groups.dequantize().bfloat16())
     x = torch.randn(lin.dense_min_tokens, K).bfloat16()
     assert torch.equal(lin(x), F.linear(x, lin.dense))
@@ -179,11 +182,11 @@ def test_dense_copy_routes_large_calls():
 def test_float_requantization_error_bounds():
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(40, K, generator=gen)
-    g = quant.int4_from_float(w)
+    g = gguf_blocks.int4_from_float(w)
     step = (w.reshape(40, -1, 32).amax(-1) - w.reshape(40, -1, 32).amin(-1)) / 15
     err = (g.dequantize() - w).abs().reshape(40, -1, 32)
     assert (err <= step[..., None] / 2 + 1e-5).all()
-    q, s = quant.int8_from_float(w)
+    q, s = gguf_blocks.int8_from_float(w)
     assert ((q.float() * s[:, None] - w).abs() <= s[:, None] / 2 + 1e-6).all()
 
 

@@ -1,5 +1,5 @@
 """The AMX matmuls (kernels/cpu_ext_amx.py) against the bf16 weights' product, their layout
-(`quantization.amx_order`) by its definition, and the routing of bf16 linears to them.
+(`gemv_blocks.amx_order`) by its definition, and the routing of bf16 linears to them.
 
 They run only on a CPU with AMX-BF16 (Sapphire Rapids and later); elsewhere `amx_usable()` is
 false, the ops refuse, and the tests that need the tiles skip with that reason.
@@ -12,8 +12,9 @@ import shutil
 import pytest
 import torch
 
+from laneserve.gpu_worker import gemv_blocks, gguf_blocks
 from laneserve.gpu_worker import quantization as quant
-from laneserve.gpu_worker.quantization import GemvBlocks
+from laneserve.gpu_worker.gemv_blocks import GemvBlocks
 from laneserve.kernels import cpu_ext
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
@@ -25,7 +26,7 @@ def built():
 
 
 needs_amx = pytest.mark.skipif(
-    not quant.amx_usable(),
+    not gemv_blocks.amx_usable(),
     reason="AMX matmuls not usable here (no AMX-BF16, the kernel refused it, or LANESERVE_AMX=0)",
 )
 
@@ -35,9 +36,9 @@ def random_blocks(kind: str, n: int, k: int, seed: int) -> GemvBlocks:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
     if kind == "int4":
-        blocks = GemvBlocks.from_int4(quant.int4_from_float(w))
+        blocks = GemvBlocks.from_int4(gguf_blocks.int4_from_float(w))
     else:
-        q8, s8 = quant.int8_from_float(w)
+        q8, s8 = gguf_blocks.int8_from_float(w)
         scale = (s8[:, None] * (1 + torch.rand(n, k // 32, generator=g))).contiguous()
         blocks = GemvBlocks("q8_0", q8, scale)  # a scale per group, as Q8_0 blocks have
     blocks.use_amx = True
@@ -60,7 +61,7 @@ def test_amx_order_places_each_weight_by_its_definition(kind):
     16 b + j // 2, its second those of 16 b + 8 + j // 2 (int4: the low and the high nibbles of
     the same bytes); the scales (and offsets) of the block's 16 outputs per group."""
     blocks = random_blocks(kind, 48, 96, seed=1)
-    qa, sa = quant.amx_order(kind, blocks.qs, blocks.scale, blocks.offset)
+    qa, sa = gemv_blocks.amx_order(kind, blocks.qs, blocks.scale, blocks.offset)
     n, k = 48, 96
     if kind == "int4":
         b = blocks.qs.to(torch.int32).view(n, -1, 16)
@@ -92,7 +93,7 @@ def test_amx_matches_bf16_weights_and_rows_do_not_depend_on_the_batch(kind, n):
     N = 32 / 80 / 112 (passes of 2, 4 + 1 and 4 + 3 blocks); row i is bitwise the same at every M
     and thread count; a NaN stays in its row."""
     blocks = random_blocks(kind, n, 160, seed=2)
-    qa, sa = quant.amx_order(kind, blocks.qs, blocks.scale, blocks.offset)
+    qa, sa = gemv_blocks.amx_order(kind, blocks.qs, blocks.scale, blocks.offset)
     op = torch.ops.laneserve.int4_amx if kind == "int4" else torch.ops.laneserve.q8_0_amx
     x = torch.randn(70, 160, generator=torch.Generator().manual_seed(3)).bfloat16()
     out = op(x, qa, sa)
@@ -130,7 +131,7 @@ def test_amx_across_shapes_buffers_and_thread_splits(kind):
         for n, k, m in ((48, 160, 70), (80, 2048, 512), (16, 8224, 40), (64, 160, 300),
                         (16, 576, 512)):  # fmt: skip
             blocks = random_blocks(kind, n, k, seed=n + k)
-            qa, sa = quant.amx_order(kind, blocks.qs, blocks.scale, blocks.offset)
+            qa, sa = gemv_blocks.amx_order(kind, blocks.qs, blocks.scale, blocks.offset)
             op = torch.ops.laneserve.int4_amx if kind == "int4" else torch.ops.laneserve.q8_0_amx
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
             w = weights(blocks)
@@ -151,7 +152,7 @@ def test_amx_across_shapes_buffers_and_thread_splits(kind):
 @needs_amx
 def test_amx_ops_reject_bad_arguments():
     blocks = random_blocks("int4", 32, 64, seed=4)
-    qa, sa = quant.amx_order("int4", blocks.qs, blocks.scale, blocks.offset)
+    qa, sa = gemv_blocks.amx_order("int4", blocks.qs, blocks.scale, blocks.offset)
     x = torch.randn(5, 64).bfloat16()
     with pytest.raises(RuntimeError, match="bfloat16"):
         torch.ops.laneserve.int4_amx(x.float(), qa, sa)
@@ -169,9 +170,9 @@ def test_bf16_calls_route_to_amx_between_its_thresholds(kind):
     copy's threshold), fewer rows and float32 calls the GEMV paths as before; blocks whose N is
     not a multiple of 16 keep no copy."""
     blocks = random_blocks(kind, 64, 128, seed=5)
-    x = torch.randn(quant.AMX_MAX_TOKENS + 1, 128, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(gemv_blocks.AMX_MAX_TOKENS + 1, 128, generator=torch.Generator().manual_seed(6))
     xb = x.bfloat16()
-    lo, hi = quant.AMX_MIN_TOKENS, quant.AMX_MAX_TOKENS
+    lo, hi = gemv_blocks.AMX_MIN_TOKENS, gemv_blocks.AMX_MAX_TOKENS
     assert not blocks.takes_amx(xb[: lo - 1]) and not blocks.takes_amx(x[:lo])
     assert blocks.takes_amx(xb[:lo]) and blocks.amx_qs is not None
     op = torch.ops.laneserve.int4_amx if kind == "int4" else torch.ops.laneserve.q8_0_amx
@@ -184,7 +185,7 @@ def test_bf16_calls_route_to_amx_between_its_thresholds(kind):
     torch.testing.assert_close(blocks(xb).float(), amx.float(), atol=2e-2, rtol=2e-2)
     if kind == "int4":
         lin = quant.QuantLinear.from_int4(
-            quant.int4_from_float(weights(blocks)),
+            gguf_blocks.int4_from_float(weights(blocks)),
             dense=weights(blocks).bfloat16(),
             dense_min_tokens=lo + 1,
             gemv=blocks,
@@ -209,17 +210,17 @@ def test_only_bf16_models_get_amx_copies(kind):
             lin = quant.build_linear("w", [w], "int4", dtype)
         else:
             lin = quant.build_linear("head", [w], "int8", dtype)
-            q8, s8 = quant.int8_from_float(w)
+            q8, s8 = gguf_blocks.int8_from_float(w)
             lin.read_q8_0_blocks(GemvBlocks("q8_0", q8, s8[:, None].expand(64, 4).contiguous()))
         lin(x.to(dtype))
         lins[dtype] = lin
     f32, bf16 = lins[torch.float32], lins[torch.bfloat16]
     assert f32.gemv is not None and not f32.gemv.use_amx and f32.gemv.amx_qs is None
     if bf16.gemv is None or bf16.dense is None:  # no AVX512-BF16 / no fast bf16: no AMX either
-        assert not quant.amx_usable()
+        assert not gemv_blocks.amx_usable()
         return
     assert bf16.gemv.use_amx
-    assert (bf16.gemv.amx_qs is not None) == quant.amx_usable()
+    assert (bf16.gemv.amx_qs is not None) == gemv_blocks.amx_usable()
     torch.testing.assert_close(bf16(x.bfloat16()).float(), f32(x), atol=3e-2, rtol=3e-2)
 
 
@@ -231,6 +232,6 @@ def test_without_amx_nothing_changes():
     xb = torch.randn(8, 64).bfloat16()
     assert not blocks.takes_amx(xb) and blocks.amx_qs is None
     if not torch.ops.laneserve.amx_usable():
-        qa, sa = quant.amx_order("int4", blocks.qs, blocks.scale, blocks.offset)
+        qa, sa = gemv_blocks.amx_order("int4", blocks.qs, blocks.scale, blocks.offset)
         with pytest.raises(RuntimeError, match="AMX"):
             torch.ops.laneserve.int4_amx(xb, qa, sa)

@@ -15,10 +15,18 @@ import numpy as np
 import pytest
 import torch
 
+from laneserve.gpu_worker import gemv_blocks
 from laneserve.gpu_worker import quantization as quant
-from laneserve.gpu_worker.engine import cpu_has_fast_bf16
-from laneserve.gpu_worker.model_loader import load_gguf_weights
-from laneserve.gpu_worker.quantization import GemvBlocks, QuantLinear
+from laneserve.gpu_worker.gemv_blocks import GemvBlocks
+from laneserve.gpu_worker.gguf_blocks import (
+    Int4Groups,
+    int4_from_float,
+    int4_from_gguf,
+    int8_from_float,
+)
+from laneserve.gpu_worker.gguf_loader import load_gguf_weights
+from laneserve.gpu_worker.hardware import cpu_has_fast_bf16
+from laneserve.gpu_worker.quantization import QuantLinear
 from laneserve.kernels import cpu_ext
 from tests.kernels.test_kernels_quant import CONFIG, K, write_gguf
 
@@ -74,7 +82,7 @@ def gguf_blocks(qtype: str, parts: list) -> GemvBlocks:
     """The GEMV blocks of the fused qkv parts, straight from their GGUF blocks."""
     if qtype == "Q8_0":
         return GemvBlocks.from_q8_0(parts)
-    return GemvBlocks.from_int4(quant.Int4Groups.cat([quant.int4_from_gguf(p) for p in parts]))
+    return GemvBlocks.from_int4(Int4Groups.cat([int4_from_gguf(p) for p in parts]))
 
 
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 17])
@@ -115,7 +123,7 @@ def test_int4_gemv_every_group_count(groups):
     `BF16_GEMV_MIN_TOKENS` rows), as `test_gemv_matches_dequantized_matmul` checks."""
     k = 32 * groups
     gen = torch.Generator().manual_seed(groups)
-    blocks = GemvBlocks.from_int4(quant.int4_from_float(torch.randn(24, k, generator=gen) * 0.05))
+    blocks = GemvBlocks.from_int4(int4_from_float(torch.randn(24, k, generator=gen) * 0.05))
     wd, terms = blocks_weight(blocks)
     x = torch.randn(4, k, generator=gen)
     for xs in (x[:1], x[:3], x, x.bfloat16()):
@@ -209,14 +217,14 @@ def test_bf16_gemv_matches_bf16_weights_and_rows_do_not_depend_on_the_batch(qkv)
     err = (out.double() - ref).abs() / (x.double().abs() @ wd.abs().T)
     assert err.max() < 2**-8, err.max()  # the output's bf16 rounding, relative to the terms
     int16 = blocks(x.float()).bfloat16()
-    if not quant.gemv_takes_bf16():
+    if not gemv_blocks.gemv_takes_bf16():
         assert torch.equal(out, int16)
     threads = torch.get_num_threads()
     try:
         for n_threads in {1, threads}:
             torch.set_num_threads(n_threads)
             for m in (1, 2, 4, 5, 6, 7, 13, 22):
-                want = (out if m >= quant.BF16_GEMV_MIN_TOKENS else int16)[:m]
+                want = (out if m >= gemv_blocks.BF16_GEMV_MIN_TOKENS else int16)[:m]
                 assert torch.equal(blocks(x[:m].contiguous()), want), (qtype, m, n_threads)
     finally:
         torch.set_num_threads(threads)
@@ -234,9 +242,9 @@ def test_bf16_gemv_short_blocks_and_thread_splits(kind):
     thread count, in bf16 and float32."""
     w = torch.randn(29, 4096, generator=torch.Generator().manual_seed(13)) * 0.05
     if kind == "int4":
-        blocks = GemvBlocks.from_int4(quant.int4_from_float(w))
+        blocks = GemvBlocks.from_int4(int4_from_float(w))
     else:
-        q8, s8 = quant.int8_from_float(w)
+        q8, s8 = int8_from_float(w)
         blocks = GemvBlocks("q8_0", q8, s8[:, None].expand(29, 4096 // 32).contiguous())
     x = torch.randn(14, 4096, generator=torch.Generator().manual_seed(14))
     threads = torch.get_num_threads()
@@ -244,11 +252,11 @@ def test_bf16_gemv_short_blocks_and_thread_splits(kind):
         for xs in (x, x.bfloat16()):
             torch.set_num_threads(threads)
             full = blocks(xs)
-            few = blocks(xs[: quant.BF16_GEMV_MIN_TOKENS - 1])  # bf16: the int16 path
+            few = blocks(xs[: gemv_blocks.BF16_GEMV_MIN_TOKENS - 1])  # bf16: the int16 path
             for n_threads in {1, 2, threads}:
                 torch.set_num_threads(n_threads)
                 for m in range(1, 14):
-                    want = (full if m >= quant.BF16_GEMV_MIN_TOKENS else few)[:m]
+                    want = (full if m >= gemv_blocks.BF16_GEMV_MIN_TOKENS else few)[:m]
                     assert torch.equal(blocks(xs[:m].contiguous()), want), (m, n_threads)
     finally:
         torch.set_num_threads(threads)
@@ -268,10 +276,10 @@ def test_bf16_linears_route_to_the_gemv_where_it_takes_bf16(qkv):
     on the blocks."""
     qtype, parts, w = qkv
     lin = quant.build_linear("qkv", parts, "auto", torch.bfloat16)
-    assert (lin.gemv is not None) == quant.gemv_takes_bf16()
+    assert (lin.gemv is not None) == gemv_blocks.gemv_takes_bf16()
     x = torch.randn(40, K, generator=torch.Generator().manual_seed(10)).bfloat16()
     few = x[: quant.DENSE_MIN_TOKENS - 1]
-    first, top = quant.BF16_GEMV_MIN_TOKENS, quant.BF16_GEMV_MAX_TOKENS
+    first, top = gemv_blocks.BF16_GEMV_MIN_TOKENS, quant.BF16_GEMV_MAX_TOKENS
     assert 2 < first <= top < len(few)
     if lin.gemv is None:
         assert torch.equal(lin(few), lin._kernel(few))
@@ -306,7 +314,7 @@ def test_bf16_linears_route_to_the_gemv_where_it_takes_bf16(qkv):
         assert torch.equal(below, lin._kernel(few[: first - 1]))
     for m in range(1, first - 1):
         assert torch.equal(lin(few[:m]), below[:m]), m
-    if not quant.gemv_takes_bf16():
+    if not gemv_blocks.gemv_takes_bf16():
         assert torch.equal(int16, out[: first - 1])
     for y in (out, below, int16):
         torch.testing.assert_close(y.float(), few[: len(y)].float() @ w.T, atol=2e-2, rtol=2e-2)
@@ -352,9 +360,9 @@ def test_int4_block_order_keeps_every_weight_and_the_op_checks_the_order(groups)
     read, rather than multiplying them wrongly."""
     k = 32 * groups
     gen = torch.Generator().manual_seed(100 + groups)
-    groups4 = quant.int4_from_float(torch.randn(40, k, generator=gen) * 0.05)
+    groups4 = int4_from_float(torch.randn(40, k, generator=gen) * 0.05)
     natural = GemvBlocks.from_int4(groups4)
-    ordered = quant.int4_block_order(natural.qs)
+    ordered = gemv_blocks.int4_block_order(natural.qs)
     assert ordered.shape == natural.qs.shape and ordered.dtype == torch.uint8
     full = groups // 8 * 8 * 16
     assert torch.equal(ordered[:, full:], natural.qs[:, full:])
@@ -370,10 +378,10 @@ def test_int4_block_order_keeps_every_weight_and_the_op_checks_the_order(groups)
     ahead = GemvBlocks.from_int4(groups4)
     ahead.prepare()
     ahead.prepare()
-    want = quant.int4_kernel_block_groups()
+    want = gemv_blocks.int4_kernel_block_groups()
     assert ahead.block_groups == want and lazy.block_groups == 1
     assert torch.equal(ahead(x), lazy(x)) and lazy.block_groups == want
-    wrong = 1 if want != 1 else quant.INT4_BLOCK_GROUPS
+    wrong = 1 if want != 1 else gemv_blocks.INT4_BLOCK_GROUPS
     with pytest.raises(RuntimeError, match="this build reads blocks of"):
         torch.ops.laneserve.int4_gemv(x, ahead.qs, ahead.scale, ahead.offset, wrong)
 
@@ -387,7 +395,7 @@ def test_int4_block_order_places_each_nibble_by_its_definition():
     n, groups = 3, 19  # two full blocks and a tail of 3
     q = torch.randint(0, 16, (n, groups, 32), generator=gen, dtype=torch.uint8)
     qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, groups * 16)
-    ordered = quant.int4_block_order(qs)
+    ordered = gemv_blocks.int4_block_order(qs)
     for row in range(n):
         for b in range(groups // 8):
             for c in range(8):
@@ -405,9 +413,11 @@ def test_int4_gemv_rows_do_not_depend_on_the_batch_with_full_blocks_and_a_tail()
     count, float32 and bf16, and equals W . x' as `test_gemv_matches_dequantized_matmul` bounds."""
     k = 576
     gen = torch.Generator().manual_seed(22)
-    blocks = GemvBlocks.from_int4(quant.int4_from_float(torch.randn(200, k, generator=gen) * 0.05))
+    blocks = GemvBlocks.from_int4(int4_from_float(torch.randn(200, k, generator=gen) * 0.05))
     # bf16 rows read exactly into the int16 path where there is no bf16 one
-    rows_at_every_m(blocks, torch.randn(22, k, generator=gen), bf16=not quant.gemv_takes_bf16())
+    rows_at_every_m(
+        blocks, torch.randn(22, k, generator=gen), bf16=not gemv_blocks.gemv_takes_bf16()
+    )
 
 
 def rows_at_every_m(blocks: GemvBlocks, x: torch.Tensor, bf16: bool = False) -> torch.Tensor:
@@ -440,7 +450,7 @@ def test_q8_0_block_order_places_each_weight_by_its_definition():
     gen = torch.Generator().manual_seed(31)
     n, groups = 3, 35  # two full blocks of 16 and a tail of 3
     qs = torch.randint(-127, 128, (n, groups * 32), generator=gen, dtype=torch.int8)
-    ordered = quant.q8_0_block_order(qs)
+    ordered = gemv_blocks.q8_0_block_order(qs)
     assert ordered.shape == qs.shape and ordered.dtype == torch.int8
     for row in range(n):
         for b in range(groups // 16):
@@ -463,7 +473,7 @@ def test_q8_0_block_copy_rows_match_the_gguf_order_and_do_not_depend_on_the_batc
     there), and the op refuses an order the build does not read."""
     k = 32 * groups
     gen = torch.Generator().manual_seed(40 + groups)
-    q8, s8 = quant.int8_from_float(torch.randn(200, k, generator=gen) * 0.05)
+    q8, s8 = int8_from_float(torch.randn(200, k, generator=gen) * 0.05)
     d = s8[:, None].expand(200, groups).contiguous()
     plain = GemvBlocks("q8_0", q8, d)
     plain.prepare()
@@ -471,7 +481,7 @@ def test_q8_0_block_copy_rows_match_the_gguf_order_and_do_not_depend_on_the_batc
     head = QuantLinear.from_int8(q8, s8)
     head.read_q8_0_blocks(GemvBlocks("q8_0", q8, d))
     blocks = head.gemv
-    want = quant.q8_0_kernel_block_groups()
+    want = gemv_blocks.q8_0_kernel_block_groups()
     x = torch.randn(22, k, generator=gen)
     full = rows_at_every_m(blocks, x)
     assert (blocks.qs_blocks is not None) == (want > 1) and blocks.qs is q8
@@ -479,12 +489,12 @@ def test_q8_0_block_copy_rows_match_the_gguf_order_and_do_not_depend_on_the_batc
         copy = blocks.qs_blocks
         blocks.prepare()
         assert blocks.qs_blocks is copy
-        assert torch.equal(copy, quant.q8_0_block_order(q8))
+        assert torch.equal(copy, gemv_blocks.q8_0_block_order(q8))
     gguf_order = torch.ops.laneserve.q8_0_gemv(x, q8, d, 1)
     assert ((full - gguf_order).abs() <= 1e-5 * gguf_order.abs().max()).all()
     if want > 1:
         xb = x[:6].bfloat16()
-        bf16_path = quant.gemv_takes_bf16()
+        bf16_path = gemv_blocks.gemv_takes_bf16()
         assert torch.equal(
             blocks(xb), torch.ops.laneserve.q8_0_gemv(xb, q8, d, 1 if bf16_path else want)
         )

@@ -12,16 +12,15 @@ import torch
 from gguf import quants
 
 from laneserve.gpu_worker.errors import ModelLoadError
-from laneserve.gpu_worker.model_files import resolve_model_path
-from laneserve.gpu_worker.model_loader import (
+from laneserve.gpu_worker.gguf_loader import (
     config_from_gguf,
     dequantize_gguf_tensor,
     load_gguf_weights,
-    load_hf_tokenizer,
-    load_model_files,
     read_tensor_index,
     write_tensor_index,
 )
+from laneserve.gpu_worker.model_files import resolve_model_path
+from laneserve.gpu_worker.model_loader import load_hf_tokenizer, load_model_files
 from laneserve.gpu_worker.model_runner import ModelRunner
 from laneserve.gpu_worker.models.llama import LlamaForCausalLM
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from laneserve.demo_corpus import build_corpus
-from laneserve.gpu_worker import LLM, SamplingParams
+from laneserve.gpu_worker import LLM, SamplingParams, gemv_blocks
 from laneserve.gpu_worker import quantization as quant
 from laneserve.gpu_worker.quantization import (
     DENSE_MIN_TOKENS,
@@ -96,7 +96,7 @@ def test_quantized_model_holds_its_weights_quantized(quantized, reference):
     others = sum(quant.nbytes(t) for t in (model.norm, *layers))
     # counted once: the shared arrays; the head's own block-order copy (AVX-512BW builds) counts
     gemv = model.lm_head.gemv
-    blocked = cpu_ext.load() and quant.q8_0_kernel_block_groups() > 1
+    blocked = cpu_ext.load() and gemv_blocks.q8_0_kernel_block_groups() > 1
     assert (gemv.qs_blocks is not None) == blocked
     shared = quant.nbytes(gemv.qs) + quant.nbytes(gemv.scale)
     assert model.weight_bytes() == held + others - shared
@@ -116,11 +116,11 @@ def test_perplexity_within_2_percent_of_float32(reference, quantized, text_ids):
     ref = math.exp(mean_nll(reference, text_ids, chunk=256))
     kernels = math.exp(mean_nll(quantized, text_ids, chunk=DENSE_MIN_TOKENS - 1))
     prefill = math.exp(mean_nll(quantized, text_ids, chunk=256))
-    dense = math.exp(mean_nll(quantized, text_ids, chunk=quant.AMX_MAX_TOKENS + 1))
+    dense = math.exp(mean_nll(quantized, text_ids, chunk=gemv_blocks.AMX_MAX_TOKENS + 1))
     print(
         f"\nperplexity over {len(text_ids)} tokens: float32 none {ref:.4f}, auto int4 kernels "
         f"{kernels:.4f} ({kernels / ref - 1:+.2%}), auto 256-token prefill "
-        f"({'AMX' if quant.amx_usable() else 'dense bf16'}) {prefill:.4f} "
+        f"({'AMX' if gemv_blocks.amx_usable() else 'dense bf16'}) {prefill:.4f} "
         f"({prefill / ref - 1:+.2%}), auto dense-bf16 prefill {dense:.4f} ({dense / ref - 1:+.2%})"
     )
     assert abs(kernels / ref - 1) < 0.02
@@ -199,7 +199,7 @@ def test_float32_routing_thresholds_follow_the_int4_gemv_build(quantized_fp32):
         else quant.DENSE_MIN_TOKENS_FP32_GGUF_ORDER
     )
     assert gate_up.dense_min_tokens == layer_threshold == gate_up.gemv_max_tokens + 1
-    assert (quant.int4_kernel_block_groups() == 8) == quant.int4_blocked_cpu()
+    assert (gemv_blocks.int4_kernel_block_groups() == 8) == quant.int4_blocked_cpu()
     assert head.gemv.kind == "q8_0" and head.dense is not None
     head_threshold = (
         quant.Q8_0_HEAD_DENSE_MIN_TOKENS_FP32 if quant.int4_blocked_cpu() else layer_threshold
@@ -210,4 +210,4 @@ def test_float32_routing_thresholds_follow_the_int4_gemv_build(quantized_fp32):
     at = torch.randn(head_threshold, head.shape[1])
     assert torch.equal(head(at), torch.nn.functional.linear(at, head.dense))
     for layer in model.layers:
-        assert layer.qkv_proj.gemv.block_groups == quant.int4_kernel_block_groups()
+        assert layer.qkv_proj.gemv.block_groups == gemv_blocks.int4_kernel_block_groups()

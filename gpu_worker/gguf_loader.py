@@ -1,0 +1,325 @@
+"""Read a GGUF file: its `ModelConfig` (`config_from_gguf`), its tensors in Hugging Face naming
+(`load_gguf_weights`: dequantized to float32, or Q4_0 / Q4_1 / Q8_0 weights kept in their blocks
+as `GGUFQuantTensor`), a tensor index that maps the file again without parsing its metadata
+(`write_tensor_index` / `read_tensor_index`), and its tokenizer (`load_gguf_tokenizer`).
+
+Tensors are dequantized with the `gguf` package (`gguf.quants.dequantize`, which covers F32,
+F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K). llama.cpp's converter permutes the rows of
+Q and K for `general.architecture == "llama"` (`convert_hf_to_gguf.py`, `LlamaModel.permute`) so
+that its rotary kernel can use the interleaved layout; we undo it there, with the KV head count for
+K, so the Hugging Face rotate-half rotary embedding applies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from laneserve.gpu_worker.errors import ModelLoadError
+from laneserve.gpu_worker.gguf_blocks import GGUF_QUANT_TYPES, GGUFQuantTensor
+from laneserve.gpu_worker.model_config import ModelConfig, architecture_family
+from laneserve.gpu_worker.model_files import gguf_stamp
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_GGUF_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
+
+
+def open_gguf(path: Path):
+    """A `gguf.GGUFReader` over `path`.
+
+    Raises:
+        ModelLoadError: not a readable GGUF file.
+    """
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # gguf raises ValueError/struct.error/OSError on bad files
+        raise ModelLoadError(
+            f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def config_from_gguf(reader, path: Path) -> ModelConfig:
+    arch = _field(reader, "general.architecture", "?")
+    family = architecture_family(arch, path)
+
+    def get(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    vocab = get("vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    names = {t.name for t in reader.tensors}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    scaling = None
+    if get("rope.scaling.type") not in (None, "none"):
+        scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor")}
+    return ModelConfig(
+        architecture=family,
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("rope.dimension_count") or hidden // heads),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        vocab_size=int(vocab),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in names,
+        max_model_len=int(get("context_length", 2048)),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        attention_bias="blk.0.attn_q.bias" in names,
+        rope_scaling=scaling,
+        name=str(_field(reader, "general.name", path.stem)),
+    )
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        if rest in _GGUF_LAYER_NAMES:
+            return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+    return None
+
+
+def reverse_llama_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's `permute(w, n_head)` on the rows of a Q or K projection (or bias).
+
+    llama.cpp stores row pairs interleaved per head ([n_head, 2, dim/2] -> [n_head, dim/2, 2]);
+    this swaps them back so rotate-half rotary embeddings apply.
+    """
+    dim = weight.shape[0] // n_head // 2
+    w = weight.reshape(n_head, dim, 2, *weight.shape[1:])
+    return np.ascontiguousarray(w.swapaxes(2, 1).reshape(weight.shape))
+
+
+def dequantize_gguf_tensor(tensor, path: Path) -> np.ndarray:
+    """Dequantize one `gguf.ReaderTensor` to float32 numpy in HF layout ([out, in]).
+
+    Raises:
+        ModelLoadError: the quantization type is not supported.
+    """
+    from gguf import quants
+
+    qtype = tensor.tensor_type.name
+    if qtype not in SUPPORTED_GGUF_TYPES:
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name} has unsupported quant type {qtype}; "
+            f"supported: {', '.join(SUPPORTED_GGUF_TYPES)}"
+        )
+    try:
+        data = quants.dequantize(tensor.data, tensor.tensor_type)
+    except (NotImplementedError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: cannot dequantize {tensor.name} ({qtype}): {exc}") from exc
+    return np.asarray(data, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
+
+
+def _is_llama_qk(config: ModelConfig, hf_name: str) -> int | None:
+    """Head count to undo llama.cpp's Q/K row permutation with, or None for other tensors."""
+    if config.architecture != "llama":
+        return None
+    if ".q_proj." in hf_name:
+        return config.num_attention_heads
+    if ".k_proj." in hf_name:
+        return config.num_key_value_heads
+    return None
+
+
+def _keep_quantized(tensor, hf_name: str, path: Path) -> bool:
+    """Whether a 2-D weight stays in its GGUF blocks (a quantized linear or embedding)."""
+    qtype = tensor.tensor_type.name
+    if not hf_name.endswith(".weight") or "norm" in hf_name or qtype in ("F32", "F16", "BF16"):
+        return False
+    if qtype in GGUF_QUANT_TYPES:
+        return True
+    logger.info(
+        "%s: tensor %s has type %s, which has no quantized kernel; dequantized instead",
+        path.name,
+        tensor.name,
+        qtype,
+    )
+    return False
+
+
+def load_gguf_weights(
+    reader, config: ModelConfig, path: Path, keep_quantized: bool = False
+) -> dict[str, torch.Tensor | GGUFQuantTensor]:
+    """All tensors of a GGUF file in Hugging Face naming, dequantized to float32, or (with
+    `keep_quantized`) Q4_0 / Q4_1 / Q8_0 weights kept as `GGUFQuantTensor` blocks.
+
+    Q/K rows are un-permuted for llama either way (a row is a whole number of blocks).
+    """
+    weights: dict[str, torch.Tensor | GGUFQuantTensor] = {}
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(tensor.name)
+        if hf_name is None:
+            if tensor.name == "rope_freqs.weight":
+                continue  # llama3 rope factors; we recompute them from rope_scaling
+            logger.debug("%s: skipping unknown tensor %s", path, tensor.name)
+            continue
+        n_head = _is_llama_qk(config, hf_name)
+        if keep_quantized and _keep_quantized(tensor, hf_name, path):
+            blocks = np.asarray(tensor.data)
+            if n_head is not None:
+                blocks = reverse_llama_permute(blocks, n_head)
+            shape = tuple(reversed(tensor.shape.tolist()))
+            weights[hf_name] = GGUFQuantTensor(hf_name, tensor.tensor_type.name, blocks, shape)
+            continue
+        array = dequantize_gguf_tensor(tensor, path)
+        if n_head is not None:
+            array = reverse_llama_permute(array, n_head)
+        if not array.flags.writeable:
+            array = array.copy()  # F32 tensors are read-only memmap views of the file
+        weights[hf_name] = torch.from_numpy(array)
+    return weights
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedTensor:
+    """What `load_gguf_weights` reads of a `gguf.ReaderTensor`, rebuilt from a tensor index."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: np.ndarray  # GGUF dims (innermost first), as ReaderTensor.shape
+    data: np.ndarray  # read-only memmap view of the file, as ReaderTensor.data
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedGGUF:
+    """A GGUF file's tensors without parsing its metadata (`tensors`, as `gguf.GGUFReader`)."""
+
+    tensors: list[IndexedTensor]
+
+
+_TENSOR_INDEX = "gguf_tensors.json"
+_INDEX_FORMAT_VERSION = 1
+
+
+def write_tensor_index(reader, path: Path, cache: Path) -> None:
+    """Record each tensor's name, type, dims and byte offset in `cache`, so a later load maps the
+    file without `gguf.GGUFReader` (which parses every tokenizer string in the metadata: ~2 s for
+    a 49k-token vocabulary). Written atomically; a failure to write only costs the next load time."""
+    index = {
+        **gguf_stamp(path, _INDEX_FORMAT_VERSION),
+        "tensors": [
+            [t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset)]
+            for t in reader.tensors
+        ],
+    }
+    tmp = cache / f"{_TENSOR_INDEX}.tmp{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(index))
+        os.replace(tmp, cache / _TENSOR_INDEX)
+    except OSError as exc:
+        logger.warning("cannot write the GGUF tensor index in %s (%s)", cache, exc)
+
+
+def read_tensor_index(path: Path, cache: Path) -> IndexedGGUF | None:
+    """The tensors of `path` mapped through the index in `cache`; None when the index is
+    missing, unreadable, or was written for another version of the file."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    try:
+        index = json.loads((cache / _TENSOR_INDEX).read_text())
+        if {k: index.get(k) for k in ("version", "size", "mtime")} != gguf_stamp(
+            path, _INDEX_FORMAT_VERSION
+        ):
+            return None
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        plain = {  # element-typed views, as GGUFReader gives them; the rest are bytes per row
+            "F16": np.float16,
+            "F32": np.float32,
+            "F64": np.float64,
+            "I8": np.int8,
+            "I16": np.int16,
+            "I32": np.int32,
+            "I64": np.int64,
+        }
+        tensors = []
+        for name, type_value, dims, offset in index["tensors"]:
+            qtype = GGMLQuantizationType(type_value)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            n_elems = int(np.prod(dims))
+            n_bytes = n_elems * type_size // block
+            np_dims = tuple(reversed(dims))
+            raw = mm[offset : offset + n_bytes]
+            if raw.size != n_bytes:
+                return None
+            dtype = plain.get(qtype.name)
+            if dtype is not None:
+                data = raw.view(dtype).reshape(np_dims)
+            else:
+                data = raw.reshape(quant_shape_to_byte_shape(np_dims, qtype))
+            tensors.append(IndexedTensor(name, qtype, np.asarray(dims, dtype=np.uint64), data))
+        return IndexedGGUF(tensors)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.info("GGUF tensor index in %s not used (%s)", cache, exc)
+        return None
+
+
+def load_gguf_tokenizer(path: Path):
+    """Tokenizer from GGUF metadata through transformers' GGUF conversion (~4 s)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: cannot build a tokenizer from GGUF metadata: {exc}") from exc
