@@ -140,6 +140,75 @@ def _check_metadata(metadata: dict[str, Any] | None) -> dict[str, str] | None:
     return dict(metadata)
 
 
+def _check_task(task: str | None, endpoint: str, task_options: Any) -> None:
+    """The task name, its endpoint and the type of its options.
+
+    Raises:
+        InvalidRequestError: unknown task, a task on another endpoint than chat completions,
+            or `task_options` that is not an object.
+    """
+    if task is not None and task not in TASKS:
+        raise InvalidRequestError(f"task must be one of {list(TASKS)}, got {task!r}", param="task")
+    if task is not None and endpoint != "/v1/chat/completions":
+        raise InvalidRequestError(
+            "task shorthand jobs use the /v1/chat/completions endpoint", param="endpoint"
+        )
+    if task_options is not None and not isinstance(task_options, dict):
+        raise InvalidRequestError(
+            f"task_options must be an object, got {_as_json(task_options)}", param="task_options"
+        )
+
+
+def _with_task_options(
+    meta: dict[str, str] | None,
+    task: str | None,
+    task_options: dict[str, Any],
+    max_tokens_limit: int | None,
+) -> dict[str, str]:
+    """`meta` with the task options added as strings (None values left out): the job keeps its
+    task options in its metadata, one value per key.
+
+    Raises:
+        InvalidRequestError: options without a task, unknown options, a bad `max_tokens`
+            option, or a metadata key that is also an option with another value.
+    """
+    if task is None:
+        raise InvalidRequestError("task options given without a task", param="task_options")
+    unknown = set(task_options) - set(TASK_OPTION_KEYS)
+    if unknown:
+        raise InvalidRequestError(f"unknown task options {sorted(unknown)}", param="task_options")
+    _check_task_max_tokens(task_options.get("max_tokens"), max_tokens_limit)
+    options = {k: str(v) for k, v in task_options.items() if v is not None}
+    clash = sorted(k for k in options if k in (meta or {}) and meta[k] != options[k])
+    if clash:
+        raise InvalidRequestError(
+            f"metadata key {clash[0]!r} is also a task option of this job, with another "
+            "value; give it once, in task_options",
+            param="metadata",
+        )
+    return dict(meta or {}) | options
+
+
+def _add_job(engine: Engine, job: Job) -> None:
+    """Insert `job` once its input file is known to exist with purpose "batch".
+
+    Raises:
+        NotFoundError: no file `job.input_file_id`.
+        InvalidRequestError: the file's purpose is not "batch".
+    """
+    input_file_id = job.input_file_id
+    with write_session(engine) as session:
+        file = session.get(File, input_file_id)
+        if file is None:
+            raise NotFoundError(f"no file {input_file_id!r}")
+        if file.purpose != "batch":
+            raise InvalidRequestError(
+                f"file {input_file_id!r} has purpose {file.purpose!r}; a batch input needs 'batch'",
+                param="input_file_id",
+            )
+        session.add(job)
+
+
 def create_batch(
     engine: Engine,
     input_file_id: str,
@@ -171,34 +240,9 @@ def create_batch(
         )
     window_s = parse_completion_window(completion_window)
     meta = _check_metadata(metadata)
-    if task is not None and task not in TASKS:
-        raise InvalidRequestError(f"task must be one of {list(TASKS)}, got {task!r}", param="task")
-    if task is not None and endpoint != "/v1/chat/completions":
-        raise InvalidRequestError(
-            "task shorthand jobs use the /v1/chat/completions endpoint", param="endpoint"
-        )
-    if task_options is not None and not isinstance(task_options, dict):
-        raise InvalidRequestError(
-            f"task_options must be an object, got {_as_json(task_options)}", param="task_options"
-        )
+    _check_task(task, endpoint, task_options)
     if task_options:
-        if task is None:
-            raise InvalidRequestError("task options given without a task", param="task_options")
-        unknown = set(task_options) - set(TASK_OPTION_KEYS)
-        if unknown:
-            raise InvalidRequestError(
-                f"unknown task options {sorted(unknown)}", param="task_options"
-            )
-        _check_task_max_tokens(task_options.get("max_tokens"), max_tokens_limit)
-        options = {k: str(v) for k, v in task_options.items() if v is not None}
-        clash = sorted(k for k in options if k in (meta or {}) and meta[k] != options[k])
-        if clash:  # the job keeps its task options in its metadata: one value per key
-            raise InvalidRequestError(
-                f"metadata key {clash[0]!r} is also a task option of this job, with another "
-                "value; give it once, in task_options",
-                param="metadata",
-            )
-        meta = dict(meta or {}) | options
+        meta = _with_task_options(meta, task, task_options, max_tokens_limit)
     # refused here, not by the runner: the job would otherwise be created and then fail
     check_task_options(task, task_options or {})
     now = time.time()
@@ -218,16 +262,7 @@ def create_batch(
         created_at=now,
         expires_at=now + window_s,
     )
-    with write_session(engine) as session:
-        file = session.get(File, input_file_id)
-        if file is None:
-            raise NotFoundError(f"no file {input_file_id!r}")
-        if file.purpose != "batch":
-            raise InvalidRequestError(
-                f"file {input_file_id!r} has purpose {file.purpose!r}; a batch input needs 'batch'",
-                param="input_file_id",
-            )
-        session.add(job)
+    _add_job(engine, job)
     return job
 
 

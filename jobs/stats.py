@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, Row, func, select
+from sqlalchemy.orm import Session
 
 from laneserve.contracts.latency import percentile
 from laneserve.db.models import File, Job, Request
@@ -115,6 +116,67 @@ def _rate(amount: float, elapsed_s: float | None) -> float | None:
     return amount / elapsed_s
 
 
+# The lines that have a result (output or error), and of those the ones the job itself did not
+# end (error code not in ENDED_BY_JOB_CODES).
+_FINISHED = Request.response.is_not(None) | Request.error.is_not(None)
+_ERROR_CODE = func.coalesce(Request.response["error"]["code"].as_string(), "")
+_RAN = _ERROR_CODE.not_in(ENDED_BY_JOB_CODES)
+
+
+def _line_sums(session: Session, batch_id: str) -> tuple[Row, int | None]:
+    """(count, prompt, completion, cached token sums) of the finished lines the job ran to
+    their end, and the count of finished lines its cancellation or expiry ended."""
+    sums = session.execute(
+        select(
+            func.count(Request.id),
+            func.sum(Request.prompt_tokens),
+            func.sum(Request.completion_tokens),
+            func.sum(Request.cached_tokens),
+        ).where(Request.job_id == batch_id, _FINISHED, _RAN)
+    ).one()
+    cancelled = session.scalar(
+        select(func.count(Request.id)).where(
+            Request.job_id == batch_id, _FINISHED, _ERROR_CODE.in_(ENDED_BY_JOB_CODES)
+        )
+    )
+    return sums, cancelled
+
+
+def _latency_values(
+    session: Session, batch_id: str, names: Sequence[str]
+) -> dict[str, list[float]]:
+    """For each `*_ms` column in `names`, its non-null values over the lines the job ran."""
+    return {
+        name: [
+            v
+            for (v,) in session.execute(
+                select(getattr(Request, name)).where(
+                    Request.job_id == batch_id, _RAN, getattr(Request, name).is_not(None)
+                )
+            )
+        ]
+        for name in names
+    }
+
+
+def _job_files(session: Session, job: Job) -> dict[str, FileInfo | None]:
+    """The job's `input` / `output` / `errors` files (None when it has none, or the row is gone)."""
+    file_ids = {
+        "input": job.input_file_id,
+        "output": job.output_file_id,
+        "errors": job.error_file_id,
+    }
+    rows = {f.id: f for f in session.scalars(select(File).where(File.id.in_(
+        [fid for fid in file_ids.values() if fid]
+    )))}  # fmt: skip
+    return {
+        kind: FileInfo(rows[fid].id, rows[fid].filename, int(rows[fid].bytes or 0))
+        if fid in rows
+        else None
+        for kind, fid in file_ids.items()
+    }
+
+
 def batch_stats(
     engine: Engine, batch_id: str, now: float | None = None, *, latency: bool = True
 ) -> BatchStats:
@@ -125,45 +187,13 @@ def batch_stats(
     Raises:
         NotFoundError: no such batch.
     """
-    finished = Request.response.is_not(None) | Request.error.is_not(None)
-    code = func.coalesce(Request.response["error"]["code"].as_string(), "")
-    ran = code.not_in(ENDED_BY_JOB_CODES)
     with read_session(engine) as session:
         job = session.get(Job, batch_id)
         if job is None:
             raise NotFoundError(f"no batch {batch_id!r}")
-        sums = session.execute(
-            select(
-                func.count(Request.id),
-                func.sum(Request.prompt_tokens),
-                func.sum(Request.completion_tokens),
-                func.sum(Request.cached_tokens),
-            ).where(Request.job_id == batch_id, finished, ran)
-        ).one()
-        cancelled = session.scalar(
-            select(func.count(Request.id)).where(
-                Request.job_id == batch_id, finished, code.in_(ENDED_BY_JOB_CODES)
-            )
-        )
-        values = {
-            name: [
-                v
-                for (v,) in session.execute(
-                    select(getattr(Request, name)).where(
-                        Request.job_id == batch_id, ran, getattr(Request, name).is_not(None)
-                    )
-                )
-            ]
-            for name in (LATENCY_FIELDS if latency else ())
-        }
-        file_ids = {
-            "input": job.input_file_id,
-            "output": job.output_file_id,
-            "errors": job.error_file_id,
-        }
-        rows = {f.id: f for f in session.scalars(select(File).where(File.id.in_(
-            [fid for fid in file_ids.values() if fid]
-        )))}  # fmt: skip
+        sums, cancelled = _line_sums(session, batch_id)
+        values = _latency_values(session, batch_id, LATENCY_FIELDS if latency else ())
+        files = _job_files(session, job)
     counts = job.request_counts
     ended = _ended_at(job)
     start = job.in_progress_at
@@ -173,12 +203,6 @@ def batch_stats(
     eta = None
     if ended is None and lines_per_s and counts["total"]:
         eta = max(0, counts["total"] - done) / lines_per_s
-    files = {
-        kind: FileInfo(rows[fid].id, rows[fid].filename, int(rows[fid].bytes or 0))
-        if fid in rows
-        else None
-        for kind, fid in file_ids.items()
-    }
     return BatchStats(
         id=job.id,
         status=job.status,

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP gateway (``laneserve api``).
 
-Modules: ``config`` (ApiConfig), ``app`` (create_app, state, health/models/metrics routes),
-``arrival`` (the request's arrival stamp), ``completions`` (chat and text completions, SSE),
+Modules: ``config`` (ApiConfig), ``app`` (create_app, the models routes), ``state``
+(GatewayState: the app's shared state and lifespan), ``probes`` (health/ready/metrics routes, the
+metrics port), ``arrival`` (the request's arrival stamp), ``completions`` (chat and text
+completions, SSE), ``tokenize`` (/tokenize, /detokenize, /v1/models/{id}),
 ``generate`` (fan-out to the broker, merging, disconnect handling, edge TTFT), ``model_info``
 (loads the served model), ``auth`` (API key, body limit), ``files`` (files and batches over
 jobs.service), ``metrics`` (Prometheus), ``errors`` (error responses).

@@ -32,7 +32,7 @@ from laneserve.contracts.openai import responses as fmt
 from laneserve.contracts.openai.requests import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, parse
 
 if TYPE_CHECKING:
-    from laneserve.api.app import GatewayState
+    from laneserve.api.state import GatewayState
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -12,20 +12,16 @@ tokenizer.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from laneserve.api.auth import read_json
 from laneserve.api.errors import ApiError
+from laneserve.api.state import GatewayState, model_objects
 from laneserve.contracts.openai.checks import bool_field, type_name
 from laneserve.contracts.openai.errors import invalid, model_not_found
 from laneserve.contracts.openai.requests import MAX_TEXT_CHARS, parse_messages
 from laneserve.contracts.tokens import PromptError, PromptTokenizer
-
-if TYPE_CHECKING:
-    from laneserve.api.app import GatewayState
 
 TOKENIZE_FIELDS = frozenset(
     {
@@ -92,8 +88,6 @@ async def detokenize(request: Request) -> Response:
 
 async def retrieve_model(request: Request) -> Response:
     """``GET /v1/models/{model_id}``: the model object ``/v1/models`` lists, or 404."""
-    from laneserve.api.app import model_objects  # app imports this module
-
     model_id = request.path_params["model_id"]
     for entry in await model_objects(request.app.state.gateway):
         if entry["id"] == model_id:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any, NamedTuple
 
 from laneserve.http_client import StackError, add_api_arguments, resolve_target
 
@@ -53,32 +54,7 @@ def run(args: argparse.Namespace) -> int:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": prompt})
     try:
-        model = args.model or client.models.list().data[0].id
-        start = time.perf_counter()
-        stream = client.chat.completions.create(
-            model=model,
-            messages=messages,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        ttft = None
-        usage = None
-        finish_reason = None
-        for chunk in stream:
-            if chunk.usage is not None:
-                usage = chunk.usage
-            for choice in chunk.choices:
-                finish_reason = choice.finish_reason or finish_reason
-                text = choice.delta.content
-                if text:
-                    if ttft is None:
-                        ttft = time.perf_counter() - start
-                    sys.stdout.write(text)
-                    sys.stdout.flush()
-        total = time.perf_counter() - start
+        answer = _stream_answer(client, args, messages)
     except openai.APIConnectionError as exc:
         print(
             f"laneserve chat: cannot reach the laneserve API at {base_url} ({exc})", file=sys.stderr
@@ -105,6 +81,56 @@ def run(args: argparse.Namespace) -> int:
         print(file=sys.stderr)
         return 130
     sys.stdout.write("\n")
+    _print_footer(args, answer)
+    return 0
+
+
+class _Answer(NamedTuple):
+    """How one streamed answer went: seconds from the request to the first content token (None
+    without content) and to the end, the last usage chunk, the last finish reason."""
+
+    ttft: float | None
+    total: float
+    usage: Any
+    finish_reason: str | None
+
+
+def _stream_answer(client: Any, args: argparse.Namespace, messages: list[dict]) -> _Answer:
+    """Ask `args.model` (default: the first model the API lists) and write the answer's content
+    to stdout as it streams. The openai client's errors, and IndexError when the API lists no
+    model, are the caller's to report."""
+    model = args.model or client.models.list().data[0].id
+    start = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    ttft = None
+    usage = None
+    finish_reason = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            finish_reason = choice.finish_reason or finish_reason
+            text = choice.delta.content
+            if text:
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                sys.stdout.write(text)
+                sys.stdout.flush()
+    return _Answer(ttft, time.perf_counter() - start, usage, finish_reason)
+
+
+def _print_footer(args: argparse.Namespace, answer: _Answer) -> None:
+    """The stderr lines after the answer: a cut at `--max-tokens`, and unless `--quiet` the
+    timing (TTFT, tokens, TPOT in ms, total in s)."""
+    ttft, total, usage, finish_reason = answer
     if finish_reason == "length":  # said even with --quiet: the answer on stdout is cut short
         print(
             f"laneserve chat: the answer was cut at --max-tokens {args.max_tokens} "
@@ -120,7 +146,6 @@ def run(args: argparse.Namespace) -> int:
                 parts.append(f"TPOT {(total - ttft) * 1000 / (tokens - 1):.1f} ms")
         parts.append(f"total {total:.2f} s")
         print(" · ".join(parts), file=sys.stderr)
-    return 0
 
 
 def _message(exc) -> str:

@@ -82,7 +82,8 @@ def start_stack(home: Path, no_dashboard: bool, console, keep: bool = False) -> 
     Raises:
         RuntimeError: it exited or did not become ready (the message has its log's tail).
     """
-    from laneserve.commands.up import DEFAULT_API_PORT, DEFAULT_DASHBOARD_PORT, port_free
+    from laneserve.commands.up import DEFAULT_API_PORT, DEFAULT_DASHBOARD_PORT
+    from laneserve.commands.up_host import port_free
     from laneserve.stack import start_stack_process
 
     args = ["--api-port", str(DEFAULT_API_PORT if port_free(DEFAULT_API_PORT) else 0)]

@@ -8,10 +8,10 @@ and prints the URLs. A crashed child is restarted with backoff; Ctrl-C / SIGTERM
 
 The model is pulled and converted (file-locked, atomic) before any worker starts, so N workers do
 not race to download it. On CPU each worker gets `cores / workers` torch threads
-(`OMP_NUM_THREADS`, see `threads_per_worker`) and every child `OMP_WAIT_POLICY=PASSIVE` with a short
-spin (`GOMP_SPINCOUNT=3000`) unless either is set already: libgomp's default busy wait makes torch
-10-30x slower on a loaded small CPU, a fully passive team pays a wake-up at every op (see
-gpu_worker/openmp.py).
+(`OMP_NUM_THREADS`, see `up_host.threads_per_worker`) and every child `OMP_WAIT_POLICY=PASSIVE`
+with a short spin (`GOMP_SPINCOUNT=3000`) unless either is set already: libgomp's default busy
+wait makes torch 10-30x slower on a loaded small CPU, a fully passive team pays a wake-up at every
+op (see gpu_worker/openmp.py).
 
 The engine options are `gpu_worker.config.EngineConfig`'s flags (the same as `laneserve worker`'s,
 but `--lanes`, which here can differ per worker); each worker gets them as one JSON document
@@ -29,11 +29,23 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from laneserve.commands import port_number
+from laneserve.commands.up_host import (
+    cpu_cores,
+    free_port,
+    gpu_count,
+    port_free,
+    prepare_model,
+    threads_per_worker,
+)
 from laneserve.contracts import env as lsenv
 from laneserve.gpu_worker import openmp
 from laneserve.gpu_worker.config import EngineConfig, add_engine_arguments, config_from_args
+
+if TYPE_CHECKING:
+    from laneserve.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -130,25 +142,6 @@ def quiet_http_logs() -> None:
         _logging.getLogger(name).setLevel(_logging.WARNING)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_free(port: int) -> bool:
-    """Whether a listener could bind 127.0.0.1:`port` now. With SO_REUSEADDR, as the API's and
-    the dashboard's own listeners bind: sockets of a stack that just stopped linger in
-    TIME_WAIT for up to a minute and refuse a plain bind, but not theirs."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def parse_lanes(spec: str, workers: int) -> list[list[str]]:
     """Lanes for each worker from `--lanes` (see its help).
 
@@ -175,60 +168,6 @@ def engine_options(args: argparse.Namespace) -> EngineConfig:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     return config_from_args(args, exclude=PER_WORKER)
-
-
-def cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def threads_per_worker(cores: int, workers: int) -> int:
-    """torch threads for each worker: the cores split evenly between the workers, at least 1.
-
-    The broker, API and jobs runner sleep on their sockets while the stack is idle and take little
-    CPU while it serves, so a lone worker gets every core; libgomp's short spin
-    (gpu_worker/openmp.py) gives a core back ~30 us after each parallel region. On a machine whose
-    cores other busy processes share, fewer threads can be faster (an OpenMP team whose threads
-    lose their core stalls at every barrier): set `--threads` there.
-    """
-    return max(1, cores // max(1, workers))
-
-
-def gpu_count() -> int:
-    """CUDA devices visible (0 without torch's CUDA build or a driver)."""
-    if not (Path("/dev/nvidiactl").exists() or lsenv.get("CUDA_VISIBLE_DEVICES")):
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def prepare_model(model: str) -> None:
-    """Pull the bundled model and convert a GGUF once (both file-locked and atomic), so the
-    workers, the API and the jobs runner load it fast and never race to download it.
-
-    Raises:
-        gpu_worker.errors.ModelLoadError: unknown alias, download failure, bad file.
-    """
-    from laneserve.gpu_worker.model_files import (
-        conversion_valid,
-        gguf_cache_dir,
-        resolve_model_path,
-    )
-
-    path = resolve_model_path(model)  # pulls a bundled alias
-    if (
-        path.is_file()
-        and path.suffix == ".gguf"
-        and not conversion_valid(gguf_cache_dir(path), path)
-    ):
-        from laneserve.gpu_worker.model_loader import (
-            convert_gguf,  # imports torch: only when converting
-        )
-
-        convert_gguf(path)
 
 
 def child_env(home: Path, threads: int, api_key: str | None) -> dict[str, str]:
@@ -388,29 +327,75 @@ def run(args: argparse.Namespace) -> int:
         lock.release()
 
 
+class _CannotStart(Exception):
+    """Why `up` gives up before starting any child (printed as `laneserve up: <why>`, exit 1)."""
+
+
 def _run_locked(
     args: argparse.Namespace, home: Path, lanes: list[list[str]], engine: EngineConfig
 ) -> int:
+    """`up` once it holds the home's lock: plan the children, start them, wait until they
+    answer, write stack.json, then supervise them until a signal or the parent's exit."""
     from laneserve import stack
-    from laneserve.broker.addresses import default_back, default_front, run_dir
     from laneserve.supervisor import Supervisor
 
-    ports = {}
+    try:
+        ports = _pick_ports(args)
+        stop = _catch_signals()
+        db_url, gpus = _prepare(args, engine)
+    except _CannotStart as exc:
+        print(f"laneserve up: {exc}", file=sys.stderr)
+        return 1
+    if stop.requested:
+        return 130
+    plan = _plan(args, home, lanes, engine, db_url, gpus, ports)
+    stack_file = _StackFile(plan, "synthetic" if args.synthetic else engine.model, time.time())
+    sup = Supervisor(build_specs(args, plan), home / "logs", on_change=stack_file.write)
+    code = 0
+    try:
+        say(f"starting {len(sup.children)} processes (logs in {home / 'logs'})")
+        sup.start()
+        code = _wait_ready(sup, args, plan, stop)
+        if not stop.requested and code == 0:
+            stack_file.state = "ready"
+            stack_file.write(sup)
+            print_banner(plan, home, time.time() - stack_file.started_at)
+            while not stop.requested:
+                _watch(sup, args.parent_pid, stop)
+                time.sleep(0.25)
+    finally:
+        stack_file.state = "stopping"
+        stack_file.write(sup)
+        say("stopping")
+        sup.stop()
+        stack.remove_stack(os.getpid(), home)
+        say("stopped")
+    return code
+
+
+def _pick_ports(args: argparse.Namespace) -> dict[str, int | None]:
+    """The API's and the dashboard's ports: as given, a free one for 0, None for no dashboard.
+
+    Raises:
+        _CannotStart: a given port is in use.
+    """
+    ports: dict[str, int | None] = {}
     for name, port in (("api", args.api_port), ("dashboard", args.dashboard_port)):
         if name == "dashboard" and args.no_dashboard:
             ports[name] = None
         elif port == 0:
             ports[name] = free_port()
         elif not port_free(port):
-            print(
-                f"laneserve up: port {port} for the {name} is in use; pass --{name}-port "
-                "(0 picks a free one)",
-                file=sys.stderr,
+            raise _CannotStart(
+                f"port {port} for the {name} is in use; pass --{name}-port (0 picks a free one)"
             )
-            return 1
         else:
             ports[name] = port
+    return ports
 
+
+def _catch_signals() -> _Stop:
+    """A stop flag that SIGTERM, SIGINT and SIGHUP set from now on (instead of killing `up`)."""
     stop = _Stop()
 
     def on_signal(signum, _frame):
@@ -418,7 +403,16 @@ def _run_locked(
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
+    return stop
 
+
+def _prepare(args: argparse.Namespace, engine: EngineConfig) -> tuple[str, int]:
+    """Migrate the database, then (unless `--synthetic`) pull and convert the model. Returns the
+    database URL (password included) and the CUDA devices visible (0 when synthetic).
+
+    Raises:
+        _CannotStart: a bad database URL, a failed migration, or a model that cannot be loaded.
+    """
     from laneserve.db import migrate
     from laneserve.db.session import DatabaseURLError, resolve_url
 
@@ -427,23 +421,34 @@ def _run_locked(
         say(f"preparing the database {resolve_url(db_url).render_as_string(True)}")
         migrate.upgrade(db_url)
     except (migrate.MigrationError, DatabaseURLError) as exc:
-        print(f"laneserve up: {exc}", file=sys.stderr)
-        return 1
-    gpus = 0
-    if not args.synthetic:
-        from laneserve.gpu_worker.errors import ModelLoadError
+        raise _CannotStart(str(exc)) from exc
+    if args.synthetic:
+        return db_url, 0
+    from laneserve.gpu_worker.errors import ModelLoadError
 
-        say(f"preparing the model {engine.model} (downloaded and converted once)")
-        try:
-            prepare_model(engine.model)
-        except ModelLoadError as exc:
-            print(f"laneserve up: {exc}", file=sys.stderr)
-            return 1
-        gpus = gpu_count()
-    if stop.requested:
-        return 130
+    say(f"preparing the model {engine.model} (downloaded and converted once)")
+    try:
+        prepare_model(engine.model)
+    except ModelLoadError as exc:
+        raise _CannotStart(str(exc)) from exc
+    return db_url, gpu_count()
+
+
+def _plan(
+    args: argparse.Namespace,
+    home: Path,
+    lanes: list[list[str]],
+    engine: EngineConfig,
+    db_url: str,
+    gpus: int,
+    ports: dict[str, int | None],
+) -> dict:
+    """The stack's plan, what `build_specs`, `check_ready` and stack.json read: addresses,
+    ports and URLs, database, lanes, engine options, threads per worker, GPUs, liveness, key."""
+    from laneserve.broker.addresses import default_back, default_front, run_dir
+
     threads = args.threads or threads_per_worker(cpu_cores(), args.workers)
-    plan = {
+    return {
         "home": home,
         "front": default_front(),
         "back": default_back(),
@@ -462,24 +467,38 @@ def _run_locked(
         ),
         "api_key": args.api_key or lsenv.get("LANESERVE_API_KEY"),
     }
-    state = {"state": "starting"}
-    started_at = time.time()
 
-    def write(sup: Supervisor) -> None:
+
+@dataclasses.dataclass(slots=True)
+class _StackFile:
+    """`$LANESERVE_HOME/stack.json` (laneserve/stack.py) of this supervisor: written whenever
+    its children change and at each `state` ("starting", "ready", "stopping")."""
+
+    plan: dict
+    model: str  # the served model, "synthetic" for synthetic workers
+    started_at: float  # unix s
+    state: str = "starting"
+
+    def write(self, sup: Supervisor) -> None:
+        from laneserve import stack
+
+        plan, home = self.plan, self.plan["home"]
         stack.write_stack(
             {
-                "state": state["state"],
+                "state": self.state,
                 "supervisor_pid": os.getpid(),
-                "started_at": started_at,
+                "started_at": self.started_at,
                 "api_url": plan["api_url"],
                 "dashboard_url": plan["dashboard_url"],
                 "broker_front": plan["front"],
                 "broker_back": plan["back"],
                 "recorder_addr": plan["recorder_addr"],
                 "db_url": plan["db_url"],
-                "model": "synthetic" if args.synthetic else engine.model,
-                "workers": [{"name": f"worker-{i}", "lanes": ls} for i, ls in enumerate(lanes)],
-                "threads_per_worker": threads,
+                "model": self.model,
+                "workers": [
+                    {"name": f"worker-{i}", "lanes": ls} for i, ls in enumerate(plan["lanes"])
+                ],
+                "threads_per_worker": plan["threads"],
                 "api_key_required": bool(plan["api_key"]),
                 "logs": str(home / "logs"),
                 "children": sup.pids(),
@@ -487,52 +506,35 @@ def _run_locked(
             home,
         )
 
-    sup = Supervisor(build_specs(args, plan), home / "logs", on_change=write)
-    code = 0
-    try:
-        say(f"starting {len(sup.children)} processes (logs in {home / 'logs'})")
-        sup.start()
-        deadline = time.monotonic() + args.ready_timeout
-        waiting = ["everything"]
-        while waiting and not stop.requested:
-            if time.monotonic() > deadline:
-                print(
-                    f"laneserve up: not ready after {args.ready_timeout:.0f}s; "
-                    f"waiting for {', '.join(waiting)}; logs in {home / 'logs'}",
-                    file=sys.stderr,
-                )
-                code = 1
-                break
-            _watch(sup, args.parent_pid, stop)
-            failing = [n for n, c in sup.children.items() if c.restarts >= START_RESTARTS]
-            if failing:
-                name = failing[0]
-                tail = sup.log_path(name).read_text(errors="replace")[-2000:]
-                print(
-                    f"laneserve up: {name} keeps exiting while starting "
-                    f"(log {sup.log_path(name)}):\n{tail}",
-                    file=sys.stderr,
-                )
-                code = 1
-                break
-            waiting = check_ready(plan)
-            if waiting:
-                time.sleep(0.5)
-        if not stop.requested and code == 0:
-            state["state"] = "ready"
-            write(sup)
-            print_banner(plan, home, time.time() - started_at)
-            while not stop.requested:
-                _watch(sup, args.parent_pid, stop)
-                time.sleep(0.25)
-    finally:
-        state["state"] = "stopping"
-        write(sup)
-        say("stopping")
-        sup.stop()
-        stack.remove_stack(os.getpid(), home)
-        say("stopped")
-    return code
+
+def _wait_ready(sup: Supervisor, args: argparse.Namespace, plan: dict, stop: _Stop) -> int:
+    """Poll the started children until every one answers (0), a stop is asked for (0), or
+    `--ready-timeout` passes or a child keeps exiting (1, said on stderr)."""
+    deadline = time.monotonic() + args.ready_timeout
+    waiting = ["everything"]
+    while waiting and not stop.requested:
+        if time.monotonic() > deadline:
+            print(
+                f"laneserve up: not ready after {args.ready_timeout:.0f}s; "
+                f"waiting for {', '.join(waiting)}; logs in {plan['home'] / 'logs'}",
+                file=sys.stderr,
+            )
+            return 1
+        _watch(sup, args.parent_pid, stop)
+        failing = [n for n, c in sup.children.items() if c.restarts >= START_RESTARTS]
+        if failing:
+            name = failing[0]
+            tail = sup.log_path(name).read_text(errors="replace")[-2000:]
+            print(
+                f"laneserve up: {name} keeps exiting while starting "
+                f"(log {sup.log_path(name)}):\n{tail}",
+                file=sys.stderr,
+            )
+            return 1
+        waiting = check_ready(plan)
+        if waiting:
+            time.sleep(0.5)
+    return 0
 
 
 def _watch(sup, parent_pid: int | None, stop: _Stop) -> None:
@@ -574,10 +576,6 @@ def _hide_password(url: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m laneserve.commands.up``: this command alone (faster start)."""
-    from laneserve.cli import check_install
-
-    if code := check_install():
-        return code
     parser = argparse.ArgumentParser(prog="laneserve up")
     add_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -37,7 +37,7 @@ def start_api(stack: Stack) -> str:
 
     import httpx
 
-    from laneserve.commands.up import free_port
+    from laneserve.commands.up_host import free_port
     from laneserve.stack import write_stack
 
     url = f"http://127.0.0.1:{free_port()}"

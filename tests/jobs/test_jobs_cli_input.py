@@ -228,7 +228,7 @@ def bare_gateway(db_url: str, home):
     yields its URL."""
     import httpx
 
-    from laneserve.commands.up import free_port
+    from laneserve.commands.up_host import free_port
 
     port = free_port()
     env = dict(os.environ, LANESERVE_HOME=str(home), PYTHONPATH=str(ROOT))

@@ -11,7 +11,8 @@ import psutil
 import pytest
 
 from laneserve import stack
-from laneserve.commands.up import parse_lanes, threads_per_worker
+from laneserve.commands.up import parse_lanes
+from laneserve.commands.up_host import threads_per_worker
 from laneserve.supervisor import ChildSpec, Supervisor
 
 PY = sys.executable
@@ -153,7 +154,7 @@ def test_a_port_left_in_time_wait_by_a_stopped_stack_is_free():
     long, though the API's listener (SO_REUSEADDR) binds it at once."""
     import socket
 
-    from laneserve.commands.up import port_free
+    from laneserve.commands.up_host import port_free
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
