@@ -22,17 +22,15 @@ from laneserve.gpu_worker.config import (
     config_from_args,
 )
 from laneserve.gpu_worker.request import Lane
+from laneserve.gpu_worker.slo import LaneSlo, SloTargets, parse_slo
 from laneserve.gpu_worker.step_budget import (
     MIN_BATCH_RATE,
     MIN_PREFILL_CHUNK,
     RETARGET_STEPS,
     TPOT_MULTIPLE,
     BudgetController,
-    LaneSlo,
-    SloTargets,
     StepView,
     default_targets,
-    parse_slo,
     prefill_features,
 )
 from laneserve.gpu_worker.step_cost import (
@@ -750,7 +748,8 @@ def test_batch_drafts_never_take_a_running_prefills_token_or_the_plans_chunk(mak
     decodes send no drafts and the prefill keeps the rest of the budget (drafts once took
     what the plan had priced as its chunk, and the reservation counted the prefill as a
     decode the row cap kept out, leaving it no token)."""
-    from laneserve.gpu_worker.scheduler import SchedulerOutput, _StepState
+    from laneserve.gpu_worker.scheduler import _StepState
+    from laneserve.gpu_worker.scheduler_output import SchedulerOutput
 
     sim = EngineSim(make_sched(num_blocks=256, block_size=16, max_num_batched_tokens=16))
     decodes = [sim.add(f"d{i}", 4, max_tokens=20) for i in range(3)]
