@@ -24,7 +24,7 @@ Modules, by direction (DESIGN.md "Wire protocol"):
   ``RequestRecord``/``EdgeTimings``/``WorkerSnapshot`` items; ``record_ack``);
 - :mod:`laneserve.broker.protocol.sockets`: socket limits and the fast multipart send.
 
-Everything is re-exported here: ``from broker import protocol as p; p.Submit(...)``.
+Everything is re-exported here: ``from laneserve.broker import protocol as p; p.Submit(...)``.
 
 Times: ``*_time`` / ``*_at`` fields are unix seconds (wall clock, display only); ``*_ms`` fields
 are durations in milliseconds measured with monotonic clocks on one host.

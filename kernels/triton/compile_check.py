@@ -1,6 +1,6 @@
 """Compile every Triton kernel ahead of time for a CUDA architecture, without a GPU.
 
-``python -m kernels.triton.compile_check [--arch 90 80]`` lowers each kernel through Triton's full
+``python -m laneserve.kernels.triton.compile_check [--arch 90 80]`` lowers each kernel through Triton's full
 pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the ``ptxas`` bundled in the triton wheel) for
 the shapes the engine uses (Llama-3-8B layer, SmolLM2-135M layer; bf16 and fp32) and prints one JSON
 line per kernel with its shared-memory and register use. Exit status 1 if any kernel fails.

@@ -55,7 +55,7 @@ def test_cli_upgrade_current_downgrade(db_url, capsys):
 
 @pytest.mark.slow
 def test_three_processes_upgrading_at_once_all_succeed(db_url):
-    code = "import sys; from db.migrate import upgrade; upgrade(sys.argv[1])"
+    code = "import sys; from laneserve.db.migrate import upgrade; upgrade(sys.argv[1])"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code, db_url], stdout=subprocess.PIPE, stderr=subprocess.STDOUT

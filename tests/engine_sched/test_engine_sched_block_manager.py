@@ -31,7 +31,7 @@ def test_hash_chain_is_deterministic_across_processes():
     for block in ([1, 2, 3, 4], [5, 6, 7, 8], [2**40, 0, 151_000, 3]):
         chain.append(hash_block_tokens(chain[-1], block))
     code = (
-        "from gpu_worker.block_manager import hash_block_tokens as h\n"
+        "from laneserve.gpu_worker.block_manager import hash_block_tokens as h\n"
         "a = h(None, [1, 2, 3, 4]); b = h(a, [5, 6, 7, 8]); c = h(b, [2**40, 0, 151_000, 3])\n"
         "print(c.hex())"
     )

@@ -238,7 +238,7 @@ def test_a_build_lock_left_by_a_killed_build_does_not_block_loading():
     """torch's lock file outlives a build killed half-way; loading must not wait on it forever."""
     stale = cpu_ext.build_directory() / "lock"
     stale.write_text("")
-    code = "from kernels import cpu_ext; assert cpu_ext.load()"
+    code = "from laneserve.kernels import cpu_ext; assert cpu_ext.load()"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
     assert not stale.exists()

@@ -160,11 +160,12 @@ def test_forced_triton_without_gpu_turns_on_the_interpreter():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["LANESERVE_ATTENTION_BACKEND"] = "triton"
     code = (
-        "import os, torch, kernels\n"
+        "import os, torch\n"
+        "from laneserve import kernels\n"
         "x = torch.randn(3, 8)\n"
         "out = kernels.silu_and_mul(x)\n"
         "assert torch.allclose(out, kernels.reference.silu_and_mul(x), atol=1e-6)\n"
-        "import kernels.triton._common as c\n"
+        "import laneserve.kernels.triton._common as c\n"
         "print(os.environ['TRITON_INTERPRET'], c.INTERPRET)\n"
     )
     proc = subprocess.run(
@@ -172,4 +173,3 @@ def test_forced_triton_without_gpu_turns_on_the_interpreter():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["1", "True"]
-

@@ -68,7 +68,10 @@ def test_a_wheel_installs_one_top_level_name_beside_hugging_faces_kernels(tmp_pa
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     py = str(venv / "bin" / "python")
-    for args in (["--no-deps", str(wheel)], ["kernels"]):
+    from transformers.utils import import_utils  # the `kernels` versions transformers takes
+
+    hf_kernels = f"kernels>={import_utils.KERNELS_MIN_VERSION},<{import_utils.KERNELS_MAX_VERSION}"
+    for args in (["--no-deps", str(wheel)], [hf_kernels]):
         proc = subprocess.run(
             [py, "-m", "pip", "install", "-q", *args],
             capture_output=True, text=True, timeout=600, cwd=tmp_path,
