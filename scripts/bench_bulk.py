@@ -33,7 +33,8 @@ budgets and rows are summarised (`steps`). `--rounds N` repeats everything N tim
 stacks and reports medians. Prints one JSON object on stdout (progress on stderr).
 
     python scripts/bench_bulk.py --lines 256 --rounds 3
-    python scripts/bench_bulk.py --lines 256 --interactive-rate 0.5 --phases offline,beside_chats
+    python scripts/bench_bulk.py --lines 256 --interactive-rate 0.5 \\
+        --phases offline,alone,beside_chats
 """
 
 from __future__ import annotations
@@ -217,6 +218,9 @@ def job_figures(db_url: str, batch: dict[str, Any]) -> dict[str, Any]:
         ).all()
     engine.dispose()
     done = [r for r in rows if r.completion_tokens and r.arrival_at and r.finished_at]
+    if not done:
+        return {"lines_completed": 0, "completion_tokens": 0, "tok_s": 0.0, "span_s": 0.0,
+                "job_status": batch["status"], "job_errors": batch.get("errors")}  # fmt: skip
     tokens = sum(r.completion_tokens for r in done)
     first = min(r.arrival_at for r in done)
     last = max(r.finished_at for r in done)
@@ -255,7 +259,10 @@ def step_summary(trace: Path) -> dict[str, Any]:
     steps = []
     try:
         for line in trace.read_text().splitlines():
-            rec = json.loads(line)
+            try:
+                rec = json.loads(line)
+            except ValueError:  # a line cut short by the worker's stop
+                continue
             view = rec.get("view") or {}
             if view.get("interactive_running") or view.get("interactive_waiting_tokens"):
                 continue
@@ -270,6 +277,11 @@ def step_summary(trace: Path) -> dict[str, Any]:
     running = [s["view"]["batch_running"] for s in steps]
     tokens = [s["features"]["tokens"] for s in steps]
     below = sum(1 for b, r in zip(budgets, running, strict=True) if b < r)
+    # the path keeps the engine fed: steps with no batch prompt left to prefill (none waiting in
+    # the engine for a free seat), in the first 80 % of the job (its tail has none by nature)
+    end = steps[0]["t"] + 0.8 * (steps[-1]["t"] - steps[0]["t"])
+    early = [s for s in steps if s["t"] <= end]
+    starved = sum(1 for s in early if not s["view"]["batch_prefill_tokens"])
     return {
         "batch_only_steps": len(steps),
         "budget_p10": pct(budgets, 10),
@@ -278,6 +290,8 @@ def step_summary(trace: Path) -> dict[str, Any]:
         "tokens_p50": pct(tokens, 50),
         "measured_ms_p50": pct([s["measured_ms"] for s in steps], 50),
         "steps_with_budget_below_running": below,
+        "steps_without_a_queued_prompt_first_80pct": starved,
+        "steps_first_80pct": len(early),
     }
 
 
@@ -304,6 +318,15 @@ def chat_plan(rng: random.Random, n: int) -> list[tuple[str, int, str]]:
 
 
 async def stream_chat(client, model: str, text: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed chat: TTFT (ms, first content delta), TPOT, tokens; or ``{"error": ...}``
+    (an HTTP error, a failed connection, or an error event in the stream)."""
+    try:
+        return await _stream_chat(client, model, text, max_tokens)
+    except Exception as exc:  # noqa: BLE001 (a failed chat is a figure, not the end of the run)
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+async def _stream_chat(client, model: str, text: str, max_tokens: int) -> dict[str, Any]:
     body = {
         "model": model, "messages": [{"role": "user", "content": text}],
         "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
@@ -318,6 +341,8 @@ async def stream_chat(client, model: str, text: str, max_tokens: int) -> dict[st
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"error event: {chunk['error']}")
             for ch in chunk.get("choices", []):
                 if ch.get("delta", {}).get("content") and first is None:
                     first = time.perf_counter()
@@ -339,7 +364,8 @@ async def chats_at_rate(api_url: str, model: str, plan, rate: float, stop: async
         i = 0
         while not stop.is_set():
             kind, mt, text = plan[i % len(plan)]
-            i += 1
+            text = f"({i}) {text}"  # every chat its own prompt: no prefix-cache hit beyond the
+            i += 1  # chat template's shared start, as with the idle ones
 
             async def one(kind=kind, mt=mt, text=text):
                 results.append((kind, await stream_chat(client, model, text, mt)))
@@ -358,8 +384,8 @@ async def chats_idle(api_url: str, model: str, plan) -> list[tuple[str, dict]]:
 
     out = []
     async with httpx.AsyncClient(base_url=api_url, timeout=300) as client:
-        for kind, mt, text in plan:
-            out.append((kind, await stream_chat(client, model, text, mt)))
+        for i, (kind, mt, text) in enumerate(plan):
+            out.append((kind, await stream_chat(client, model, f"(idle {i}) {text}", mt)))
     return out
 
 
@@ -404,15 +430,24 @@ def beside_chats(args, info, data: bytes, model: str, alone_tok_s: float | None)
     box: dict[str, Any] = {}
 
     def job() -> None:
-        box.update(run_job(info, data, model))
-        loop.call_soon_threadsafe(stop.set)
+        try:
+            box.update(run_job(info, data, model))
+        except Exception as exc:  # noqa: BLE001 (raised below, once the chats have stopped)
+            box["error"] = exc
+        finally:
+            loop.call_soon_threadsafe(stop.set)
 
     th = threading.Thread(target=job)
     th.start()
     loop_results = loop.run_until_complete(chat_task)
     th.join()
     loop.close()
+    if "error" in box:
+        raise box["error"]
     figures = job_figures(info["db_url"], box["batch"])
+    errors = [r["error"] for _, r in idle + loop_results if "error" in r]
+    idle = [(k, r) for k, r in idle if "error" not in r]
+    loop_results = [(k, r) for k, r in loop_results if "error" not in r]
     idle_ttft = [r["ttft_ms"] for _, r in idle]
     idle_tpot = [r["tpot_ms"] for _, r in idle if r["tpot_ms"] is not None]
     load_ttft = [r["ttft_ms"] for _, r in loop_results]
@@ -430,7 +465,8 @@ def beside_chats(args, info, data: bytes, model: str, alone_tok_s: float | None)
     return {
         **figures,
         "chats": len(loop_results),
-        "chat_errors": sum(1 for _, r in loop_results if "error" in r),
+        "chat_errors": len(errors),
+        "chat_error_examples": errors[:3],
         "idle_ttft_p99_ms": pct(idle_ttft, 99),
         "idle_tpot_p99_ms": pct(idle_tpot, 99),
         "ttft_p99_over_idle_p99": _ratio(pct(load_ttft, 99), pct(idle_ttft, 99)),
@@ -464,19 +500,19 @@ def stack_phase(args, phase: str, convs: list, alone_tok_s: float | None) -> dic
             trace = args.keep_traces / f"{phase}-{time.strftime('%H%M%S')}.jsonl"
         os.environ["LANESERVE_STEP_TRACE"] = str(trace)
         try:
-            with bench_stack(args) as info:
+            with bench_stack(args, args.up_args.split()) as info:
                 model = served_model(info["api_url"])
                 data = batch_file(convs, model, args.max_tokens)
                 if phase == "after_chat":
                     one_token_chat(info["api_url"], model)
+                before = cpu_seconds(info)
                 if phase == "beside_chats":
                     out = beside_chats(args, info, data, model, alone_tok_s)
                 else:
-                    before = cpu_seconds(info)
                     job = run_job(info, data, model)
                     out = job_figures(info["db_url"], job["batch"])
                     out["client_wall_s"] = round(job["wall_s"], 2)
-                    out["cpu_s_by_process"] = cpu_delta(before, cpu_seconds(info))
+                out["cpu_s_by_process"] = cpu_delta(before, cpu_seconds(info))
         finally:
             os.environ.pop("LANESERVE_STEP_TRACE", None)
         out["steps"] = step_summary(trace)
@@ -484,11 +520,14 @@ def stack_phase(args, phase: str, convs: list, alone_tok_s: float | None) -> dic
 
 
 def cpu_seconds(info: dict[str, Any]) -> dict[str, float]:
-    """CPU seconds (user + system, children included) of each process of the stack."""
+    """CPU seconds (user + system) of each running process of the stack (the supervisor's
+    children; not their own children)."""
     import psutil
 
     out = {}
     for name, pid in (info.get("children") or {}).items():
+        if not pid:
+            continue
         try:
             t = psutil.Process(pid).cpu_times()
         except psutil.Error:
@@ -516,7 +555,9 @@ def main() -> int:
     ap.add_argument("--phases", default="offline,alone,after_chat")
     ap.add_argument("--interactive-rate", type=float, default=None,
                     help="chats per second beside the job (adds the beside_chats phase)")  # fmt: skip
-    ap.add_argument("--chats", type=int, default=12, help="distinct chats of beside_chats")
+    ap.add_argument("--chats", type=int, default=12, help="chats of beside_chats' idle set")
+    ap.add_argument("--up-args", default="",
+                    help="more `laneserve up` flags, e.g. '--slo interactive:ttft=400'")  # fmt: skip
     ap.add_argument("--offline-defaults", action="store_true",
                     help="the offline LLM with its own defaults, not the worker's options")  # fmt: skip
     ap.add_argument("--keep-traces", type=Path, default=None,
@@ -525,11 +566,14 @@ def main() -> int:
     phases = [p for p in args.phases.split(",") if p]
     if args.interactive_rate and "beside_chats" not in phases:
         phases.append("beside_chats")
+    if "beside_chats" in phases and not (args.interactive_rate or 0) > 0:
+        ap.error("the beside_chats phase needs --interactive-rate R (chats per second, > 0)")
     bad = set(phases) - set(PHASES)
     if bad:
         ap.error(f"unknown phases {sorted(bad)}; choose from {PHASES}")
     report: dict[str, Any] = {"machine": machine(), "model": args.model, "dtype": args.dtype,
-                              "max_tokens": args.max_tokens, "sizes": {}}  # fmt: skip
+                              "max_tokens": args.max_tokens, "up_args": args.up_args,
+                              "sizes": {}}  # fmt: skip
     for n in [int(x) for x in args.lines.split(",")]:
         convs = conversations(n)
         rounds: list[dict[str, Any]] = []
