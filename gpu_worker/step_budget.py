@@ -255,6 +255,7 @@ class BudgetController:
         self.given_tpot = given_tpot
         self._idle: collections.deque[float] = collections.deque(maxlen=64)  # lone decodes, ms
         self._prompts: collections.deque[int] = collections.deque(maxlen=PROMPT_WINDOW)
+        self._robust_prompt = TYPICAL_PROMPT  # of `_prompts`, kept by `note_arrival`
         self.last = StepBudget(max_tokens, None)
         self.last_target_ms: float | None = None
         self.predicted_ms = 0.0  # of the last step scheduled
@@ -293,12 +294,9 @@ class BudgetController:
     def robust_prompt(self) -> int:
         """The prompt length (tokens) an interactive arrival is planned for: the
         `ROBUST_PROMPT_QUANTILE` of the last `PROMPT_WINDOW` interactive prompts once
-        `MIN_PROMPTS_SEEN` came (nearest rank), never below `TYPICAL_PROMPT`."""
-        if len(self._prompts) < MIN_PROMPTS_SEEN:
-            return TYPICAL_PROMPT
-        ranked = sorted(self._prompts)
-        q = ranked[min(len(ranked) - 1, math.ceil(ROBUST_PROMPT_QUANTILE * len(ranked)) - 1)]
-        return max(TYPICAL_PROMPT, q)
+        `MIN_PROMPTS_SEEN` came (nearest rank), never below `TYPICAL_PROMPT` (computed at each
+        arrival, not each step)."""
+        return self._robust_prompt
 
     def ttft_slack(self) -> float:
         """How long a step may run while an interactive arrival waits for it (ms), for an
@@ -343,6 +341,10 @@ class BudgetController:
     def note_arrival(self, prompt_tokens: int) -> None:
         """An interactive request with `prompt_tokens` arrived (`robust_prompt` reads them)."""
         self._prompts.append(prompt_tokens)
+        if len(self._prompts) >= MIN_PROMPTS_SEEN:
+            ranked = sorted(self._prompts)
+            k = min(len(ranked), math.ceil(ROBUST_PROMPT_QUANTILE * len(ranked))) - 1
+            self._robust_prompt = max(TYPICAL_PROMPT, ranked[k])
 
     def plan(self, view: StepView) -> StepBudget:
         """The budget of the next step."""
