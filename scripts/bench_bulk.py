@@ -62,6 +62,7 @@ from bench_serving import (  # noqa: E402
     machine,
     model_path,
     pct,
+    stream_request,
 )
 
 PHASES = ("offline", "alone", "after_chat", "beside_chats", "offline_at_step")
@@ -318,40 +319,17 @@ def chat_plan(rng: random.Random, n: int) -> list[tuple[str, int, str]]:
 
 
 async def stream_chat(client, model: str, text: str, max_tokens: int) -> dict[str, Any]:
-    """One streamed chat: TTFT (ms, first content delta), TPOT, tokens; or ``{"error": ...}``
-    (an HTTP error, a failed connection, or an error event in the stream)."""
-    try:
-        return await _stream_chat(client, model, text, max_tokens)
-    except Exception as exc:  # noqa: BLE001 (a failed chat is a figure, not the end of the run)
-        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
-
-
-async def _stream_chat(client, model: str, text: str, max_tokens: int) -> dict[str, Any]:
-    body = {
-        "model": model, "messages": [{"role": "user", "content": text}],
-        "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-        "stream_options": {"include_usage": True},
-    }  # fmt: skip
-    t0 = time.perf_counter()
-    first = None
-    tokens = 0
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"error event: {chunk['error']}")
-            for ch in chunk.get("choices", []):
-                if ch.get("delta", {}).get("content") and first is None:
-                    first = time.perf_counter()
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    end = time.perf_counter()
-    first = first or end
-    tpot = (end - first) / (tokens - 1) * 1e3 if tokens >= 2 else None
-    return {"ttft_ms": (first - t0) * 1e3, "tpot_ms": tpot, "tokens": tokens}
+    """One streamed chat (`bench_serving.stream_request`, greedy, `ignore_eos`): TTFT (ms, the
+    first content delta), TPOT, tokens; or ``{"error": ...}`` (an HTTP error, a failed
+    connection, or an error event in the stream)."""
+    body = {"model": model, "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens, "ignore_eos": True}  # fmt: skip
+    res = await stream_request(client, "/v1/chat/completions", body)
+    if res.error is not None or res.ttft_s is None:
+        return {"error": res.error or "no content"}
+    tpot = res.tpot_s
+    return {"ttft_ms": res.ttft_s * 1e3, "tpot_ms": tpot * 1e3 if tpot else None,
+            "tokens": res.tokens}  # fmt: skip
 
 
 async def chats_at_rate(api_url: str, model: str, plan, rate: float, stop: asyncio.Event, rng):
