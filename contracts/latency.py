@@ -24,6 +24,9 @@ A request crosses these hops (each measured by the process that owns it)::
 | `itl_p99_ms` | 99th percentile of the gaps between consecutive output tokens         | :func:`itl_p99_ms` |
 | `e2e_ms`     | arrival -> final message sent                                         | :func:`e2e_ms`     |
 
+A non-streamed response's first content token leaves with the whole body; its ``ttft_ms`` ends when
+that token reached the edge instead (as vLLM records it), so TTFT keeps meaning queue + prefill.
+
 Percentiles everywhere (engine jitter, dashboards, benchmarks) follow :func:`percentile`: linear
 interpolation between closest ranks (Hyndman & Fan type 7, the default of ``numpy.percentile``).
 

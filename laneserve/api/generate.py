@@ -262,9 +262,13 @@ class Generation:
                 self._observe_end(choice, now)
 
     def sent(self) -> None:
-        """A non-streamed response's whole body is being handed to the server now."""
+        """A non-streamed response's whole body is being handed to the server now. Its TTFT
+        ends when each choice's first content token reached the edge (as vLLM records it for
+        a non-streamed request), not with the body: e2e covers the wait for the last token."""
         now = time.monotonic()
-        self.mark_sent(self.choices, now)
+        for choice in self.choices:
+            if choice.text and not choice.first_sent_t:
+                choice.first_sent_t = choice.first_token_t or now
         self.report(now)
 
     def _observe_end(self, choice: Choice, now: float) -> None:
