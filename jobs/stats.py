@@ -123,17 +123,29 @@ _ERROR_CODE = func.coalesce(Request.response["error"]["code"].as_string(), "")
 _RAN = _ERROR_CODE.not_in(ENDED_BY_JOB_CODES)
 
 
-def _line_sums(session: Session, batch_id: str) -> tuple[Row, int | None]:
+def _may_have_ended_lines(job: Job, now: float) -> bool:
+    """Whether the job's cancellation or expiry may have ended some of its lines: only then
+    are the lines' responses read for their error code (a JSON field each), which is most of a
+    progress poll's cost over thousands of lines."""
+    expiring = job.expires_at is not None and now >= job.expires_at
+    return expiring or job.status in ("cancelling", "cancelled", "expired")
+
+
+def _line_sums(session: Session, job: Job, now: float) -> tuple[Row, int | None]:
     """(count, prompt, completion, cached token sums) of the finished lines the job ran to
     their end, and the count of finished lines its cancellation or expiry ended."""
+    batch_id = job.id
+    ended = _may_have_ended_lines(job, now)
     sums = session.execute(
         select(
             func.count(Request.id),
             func.sum(Request.prompt_tokens),
             func.sum(Request.completion_tokens),
             func.sum(Request.cached_tokens),
-        ).where(Request.job_id == batch_id, _FINISHED, _RAN)
+        ).where(Request.job_id == batch_id, _FINISHED, *((_RAN,) if ended else ()))
     ).one()
+    if not ended:
+        return sums, 0
     cancelled = session.scalar(
         select(func.count(Request.id)).where(
             Request.job_id == batch_id, _FINISHED, _ERROR_CODE.in_(ENDED_BY_JOB_CODES)
@@ -191,7 +203,7 @@ def batch_stats(
         job = session.get(Job, batch_id)
         if job is None:
             raise NotFoundError(f"no batch {batch_id!r}")
-        sums, cancelled = _line_sums(session, batch_id)
+        sums, cancelled = _line_sums(session, job, now or time.time())
         values = _latency_values(session, batch_id, LATENCY_FIELDS if latency else ())
         files = _job_files(session, job)
     counts = job.request_counts
