@@ -196,15 +196,6 @@ def prompt_ids(
     return tokenizer.encode(prompt, add_special_tokens=True)
 
 
-def count_prompt(tokenizer: PromptTokenizer | None, **prompt: Any) -> int | None:
-    """``len(prompt_ids(...))``; None without a tokenizer unless the prompt is token ids."""
-    if prompt.get("token_ids") is not None:
-        return len(prompt["token_ids"])
-    if tokenizer is None:
-        return None
-    return len(prompt_ids(tokenizer, **prompt))
-
-
 # ---------------------------------------------------------------------------- internals
 
 

@@ -122,6 +122,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0  # prompt positions computed (prefix-cache hits excluded)
+        self.num_prompts_tokenized = 0  # prompts given as text or messages (not ids)
         spec = config.speculative_config
         self.spec = SpecController(spec) if spec is not None and spec.enabled else None
         if config.slo_control:  # SLO-driven step budgets, from a start-up profile of this engine
@@ -212,10 +213,12 @@ class LLMEngine:
                     f"{len(self.tokenizer)} tokens); got {bad[0]!r}"
                 )
         elif messages is not None:
+            self.num_prompts_tokenized += 1
             ids = self.apply_chat_template(messages)
         else:
             if not isinstance(prompt, str):
                 raise InvalidRequestError("prompt must be a string")
+            self.num_prompts_tokenized += 1
             ids = prompt_ids(self.prompt_tokenizer, prompt=prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty (0 tokens)")
@@ -579,13 +582,15 @@ class LLMEngine:
         """Queue and KV figures: num_total_blocks, num_free_blocks, kv_usage, num_running,
         num_waiting, prefix_cache_queries, prefix_cache_hits (tokens), num_preemptions,
         num_steps, num_generated_tokens, num_prefill_tokens (prompt positions computed, cache hits
-        excluded), and speculative decoding's totals spec_draft_tokens,
+        excluded), num_prompts_tokenized (prompts it templated or tokenized itself: the edge
+        sends ids), and speculative decoding's totals spec_draft_tokens,
         spec_accepted_tokens, spec_num_drafts, spec_propose_ms (`spec_decode.spec_totals`)."""
         stats = dict(self.scheduler.stats())
         stats.update(
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
             num_prefill_tokens=self.num_prefill_tokens,
+            num_prompts_tokenized=self.num_prompts_tokenized,
             **spec_totals(self.spec),
         )
         return stats

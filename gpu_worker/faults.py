@@ -116,6 +116,8 @@ class FaultInjectingEngine:
         arrival_time: float | None = None,
     ) -> object:
         text = repr((prompt, messages))
+        if prompt_token_ids is not None and (self.plan.crash_marker or self.plan.step_marker):
+            text = self.engine.tokenizer.decode(prompt_token_ids)  # the edge sent ids
         if self.plan.crash_marker and self.plan.crash_marker in text:
             logger.error("%s matched request %s: exiting", CRASH_VAR, request_id)
             os._exit(1)

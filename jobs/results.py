@@ -29,7 +29,9 @@ from laneserve.contracts.openai.structured import parsed_json, wants_json
 
 def choice_requests(rid: str, request: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """`(request id, BrokerClient.submit keyword arguments)` per choice of a line request
-    `{"url", "body"[, "sampling_params"]}` (`jobs.validate.LineResult.request`).
+    `{"url", "body"[, "sampling_params"][, "prompt_token_ids"]}`
+    (`jobs.validate.LineResult.request`); the validator's `prompt_token_ids` (one list per
+    prompt) are sent instead of the text, so a line is tokenized once.
 
     A line fans out as the gateway does (`n` samples of each prompt): choice `k = prompt * n +
     sample` is the line's own request id for `k == 0` and `{rid}-{k}` otherwise, with
@@ -44,6 +46,10 @@ def choice_requests(rid: str, request: dict[str, Any]) -> list[tuple[str, dict[s
         req.sampling = dict(stored)
     elif req.max_tokens is not None:
         req.sampling["max_tokens"] = req.max_tokens
+    encoded = request.get("prompt_token_ids")  # the validator's ids, when it tokenized
+    if encoded is not None and len(encoded) == len(req.prompts):
+        for prompt, ids in zip(req.prompts, encoded, strict=True):
+            prompt.encoded = ids
     out = []
     for i, prompt in enumerate(req.prompts):
         for j in range(req.n):
@@ -52,13 +58,8 @@ def choice_requests(rid: str, request: dict[str, Any]) -> list[tuple[str, dict[s
                 "sampling_params": req.sampling_for(k),
                 "model": req.model,
                 "priority": req.priority,
+                **prompt.wire(),
             }
-            if prompt.messages is not None:
-                kwargs["messages"] = prompt.messages
-            elif prompt.token_ids is not None:
-                kwargs["prompt_token_ids"] = prompt.token_ids
-            else:
-                kwargs["prompt"] = prompt.text
             out.append((rid if k == 0 else f"{rid}-{k}", kwargs))
     return out
 

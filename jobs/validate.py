@@ -70,7 +70,8 @@ class LineResult:
 
     `request` is what the runner sends: `{"url", "body", "sampling_params"}` (the OpenAI
     request body, normalized, and its validated wire sampling params, `max_tokens` settled),
-    plus `"map_reduce": {"text"}` for a summarize document longer than the context. `error` is
+    plus `"prompt_token_ids"` (one list per prompt) when the validator tokenized them, or
+    `"map_reduce": {"text"}` for a summarize document longer than the context. `error` is
     `{"code", "message"}`. `prompt_tokens` is the counted prompt length (tokens) when known.
     """
 
@@ -196,7 +197,9 @@ class Validator:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             # the decoder's "line 1 column 5" would read as the file's line: name the column only
             why = (
-                f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else exc
+                f"{exc.msg.removesuffix(' at')} at column {exc.colno}"  # "starting at" + "at"
+                if isinstance(exc, json.JSONDecodeError)
+                else exc
             )
             return LineResult(line_no, name, error=_err("invalid_json", f"not JSON: {why}"))
         if not isinstance(obj, dict):
@@ -265,6 +268,7 @@ class Validator:
         body = prompts.task_body(self.task, text, self.default_model, self.task_options)
         if self.task == "summarize" and self.counter is not None:
             req = self._parse(body)
+            req.prompts[0].encoded = self.counter.encode(req.prompts[0])  # check() reuses them
             tokens = self.counter.count(req.prompts[0])
             limit = self.max_model_len
             if tokens is not None and limit is not None and tokens + req.max_tokens > limit:
@@ -272,17 +276,22 @@ class Validator:
                 request = {"url": self.endpoint, "body": req_body(req, body)}
                 request.update(sampling_params=sampling, map_reduce={"text": text})
                 return request, tokens
+            return self._request(body, req)
         return self._request(body)
 
-    def _request(self, body: dict) -> tuple[dict, int | None]:
-        """Validate `body` as the gateway would; the stored request and its prompt tokens."""
-        req = self._parse(body)
+    def _request(self, body: dict, req: ParsedRequest | None = None) -> tuple[dict, int | None]:
+        """Validate `body` (already parsed: `req`) as the gateway would; the stored request and
+        its prompt tokens."""
+        req = req or self._parse(body)
         try:
             (self.counter or ServedModel()).check(req, self.limits)
         except OpenAIError as exc:
             raise LineError(exc.code, exc.message, param=self._param(exc.param)) from exc
         request = {"url": self.endpoint, "body": req_body(req, body)}
         request["sampling_params"] = req.sampling
+        encoded = [p.encoded for p in req.prompts]
+        if None not in encoded:  # tokenized once here: the engine takes these ids
+            request["prompt_token_ids"] = encoded
         counts = [p.num_tokens for p in req.prompts]
         return request, None if None in counts else sum(counts)
 

@@ -21,7 +21,7 @@ from laneserve.contracts.openai.requests import (
     ParsedRequest,
     Prompt,
 )
-from laneserve.contracts.tokens import PromptError, PromptTokenizer, count_prompt
+from laneserve.contracts.tokens import PromptError, PromptTokenizer, prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -66,19 +66,28 @@ class ServedModel:
 
     # ------------------------------------------------------------------ counting
 
+    def encode(self, prompt: Prompt) -> list[int] | None:
+        """The prompt's ids as the engine will see them (chat template applied); None without
+        a tokenizer unless the prompt is ids.
+
+        Raises OpenAIError (400) when the chat template rejects the conversation."""
+        if prompt.encoded is not None:  # encoded already
+            return prompt.encoded
+        if prompt.token_ids is not None:
+            return prompt.token_ids
+        if self.tokenizer is None:
+            return None
+        try:
+            return prompt_ids(self.tokenizer, prompt=prompt.text, messages=prompt.messages)
+        except PromptError as exc:
+            raise invalid(str(exc), "messages") from exc
+
     def count(self, prompt: Prompt) -> int | None:
         """Prompt tokens as the engine will see them; None without a tokenizer.
 
         Raises OpenAIError (400) when the chat template rejects the conversation."""
-        try:
-            return count_prompt(
-                self.tokenizer,
-                prompt=prompt.text,
-                messages=prompt.messages,
-                token_ids=prompt.token_ids,
-            )
-        except PromptError as exc:
-            raise invalid(str(exc), "messages") from exc
+        ids = self.encode(prompt)
+        return None if ids is None else len(ids)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token (for logprobs); ``token_id:N`` without a tokenizer (vLLM's
@@ -108,9 +117,10 @@ class ServedModel:
         longest = 0
         for prompt in req.prompts:
             self._check_ids(prompt)
-            prompt.num_tokens = self.count(prompt)
-            if prompt.num_tokens is None:
+            prompt.encoded = self.encode(prompt)  # tokenized once: the engine takes these ids
+            if prompt.encoded is None:
                 continue
+            prompt.num_tokens = len(prompt.encoded)
             if prompt.num_tokens == 0:
                 raise invalid("the prompt is empty (0 tokens)", _param(req))
             if self.max_model_len is not None and prompt.num_tokens >= self.max_model_len:

@@ -165,15 +165,29 @@ LOGIT_BIAS_RANGE = 100.0  # OpenAI: each bias in [-100, 100]
 
 @dataclass(slots=True)
 class Prompt:
-    """One prompt in one of the three wire forms (exactly one is set).
+    """One prompt in one of the three wire forms (exactly one of them is set).
 
     ``num_tokens``: prompt tokens counted at the edge (None until counted / no tokenizer).
+    ``encoded``: the ids the engine feeds the model, templated and tokenized once at the edge
+    when it counted them (None: the engine tokenizes the given form).
     """
 
     text: str | None = None
     messages: list[dict] | None = None
     token_ids: list[int] | None = None
     num_tokens: int | None = None
+    encoded: list[int] | None = None
+
+    def wire(self) -> dict[str, Any]:
+        """The one prompt argument to send on: the edge's ids when it has them, else the form
+        given (``prompt``, ``messages`` or ``prompt_token_ids``)."""
+        if self.encoded is not None:
+            return {"prompt_token_ids": self.encoded}
+        if self.messages is not None:
+            return {"messages": self.messages}
+        if self.token_ids is not None:
+            return {"prompt_token_ids": self.token_ids}
+        return {"prompt": self.text}
 
 
 @dataclass(slots=True)

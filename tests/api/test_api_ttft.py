@@ -127,3 +127,26 @@ def test_sql_and_metrics_ttft_match_the_client(stack) -> None:
             raise AssertionError(
                 f"{name}: SQL latency differs from the client's in 3 tries: {seen}"
             )
+
+
+def test_the_engine_tokenizes_nothing_the_edge_counted(stack) -> None:
+    """One chat and one completion tokenized once, at the edge (which counts them anyway): the
+    worker's engine is sent the ids and templates or tokenizes no prompt itself (its
+    `num_prompts_tokenized`, on the heartbeat, stays 0 while its generated tokens grow)."""
+
+    def load() -> dict:
+        (worker,) = stack.status()["workers"]
+        return worker.get("load") or {}
+
+    before = int(load().get("num_generated_tokens") or 0)
+    with httpx.Client(base_url=stack.url, headers=AUTH, timeout=120) as http:
+        for path, extra in (("/v1/chat/completions", {"messages": MSG}), ("/v1/completions", {})):
+            body = {"model": "smollm2", "max_tokens": 4, "temperature": 0, "prompt": "Paris is"}
+            if extra:
+                body = {**{k: v for k, v in body.items() if k != "prompt"}, **extra}
+            assert http.post(path, json=body).status_code == 200
+    deadline = time.monotonic() + 20
+    while int((now := load()).get("num_generated_tokens") or 0) < before + 8:
+        assert time.monotonic() < deadline, now
+        time.sleep(0.2)
+    assert now["num_prompts_tokenized"] == 0, now
