@@ -4,8 +4,9 @@ Two threads::
 
     broker ROUTER <--DEALER--> [IO thread] <--inproc PAIR--> [engine loop (main thread)]
 
-- The **IO thread** (``gpu_worker.worker_io.IoLoop``) owns the ZMQ DEALER. It forwards
-  ``request``/``abort`` from the broker to the engine loop, forwards the engine loop's ``step_outputs`` to the broker, sends ``ready`` on
+- The **IO thread** (``gpu_worker.worker_io.IoLoop``) owns the ZMQ DEALER. It decodes each
+  ``request``/``abort`` from the broker once and hands the typed message to the engine loop
+  through the worker's ``inbox`` (the PAIR only wakes the engine loop), forwards the engine loop's ``step_outputs`` to the broker, sends ``ready`` on
   connect and a ``worker_heartbeat`` with load stats every ``heartbeat_interval_s`` (from this
   thread, never the engine loop, so a long step cannot make the worker look dead), watches the
   broker's heartbeats (silence for ``liveness`` intervals -> reconnect with exponential backoff;
@@ -32,6 +33,7 @@ module knows nothing of them.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -46,7 +48,7 @@ import zmq
 
 from laneserve.broker import protocol as p
 from laneserve.gpu_worker.engine_protocol import Engine
-from laneserve.gpu_worker.worker_io import RESET_DONE, IoLoop
+from laneserve.gpu_worker.worker_io import RESET_DONE, IoLoop, ResetEngine
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +135,8 @@ class Worker:
         self._stats: dict[str, Any] = {}
         self.active: set[str] = set()
         self._pending_aborts: set[str] = set()
+        # IO thread -> engine loop: decoded broker messages and resets (one writer, one reader)
+        self.inbox: collections.deque[p.WorkRequest | p.Abort | ResetEngine] = collections.deque()
         self._step_ms_ema = 0.0
         self._tokens_window: list[tuple[float, int]] = []
         self.counters: dict[str, int] = {"steps": 0, "requests": 0, "invalid_messages": 0}
@@ -205,19 +209,21 @@ class Worker:
                     return
 
     def _drain_pipe(self, pipe: zmq.Socket) -> None:
+        """Take the IO thread's wake-ups, then every message it decoded into the inbox."""
         while True:
             try:
-                frames = pipe.recv_multipart(zmq.NOBLOCK)
+                pipe.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
-            msg = p.decode(frames, p.BROKER_TO_WORKER)  # validated by the IO thread already
+                break
+        while self.inbox:
+            msg = self.inbox.popleft()
             if type(msg) is p.WorkRequest:
                 self._add(pipe, msg)
             elif type(msg) is p.Abort:
                 if msg.request_id in self.active:
                     self._safe_abort(msg.request_id)
                     self._pending_aborts.add(msg.request_id)
-            elif type(msg) is p.Disconnect:
+            elif type(msg) is ResetEngine:
                 self._forget_all()
                 self._hand(pipe, RESET_DONE)  # what follows is for the broker we announce to
 

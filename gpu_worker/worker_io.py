@@ -2,9 +2,11 @@
 
 It owns the ZMQ DEALER to the broker and an inproc PAIR to the engine loop:
 
-- broker -> engine loop: ``request``/``abort`` forwarded as they come; ``heartbeat`` watched (a
-  new ``epoch`` -> reset) and ``disconnect`` -> reset; a reset tells the engine loop to forget
-  everything and announces ``ready`` again once it confirms (:data:`RESET_DONE`);
+- broker -> engine loop: ``request``/``abort`` decoded (and validated) once here and put, as
+  typed messages, in the worker's ``inbox`` (a deque; an empty frame on the pipe wakes the engine
+  loop); ``heartbeat`` watched (a new ``epoch`` -> reset) and ``disconnect`` -> reset; a reset
+  (:class:`ResetEngine` in the inbox) tells the engine loop to forget everything and announces
+  ``ready`` again once it confirms (:data:`RESET_DONE`);
 - engine loop -> broker: ``step_outputs`` through a bounded outbox (a slow broker pauses the
   engine loop through the worker's backlog counters);
 - a ``worker_heartbeat`` with load stats every ``hb_every`` seconds (at once when draining);
@@ -19,6 +21,7 @@ import collections
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import zmq
@@ -31,7 +34,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-RESET_DONE = p.Disconnect(reason="reset done").to_frames()  # engine loop -> IO thread
+
+@dataclass(frozen=True, slots=True)
+class ResetEngine:
+    """IO thread -> engine loop: forget every request (a new or silent broker), then answer
+    :data:`RESET_DONE`."""
+
+    reason: str
+
+
+# engine loop -> IO thread: the reset is done (a control frame of the pipe, never sent on)
+RESET_DONE = [b"laneserve.worker.reset-done"]
+_WAKE = b""  # IO thread -> engine loop: the worker's inbox has something
 
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -167,7 +181,7 @@ class IoLoop:
                 # heartbeat instead of resetting a second time for it
                 self.epoch = None
             else:
-                self.pipe.send_multipart(frames)
+                self._to_engine(msg)
 
     def _log_refusals(self, now: float) -> None:
         for event in recv_all(self.monitor):
@@ -232,10 +246,14 @@ class IoLoop:
         self.last_heard = now
         self.backoff = min(self.backoff * 2, _BACKOFF_MAX_S)
 
+    def _to_engine(self, msg: p.WorkRequest | p.Abort | ResetEngine) -> None:
+        self.w.inbox.append(msg)  # before the wake-up: the engine loop finds it there
+        self.pipe.send(_WAKE)
+
     def _reset(self, reason: str) -> None:
         """Tell the engine loop to forget everything; announce ourselves again once it has
         (:meth:`_from_engine`), dropping what it sends meanwhile."""
-        self.pipe.send_multipart(p.Disconnect(reason=reason).to_frames())
+        self._to_engine(ResetEngine(reason))
         self.w._resets += 1
         self.w._forwarded += len(self.outbox)
         self.outbox.clear()
