@@ -247,19 +247,8 @@ def _fused_rms_norm(x, weight, eps, residual=None):
 def _fused_decode_attention(
     q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, *, sliding_window=None
 ):
-    if sliding_window:
-        return reference.unified_attention(
-            q,
-            k_cache,
-            v_cache,
-            cu_seqlens_q,
-            seq_lens,
-            block_tables,
-            scale,
-            sliding_window=sliding_window,
-        )
     return torch.ops.laneserve.paged_decode_attention(
-        q, k_cache, v_cache, seq_lens, block_tables, scale
+        q, k_cache, v_cache, seq_lens, block_tables, scale, sliding_window or 0
     )
 
 

@@ -289,6 +289,7 @@ def _mixed_decodes(
             _int32(seq_lens[seq_idx]),
             _int32(block_tables[seq_idx]),
             softmax_scale,
+            window,
         )
     else:
         res = _decode_attention(
@@ -351,11 +352,11 @@ def unified_attention(
     seq_lens_list, starts, decodes = layout
     window = sliding_window or 0  # 0: no window, as the C++ ops take it
     num_seqs = len(seq_lens_list)
-    cpp = _cpp_attention(q, k_cache, v_cache) and not window  # the C++ kernels take these tensors
+    cpp = _cpp_attention(q, k_cache, v_cache)  # the C++ kernels take these tensors
     in_place = bool(decodes) and cpp
     if len(decodes) == num_seqs == num_tokens and in_place:  # pure decode: blocks read in place
         res = torch.ops.laneserve.paged_decode_attention(
-            q, k_cache, v_cache, _int32(seq_lens), _int32(block_tables), softmax_scale
+            q, k_cache, v_cache, _int32(seq_lens), _int32(block_tables), softmax_scale, window
         )
         return res if out is None else out.copy_(res)
     if out is None:
@@ -381,6 +382,7 @@ def unified_attention(
             _int32(block_tables),
             softmax_scale,
             out,
+            window,
         )
         return out
     block_size = k_cache.shape[1]

@@ -160,21 +160,28 @@ struct PagedView {
         vs1(vc.stride(1)), vs2(vc.stride(2)) {}
 };
 
-// The cache lines of sequence b's K and V rows for heads [h0, h1), block by block (K and V lines
+// The cache lines of sequence b's K and V rows [k_lo, len) for heads [h0, h1), block by block (K and V lines
 // interleaved), into `lines`, at most `kAheadBytes` of them: what a decode task reads first,
 // listed so that the task before it can ask for them ahead (`prefetch_next`). Bounded so that a
 // long context does not push the current task's rows (or the next task's first ones) out of L2.
 constexpr int64_t kAheadBytes = 512 * 1024;
 
+// The first key a query at position `pos` sees: pos - window + 1 with a sliding window
+// (window > 0; transformers' convention: keys pos - window < j <= pos), else 0.
+inline int64_t first_key(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
 template <typename T>
-inline void list_task_lines(const PagedView<T>& p, const int32_t* table, int64_t len, int64_t bs,
-                            int64_t h0, int64_t h1, int64_t D, std::vector<const char*>& lines) {
+inline void list_task_lines(const PagedView<T>& p, const int32_t* table, int64_t k_lo,
+                            int64_t len, int64_t bs, int64_t h0, int64_t h1, int64_t D,
+                            std::vector<const char*>& lines) {
   lines.clear();
 #ifdef LANESERVE_VEC8
   const int64_t row = D * static_cast<int64_t>(sizeof(T));
-  for (int64_t t0 = 0, j = 0; t0 < len; t0 += bs, ++j) {
+  for (int64_t t0 = k_lo / bs * bs, j = k_lo / bs; t0 < len; t0 += bs, ++j) {
     const int64_t blk = table[j], n = std::min(bs, len - t0);
-    for (int64_t off = 0; off < n; ++off)
+    for (int64_t off = std::max<int64_t>(0, k_lo - t0); off < n; ++off)
       for (int64_t h = h0; h < h1; ++h) {
         if (static_cast<int64_t>(lines.size()) * 64 >= kAheadBytes) return;
         const char* k = reinterpret_cast<const char*>(p.kp + blk * p.ks0 + off * p.ks1 + h * p.ks2);
@@ -211,10 +218,11 @@ inline void prefetch_next(const std::vector<const char*>& lines, size_t& next, i
 // iterations: the blocks of a long-running cache lie scattered, and with only the next 16 tokens'
 // K asked for, the loads waited on memory one block at a time (batch 64 over 384 tokens on a
 // 2-core Zen 4: 1.5x the time per layer with shuffled blocks, 1.25x with sequential ones).
-// Fetching changes no result.
+// Fetching changes no result. With a sliding window (window > 0) a row's context is its last
+// `window` keys: the blocks before them are neither walked nor read.
 template <typename T>
 void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-                 const at::Tensor& seq_lens, const at::Tensor& bt, double scale,
+                 const at::Tensor& seq_lens, const at::Tensor& bt, double scale, int64_t window,
                  at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = kc.size(1), Hk = kc.size(2), g = Hq / Hk;
@@ -232,22 +240,25 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / tasks_per_seq;
       const int64_t h0 = (w % tasks_per_seq) * per_task, h1 = h0 + per_task;
-      const int64_t len = sl[b];
+      const int64_t k_lo = first_key(sl[b] - 1, window);  // the row sees keys [k_lo, sl[b])
+      const int64_t len = sl[b] - k_lo;
       ahead.clear();
       if (w + 1 < end) {
         const int64_t b1 = (w + 1) / tasks_per_seq, g0 = ((w + 1) % tasks_per_seq) * per_task;
-        list_task_lines(p, btp + b1 * bts0, sl[b1], bs, g0, g0 + per_task, D, ahead);
+        list_task_lines(p, btp + b1 * bts0, first_key(sl[b1] - 1, window), sl[b1], bs, g0,
+                        g0 + per_task, D, ahead);
       }
       const int64_t ahead_per_iter = (static_cast<int64_t>(ahead.size()) + (len + 7) / 8 - 1) /
                                      ((len + 7) / 8);
       size_t next_line = 0;
       koff.resize(len);
       voff.resize(len);
-      for (int64_t t0 = 0, j = 0; t0 < len; t0 += bs, ++j) {  // block by block: no divisions
-        const int64_t blk = btp[b * bts0 + j], n = std::min(bs, len - t0);
-        for (int64_t off = 0; off < n; ++off) {
-          koff[t0 + off] = blk * p.ks0 + off * p.ks1;
-          voff[t0 + off] = blk * p.vs0 + off * p.vs1;
+      // block by block from the window's first (token k_lo + i at koff[i]): no divisions
+      for (int64_t t0 = k_lo / bs * bs, j = k_lo / bs; t0 < sl[b]; t0 += bs, ++j) {
+        const int64_t blk = btp[b * bts0 + j], n = std::min(bs, sl[b] - t0);
+        for (int64_t off = std::max<int64_t>(0, k_lo - t0); off < n; ++off) {
+          koff[t0 + off - k_lo] = blk * p.ks0 + off * p.ks1;
+          voff[t0 + off - k_lo] = blk * p.vs0 + off * p.vs1;
         }
       }
       scores.resize(Hq * len);
@@ -314,31 +325,36 @@ void check_paged_attention(const at::Tensor& q, const at::Tensor& out, const at:
   TORCH_CHECK(k_cache.size(1) >= 1, "the caches' block size must be at least 1");
 }
 
-// Every block sequence s reads for its `len` keys is in its block table row and in the pool.
-void check_sequence_blocks(const at::Tensor& block_tables, int64_t s, int64_t len,
+// Every block sequence s reads for its keys [first, len) is in its block table row and in the
+// pool (the blocks before `first`, outside a sliding window, are not read and not checked).
+void check_sequence_blocks(const at::Tensor& block_tables, int64_t s, int64_t first, int64_t len,
                            int64_t num_blocks, int64_t bs) {
   TORCH_CHECK((len + bs - 1) / bs <= block_tables.size(1),
               "seq_lens[", s, "] = ", len, " does not fit its block table");
   const int32_t* row = block_tables.data_ptr<int32_t>() + s * block_tables.stride(0);
-  for (int64_t j = 0; j < (len + bs - 1) / bs; ++j)
+  for (int64_t j = first / bs; j < (len + bs - 1) / bs; ++j)
     TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, "block id ", row[j], " outside [0, ",
                 num_blocks, ")");
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& seq_lens,
-                                  const at::Tensor& block_tables, double scale) {
+                                  const at::Tensor& block_tables, double scale,
+                                  int64_t sliding_window) {
   TORCH_CHECK(q.dim() == 3, "q [B, Hq, D]");
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
   auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
   check_paged_attention(q, out, k_cache, v_cache, seq_lens, block_tables);
   TORCH_CHECK(seq_lens.size(0) == q.size(0), "one query row, length and table row per sequence");
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   for (int64_t b = 0; b < q.size(0); ++b) {  // every block a sequence reads must exist
     TORCH_CHECK(sl[b] >= 1, "seq_lens[", b, "] = ", sl[b], " does not fit its block table");
-    check_sequence_blocks(block_tables, b, sl[b], k_cache.size(0), k_cache.size(1));
+    check_sequence_blocks(block_tables, b, first_key(sl[b] - 1, sliding_window), sl[b],
+                          k_cache.size(0), k_cache.size(1));
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_impl<scalar_t>(q, k_cache, v_cache, seq_lens, block_tables, scale, out);
+    decode_impl<scalar_t>(q, k_cache, v_cache, seq_lens, block_tables, scale, sliding_window,
+                          out);
   });
   return out;
 }
@@ -353,14 +369,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // once. Key tiles start at multiples of kTileK whatever the chunking, and a tile past a row's
 // position leaves it exactly as it was, so a row's result depends on its query and context
 // only: not on the chunk of two or more tokens it came in (a one-token chunk is a decode row),
-// the batch or the thread split.
+// the batch or the thread split. With a sliding window (window > 0) a row sees its last `window`
+// keys: the key tiles wholly before the task's first row's window are not read, and a row skips
+// the tiles before its own window, so its result still depends on its query and context only.
 constexpr int64_t kTileQ = 8;   // query tokens per task
 constexpr int64_t kTileK = 32;  // keys per softmax update, converted to fp32 once per task
 
 template <typename T>
 void prefill_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                   const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& bt,
-                  double scale, at::Tensor& out) {
+                  double scale, int64_t window, at::Tensor& out) {
   const int64_t S = seq_lens.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = kc.size(1), Hk = kc.size(2), g = Hq / Hk;
   const PagedView<T> p(q, kc, vc, out);
@@ -398,10 +416,11 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& v
       }
       std::fill(acc.begin(), acc.begin() + rows * D, 0.f);
       const int64_t last = start + t0 + nt;  // keys [0, last): the tile's last row sees them all
-      for (int64_t k0 = 0; k0 < last; k0 += kTileK) {
+      const int64_t k_lo = first_key(start + t0, window);  // no row of the task sees a key before
+      for (int64_t k0 = k_lo / kTileK * kTileK; k0 < last; k0 += kTileK) {
         const int64_t kn = std::min(kTileK, last - k0);
         for (int64_t j = 0; j < kTileK; ++j) {  // missing keys: zero rows (their scores are masked)
-          if (j < kn) {
+          if (j < kn && k0 + j >= k_lo) {  // keys before k_lo are not read (stale table entries)
             const int64_t key = k0 + j, blk = btp[s * bts0 + key / bs], off = key % bs;
             load_row(p.kp + blk * p.ks0 + off * p.ks1 + h * p.ks2, kt.data() + j * D, D);
             load_row(p.vp + blk * p.vs0 + off * p.vs1 + h * p.vs2, vt.data() + j * D, D);
@@ -412,7 +431,9 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& v
         }
         float sc2[2 * kTileK];  // two rows' scores: each K row is read once for both
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t visible = std::min(kn, start + t0 + r / g - k0 + 1);
+          const int64_t pos = start + t0 + r / g;  // the row's query position
+          const int64_t visible = std::min(kn, pos - k0 + 1);
+          const int64_t hidden = std::max<int64_t>(0, first_key(pos, window) - k0);  // before its window
           // rows r, r + 1 (a later token or the same): when the partner sees keys, r may not
           if (r % 2 == 0 && start + t0 + std::min(r + 1, rows - 1) / g - k0 >= 0) {
             // a row's sums are the same alone or in a pair (see score8_vec)
@@ -420,8 +441,9 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& v
             for (int64_t j0 = 0; j0 < kTileK; j0 += 8)
               score8(qf.data() + r * D, nr, kt.data(), off_d + j0, 8, D, sc2 + j0, kTileK);
           }
-          if (visible <= 0) continue;  // the whole tile lies past this row's position
+          if (visible <= hidden) continue;  // the whole tile lies past the row or before its window
           float* sc = sc2 + (r % 2) * kTileK;
+          for (int64_t j = 0; j < hidden; ++j) sc[j] = neg_inf;
           for (int64_t j = visible; j < kTileK; ++j) sc[j] = neg_inf;
           const float m_new = std::max(m[r], row_max(sc, kTileK));
           const float alpha =  // the old sums' scale: 1 while the running max holds
@@ -470,8 +492,9 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& v
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
                              const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                             double scale, at::Tensor out) {
+                             double scale, at::Tensor out, int64_t sliding_window) {
   check_paged_attention(q, out, k_cache, v_cache, seq_lens, block_tables);
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
   TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && cu_seqlens_q.is_contiguous() &&
               cu_seqlens_q.size(0) == seq_lens.size(0) + 1, "int32 cu_seqlens_q [S + 1]");
   const int64_t S = seq_lens.size(0);
@@ -482,10 +505,13 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
     const int64_t qlen = cu[s + 1] - cu[s];
     TORCH_CHECK(qlen >= 0 && qlen < (int64_t(1) << 20) && sl[s] >= qlen,
                 "sequence ", s, ": query length ", qlen, " against seq_lens ", sl[s]);
-    if (qlen >= 2) check_sequence_blocks(block_tables, s, sl[s], k_cache.size(0), k_cache.size(1));
+    if (qlen >= 2)
+      check_sequence_blocks(block_tables, s, first_key(sl[s] - qlen, sliding_window), sl[s],
+                            k_cache.size(0), k_cache.size(1));
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] {
-    prefill_impl<scalar_t>(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out);
+    prefill_impl<scalar_t>(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                           sliding_window, out);
   });
 }
 
@@ -494,9 +520,10 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
 
 TORCH_LIBRARY_FRAGMENT(laneserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, "
-        "Tensor block_tables, float scale) -> Tensor");
+        "Tensor block_tables, float scale, int sliding_window=0) -> Tensor");
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
-        "Tensor seq_lens, Tensor block_tables, float scale, Tensor(a!) out) -> ()");
+        "Tensor seq_lens, Tensor block_tables, float scale, Tensor(a!) out, "
+        "int sliding_window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(laneserve, CPU, m) {

@@ -48,7 +48,7 @@ def _paths(monkeypatch, path: str) -> None:
         assert cpu_ext.load(), "the C++ CPU kernels failed to build (see the warning logged)"
 
 
-@pytest.mark.parametrize("path", ["torch"])
+@pytest.mark.parametrize("path", ["torch", "cpp", "triton"])
 @pytest.mark.parametrize("window", WINDOWS)
 def test_mixed_batch_matches_dense(path, window, gen, device, monkeypatch):
     _paths(monkeypatch, path)
@@ -59,7 +59,7 @@ def test_mixed_batch_matches_dense(path, window, gen, device, monkeypatch):
     torch.testing.assert_close(got.float().cpu(), expected, **TOL[dtype])
 
 
-@pytest.mark.parametrize("path", ["torch"])
+@pytest.mark.parametrize("path", ["torch", "cpp", "triton"])
 def test_pure_decode_batch(path, gen, device, monkeypatch):
     """One token per sequence: the C++ decode kernel, the padded batch (grouped by length when
     that pays) and Triton's decode tile."""
@@ -70,7 +70,7 @@ def test_pure_decode_batch(path, gen, device, monkeypatch):
     torch.testing.assert_close(got.cpu(), expected, **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("path", ["torch"])
+@pytest.mark.parametrize("path", ["torch", "cpp", "triton"])
 def test_prefill_in_chunks_equals_one_pass(path, gen, device, monkeypatch):
     """A 45-token prompt in chunks of 16, 20 and 9 (each chunk's queries past the window of the
     earlier ones) gives the rows of one pass."""
@@ -109,3 +109,13 @@ def test_a_bad_window_is_refused(window, error, gen):
     args, _ = _batch([(1, 10)], torch.float32, 4, gen)
     with pytest.raises(error, match="sliding_window"):
         kernels.unified_attention(**args, sliding_window=window)
+
+
+def test_triton_split_kv_decode(gen, device):
+    """Split-KV decode (segments over the window's key tiles, then the reduce) equals one pass."""
+    from laneserve.kernels.triton import unified_attention as triton_attention
+
+    pairs = [(1, 9), (1, 70), (1, 100)]
+    args, expected = _batch(pairs, torch.float32, 40, gen, device)
+    got = triton_attention(**args, num_segments=4, sliding_window=40)
+    torch.testing.assert_close(got.cpu(), expected, **TOL[torch.float32])
