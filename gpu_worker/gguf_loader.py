@@ -104,6 +104,8 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         rope_scaling=scaling,
         name=str(_field(reader, "general.name", path.stem)),
+        sliding_window=get("attention.sliding_window")
+        or None,  # llama.cpp's key, where the file has it
     )
 
 

@@ -46,6 +46,19 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     name: str = ""
+    # Sliding-window attention (Mistral; Qwen2 with `use_sliding_window`): a query at position i
+    # sees keys i - W < j <= i in the layers whose `layer_types` entry is "sliding_attention"
+    # (transformers' names; empty: every layer). None: full attention everywhere.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The sliding window (tokens) layer ``layer`` attends within, or None (full attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -81,6 +94,9 @@ class ModelConfig:
             "hidden_act": "silu",
             "torch_dtype": "float32",
             "laneserve_name": self.name,
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
+            **({"layer_types": list(self.layer_types)} if self.layer_types else {}),
         }
 
 
@@ -101,26 +117,35 @@ def architecture_family(arch: str, where: Path) -> str:
     return family
 
 
+def sliding_window_from_hf_dict(
+    cfg: dict[str, Any], family: str
+) -> tuple[int | None, tuple[str, ...]]:
+    """``(sliding_window, layer_types)`` as transformers reads them: Mistral's window applies to
+    every layer; Qwen2's only with ``use_sliding_window``, to the layers from
+    ``max_window_layers`` on (or as ``layer_types`` lists them)."""
+    window = cfg.get("sliding_window")
+    if family not in ("mistral", "qwen2") or not window:
+        return None, ()
+    if not cfg.get("use_sliding_window", family == "mistral"):
+        return None, ()
+    layer_types = cfg.get("layer_types")
+    if family == "qwen2" and layer_types is None:
+        first = int(cfg.get("max_window_layers", 28))
+        n = int(cfg["num_hidden_layers"])
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return int(window), tuple(layer_types or ())
+
+
 def config_from_hf_dict(cfg: dict[str, Any], where: Path) -> ModelConfig:
     """Build a `ModelConfig` from a Hugging Face `config.json` dict.
 
     Raises:
-        ModelLoadError: unsupported architecture, sliding-window attention, or missing fields.
+        ModelLoadError: unsupported architecture, or missing or bad fields.
     """
     arch = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
     family = architecture_family(arch, where)
-    if (
-        family in ("mistral", "qwen2")
-        and cfg.get("sliding_window")
-        and cfg.get("use_sliding_window", family == "mistral")
-    ):
-        window = cfg["sliding_window"]
-        if window < cfg.get("max_position_embeddings", 0):
-            logger.warning(
-                "%s: sliding window %s not supported; max_model_len capped to it", where, window
-            )
-            cfg = {**cfg, "max_position_embeddings": window}
     try:
+        sliding_window, layer_types = sliding_window_from_hf_dict(cfg, family)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
@@ -147,6 +172,8 @@ def config_from_hf_dict(cfg: dict[str, Any], where: Path) -> ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
             rope_scaling=scaling,
             name=str(cfg.get("laneserve_name") or cfg.get("_name_or_path") or where.name),
+            sliding_window=sliding_window,
+            layer_types=layer_types,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{where}/config.json: missing or bad field: {exc}") from exc

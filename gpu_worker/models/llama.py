@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
 
 The forward pass takes one flattened varlen batch (DESIGN.md, "Model runner"): every scheduled
 request contributes its new tokens to `input_ids[T]`; attention reads each request's whole context
@@ -180,6 +180,10 @@ class LlamaForCausalLM:
         self._load_lm_head(w)
         self.layers = [self._load_layer(w, i) for i in range(config.num_hidden_layers)]
         self.cos_sin_cache = build_cos_sin_cache(config, config.max_model_len, self.device)
+        # each layer's sliding window (tokens; None: full attention), as its attention takes it
+        self.sliding_windows = [
+            config.layer_sliding_window(i) for i in range(config.num_hidden_layers)
+        ]
 
     def _load_embedding(self, w: _WeightReader) -> None:
         """The token embedding: Q8_0 blocks stay quantized on the CPU (`build_embedding`)."""
@@ -293,7 +297,7 @@ class LlamaForCausalLM:
             attn.block_tables,
         )
         residual = None
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if residual is None:
                 residual = x
                 h = ops.rms_norm(x, layer.input_layernorm, c.rms_norm_eps)
@@ -318,6 +322,7 @@ class LlamaForCausalLM:
                 attn.seq_lens,
                 attn.block_tables,
                 self.scale,
+                sliding_window=self.sliding_windows[i],
             )  # [T, Hq, D]
             x = quant.linear(o.reshape(-1, self.q_size), layer.o_proj)
             h, residual = ops.rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps, residual)

@@ -62,6 +62,7 @@ def _unified_attention_kernel(
     part_ml_ptr,  # split-KV only: fp32 [num_tokens, num_q_heads, NUM_SEGMENTS, 2] (max, sum)
     num_seqs,
     scale_log2,  # softmax_scale * log2(e): scores are kept in base 2
+    window,  # sliding window W (USE_WINDOW): a query at i sees keys i - W < j <= i
     stride_q_t,
     stride_q_h,
     stride_o_t,
@@ -83,6 +84,7 @@ def _unified_attention_kernel(
     FP32_DOT: tl.constexpr,  # cast tiles to fp32 before tl.dot (the interpreter lacks bf16 dot)
     IEEE_DOT: tl.constexpr,  # fp32 inputs: full-precision dot instead of TF32
     NUM_SEGMENTS: tl.constexpr,  # 1: write the output; > 1: split-KV partials for the reduce
+    USE_WINDOW: tl.constexpr,  # a sliding window: the tiles before it are skipped, not masked
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -120,17 +122,21 @@ def _unified_attention_kernel(
     last_q = tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
     num_keys = context_len + last_q + 1
     num_tiles = tl.cdiv(num_keys, TILE_N)
-    tile_lo = 0
+    first_key = 0  # keys before it lie outside every row's window: neither loaded nor read
+    if USE_WINDOW:  # the first query of this program sees keys from first_q_pos - window + 1
+        first_key = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0)
+    tile_first = first_key // TILE_N
+    tile_lo = tile_first
     tile_hi = num_tiles
     if NUM_SEGMENTS > 1:  # this program reads only its segment of the context's tiles
-        tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
-        tile_lo = segment * tiles_per_segment
+        tiles_per_segment = tl.cdiv(num_tiles - tile_first, NUM_SEGMENTS)
+        tile_lo = tile_first + segment * tiles_per_segment
         tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
     bt_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
     offs_n0 = tl.arange(0, TILE_N)
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + offs_n0  # key positions
-        n_ok = offs_n < num_keys
+        n_ok = (offs_n < num_keys) & (offs_n >= first_key)
         block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         slot_offs = (offs_n % BLOCK_SIZE).to(tl.int64)
         kv_mask = n_ok[:, None] & d_ok[None, :]
@@ -149,6 +155,8 @@ def _unified_attention_kernel(
             s = tl.dot(q, tl.trans(k))
         s = s * scale_log2  # [BLOCK_M, TILE_N], fp32, base-2 logits
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :] & row_ok[:, None]
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -281,12 +289,15 @@ def unified_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     num_segments: int | None = None,
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`laneserve.kernels.reference.unified_attention` (same shapes and semantics).
 
     ``max_query_len`` (optional, host int) picks a smaller tile for pure-decode batches; when it is
     ``None`` the wrapper guesses it from the shapes without a device sync (``num_tokens ==
-    num_seqs``). It is a tiling hint only: results never depend on it.
+    num_seqs``). It is a tiling hint only: results never depend on it. ``sliding_window`` as the
+    reference's: the key tiles before a program's first query's window are not read.
 
     Raises:
         TypeError: the KV cache dtype differs from ``q``'s.
@@ -340,6 +351,7 @@ def unified_attention(
         part_ml,
         num_seqs,
         float(softmax_scale) * LOG2E,
+        sliding_window or 0,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -361,6 +373,7 @@ def unified_attention(
         FP32_DOT=INTERPRET,
         IEEE_DOT=q.dtype == torch.float32 and k_cache.dtype == torch.float32,
         NUM_SEGMENTS=num_segments,
+        USE_WINDOW=sliding_window is not None,
     )
     if num_segments > 1:
         _reduce_segments_kernel[(num_tokens, num_q_heads)](

@@ -11,6 +11,7 @@ shared-memory overflow. Run it with TRITON_INTERPRET unset.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -33,7 +34,7 @@ def _cases():
                 sig = {n: f"*{dt}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
                 sig.update(cu_seqlens_q_ptr="*i32", seq_lens_ptr="*i32", block_tables_ptr="*i32")
                 sig.update(part_acc_ptr="*fp32", part_ml_ptr="*fp32")
-                sig.update(num_seqs="i32", scale_log2="fp32")
+                sig.update(num_seqs="i32", scale_log2="fp32", window="i32")
                 for n in (
                     "q_t",
                     "q_h",
@@ -60,12 +61,13 @@ def _cases():
                     IEEE_DOT=dt == "fp32",
                 )
                 segment_counts = (1, attention.SPLIT_KV_SEGMENTS) if max_query_len == 1 else (1,)
-                for segments in segment_counts:
+                windows = (False, True) if dt == "bf16" else (False,)  # sliding window
+                for segments, window in itertools.product(segment_counts, windows):
                     name = (
                         f"attention[{dt},Hq={hq},Hk={hk},D={d},max_q={max_query_len},"
-                        f"segments={segments}]"
+                        f"segments={segments},window={window}]"
                     )
-                    consts_s = dict(consts, NUM_SEGMENTS=segments)
+                    consts_s = dict(consts, NUM_SEGMENTS=segments, USE_WINDOW=window)
                     yield name, attention._unified_attention_kernel, sig, consts_s
             sig = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": f"*{dt}"}
             sig.update(num_q_heads="i32", stride_o_t="i32", stride_o_h="i32")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -86,3 +88,107 @@ def test_greedy_continuation_matches_transformers(runner, smollm2_loaded, hf_smo
         )[0, length:].tolist()
     assert greedy(runner, ids, 24) == ref
     assert greedy(runner, ids, 24, chunk=7) == ref
+
+
+# Sliding-window attention (Mistral; Qwen2 with use_sliding_window, its first layer full): a
+# tiny random-weight model whose 24-token window is shorter than the prompts (3 blocks of 8), so
+# the kernels skip whole blocks; greedy float32 tokens equal transformers' `generate`.
+WINDOW, SW_BLOCK = 24, 8
+
+
+def _tiny_sliding_window(family: str):
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from laneserve.gpu_worker.model_config import config_from_hf_dict
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                 sliding_window=WINDOW, tie_word_embeddings=False, eos_token_id=None)  # fmt: skip
+    if family == "mistral":
+        hf = MistralForCausalLM(MistralConfig(**shape, head_dim=16))
+    else:
+        hf = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, max_window_layers=1))
+    hf = hf.eval()
+    config = config_from_hf_dict(hf.config.to_dict(), Path(f"tiny-{family}"))
+    assert config.max_model_len == 256  # not capped to the window
+    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    model = LlamaForCausalLM(config, weights, torch.float32, "cpu")
+    return hf, ModelRunner(model, block_size=SW_BLOCK, num_blocks=64)
+
+
+@pytest.fixture(scope="module", params=["mistral", "qwen2"])
+def sliding_window_pair(request):
+    return _tiny_sliding_window(request.param)
+
+
+def greedy_batch(runner, prompts, max_new: int, chunk: int) -> list[list[int]]:
+    """Greedy decoding of several prompts in one batch: prefill chunks of up to `chunk` tokens
+    beside the other prompts' decodes, one token per prompt per step after that."""
+    seqs = [list(p) for p in prompts]
+    per_seq = (max(map(len, prompts)) + max_new) // SW_BLOCK + 1
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
+    done = [0] * len(prompts)
+    while any(len(s) < len(p) + max_new for s, p in zip(seqs, prompts, strict=True)):
+        live = [
+            i
+            for i, (s, p) in enumerate(zip(seqs, prompts, strict=True))
+            if len(s) < len(p) + max_new
+        ]
+        news = [seqs[i][done[i] : done[i] + chunk] for i in live]
+        samples = [done[i] + len(n) == len(seqs[i]) for i, n in zip(live, news, strict=True)]
+        inputs = runner.prepare_inputs(
+            news, [done[i] for i in live], [tables[i] for i in live], samples
+        )
+        logits = runner.execute(inputs)
+        rows = iter(logits)
+        for i, n, sample in zip(live, news, samples, strict=True):
+            done[i] += len(n)
+            if sample:
+                seqs[i].append(int(next(rows).argmax()))
+    return [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
+
+
+def test_sliding_window_greedy_matches_transformers(sliding_window_pair):
+    hf, runner = sliding_window_pair
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 96, (n,), generator=gen).tolist() for n in (41, 47, 20)]
+    refs = []
+    for p in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=32, do_sample=False, pad_token_id=0)  # no EOS  # fmt: skip
+        refs.append(out[0, len(p) :].tolist())
+    assert greedy_batch(runner, prompts[:1], 32, chunk=64) == refs[:1]  # alone, one prefill pass
+    assert greedy_batch(runner, prompts, 32, chunk=64) == refs  # batched
+    assert greedy_batch(runner, prompts, 32, chunk=10) == refs  # chunked prefill beside decodes
+    windows = runner.model.sliding_windows
+    runner.model.sliding_windows = [None] * len(windows)  # the same model without its window
+    try:
+        assert greedy_batch(runner, prompts, 32, chunk=64) != refs  # the window matters here
+    finally:
+        runner.model.sliding_windows = windows
+
+
+@pytest.mark.parametrize(
+    ("family", "extra", "window", "layer_types"),
+    [
+        ("MistralForCausalLM", {}, WINDOW, ()),  # every layer
+        ("Qwen2ForCausalLM", {"use_sliding_window": True, "max_window_layers": 1}, WINDOW,
+         ("full_attention", "sliding_attention")),
+        ("Qwen2ForCausalLM", {}, None, ()),  # Qwen2's window is off unless use_sliding_window
+    ],
+)  # fmt: skip
+def test_sliding_window_config_fields(family, extra, window, layer_types):
+    from laneserve.gpu_worker.model_config import config_from_hf_dict
+
+    cfg = dict(architectures=[family], vocab_size=96, hidden_size=64, intermediate_size=128,
+               num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+               sliding_window=WINDOW, **extra)  # fmt: skip
+    config = config_from_hf_dict(cfg, Path("tiny"))
+    assert (config.sliding_window, config.layer_types) == (window, layer_types)
+    assert config.max_model_len == 256
+    expected = [None if window is None or (layer_types and t != "sliding_attention") else window
+                for t in (layer_types or ("sliding_attention",) * 2)]  # fmt: skip
+    assert [config.layer_sliding_window(i) for i in range(2)] == expected
+    assert config_from_hf_dict(config.to_hf_dict(), Path("tiny")) == config  # round trip

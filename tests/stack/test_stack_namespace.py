@@ -21,6 +21,7 @@ _CHECK = r"""
 import json, sys
 import kernels  # Hugging Face's
 import laneserve, laneserve.kernels, laneserve.db.models, laneserve.jobs.runner
+from pathlib import Path
 from laneserve.kernels import reference
 from transformers.integrations import hub_kernels  # transformers' own use of theirs
 from transformers.utils import is_kernels_available
@@ -28,6 +29,7 @@ print(json.dumps({
     "hf_kernels": kernels.__file__, "ours": laneserve.kernels.__file__,
     "laneserve": laneserve.__file__, "hub_kernels": is_kernels_available(),
     "ours_ops": hasattr(reference, "unified_attention"),
+    "csrc": sorted(p.name for p in Path(laneserve.kernels.__file__).with_name("csrc").iterdir()),
 }))
 """
 
@@ -63,6 +65,8 @@ def test_a_wheel_installs_one_top_level_name_beside_hugging_faces_kernels(tmp_pa
     for name in laneserve.SUBPACKAGES:
         assert f"laneserve/{name}/__init__.py" in names, name
     assert "laneserve/db/migrations/env.py" in names  # package data travels
+    csrc = sorted(p.name for p in (ROOT / "kernels" / "csrc").iterdir())  # the C++ sources
+    assert {f"laneserve/kernels/csrc/{name}" for name in csrc} <= set(names), csrc
     # a venv that sees this environment's packages (torch, transformers, ...), with the wheel and
     # Hugging Face's `kernels` installed into it
     venv = tmp_path / "venv"
@@ -86,6 +90,7 @@ def test_a_wheel_installs_one_top_level_name_beside_hugging_faces_kernels(tmp_pa
     assert str(venv) in got["laneserve"]  # the wheel, not the checkout
     assert got["hf_kernels"] != got["ours"] and str(venv) in got["ours"]
     assert got["hub_kernels"] is True and got["ours_ops"] is True
+    assert got["csrc"] == csrc  # installed beside the package, where cpu_ext builds them from
     # and laneserve's CLI runs there
     cli = subprocess.run(
         [str(venv / "bin" / "laneserve"), "status", "--help"],
