@@ -26,6 +26,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "engine_error": 500,
     "no_worker": 503,
     "worker_lost": 503,
+    "database_unavailable": 503,  # the SQL database is unreachable: retry after Retry-After
     "deadline_exceeded": 504,
 }
 

@@ -37,10 +37,14 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """Readiness (laneserve.api.health): 200 or 503 with the reasons."""
+    """Readiness (laneserve.api.health): 200 or 503 with the reasons, plus ``database``: the
+    files/batches database answered its last check (false: `/v1/files` and `/v1/batches`
+    answer 503 ``database_unavailable`` meanwhile; chats and completions do not need it, so
+    it does not make the gateway unready)."""
     state: GatewayState = request.app.state.gateway
     answer = await state.readiness.check()
-    return JSONResponse(answer.to_json(), status_code=200 if answer.ready else 503)
+    body = answer.to_json() | {"database": state.database}
+    return JSONResponse(body, status_code=200 if answer.ready else 503)
 
 
 async def metrics(request: Request) -> Response:

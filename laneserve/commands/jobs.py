@@ -23,7 +23,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from laneserve.http_client import StackClient, StackError, add_api_arguments, client_for
+from laneserve.http_client import (
+    EXIT_NO_API,
+    StackClient,
+    StackError,
+    add_api_arguments,
+    client_for,
+)
 
 EXIT_CODES = {"completed": 0, "failed": 1, "cancelled": 3, "expired": 4}
 TERMINAL = tuple(EXIT_CODES)
@@ -387,6 +393,49 @@ def _bar(console):
     )
 
 
+RETRYABLE_STATUSES = (429, 502, 503, 504)  # the API, or what it needs, is briefly away
+WAIT_BACKOFF_S = (1.0, 10.0)  # first and longest pause between polls while it is away
+
+
+def retryable(exc: StackError) -> bool:
+    """A poll worth repeating: no answer at all (API restarting, connection refused or
+    reset, timeout) or a retryable status (503 ``database_unavailable``, 429, ...). A 401,
+    404 or other answer is final."""
+    return exc.status in RETRYABLE_STATUSES or (exc.status is None and exc.exit_code == EXIT_NO_API)
+
+
+class _Outage:
+    """`follow`'s pacing while the API cannot answer: one line on the console when it starts
+    ("retrying every N s"), one when it ends, pauses doubling within `WAIT_BACKOFF_S`."""
+
+    def __init__(self, console) -> None:
+        self.console = console
+        self.since: float | None = None
+        self.delay = WAIT_BACKOFF_S[0]
+
+    def failed(self, exc: StackError) -> float:
+        if self.since is None:
+            self.since, self.delay = time.monotonic(), WAIT_BACKOFF_S[0]
+            self.console.print(
+                f"the API cannot answer now ({exc}); still waiting, retrying",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+        else:
+            self.delay = min(self.delay * 2, WAIT_BACKOFF_S[1])
+        return self.delay
+
+    def ok(self) -> None:
+        if self.since is not None:
+            self.console.print(
+                f"the API answers again after {time.monotonic() - self.since:.0f} s",
+                markup=False,
+                highlight=False,
+            )
+            self.since = None
+
+
 def follow(
     client: StackClient,
     job_id: str,
@@ -398,18 +447,32 @@ def follow(
     """Show the job's progress (done/total, failed, output tok/s, ETA) on `console` (default:
     stderr; see `_Display`) until it ends or `timeout_s` seconds pass; return the last batch
     object. It only reads the API, so it can be stopped (Ctrl-C) and started again any time.
+    While the API cannot answer (`retryable`: connection errors, 503 while its database is
+    away) it says so on `console` and keeps polling, backing off up to 10 s.
 
     Raises:
-        StackError: the API failed (unknown job, unreachable).
+        StackError: the API refused (unknown job, wrong key), or still could not answer when
+            `timeout_s` passed.
     """
     from rich.console import Console
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     rate = _Rate()
-    with _Display(console or Console(stderr=True), job_id) as display:
+    console = console or Console(stderr=True)
+    outage = _Outage(console)
+    with _Display(console, job_id) as display:
         while True:
-            batch = client.get_batch(job_id)
-            stats = client.batch_stats(job_id, latency=False)
+            try:
+                batch = client.get_batch(job_id)
+                stats = client.batch_stats(job_id, latency=False)
+            except StackError as exc:
+                if not retryable(exc):
+                    raise
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                time.sleep(outage.failed(exc))
+                continue
+            outage.ok()
             f = _fields(batch, stats, rate.add((stats or {}).get("completion_tokens", 0)))
             final = batch["status"] in TERMINAL
             final = final or (deadline is not None and time.monotonic() >= deadline)
