@@ -278,6 +278,13 @@ class BrokerCollector:
                 fam.add_metric([model], float(value))
                 yield fam
 
+    def _add_workers(self, fam: Any, workers: list[dict], key: str) -> None:
+        for w in workers:
+            value = (w.get("load") or {}).get(key)
+            if isinstance(value, int | float):
+                labels = [self.owner.worker_model_name(w), str(w.get("worker_id"))]
+                fam.add_metric(labels, float(value))
+
 
 JOBS_SOURCE = (
     "From the SQL requests table (rows with a job_id), read at scrape time: every bulk-job line "

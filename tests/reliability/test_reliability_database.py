@@ -1,0 +1,175 @@
+"""The database goes away (issue 52, item 1): PostgreSQL cut for ~8 s, then a restart that drops
+every connection, under a running bulk job and chats.
+
+Real processes on loopback: recorder, broker, one synthetic worker, jobs runner (2 s lease, so
+the cut outlasts its leases) and the gateway, all reaching a PostgreSQL database of the test's own
+through a TCP relay (tests/netrelay.py) that the test cuts and restores; the shared server itself
+is never touched. `laneserve jobs watch` follows the job from start to end. Checked: chats are
+answered during the cut, `/v1/batches` and `/v1/files` answer 503 `database_unavailable` with
+`Retry-After`, `/ready` reports the database, no line is marked failed, the runner gives up its
+lapsed leases and resumes, the watcher rides the cut out, and afterwards every line is in the
+output exactly once and every chat has its `requests` row.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import sqlalchemy as sa
+
+from tests.harness import ROOT, Stack, chat_line, check_exactly_once, report, wait_for, write_jsonl
+from tests.netrelay import Relay
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+
+API_KEY = "outage-key-0123456789"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+LINES, CUT_S, LEASE_S = 30, 8.0, 2.0
+
+
+def _relayed(url: str, relay: Relay) -> str:
+    host, port = relay.address.rsplit(":", 1)
+    return sa.engine.make_url(url).set(host=host, port=int(port)).render_as_string(False)
+
+
+def _job_failed_lines(engine: sa.Engine, job_id: str) -> int:
+    q = sa.text("SELECT COUNT(*) FROM requests WHERE job_id = :j AND status = 'failed'")
+    with engine.connect() as conn:
+        return conn.execute(q, {"j": job_id}).scalar_one()
+
+
+def _chat(client: openai.OpenAI, i: int) -> str:
+    r = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=4
+    )
+    assert r.choices[0].message.content
+    return r.id
+
+
+def _during_cut(stack: Stack, client: openai.OpenAI) -> tuple[list[str], dict]:
+    """What a user sees while the database is away: chats work, files/batches 503."""
+    chats = [_chat(client, i) for i in range(3)]
+    seen = {}
+    with httpx.Client(base_url=stack.url, headers=AUTH, timeout=20) as http:
+        for method, path in (("GET", "/v1/batches"), ("GET", "/v1/files")):
+            r = http.request(method, path)
+            assert r.status_code == 503, (path, r.status_code, r.text)
+            assert int(r.headers["Retry-After"]) >= 1
+            err = r.json()["error"]
+            assert err["code"] == "database_unavailable", err
+            assert err["type"] == "service_unavailable_error", err
+            seen[path] = r.status_code
+        ready = wait_for(
+            lambda: (a := http.get("/ready").json())["database"] is False and a,
+            8,
+            "/ready reporting the database down",
+        )
+    assert ready["broker"] is True, ready  # chats are still served: ready for inference
+    return chats, seen
+
+
+def test_database_cut_and_restart_under_a_job_and_chats(
+    own_pg_url, laneserve_home, smollm2_gguf
+) -> None:
+    from laneserve.db import migrate
+    from laneserve.db.session import make_engine
+
+    migrate.upgrade(own_pg_url)
+    direct = make_engine(own_pg_url)  # the test's own view, around the relay
+    db_host = sa.engine.make_url(own_pg_url)
+    relay = Relay(f"{db_host.host}:{db_host.port or 5432}")
+    relay.start()
+    url = _relayed(own_pg_url, relay)
+    tmp = Path(tempfile.mkdtemp(prefix="lsd", dir="/tmp"))
+    stack = Stack(tmp, home=laneserve_home, db_url=url, liveness=25, api_key=API_KEY, own_tmp=True)
+    watcher = None
+    try:
+        stack.start_recorder()
+        stack.start_broker("--recorder", stack.recorder_addr, "--record-resend", "1.0")
+        stack.start_worker("w1", "--synthetic-step-ms", "25", "--max-num-seqs", "8")
+        stack.start_jobs_runner("--lease-timeout", str(LEASE_S), "--max-in-flight", "2")
+        stack.start_api("--model", str(smollm2_gguf), "--served-model-name", "smollm2")
+        stack.wait_workers({"w1"})
+        stack.wait_api()
+        client = openai.OpenAI(base_url=stack.url + "/v1", api_key=API_KEY, max_retries=0)
+        ids = [f"c{i:03d}" for i in range(LINES)]
+        path = write_jsonl(tmp / "in.jsonl", [chat_line(c, f"t {c}", 40) for c in ids])
+        file = client.files.create(file=path.open("rb"), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        env = dict(os.environ, PYTHONPATH=str(ROOT), LANESERVE_HOME=str(laneserve_home))
+        watcher = subprocess.Popen(
+            [sys.executable, "-m", "laneserve.cli", "jobs", "watch", batch.id, "--url", stack.url,
+             "--api-key", API_KEY],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp,
+        )  # fmt: skip
+        wait_for(
+            lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 60, "progress"
+        )
+        t_cut = time.monotonic()
+        relay.cut()
+        chats, seen = _during_cut(stack, client)
+        time.sleep(max(0.0, CUT_S - (time.monotonic() - t_cut)))
+        assert _job_failed_lines(direct, batch.id) == 0  # paused, nothing marked failed
+        relay.restore()
+        cut_s = time.monotonic() - t_cut
+        with httpx.Client(base_url=stack.url, timeout=10) as http:
+            wait_for(lambda: http.get("/ready").json()["database"] is True, 10, "database back")
+        wait_for(lambda: client.batches.list().data, 15, "/v1/batches answering again")
+        time.sleep(1.0)
+        relay.drop_connections()  # a restart: every pooled connection is gone
+        chats += [_chat(client, i) for i in range(3, 6)]
+        job = wait_for(
+            lambda: (
+                (b := client.batches.retrieve(batch.id)).status in ("completed", "failed") and b
+            ),
+            120,
+            "the job to end",
+        )
+        assert job.status == "completed", job
+        assert job.request_counts.completed == LINES and job.request_counts.failed == 0, job
+        out, err = check_exactly_once(direct, job, ids)
+        assert not err and all(line["response"]["status_code"] == 200 for line in out)
+        q = sa.text("SELECT COUNT(*) FROM requests WHERE id IN :ids").bindparams(
+            sa.bindparam("ids", expanding=True)
+        )
+
+        def chat_rows() -> int:
+            with direct.connect() as conn:
+                return conn.execute(q, {"ids": chats}).scalar_one()
+
+        wait_for(lambda: chat_rows() == len(chats), 20, "every chat's requests row")
+        _, watch_err = watcher.communicate(timeout=30)
+        assert watcher.returncode == 0, watch_err
+        assert "cannot answer now" in watch_err and "answers again" in watch_err, watch_err
+        runner_log = stack.log("jobs-runner")
+        assert "the database is unavailable" in runner_log
+        assert "giving up" in runner_log  # the cut outlasted its 2 s leases
+        metrics = httpx.get(stack.url + "/metrics", headers=AUTH, timeout=10).text
+        assert "laneserve:records_dropped_total" in metrics and "records_unacked" in metrics
+        report(
+            "database_outage",
+            lines=LINES,
+            cut_s=round(cut_s, 1),
+            chats_during_cut=3,
+            batches_during_cut=seen,
+            drop_connections=1,
+            duplicates=0,
+            missing=0,
+        )
+    finally:
+        if watcher is not None and watcher.poll() is None:
+            watcher.kill()
+            watcher.communicate()
+        stack.stop()
+        relay.stop()
+        direct.dispose()
