@@ -4,7 +4,8 @@ every connection, under a running bulk job and chats.
 Real processes on loopback: recorder, broker, one synthetic worker, jobs runner (2 s lease, so
 the cut outlasts its leases) and the gateway, all reaching a PostgreSQL database of the test's own
 through a TCP relay (tests/netrelay.py) that the test cuts and restores; the shared server itself
-is never touched. `laneserve jobs watch` follows the job from start to end. Checked: chats are
+is never touched. `laneserve submit --wait` submits the job and follows it, `laneserve jobs watch`
+follows it too. Checked: chats are
 answered during the cut, `/v1/batches` and `/v1/files` answer 503 `database_unavailable` with
 `Retry-After`, `/ready` reports the database, no line is marked failed, the runner gives up its
 lapsed leases and resumes, the watcher rides the cut out, and afterwards every line is in the
@@ -44,6 +45,13 @@ def _job_failed_lines(engine: sa.Engine, job_id: str) -> int:
     q = sa.text("SELECT COUNT(*) FROM requests WHERE job_id = :j AND status = 'failed'")
     with engine.connect() as conn:
         return conn.execute(q, {"j": job_id}).scalar_one()
+
+
+def _cli(env: dict, cwd: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "laneserve.cli", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+    )  # fmt: skip
 
 
 def _chat(client: openai.OpenAI, i: int) -> str:
@@ -90,7 +98,7 @@ def test_database_cut_and_restart_under_a_job_and_chats(
     url = _relayed(own_pg_url, relay)
     tmp = Path(tempfile.mkdtemp(prefix="lsd", dir="/tmp"))
     stack = Stack(tmp, home=laneserve_home, db_url=url, liveness=25, api_key=API_KEY, own_tmp=True)
-    watcher = None
+    submitter = watcher = None
     try:
         stack.start_recorder()
         stack.start_broker("--recorder", stack.recorder_addr, "--record-resend", "1.0")
@@ -102,16 +110,11 @@ def test_database_cut_and_restart_under_a_job_and_chats(
         client = openai.OpenAI(base_url=stack.url + "/v1", api_key=API_KEY, max_retries=0)
         ids = [f"c{i:03d}" for i in range(LINES)]
         path = write_jsonl(tmp / "in.jsonl", [chat_line(c, f"t {c}", 40) for c in ids])
-        file = client.files.create(file=path.open("rb"), purpose="batch")
-        batch = client.batches.create(
-            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
         env = dict(os.environ, PYTHONPATH=str(ROOT), LANESERVE_HOME=str(laneserve_home))
-        watcher = subprocess.Popen(
-            [sys.executable, "-m", "laneserve.cli", "jobs", "watch", batch.id, "--url", stack.url,
-             "--api-key", API_KEY],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp,
-        )  # fmt: skip
+        api = ("--url", stack.url, "--api-key", API_KEY)
+        submitter = _cli(env, tmp, "submit", str(path), "--wait", *api)
+        batch = client.batches.retrieve(submitter.stdout.readline().strip())
+        watcher = _cli(env, tmp, "jobs", "watch", batch.id, *api)
         wait_for(
             lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3, 60, "progress"
         )
@@ -148,9 +151,10 @@ def test_database_cut_and_restart_under_a_job_and_chats(
                 return conn.execute(q, {"ids": chats}).scalar_one()
 
         wait_for(lambda: chat_rows() == len(chats), 20, "every chat's requests row")
-        _, watch_err = watcher.communicate(timeout=30)
-        assert watcher.returncode == 0, watch_err
-        assert "cannot answer now" in watch_err and "answers again" in watch_err, watch_err
+        for cli in (submitter, watcher):  # both rode the cut out and ended with the job
+            _, stderr = cli.communicate(timeout=30)
+            assert cli.returncode == 0, stderr
+            assert "cannot answer now" in stderr and "answers again" in stderr, stderr
         runner_log = stack.log("jobs-runner")
         assert "the database is unavailable" in runner_log
         assert "giving up" in runner_log  # the cut outlasted its 2 s leases
@@ -167,9 +171,104 @@ def test_database_cut_and_restart_under_a_job_and_chats(
             missing=0,
         )
     finally:
-        if watcher is not None and watcher.poll() is None:
-            watcher.kill()
-            watcher.communicate()
+        for cli in (submitter, watcher):
+            if cli is not None and cli.poll() is None:
+                cli.kill()
+                cli.communicate()
+        stack.stop()
+        relay.stop()
+        direct.dispose()
+
+
+# ------------------------------------------------------------------ the records buffer's bound
+
+RETENTION, WAVES, WAVE = 40, 12, 10  # records the broker may hold; waves of requests
+
+
+def test_records_buffer_bound_drops_oldest_counts_and_never_blocks(own_pg_url) -> None:
+    """While the recorder cannot write, the broker holds at most `--record-retention` records;
+    beyond that it drops the oldest batches, counted in `records_dropped`, and requests keep
+    finishing at full speed. After the database is back every record it kept is written:
+    rows >= requests - dropped."""
+    import asyncio
+
+    from laneserve.broker import protocol as p
+    from laneserve.broker.client import BrokerClient
+    from laneserve.db import migrate
+    from laneserve.db.session import make_engine
+    from tests.harness import run
+
+    migrate.upgrade(own_pg_url)
+    direct = make_engine(own_pg_url)
+    db = sa.engine.make_url(own_pg_url)
+    relay = Relay(f"{db.host}:{db.port or 5432}")
+    relay.start()
+    stack = Stack(Path(tempfile.mkdtemp(prefix="lsb", dir="/tmp")), own_tmp=True)
+    ids: list[str] = []
+    try:
+        stack.start_recorder(_relayed(own_pg_url, relay))
+        stack.start_broker(
+            "--recorder", stack.recorder_addr, "--record-resend", "0.5",
+            "--record-retention", str(RETENTION), "--snapshot-interval", "3600",
+        )  # fmt: skip
+        stack.start_worker("w1", "--synthetic-step-ms", "2")
+        stack.wait_workers({"w1"})
+        q = sa.text("SELECT COUNT(*) FROM requests WHERE id LIKE 'buf-%'")
+
+        def rows() -> int:
+            with direct.connect() as conn:
+                return conn.execute(q).scalar_one()
+
+        async def one(client: BrokerClient, rid: str) -> float:
+            t0 = time.monotonic()
+            stream = client.submit(
+                request_id=rid, prompt="x", sampling_params={"max_tokens": 2}, stream=False
+            )
+            last = [msg async for msg in stream][-1]
+            assert isinstance(last, p.Final), last
+            return time.monotonic() - t0
+
+        async def waves() -> list[float]:
+            took: list[float] = []
+            async with BrokerClient(stack.front) as client:
+                for w in range(WAVES):  # a wave per record batch (the broker pools 0.5 s)
+                    wave = [f"buf-{w:02d}-{i:02d}" for i in range(WAVE)]
+                    took += await asyncio.gather(*(one(client, rid) for rid in wave))
+                    ids.extend(wave)
+                    await asyncio.sleep(0.6)
+            return took
+
+        async def warm_up() -> None:  # records reach SQL before the cut
+            async with BrokerClient(stack.front) as client:
+                await one(client, "buf-warm-up")
+            ids.append("buf-warm-up")
+
+        run(warm_up(), timeout_s=30)
+        wait_for(lambda: rows() == 1, 30, "the first record in SQL")
+        relay.cut()
+        took = run(waves(), timeout_s=60)
+        held = stack.status()["queues"]["records_unacked"]
+        assert held <= RETENTION, held
+        relay.restore()
+        wait_for(lambda: stack.status()["queues"]["records_unacked"] == 0, 30, "records written")
+        dropped = stack.status()["counters"].get("records_dropped", 0)
+        kept = rows() - 1
+        # Every record is in SQL unless counted as dropped; a batch dropped after it was sent
+        # may still be written (the recorder had it queued), so the count bounds the loss.
+        assert dropped >= len(ids) - 1 - RETENTION, (dropped, len(ids))
+        assert len(ids) - 1 - dropped <= kept <= len(ids) - 1, (kept, dropped, len(ids))
+        took.sort()
+        p99 = took[int(0.99 * (len(took) - 1))]
+        assert p99 < 5.0, took[-5:]  # nothing waits on the recorder
+        report(
+            "records buffer bound",
+            requests=len(ids),
+            retention=RETENTION,
+            rows=kept,
+            dropped=dropped,
+            p99_request_s=round(p99, 3),
+        )
+    finally:
         stack.stop()
         relay.stop()
         direct.dispose()
