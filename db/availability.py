@@ -1,14 +1,16 @@
-"""Is the database there? `database_unavailable` tells a passing outage from a bad row, and
-`Outage` is how a process that keeps running without it logs and paces its retries.
+"""Is the database there, is there room? `database_unavailable` and `storage_full` tell a
+passing outage from a bad row, and `Outage` is how a process that keeps running without the
+database (or without disk space) logs and paces its retries.
 
 The recorder, the jobs runner and the gateway ride out a database that is restarting, unreachable
-or (SQLite) locked or out of disk: they keep what they must write in memory, retry with
+or (SQLite) locked, and a full disk: they keep what they must write in memory, retry with
 exponential backoff, and log one line when the outage starts and one when it ends
-(docs/reliability.md "Database outage").
+(docs/reliability.md "Database outage", "Disk full").
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 
@@ -29,6 +31,32 @@ def database_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
 
+# errnos of a write the filesystem refused for room: no space, quota, file-size limit
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_SQLITE_FULL = 13  # SQLITE_FULL: "database or disk is full"
+_PG_DISK_FULL = "53100"  # PostgreSQL SQLSTATE disk_full
+
+
+def storage_full(exc: BaseException) -> bool:
+    """True when `exc` is a write refused for want of room: an OSError ENOSPC / EDQUOT / EFBIG
+    (a file-size limit), SQLite's SQLITE_FULL or PostgreSQL's disk_full. The same write may
+    succeed once space is freed."""
+    if isinstance(exc, OSError):
+        return exc.errno in _FULL_ERRNOS
+    orig = getattr(exc, "orig", None)
+    if not isinstance(exc, DBAPIError) or orig is None:
+        return False
+    code = getattr(orig, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF == _SQLITE_FULL
+    return getattr(orig, "sqlstate", None) == _PG_DISK_FULL
+
+
+def can_wait_out(exc: BaseException) -> bool:
+    """The database is unavailable or the disk full: pause and try again later."""
+    return database_unavailable(exc) or storage_full(exc)
+
+
 class Outage:
     """One process's view of a database outage.
 
@@ -43,6 +71,7 @@ class Outage:
     ) -> None:
         self.what, self.logger, self.backoff = what, logger, backoff
         self.down_since: float | None = None
+        self.full = False  # the outage began with a full disk, not an unreachable database
         self.count = 0
         self._delay = backoff[0]
 
@@ -62,9 +91,9 @@ class Outage:
             self._delay = self.backoff[0]
             reason = getattr(exc, "orig", None) or exc
             first = str(reason).strip().splitlines()[0] if str(reason).strip() else ""
-            self.logger.warning(
-                "the database is unavailable (%s: %s); %s", type(reason).__name__, first, self.what
-            )
+            self.full = storage_full(exc)
+            what = "the disk is full" if self.full else "the database is unavailable"
+            self.logger.warning("%s (%s: %s); %s", what, type(reason).__name__, first, self.what)
             return self._delay
         self._delay = min(self._delay * 2, self.backoff[1])
         return self._delay
@@ -72,5 +101,6 @@ class Outage:
     def ok(self) -> None:
         """Note a successful call; logs the end of an outage."""
         if self.down_since is not None:
-            self.logger.warning("the database answers again after %.1f s", self.down_for())
+            what = "writes go through again" if self.full else "the database answers again"
+            self.logger.warning("%s after %.1f s", what, self.down_for())
             self.down_since = None

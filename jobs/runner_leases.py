@@ -12,7 +12,7 @@ import logging
 import time
 from collections import deque
 
-from laneserve.db.availability import database_unavailable
+from laneserve.db.availability import can_wait_out
 from laneserve.jobs import leases
 
 logger = logging.getLogger(__name__)
@@ -94,8 +94,8 @@ class LeaseKeeping:
             try:
                 lost = await self._sql(leases.renew, self.runner_id, keys, self.lease_s)
             except Exception as exc:  # retry; a lapsed lease shows up as lost
-                if database_unavailable(exc):  # the outage is logged once by the runner
-                    logger.info("renewing %d leases failed: the database is unavailable", len(keys))
+                if can_wait_out(exc):  # the outage is logged once by the runner
+                    logger.info("renewing %d leases failed: %s", len(keys), type(exc).__name__)
                 else:
                     logger.exception("renewing leases failed; retrying")
                 continue

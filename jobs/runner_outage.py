@@ -1,6 +1,8 @@
-"""The jobs runner's side of a database outage (`db.availability`): pause, back off, resume.
+"""The jobs runner's side of a database outage or a full disk (`db.availability`): pause,
+back off, resume.
 
-A mixin of `jobs.runner.JobsRunner` (one concept per file). While the database does not answer,
+A mixin of `jobs.runner.JobsRunner` (one concept per file). While the database does not answer
+(or the disk under it or the result files is full: writes fail, `can_wait_out`),
 the runner's jobs pause: `_step` (a poll, then `_work`: feed, settle ranges, finish jobs) fails,
 is counted in `outage` and tried again after a backoff (0.5 s doubling to 5 s), and no line
 starts meanwhile. Lines already in flight run to their end and their results wait in memory
@@ -17,7 +19,7 @@ import time
 
 from sqlalchemy.exc import DBAPIError
 
-from laneserve.db.availability import Outage, database_unavailable
+from laneserve.db.availability import Outage, can_wait_out
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +39,10 @@ class OutageKeeping:
         wait in memory, polls back off; a lease that lapsed meanwhile is given up."""
         try:
             await self._poll()
+            await self._flush()  # no line starts while results cannot be written (disk full)
             await self._advance()
-        except DBAPIError as exc:
-            if not database_unavailable(exc):
+        except (DBAPIError, OSError) as exc:
+            if not can_wait_out(exc):
                 raise
             delay = self.outage.failed(exc)
             self._drop_lapsed_leases()
@@ -56,16 +59,16 @@ class OutageKeeping:
         """Feed, settle ranges, finish jobs (between polls)."""
         try:
             await self._advance()
-        except DBAPIError as exc:
-            if not database_unavailable(exc):
+        except (DBAPIError, OSError) as exc:
+            if not can_wait_out(exc):
                 raise
             self.outage.failed(exc)  # the next poll retries
 
     async def _flush_before_exit(self) -> None:
         try:
             await self._flush()
-        except DBAPIError as exc:
-            if not database_unavailable(exc):
+        except (DBAPIError, OSError) as exc:
+            if not can_wait_out(exc):
                 raise
             logger.warning(
                 "stopping without the database: %d results not written; their lines run "
@@ -79,8 +82,8 @@ class OutageKeeping:
             await asyncio.sleep(delay)
             try:
                 await self._flush()
-            except DBAPIError as exc:  # unreachable or locked: keep the results, retry
-                if not database_unavailable(exc):
+            except (DBAPIError, OSError) as exc:  # unreachable, locked, disk full: keep, retry
+                if not can_wait_out(exc):
                     logger.exception("writing results failed; retrying")
                 delay = self.outage.failed(exc)
                 continue

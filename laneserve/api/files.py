@@ -86,10 +86,11 @@ def _service(request: Request) -> JobsService:
 async def jobs_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Run a jobs-library call in a thread; its typed errors become ApiError, and a database
     that cannot be reached (down, restarting, SQLite locked) a retryable 503
-    ``database_unavailable`` with ``Retry-After``."""
+    ``database_unavailable`` with ``Retry-After``; a full disk (database or files directory)
+    a 507 ``insufficient_storage``."""
     from sqlalchemy.exc import DBAPIError
 
-    from laneserve.db.availability import database_unavailable
+    from laneserve.db.availability import database_unavailable, storage_full
     from laneserve.jobs.errors import JobsError
 
     try:
@@ -97,7 +98,12 @@ async def jobs_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
     except JobsError as exc:
         code = exc.code if exc.code in STATUS_BY_CODE else "internal"
         raise ApiError(code, str(exc), param=exc.param, status=exc.status_code) from None
-    except DBAPIError as exc:
+    except (DBAPIError, OSError) as exc:
+        if storage_full(exc):
+            logger.warning("files and batches: no room to write: %s", exc)
+            raise ApiError(
+                "insufficient_storage", "the server's disk is full; nothing was stored"
+            ) from None
         if not database_unavailable(exc):
             raise
         logger.warning("files and batches: the database is unavailable: %s", exc.orig)

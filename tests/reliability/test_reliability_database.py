@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
 API_KEY = "outage-key-0123456789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-LINES, CUT_S, LEASE_S = 30, 8.0, 2.0
+LINES, CUT_S, LEASE_S = 20, 6.0, 2.0
 
 
 def _relayed(url: str, relay: Relay) -> str:
@@ -109,7 +109,7 @@ def test_database_cut_and_restart_under_a_job_and_chats(
         stack.wait_api()
         client = openai.OpenAI(base_url=stack.url + "/v1", api_key=API_KEY, max_retries=0)
         ids = [f"c{i:03d}" for i in range(LINES)]
-        path = write_jsonl(tmp / "in.jsonl", [chat_line(c, f"t {c}", 40) for c in ids])
+        path = write_jsonl(tmp / "in.jsonl", [chat_line(c, f"t {c}", 20) for c in ids])
         env = dict(os.environ, PYTHONPATH=str(ROOT), LANESERVE_HOME=str(laneserve_home))
         api = ("--url", stack.url, "--api-key", API_KEY)
         submitter = _cli(env, tmp, "submit", str(path), "--wait", *api)
@@ -182,7 +182,7 @@ def test_database_cut_and_restart_under_a_job_and_chats(
 
 # ------------------------------------------------------------------ the records buffer's bound
 
-RETENTION, WAVES, WAVE = 40, 12, 10  # records the broker may hold; waves of requests
+RETENTION, WAVES, WAVE = 40, 8, 10  # records the broker may hold; waves of requests
 
 
 def test_records_buffer_bound_drops_oldest_counts_and_never_blocks(own_pg_url) -> None:
