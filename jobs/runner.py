@@ -63,8 +63,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_IN_FLIGHT = 256  # lines in flight over all jobs (the broker's batch queue is 20k)
 LINE_PAGE = 128  # lines read from SQL at a time per job
-
-FLUSH_MAX = 256  # ... or until this many results wait
+FLUSH_MAX = 256  # results are written every 0.1 s (runner_outage) or when this many wait
 RETRY_BACKOFF_S = (0.2, 5.0)  # first and max sleep before resubmitting a retryable error
 RETRYABLE = ("worker_lost", "overloaded", "no_worker")
 MAX_VALIDATION_ATTEMPTS = 3  # a job whose validation raises this often fails (`_maybe_validate`)

@@ -406,7 +406,8 @@ def retryable(exc: StackError) -> bool:
 
 class _Outage:
     """`follow`'s pacing while the API cannot answer: one line on the console when it starts
-    ("retrying every N s"), one when it ends, pauses doubling within `WAIT_BACKOFF_S`."""
+    ("... still waiting, retrying"), one when it ends ("answers again after N s"), pauses
+    doubling within `WAIT_BACKOFF_S` meanwhile."""
 
     def __init__(self, console) -> None:
         self.console = console
