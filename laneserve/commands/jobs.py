@@ -437,6 +437,21 @@ class _Outage:
             self.since = None
 
 
+def until_answered(call: Any, outage: _Outage, deadline: float | None = None) -> Any:
+    """`call()` again and again while it raises a `retryable` StackError (paced and told by
+    `outage`), until it answers or monotonic `deadline` passes (then the error is raised)."""
+    while True:
+        try:
+            result = call()
+        except StackError as exc:
+            if not retryable(exc) or (deadline is not None and time.monotonic() >= deadline):
+                raise
+            time.sleep(outage.failed(exc))
+            continue
+        outage.ok()
+        return result
+
+
 def follow(
     client: StackClient,
     job_id: str,
@@ -463,17 +478,11 @@ def follow(
     outage = _Outage(console)
     with _Display(console, job_id) as display:
         while True:
-            try:
-                batch = client.get_batch(job_id)
-                stats = client.batch_stats(job_id, latency=False)
-            except StackError as exc:
-                if not retryable(exc):
-                    raise
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
-                time.sleep(outage.failed(exc))
-                continue
-            outage.ok()
+            batch, stats = until_answered(
+                lambda: (client.get_batch(job_id), client.batch_stats(job_id, latency=False)),
+                outage,
+                deadline,
+            )
             f = _fields(batch, stats, rate.add((stats or {}).get("completion_tokens", 0)))
             final = batch["status"] in TERMINAL
             final = final or (deadline is not None and time.monotonic() >= deadline)
@@ -522,7 +531,12 @@ def watch(client: StackClient, job_id: str, timeout_s: float | None = None, cons
 
 
 def _watch(client: StackClient, args: argparse.Namespace) -> int:
-    return watch(client, client.find_batch(args.id)["id"], args.timeout)
+    from rich.console import Console
+
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    outage = _Outage(Console(stderr=True))
+    batch = until_answered(lambda: client.find_batch(args.id), outage, deadline)
+    return watch(client, batch["id"], args.timeout)
 
 
 ACTIONS = {
