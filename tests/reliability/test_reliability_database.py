@@ -41,10 +41,10 @@ def _relayed(url: str, relay: Relay) -> str:
     return sa.engine.make_url(url).set(host=host, port=int(port)).render_as_string(False)
 
 
-def _job_failed_lines(engine: sa.Engine, job_id: str) -> int:
-    q = sa.text("SELECT COUNT(*) FROM requests WHERE job_id = :j AND status = 'failed'")
+def _job_lines(engine: sa.Engine, job_id: str, status: str) -> int:
+    q = sa.text("SELECT COUNT(*) FROM requests WHERE job_id = :j AND status = :s")
     with engine.connect() as conn:
-        return conn.execute(q, {"j": job_id}).scalar_one()
+        return conn.execute(q, {"j": job_id, "s": status}).scalar_one()
 
 
 def _cli(env: dict, cwd: Path, *args: str) -> subprocess.Popen:
@@ -120,11 +120,14 @@ def test_database_cut_and_restart_under_a_job_and_chats(
         )
         t_cut = time.monotonic()
         relay.cut()
+        done_at_cut = _job_lines(direct, batch.id, "completed")
         chats, seen = _during_cut(stack, client)
         time.sleep(max(0.0, CUT_S - (time.monotonic() - t_cut)))
-        assert _job_failed_lines(direct, batch.id) == 0  # paused, nothing marked failed
+        assert _job_lines(direct, batch.id, "failed") == 0  # paused, nothing marked failed
+        done_in_cut = _job_lines(direct, batch.id, "completed") - done_at_cut
         relay.restore()
-        cut_s = time.monotonic() - t_cut
+        t_restore = time.monotonic()
+        cut_s = t_restore - t_cut
         with httpx.Client(base_url=stack.url, timeout=10) as http:
             wait_for(lambda: http.get("/ready").json()["database"] is True, 10, "database back")
         wait_for(lambda: client.batches.list().data, 15, "/v1/batches answering again")
@@ -139,6 +142,7 @@ def test_database_cut_and_restart_under_a_job_and_chats(
             "the job to end",
         )
         assert job.status == "completed", job
+        done_after_s = time.monotonic() - t_restore
         assert job.request_counts.completed == LINES and job.request_counts.failed == 0, job
         out, err = check_exactly_once(direct, job, ids)
         assert not err and all(line["response"]["status_code"] == 200 for line in out)
@@ -166,6 +170,8 @@ def test_database_cut_and_restart_under_a_job_and_chats(
             cut_s=round(cut_s, 1),
             chats_during_cut=3,
             batches_during_cut=seen,
+            lines_written_during_cut=done_in_cut,
+            job_done_after_restore_s=round(done_after_s, 1),
             drop_connections=1,
             duplicates=0,
             missing=0,
