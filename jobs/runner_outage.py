@@ -37,6 +37,8 @@ class OutageKeeping:
         """Poll and work; the monotonic time of the next poll. While the database is away
         (`outage`) the jobs pause: no line starts, lines in flight finish and their results
         wait in memory, polls back off; a lease that lapsed meanwhile is given up."""
+        if self.outage.down:  # also on the first poll after it: leases may have lapsed
+            self._drop_lapsed_leases()
         try:
             await self._poll()
             await self._flush()  # no line starts while results cannot be written (disk full)
@@ -44,9 +46,7 @@ class OutageKeeping:
         except (DBAPIError, OSError) as exc:
             if not can_wait_out(exc):
                 raise
-            delay = self.outage.failed(exc)
-            self._drop_lapsed_leases()
-            return time.monotonic() + delay
+            return time.monotonic() + self.outage.failed(exc)
         self.outage.ok()
         return time.monotonic() + self.poll_interval_s
 
