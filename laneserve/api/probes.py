@@ -22,6 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from laneserve.db.availability import database_unavailable
+
 if TYPE_CHECKING:
     from laneserve.api.state import GatewayState
 
@@ -55,8 +57,11 @@ async def metrics(request: Request) -> Response:
     if state.jobs is not None:
         try:
             await asyncio.to_thread(state.metrics.jobs.refresh, state.jobs.engine)
-        except Exception:  # the database is down: serve the last counts, say why in the log
-            logger.exception("reading bulk-job counts for /metrics failed")
+        except Exception as exc:  # the database is down: serve the last counts, say why
+            if not database_unavailable(exc):
+                logger.exception("reading bulk-job counts for /metrics failed")
+            else:
+                logger.warning("bulk-job counts for /metrics: the database is unavailable")
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
