@@ -5,10 +5,11 @@ Real processes on loopback: recorder, broker, one synthetic worker, jobs runner 
 the cut outlasts its leases) and the gateway, all reaching a PostgreSQL database of the test's own
 through a TCP relay (tests/netrelay.py) that the test cuts and restores; the shared server itself
 is never touched. `laneserve submit --wait` submits the job and follows it, `laneserve jobs watch`
-follows it too. Checked: chats are
+follows it too. During the cut the gateway is restarted, so it starts without its database and
+the two commands meet connection errors as well as 503s. Checked: chats are
 answered during the cut, `/v1/batches` and `/v1/files` answer 503 `database_unavailable` with
 `Retry-After`, `/ready` reports the database, no line is marked failed, the runner gives up its
-lapsed leases and resumes, the watcher rides the cut out, and afterwards every line is in the
+lapsed leases and resumes, the restarted gateway opens the database once it answers, the watcher rides the cut out, and afterwards every line is in the
 output exactly once and every chat has its `requests` row.
 """
 
@@ -104,7 +105,8 @@ def test_database_cut_and_restart_under_a_job_and_chats(
         stack.start_broker("--recorder", stack.recorder_addr, "--record-resend", "1.0")
         stack.start_worker("w1", "--synthetic-step-ms", "25", "--max-num-seqs", "8")
         stack.start_jobs_runner("--lease-timeout", str(LEASE_S), "--max-in-flight", "2")
-        stack.start_api("--model", str(smollm2_gguf), "--served-model-name", "smollm2")
+        api_args = ("--model", str(smollm2_gguf), "--served-model-name", "smollm2")
+        stack.start_api(*api_args)
         stack.wait_workers({"w1"})
         stack.wait_api()
         client = openai.OpenAI(base_url=stack.url + "/v1", api_key=API_KEY, max_retries=0)
@@ -121,6 +123,9 @@ def test_database_cut_and_restart_under_a_job_and_chats(
         t_cut = time.monotonic()
         relay.cut()
         done_at_cut = _job_lines(direct, batch.id, "completed")
+        stack.stop_proc("api")  # a gateway (re)started while the database is away
+        stack.start_api(*api_args)
+        stack.wait_api()
         chats, seen = _during_cut(stack, client)
         time.sleep(max(0.0, CUT_S - (time.monotonic() - t_cut)))
         assert _job_lines(direct, batch.id, "failed") == 0  # paused, nothing marked failed
