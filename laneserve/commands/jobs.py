@@ -6,7 +6,8 @@ the running stack's stack.json; `--api-key` / `$LANESERVE_API_KEY`), on this hos
 `jobs show` prints a summary (status, counts, tokens, throughput, TTFT/e2e percentiles of the
 job's lines, ETA, files) from `GET /v1/batches/{id}` and `GET /v1/batches/{id}/stats`.
 `jobs watch` (and `submit --wait`) follows a job with a progress bar; Ctrl-C leaves the job
-running and `jobs watch ID` re-attaches.
+running and `jobs watch ID` re-attaches. While the API cannot answer (a connection error, or a
+503 while its database is away) it says so on stderr and keeps waiting (`until_answered`).
 
 Exit codes: 0 done; 1 the job does not exist or cannot be cancelled, or (watch) it ended
 `failed`; 2 no usable API; watch: 3 cancelled, 4 expired, 124 --timeout passed first, 130
