@@ -36,6 +36,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
 from laneserve.contracts.procs import parent_gone
+from laneserve.db.availability import Outage
 from laneserve.db.record_rows import batch_rows
 from laneserve.db.record_writes import prune, write_batch
 
@@ -45,8 +46,9 @@ logger = logging.getLogger(__name__)
 FLUSH_INTERVAL_S = 0.2
 # Write as soon as this many records + snapshots are pooled.
 MAX_PENDING_RECORDS = 5_000
-# Seconds to wait before retrying after a transient database error.
-RETRY_BACKOFF_S = 0.5
+# Seconds to wait before retrying after a transient database error: doubling from the first
+# to the second while the database stays away (db.availability.Outage).
+RETRY_BACKOFF_S = (0.5, 5.0)
 # Default retention of API request rows and worker snapshots (DESIGN.md "Retention").
 DEFAULT_RETENTION_S = 30 * 24 * 3600.0
 PRUNE_EVERY_S = 3600.0
@@ -99,6 +101,9 @@ class RecorderServer:
         self.max_pending_records = max_pending_records
         self.retention_s = retention_s
         self.stats = RecorderStats()
+        self.outage = Outage(
+            "writes wait; the broker keeps and resends the batches", logger, RETRY_BACKOFF_S
+        )
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -178,13 +183,14 @@ class RecorderServer:
         try:
             result = write_batch(self.engine, records, snapshots)
         except DBAPIError as exc:
-            # Transient (locked, unreachable): no ack, the broker resends these batches.
+            # Transient (locked, unreachable): no ack; the broker keeps these batches in its
+            # bounded buffer and resends them. Retries back off while the database is away.
             self.stats.transient_errors += 1
-            logger.warning(
-                "write of %d batches failed, not acknowledged: %s", len(pending), exc.orig
-            )
-            time.sleep(RETRY_BACKOFF_S)
+            delay = self.outage.failed(exc)
+            logger.info("write of %d batches failed, not acknowledged: %s", len(pending), exc.orig)
+            self._stop.wait(delay)
             return
+        self.outage.ok()
         self.stats.batches += len(pending)
         self.stats.records_written += result.records_written
         self.stats.snapshots_written += result.snapshots_written

@@ -34,6 +34,9 @@ SQLITE_FILENAME = "laneserve.db"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 # Execution option read by the `begin` hook: "DEFERRED" (default) or "IMMEDIATE".
 SQLITE_BEGIN_OPTION = "sqlite_begin"
+# Seconds a PostgreSQL connection attempt may take: an unreachable server fails the call (and
+# the caller retries) instead of hanging it for the kernel's TCP timeout (minutes).
+PG_CONNECT_TIMEOUT_S = 5
 
 
 class DatabaseURLError(ValueError):
@@ -91,7 +94,9 @@ def make_engine(
     parsed = resolve_url(url)
     if parsed.get_backend_name() != "sqlite":
         kwargs.setdefault("pool_pre_ping", True)
-        return create_engine(parsed, **kwargs)
+        connect_args = kwargs.pop("connect_args", {})
+        connect_args.setdefault("connect_timeout", PG_CONNECT_TIMEOUT_S)
+        return create_engine(parsed, connect_args=connect_args, **kwargs)
     path = sqlite_path(parsed)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

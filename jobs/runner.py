@@ -53,16 +53,17 @@ from laneserve.broker import protocol as p
 from laneserve.broker.client import BrokerClient
 from laneserve.contracts.openai import ServedModel
 from laneserve.contracts.procs import parent_gone
+from laneserve.db.availability import Outage
 from laneserve.jobs import leases, results, retention, store
 from laneserve.jobs.map_reduce import MapReduce
 from laneserve.jobs.runner_leases import LeaseKeeping
+from laneserve.jobs.runner_outage import OutageKeeping
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_IN_FLIGHT = 256  # lines in flight over all jobs (the broker's batch queue is 20k)
 LINE_PAGE = 128  # lines read from SQL at a time per job
-FLUSH_INTERVAL_S = 0.1  # result writes are pooled this long
-FLUSH_MAX = 256  # ... or until this many results wait
+FLUSH_MAX = 256  # results are written every 0.1 s (runner_outage) or when this many wait
 RETRY_BACKOFF_S = (0.2, 5.0)  # first and max sleep before resubmitting a retryable error
 RETRYABLE = ("worker_lost", "overloaded", "no_worker")
 MAX_VALIDATION_ATTEMPTS = 3  # a job whose validation raises this often fails (`_maybe_validate`)
@@ -82,7 +83,7 @@ class ActiveJob:
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
 
 
-class JobsRunner(LeaseKeeping, MapReduce):
+class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
     """Runs jobs until `stop()`. `counter` is the served model (`contracts.openai.ServedModel`:
     names, tokenizer; None skips model-name and prompt-length checks); `default_model` names
     the model of lines that give none."""
@@ -148,6 +149,7 @@ class JobsRunner(LeaseKeeping, MapReduce):
         # every SQL call of the loop: memory stays flat and the runner never contends with
         # itself for SQLite's write lock. Validation runs in its own thread.
         self._db = ThreadPoolExecutor(1, thread_name_prefix="jobs-db")
+        self.outage = Outage("jobs paused; lines in flight finish, results wait in memory", logger)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -183,11 +185,9 @@ class JobsRunner(LeaseKeeping, MapReduce):
                     if self._parent_gone():
                         logger.warning("parent %s is gone: exiting", self.parent_pid)
                         break
-                    await self._poll()
-                    next_poll = time.monotonic() + self.poll_interval_s
-                await self._feed()
-                await self._settle_ranges()
-                await self._check_done()
+                    next_poll = await self._step()
+                elif not self.outage.down:
+                    await self._work()
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     timeout = max(0.0, next_poll - time.monotonic())
@@ -201,7 +201,7 @@ class JobsRunner(LeaseKeeping, MapReduce):
                 bg.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await bg
-            await self._flush()
+            await self._flush_before_exit()
             await self._release_all()
             if self._validating is not None:
                 with contextlib.suppress(Exception):
@@ -513,14 +513,6 @@ class JobsRunner(LeaseKeeping, MapReduce):
             return None, results.error_response(last.code, last.message, attempts)
 
     # ------------------------------------------------------------------ writing and ending
-
-    async def _writer_loop(self) -> None:
-        while True:
-            await asyncio.sleep(FLUSH_INTERVAL_S)
-            try:
-                await self._flush()
-            except Exception:  # database locked/unreachable: keep the results, retry
-                logger.exception("writing results failed; retrying")
 
     async def _flush(self) -> None:
         async with self._flush_lock:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 
+from laneserve.db.availability import can_wait_out
 from laneserve.jobs import leases
 
 logger = logging.getLogger(__name__)
@@ -25,6 +27,7 @@ class LeaseKeeping:
     controls: set[str]
     counters: dict[str, int]
     active: dict  # job id -> jobs.runner.ActiveJob
+    _leases_ok_at: float = 0.0  # monotonic s: start of the last renewal that went through
 
     # ------------------------------------------------------------------ ranges
 
@@ -59,8 +62,10 @@ class LeaseKeeping:
             return
         await self._flush()
         for key in idle:
-            lease = self.held.pop(key)
-            if not await self._sql(leases.finish_range, lease, self.runner_id):
+            lease = self.held[key]
+            finished = await self._sql(leases.finish_range, lease, self.runner_id)
+            self.held.pop(key, None)  # kept when the call fails: a lease is never forgotten
+            if not finished:
                 aj = self.active.get(lease.job_id)
                 if aj is not None:
                     aj.exhausted = aj.idle = False  # claim it again
@@ -78,18 +83,46 @@ class LeaseKeeping:
         await self._sql(leases.release, self.runner_id, [(job_id, leases.CONTROL)])
 
     async def _renew_loop(self) -> None:
+        self._leases_ok_at = time.monotonic()
         while True:
             await asyncio.sleep(self.lease_s / 3)
             keys = [*self.held, *((job_id, leases.CONTROL) for job_id in self.controls)]
+            started = time.monotonic()
             if not keys:
+                self._leases_ok_at = started
                 continue
             try:
                 lost = await self._sql(leases.renew, self.runner_id, keys, self.lease_s)
-            except Exception:  # database unreachable: retry; a lapsed lease shows up as lost
-                logger.exception("renewing leases failed; retrying")
+            except Exception as exc:  # retry; a lapsed lease shows up as lost
+                if can_wait_out(exc):  # the outage is logged once by the runner
+                    logger.info("renewing %d leases failed: %s", len(keys), type(exc).__name__)
+                else:
+                    logger.exception("renewing leases failed; retrying")
                 continue
+            self._leases_ok_at = started
             for key in lost:
                 self._abandon(key)
+
+    def _drop_lapsed_leases(self) -> None:
+        """Without the database for longer than `lease_s` since the start of the last renewal
+        that went through, every lease this runner holds has lapsed in SQL and another runner
+        may be running those lines: stop working them (`_abandon`). Results already in memory
+        are still written later, harmlessly: writes only fill unfinished lines. When the
+        database answers again the runner claims ranges anew (its own lapsed ones at once)."""
+        if not (self.held or self.controls):
+            return
+        silent_s = time.monotonic() - self._leases_ok_at
+        if silent_s <= self.lease_s:
+            return
+        keys = [*self.held, *((job_id, leases.CONTROL) for job_id in self.controls)]
+        logger.warning(
+            "no lease renewed for %.1f s (lease %.1f s): giving up %d leases and their lines",
+            silent_s,
+            self.lease_s,
+            len(keys),
+        )
+        for key in keys:
+            self._abandon(key)
 
     def _abandon(self, key: tuple[str, int]) -> None:
         """Another runner took over lease `key` (ours lapsed): stop running its lines."""

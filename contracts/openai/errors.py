@@ -26,6 +26,8 @@ STATUS_BY_CODE: dict[str, int] = {
     "engine_error": 500,
     "no_worker": 503,
     "worker_lost": 503,
+    "database_unavailable": 503,  # the SQL database is unreachable: retry after Retry-After
+    "insufficient_storage": 507,  # the disk under the database or the files is full
     "deadline_exceeded": 504,
 }
 
@@ -39,6 +41,7 @@ TYPE_BY_STATUS: dict[int, str] = {
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable_error",
+    507: "server_error",
     504: "timeout_error",
 }
 

@@ -42,28 +42,55 @@ class JobsService:
         self.engine.dispose()
 
 
-def open_jobs_service(config: ApiConfig) -> JobsService | None:
-    """Migrate the database and open an engine; None (routes answer 503) when it fails."""
+def open_jobs_service(config: ApiConfig, *, quiet: bool = False) -> JobsService | None:
+    """Migrate the database and open an engine; None (routes answer 503) when it fails
+    (logged with its traceback unless `quiet`: the gateway tries again while it runs)."""
     try:
         from laneserve.db import migrate
         from laneserve.db.session import make_engine
 
         migrate.upgrade(config.db_url)
         return JobsService(make_engine(config.db_url))
-    except Exception:
-        logger.exception("files and batches are unavailable: the database cannot be opened")
+    except Exception as exc:
+        if not quiet:
+            logger.exception("files and batches are unavailable: the database cannot be opened")
+        else:
+            logger.debug("the database still cannot be opened: %s", exc)
         return None
+
+
+def database_answers(engine: Any) -> bool:
+    """One ``SELECT 1`` on a pooled connection (blocking; bounded by the engine's connect
+    timeout): False when the database cannot be reached."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import DBAPIError
+
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except DBAPIError:
+        return False
+    return True
 
 
 def _service(request: Request) -> JobsService:
     svc = request.app.state.gateway.jobs
     if svc is None:
-        raise ApiError("no_worker", "files and batches are unavailable: no database")
+        raise ApiError(
+            "database_unavailable",
+            "files and batches are unavailable: the database cannot be opened",
+        )
     return svc
 
 
-async def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run a jobs-library call in a thread; its typed errors become ApiError."""
+async def jobs_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a jobs-library call in a thread; its typed errors become ApiError, and a database
+    that cannot be reached (down, restarting, SQLite locked) a retryable 503
+    ``database_unavailable`` with ``Retry-After``; a full disk (database or files directory)
+    a 507 ``insufficient_storage``."""
+    from sqlalchemy.exc import DBAPIError
+
+    from laneserve.db.availability import database_unavailable, storage_full
     from laneserve.jobs.errors import JobsError
 
     try:
@@ -71,6 +98,18 @@ async def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
     except JobsError as exc:
         code = exc.code if exc.code in STATUS_BY_CODE else "internal"
         raise ApiError(code, str(exc), param=exc.param, status=exc.status_code) from None
+    except (DBAPIError, OSError) as exc:
+        if storage_full(exc):
+            logger.warning("files and batches: no room to write: %s", exc)
+            raise ApiError(
+                "insufficient_storage", "the server's disk is full; nothing was stored"
+            ) from None
+        if not database_unavailable(exc):
+            raise
+        logger.warning("files and batches: the database is unavailable: %s", exc.orig)
+        raise ApiError(
+            "database_unavailable", "the database is unavailable; retry after Retry-After"
+        ) from None
 
 
 # ---------------------------------------------------------------------------- files
@@ -98,7 +137,7 @@ async def create_file(request: Request) -> Response:
             raise invalid("'purpose' must be a string", "purpose")
         if upload.size is not None and upload.size > limit:
             raise ApiError("payload_too_large", f"file over {limit} bytes", param="file")
-        row = await _call(
+        row = await jobs_call(
             service.create_file, svc.engine, upload.file, upload.filename or "upload", purpose
         )
     finally:
@@ -109,7 +148,9 @@ async def create_file(request: Request) -> Response:
 async def get_file(request: Request) -> Response:
     from laneserve.jobs import service
 
-    row = await _call(service.get_file, _service(request).engine, request.path_params["file_id"])
+    row = await jobs_call(
+        service.get_file, _service(request).engine, request.path_params["file_id"]
+    )
     return JSONResponse(service.file_object(row))
 
 
@@ -138,7 +179,7 @@ async def list_files(request: Request) -> Response:
     from laneserve.jobs.files import LIST_LIMIT_MAX
 
     q = request.query_params
-    rows, more = await _call(
+    rows, more = await jobs_call(
         service.list_files,
         _service(request).engine,
         purpose=q.get("purpose") or None,
@@ -153,14 +194,16 @@ async def delete_file(request: Request) -> Response:
     from laneserve.jobs import service
 
     file_id = request.path_params["file_id"]
-    await _call(service.delete_file, _service(request).engine, file_id)
+    await jobs_call(service.delete_file, _service(request).engine, file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
 
 async def file_content(request: Request) -> Response:
     from laneserve.jobs import service
 
-    path = await _call(service.file_path, _service(request).engine, request.path_params["file_id"])
+    path = await jobs_call(
+        service.file_path, _service(request).engine, request.path_params["file_id"]
+    )
     return FileResponse(path, media_type="application/octet-stream")
 
 
@@ -194,7 +237,7 @@ async def create_batch(request: Request) -> Response:
             raise invalid("'model' must be a non-empty string", "model")
         await state.check_model(model)  # a 404 now, not a job whose every line fails later
     model = model or state.model_info.served_name
-    job = await _call(
+    job = await jobs_call(
         service.create_batch,
         svc.engine,
         body["input_file_id"],
@@ -214,12 +257,12 @@ async def list_batches(request: Request) -> Response:
 
     limit = _query_int(request, "limit", 20)
     engine = _service(request).engine
-    jobs = await _call(
+    jobs = await jobs_call(
         service.list_batches, engine, limit=limit, after=request.query_params.get("after")
     )
     more = False
     if len(jobs) == limit:
-        more = bool(await _call(service.list_batches, engine, 1, jobs[-1].id))
+        more = bool(await jobs_call(service.list_batches, engine, 1, jobs[-1].id))
     return _page([service.batch_object(j) for j in jobs], more)
 
 
@@ -228,15 +271,15 @@ async def get_batch(request: Request) -> Response:
     from laneserve.jobs.stats import batch_stats, usage_of
 
     engine = _service(request).engine
-    job = await _call(service.get_batch, engine, request.path_params["batch_id"])
-    stats = await _call(batch_stats, engine, job.id, latency=False)
+    job = await jobs_call(service.get_batch, engine, request.path_params["batch_id"])
+    stats = await jobs_call(batch_stats, engine, job.id, latency=False)
     return JSONResponse(service.batch_object(job) | {"usage": usage_of(stats)})
 
 
 async def cancel_batch(request: Request) -> Response:
     from laneserve.jobs import service
 
-    job = await _call(
+    job = await jobs_call(
         service.cancel_batch, _service(request).engine, request.path_params["batch_id"]
     )
     return JSONResponse(service.batch_object(job))

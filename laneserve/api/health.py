@@ -8,6 +8,9 @@ that can only be given one path): 200 when the broker answers a status call and 
     {"ready": false, "reasons": ["no worker serves the batch lane"],
      "broker": true, "workers": 1, "lanes": {"interactive": 1, "batch": 0}, "age_s": 0.4}
 
+The gateway adds ``"database"`` to the body (:func:`laneserve.api.probes.ready`): whether the
+files/batches database answered its last check; it does not change ``ready``.
+
 The answer is cached for ``ttl_s`` seconds (a status call per probe would hammer the broker with
 several probers), and concurrent probes share one status call. :func:`fetch_readiness` is the
 blocking client ``laneserve up`` waits with. This module imports neither FastAPI nor torch.

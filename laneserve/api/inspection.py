@@ -14,7 +14,6 @@ OpenAI batch object has no room for these figures.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from fastapi import FastAPI
@@ -25,19 +24,14 @@ from laneserve.api.errors import ApiError
 
 
 async def batch_stats(request: Request) -> Response:
-    from laneserve.jobs.errors import JobsError
+    from laneserve.api.files import jobs_call
     from laneserve.jobs.stats import batch_stats as compute
 
     svc = request.app.state.gateway.jobs
     if svc is None:
-        raise ApiError("no_worker", "files and batches are unavailable: no database")
+        raise ApiError("database_unavailable", "files and batches are unavailable: no database")
     latency = request.query_params.get("latency", "1") not in ("0", "false")
-    try:
-        stats = await asyncio.to_thread(
-            compute, svc.engine, request.path_params["batch_id"], latency=latency
-        )
-    except JobsError as exc:
-        raise ApiError("not_found" if exc.status_code == 404 else "internal", str(exc)) from None
+    stats = await jobs_call(compute, svc.engine, request.path_params["batch_id"], latency=latency)
     return JSONResponse(stats.to_dict())
 
 

@@ -25,7 +25,9 @@ the SLO controller's ``step_token_budget``, ``step_batch_tokens``, ``step_predic
 ``slo_interactive_ttft_target_ms``, ``slo_interactive_tpot_target_ms``,
 ``spec_decode_num_draft_tokens_total`` / ``spec_decode_num_accepted_tokens_total`` /
 ``spec_decode_num_drafts_total`` (vLLM's names; mean accepted length = 1 + accepted / drafts), and ``num_requests_queued`` (label ``lane``: requests waiting in the broker's lane queue),
-``num_workers`` (label ``lane``).
+``num_workers`` (label ``lane``), ``records_unacked`` and ``records_dropped_total`` (the broker's
+bounded buffer of records the recorder has not committed yet, e.g. while the database is away,
+and what it dropped when full).
 
 Bulk-job lines (label ``lane``; DESIGN.md "Health": /metrics counts API and bulk-job requests
 alike), read from the SQL ``requests`` table at scrape time (:class:`JobsCollector`):
@@ -250,6 +252,31 @@ class BrokerCollector:
             nworkers.add_metric([model, lane], serving)
         yield queued
         yield nworkers
+        yield from self._record_link(st, model)
+
+    @staticmethod
+    def _record_link(st: dict, model: str) -> Iterator[Any]:
+        """The broker's buffer of records the recorder has not acknowledged (it fills while
+        the database is away) and the records dropped when it was full."""
+        series = (
+            (
+                GaugeMetricFamily,
+                "records_unacked",
+                "Request records and snapshots the broker holds until the recorder commits them.",
+                (st.get("queues") or {}).get("records_unacked"),
+            ),
+            (
+                CounterMetricFamily,
+                "records_dropped",
+                "Records dropped, oldest first, when the broker's unacknowledged buffer was full.",
+                (st.get("counters") or {}).get("records_dropped", 0),
+            ),
+        )
+        for family, name, doc, value in series:
+            if isinstance(value, int):
+                fam = family(PREFIX + name, doc, labels=["model_name"])
+                fam.add_metric([model], float(value))
+                yield fam
 
     def _add_workers(self, fam: Any, workers: list[dict], key: str) -> None:
         for w in workers:

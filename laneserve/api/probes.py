@@ -22,6 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from laneserve.db.availability import database_unavailable
+
 if TYPE_CHECKING:
     from laneserve.api.state import GatewayState
 
@@ -37,10 +39,14 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """Readiness (laneserve.api.health): 200 or 503 with the reasons."""
+    """Readiness (laneserve.api.health): 200 or 503 with the reasons, plus ``database``: the
+    files/batches database answered its last check (false: `/v1/files` and `/v1/batches`
+    answer 503 ``database_unavailable`` meanwhile; chats and completions do not need it, so
+    it does not make the gateway unready)."""
     state: GatewayState = request.app.state.gateway
     answer = await state.readiness.check()
-    return JSONResponse(answer.to_json(), status_code=200 if answer.ready else 503)
+    body = answer.to_json() | {"database": state.database}
+    return JSONResponse(body, status_code=200 if answer.ready else 503)
 
 
 async def metrics(request: Request) -> Response:
@@ -51,8 +57,11 @@ async def metrics(request: Request) -> Response:
     if state.jobs is not None:
         try:
             await asyncio.to_thread(state.metrics.jobs.refresh, state.jobs.engine)
-        except Exception:  # the database is down: serve the last counts, say why in the log
-            logger.exception("reading bulk-job counts for /metrics failed")
+        except Exception as exc:  # the database is down: serve the last counts, say why
+            if not database_unavailable(exc):
+                logger.exception("reading bulk-job counts for /metrics failed")
+            else:
+                logger.warning("bulk-job counts for /metrics: the database is unavailable")
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from laneserve.api.config import ApiConfig
 from laneserve.api.errors import ApiError
-from laneserve.api.files import open_jobs_service
+from laneserve.api.files import database_answers, open_jobs_service
 from laneserve.api.health import ReadinessProbe
 from laneserve.api.metrics import GatewayMetrics
 from laneserve.api.model_info import load_served_model
@@ -31,6 +31,8 @@ from laneserve.contracts.openai.model import ServedModel
 from laneserve.contracts.procs import parent_gone
 
 logger = logging.getLogger(__name__)
+
+DATABASE_CHECK_S = 2.0  # seconds between two checks that the files/batches database answers
 
 
 class GatewayState:
@@ -47,6 +49,8 @@ class GatewayState:
         self.status_at = 0.0  # monotonic s of the last answered status call
         self.readiness = ReadinessProbe(self._probe_status, config.ready_lanes, config.ready_ttl_s)
         self.jobs: Any = None  # files/batches service (laneserve.api.files)
+        # the database answered its last check (/ready's "database"); None: never checked
+        self.database: bool | None = None
         self.metrics_server: Any = None  # uvicorn server of the metrics port
         self._tasks: list[asyncio.Task] = []
 
@@ -65,7 +69,9 @@ class GatewayState:
         await self.client.start()
         await self.refresh_status()
         self.jobs = await asyncio.to_thread(open_jobs_service, self.config)
+        self.database = self.jobs is not None
         self._tasks.append(asyncio.create_task(self._poll(), name="gateway-status-poll"))
+        self._tasks.append(asyncio.create_task(self._watch_database(), name="gateway-db-check"))
         if self.config.metrics_port is not None:
             await self._start_metrics_server()
         logger.info(
@@ -107,6 +113,21 @@ class GatewayState:
                 return
             await self.refresh_status()
 
+    async def _watch_database(self) -> None:
+        """Every `DATABASE_CHECK_S`: does the database answer (``database``, logged when it
+        changes)? A gateway started while it was down opens it once it answers."""
+        while True:
+            await asyncio.sleep(DATABASE_CHECK_S)
+            if self.jobs is None:
+                self.jobs = await asyncio.to_thread(open_jobs_service, self.config, quiet=True)
+                ok = self.jobs is not None
+            else:
+                ok = await asyncio.to_thread(database_answers, self.jobs.engine)
+            if ok != self.database:
+                log = logger.info if ok else logger.warning
+                log("the database %s", "answers again" if ok else "does not answer")
+            self.database = ok
+
     async def refresh_status(self) -> bool:
         """Ask the broker for its status; False when it does not answer in time."""
         assert self.client is not None
@@ -119,7 +140,12 @@ class GatewayState:
             self.metrics.broker.status = None
             self.readiness.observe(None, time.monotonic())
             return False
-        self.status = {"workers": reply.workers, "queues": reply.queues, "epoch": reply.epoch}
+        self.status = {
+            "workers": reply.workers,
+            "queues": reply.queues,
+            "counters": reply.counters,
+            "epoch": reply.epoch,
+        }
         self.status_at = time.monotonic()
         self.metrics.broker.status = self.status
         self.metrics.model_name = (self.model_names() or [self.metrics.model_name])[0]

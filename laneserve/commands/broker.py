@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,14 @@ def _add_liveness(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=5.0,
         help="seconds before an unacknowledged record batch is resent (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--record-retention",
+        type=int,
+        default=50_000,
+        help="records held for the recorder until it commits them (e.g. while the database is "
+        "away); beyond this the oldest batches are dropped, counted in records_dropped "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--snapshot-interval",
@@ -107,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
     from laneserve.broker.addresses import default_back, default_front
     from laneserve.broker.broker import Broker, BrokerConfig
 
+    if args.record_retention < 1:
+        print("laneserve broker: --record-retention must be >= 1", file=sys.stderr)
+        return 2
     config = BrokerConfig(
         front=args.front or default_front(),
         back=args.back or default_back(),
@@ -119,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         parent_pid=args.parent_pid,
         client_sndhwm=args.client_sndhwm,
         record_resend_s=args.record_resend,
+        record_retention=args.record_retention,
         snapshot_interval_s=args.snapshot_interval,
         no_worker_timeout_s=args.no_worker_timeout,
         curve_server_key=args.curve_server_key,

@@ -6,7 +6,8 @@ the running stack's stack.json; `--api-key` / `$LANESERVE_API_KEY`), on this hos
 `jobs show` prints a summary (status, counts, tokens, throughput, TTFT/e2e percentiles of the
 job's lines, ETA, files) from `GET /v1/batches/{id}` and `GET /v1/batches/{id}/stats`.
 `jobs watch` (and `submit --wait`) follows a job with a progress bar; Ctrl-C leaves the job
-running and `jobs watch ID` re-attaches.
+running and `jobs watch ID` re-attaches. While the API cannot answer (a connection error, or a
+503 while its database is away) it says so on stderr and keeps waiting (`until_answered`).
 
 Exit codes: 0 done; 1 the job does not exist or cannot be cancelled, or (watch) it ended
 `failed`; 2 no usable API; watch: 3 cancelled, 4 expired, 124 --timeout passed first, 130
@@ -23,7 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from laneserve.http_client import StackClient, StackError, add_api_arguments, client_for
+from laneserve.http_client import (
+    EXIT_NO_API,
+    StackClient,
+    StackError,
+    add_api_arguments,
+    client_for,
+)
 
 EXIT_CODES = {"completed": 0, "failed": 1, "cancelled": 3, "expired": 4}
 TERMINAL = tuple(EXIT_CODES)
@@ -387,6 +394,65 @@ def _bar(console):
     )
 
 
+RETRYABLE_STATUSES = (429, 502, 503, 504)  # the API, or what it needs, is briefly away
+WAIT_BACKOFF_S = (1.0, 10.0)  # first and longest pause between polls while it is away
+
+
+def retryable(exc: StackError) -> bool:
+    """A poll worth repeating: no answer at all (API restarting, connection refused or
+    reset, timeout) or a retryable status (503 ``database_unavailable``, 429, ...). A 401,
+    404 or other answer is final."""
+    return exc.status in RETRYABLE_STATUSES or (exc.status is None and exc.exit_code == EXIT_NO_API)
+
+
+class _Outage:
+    """`follow`'s pacing while the API cannot answer: one line on the console when it starts
+    ("... still waiting, retrying"), one when it ends ("answers again after N s"), pauses
+    doubling within `WAIT_BACKOFF_S` meanwhile."""
+
+    def __init__(self, console) -> None:
+        self.console = console
+        self.since: float | None = None
+        self.delay = WAIT_BACKOFF_S[0]
+
+    def failed(self, exc: StackError) -> float:
+        if self.since is None:
+            self.since, self.delay = time.monotonic(), WAIT_BACKOFF_S[0]
+            self.console.print(
+                f"the API cannot answer now ({exc}); still waiting, retrying",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+        else:
+            self.delay = min(self.delay * 2, WAIT_BACKOFF_S[1])
+        return self.delay
+
+    def ok(self) -> None:
+        if self.since is not None:
+            self.console.print(
+                f"the API answers again after {time.monotonic() - self.since:.0f} s",
+                markup=False,
+                highlight=False,
+            )
+            self.since = None
+
+
+def until_answered(call: Any, outage: _Outage, deadline: float | None = None) -> Any:
+    """`call()` again and again while it raises a `retryable` StackError (paced and told by
+    `outage`), until it answers or monotonic `deadline` passes (then the error is raised)."""
+    while True:
+        try:
+            result = call()
+        except StackError as exc:
+            if not retryable(exc) or (deadline is not None and time.monotonic() >= deadline):
+                raise
+            time.sleep(outage.failed(exc))
+            continue
+        outage.ok()
+        return result
+
+
 def follow(
     client: StackClient,
     job_id: str,
@@ -398,18 +464,26 @@ def follow(
     """Show the job's progress (done/total, failed, output tok/s, ETA) on `console` (default:
     stderr; see `_Display`) until it ends or `timeout_s` seconds pass; return the last batch
     object. It only reads the API, so it can be stopped (Ctrl-C) and started again any time.
+    While the API cannot answer (`retryable`: connection errors, 503 while its database is
+    away) it says so on `console` and keeps polling, backing off up to 10 s.
 
     Raises:
-        StackError: the API failed (unknown job, unreachable).
+        StackError: the API refused (unknown job, wrong key), or still could not answer when
+            `timeout_s` passed.
     """
     from rich.console import Console
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     rate = _Rate()
-    with _Display(console or Console(stderr=True), job_id) as display:
+    console = console or Console(stderr=True)
+    outage = _Outage(console)
+    with _Display(console, job_id) as display:
         while True:
-            batch = client.get_batch(job_id)
-            stats = client.batch_stats(job_id, latency=False)
+            batch, stats = until_answered(
+                lambda: (client.get_batch(job_id), client.batch_stats(job_id, latency=False)),
+                outage,
+                deadline,
+            )
             f = _fields(batch, stats, rate.add((stats or {}).get("completion_tokens", 0)))
             final = batch["status"] in TERMINAL
             final = final or (deadline is not None and time.monotonic() >= deadline)
@@ -458,7 +532,12 @@ def watch(client: StackClient, job_id: str, timeout_s: float | None = None, cons
 
 
 def _watch(client: StackClient, args: argparse.Namespace) -> int:
-    return watch(client, client.find_batch(args.id)["id"], args.timeout)
+    from rich.console import Console
+
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    outage = _Outage(Console(stderr=True))
+    batch = until_answered(lambda: client.find_batch(args.id), outage, deadline)
+    return watch(client, batch["id"], args.timeout)
 
 
 ACTIONS = {
