@@ -146,8 +146,9 @@ class PromptTokenizer:
         """Token ids of ``text``; special tokens written in the text are parsed as such."""
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def render_chat(self, messages: Sequence[dict]) -> str:
-        """The chat template applied to ``messages`` with the generation prompt.
+    def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
+        """The chat template applied to ``messages`` with the generation prompt; ``tools``
+        (OpenAI function tools) passed to the template as transformers passes them.
 
         Raises:
             PromptError: no chat template, or the template refused the conversation.
@@ -158,7 +159,7 @@ class PromptTokenizer:
         try:
             return _compile(self.chat_template).render(
                 messages=chat,
-                tools=None,
+                tools=list(tools) if tools else None,
                 documents=None,
                 add_generation_prompt=True,
                 **self.special_tokens,
@@ -185,14 +186,17 @@ def prompt_ids(
     prompt: str | None = None,
     messages: Sequence[dict] | None = None,
     token_ids: Sequence[int] | None = None,
+    tools: Sequence[dict] | None = None,
 ) -> list[int]:
     """The ids the engine feeds the model for a prompt given in exactly one form (module
-    docstring). Raises PromptError when the chat template refuses ``messages``."""
+    docstring); ``tools`` go to the chat template with ``messages``. Raises PromptError when
+    the chat template refuses ``messages``."""
     assert sum(x is not None for x in (prompt, messages, token_ids)) == 1, "one prompt form"
     if token_ids is not None:
         return list(token_ids)
     if messages is not None:
-        return tokenizer.encode(tokenizer.render_chat(messages), add_special_tokens=False)
+        text = tokenizer.render_chat(messages, tools)
+        return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(prompt, add_special_tokens=True)
 
 

@@ -45,6 +45,12 @@ from laneserve.contracts.openai.checks import (
 )
 from laneserve.contracts.openai.errors import invalid
 from laneserve.contracts.openai.structured import parse_structured
+from laneserve.contracts.openai.tools import (
+    ToolRequest,
+    check_tool_calls,
+    check_tool_results,
+    parse_tools,
+)
 
 LANES = ("interactive", "batch")  # the wire protocol uses these (broker.protocol.LANES)
 MAX_TEXT_CHARS = 8 * 1024 * 1024  # a prompt or message body (also the wire protocol's text cap)
@@ -92,10 +98,8 @@ class Limits:
 # Fields that exist in the OpenAI API (or in vLLM's extensions) and that laneserve does not serve.
 UNSUPPORTED_FIELDS = frozenset(
     {
-        "tools",
         "functions",
         "function_call",
-        "parallel_tool_calls",
         "logit_bias",
         "audio",
         "modalities",
@@ -153,9 +157,15 @@ _COMMON = frozenset(
         "skip_special_tokens",
     }
 )
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = _COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "parallel_tool_calls",
+}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "prompt_logprobs"}
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI chat: top_logprobs 0..20
 MAX_LEGACY_LOGPROBS = 5  # OpenAI legacy completions: logprobs <= 5
 MAX_PROMPT_LOGPROBS = 20  # vLLM's prompt_logprobs cap (its max_logprobs default)
@@ -165,7 +175,8 @@ LOGIT_BIAS_RANGE = 100.0  # OpenAI: each bias in [-100, 100]
 
 @dataclass(slots=True)
 class Prompt:
-    """One prompt in one of the three wire forms (exactly one is set).
+    """One prompt in one of the three wire forms (exactly one is set, except for a chat with
+    tools: the gateway renders its messages to ``token_ids``, :meth:`ServedModel.check`).
 
     ``num_tokens``: prompt tokens counted at the edge (None until counted / no tokenizer).
     """
@@ -174,6 +185,15 @@ class Prompt:
     messages: list[dict] | None = None
     token_ids: list[int] | None = None
     num_tokens: int | None = None
+
+    def wire_form(self) -> dict[str, Any]:
+        """The one prompt field a broker ``submit`` takes: a chat rendered at the edge (tools)
+        travels as its token ids."""
+        if self.token_ids is not None:
+            return {"prompt_token_ids": self.token_ids}
+        if self.messages is not None:
+            return {"messages": self.messages}
+        return {"prompt": self.text}
 
 
 @dataclass(slots=True)
@@ -206,6 +226,7 @@ class ParsedRequest:
     echo: bool = False
     echo_only: bool = False
     prompt_logprobs: int | None = None
+    tools: ToolRequest | None = None
 
     @property
     def num_choices(self) -> int:
@@ -228,7 +249,9 @@ def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
     """Validate a /v1/chat/completions body. Raises OpenAIError (400)."""
     body = _check_fields(body, CHAT_FIELDS)
     messages = parse_messages(body.get("messages"))
+    tools = parse_tools(body)
     req = ParsedRequest(kind="chat", model=_model(body), prompts=[Prompt(messages=messages)])
+    req.tools = tools
     _common(body, req, limits)
     max_completion = int_field(body, "max_completion_tokens", lo=1, hi=limits.max_tokens_limit)
     if max_completion is not None:
@@ -333,19 +356,40 @@ def parse_messages(v: Any) -> list[dict]:
         if type(m) is not dict:
             raise invalid(f"{where} must be an object, got {type_name(m)}", "messages")
         role = m.get("role")
-        if role in ("tool", "function") or given(m.get("tool_calls")):
-            raise invalid(f"{where}: tool messages and tool calls are unsupported", "messages")
+        if role == "function":
+            raise invalid(f"{where}: 'function' messages are deprecated; use 'tool'", "messages")
         if type(role) is not str or role not in CHAT_ROLES:  # {} or [] are unhashable
             raise invalid(f"{where}.role must be one of {sorted(CHAT_ROLES)}", "messages")
-        extra = sorted(set(m) - {"role", "content", "name", "tool_calls", "refusal"})
+        extra = sorted(k for k in set(m) - _MESSAGE_KEYS if not (k in _NULL_KEYS and m[k] is None))
         if extra:
             raise invalid(f"{where}: unknown field(s) {', '.join(extra)}", "messages")
         for key in ("name", "refusal"):  # OpenAI's: strings (refusal null too)
             if m.get(key) is not None and type(m[key]) is not str:
                 raise invalid(f"{where}.{key} must be a string", "messages")
-        out.append(
-            {"role": "system" if role == "developer" else role, "content": _content(m, where)}
-        )
+        out.append(_message(m, role, where))
+    check_tool_results(out)
+    return out
+
+
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
+# Fields of a returned ChatCompletionMessage that clients send back as null with the history.
+_NULL_KEYS = frozenset({"audio", "function_call", "annotations"})
+
+
+def _message(m: dict, role: str, where: str) -> dict:
+    """One message as templates read it: ``developer`` -> ``system``; an assistant's
+    ``tool_calls`` and a tool result's ``tool_call_id`` kept."""
+    out = {"role": "system" if role == "developer" else role, "content": _content(m, where)}
+    if given(m.get("tool_calls")):
+        if role != "assistant":
+            raise invalid(f"{where}: only assistant messages carry tool_calls", "messages")
+        out["tool_calls"] = check_tool_calls(m["tool_calls"], where)
+    if role == "tool":
+        if type(m.get("tool_call_id")) is not str:
+            raise invalid(f"{where}.tool_call_id is required for 'tool' messages", "messages")
+        out["tool_call_id"] = m["tool_call_id"]
+    elif m.get("tool_call_id") is not None:
+        raise invalid(f"{where}.tool_call_id belongs to 'tool' messages", "messages")
     return out
 
 
@@ -494,7 +538,7 @@ def _finish(body: dict, req: ParsedRequest, limits: Limits) -> None:
         raise invalid(
             f"'{param}' must be <= {limits.max_tokens_limit}, got {req.max_tokens}", param
         )
-    tolerated_no_ops(body)
+    tolerated_no_ops(body if req.kind != "chat" else {**body, "tool_choice": None})
     sp: dict[str, Any] = {}
     for name, value in (
         ("temperature", num_field(body, "temperature", 0.0, 2.0)),
@@ -516,6 +560,8 @@ def _finish(body: dict, req: ParsedRequest, limits: Limits) -> None:
     ):
         if value is not None:
             sp[name] = value
+    if req.tools is not None and req.tools.forced:
+        sp["structured_outputs"] = req.tools.spec()
     if sp.get("top_k") == -1:
         sp["top_k"] = 0
     assert set(sp) <= set(SAMPLING_KEYS), sorted(set(sp) - set(SAMPLING_KEYS))

@@ -123,9 +123,7 @@ class Generation:
             try:
                 stream = self.client.submit(
                     lane=req.lane,
-                    prompt=choice.prompt.text,
-                    messages=choice.prompt.messages,
-                    prompt_token_ids=choice.prompt.token_ids,
+                    **choice.prompt.wire_form(),
                     sampling_params=sampling,
                     stream=True,
                     request_id=choice.request_id,
