@@ -48,7 +48,7 @@ COMPACT = {"whitespace_flexible": False}  # llguidance's JSON options: no free w
 class ToolRequest:
     """A request's validated tools.
 
-    ``tools``: the function tools as OpenAI sends them (``parameters`` filled in);
+    ``tools``: the function tools as the request gave them (the template renders them so);
     ``choice``: ``"none" | "auto" | "required" | "function"``; ``name``: the forced function
     when ``choice == "function"``; ``parallel``: more than one call per reply allowed.
     """
@@ -68,9 +68,9 @@ class ToolRequest:
         return [t["function"]["name"] for t in self.tools]
 
     def parameters(self, name: str) -> dict:
-        return next(
-            t["function"]["parameters"] for t in self.tools if t["function"]["name"] == name
-        )
+        """The JSON schema of a function's arguments (no ``parameters``: no arguments)."""
+        fn = next(t["function"] for t in self.tools if t["function"]["name"] == name)
+        return fn.get("parameters", NO_PARAMETERS)
 
     def spec(self) -> dict[str, Any] | None:
         """The wire structured-output spec that forces the call; None unless :attr:`forced`."""
@@ -166,9 +166,7 @@ def _tool(t: Any, i: int) -> dict:
         )
     if fn.get("description") is not None and type(fn["description"]) is not str:
         raise invalid(f"{where}.function.description must be a string", "tools")
-    params = fn.get("parameters")
-    if params is None:
-        params = dict(NO_PARAMETERS)
+    params = fn.get("parameters", NO_PARAMETERS)
     if type(params) is not dict:
         raise invalid(
             f"{where}.function.parameters must be a JSON schema object, got {type_name(params)}",
@@ -176,10 +174,7 @@ def _tool(t: Any, i: int) -> dict:
         )
     if params.get("type", "object") != "object":
         raise invalid(f"{where}.function.parameters must describe an object", "tools")
-    out = {"name": name, "parameters": params}
-    if fn.get("description") is not None:
-        out["description"] = fn["description"]
-    return {"type": "function", "function": out}
+    return t
 
 
 def _choice(choice: Any, names: list[str]) -> tuple[str, str | None]:
