@@ -5,6 +5,7 @@ mistral) on assistant turns the templates render, streamed deltas, and bad tool 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from laneserve.contracts.openai.tool_parsers import (
     parser_for_template,
     reply_message,
 )
+from tests.api.test_api_structured import TIME, WEATHER
 
 # Templates written for these tests in the three families' formats (Hermes/Qwen <tool_call>
 # blocks, Llama 3.1's JSON with "parameters", Mistral's [TOOL_CALLS] array).
@@ -88,24 +90,13 @@ TEMPLATES = {
     "mistral": (MISTRAL, "<|im_end|>"),
 }  # fmt: skip  (SmolLM2's eos is <|im_end|>)
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            "required": ["city"],
-        },
-    },
-}
-TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters
+TIME_NOW = {"type": "function", "function": {"name": "get_now"}}  # no parameters
+TOOLS = [WEATHER, TIME, TIME_NOW]
 ASK = [{"role": "user", "content": "Weather in Oslo and Rome, and the time?"}]
 CALLS = [
-    ("get_weather", {"city": "Oslo", "days": 2}),
-    ("get_weather", {"city": "Rome"}),
-    ("get_time", {}),
+    ("get_weather", {"city": "Oslo", "unit": "celsius"}),
+    ("get_time", {"zone": 1}),
+    ("get_now", {}),
 ]
 
 
@@ -118,7 +109,7 @@ def _calls(calls=CALLS) -> list[dict]:
 
 
 def _body(messages, **kw) -> dict:
-    return {"model": "m", "messages": messages, "tools": [WEATHER, TIME], **kw}
+    return {"model": "m", "messages": messages, "tools": TOOLS, **kw}
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +161,7 @@ def test_tool_prompts_are_the_templates_own(parser, model_dirs, hf_tokenizers) -
     tok = hf_tokenizers[parser]
     hf_messages = [{**m, "content": m.get("content") or ""} for m in _hf_messages(messages)]
     expected = tok.apply_chat_template(
-        hf_messages, tools=[WEATHER, TIME], add_generation_prompt=True, tokenize=False
+        hf_messages, tools=TOOLS, add_generation_prompt=True, tokenize=False
     )
     assert tok.decode(req.prompts[0].token_ids, skip_special_tokens=False) == expected
     assert "rain, 9 C" in expected and "get_time" in expected
@@ -183,7 +174,7 @@ def test_tool_prompts_are_the_templates_own(parser, model_dirs, hf_tokenizers) -
 def _rendered_reply(tok, end: str, calls: list[dict], content: str | None = None) -> str:
     """The assistant turn a template renders for `calls`, as the model would write it."""
     turn = {"role": "assistant", "content": content or "", "tool_calls": calls}
-    kw = {"tools": [WEATHER, TIME], "tokenize": False}
+    kw = {"tools": TOOLS, "tokenize": False}
     prefix = tok.apply_chat_template(ASK, add_generation_prompt=True, **kw)
     full = tok.apply_chat_template([*ASK, *_hf_messages([turn])], **kw)
     assert full.startswith(prefix)
@@ -215,7 +206,7 @@ def test_parsers_read_what_the_templates_render(parser, n, content, hf_tokenizer
     assert [c["index"] for c in calls] == list(range(n))
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == got
     # a call to a function that is not offered, or plain text: content, as written
-    wrong = text.replace("get_weather", "get_news").replace("get_time", "get_news")
+    wrong = re.sub("get_(weather|time|now)", "get_news", text)
     assert reply_message(wrong, req.tools, parser, "stop") == (
         {"role": "assistant", "content": wrong}, "stop"
     )  # fmt: skip
