@@ -283,6 +283,8 @@ class Validator:
             raise LineError(exc.code, exc.message, param=self._param(exc.param)) from exc
         request = {"url": self.endpoint, "body": req_body(req, body)}
         request["sampling_params"] = req.sampling
+        if req.kind == "chat" and req.prompts[0].token_ids is not None:
+            request["prompt_token_ids"] = req.prompts[0].token_ids  # rendered with its tools
         counts = [p.num_tokens for p in req.prompts]
         return request, None if None in counts else sum(counts)
 

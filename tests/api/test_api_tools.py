@@ -291,3 +291,29 @@ def test_a_round_trip_of_the_sdks_own_message_is_accepted() -> None:
         "tool",
         "tool",
     ]
+
+
+def test_a_batch_line_with_tools_is_rendered_sent_and_answered_as_the_api(
+    smollm2_dir, tmp_path
+) -> None:
+    from laneserve.broker.protocol import Final
+    from laneserve.jobs.results import choice_requests, success_response
+    from laneserve.jobs.validate import Validator
+    from tests.harness import write_jsonl
+
+    served = ServedModel.load(smollm2_dir, "m")
+    body = _body(ASK, max_tokens=32)
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    validator = Validator(endpoint="/v1/chat/completions", counter=served)
+    (result,) = validator.lines(write_jsonl(tmp_path / "in.jsonl", [line]))
+    ((_, submit),) = choice_requests("r", result.request)
+    req = parse("/v1/chat/completions", body, Limits())
+    served.check(req, Limits())
+    assert submit["prompt_token_ids"] == req.prompts[0].token_ids and "messages" not in submit
+    text = 'Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": 3}}\n</tool_call>'
+    final = Final(request_id="r", finish_reason="stop", text=text, usage={"prompt_tokens": 9})
+    out = success_response("r", "/v1/chat/completions", "m", final, body=body, served=served)
+    (choice,) = out["body"]["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_time", "arguments": '{"zone": 3}'}
