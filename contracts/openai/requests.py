@@ -8,9 +8,10 @@ Written by hand rather than as pydantic models so that every error is a 400 in O
 naming the offending field (pydantic would give FastAPI's 422), and so that unknown and
 unsupported fields are told apart:
 
-- a field laneserve does not implement (``tools``, ``suffix``, ...) -> 400 naming it; a no-op
-  (``tool_choice: "none"``, ``skip_special_tokens: true``, ``response_format`` of type ``text``)
-  is accepted, any other value of it is a 400;
+- a field laneserve does not implement (``functions``, ``suffix``, ...) -> 400 naming it; a no-op
+  (``skip_special_tokens: true``, ``response_format`` of type ``text``, ``tool_choice: "none"``
+  without tools) is accepted, any other value of it is a 400; tools:
+  :mod:`laneserve.contracts.openai.tools`;
 - a field no OpenAI-compatible server knows -> 400 naming it;
 - ``null``, ``[]``, ``{}`` and ``false`` count as "not given" for optional fields.
 

@@ -85,7 +85,7 @@ def parse_reply(text: str, tools: ToolRequest, parser: str) -> Parsed | None:
     calls = [_valid_call(o, tools) for o in objects or ()]
     if not calls or None in calls:
         return None
-    return Parsed(start, calls)  # type: ignore[arg-type]
+    return Parsed(start, calls if tools.parallel else calls[:1])  # type: ignore[arg-type]
 
 
 def reply_message(text: str, tools: ToolRequest, parser: str, finish: str) -> tuple[dict, str]:

@@ -230,6 +230,11 @@ def test_forced_replies_and_the_parser_a_template_implies() -> None:
     assert second == [{"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}]
     assert stream.close("length") == ([], "length")  # cut short: the engine's reason
     assert parser_for_template(None) == parser_for_template("{{ messages }}") == "hermes"
+    single = parse("/v1/chat/completions", _body(ASK, parallel_tool_calls=False), Limits()).tools
+    two = '<tool_call>{"name": "get_now", "arguments": {}}</tool_call>' * 2
+    assert len(parse_reply(two, single, "hermes").calls) == 1  # parallel_tool_calls=false
+    auto = parse("/v1/chat/completions", _body(ASK), Limits()).tools
+    assert len(parse_reply(two, auto, "hermes").calls) == 2
 
 
 def test_a_template_without_tools_gets_the_generic_prompt(smollm2_dir) -> None:
