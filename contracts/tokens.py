@@ -186,17 +186,14 @@ def prompt_ids(
     prompt: str | None = None,
     messages: Sequence[dict] | None = None,
     token_ids: Sequence[int] | None = None,
-    tools: Sequence[dict] | None = None,
 ) -> list[int]:
     """The ids the engine feeds the model for a prompt given in exactly one form (module
-    docstring); ``tools`` go to the chat template with ``messages``. Raises PromptError when
-    the chat template refuses ``messages``."""
+    docstring). Raises PromptError when the chat template refuses ``messages``."""
     assert sum(x is not None for x in (prompt, messages, token_ids)) == 1, "one prompt form"
     if token_ids is not None:
         return list(token_ids)
     if messages is not None:
-        text = tokenizer.render_chat(messages, tools)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(tokenizer.render_chat(messages), add_special_tokens=False)
     return tokenizer.encode(prompt, add_special_tokens=True)
 
 

@@ -23,12 +23,13 @@ from laneserve.contracts.openai.requests import (
 )
 from laneserve.contracts.openai.tool_parsers import parser_for_template
 from laneserve.contracts.openai.tools import (
+    ToolRequest,
     supports_tools,
     template_messages,
     uses_tools,
     with_fallback_prompt,
 )
-from laneserve.contracts.tokens import PromptError, PromptTokenizer, count_prompt, prompt_ids
+from laneserve.contracts.tokens import PromptError, PromptTokenizer, count_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,8 @@ class ServedModel:
         for prompt in req.prompts:
             self._check_ids(prompt)
             if prompt.messages is not None and (req.tools or uses_tools(prompt.messages)):
-                prompt.token_ids = self.tool_prompt_ids(req, prompt.messages)
+                text = self.tool_chat_text(req.tools, prompt.messages)
+                prompt.token_ids = self.tokenizer.encode(text)  # as prompt_ids encodes a chat
             prompt.num_tokens = self.count(prompt)
             if prompt.num_tokens is None:
                 continue
@@ -163,23 +165,25 @@ class ServedModel:
             raise invalid("'min_tokens' must be <= max_tokens", "min_tokens")
         req.sampling["max_tokens"] = req.max_tokens
 
-    def tool_prompt_ids(self, req: ParsedRequest, messages: list[dict]) -> list[int]:
-        """The prompt ids of a chat with tools (or tool messages), rendered here because the
+    def tool_chat_text(self, tools: ToolRequest | None, messages: list[dict]) -> str:
+        """A chat with tools (or tool messages) rendered by the chat template, here because the
         wire carries no tools: the template's own tool support, or the generic fallback
         (:mod:`laneserve.contracts.openai.tools`). ``tool_choice: "none"`` leaves tools out.
 
         Raises OpenAIError (400): no tokenizer at this edge, or the template refused."""
         if self.tokenizer is None:
             raise invalid(
-                "tools need the model's tokenizer at the gateway (start it with --model)", "tools"
+                "tools and tool messages need the model's tokenizer at the gateway (start it "
+                "with --model)",
+                "tools" if tools else "messages",
             )
-        tools = req.tools.tools if req.tools and req.tools.choice != "none" else ()
+        shown = tools.tools if tools and tools.choice != "none" else ()
         native = supports_tools(self.tokenizer.chat_template)
         chat = template_messages(messages, native)
-        if tools and not native:
-            chat = with_fallback_prompt(chat, tools)
+        if shown and not native:
+            chat = with_fallback_prompt(chat, shown)
         try:
-            return prompt_ids(self.tokenizer, messages=chat, tools=tools if native else None)
+            return self.tokenizer.render_chat(chat, shown if native else None)
         except PromptError as exc:
             raise invalid(str(exc), "messages") from exc
 

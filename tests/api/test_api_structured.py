@@ -10,6 +10,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -224,7 +225,7 @@ def test_forced_tool_calls_validate_plain_and_streamed(client, choice) -> None:
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
 
 
-def test_a_tool_result_round_trips_into_the_prompt(client) -> None:
+def test_a_tool_result_round_trips_into_the_prompt(client, real_stack) -> None:
     kw = {"model": MODEL, "tools": TOOLS, "max_tokens": 48, "temperature": 0}
     first = client.chat.completions.create(
         messages=ASK, tool_choice={"type": "function", "function": {"name": "get_weather"}}, **kw
@@ -239,6 +240,14 @@ def test_a_tool_result_round_trips_into_the_prompt(client) -> None:
     short, long = answer("18 C"), answer("18 C, clear sky, wind 10 km/h from the west")
     assert short.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
     assert long.usage.prompt_tokens > short.usage.prompt_tokens  # the result is in the prompt
+    tool = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "18 C"}
+    counted = httpx.post(
+        real_stack.url + "/tokenize",
+        json={"messages": [*history, tool], "tools": TOOLS, "return_token_strs": True},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()
+    assert counted["count"] == short.usage.prompt_tokens  # /tokenize renders tools the same
+    assert "18 C" in "".join(counted["token_strs"]) and "get_time" in "".join(counted["token_strs"])
     reply = short.choices[0]
     assert reply.message.content or reply.message.tool_calls  # auto: text or a parsed call
     with pytest.raises(openai.BadRequestError) as info:  # a result for a call never made
