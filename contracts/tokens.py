@@ -146,8 +146,9 @@ class PromptTokenizer:
         """Token ids of ``text``; special tokens written in the text are parsed as such."""
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def render_chat(self, messages: Sequence[dict]) -> str:
-        """The chat template applied to ``messages`` with the generation prompt.
+    def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
+        """The chat template applied to ``messages`` with the generation prompt; ``tools``
+        (OpenAI function tools) passed to the template as transformers passes them.
 
         Raises:
             PromptError: no chat template, or the template refused the conversation.
@@ -158,7 +159,7 @@ class PromptTokenizer:
         try:
             return _compile(self.chat_template).render(
                 messages=chat,
-                tools=None,
+                tools=list(tools) if tools else None,
                 documents=None,
                 add_generation_prompt=True,
                 **self.special_tokens,

@@ -25,6 +25,7 @@ from laneserve.contracts.openai import Limits, ServedModel, parse
 from laneserve.contracts.openai import responses as fmt
 from laneserve.contracts.openai.responses import TokenText
 from laneserve.contracts.openai.structured import parsed_json, wants_json
+from laneserve.contracts.openai.tool_parsers import apply_tools
 
 
 def choice_requests(rid: str, request: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -107,19 +108,20 @@ def success_response(
     kind = "chat" if url == "/v1/chat/completions" else "completion"
     served = served or ServedModel()
     req = None
-    if (
-        body is not None
-        and kind == "completion"
-        and (body.get("echo") or "prompt_logprobs" in body)
+    if body is not None and (
+        (kind == "completion" and (body.get("echo") or "prompt_logprobs" in body))
+        or (kind == "chat" and body.get("tools"))
     ):
-        req = parse(url, body, Limits())  # validated before it ran: the flags of echo
+        req = parse(url, body, Limits())  # validated before it ran: echo's flags, the tools
     choices = []
     for k, f in enumerate(finals):
         logprobs = None if token_text is None else fmt.choice_logprobs(kind, f.logprobs, token_text)
         one = fmt.choice(kind, k, f.text, f.finish_reason, logprobs)
         if kind == "chat" and body is not None and wants_json(body):
             one["message"]["parsed"] = parsed_json(f.text, f.finish_reason)
-        if req is not None and k // n < len(req.prompts):
+        if req is not None and req.tools is not None:
+            apply_tools(one, req.tools, served.tool_parser)
+        elif req is not None and k // n < len(req.prompts):
             text = served.prompt_text(req.prompts[k // n]) if req.echo else ""
             one = fmt.echo_choice(
                 one, req, text, f.prompt_logprobs, token_text or served.token_text

@@ -290,7 +290,7 @@ class Validator:
         request = {"url": self.endpoint, "body": req_body(req, body)}
         request["sampling_params"] = req.sampling
         encoded = [p.encoded for p in req.prompts]
-        if None not in encoded:  # tokenized once here: the engine takes these ids
+        if None not in encoded:  # tokenized once here (tools rendered): the engine takes these
             request["prompt_token_ids"] = encoded
         counts = [p.num_tokens for p in req.prompts]
         return request, None if None in counts else sum(counts)

@@ -16,7 +16,12 @@ Same model, same prompts, side by side:
 Targets (issue 20): 100% valid with constraints; <= 10% tok/s overhead at batch 64; cached
 compile < 1 ms. Prints one JSON object, with the CPU model and flags.
 
+``--tools``: the same with a forced tool call instead (issue 49: ``tool_choice: "required"`` with the
+schema as a function's ``parameters``, the grammar the gateway sends); valid = an array of calls
+naming the function, each with arguments that validate.
+
     python scripts/bench_structured.py [--num-prompts 64] [--batch1-prompts 4] [--max-tokens 160]
+        [--tools]
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch  # noqa: E402
 from bench_offline import cpu_info  # noqa: E402  (applies the engines' OpenMP policy first)
 
 from laneserve.contracts.openai.structured import parse_structured  # noqa: E402
+from laneserve.contracts.openai.tools import parse_tools  # noqa: E402
 from laneserve.gpu_worker import LLM, SamplingParams  # noqa: E402
 from laneserve.gpu_worker.structured_output import GrammarCompiler  # noqa: E402
 
@@ -51,6 +57,7 @@ SCHEMA = {
     "required": ["name", "age", "email", "role", "skills"],
     "additionalProperties": False,
 }
+TOOL = {"type": "function", "function": {"name": "add_person", "parameters": SCHEMA}}
 SUBJECTS = ["a teacher", "a pilot", "a chef", "a student", "a nurse", "an artist", "a farmer"]
 
 
@@ -76,13 +83,27 @@ def valid(text: str) -> bool:
         return False
 
 
+def valid_calls(text: str) -> bool:
+    """A forced reply (``--tools``): ``[{"name": "add_person", "arguments": {...}}, ...]``."""
+    try:
+        calls = json.loads(text)
+    except ValueError:
+        return False
+    ok = isinstance(calls, list) and len(calls) > 0
+    return ok and all(
+        c.get("name") == "add_person" and valid(json.dumps(c.get("arguments"))) for c in calls
+    )
+
+
 def timed_chat(llm: LLM, convs, params) -> tuple[list, float]:
     start = time.perf_counter()
     outs = llm.chat(convs, params)
     return outs, time.perf_counter() - start
 
 
-def overhead_pair(llm: LLM, convs, spec: dict, max_tokens: int, one_by_one: bool) -> dict:
+def overhead_pair(
+    llm: LLM, convs, spec: dict, max_tokens: int, one_by_one: bool, check=valid
+) -> dict:
     """Constrained run, then an unconstrained run of exactly the same per-request lengths.
 
     Both find the prompts in the prefix cache (a one-token pass over them goes first): otherwise
@@ -111,7 +132,7 @@ def overhead_pair(llm: LLM, convs, spec: dict, max_tokens: int, one_by_one: bool
         "tok_s_without_schema": round(tokens / without_s, 1),
         "tok_s_with_schema": round(tokens / with_s, 1),
         "overhead_pct": round(100.0 * (with_s - without_s) / without_s, 1),
-        "valid_with_schema": sum(valid(o.text) for o in outs),
+        "valid_with_schema": sum(check(o.text) for o in outs),
         "cut_by_max_tokens": sum(o.finish_reason == "length" for o in outs),
     }
 
@@ -144,6 +165,7 @@ def main() -> None:
     ap.add_argument("--batch1-prompts", type=int, default=4, help="requests run one at a time")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--tools", action="store_true", help="a forced tool call, not a schema")
     args = ap.parse_args()
 
     kwargs = {"dtype": args.dtype, "max_num_seqs": max(64, args.num_prompts)}
@@ -151,20 +173,23 @@ def main() -> None:
     spec = parse_structured(
         {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}}
     )
+    check = valid
+    if args.tools:  # the grammar of tool_choice "required" (contracts/openai/tools.py)
+        spec, check = parse_tools({"tools": [TOOL], "tool_choice": "required"}).spec(), valid_calls
     convs = conversations(args.num_prompts)
     llm.chat(convs[:2], SamplingParams(max_tokens=4, temperature=0.0, structured_outputs=spec))
 
     result: dict = {"cpu": cpu_info(), "torch": torch.__version__, "dtype": str(llm.engine.dtype)}
     result["compile"] = compile_times(llm, spec)
     result["batch_1"] = overhead_pair(
-        llm, convs[: args.batch1_prompts], spec, args.max_tokens, one_by_one=True
+        llm, convs[: args.batch1_prompts], spec, args.max_tokens, True, check
     )
     result[f"batch_{args.num_prompts}"] = overhead_pair(
-        llm, convs, spec, args.max_tokens, one_by_one=False
+        llm, convs, spec, args.max_tokens, False, check
     )
     free, _ = timed_chat(llm, convs, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
     result["valid_share"] = {
-        "without_constraints": round(sum(valid(o.text) for o in free) / len(free), 3),
+        "without_constraints": round(sum(check(o.text) for o in free) / len(free), 3),
         "with_constraints": round(
             result[f"batch_{args.num_prompts}"]["valid_with_schema"] / len(convs), 3
         ),

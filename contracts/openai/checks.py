@@ -145,13 +145,14 @@ def token_ids(body: dict, name: str) -> list[int] | None:
 
 
 def tolerated_no_ops(body: dict) -> None:
-    """Fields accepted only with the value laneserve always has: ``tool_choice: "none"`` (no
-    tools are ever called) and ``skip_special_tokens: true`` (text never holds special tokens).
-    Any other value is a 400 naming the field, never silently dropped."""
+    """Fields accepted only with the value laneserve always has: ``tool_choice: "none"`` on
+    ``/v1/completions`` (tools are a chat feature, :mod:`.tools`) and ``skip_special_tokens:
+    true`` (text never holds special tokens). Any other value is a 400 naming the field, never
+    silently dropped."""
     choice = body.get("tool_choice")
     if choice is not None and choice != "none":
         raise invalid(
-            f"'tool_choice' {choice!r} is unsupported (laneserve has no tools; only \"none\")",
+            f"'tool_choice' {choice!r} is unsupported here (tools are for /v1/chat/completions)",
             "tool_choice",
         )
     skip = body.get("skip_special_tokens")

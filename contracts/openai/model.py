@@ -21,6 +21,14 @@ from laneserve.contracts.openai.requests import (
     ParsedRequest,
     Prompt,
 )
+from laneserve.contracts.openai.tool_parsers import parser_for_template
+from laneserve.contracts.openai.tools import (
+    ToolRequest,
+    supports_tools,
+    template_messages,
+    uses_tools,
+    with_fallback_prompt,
+)
 from laneserve.contracts.tokens import PromptError, PromptTokenizer, prompt_ids
 
 logger = logging.getLogger(__name__)
@@ -39,6 +47,14 @@ class ServedModel:
     vocab_size: int | None = None
     aliases: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_call_parser: str | None = None
+
+    @property
+    def tool_parser(self) -> str:
+        """The tool-call parser replies are read with: ``tool_call_parser`` (the
+        ``--tool-call-parser`` flag) or the one the chat template implies."""
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        return self.tool_call_parser or parser_for_template(template)
 
     @classmethod
     def load(
@@ -117,7 +133,11 @@ class ServedModel:
         longest = 0
         for prompt in req.prompts:
             self._check_ids(prompt)
-            prompt.encoded = self.encode(prompt)  # tokenized once: the engine takes these ids
+            if prompt.messages is not None and (req.tools or uses_tools(prompt.messages)):
+                text = self.tool_chat_text(req.tools, prompt.messages)
+                prompt.encoded = self.tokenizer.encode(text)  # as prompt_ids encodes a chat
+            else:  # tokenized once: the engine takes these ids
+                prompt.encoded = self.encode(prompt)
             if prompt.encoded is None:
                 continue
             prompt.num_tokens = len(prompt.encoded)
@@ -155,6 +175,28 @@ class ServedModel:
         if req.sampling.get("min_tokens", 0) > req.max_tokens:
             raise invalid("'min_tokens' must be <= max_tokens", "min_tokens")
         req.sampling["max_tokens"] = req.max_tokens
+
+    def tool_chat_text(self, tools: ToolRequest | None, messages: list[dict]) -> str:
+        """A chat with tools (or tool messages) rendered by the chat template, here because the
+        wire carries no tools: the template's own tool support, or the generic fallback
+        (:mod:`laneserve.contracts.openai.tools`). ``tool_choice: "none"`` leaves tools out.
+
+        Raises OpenAIError (400): no tokenizer at this edge, or the template refused."""
+        if self.tokenizer is None:
+            raise invalid(
+                "tools and tool messages need the model's tokenizer at the gateway (start it "
+                "with --model)",
+                "tools" if tools else "messages",
+            )
+        shown = tools.tools if tools and tools.choice != "none" else ()
+        native = supports_tools(self.tokenizer.chat_template)
+        chat = template_messages(messages, native)
+        if shown and not native:
+            chat = with_fallback_prompt(chat, shown)
+        try:
+            return self.tokenizer.render_chat(chat, shown if native else None)
+        except PromptError as exc:
+            raise invalid(str(exc), "messages") from exc
 
     def _check_ids(self, prompt: Prompt) -> None:
         if prompt.token_ids is None or self.vocab_size is None:

@@ -8,9 +8,10 @@ Written by hand rather than as pydantic models so that every error is a 400 in O
 naming the offending field (pydantic would give FastAPI's 422), and so that unknown and
 unsupported fields are told apart:
 
-- a field laneserve does not implement (``tools``, ``suffix``, ...) -> 400 naming it; a no-op
-  (``tool_choice: "none"``, ``skip_special_tokens: true``, ``response_format`` of type ``text``)
-  is accepted, any other value of it is a 400;
+- a field laneserve does not implement (``functions``, ``suffix``, ...) -> 400 naming it; a no-op
+  (``skip_special_tokens: true``, ``response_format`` of type ``text``, ``tool_choice: "none"``
+  without tools) is accepted, any other value of it is a 400; tools:
+  :mod:`laneserve.contracts.openai.tools`;
 - a field no OpenAI-compatible server knows -> 400 naming it;
 - ``null``, ``[]``, ``{}`` and ``false`` count as "not given" for optional fields.
 
@@ -45,6 +46,12 @@ from laneserve.contracts.openai.checks import (
 )
 from laneserve.contracts.openai.errors import invalid
 from laneserve.contracts.openai.structured import parse_structured
+from laneserve.contracts.openai.tools import (
+    ToolRequest,
+    check_tool_calls,
+    check_tool_results,
+    parse_tools,
+)
 
 LANES = ("interactive", "batch")  # the wire protocol uses these (broker.protocol.LANES)
 MAX_TEXT_CHARS = 8 * 1024 * 1024  # a prompt or message body (also the wire protocol's text cap)
@@ -92,10 +99,8 @@ class Limits:
 # Fields that exist in the OpenAI API (or in vLLM's extensions) and that laneserve does not serve.
 UNSUPPORTED_FIELDS = frozenset(
     {
-        "tools",
         "functions",
         "function_call",
-        "parallel_tool_calls",
         "logit_bias",
         "audio",
         "modalities",
@@ -153,9 +158,15 @@ _COMMON = frozenset(
         "skip_special_tokens",
     }
 )
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = _COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "parallel_tool_calls",
+}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "prompt_logprobs"}
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI chat: top_logprobs 0..20
 MAX_LEGACY_LOGPROBS = 5  # OpenAI legacy completions: logprobs <= 5
 MAX_PROMPT_LOGPROBS = 20  # vLLM's prompt_logprobs cap (its max_logprobs default)
@@ -168,8 +179,9 @@ class Prompt:
     """One prompt in one of the three wire forms (exactly one of them is set).
 
     ``num_tokens``: prompt tokens counted at the edge (None until counted / no tokenizer).
-    ``encoded``: the ids the engine feeds the model, templated and tokenized once at the edge
-    when it counted them (None: the engine tokenizes the given form).
+    ``encoded``: the ids the engine feeds the model, templated (with the request's tools, if
+    any) and tokenized once at the edge when it counted them (None: the engine tokenizes the
+    given form; :meth:`ServedModel.check`).
     """
 
     text: str | None = None
@@ -220,6 +232,7 @@ class ParsedRequest:
     echo: bool = False
     echo_only: bool = False
     prompt_logprobs: int | None = None
+    tools: ToolRequest | None = None
 
     @property
     def num_choices(self) -> int:
@@ -242,7 +255,9 @@ def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
     """Validate a /v1/chat/completions body. Raises OpenAIError (400)."""
     body = _check_fields(body, CHAT_FIELDS)
     messages = parse_messages(body.get("messages"))
+    tools = parse_tools(body)
     req = ParsedRequest(kind="chat", model=_model(body), prompts=[Prompt(messages=messages)])
+    req.tools = tools
     _common(body, req, limits)
     max_completion = int_field(body, "max_completion_tokens", lo=1, hi=limits.max_tokens_limit)
     if max_completion is not None:
@@ -347,19 +362,40 @@ def parse_messages(v: Any) -> list[dict]:
         if type(m) is not dict:
             raise invalid(f"{where} must be an object, got {type_name(m)}", "messages")
         role = m.get("role")
-        if role in ("tool", "function") or given(m.get("tool_calls")):
-            raise invalid(f"{where}: tool messages and tool calls are unsupported", "messages")
+        if role == "function":
+            raise invalid(f"{where}: 'function' messages are deprecated; use 'tool'", "messages")
         if type(role) is not str or role not in CHAT_ROLES:  # {} or [] are unhashable
             raise invalid(f"{where}.role must be one of {sorted(CHAT_ROLES)}", "messages")
-        extra = sorted(set(m) - {"role", "content", "name", "tool_calls", "refusal"})
+        extra = sorted(k for k in set(m) - _MESSAGE_KEYS if not (k in _NULL_KEYS and m[k] is None))
         if extra:
             raise invalid(f"{where}: unknown field(s) {', '.join(extra)}", "messages")
         for key in ("name", "refusal"):  # OpenAI's: strings (refusal null too)
             if m.get(key) is not None and type(m[key]) is not str:
                 raise invalid(f"{where}.{key} must be a string", "messages")
-        out.append(
-            {"role": "system" if role == "developer" else role, "content": _content(m, where)}
-        )
+        out.append(_message(m, role, where))
+    check_tool_results(out)
+    return out
+
+
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
+# Fields of a returned ChatCompletionMessage that clients send back as null with the history.
+_NULL_KEYS = frozenset({"audio", "function_call", "annotations"})
+
+
+def _message(m: dict, role: str, where: str) -> dict:
+    """One message as templates read it: ``developer`` -> ``system``; an assistant's
+    ``tool_calls`` and a tool result's ``tool_call_id`` kept."""
+    out = {"role": "system" if role == "developer" else role, "content": _content(m, where)}
+    if given(m.get("tool_calls")):
+        if role != "assistant":
+            raise invalid(f"{where}: only assistant messages carry tool_calls", "messages")
+        out["tool_calls"] = check_tool_calls(m["tool_calls"], where)
+    if role == "tool":
+        if type(m.get("tool_call_id")) is not str:
+            raise invalid(f"{where}.tool_call_id is required for 'tool' messages", "messages")
+        out["tool_call_id"] = m["tool_call_id"]
+    elif m.get("tool_call_id") is not None:
+        raise invalid(f"{where}.tool_call_id belongs to 'tool' messages", "messages")
     return out
 
 
@@ -508,7 +544,7 @@ def _finish(body: dict, req: ParsedRequest, limits: Limits) -> None:
         raise invalid(
             f"'{param}' must be <= {limits.max_tokens_limit}, got {req.max_tokens}", param
         )
-    tolerated_no_ops(body)
+    tolerated_no_ops(body if req.kind != "chat" else {**body, "tool_choice": None})
     sp: dict[str, Any] = {}
     for name, value in (
         ("temperature", num_field(body, "temperature", 0.0, 2.0)),
@@ -530,6 +566,8 @@ def _finish(body: dict, req: ParsedRequest, limits: Limits) -> None:
     ):
         if value is not None:
             sp[name] = value
+    if req.tools is not None and req.tools.forced:
+        sp["structured_outputs"] = req.tools.spec()
     if sp.get("top_k") == -1:
         sp["top_k"] = 0
     assert set(sp) <= set(SAMPLING_KEYS), sorted(set(sp) - set(SAMPLING_KEYS))

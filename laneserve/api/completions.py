@@ -27,9 +27,10 @@ from starlette.responses import Response, StreamingResponse
 from laneserve.api.arrival import arrival
 from laneserve.api.auth import read_json
 from laneserve.api.errors import response_for
-from laneserve.api.generate import DISCONNECTED, Event, Generation, race_disconnect
+from laneserve.api.generate import DISCONNECTED, Choice, Event, Generation, race_disconnect
 from laneserve.contracts.openai import responses as fmt
 from laneserve.contracts.openai.requests import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, parse
+from laneserve.contracts.openai.tool_parsers import ToolStream, apply_tools
 
 if TYPE_CHECKING:
     from laneserve.api.state import GatewayState
@@ -50,7 +51,9 @@ async def _serve(request: Request, endpoint: str) -> Response:
     state: GatewayState = request.app.state.gateway
     cfg = state.config
     body = await read_json(request, cfg.max_body_bytes)
-    if type(body) is dict and ("response_format" in body or "structured_outputs" in body):
+    if type(body) is dict and any(
+        k in body for k in ("response_format", "structured_outputs", "tools")
+    ):
         # checking a large schema takes up to ~0.5 s: off the event loop
         req = await run_in_threadpool(parse, endpoint, body, cfg.limits)
     else:
@@ -130,6 +133,8 @@ def _body(gen: Generation, state: GatewayState) -> dict:
                 else None
             ),
         )
+        if req.tools is not None:
+            apply_tools(one, req.tools, info.tool_parser)
         text = info.prompt_text(c.prompt) if req.echo else ""
         choices.append(fmt.echo_choice(one, req, text, c.prompt_logprobs, info.token_text))
     return fmt.completion_object(
@@ -166,18 +171,22 @@ def _error_tail(gen: Generation) -> bytes:
 async def _sse_stream(
     gen: Generation,
     chunk: Callable[..., dict],
-    body: Callable[[str | None], dict],
+    body: Callable[[Choice, str | None], list[dict]],
     logprobs: Callable[[Any], dict | None],
     opening: list[bytes],
+    close: Callable[[Choice], tuple[list[dict], str]] | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE body shared by chat and text completions.
 
     Args:
         chunk: ``chunk(choices, usage=None)`` -> one ``chat.completion.chunk`` / ``text_completion``.
-        body: a choice's content fields for a piece of text (``None``: the closing chunk), e.g.
-            ``{"delta": {"content": text}}`` or ``{"text": text}``.
+        body: a choice's content fields for a piece of text, e.g. ``[{"delta": {"content":
+            text}}]`` or ``[{"text": text}]`` (none while a tool call is held back; ``None``
+            text: the closing chunk's empty fields).
         logprobs: the choice's ``logprobs`` for one event, or None.
         opening: chunks sent before any token (the chat role deltas).
+        close: a choice's last content fields and its ``finish_reason`` (tool calls held back
+            until the end); default none and the engine's reason.
     """
     try:
         out = list(opening)
@@ -189,11 +198,17 @@ async def _sse_stream(
                     return
                 lp = logprobs(ev)
                 if ev.text or lp:
-                    choice = {"index": c.index, **body(ev.text), "logprobs": lp}
-                    out.append(fmt.sse(chunk([{**choice, "finish_reason": None}])))
+                    parts = body(c, ev.text) or ([{"delta": {}}] if lp else [])
+                    for k, part in enumerate(parts):
+                        choice = {"index": c.index, **part, "logprobs": None if k else lp}
+                        out.append(fmt.sse(chunk([{**choice, "finish_reason": None}])))
                 if ev.final:
-                    choice = {"index": c.index, **body(None), "logprobs": None}
-                    choice["finish_reason"] = _finish(c.finish_reason)
+                    parts, reason = close(c) if close else ([], _finish(c.finish_reason))
+                    for part in parts:
+                        choice = {"index": c.index, **part, "logprobs": None}
+                        out.append(fmt.sse(chunk([{**choice, "finish_reason": None}])))
+                    (end,) = body(c, None)
+                    choice = {"index": c.index, **end, "logprobs": None, "finish_reason": reason}
                     out.append(fmt.sse(chunk([choice])))
             if out:
                 gen.mark_sent((ev.choice for ev in batch), time.monotonic())
@@ -212,12 +227,22 @@ def _chat_stream(gen: Generation, state: GatewayState) -> AsyncIterator[bytes]:
     req, info = gen.req, state.model_info
     want_lp = req.logprobs is not None
     tier = fmt.service_tier(req.lane)
+    tools = req.tools if req.tools is not None and req.tools.choice != "none" else None
+    calls = {c.index: ToolStream(tools, info.tool_parser) for c in gen.choices} if tools else {}
 
     def chunk(choices: list[dict], **kw) -> dict:
         return fmt.chunk("chat", gen.id, gen.created, req.model, choices, tier=tier, **kw)
 
-    def body(text: str | None) -> dict:
-        return {"delta": {} if text is None else {"content": text}}
+    def body(c: Choice, text: str | None) -> list[dict]:
+        if text is None:
+            return [{"delta": {}}]
+        if calls:
+            return [{"delta": d} for d in calls[c.index].feed(text)]
+        return [{"delta": {"content": text}}]
+
+    def close(c: Choice) -> tuple[list[dict], str]:
+        deltas, reason = calls[c.index].close(_finish(c.finish_reason))
+        return [{"delta": d} for d in deltas], reason
 
     def logprobs(ev) -> dict | None:
         return fmt.chat_logprobs(ev.logprobs, info.token_text) if want_lp and ev.logprobs else None
@@ -227,7 +252,7 @@ def _chat_stream(gen: Generation, state: GatewayState) -> AsyncIterator[bytes]:
         fmt.sse(chunk([{"index": c.index, "delta": role, "logprobs": None, "finish_reason": None}]))
         for c in gen.choices
     ]
-    return _sse_stream(gen, chunk, body, logprobs, opening)
+    return _sse_stream(gen, chunk, body, logprobs, opening, close if calls else None)
 
 
 def _completion_stream(gen: Generation, state: GatewayState) -> AsyncIterator[bytes]:
@@ -239,8 +264,8 @@ def _completion_stream(gen: Generation, state: GatewayState) -> AsyncIterator[by
     def chunk(choices: list[dict], **kw) -> dict:
         return fmt.chunk("completion", gen.id, gen.created, req.model, choices, tier=tier, **kw)
 
-    def body(text: str | None) -> dict:
-        return {"text": text or ""}
+    def body(_c: Choice, text: str | None) -> list[dict]:
+        return [{"text": text or ""}]
 
     def logprobs(ev) -> dict | None:
         if not (want_lp and ev.logprobs):

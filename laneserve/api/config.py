@@ -33,6 +33,8 @@ class ApiConfig:
     the broker status and bulk-job gauges (one gateway per broker; laneserve.api.metrics).
     ``ready_lanes``: lanes that need a live worker for ``/ready`` to answer 200;
     ``ready_ttl_s``: seconds a readiness answer is reused (laneserve.api.health).
+    ``tool_call_parser``: how replies are read for tool calls (``hermes``, ``llama3_json``,
+    ``mistral``); None: the one the chat template implies (docs/tool-calling.md).
     """
 
     broker: str
@@ -53,6 +55,7 @@ class ApiConfig:
     stack_gauges: bool = True
     ready_lanes: tuple[str, ...] = LANES
     ready_ttl_s: float = 1.0
+    tool_call_parser: str | None = None
 
     @property
     def limits(self) -> Limits:

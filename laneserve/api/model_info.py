@@ -19,8 +19,14 @@ def load_served_model(config: ApiConfig) -> ServedModel:
         contracts.tokens.TokenizerError: no tokenizer files (the message says what to run).
     """
     if config.model is None:
-        return ServedModel(served_name=config.served_model_name, max_model_len=config.max_model_len)
+        return ServedModel(
+            served_name=config.served_model_name,
+            max_model_len=config.max_model_len,
+            tool_call_parser=config.tool_call_parser,
+        )
     from laneserve.gpu_worker.model_files import model_display_name, resolve_model_path
 
     name = config.served_model_name or model_display_name(config.model)
-    return ServedModel.load(resolve_model_path(config.model), name, config.max_model_len)
+    served = ServedModel.load(resolve_model_path(config.model), name, config.max_model_len)
+    served.tool_call_parser = config.tool_call_parser
+    return served

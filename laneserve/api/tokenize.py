@@ -2,7 +2,7 @@
 
 ``/tokenize`` takes ``{"prompt": str, "add_special_tokens": true}`` or ``{"messages": [...],
 "add_generation_prompt": true, "add_special_tokens": false}`` (optional ``model``,
-``return_token_strs``) and answers ``{"count", "max_model_len", "tokens", "token_strs"}``;
+``return_token_strs``, and ``tools``, rendered as a chat completion renders them) and answers ``{"count", "max_model_len", "tokens", "token_strs"}``;
 ``/detokenize`` takes ``{"tokens": [int], "model"?}`` and answers ``{"prompt": str}``. Both use the
 served model's tokenizer in the gateway (no engine round trip) and the engine's rule for chat
 messages (:func:`laneserve.contracts.tokens.prompt_ids`), so ``count`` is what ``usage.prompt_tokens`` will
@@ -21,6 +21,7 @@ from laneserve.api.state import GatewayState, model_objects
 from laneserve.contracts.openai.checks import bool_field, type_name
 from laneserve.contracts.openai.errors import invalid, model_not_found
 from laneserve.contracts.openai.requests import MAX_TEXT_CHARS, parse_messages
+from laneserve.contracts.openai.tools import parse_tools, uses_tools
 from laneserve.contracts.tokens import PromptError, PromptTokenizer
 
 TOKENIZE_FIELDS = frozenset(
@@ -31,6 +32,7 @@ TOKENIZE_FIELDS = frozenset(
         "add_special_tokens",
         "add_generation_prompt",
         "return_token_strs",
+        "tools",
     }
 )
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
@@ -49,8 +51,12 @@ async def tokenize(request: Request) -> Response:
                 "'add_generation_prompt': false is not supported", "add_generation_prompt"
             )
         special = bool(bool_field(body, "add_special_tokens"))  # vLLM's chat default: false
+        chat, tools = parse_messages(messages), parse_tools({"tools": body.get("tools")})
         try:
-            text = tok.render_chat(parse_messages(messages))
+            if tools or uses_tools(chat):  # rendered as a chat completion renders it
+                text = state.model_info.tool_chat_text(tools, chat)
+            else:
+                text = tok.render_chat(chat)
         except PromptError as exc:
             raise invalid(str(exc), "messages") from exc
     else:

@@ -12,3 +12,15 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port {port} is not in 0..65535")
     return port
+
+
+def add_tool_parser_argument(parser: argparse.ArgumentParser) -> None:
+    """``--tool-call-parser`` (vLLM's flag and names), shared by `up`, `api` and `jobs-runner`."""
+    from laneserve.contracts.openai.tool_parsers import PARSERS
+
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default=None,
+        help="how replies are read for tool calls (default: the one the chat template implies)",
+    )

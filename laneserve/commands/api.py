@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from laneserve.commands import port_number
+from laneserve.commands import add_tool_parser_argument, port_number
 from laneserve.contracts import env
 from laneserve.contracts.openai.requests import LANES
 
@@ -37,6 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--served-model-name", default=None, help="name clients use for --model")
     parser.add_argument("--max-model-len", type=int, default=None, help="tokens (default: model's)")
+    add_tool_parser_argument(parser)
     parser.add_argument("--max-body-bytes", type=int, default=None, help="JSON body limit")
     parser.add_argument("--max-file-bytes", type=int, default=None, help="upload limit")
     parser.add_argument("--max-n", type=int, default=None, help="most choices per request")
@@ -109,6 +110,7 @@ def build_config(args: argparse.Namespace):
         metrics_host=args.metrics_host,
         stack_gauges=args.stack_gauges,
         ready_lanes=_lanes(args.ready_lanes),
+        tool_call_parser=args.tool_call_parser,
         **extra,
     )
 

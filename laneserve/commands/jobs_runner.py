@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from laneserve.commands import add_tool_parser_argument
 from laneserve.commands.recorder import default_retention_days
 
 # Same value as jobs.retention.DEFAULT_INTERVAL_S (building the parser imports no SQLAlchemy).
@@ -52,6 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="do not load a tokenizer (no over-length check, no map-reduce)",
     )
+    add_tool_parser_argument(parser)
     parser.add_argument("--max-in-flight", type=int, default=256, help="lines in flight in total")
     parser.add_argument("--window", type=int, default=None, help="lines in flight per job")
     parser.add_argument(
@@ -118,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
     except (ModelLoadError, TokenizerError) as exc:
         print(f"laneserve jobs-runner: {exc}", file=sys.stderr)
         return 1
+    counter.tool_call_parser = args.tool_call_parser
     logger.info("served model %s; max_model_len %s", model_name, counter.max_model_len)
     runner = JobsRunner(
         engine,

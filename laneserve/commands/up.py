@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from laneserve.commands import port_number
+from laneserve.commands import add_tool_parser_argument, port_number
 from laneserve.commands.up_host import (
     cpu_cores,
     free_port,
@@ -113,6 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="synthetic workers (fake tokens, no model): for tests and benchmarks of the plumbing",
     )
+    add_tool_parser_argument(parser)
     parser.add_argument(
         "--liveness",
         type=int,
@@ -226,6 +227,7 @@ def build_specs(args: argparse.Namespace, plan: dict) -> list:
             argv.append("--synthetic")
         specs.append(ChildSpec(f"worker-{i}", argv, worker_env, stop_group=1))
     n_runners = args.jobs_runners
+    tools = ["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []
     for i in range(n_runners):
         name = "jobs-runner" if n_runners == 1 else f"jobs-runner-{i}"
         runner = [py, "-m", "laneserve.commands.jobs_runner", "--broker", plan["front"]]
@@ -233,12 +235,13 @@ def build_specs(args: argparse.Namespace, plan: dict) -> list:
         # A stable lease id: the restarted child takes its own leases back at once.
         runner += ["--runner-id", f"{socket.gethostname()}-{name}"]
         runner += ["--no-length-check"] if args.synthetic else ["--model", engine.model]
+        runner += tools
         specs.append(ChildSpec(name, runner, common, stop_group=0))
     api = [py, "-m", "laneserve.commands.api", "--broker", plan["front"]]
     api += ["--port", str(plan["api_port"]), "--db", plan["db_url"], "--parent-pid", pid]
     if not args.synthetic:
         api += ["--model", engine.model]
-    api += [
+    api += tools + [
         "--ready-lanes",
         ",".join(lane for lane in LANES if any(lane in g for g in plan["lanes"])),
     ]

@@ -28,6 +28,13 @@ pytestmark = pytest.mark.slow
 
 MODEL = "smollm2"
 CHAT = "/v1/chat/completions"
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+TOOL_TURN = [
+    {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "c", "content": "done"},
+]  # fmt: skip
+PROMPT_KEYS = ("sampling_params", "prompt", "messages", "prompt_token_ids")
 TEXT = "/v1/completions"
 MSG = [{"role": "user", "content": "Say hi."}]
 BASE = {
@@ -101,6 +108,11 @@ CASES = [
     ),
     (CHAT, {"structured_outputs": {"choice": ["a", "b"]}}),
     (CHAT, {"tool_choice": "auto"}),
+    (CHAT, {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}),
+    (CHAT, {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+    (CHAT, {"tools": [TOOL], "messages": [{"role": "user", "content": "x"}, *TOOL_TURN]}),
+    (CHAT, {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+    (CHAT, {"messages": [{"role": "tool", "tool_call_id": "c", "content": "x"}]}),
     (CHAT, {"tool_choice": "none", "skip_special_tokens": True}),
     (CHAT, {"skip_special_tokens": False}),
     (CHAT, {"foo": 1}),
@@ -228,14 +240,18 @@ def served(smollm2_gguf):
 
 
 def batch_line(tmp_path, served, endpoint: str, body: dict) -> tuple[dict | None, list | None]:
-    """(error, the sampling params the runner would submit for each choice) of ``body`` as a
-    batch line."""
+    """(error, the sampling params and prompt the runner would submit for each choice) of
+    ``body`` as a batch line."""
     line = {"custom_id": "x", "method": "POST", "url": endpoint, "body": body}
     validator = Validator(endpoint=endpoint, counter=served)
     (result,) = validator.lines(write_jsonl(tmp_path / "in.jsonl", [line]))
     if result.error is not None:
         return result.error, None
-    return None, [kw["sampling_params"] for _, kw in choice_requests("x", result.request)]
+    return None, [_sent(kw) for _, kw in choice_requests("x", result.request)]
+
+
+def _sent(submit_kwargs: dict) -> dict:
+    return {k: submit_kwargs.get(k) for k in PROMPT_KEYS}
 
 
 @pytest.mark.parametrize(("endpoint", "changes"), CASES)
@@ -245,7 +261,7 @@ def test_batch_line_validates_as_the_api(gateway, served, tmp_path, endpoint, ch
     line_error, line_sampling = batch_line(tmp_path, served, endpoint, body)
     if response.status_code == 200:
         assert line_error is None, (response.json(), line_error)
-        assert [s["sampling_params"] for s in submitted] == line_sampling
+        assert [_sent(s) for s in submitted] == line_sampling  # tools: the same rendered ids
         return
     error = response.json()["error"]
     assert response.status_code in (400, 404), response.text

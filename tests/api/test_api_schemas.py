@@ -71,8 +71,8 @@ def test_completion_bad_prompts(prompt) -> None:
 
 
 def test_unsupported_fields_are_named() -> None:
-    e = err(chat, tools=[{"type": "function"}], parallel_tool_calls=True)
-    assert e.status == 400 and "tools" in e.message and "parallel_tool_calls" in e.message
+    e = err(chat, functions=[{"name": "f"}], function_call="auto")
+    assert e.status == 400 and "functions" in e.message and "function_call" in e.message
     # not given, in any of the usual spellings: accepted
     chat(tools=None, response_format=None, tool_choice=None, logit_bias={}, user="u")
     assert "frobnicate" in err(chat, frobnicate=1).message

@@ -39,6 +39,16 @@ _SAMPLING = {
     "stream": {"type": "boolean"},
     "stop": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
 }
+_TOOL = {
+    "type": "object",
+    "properties": {
+        "type": {"enum": ["function", "retrieval"]},
+        "function": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 8}, "parameters": {}},
+        },
+    },
+}
 BODIES = {
     "/v1/chat/completions": {
         "type": "object",
@@ -46,6 +56,9 @@ BODIES = {
             **_SAMPLING,
             "messages": {"type": "array", "items": _MESSAGE, "minItems": 1, "maxItems": 3},
             "service_tier": {"enum": ["auto", "default", "priority", "flex"]},
+            "tools": {"type": "array", "items": _TOOL, "maxItems": 2},
+            "tool_choice": {"enum": ["auto", "none", "required"]},
+            "parallel_tool_calls": {"type": "boolean"},
         },
         "required": ["model", "messages"],
     },

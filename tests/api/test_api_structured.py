@@ -1,6 +1,8 @@
 """Structured outputs through the gateway with the official `openai` client (real SmolLM2 worker):
 `beta.chat.completions.parse` with a Pydantic model, json_schema / json_object, plain and SSE, on
-chat and completions; bad schemas are a 400 before any inference."""
+chat and completions; bad schemas are a 400 before any inference. Tool calls forced by the same
+grammar engine (`tool_choice` "required" or a named function), plain and streamed, a tool result
+rendered into the next prompt, and the SDK's pydantic tools (what instructor's TOOLS mode sends)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -131,3 +134,140 @@ def test_bad_constraints_are_a_400_and_no_ops_are_fine(client, extra, needle) ->
         tool_choice="none", extra_body={"skip_special_tokens": True},
     )  # fmt: skip
     assert ok.choices[0].message.content is not None
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "pattern": "^[A-Za-z ]{1,20}$"},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_calls(calls, names) -> None:
+    assert calls, "no tool call"
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def _streamed_calls(chunks) -> tuple[dict[int, dict], str | None]:
+    """Tool calls put together from stream deltas as the SDK's docs do, and the finish reason."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        assert not choice.delta.content, "a forced call streamed content"
+        for d in choice.delta.tool_calls or ():
+            call = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+            assert d.id is None or d.id == call["id"]
+            call["name"] += d.function.name or ""
+            call["arguments"] += d.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return calls, finish
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_forced_tool_calls_validate_plain_and_streamed(client, choice) -> None:
+    named = {"type": "function", "function": {"name": choice}}
+    tool_choice = choice if choice == "required" else named
+    kw = {"model": MODEL, "tools": TOOLS, "tool_choice": tool_choice, "max_tokens": 96}
+
+    def one(i: int):
+        messages = [{"role": "user", "content": f"Question {i}: the weather or the time?"}]
+        return client.chat.completions.create(
+            messages=messages, temperature=0.8, seed=i, parallel_tool_calls=i % 2 == 0, **kw
+        )
+
+    with ThreadPoolExecutor(10) as pool:
+        results = list(pool.map(one, range(20)))
+    names = {"get_weather"} if choice == "get_weather" else set(SCHEMAS)
+    for r in results:
+        message = r.choices[0].message
+        _check_calls(message.tool_calls, names)
+        assert message.content is None and r.choices[0].finish_reason == "tool_calls"
+        assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 0
+    assert len(results[1].choices[0].message.tool_calls) == 1  # parallel_tool_calls=False
+    calls, finish = _streamed_calls(
+        client.chat.completions.create(messages=ASK, stream=True, temperature=0, **kw)
+    )
+    assert finish == "tool_calls" and calls
+    for call in calls.values():
+        assert call["name"] in names and call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+def test_a_tool_result_round_trips_into_the_prompt(client, real_stack) -> None:
+    kw = {"model": MODEL, "tools": TOOLS, "max_tokens": 48, "temperature": 0}
+    first = client.chat.completions.create(
+        messages=ASK, tool_choice={"type": "function", "function": {"name": "get_weather"}}, **kw
+    )
+    message = first.choices[0].message
+    history = [*ASK, message.model_dump(exclude_none=True)]
+
+    def answer(result: str):
+        tool = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": result}
+        return client.chat.completions.create(messages=[*history, tool], **kw)
+
+    short, long = answer("18 C"), answer("18 C, clear sky, wind 10 km/h from the west")
+    assert short.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+    assert long.usage.prompt_tokens > short.usage.prompt_tokens  # the result is in the prompt
+    tool = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "18 C"}
+    counted = httpx.post(
+        real_stack.url + "/tokenize",
+        json={"messages": [*history, tool], "tools": TOOLS, "return_token_strs": True},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()
+    assert counted["count"] == short.usage.prompt_tokens  # /tokenize renders tools the same
+    assert "18 C" in "".join(counted["token_strs"]) and "get_time" in "".join(counted["token_strs"])
+    reply = short.choices[0]
+    assert reply.message.content or reply.message.tool_calls  # auto: text or a parsed call
+    with pytest.raises(openai.BadRequestError) as info:  # a result for a call never made
+        client.chat.completions.create(
+            messages=[*ASK, {"role": "tool", "tool_call_id": "call_x", "content": "?"}], **kw
+        )
+    assert info.value.body["param"] == "messages" and "tool_calls" in info.value.message
+
+
+class Weather(BaseModel):
+    city: str = Field(max_length=20)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def test_sdk_pydantic_tools_parse_as_instructor_uses_them(client) -> None:
+    parse = getattr(client, "beta", client).chat.completions.parse
+    tool = openai.pydantic_function_tool(Weather)
+    r = parse(
+        model=MODEL, messages=ASK, tools=[tool], max_tokens=64, temperature=0.7,
+        tool_choice={"type": "function", "function": {"name": "Weather"}},
+    )  # fmt: skip
+    parsed = r.choices[0].message.tool_calls[0].function.parsed_arguments
+    assert isinstance(parsed, Weather)

@@ -172,7 +172,8 @@ def test_a_port_left_in_time_wait_by_a_stopped_stack_is_free():
         assert not port_free(port)
 
 
-def test_up_jobs_runners_start_with_distinct_stable_lease_ids(tmp_path):
+def _up_specs(tmp_path, *argv: str) -> dict:
+    """The child specs `laneserve up ARGV` builds (no process started)."""
     import argparse
 
     from laneserve.commands import up
@@ -180,16 +181,38 @@ def test_up_jobs_runners_start_with_distinct_stable_lease_ids(tmp_path):
 
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)
-    args = parser.parse_args(["--jobs-runners", "3", "--synthetic"])
+    args = parser.parse_args(list(argv))
     plan = {
         "home": tmp_path, "front": "ipc://f", "back": "ipc://b", "recorder_addr": "ipc://r",
         "db_url": "sqlite://", "lanes": [["batch"]], "engine": EngineConfig(), "threads": 1,
         "gpus": 0, "liveness": 5, "api_port": 1, "dashboard_port": None, "api_key": None,
     }  # fmt: skip
-    runners = [s for s in up.build_specs(args, plan) if s.name.startswith("jobs-runner")]
+    return {s.name: s for s in up.build_specs(args, plan)}
+
+
+def test_up_jobs_runners_start_with_distinct_stable_lease_ids(tmp_path):
+    argv = ("--jobs-runners", "3", "--synthetic")
+    runners = [s for n, s in _up_specs(tmp_path, *argv).items() if n.startswith("jobs-runner")]
     assert [s.name for s in runners] == ["jobs-runner-0", "jobs-runner-1", "jobs-runner-2"]
     ids = [s.argv[s.argv.index("--runner-id") + 1] for s in runners]
     assert len(set(ids)) == 3 and all(i.endswith(s.name) for i, s in zip(ids, runners, strict=True))
     # Built again (a restart), each runner keeps its lease id.
-    again = [s for s in up.build_specs(args, plan) if s.name.startswith("jobs-runner")]
+    again = [s for n, s in _up_specs(tmp_path, *argv).items() if n.startswith("jobs-runner")]
     assert [s.argv[s.argv.index("--runner-id") + 1] for s in again] == ids
+
+
+def test_up_passes_tool_call_parser_to_the_gateway_and_the_jobs_runner(tmp_path):
+    import argparse
+
+    from laneserve.commands import api, jobs_runner
+
+    specs = _up_specs(tmp_path, "--tool-call-parser", "llama3_json", "--no-dashboard")
+    commands = argparse.ArgumentParser().add_subparsers()
+    api.register(commands)
+    jobs_runner.register(commands)
+    gateway = commands.choices["api"].parse_args(specs["api"].argv[3:])
+    assert api.build_config(gateway).tool_call_parser == "llama3_json"
+    runner = commands.choices["jobs-runner"].parse_args(specs["jobs-runner"].argv[3:])
+    assert runner.tool_call_parser == "llama3_json"
+    with pytest.raises(SystemExit):  # only vLLM's names
+        _up_specs(tmp_path, "--tool-call-parser", "pythonic")
