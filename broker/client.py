@@ -38,6 +38,7 @@ import zmq.asyncio
 
 from laneserve.broker import protocol as p
 from laneserve.broker.client_conn import Conn, Connections
+from laneserve.contracts import defaults
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,8 @@ class BrokerClient(Connections):
         self,
         address: str,
         *,
-        heartbeat_interval_s: float = 1.0,
-        liveness_s: float = 10.0,
+        heartbeat_interval_s: float = defaults.HEARTBEAT_INTERVAL_S,
+        liveness_s: float = defaults.CLIENT_LIVENESS_S,
         connect_timeout_s: float = 30.0,
         ctx: zmq.asyncio.Context | None = None,
     ) -> None:

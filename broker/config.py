@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from laneserve.contracts import defaults
+
 
 @dataclass(frozen=True, slots=True)
 class BrokerConfig:
@@ -12,8 +14,8 @@ class BrokerConfig:
     front: str
     back: str
     recorder: str | None = None
-    heartbeat_interval_s: float = 1.0  # DESIGN.md: heartbeats every 1 s
-    liveness: int = 3  # intervals of silence before a worker is lost (raise on a busy CPU)
+    heartbeat_interval_s: float = defaults.HEARTBEAT_INTERVAL_S  # DESIGN.md: every 1 s
+    liveness: int = defaults.LIVENESS  # intervals of silence before a worker is lost
     max_interactive_queue: int = 256  # full -> `overloaded` (HTTP 429)
     max_batch_queue: int = 20_000  # the jobs runner keeps the rest in SQL
     batch_every: int = 4  # >= 1 batch dispatch per 5 when both lanes wait: 20 % minimum share
@@ -25,7 +27,9 @@ class BrokerConfig:
     no_worker_timeout_s: float = 30.0  # interactive waits this long without any serving worker
     record_flush_s: float = 0.5  # recorder commits finished requests within about a second
     record_batch_size: int = 512
-    record_resend_s: float = 5.0  # resend an unacknowledged RecordBatch after this long
+    record_resend_s: float = (
+        defaults.RECORD_RESEND_S
+    )  # resend an unacknowledged RecordBatch after this long
     record_retention: int = 50_000  # max records held unacknowledged; oldest dropped beyond
     snapshot_interval_s: float = 5.0  # worker_stats snapshots
     client_sndhwm: int = 100_000  # messages queued per client before it counts as not reading

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from laneserve.contracts import env
+from laneserve.contracts import defaults, env
 from laneserve.gpu_worker import host_memory
 from laneserve.gpu_worker.config import ENGINE_DEFAULTS
 from laneserve.gpu_worker.models.llama import AttentionMetadata, LlamaForCausalLM
@@ -101,7 +101,7 @@ class ModelRunner:
         num_blocks: int,
         use_cuda_graphs: bool = True,
         max_num_seqs: int = ENGINE_DEFAULTS.max_num_seqs,
-        max_model_len: int = 8192,
+        max_model_len: int = defaults.MAX_MODEL_LEN,
     ):
         self.model = model
         self.block_size = block_size

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from laneserve.contracts import defaults
 from laneserve.gpu_worker.config import ENGINE_DEFAULTS, EngineConfig
 
 
@@ -41,7 +42,7 @@ class SchedulerConfig:
 
     max_num_seqs: int = ENGINE_DEFAULTS.max_num_seqs
     max_num_batched_tokens: int = ENGINE_DEFAULTS.max_num_batched_tokens
-    max_model_len: int = 8192
+    max_model_len: int = defaults.MAX_MODEL_LEN
     long_prefill_token_threshold: int | None = None
     watermark: float = 0.01
     interactive_batch_token_cap: int | None = ENGINE_DEFAULTS.interactive_batch_token_cap

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from laneserve.contracts import latency
+from laneserve.contracts import defaults, latency
 from laneserve.gpu_worker.config import ENGINE_DEFAULTS
 from laneserve.gpu_worker.outputs import RequestDelta
 
@@ -62,7 +62,7 @@ class SyntheticEngine:
         num_blocks: int = 4096,
         block_size: int = 16,
         default_max_tokens: int = 16,
-        max_model_len: int = 8192,
+        max_model_len: int = defaults.MAX_MODEL_LEN,
         fail_on: str | None = None,
         stamp: bool = False,
         cost_scale: float = 1.0,

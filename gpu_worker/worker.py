@@ -47,6 +47,7 @@ from typing import Any
 import zmq
 
 from laneserve.broker import protocol as p
+from laneserve.contracts import defaults
 from laneserve.gpu_worker.engine_protocol import Engine
 from laneserve.gpu_worker.worker_io import RESET_DONE, IoLoop, ResetEngine
 
@@ -103,10 +104,10 @@ class Worker:
         capacity: int = 64,
         model: str = "",
         worker_id: str | None = None,
-        heartbeat_interval_s: float = 1.0,
-        liveness: int = 3,
+        heartbeat_interval_s: float = defaults.HEARTBEAT_INTERVAL_S,
+        liveness: int = defaults.LIVENESS,
         parent_pid: int | None = None,
-        drain_timeout_s: float = 30.0,
+        drain_timeout_s: float = defaults.DRAIN_TIMEOUT_S,
         stats_interval_s: float = 0.25,
         info: dict | None = None,
         ctx: zmq.Context | None = None,

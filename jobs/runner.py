@@ -51,6 +51,7 @@ from sqlalchemy.exc import OperationalError
 
 from laneserve.broker import protocol as p
 from laneserve.broker.client import BrokerClient
+from laneserve.contracts import defaults
 from laneserve.contracts.openai import ServedModel
 from laneserve.contracts.procs import parent_gone
 from laneserve.db.availability import Outage
@@ -99,7 +100,7 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
         window: int | None = None,
         poll_interval_s: float = 0.5,
         parent_pid: int | None = None,
-        client_liveness_s: float = 10.0,
+        client_liveness_s: float = defaults.CLIENT_LIVENESS_S,
         retention_s: float = 0.0,
         retention_interval_s: float = retention.DEFAULT_INTERVAL_S,
         runner_id: str | None = None,

@@ -6,8 +6,17 @@ import argparse
 import logging
 import signal
 import sys
+from typing import Any
+
+from laneserve.broker.config import BrokerConfig
+from laneserve.contracts.defaults import field_default
 
 logger = logging.getLogger(__name__)
+
+
+def _default(name: str) -> Any:
+    """The flag's default: `BrokerConfig`'s (declared once, there)."""
+    return field_default(BrokerConfig, name)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,24 +43,27 @@ def _add_endpoints(parser: argparse.ArgumentParser) -> None:
 def _add_liveness(parser: argparse.ArgumentParser) -> None:
     """Heartbeats, timeouts and periods (seconds), and the parent watch."""
     parser.add_argument(
-        "--heartbeat-interval", type=float, default=1.0, help="seconds (default: %(default)s)"
+        "--heartbeat-interval",
+        type=float,
+        default=_default("heartbeat_interval_s"),
+        help="seconds (default: %(default)s)",
     )
     parser.add_argument(
         "--liveness",
         type=int,
-        default=3,
+        default=_default("liveness"),
         help="missed heartbeats before a worker is lost (default: %(default)s)",
     )
     parser.add_argument(
         "--record-resend",
         type=float,
-        default=5.0,
+        default=_default("record_resend_s"),
         help="seconds before an unacknowledged record batch is resent (default: %(default)s)",
     )
     parser.add_argument(
         "--record-retention",
         type=int,
-        default=50_000,
+        default=_default("record_retention"),
         help="records held for the recorder until it commits them (e.g. while the database is "
         "away); beyond this the oldest batches are dropped, counted in records_dropped "
         "(default: %(default)s)",
@@ -59,13 +71,13 @@ def _add_liveness(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--snapshot-interval",
         type=float,
-        default=5.0,
+        default=_default("snapshot_interval_s"),
         help="seconds between worker_stats snapshots (default: %(default)s)",
     )
     parser.add_argument(
         "--no-worker-timeout",
         type=float,
-        default=30.0,
+        default=_default("no_worker_timeout_s"),
         help="seconds an interactive request waits with no worker serving its lane",
     )
     parser.add_argument(
@@ -78,22 +90,25 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-interactive-queue",
         type=int,
-        default=256,
+        default=_default("max_interactive_queue"),
         help="full -> overloaded (default: %(default)s)",
     )
     parser.add_argument(
-        "--max-batch-queue", type=int, default=20_000, help="(default: %(default)s)"
+        "--max-batch-queue",
+        type=int,
+        default=_default("max_batch_queue"),
+        help="(default: %(default)s)",
     )
     parser.add_argument(
         "--max-attempts",
         type=int,
-        default=3,
+        default=_default("max_attempts"),
         help="dispatches before worker_lost is final (default: %(default)s)",
     )
     parser.add_argument(
         "--client-sndhwm",
         type=int,
-        default=100_000,
+        default=_default("client_sndhwm"),
         help="messages queued per client before it counts as not reading (default: %(default)s)",
     )
 

@@ -8,6 +8,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from laneserve.contracts import defaults
 from laneserve.gpu_worker.config import (
     EngineConfig,
     EngineConfigError,
@@ -37,13 +38,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="requests held at once (default: 2 x max-num-seqs: batch fills the engine, interactive can still get in)",
     )
-    parser.add_argument("--heartbeat-interval", type=float, default=1.0)
-    parser.add_argument("--liveness", type=int, default=3)
+    parser.add_argument(
+        "--heartbeat-interval", type=float, default=defaults.HEARTBEAT_INTERVAL_S, help="seconds"
+    )
+    parser.add_argument("--liveness", type=int, default=defaults.LIVENESS)
     parser.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process is gone"
     )
     parser.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds to finish work on SIGTERM"
+        "--drain-timeout",
+        type=float,
+        default=defaults.DRAIN_TIMEOUT_S,
+        help="seconds to finish work on SIGTERM",
     )
     curve = parser.add_argument_group("CurveZMQ (a broker on another host)")
     curve.add_argument(

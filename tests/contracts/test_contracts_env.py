@@ -73,3 +73,38 @@ def test_product_code_reads_the_environment_only_through_the_registry():
             if names:
                 stray[str(path.relative_to(ROOT))] = sorted(names)
     assert stray == {}, f"read these through contracts.env instead: {stray}"
+
+
+def test_shared_defaults_are_declared_once_and_the_flags_read_them() -> None:
+    """`laneserve broker` and `laneserve worker` flags default to `contracts.defaults` /
+    `BrokerConfig` (a flag with its own literal would drift from the class it sets)."""
+    import argparse
+
+    from laneserve.broker.config import BrokerConfig
+    from laneserve.commands import broker, worker
+    from laneserve.contracts import defaults
+
+    def parsed(register) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        sub = parser.add_subparsers(dest="cmd")
+        register(sub)
+        (name,) = sub.choices
+        args = [name, "--model", "m"] if name == "worker" else [name]
+        return parser.parse_args(args)
+
+    b = parsed(broker.register)
+    config = BrokerConfig(front="f", back="b")
+    for flag, field in [("heartbeat_interval", "heartbeat_interval_s"), ("liveness", "liveness"),
+                        ("record_resend", "record_resend_s"), ("max_attempts", "max_attempts"),
+                        ("record_retention", "record_retention")]:  # fmt: skip
+        assert getattr(b, flag) == getattr(config, field), flag
+    assert (config.heartbeat_interval_s, config.liveness) == (
+        defaults.HEARTBEAT_INTERVAL_S,
+        defaults.LIVENESS,
+    )
+    w = parsed(worker.register)
+    assert (w.heartbeat_interval, w.liveness, w.drain_timeout) == (
+        defaults.HEARTBEAT_INTERVAL_S,
+        defaults.LIVENESS,
+        defaults.DRAIN_TIMEOUT_S,
+    )
