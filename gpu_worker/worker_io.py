@@ -97,7 +97,9 @@ class IoLoop:
     # ------------------------------------------------------------------ sockets
 
     def _open_dealer(self) -> None:
-        """Connect a fresh DEALER (and its handshake monitor) and send ``ready``."""
+        """Connect a fresh DEALER (and its handshake monitor) and send ``ready``, unless a reset
+        is pending: then ``ready`` waits for the engine loop (a second ``ready`` would tell the
+        broker this worker restarted, and it would requeue what it had just sent)."""
         w = self.w
         sock = w.ctx.socket(zmq.DEALER)
         p.secure_socket_options(sock)
@@ -112,7 +114,8 @@ class IoLoop:
         self.monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
         sock.connect(w.broker_addr)
         self.dealer = sock
-        self._announce()
+        if not w._resets:  # else once the engine loop has forgotten its requests (RESET_DONE)
+            self._announce()
         self.poller.register(self.dealer, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
 
