@@ -1,4 +1,4 @@
-"""`ModelConfig`: the shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2), the
+"""`ModelConfig`: the shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3), the
 architectures supported, and the config built from a Hugging Face `config.json` dict
 (`config_from_hf_dict`; a GGUF's metadata gives one through `gguf_loader.config_from_gguf`).
 """
@@ -19,9 +19,11 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "llama": "llama",
     "mistral": "mistral",
     "qwen2": "qwen2",
+    "qwen3": "qwen3",
 }
 
 
@@ -29,7 +31,7 @@ SUPPORTED_ARCHITECTURES = {
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (sizes in elements, lengths in tokens)."""
 
-    architecture: str  # "llama" | "mistral" | "qwen2"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -44,6 +46,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None = None
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each q and k head's D features before RoPE (Qwen3)
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     name: str = ""
 
@@ -58,6 +61,7 @@ class ModelConfig:
             "llama": "LlamaForCausalLM",
             "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
         }[self.architecture]
         eos = list(self.eos_token_ids)
         return {
@@ -85,7 +89,7 @@ class ModelConfig:
 
 
 def architecture_family(arch: str, where: Path) -> str:
-    """Our family name ("llama", "mistral", "qwen2") for a Hugging Face `architectures[0]` or a
+    """Our family name ("llama", "mistral", "qwen2", "qwen3") for a Hugging Face `architectures[0]` or a
     GGUF `general.architecture`.
 
     Raises:
@@ -96,7 +100,7 @@ def architecture_family(arch: str, where: Path) -> str:
         supported = sorted(k for k in SUPPORTED_ARCHITECTURES if k[0].isupper())
         raise ModelLoadError(
             f"{where}: unsupported architecture {arch!r}; supported: {supported} "
-            "(GGUF general.architecture llama, mistral, qwen2)"
+            "(GGUF general.architecture llama, mistral, qwen2, qwen3)"
         )
     return family
 
@@ -110,7 +114,7 @@ def config_from_hf_dict(cfg: dict[str, Any], where: Path) -> ModelConfig:
     arch = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
     family = architecture_family(arch, where)
     if (
-        family in ("mistral", "qwen2")
+        family in ("mistral", "qwen2", "qwen3")
         and cfg.get("sliding_window")
         and cfg.get("use_sliding_window", family == "mistral")
     ):
@@ -145,6 +149,7 @@ def config_from_hf_dict(cfg: dict[str, Any], where: Path) -> ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+            qk_norm=family == "qwen3",
             rope_scaling=scaling,
             name=str(cfg.get("laneserve_name") or cfg.get("_name_or_path") or where.name),
         )
