@@ -99,6 +99,7 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings="output.weight" not in names,
         max_model_len=int(get("context_length", 2048)),
+        max_position_embeddings=int(get("context_length", 2048)),
         eos_token_ids=(int(eos),) if eos is not None else (),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         attention_bias="blk.0.attn_q.bias" in names,
