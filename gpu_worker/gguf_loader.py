@@ -132,6 +132,20 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
+def hf_to_gguf_name(name: str) -> str | None:
+    """`model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight` (llama.cpp's tensor
+    names; the inverse of `gguf_to_hf_name`); None if llama.cpp has no such tensor."""
+    for gguf_name, hf_name in _GGUF_GLOBAL_NAMES.items():
+        if name == hf_name:
+            return gguf_name
+    if name.startswith("model.layers."):
+        _, _, idx, rest = name.split(".", 3)
+        for gguf_name, hf_name in _GGUF_LAYER_NAMES.items():
+            if rest == hf_name:
+                return f"blk.{idx}.{gguf_name}"
+    return None
+
+
 def gguf_to_hf_name(name: str) -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
     if name in _GGUF_GLOBAL_NAMES:

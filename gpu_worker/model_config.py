@@ -21,6 +21,7 @@ HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 HF_CLASS = {family: arch for arch, family in HF_ARCHITECTURES.items()}
 # GGUF `general.architecture` (llama.cpp's names) -> our family name
