@@ -22,6 +22,7 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 HF_CLASS = {family: arch for arch, family in HF_ARCHITECTURES.items()}
 # GGUF `general.architecture` (llama.cpp's names) -> our family name
@@ -209,6 +210,10 @@ def config_from_hf_dict(cfg: dict[str, Any], where: Path) -> ModelConfig:
     """
     arch = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
     family = architecture_family(arch, where)
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(
+            f"{where}/config.json: bidirectional attention is not supported; supported: causal"
+        )
     if cfg.get("attn_logit_softcapping"):
         raise ModelLoadError(
             f"{where}/config.json: attention logit soft-capping (attn_logit_softcapping="

@@ -66,6 +66,20 @@ def _tiny(**extra) -> dict:
     return {**base, **extra}
 
 
+_QWEN3_06B = dict(
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
 SHAPES: dict[str, dict[str, dict]] = {
     "llama": {
         "3.2-1b": dict(
@@ -100,32 +114,8 @@ SHAPES: dict[str, dict[str, dict]] = {
         ),
     },
     "qwen3": {
-        "0.6b": dict(
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            max_position_embeddings=40960,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-        ),
-        "1.7b": dict(
-            hidden_size=2048,
-            intermediate_size=6144,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            max_position_embeddings=40960,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-        ),
+        "0.6b": _QWEN3_06B,
+        "1.7b": {**_QWEN3_06B, "hidden_size": 2048, "intermediate_size": 6144},
         # head_dim 32, not hidden / heads = 16: the config's head_dim must be the one used
         "tiny": _tiny(head_dim=32, rope_theta=1000000.0),
     },

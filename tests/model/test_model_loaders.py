@@ -204,7 +204,7 @@ def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(
         ModelLoadError,
-        match=r"unsupported architecture .GPT2LMHeadModel.*LlamaForCausalLM"
+        match=r"unsupported architecture .GPT2LMHeadModel.*Gemma3ForCausalLM.*LlamaForCausalLM"
         r".*Phi3ForCausalLM.*Qwen3ForCausalLM",
     ):
         load_model_files(tmp_path)
