@@ -49,14 +49,15 @@ def _longrope(rot_dim: int, long_max: float) -> dict:
 
 
 def _tiny(**extra) -> dict:
-    """The tests' shape: 2 layers, GQA 4/2, 64 wide, a 256-token vocabulary."""
+    """The tests' shape: 2 layers, GQA 4/2, 64 wide, the bundled tokenizer's 49,152 tokens (so
+    text prompts work end to end)."""
     base = dict(
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        vocab_size=256,
+        vocab_size=49152,
         max_position_embeddings=512,
         tie_word_embeddings=False,
         bos_token_id=1,
