@@ -113,7 +113,7 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
         qk_norm=family in ("qwen3", "gemma3"),
         rope_scaling=extra.pop("rope_scaling", scaling),
         name=str(_field(reader, "general.name", path.stem)),
-        **{k: v for k, v in extra.items() if not (k == "sliding_window" and family == "phi3")},
+        **extra,
     )
 
 

@@ -35,6 +35,7 @@ GGUF_ARCHITECTURES = {
     "gemma3": "gemma3",
 }
 SUPPORTED_ARCHITECTURES = {**HF_ARCHITECTURES, **GGUF_ARCHITECTURES}
+WINDOWED_FAMILIES = ("gemma3", "phi3")  # the model passes their sliding window to the kernels
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's
 _MODEL_TYPE = {"gemma3": "gemma3_text"}  # HF `model_type` where it is not the family name
 
@@ -189,7 +190,7 @@ def _rope(cfg: dict[str, Any], family: str, where: Path) -> tuple[float, dict | 
 def cap_to_window(max_len: int, window: int | None, family: str, where: Path) -> int:
     """max_model_len: `max_len` (the config's max_position_embeddings), capped to a sliding
     window the attention kernels do not apply (sequences no longer than the window need none)."""
-    applied = family == "gemma3" and kernels_apply_sliding_window()
+    applied = family in WINDOWED_FAMILIES and kernels_apply_sliding_window()
     if window is not None and window < max_len and not applied:
         logger.warning(
             "%s: sliding window %s not supported; max_model_len capped to it", where, window
@@ -265,7 +266,7 @@ def config_from_hf_dict(cfg: dict[str, Any], where: Path) -> ModelConfig:
             partial_rotary_factor=float(partial or 1.0),
             hidden_act=act,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256) if gemma else None,
-            sliding_window=window if gemma else None,
+            sliding_window=window if family in WINDOWED_FAMILIES else None,
             layer_types=_layer_types(cfg, family, layers),
             rope_local_base_freq=local_theta,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),

@@ -24,7 +24,7 @@ from laneserve import kernels
 from laneserve.gpu_worker import quantization as quant
 from laneserve.gpu_worker.gemv_blocks import GemvBlocks
 from laneserve.gpu_worker.gguf_blocks import GGUFQuantTensor
-from laneserve.gpu_worker.model_config import ModelConfig
+from laneserve.gpu_worker.model_config import ModelConfig, kernels_apply_sliding_window
 from laneserve.gpu_worker.models.checkpoint import Linear, WeightReader
 from laneserve.gpu_worker.models.rope import build_cos_sin_cache
 from laneserve.gpu_worker.quantization import QuantLinear
@@ -101,6 +101,8 @@ class LlamaForCausalLM:
         self._load_lm_head(w)
         self.layers = [self._load_layer(w, i) for i in range(config.num_hidden_layers)]
         self.cos_sin_cache = self._rope_cache(config.rope_theta, config.rope_scaling)
+        # every layer's window (Phi-3), when the kernels apply one (else max_model_len <= it)
+        self.window = config.sliding_window if kernels_apply_sliding_window() else None
 
     def _rope_cache(self, theta: float, scaling: dict | None) -> torch.Tensor:
         """fp32 [max_model_len, rotary_dim] cos/sin cache (`models.rope`)."""
@@ -234,7 +236,9 @@ class LlamaForCausalLM:
                 h = ops.rms_norm(x, layer.input_layernorm, eps)
             else:
                 h, residual = ops.rms_norm(x, layer.input_layernorm, eps, residual)
-            x = self._attention(h, layer, cache, positions, attn, ops, self.cos_sin_cache)
+            x = self._attention(
+                h, layer, cache, positions, attn, ops, self.cos_sin_cache, self.window
+            )
             h, residual = ops.rms_norm(x, layer.post_attention_layernorm, eps, residual)
             gate_up = quant.linear(h, layer.gate_up_proj)
             x = quant.linear(ops.silu_and_mul(gate_up), layer.down_proj)
