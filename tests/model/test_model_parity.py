@@ -1,4 +1,5 @@
-"""Our paged-KV Llama forward against transformers on the bundled SmolLM2 (float32)."""
+"""Our paged-KV forward against transformers (float32): the bundled SmolLM2, and every family's
+tiny random-weight shape from scripts/make_test_model.py (greedy tokens and logits)."""
 
 from __future__ import annotations
 
