@@ -1,4 +1,4 @@
-"""`ModelConfig`: the shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2), the
+"""`ModelConfig`: the shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3), the
 architectures supported, and the config built from a Hugging Face `config.json` dict
 (`config_from_hf_dict`; a GGUF's metadata gives one through `gguf_loader.config_from_gguf`).
 """
@@ -11,25 +11,39 @@ from pathlib import Path
 from typing import Any
 
 from laneserve.gpu_worker.errors import ModelLoadError
+from laneserve.gpu_worker.models import rope
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = {
-    # HF `architectures[0]` / GGUF `general.architecture` -> our family name
+# HF `architectures[0]` -> our family name, and the HF class of each family
+HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
+}
+HF_CLASS = {family: arch for arch, family in HF_ARCHITECTURES.items()}
+# GGUF `general.architecture` (llama.cpp's names) -> our family name
+GGUF_ARCHITECTURES = {
     "llama": "llama",
     "mistral": "mistral",
     "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma3": "gemma3",
 }
+SUPPORTED_ARCHITECTURES = {**HF_ARCHITECTURES, **GGUF_ARCHITECTURES}
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's
+_MODEL_TYPE = {"gemma3": "gemma3_text"}  # HF `model_type` where it is not the family name
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (sizes in elements, lengths in tokens)."""
 
-    architecture: str  # "llama" | "mistral" | "qwen2"
+    architecture: str  # a family of SUPPORTED_ARCHITECTURES: "llama", "qwen3", "gemma3", ...
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -44,11 +58,28 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None = None
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each q and k head's D features before RoPE (Qwen3)
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     name: str = ""
-    # Sliding-window attention (Mistral; Qwen2 with `use_sliding_window`): a query at position i
-    # sees keys i - W < j <= i in the layers whose `layer_types` entry is "sliding_attention"
-    # (transformers' names; empty: every layer). None: full attention everywhere.
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim x this features (Phi-4-mini)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh" (Gemma)
+    # Gemma 3: softmax scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5); its
+    # "sliding_attention" layers (`layer_types`) attend the last `sliding_window` keys, with
+    # RoPE base `rope_local_base_freq`; logits soft-capped as cap * tanh(logits / cap)
+    query_pre_attn_scalar: float | None = None
+    rope_local_base_freq: float | None = None
+    final_logit_softcapping: float | None = None
+    # the config's own, from which yarn / longrope scale (max_model_len may be capped below it)
+    max_position_embeddings: int | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    # Sliding-window attention (Mistral, Phi-3; Qwen2/Qwen3 with `use_sliding_window`; Gemma 3's
+    # local layers): a query at position i sees keys i - W < j <= i in the layers whose
+    # `layer_types` entry is "sliding_attention" (transformers' names; empty: every layer).
+    # None: full attention everywhere.
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
 
@@ -67,15 +98,11 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A Hugging Face `config.json` describing this model."""
-        arch = {
-            "llama": "LlamaForCausalLM",
-            "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM",
-        }[self.architecture]
+        arch = HF_CLASS[self.architecture]
         eos = list(self.eos_token_ids)
         return {
             "architectures": [arch],
-            "model_type": self.architecture,
+            "model_type": _MODEL_TYPE.get(self.architecture, self.architecture),
             "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
@@ -87,32 +114,35 @@ class ModelConfig:
             "rope_scaling": self.rope_scaling,
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_model_len,
+            "max_position_embeddings": self.max_position_embeddings or self.max_model_len,
             "eos_token_id": eos[0] if len(eos) == 1 else eos,
             "bos_token_id": self.bos_token_id,
             "attention_bias": self.attention_bias,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "torch_dtype": "float32",
             "laneserve_name": self.name,
+            "partial_rotary_factor": self.partial_rotary_factor,
+            "query_pre_attn_scalar": self.query_pre_attn_scalar,
             "sliding_window": self.sliding_window,
             "use_sliding_window": self.sliding_window is not None,
             **({"layer_types": list(self.layer_types)} if self.layer_types else {}),
+            "rope_local_base_freq": self.rope_local_base_freq,
+            "final_logit_softcapping": self.final_logit_softcapping,
         }
 
 
 def architecture_family(arch: str, where: Path) -> str:
-    """Our family name ("llama", "mistral", "qwen2") for a Hugging Face `architectures[0]` or a
-    GGUF `general.architecture`.
+    """Our family name ("llama", "qwen3", ...) for a Hugging Face `architectures[0]` or a GGUF
+    `general.architecture`.
 
     Raises:
         ModelLoadError: an architecture not in `SUPPORTED_ARCHITECTURES`.
     """
     family = SUPPORTED_ARCHITECTURES.get(arch)
     if family is None:
-        supported = sorted(k for k in SUPPORTED_ARCHITECTURES if k[0].isupper())
         raise ModelLoadError(
-            f"{where}: unsupported architecture {arch!r}; supported: {supported} "
-            "(GGUF general.architecture llama, mistral, qwen2)"
+            f"{where}: unsupported architecture {arch!r}; supported: {sorted(HF_ARCHITECTURES)} "
+            f"(GGUF general.architecture {', '.join(GGUF_ARCHITECTURES)})"
         )
     return family
 
@@ -120,60 +150,121 @@ def architecture_family(arch: str, where: Path) -> str:
 def sliding_window_from_hf_dict(
     cfg: dict[str, Any], family: str
 ) -> tuple[int | None, tuple[str, ...]]:
-    """``(sliding_window, layer_types)`` as transformers reads them: Mistral's window applies to
-    every layer; Qwen2's only with ``use_sliding_window``, to the layers from
-    ``max_window_layers`` on (or as ``layer_types`` lists them)."""
+    """``(sliding_window, layer_types)`` as transformers reads them: Mistral's and Phi-3's window
+    applies to every layer; Qwen2's and Qwen3's only with ``use_sliding_window``, to the layers
+    from ``max_window_layers`` on (or as ``layer_types`` lists them); Gemma 3's to the layers
+    ``layer_types`` names "sliding_attention" (older configs: all but every
+    ``sliding_window_pattern``-th)."""
     window = cfg.get("sliding_window")
-    if family not in ("mistral", "qwen2") or not window:
+    if family not in ("mistral", "qwen2", "qwen3", "phi3", "gemma3") or not window:
         return None, ()
-    if not cfg.get("use_sliding_window", family == "mistral"):
+    always = family in ("phi3", "gemma3")
+    if not always and not cfg.get("use_sliding_window", family == "mistral"):
         return None, ()
+    n = int(cfg["num_hidden_layers"])
     layer_types = cfg.get("layer_types")
-    if family == "qwen2" and layer_types is None:
+    if family in ("qwen2", "qwen3") and layer_types is None:
         first = int(cfg.get("max_window_layers", 28))
-        n = int(cfg["num_hidden_layers"])
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if family == "gemma3" and not layer_types:
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        layer_types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)
+        ]
     return int(window), tuple(layer_types or ())
 
 
-def config_from_hf_dict(cfg: dict[str, Any], where: Path) -> ModelConfig:
-    """Build a `ModelConfig` from a Hugging Face `config.json` dict.
+def _rope(cfg: dict[str, Any], family: str, where: Path) -> tuple[float, dict | None, float | None]:
+    """(rope_theta, rope scaling parameters or None, Gemma 3's local base) from either config
+    style: transformers 4 (`rope_theta`, `rope_scaling`, `rope_local_base_freq`) or 5
+    (`rope_parameters`, per layer type for Gemma 3).
 
     Raises:
-        ModelLoadError: unsupported architecture, or missing or bad fields.
+        ModelLoadError: a rope type `models.rope` does not compute.
+    """
+    params = dict(cfg.get("rope_scaling") or {})
+    local = cfg.get("rope_local_base_freq")
+    new_style = cfg.get("rope_parameters")
+    if isinstance(new_style, dict) and isinstance(new_style.get("full_attention"), dict):
+        local = (new_style.get("sliding_attention") or {}).get("rope_theta", local)
+        new_style = new_style["full_attention"]
+    if isinstance(new_style, dict):
+        params = {**new_style, **params}
+    theta = cfg.get("rope_theta", params.get("rope_theta"))
+    if "original_max_position_embeddings" in cfg:  # Phi-3 keeps it beside rope_scaling
+        params.setdefault(
+            "original_max_position_embeddings", cfg["original_max_position_embeddings"]
+        )
+    rope.check_rope_type(params, f"{where}/config.json")
+    kind = rope.rope_type(params)
+    scaling = None if kind == "default" else {**params, "rope_type": kind}
+    theta = float(theta if theta is not None else 10000.0)
+    if family == "gemma3" and local is None:
+        local = 10000.0
+    return theta, scaling, (float(local) if local is not None else None)
+
+
+def config_from_hf_dict(cfg: dict[str, Any], where: Path) -> ModelConfig:
+    """Build a `ModelConfig` from a Hugging Face `config.json` dict (transformers 4 or 5 style).
+
+    Raises:
+        ModelLoadError: unsupported architecture, rope type or attention variant, or missing
+            fields; nothing has read a weight yet.
     """
     arch = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
     family = architecture_family(arch, where)
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(
+            f"{where}/config.json: bidirectional attention is not supported; supported: causal"
+        )
+    if cfg.get("attn_logit_softcapping"):
+        raise ModelLoadError(
+            f"{where}/config.json: attention logit soft-capping (attn_logit_softcapping="
+            f"{cfg['attn_logit_softcapping']}) is not supported; supported: none"
+        )
+    act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ModelLoadError(
+            f"{where}/config.json: unsupported hidden_act {act!r}; supported: "
+            + ", ".join(SUPPORTED_ACTIVATIONS)
+        )
     try:
         sliding_window, layer_types = sliding_window_from_hf_dict(cfg, family)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        layers = int(cfg["num_hidden_layers"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        scaling = cfg.get("rope_scaling") or None
-        rope_theta = cfg.get("rope_theta")
-        if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
-            rope_theta = cfg["rope_parameters"].get("rope_theta")
+        theta, scaling, local_theta = _rope(cfg, family, where)
+        partial = (scaling or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+        gemma = family == "gemma3"
         return ModelConfig(
             architecture=family,
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_theta=theta,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             max_model_len=int(cfg.get("max_position_embeddings", 2048)),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+            qk_norm=family in ("qwen3", "gemma3"),
             rope_scaling=scaling,
             name=str(cfg.get("laneserve_name") or cfg.get("_name_or_path") or where.name),
+            partial_rotary_factor=float(partial or 1.0),
+            hidden_act=act,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256) if gemma else None,
             sliding_window=sliding_window,
             layer_types=layer_types,
+            rope_local_base_freq=local_theta,
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{where}/config.json: missing or bad field: {exc}") from exc

@@ -1,10 +1,12 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) over a paged KV
+cache.
 
 The forward pass takes one flattened varlen batch (DESIGN.md, "Model runner"): every scheduled
 request contributes its new tokens to `input_ids[T]`; attention reads each request's whole context
 from the paged cache through its block table. Layer numerics follow Hugging Face's
 `modeling_llama.py` (RMSNorm in fp32, rotate-half RoPE, SwiGLU MLP) so float32 logits match
-transformers to ~1e-5.
+transformers to ~1e-5. Qwen3 adds an RMSNorm over each q and k head before RoPE
+(`modeling_qwen3.py`, `Qwen3Attention`).
 
 Weights use fused projections (`qkv_proj` = cat(q, k, v), `gate_up_proj` = cat(gate, up)), one matmul
 each instead of three/two. With `quantization` other than "none" the projections and the LM head
@@ -14,20 +16,18 @@ its blocks (DESIGN.md "Quantization").
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from laneserve import kernels
 from laneserve.gpu_worker import quantization as quant
-from laneserve.gpu_worker.errors import ModelLoadError
 from laneserve.gpu_worker.gemv_blocks import GemvBlocks
-from laneserve.gpu_worker.gguf_blocks import GGUFQuantTensor, dequantize
+from laneserve.gpu_worker.gguf_blocks import GGUFQuantTensor
 from laneserve.gpu_worker.model_config import ModelConfig
+from laneserve.gpu_worker.models.checkpoint import Linear, WeightReader
+from laneserve.gpu_worker.models.rope import build_cos_sin_cache
 from laneserve.gpu_worker.quantization import QuantLinear
-
-Linear = torch.Tensor | QuantLinear
 
 
 @dataclass(slots=True)
@@ -55,89 +55,10 @@ class LayerWeights:
     post_attention_layernorm: torch.Tensor  # [H]
     gate_up_proj: Linear  # [2 I, H]
     down_proj: Linear  # [H, I]
-
-
-class _WeightReader:
-    """Takes the model's weights out of a loader's dict (Hugging Face naming), checking each
-    one's shape, onto `device`: dense in `dtype` (`take`), or as (fused) linears in the
-    quantization mode (`take_linear`).
-
-    Raises (every method):
-        ModelLoadError: a weight is missing or has the wrong shape.
-    """
-
-    def __init__(
-        self,
-        weights: dict[str, torch.Tensor | GGUFQuantTensor],
-        dtype: torch.dtype,
-        device: torch.device,
-        quantization: str,
-    ):
-        self.weights = weights
-        self.dtype = dtype
-        self.device = device
-        self.quantization = quantization
-
-    def raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | GGUFQuantTensor:
-        tensor = self.weights.get(name)
-        if tensor is None:
-            raise ModelLoadError(f"weight {name} is missing")
-        if tuple(tensor.shape) != shape:
-            raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, expected {shape}")
-        return tensor
-
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        tensor = self.raw(name, shape)
-        if isinstance(tensor, GGUFQuantTensor):
-            tensor = dequantize(tensor)
-        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
-
-    def take_linear(self, names: list[str], shapes: list[tuple[int, int]]) -> Linear:
-        parts = [self.raw(n, s) for n, s in zip(names, shapes, strict=True)]
-        built = quant.build_linear(names[0], parts, self.quantization, self.dtype, self.device)
-        return built.to(self.device) if isinstance(built, torch.Tensor) else built
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies [D/2] (fp32), with Hugging Face's `default`, `linear` and `llama3`
-    rope types (`modeling_rope_utils.py`).
-
-    Raises:
-        ModelLoadError: an unsupported `rope_scaling` type.
-    """
-    dim = config.head_dim
-    base = config.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-        high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling.get("original_max_position_embeddings", 8192))
-        low_freq_wavelen = old_len / low_freq_factor
-        high_freq_wavelen = old_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
-        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, inv_freq_llama)
-    raise ModelLoadError(
-        f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, llama3"
-    )
-
-
-def build_cos_sin_cache(config: ModelConfig, max_positions: int, device) -> torch.Tensor:
-    """[max_positions, D] fp32 = cat(cos, sin), each [max_positions, D/2]."""
-    inv_freq = rope_inv_freq(config)
-    t = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)  # [P, D/2]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+    q_norm: torch.Tensor | None = None  # [D] per-head RMSNorm weight before RoPE (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None  # [D]
+    pre_feedforward_layernorm: torch.Tensor | None = None  # [H] (Gemma 3)
+    post_feedforward_layernorm: torch.Tensor | None = None  # [H] (Gemma 3)
 
 
 class LlamaForCausalLM:
@@ -174,18 +95,25 @@ class LlamaForCausalLM:
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_attention_heads * config.head_dim
         self.kv_size = config.num_key_value_heads * config.head_dim
-        w = _WeightReader(weights, dtype, self.device, self.quantization)
+        w = WeightReader(weights, dtype, self.device, self.quantization, config.architecture)
         self._load_embedding(w)
-        self.norm = w.take("model.norm.weight", (config.hidden_size,))
+        self.norm = self._norm(w, "model.norm.weight", (config.hidden_size,))
         self._load_lm_head(w)
         self.layers = [self._load_layer(w, i) for i in range(config.num_hidden_layers)]
-        self.cos_sin_cache = build_cos_sin_cache(config, config.max_model_len, self.device)
+        self.cos_sin_cache = self._rope_cache(config.rope_theta, config.rope_scaling)
         # each layer's sliding window (tokens; None: full attention), as its attention takes it
         self.sliding_windows = [
             config.layer_sliding_window(i) for i in range(config.num_hidden_layers)
         ]
 
-    def _load_embedding(self, w: _WeightReader) -> None:
+    def _rope_cache(self, theta: float, scaling: dict | None) -> torch.Tensor:
+        """fp32 [max_model_len, rotary_dim] cos/sin cache (`models.rope`)."""
+        c = self.config
+        max_pos = c.max_position_embeddings or c.max_model_len
+        args = (theta, scaling, c.rotary_dim, max_pos, c.max_model_len, self.device)
+        return build_cos_sin_cache(*args)
+
+    def _load_embedding(self, w: WeightReader) -> None:
         """The token embedding: Q8_0 blocks stay quantized on the CPU (`build_embedding`)."""
         c = self.config
         vh = (c.vocab_size, c.hidden_size)
@@ -196,7 +124,7 @@ class LlamaForCausalLM:
         if isinstance(self.embed_tokens, torch.Tensor):
             self.embed_tokens = self.embed_tokens.to(self.device)
 
-    def _load_lm_head(self, w: _WeightReader) -> None:
+    def _load_lm_head(self, w: WeightReader) -> None:
         """The LM head: its own weight, or tied to the embedding (the same tensor when both are
         dense; a quantized head over a Q8_0 embedding reads the embedding's blocks)."""
         c = self.config
@@ -223,12 +151,10 @@ class LlamaForCausalLM:
         ):  # few-row calls read the embedding's own Q8_0 arrays: exact, one copy
             head.read_q8_0_blocks(GemvBlocks("q8_0", table.qs, table.d))
 
-    def _load_layer(self, w: _WeightReader, i: int) -> LayerWeights:
+    def _load_layer(self, w: WeightReader, i: int) -> LayerWeights:
         """Layer `i`'s weights, q/k/v and gate/up fused into one linear each."""
         h, inter = self.config.hidden_size, self.config.intermediate_size
         p = f"model.layers.{i}."
-        qkv_names = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
-        qkv_shapes = [(self.q_size, h), (self.kv_size, h), (self.kv_size, h)]
         bias = None
         if self.config.attention_bias:
             bias = torch.cat(
@@ -238,22 +164,32 @@ class LlamaForCausalLM:
                     w.take(p + "self_attn.v_proj.bias", (self.kv_size,)),
                 ]
             )
-        gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        q_norm = k_norm = None
+        if self.config.qk_norm:
+            d = (self.config.head_dim,)
+            q_norm = self._norm(w, p + "self_attn.q_norm.weight", d)
+            k_norm = self._norm(w, p + "self_attn.k_norm.weight", d)
         return LayerWeights(
-            input_layernorm=w.take(p + "input_layernorm.weight", (h,)),
-            qkv_proj=w.take_linear(qkv_names, qkv_shapes),
+            input_layernorm=self._norm(w, p + "input_layernorm.weight", (h,)),
+            qkv_proj=w.take_layer_linear(p, "qkv_proj", [self.q_size, *[self.kv_size] * 2], h),
             qkv_bias=bias,
-            o_proj=w.take_linear([p + "self_attn.o_proj.weight"], [(h, self.q_size)]),
-            post_attention_layernorm=w.take(p + "post_attention_layernorm.weight", (h,)),
-            gate_up_proj=w.take_linear(gate_up, [(inter, h), (inter, h)]),
-            down_proj=w.take_linear([p + "mlp.down_proj.weight"], [(h, inter)]),
+            o_proj=w.take_layer_linear(p, "o_proj", [h], self.q_size),
+            post_attention_layernorm=self._norm(w, p + "post_attention_layernorm.weight", (h,)),
+            gate_up_proj=w.take_layer_linear(p, "gate_up_proj", [inter, inter], h),
+            down_proj=w.take_layer_linear(p, "down_proj", [h], inter),
+            q_norm=q_norm,
+            k_norm=k_norm,
         )
+
+    def _norm(self, w: WeightReader, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """An RMSNorm weight as the kernels multiply it (Gemma overrides: 1 + w)."""
+        return w.take(name, shape)
 
     def weight_bytes(self) -> int:
         """Bytes held by the weights (quantized blocks, scales and dense copies; a tied LM head
         counted once)."""
         layers = [getattr(layer, f) for layer in self.layers for f in LayerWeights.__slots__]
-        tensors = [self.embed_tokens, self.norm, *layers]
+        tensors = [self.embed_tokens, self.norm, *(t for t in layers if t is not None)]
         if self.lm_head is not self.embed_tokens:
             tensors.append(self.lm_head)
         shared = getattr(self.lm_head, "gemv", None)  # the embedding's arrays, counted there
@@ -273,6 +209,15 @@ class LlamaForCausalLM:
             if gemv is not None:
                 gemv.prepare()
 
+    def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights, ops) -> None:
+        """Qwen3: RMSNorm over each head's D features of the q and k parts of `qkv`
+        [T, (Hq + 2Hk) D], in place, before RoPE."""
+        d, eps, q_end = self.config.head_dim, self.config.rms_norm_eps, self.q_size
+        k_end = q_end + self.kv_size
+        for start, end, weight in ((0, q_end, layer.q_norm), (q_end, k_end, layer.k_norm)):
+            heads = qkv[:, start:end].reshape(-1, d)  # [T * heads, D], a contiguous copy
+            qkv[:, start:end] = ops.rms_norm(heads, weight, eps).view(qkv.shape[0], -1)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -283,9 +228,26 @@ class LlamaForCausalLM:
         logits_indices: torch.Tensor,  # int64 [N] rows of the batch that emit a token
     ) -> torch.Tensor:
         """Run the decoder over one varlen batch; returns logits [N, vocab] (fp32)."""
-        c = self.config
+        eps = self.config.rms_norm_eps
         x = quant.embedding(input_ids, self.embed_tokens)  # [T, H]
-        ops = kernels.step_ops(
+        ops = self._step_ops(x, positions, attn, kv_caches)
+        residual = None
+        layers = zip(self.layers, kv_caches, self.sliding_windows, strict=True)
+        for layer, cache, window in layers:
+            if residual is None:
+                residual = x
+                h = ops.rms_norm(x, layer.input_layernorm, eps)
+            else:
+                h, residual = ops.rms_norm(x, layer.input_layernorm, eps, residual)
+            x = self._attention(h, layer, cache, positions, attn, ops, self.cos_sin_cache, window)
+            h, residual = ops.rms_norm(x, layer.post_attention_layernorm, eps, residual)
+            gate_up = quant.linear(h, layer.gate_up_proj)
+            x = quant.linear(ops.silu_and_mul(gate_up), layer.down_proj)
+        return self._logits(x, residual, logits_indices, ops)
+
+    def _step_ops(self, x, positions, attn: AttentionMetadata, kv_caches):
+        """This step's layer ops (`kernels.step_ops`, checked once for every layer)."""
+        return kernels.step_ops(
             x,
             self.norm,
             kv_caches[0][0],
@@ -296,40 +258,43 @@ class LlamaForCausalLM:
             attn.seq_lens,
             attn.block_tables,
         )
-        residual = None
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if residual is None:
-                residual = x
-                h = ops.rms_norm(x, layer.input_layernorm, c.rms_norm_eps)
-            else:
-                h, residual = ops.rms_norm(x, layer.input_layernorm, c.rms_norm_eps, residual)
-            qkv = quant.linear(h, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) D]
-            q = ops.rope_and_cache(  # [T, Hq, D]; rotated k and v go to the cache
-                qkv,
-                positions,
-                self.cos_sin_cache,
-                cache[0],
-                cache[1],
-                attn.slot_mapping,
-                c.num_attention_heads,
-                c.num_key_value_heads,
-            )
-            o = ops.unified_attention(
-                q,
-                cache[0],
-                cache[1],
-                attn.cu_seqlens_q,
-                attn.seq_lens,
-                attn.block_tables,
-                self.scale,
-                sliding_window=self.sliding_windows[i],
-            )  # [T, Hq, D]
-            x = quant.linear(o.reshape(-1, self.q_size), layer.o_proj)
-            h, residual = ops.rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps, residual)
-            gate_up = quant.linear(h, layer.gate_up_proj)
-            x = quant.linear(ops.silu_and_mul(gate_up), layer.down_proj)
-        # Only rows that emit a token need the final norm and the LM head.
+
+    def _attention(
+        self,
+        h: torch.Tensor,  # [T, H] normed hidden states
+        layer: LayerWeights,
+        cache: torch.Tensor,  # [2, num_blocks, block_size, Hk, D]
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        ops,
+        cos_sin_cache: torch.Tensor,  # [max_model_len, rot_dim]
+        window: int | None = None,  # attend keys i - window < j <= i (None: all)
+    ) -> torch.Tensor:
+        """One layer's attention block up to and including o_proj: [T, H]."""
+        c = self.config
+        qkv = quant.linear(h, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) D]
+        if layer.q_norm is not None:
+            self._qk_norm(qkv, layer, ops)
+        q = ops.rope_and_cache(  # [T, Hq, D]; rotated k and v go to the cache
+            qkv,
+            positions,
+            cos_sin_cache,
+            cache[0],
+            cache[1],
+            attn.slot_mapping,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+        )
+        args = (q, cache[0], cache[1], attn.cu_seqlens_q, attn.seq_lens, attn.block_tables)
+        if window is None:
+            o = ops.unified_attention(*args, self.scale)  # [T, Hq, D]
+        else:
+            o = ops.unified_attention(*args, self.scale, sliding_window=window)
+        return quant.linear(o.reshape(-1, self.q_size), layer.o_proj)
+
+    def _logits(self, x, residual, logits_indices, ops) -> torch.Tensor:
+        """The final norm and LM head over the rows that emit a token: [N, V] fp32."""
         x = x.index_select(0, logits_indices)
         residual = residual.index_select(0, logits_indices)
-        h, _ = ops.rms_norm(x, self.norm, c.rms_norm_eps, residual)
+        h, _ = ops.rms_norm(x, self.norm, self.config.rms_norm_eps, residual)
         return quant.linear(h, self.lm_head).float()  # [N, V]
