@@ -19,9 +19,15 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "llama": "llama",
     "mistral": "mistral",
     "qwen2": "qwen2",
+    "qwen3moe": "qwen3_moe",
+}
+_HF_ARCHITECTURES = {
+    family: arch for arch, family in SUPPORTED_ARCHITECTURES.items() if arch[0].isupper()
 }
 
 
@@ -29,7 +35,7 @@ SUPPORTED_ARCHITECTURES = {
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (sizes in elements, lengths in tokens)."""
 
-    architecture: str  # "llama" | "mistral" | "qwen2"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "mixtral" | "qwen3_moe"
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -46,6 +52,12 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     name: str = ""
+    # sparse MoE (Mixtral, Qwen3-MoE): the layers whose MLP is `num_experts` routed experts
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's intermediate size
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -54,13 +66,9 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A Hugging Face `config.json` describing this model."""
-        arch = {
-            "llama": "LlamaForCausalLM",
-            "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM",
-        }[self.architecture]
+        arch = _HF_ARCHITECTURES[self.architecture]
         eos = list(self.eos_token_ids)
-        return {
+        return _moe_hf_fields(self) | {
             "architectures": [arch],
             "model_type": self.architecture,
             "num_hidden_layers": self.num_hidden_layers,
@@ -96,7 +104,7 @@ def architecture_family(arch: str, where: Path) -> str:
         supported = sorted(k for k in SUPPORTED_ARCHITECTURES if k[0].isupper())
         raise ModelLoadError(
             f"{where}: unsupported architecture {arch!r}; supported: {supported} "
-            "(GGUF general.architecture llama, mistral, qwen2)"
+            "(GGUF general.architecture llama, mistral, qwen2, qwen3moe)"
         )
     return family
 
@@ -147,6 +155,44 @@ def config_from_hf_dict(cfg: dict[str, Any], where: Path) -> ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
             rope_scaling=scaling,
             name=str(cfg.get("laneserve_name") or cfg.get("_name_or_path") or where.name),
+            **_moe_fields(cfg, family),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{where}/config.json: missing or bad field: {exc}") from exc
+
+
+def _moe_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """The MoE fields of a Mixtral / Qwen3-MoE `config.json` (none for dense families): Qwen3-MoE
+    layer i is sparse unless in `mlp_only_layers` and when (i + 1) % `decoder_sparse_step` == 0
+    (transformers' `Qwen3MoeDecoderLayer`); Mixtral's every layer is, renormalizing its top-k."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if family not in ("mixtral", "qwen3_moe") or experts == 0:
+        return {}
+    layers = range(int(cfg["num_hidden_layers"]))
+    if family == "qwen3_moe":
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or ())
+        layers = [i for i in layers if i not in dense and (i + 1) % step == 0]
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        "norm_topk_prob": family == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        "moe_layers": tuple(layers),
+    }
+
+
+def _moe_hf_fields(config: ModelConfig) -> dict[str, Any]:
+    """`config.json` fields that give `_moe_fields` this config's MoE layers back."""
+    if not config.num_experts:
+        return {}
+    dense = [i for i in range(config.num_hidden_layers) if i not in config.moe_layers]
+    return {
+        "num_experts": config.num_experts,
+        "num_local_experts": config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "moe_intermediate_size": config.moe_intermediate_size,
+        "norm_topk_prob": config.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+    }

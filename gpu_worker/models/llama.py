@@ -25,6 +25,7 @@ from laneserve.gpu_worker.errors import ModelLoadError
 from laneserve.gpu_worker.gemv_blocks import GemvBlocks
 from laneserve.gpu_worker.gguf_blocks import GGUFQuantTensor, dequantize
 from laneserve.gpu_worker.model_config import ModelConfig
+from laneserve.gpu_worker.models import moe
 from laneserve.gpu_worker.quantization import QuantLinear
 
 Linear = torch.Tensor | QuantLinear
@@ -53,8 +54,9 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None  # [(Hq + 2 Hk) * D] (Qwen2)
     o_proj: Linear  # [H, Hq * D]
     post_attention_layernorm: torch.Tensor  # [H]
-    gate_up_proj: Linear  # [2 I, H]
-    down_proj: Linear  # [H, I]
+    gate_up_proj: Linear | None  # [2 I, H]; None in a sparse MoE layer
+    down_proj: Linear | None  # [H, I]
+    moe: moe.MoEWeights | None = None  # the MoE block replacing the MLP (Mixtral, Qwen3-MoE)
 
 
 class _WeightReader:
@@ -235,14 +237,16 @@ class LlamaForCausalLM:
                 ]
             )
         gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        sparse = i in self.config.moe_layers
         return LayerWeights(
             input_layernorm=w.take(p + "input_layernorm.weight", (h,)),
             qkv_proj=w.take_linear(qkv_names, qkv_shapes),
             qkv_bias=bias,
             o_proj=w.take_linear([p + "self_attn.o_proj.weight"], [(h, self.q_size)]),
             post_attention_layernorm=w.take(p + "post_attention_layernorm.weight", (h,)),
-            gate_up_proj=w.take_linear(gate_up, [(inter, h), (inter, h)]),
-            down_proj=w.take_linear([p + "mlp.down_proj.weight"], [(h, inter)]),
+            gate_up_proj=None if sparse else w.take_linear(gate_up, [(inter, h), (inter, h)]),
+            down_proj=None if sparse else w.take_linear([p + "mlp.down_proj.weight"], [(h, inter)]),
+            moe=moe.load_moe(w, self.config, i) if sparse else None,
         )
 
     def weight_bytes(self) -> int:
@@ -264,7 +268,8 @@ class LlamaForCausalLM:
         """Put the C++ GEMVs' int4 and Q8_0 weights in the built kernel's order now
         (`GemvBlocks.prepare`; needs `kernels.cpu_ext.load()`), not in the first step."""
         layers = [getattr(layer, f) for layer in self.layers for f in LayerWeights.__slots__]
-        for weight in [*layers, self.lm_head]:
+        experts = [t for layer in self.layers if layer.moe for t in layer.moe.linears()]
+        for weight in [*layers, *experts, self.lm_head]:
             gemv = getattr(weight, "gemv", None)
             if gemv is not None:
                 gemv.prepare()
@@ -321,6 +326,9 @@ class LlamaForCausalLM:
             )  # [T, Hq, D]
             x = quant.linear(o.reshape(-1, self.q_size), layer.o_proj)
             h, residual = ops.rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps, residual)
+            if layer.moe is not None:
+                x = moe.forward(h, layer.moe, ops.silu_and_mul)
+                continue
             gate_up = quant.linear(h, layer.gate_up_proj)
             x = quant.linear(ops.silu_and_mul(gate_up), layer.down_proj)
         # Only rows that emit a token need the final norm and the LM head.
