@@ -1,4 +1,4 @@
-"""`ModelConfig`: the shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2), the
+"""`ModelConfig`: the shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3), the
 architectures supported, and the config built from a Hugging Face `config.json` dict
 (`config_from_hf_dict`; a GGUF's metadata gives one through `gguf_loader.config_from_gguf`).
 """
@@ -19,11 +19,13 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "llama": "llama",
     "mistral": "mistral",
     "qwen2": "qwen2",
+    "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe",
 }
 _HF_ARCHITECTURES = {
@@ -35,7 +37,7 @@ _HF_ARCHITECTURES = {
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (sizes in elements, lengths in tokens)."""
 
-    architecture: str  # "llama" | "mistral" | "qwen2" | "mixtral" | "qwen3_moe"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "mixtral" | "qwen3_moe"
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -50,6 +52,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None = None
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each q and k head's D features before RoPE (Qwen3)
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     name: str = ""
     # sparse MoE (Mixtral, Qwen3-MoE): the layers whose MLP is `num_experts` routed experts
@@ -93,7 +96,7 @@ class ModelConfig:
 
 
 def architecture_family(arch: str, where: Path) -> str:
-    """Our family name ("llama", "mistral", "qwen2") for a Hugging Face `architectures[0]` or a
+    """Our family name ("llama", "mistral", "qwen2", "qwen3") for a Hugging Face `architectures[0]` or a
     GGUF `general.architecture`.
 
     Raises:
@@ -104,7 +107,7 @@ def architecture_family(arch: str, where: Path) -> str:
         supported = sorted(k for k in SUPPORTED_ARCHITECTURES if k[0].isupper())
         raise ModelLoadError(
             f"{where}: unsupported architecture {arch!r}; supported: {supported} "
-            "(GGUF general.architecture llama, mistral, qwen2, qwen3moe)"
+            "(GGUF general.architecture llama, mistral, qwen2, qwen3, qwen3moe)"
         )
     return family
 
@@ -118,7 +121,7 @@ def config_from_hf_dict(cfg: dict[str, Any], where: Path) -> ModelConfig:
     arch = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
     family = architecture_family(arch, where)
     if (
-        family in ("mistral", "qwen2")
+        family in ("mistral", "qwen2", "qwen3")
         and cfg.get("sliding_window")
         and cfg.get("use_sliding_window", family == "mistral")
     ):
@@ -153,6 +156,7 @@ def config_from_hf_dict(cfg: dict[str, Any], where: Path) -> ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             rope_scaling=scaling,
             name=str(cfg.get("laneserve_name") or cfg.get("_name_or_path") or where.name),
             **_moe_fields(cfg, family),

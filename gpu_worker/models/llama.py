@@ -1,10 +1,12 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2, Qwen3) over a
+paged KV cache.
 
 The forward pass takes one flattened varlen batch (DESIGN.md, "Model runner"): every scheduled
 request contributes its new tokens to `input_ids[T]`; attention reads each request's whole context
 from the paged cache through its block table. Layer numerics follow Hugging Face's
 `modeling_llama.py` (RMSNorm in fp32, rotate-half RoPE, SwiGLU MLP) so float32 logits match
-transformers to ~1e-5.
+transformers to ~1e-5. Qwen3 adds an RMSNorm over each q and k head before RoPE
+(`modeling_qwen3.py`, `Qwen3Attention`).
 
 Weights use fused projections (`qkv_proj` = cat(q, k, v), `gate_up_proj` = cat(gate, up)), one matmul
 each instead of three/two. With `quantization` other than "none" the projections and the LM head
@@ -56,6 +58,8 @@ class LayerWeights:
     post_attention_layernorm: torch.Tensor  # [H]
     gate_up_proj: Linear | None  # [2 I, H]; None in a sparse MoE layer
     down_proj: Linear | None  # [H, I]
+    q_norm: torch.Tensor | None = None  # [D] per-head RMSNorm weight before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None  # [D]
     moe: moe.MoEWeights | None = None  # the MoE block replacing the MLP (Mixtral, Qwen3-MoE)
 
 
@@ -237,6 +241,11 @@ class LlamaForCausalLM:
                 ]
             )
         gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        q_norm = k_norm = None
+        if self.config.qk_norm:
+            d = (self.config.head_dim,)
+            q_norm = w.take(p + "self_attn.q_norm.weight", d)
+            k_norm = w.take(p + "self_attn.k_norm.weight", d)
         sparse = i in self.config.moe_layers
         return LayerWeights(
             input_layernorm=w.take(p + "input_layernorm.weight", (h,)),
@@ -247,13 +256,15 @@ class LlamaForCausalLM:
             gate_up_proj=None if sparse else w.take_linear(gate_up, [(inter, h), (inter, h)]),
             down_proj=None if sparse else w.take_linear([p + "mlp.down_proj.weight"], [(h, inter)]),
             moe=moe.load_moe(w, self.config, i) if sparse else None,
+            q_norm=q_norm,
+            k_norm=k_norm,
         )
 
     def weight_bytes(self) -> int:
         """Bytes held by the weights (quantized blocks, scales and dense copies; a tied LM head
         counted once)."""
         layers = [getattr(layer, f) for layer in self.layers for f in LayerWeights.__slots__]
-        tensors = [self.embed_tokens, self.norm, *layers]
+        tensors = [self.embed_tokens, self.norm, *(t for t in layers if t is not None)]
         if self.lm_head is not self.embed_tokens:
             tensors.append(self.lm_head)
         shared = getattr(self.lm_head, "gemv", None)  # the embedding's arrays, counted there
@@ -273,6 +284,15 @@ class LlamaForCausalLM:
             gemv = getattr(weight, "gemv", None)
             if gemv is not None:
                 gemv.prepare()
+
+    def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights, ops) -> None:
+        """Qwen3: RMSNorm over each head's D features of the q and k parts of `qkv`
+        [T, (Hq + 2Hk) D], in place, before RoPE."""
+        d, eps, q_end = self.config.head_dim, self.config.rms_norm_eps, self.q_size
+        k_end = q_end + self.kv_size
+        for start, end, weight in ((0, q_end, layer.q_norm), (q_end, k_end, layer.k_norm)):
+            heads = qkv[:, start:end].reshape(-1, d)  # [T * heads, D], a contiguous copy
+            qkv[:, start:end] = ops.rms_norm(heads, weight, eps).view(qkv.shape[0], -1)
 
     @torch.inference_mode()
     def forward(
@@ -305,6 +325,8 @@ class LlamaForCausalLM:
             else:
                 h, residual = ops.rms_norm(x, layer.input_layernorm, c.rms_norm_eps, residual)
             qkv = quant.linear(h, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) D]
+            if layer.q_norm is not None:
+                self._qk_norm(qkv, layer, ops)
             q = ops.rope_and_cache(  # [T, Hq, D]; rotated k and v go to the cache
                 qkv,
                 positions,

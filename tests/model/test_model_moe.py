@@ -59,7 +59,7 @@ def hf_model(family: str, vocab: int, **overrides):
     return cls(config).eval()
 
 
-@pytest.fixture(scope="module", params=["mixtral"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
 def family_dir(request, tmp_path_factory, smollm2_loaded):
     """(family, HF directory, transformers model) with the SmolLM2 tokenizer."""
     tokenizer = smollm2_loaded.tokenizer
@@ -122,7 +122,7 @@ def _hf_block(model, layer: int):
     return getattr(decoder, "block_sparse_moe", None) or decoder.mlp
 
 
-@pytest.mark.parametrize("family", ["mixtral"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_routing_and_block_match_transformers(family):
     """Top-k ids and weights against transformers' router on random hidden states, ties included
     (two router rows equal: both pick the lower expert as torch.topk does); the grouped experts

@@ -38,25 +38,42 @@ def run_pieces(runner, ids, pieces, rows="all"):
     return torch.cat(outs)
 
 
-def greedy(runner, ids, max_new: int, chunk: int | None = None) -> list[int]:
-    """Greedy decoding through the paged cache: chunked prefill, then one token per step."""
-    tokens = list(ids)
-    table = list(range((len(ids) + max_new) // BLOCK + 1))
-    done = 0
-    while len(tokens) < len(ids) + max_new:
-        n = len(tokens) - done
-        if chunk:
-            n = min(n, chunk)
+def greedy(runner, prompts, max_new: int, chunk=None, tables=None, cached=None) -> list[list[int]]:
+    """Greedy decoding of `prompts` in one batch through the paged cache: chunked prefill (at most
+    `chunk` tokens a step per request), then one token per step. `tables`: per prompt, its block
+    ids (default: disjoint ranges); `cached`: per prompt, tokens whose KV those blocks already hold
+    (a prefix-cache hit). Returns the new tokens of each prompt."""
+    n = len(prompts)
+    if tables is None:
+        per = (max(map(len, prompts)) + max_new) // BLOCK + 1
+        tables = [list(range(b * per, (b + 1) * per)) for b in range(n)]
+    tokens, done = [list(p) for p in prompts], list(cached or [0] * n)
+    while active := [b for b in range(n) if len(tokens[b]) < len(prompts[b]) + max_new]:
+        new = [tokens[b][done[b] : done[b] + (chunk or len(tokens[b]))] for b in active]
+        samples = [done[b] + len(ids) == len(tokens[b]) for b, ids in zip(active, new, strict=True)]
         inputs = runner.prepare_inputs(
-            [tokens[done : done + n]], [done], [table], [done + n == len(tokens)]
+            new, [done[b] for b in active], [tables[b] for b in active], samples
         )
-        done += n
-        if not inputs.sample_rows:
-            runner.execute(inputs)
-            continue
         logits = runner.execute(inputs)
-        tokens.append(int(logits[0].argmax()))
-    return tokens[len(ids) :]
+        for b, ids in zip(active, new, strict=True):
+            done[b] += len(ids)
+        for row, i in enumerate(inputs.sample_rows):
+            tokens[active[i]].append(int(logits[row].argmax()))
+    return [t[len(p) :] for t, p in zip(tokens, prompts, strict=True)]
+
+
+def hf_greedy(model, ids: list[int], max_new: int) -> list[int]:
+    """transformers' own greedy `generate` of exactly `max_new` tokens."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def test_logits_one_pass_and_pieces_match_transformers(runner, smollm2_loaded, hf_smollm2):
@@ -75,14 +92,70 @@ def test_logits_one_pass_and_pieces_match_transformers(runner, smollm2_loaded, h
 def test_greedy_continuation_matches_transformers(runner, smollm2_loaded, hf_smollm2, length):
     ids = long_ids(smollm2_loaded.tokenizer, length)
     assert len(ids) == length
-    with torch.no_grad():
-        ref = hf_smollm2.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, length, dtype=torch.long),
-            max_new_tokens=24,
-            min_new_tokens=24,
-            do_sample=False,
-            pad_token_id=2,
-        )[0, length:].tolist()
-    assert greedy(runner, ids, 24) == ref
-    assert greedy(runner, ids, 24, chunk=7) == ref
+    ref = hf_greedy(hf_smollm2, ids, 24)
+    assert greedy(runner, [ids], 24) == [ref]
+    assert greedy(runner, [ids], 24, chunk=7) == [ref]
+
+
+# ----------------------------------------------------------------- other families, tiny random weights
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,  # not hidden / heads: the config's head_dim is the one used
+    vocab_size=256,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"rope_theta": 1e6, "attention_bias": False}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, smollm2_dir, tmp_path_factory):
+    """(transformers model, our runner over the same weights loaded back from its saved
+    directory) for one family."""
+    import transformers
+
+    from laneserve.gpu_worker.model_loader import load_model_files
+
+    config_cls, model_cls, extra = FAMILIES[request.param]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**TINY, **extra)
+    hf_model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # norm weights start at 1 (or 0): random ones show a misplaced norm
+        for name, param in hf_model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    out = tmp_path_factory.mktemp(request.param)
+    hf_model.save_pretrained(out, safe_serialization=True)
+    transformers.AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(out)
+    loaded = load_model_files(out)
+    assert loaded.config.architecture == request.param
+    model = LlamaForCausalLM(loaded.config, loaded.weights, torch.float32, "cpu")
+    yield hf_model, ModelRunner(model, block_size=BLOCK, num_blocks=64)
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_family_greedy_matches_transformers(family):
+    """32 greedy tokens token-identical to transformers' `generate`: alone, in one batch with
+    chunked prefill, and from a prefix-cache hit (the second request reuses the first's blocks)."""
+    hf_model, runner = family
+    prompts = random_prompts([37, 5, 2 * BLOCK + 3])
+    refs = [hf_greedy(hf_model, ids, 32) for ids in prompts]
+    assert greedy(runner, prompts[:1], 32) == refs[:1]
+    assert greedy(runner, prompts, 32, chunk=7) == refs
+    first = prompts[2]
+    hit = first[: 2 * BLOCK] + random_prompts([9], seed=1)[0]
+    assert greedy(runner, [first], 32, tables=[[0, 1, 2, 3, 4]]) == [refs[2]]
+    assert greedy(runner, [hit], 32, tables=[[0, 1, 5, 6, 7]], cached=[2 * BLOCK]) == [
+        hf_greedy(hf_model, hit, 32)
+    ]
