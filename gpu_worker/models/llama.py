@@ -260,6 +260,12 @@ class LlamaForCausalLM:
             k_norm=k_norm,
         )
 
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """Whether a step takes no host-side decision from tensor values (CUDA-graph capture):
+        not with quantized MoE experts, which run grouped by expert with a host-side count."""
+        return all(layer.moe is None or layer.moe.w13 is not None for layer in self.layers)
+
     def weight_bytes(self) -> int:
         """Bytes held by the weights (quantized blocks, scales and dense copies; a tied LM head
         counted once)."""

@@ -25,27 +25,31 @@ BLOCK_K = 32
 
 def align_block_size(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted (token, expert) pair ids padded per expert to ``block_m``, and each block's expert.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sorted (token, expert) pair ids padded per expert to ``block_m``, and each block's expert,
+    with no host sync (CUDA-graph safe: sizes depend on the shapes only).
 
-    Returns ``sorted_ids int32 [P]`` (flat pair ids ``t * k + j`` grouped by expert, stable, with
-    padding entries equal to ``T * k``) and ``expert_ids int32 [P / block_m]``.
+    Returns ``sorted_ids int32 [P]`` (flat pair ids ``t * k + j`` grouped by expert, stable;
+    padding entries equal ``T * k``), ``expert_ids int32 [P / block_m]`` (``num_experts`` for the
+    blocks past the padded total) and that total ``int32 [1]``. ``P`` is the bound
+    ``(ceil(T * k / block_m) + min(E, T * k)) * block_m``.
     """
     flat = topk_ids.reshape(-1)
-    num_pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    num_pairs, device = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync on CUDA
     padded = (counts + block_m - 1) // block_m * block_m
-    starts = torch.cumsum(padded, 0) - padded
+    ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
+    by_expert = flat[order]
     first = torch.cumsum(counts, 0) - counts  # where each expert's run starts in `order`
-    rank = torch.arange(num_pairs, device=flat.device) - first[flat[order]]
-    total = int(padded.sum())
-    sorted_ids = torch.full((total,), num_pairs, dtype=torch.int32, device=flat.device)
-    sorted_ids[starts[flat[order]] + rank] = order.to(torch.int32)
-    blocks = torch.repeat_interleave(
-        torch.arange(num_experts, device=flat.device), padded // block_m
-    )
-    return sorted_ids, blocks.to(torch.int32)
+    rank = torch.arange(num_pairs, device=device) - first[by_expert]
+    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    sorted_ids = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids[ends[by_expert] - padded[by_expert] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(max_blocks, device=device) * block_m
+    expert_ids = torch.searchsorted(ends, block_starts, right=True)
+    return sorted_ids, expert_ids.to(torch.int32), ends[-1:].to(torch.int32)
 
 
 @triton.jit
@@ -56,6 +60,7 @@ def _grouped_gemm_kernel(
     weights_ptr,  # float32 [num_pairs] routing weights (read with MUL_WEIGHT)
     sorted_ids_ptr,  # int32 [P]
     expert_ids_ptr,  # int32 [P / BLOCK_M]
+    total_ptr,  # int32 [1]: rows of sorted_ids in use (the rest are padding blocks)
     N,
     K,
     num_pairs,
@@ -73,6 +78,8 @@ def _grouped_gemm_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
     if A_PER_PAIR:
@@ -107,7 +114,8 @@ def _grouped_gemm_kernel(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
-def _grouped_gemm(a, w, out, weights, sorted_ids, expert_ids, top_k, a_per_pair, mul_weight):
+def _grouped_gemm(a, w, out, weights, routing, top_k, a_per_pair, mul_weight):
+    sorted_ids, expert_ids, total = routing
     n, k = w.shape[1], w.shape[2]
     grid = (expert_ids.shape[0], triton.cdiv(n, BLOCK_N))
     _grouped_gemm_kernel[grid](
@@ -117,6 +125,7 @@ def _grouped_gemm(a, w, out, weights, sorted_ids, expert_ids, top_k, a_per_pair,
         weights,
         sorted_ids,
         expert_ids,
+        total,
         n,
         k,
         out.shape[0],
@@ -148,11 +157,11 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    sorted_ids, expert_ids = align_block_size(topk_ids, w13.shape[0], BLOCK_M)
+    routing = align_block_size(topk_ids, w13.shape[0], BLOCK_M)
     weights = topk_weights.reshape(-1).float().contiguous()
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, weights, sorted_ids, expert_ids, top_k, False, False)
+    _grouped_gemm(x, w13, gate_up, weights, routing, top_k, False, False)
     act = silu_and_mul(gate_up)  # [T*k, I]
     down = torch.empty(num_pairs, w2.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w2, down, weights, sorted_ids, expert_ids, 1, True, True)
+    _grouped_gemm(act, w2, down, weights, routing, 1, True, True)
     return down.view(num_tokens, top_k, -1).sum(dim=1)

@@ -43,10 +43,13 @@ def test_align_block_size_groups_pairs_by_expert():
     from laneserve.kernels.triton.fused_moe import align_block_size
 
     ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
-    sorted_ids, experts = align_block_size(ids, num_experts=4, block_m=4)
+    sorted_ids, experts, total = align_block_size(ids, num_experts=4, block_m=4)
     pad = ids.numel()
-    assert sorted_ids.tolist() == [1, 4, pad, pad, 3, pad, pad, pad, 0, 2, 5, pad]
-    assert experts.tolist() == [0, 1, 2]
+    assert total.tolist() == [12]
+    assert sorted_ids.tolist()[:12] == [1, 4, pad, pad, 3, pad, pad, pad, 0, 2, 5, pad]
+    # the shape-only bound: ceil(6 / 4) + min(4, 6) = 6 blocks, the unused ones padding
+    assert sorted_ids.tolist()[12:] == [pad] * 12
+    assert experts.tolist() == [0, 1, 2, 4, 4, 4]
 
 
 def test_fused_moe_rejects_bad_arguments(gen):
