@@ -5,7 +5,8 @@ as `GGUFQuantTensor`), a tensor index that maps the file again without parsing i
 
 Tensors are dequantized with the `gguf` package (`gguf.quants.dequantize`, which covers F32,
 F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K). llama.cpp's converter permutes the rows of
-Q and K for `general.architecture == "llama"` (`convert_hf_to_gguf.py`, `LlamaModel.permute`) so
+Q and K for `general.architecture == "llama"` (Mixtral too: llama with `expert_count`;
+`convert_hf_to_gguf.py`, `LlamaModel.permute`) so
 that its rotary kernel can use the interleaved layout; we undo it there, with the KV head count for
 K, so the Hugging Face rotate-half rotary embedding applies.
 """

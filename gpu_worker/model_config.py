@@ -1,5 +1,5 @@
-"""`ModelConfig`: the shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3), the
-architectures supported, and the config built from a Hugging Face `config.json` dict
+"""`ModelConfig`: the shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and
+sparse MoE: Mixtral, Qwen3-MoE), the architectures supported, and the config built from a Hugging Face `config.json` dict
 (`config_from_hf_dict`; a GGUF's metadata gives one through `gguf_loader.config_from_gguf`).
 """
 

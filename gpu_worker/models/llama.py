@@ -6,7 +6,8 @@ request contributes its new tokens to `input_ids[T]`; attention reads each reque
 from the paged cache through its block table. Layer numerics follow Hugging Face's
 `modeling_llama.py` (RMSNorm in fp32, rotate-half RoPE, SwiGLU MLP) so float32 logits match
 transformers to ~1e-5. Qwen3 adds an RMSNorm over each q and k head before RoPE
-(`modeling_qwen3.py`, `Qwen3Attention`).
+(`modeling_qwen3.py`, `Qwen3Attention`). Mixtral and Qwen3-MoE layers listed in
+`ModelConfig.moe_layers` run a sparse MoE block instead of the MLP (`models/moe.py`).
 
 Weights use fused projections (`qkv_proj` = cat(q, k, v), `gate_up_proj` = cat(gate, up)), one matmul
 each instead of three/two. With `quantization` other than "none" the projections and the LM head
