@@ -62,6 +62,13 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
     moe_layers: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.moe_layers and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(
+                f"{self.name}: num_experts_per_tok {self.num_experts_per_tok} must be 1.."
+                f"num_experts ({self.num_experts})"
+            )
+
     @property
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes per token in bf16: 2 (K and V) x layers x kv_heads x head_dim x 2 bytes."""

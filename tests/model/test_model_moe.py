@@ -144,6 +144,8 @@ def test_routing_and_block_match_transformers(family):
     loaded = _our_layer(model, family)
     ours = moe.forward(h, loaded.layers[0].moe, silu_and_mul_ref)
     torch.testing.assert_close(ours, ref_out, rtol=1e-5, atol=1e-6)
+    # every parameter held once (experts stacked, their per-expert linears views)
+    assert loaded.weight_bytes() == sum(p.numel() * 4 for p in model.parameters())
 
 
 def _our_layer(model, family, quantization="none", weights=None) -> LlamaForCausalLM:
@@ -184,6 +186,8 @@ def test_qwen3_moe_sparse_layers_follow_config():
     assert config.moe_layers == (1, 5)
     assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob) == (6, 2, False)
     assert config.moe_intermediate_size == 24
+    with pytest.raises(ModelLoadError, match="num_experts_per_tok 7 must be 1..num_experts"):
+        config_from_hf_dict(cfg | {"num_experts_per_tok": 7}, Path("q"))
 
 
 def test_checkpoint_missing_or_misshapen_expert_is_named(tmp_path):
