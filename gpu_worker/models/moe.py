@@ -5,7 +5,8 @@ A decoder layer whose index is in `ModelConfig.moe_layers` runs this block inste
 expert, `torch.topk`, renormalized with `norm_topk_prob`). The experts run grouped by expert
 (`kernels.moe.grouped_experts`: one GEMM per active expert and weight per step) over each
 expert's own linears, dense or quantized (`QuantLinear` int8/int4, GGUF Q4_0/Q8_0 blocks), or, for
-dense weights on CUDA, as the Triton fused-MoE kernel over the experts' stacked weights.
+dense weights where the kernels' backend is Triton (CUDA, or `LANESERVE_ATTENTION_BACKEND=triton`),
+as the Triton fused-MoE kernel over the experts' stacked weights.
 
 Checkpoint layouts read (per layer prefix `model.layers.{i}.`):
 - Mixtral: `block_sparse_moe.gate.weight` [E, H], `block_sparse_moe.experts.{e}.w1|w3|w2.weight`
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from laneserve import kernels
 from laneserve.gpu_worker import quantization as quant
 from laneserve.gpu_worker.errors import ModelLoadError
 from laneserve.gpu_worker.quantization import QuantLinear
@@ -121,7 +123,7 @@ def load_moe(w: _WeightReader, config: ModelConfig, i: int) -> MoEWeights:
 def forward(h: torch.Tensor, m: MoEWeights, silu_and_mul) -> torch.Tensor:
     """The block's output [T, H] for the normed hidden states `h` [T, H]."""
     weights, ids = moe_ops.route(h, m.gate, m.top_k, m.renormalize)
-    if m.w13 is not None and h.is_cuda:
+    if m.w13 is not None and kernels.backend_for(h) == "triton":
         return moe_ops.fused_moe(h, m.w13, m.w2, weights, ids)
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:

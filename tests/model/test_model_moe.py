@@ -118,6 +118,21 @@ def test_greedy_matches_transformers_alone_batched_chunked(family_dir):
     assert sum(o.num_cached_tokens for o in batched) > 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family_dir", ["qwen3_moe"], indirect=True)
+def test_triton_forced_engine_matches_transformers(family_dir, monkeypatch):
+    """The Triton backend forced (attention, layer ops and the fused-MoE kernel, interpreted on
+    CPU): a 17-token prefill and 4 decode steps."""
+    from laneserve.gpu_worker.llm import LLM
+
+    family, path, model = family_dir
+    monkeypatch.setenv("LANESERVE_ATTENTION_BACKEND", "triton")
+    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=32, max_model_len=64)
+    ids = prompts(model.config.vocab_size)[1]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert llm.generate([ids], params)[0].token_ids == hf_greedy(model, ids)[:4]
+
+
 def _hf_block(model, layer: int):
     decoder = model.model.layers[layer]
     return getattr(decoder, "block_sparse_moe", None) or decoder.mlp
