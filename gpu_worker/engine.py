@@ -43,6 +43,7 @@ from laneserve.gpu_worker.model_files import model_display_name, resolve_model_p
 from laneserve.gpu_worker.model_loader import load_model_files
 from laneserve.gpu_worker.model_runner import ModelRunner
 from laneserve.gpu_worker.models.llama import LlamaForCausalLM
+from laneserve.gpu_worker.models.registry import build_model
 from laneserve.gpu_worker.outputs import RequestDelta
 from laneserve.gpu_worker.prompt_logprobs import (
     attach_prompt_logprobs,
@@ -153,9 +154,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.prompt_tokenizer = PromptTokenizer.from_hf(loaded.tokenizer)  # the edge's rule
         self.load_seconds = loaded.load_seconds
-        return LlamaForCausalLM(
-            loaded.config, loaded.weights, self.dtype, self.device, quantization
-        )
+        return build_model(loaded.config, loaded.weights, self.dtype, self.device, quantization)
 
     def _build_step_parts(self, model: LlamaForCausalLM, num_blocks: int) -> None:
         """The model runner over a KV pool of `num_blocks`, the block manager, scheduler,

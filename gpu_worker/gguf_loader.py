@@ -103,6 +103,7 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings="output.weight" not in names,
         max_model_len=int(get("context_length", 2048)),
+        max_position_embeddings=int(get("context_length", 2048)),
         eos_token_ids=(int(eos),) if eos is not None else (),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         attention_bias="blk.0.attn_q.bias" in names,
@@ -159,6 +160,20 @@ _GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+
+
+def hf_to_gguf_name(name: str) -> str | None:
+    """`model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight` (llama.cpp's tensor
+    names; the inverse of `gguf_to_hf_name`); None if llama.cpp has no such tensor."""
+    for gguf_name, hf_name in _GGUF_GLOBAL_NAMES.items():
+        if name == hf_name:
+            return gguf_name
+    if name.startswith("model.layers."):
+        _, _, idx, rest = name.split(".", 3)
+        for gguf_name, hf_name in _GGUF_LAYER_NAMES.items():
+            if rest == hf_name:
+                return f"blk.{idx}.{gguf_name}"
+    return None
 
 
 def gguf_to_hf_name(name: str) -> str | None:

@@ -1,6 +1,7 @@
 """`ModelConfig`: the shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and
-sparse MoE: Mixtral, Qwen3-MoE), the architectures supported, and the config built from a Hugging Face `config.json` dict
-(`config_from_hf_dict`; a GGUF's metadata gives one through `gguf_loader.config_from_gguf`).
+sparse MoE: Mixtral, Qwen3-MoE), the architectures supported, and the config built from a Hugging
+Face `config.json` dict (`config_from_hf_dict`; a GGUF's metadata gives one through
+`gguf_loader.config_from_gguf`).
 """
 
 from __future__ import annotations
@@ -11,33 +12,39 @@ from pathlib import Path
 from typing import Any
 
 from laneserve.gpu_worker.errors import ModelLoadError
+from laneserve.gpu_worker.models import rope
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = {
-    # HF `architectures[0]` / GGUF `general.architecture` -> our family name
+# HF `architectures[0]` -> our family name, and the HF class of each family
+HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
-    "llama": "llama",
+}
+HF_CLASS = {family: arch for arch, family in HF_ARCHITECTURES.items()}
+# GGUF `general.architecture` (llama.cpp's names) -> our family name
+GGUF_ARCHITECTURES = {
+    "llama": "llama",  # Mixtral too: llama with experts (`gguf_loader.config_from_gguf`)
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe",
 }
-_HF_ARCHITECTURES = {
-    family: arch for arch, family in SUPPORTED_ARCHITECTURES.items() if arch[0].isupper()
-}
+SUPPORTED_ARCHITECTURES = {**HF_ARCHITECTURES, **GGUF_ARCHITECTURES}
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's
+_MODEL_TYPE = {"gemma3": "gemma3_text"}  # HF `model_type` where it is not the family name
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (sizes in elements, lengths in tokens)."""
 
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "mixtral" | "qwen3_moe"
+    architecture: str  # a family of SUPPORTED_ARCHITECTURES: "llama", "qwen3", "gemma3", ...
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -55,12 +62,28 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over each q and k head's D features before RoPE (Qwen3)
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     name: str = ""
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim x this features (Phi-4-mini)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh" (Gemma)
+    # Gemma 3: softmax scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5); its
+    # "sliding_attention" layers (`layer_types`) attend the last `sliding_window` keys, with
+    # RoPE base `rope_local_base_freq`; logits soft-capped as cap * tanh(logits / cap)
+    query_pre_attn_scalar: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_base_freq: float | None = None
+    final_logit_softcapping: float | None = None
+    # the config's own, from which yarn / longrope scale (max_model_len may be capped below it)
+    max_position_embeddings: int | None = None
     # sparse MoE (Mixtral, Qwen3-MoE): the layers whose MLP is `num_experts` routed experts
     num_experts: int = 0
     num_experts_per_tok: int = 0  # top-k
     moe_intermediate_size: int = 0  # each expert's intermediate size
     norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
     moe_layers: tuple[int, ...] = ()
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def __post_init__(self) -> None:
         if self.moe_layers and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -76,11 +99,11 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A Hugging Face `config.json` describing this model."""
-        arch = _HF_ARCHITECTURES[self.architecture]
+        arch = HF_CLASS[self.architecture]
         eos = list(self.eos_token_ids)
         return _moe_hf_fields(self) | {
             "architectures": [arch],
-            "model_type": self.architecture,
+            "model_type": _MODEL_TYPE.get(self.architecture, self.architecture),
             "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
@@ -96,76 +119,166 @@ class ModelConfig:
             "eos_token_id": eos[0] if len(eos) == 1 else eos,
             "bos_token_id": self.bos_token_id,
             "attention_bias": self.attention_bias,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "torch_dtype": "float32",
             "laneserve_name": self.name,
+            "partial_rotary_factor": self.partial_rotary_factor,
+            "query_pre_attn_scalar": self.query_pre_attn_scalar,
+            "sliding_window": self.sliding_window,
+            "layer_types": list(self.layer_types) if self.layer_types else None,
+            "rope_local_base_freq": self.rope_local_base_freq,
+            "final_logit_softcapping": self.final_logit_softcapping,
         }
 
 
 def architecture_family(arch: str, where: Path) -> str:
-    """Our family name ("llama", "mistral", "qwen2", "qwen3") for a Hugging Face `architectures[0]` or a
-    GGUF `general.architecture`.
+    """Our family name ("llama", "qwen3", ...) for a Hugging Face `architectures[0]` or a GGUF
+    `general.architecture`.
 
     Raises:
         ModelLoadError: an architecture not in `SUPPORTED_ARCHITECTURES`.
     """
     family = SUPPORTED_ARCHITECTURES.get(arch)
     if family is None:
-        supported = sorted(k for k in SUPPORTED_ARCHITECTURES if k[0].isupper())
         raise ModelLoadError(
-            f"{where}: unsupported architecture {arch!r}; supported: {supported} "
-            "(GGUF general.architecture llama, mistral, qwen2, qwen3, qwen3moe)"
+            f"{where}: unsupported architecture {arch!r}; supported: {sorted(HF_ARCHITECTURES)} "
+            f"(GGUF general.architecture {', '.join(GGUF_ARCHITECTURES)})"
         )
     return family
 
 
-def config_from_hf_dict(cfg: dict[str, Any], where: Path) -> ModelConfig:
-    """Build a `ModelConfig` from a Hugging Face `config.json` dict.
+def _window(cfg: dict[str, Any], family: str) -> int | None:
+    """The sliding window (tokens) the config turns on, or None."""
+    window = cfg.get("sliding_window")
+    on = family in ("gemma3", "phi3") or (
+        family in ("mistral", "qwen2", "qwen3")
+        and cfg.get("use_sliding_window", family == "mistral")
+    )
+    return int(window) if window and on else None
+
+
+def _layer_types(cfg: dict[str, Any], family: str, layers: int) -> tuple[str, ...] | None:
+    """Gemma 3's per-layer attention kinds: `layer_types`, or every `sliding_window_pattern`-th
+    layer global (older configs)."""
+    if family != "gemma3":
+        return None
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+    return tuple(
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+    )
+
+
+def _rope(cfg: dict[str, Any], family: str, where: Path) -> tuple[float, dict | None, float | None]:
+    """(rope_theta, rope scaling parameters or None, Gemma 3's local base) from either config
+    style: transformers 4 (`rope_theta`, `rope_scaling`, `rope_local_base_freq`) or 5
+    (`rope_parameters`, per layer type for Gemma 3).
 
     Raises:
-        ModelLoadError: unsupported architecture, sliding-window attention, or missing fields.
+        ModelLoadError: a rope type `models.rope` does not compute.
+    """
+    params = dict(cfg.get("rope_scaling") or {})
+    local = cfg.get("rope_local_base_freq")
+    new_style = cfg.get("rope_parameters")
+    if isinstance(new_style, dict) and isinstance(new_style.get("full_attention"), dict):
+        local = (new_style.get("sliding_attention") or {}).get("rope_theta", local)
+        new_style = new_style["full_attention"]
+    if isinstance(new_style, dict):
+        params = {**new_style, **params}
+    theta = cfg.get("rope_theta", params.get("rope_theta"))
+    if "original_max_position_embeddings" in cfg:  # Phi-3 keeps it beside rope_scaling
+        params.setdefault(
+            "original_max_position_embeddings", cfg["original_max_position_embeddings"]
+        )
+    rope.check_rope_type(params, f"{where}/config.json")
+    kind = rope.rope_type(params)
+    scaling = None if kind == "default" else {**params, "rope_type": kind}
+    theta = float(theta if theta is not None else 10000.0)
+    if family == "gemma3" and local is None:
+        local = 10000.0
+    return theta, scaling, (float(local) if local is not None else None)
+
+
+def _cap_to_window(cfg: dict[str, Any], window: int | None, family: str, where: Path) -> int:
+    """max_model_len: `max_position_embeddings`, capped to a sliding window the attention kernels
+    do not apply (sequences no longer than the window need none)."""
+    max_len = int(cfg.get("max_position_embeddings", 2048))
+    applied = family == "gemma3" and kernels_apply_sliding_window()
+    if window is not None and window < max_len and not applied:
+        logger.warning(
+            "%s: sliding window %s not supported; max_model_len capped to it", where, window
+        )
+        return window
+    return max_len
+
+
+def kernels_apply_sliding_window() -> bool:
+    """Whether `kernels.unified_attention` takes a `sliding_window`."""
+    import inspect
+
+    from laneserve import kernels
+
+    return "sliding_window" in inspect.signature(kernels.unified_attention).parameters
+
+
+def config_from_hf_dict(cfg: dict[str, Any], where: Path) -> ModelConfig:
+    """Build a `ModelConfig` from a Hugging Face `config.json` dict (transformers 4 or 5 style).
+
+    Raises:
+        ModelLoadError: unsupported architecture, rope type or attention variant, or missing
+            fields; nothing has read a weight yet.
     """
     arch = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
     family = architecture_family(arch, where)
-    if (
-        family in ("mistral", "qwen2", "qwen3")
-        and cfg.get("sliding_window")
-        and cfg.get("use_sliding_window", family == "mistral")
-    ):
-        window = cfg["sliding_window"]
-        if window < cfg.get("max_position_embeddings", 0):
-            logger.warning(
-                "%s: sliding window %s not supported; max_model_len capped to it", where, window
-            )
-            cfg = {**cfg, "max_position_embeddings": window}
+    if cfg.get("attn_logit_softcapping"):
+        raise ModelLoadError(
+            f"{where}/config.json: attention logit soft-capping (attn_logit_softcapping="
+            f"{cfg['attn_logit_softcapping']}) is not supported; supported: none"
+        )
+    act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ModelLoadError(
+            f"{where}/config.json: unsupported hidden_act {act!r}; supported: "
+            + ", ".join(SUPPORTED_ACTIVATIONS)
+        )
     try:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        layers = int(cfg["num_hidden_layers"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        scaling = cfg.get("rope_scaling") or None
-        rope_theta = cfg.get("rope_theta")
-        if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
-            rope_theta = cfg["rope_parameters"].get("rope_theta")
+        theta, scaling, local_theta = _rope(cfg, family, where)
+        window = _window(cfg, family)
+        partial = (scaling or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+        gemma = family == "gemma3"
         return ModelConfig(
             architecture=family,
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_theta=theta,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_model_len=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            max_model_len=_cap_to_window(cfg, window, family, where),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             rope_scaling=scaling,
             name=str(cfg.get("laneserve_name") or cfg.get("_name_or_path") or where.name),
+            partial_rotary_factor=float(partial or 1.0),
+            hidden_act=act,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256) if gemma else None,
+            sliding_window=window if gemma else None,
+            layer_types=_layer_types(cfg, family, layers),
+            rope_local_base_freq=local_theta,
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             **_moe_fields(cfg, family),
         )
     except (KeyError, TypeError, ValueError) as exc:

@@ -17,21 +17,19 @@ its blocks (DESIGN.md "Quantization").
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from laneserve import kernels
 from laneserve.gpu_worker import quantization as quant
-from laneserve.gpu_worker.errors import ModelLoadError
 from laneserve.gpu_worker.gemv_blocks import GemvBlocks
-from laneserve.gpu_worker.gguf_blocks import GGUFQuantTensor, dequantize
+from laneserve.gpu_worker.gguf_blocks import GGUFQuantTensor
 from laneserve.gpu_worker.model_config import ModelConfig
 from laneserve.gpu_worker.models import moe
+from laneserve.gpu_worker.models.checkpoint import Linear, WeightReader
+from laneserve.gpu_worker.models.rope import build_cos_sin_cache
 from laneserve.gpu_worker.quantization import QuantLinear
-
-Linear = torch.Tensor | QuantLinear
 
 
 @dataclass(slots=True)
@@ -62,89 +60,6 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [D] per-head RMSNorm weight before RoPE (Qwen3)
     k_norm: torch.Tensor | None = None  # [D]
     moe: moe.MoEWeights | None = None  # the MoE block replacing the MLP (Mixtral, Qwen3-MoE)
-
-
-class _WeightReader:
-    """Takes the model's weights out of a loader's dict (Hugging Face naming), checking each
-    one's shape, onto `device`: dense in `dtype` (`take`), or as (fused) linears in the
-    quantization mode (`take_linear`).
-
-    Raises (every method):
-        ModelLoadError: a weight is missing or has the wrong shape.
-    """
-
-    def __init__(
-        self,
-        weights: dict[str, torch.Tensor | GGUFQuantTensor],
-        dtype: torch.dtype,
-        device: torch.device,
-        quantization: str,
-    ):
-        self.weights = weights
-        self.dtype = dtype
-        self.device = device
-        self.quantization = quantization
-
-    def raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | GGUFQuantTensor:
-        tensor = self.weights.get(name)
-        if tensor is None:
-            raise ModelLoadError(f"weight {name} is missing")
-        if tuple(tensor.shape) != shape:
-            raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, expected {shape}")
-        return tensor
-
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        tensor = self.raw(name, shape)
-        if isinstance(tensor, GGUFQuantTensor):
-            tensor = dequantize(tensor)
-        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
-
-    def take_linear(self, names: list[str], shapes: list[tuple[int, int]]) -> Linear:
-        parts = [self.raw(n, s) for n, s in zip(names, shapes, strict=True)]
-        built = quant.build_linear(names[0], parts, self.quantization, self.dtype, self.device)
-        return built.to(self.device) if isinstance(built, torch.Tensor) else built
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies [D/2] (fp32), with Hugging Face's `default`, `linear` and `llama3`
-    rope types (`modeling_rope_utils.py`).
-
-    Raises:
-        ModelLoadError: an unsupported `rope_scaling` type.
-    """
-    dim = config.head_dim
-    base = config.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-        high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling.get("original_max_position_embeddings", 8192))
-        low_freq_wavelen = old_len / low_freq_factor
-        high_freq_wavelen = old_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
-        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, inv_freq_llama)
-    raise ModelLoadError(
-        f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, llama3"
-    )
-
-
-def build_cos_sin_cache(config: ModelConfig, max_positions: int, device) -> torch.Tensor:
-    """[max_positions, D] fp32 = cat(cos, sin), each [max_positions, D/2]."""
-    inv_freq = rope_inv_freq(config)
-    t = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)  # [P, D/2]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
 
 class LlamaForCausalLM:
@@ -181,14 +96,21 @@ class LlamaForCausalLM:
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_attention_heads * config.head_dim
         self.kv_size = config.num_key_value_heads * config.head_dim
-        w = _WeightReader(weights, dtype, self.device, self.quantization)
+        w = WeightReader(weights, dtype, self.device, self.quantization, config.architecture)
         self._load_embedding(w)
-        self.norm = w.take("model.norm.weight", (config.hidden_size,))
+        self.norm = self._norm(w, "model.norm.weight", (config.hidden_size,))
         self._load_lm_head(w)
         self.layers = [self._load_layer(w, i) for i in range(config.num_hidden_layers)]
-        self.cos_sin_cache = build_cos_sin_cache(config, config.max_model_len, self.device)
+        self.cos_sin_cache = self._rope_cache(config.rope_theta, config.rope_scaling)
 
-    def _load_embedding(self, w: _WeightReader) -> None:
+    def _rope_cache(self, theta: float, scaling: dict | None) -> torch.Tensor:
+        """fp32 [max_model_len, rotary_dim] cos/sin cache (`models.rope`)."""
+        c = self.config
+        max_pos = c.max_position_embeddings or c.max_model_len
+        args = (theta, scaling, c.rotary_dim, max_pos, c.max_model_len, self.device)
+        return build_cos_sin_cache(*args)
+
+    def _load_embedding(self, w: WeightReader) -> None:
         """The token embedding: Q8_0 blocks stay quantized on the CPU (`build_embedding`)."""
         c = self.config
         vh = (c.vocab_size, c.hidden_size)
@@ -199,7 +121,7 @@ class LlamaForCausalLM:
         if isinstance(self.embed_tokens, torch.Tensor):
             self.embed_tokens = self.embed_tokens.to(self.device)
 
-    def _load_lm_head(self, w: _WeightReader) -> None:
+    def _load_lm_head(self, w: WeightReader) -> None:
         """The LM head: its own weight, or tied to the embedding (the same tensor when both are
         dense; a quantized head over a Q8_0 embedding reads the embedding's blocks)."""
         c = self.config
@@ -226,12 +148,10 @@ class LlamaForCausalLM:
         ):  # few-row calls read the embedding's own Q8_0 arrays: exact, one copy
             head.read_q8_0_blocks(GemvBlocks("q8_0", table.qs, table.d))
 
-    def _load_layer(self, w: _WeightReader, i: int) -> LayerWeights:
+    def _load_layer(self, w: WeightReader, i: int) -> LayerWeights:
         """Layer `i`'s weights, q/k/v and gate/up fused into one linear each."""
         h, inter = self.config.hidden_size, self.config.intermediate_size
         p = f"model.layers.{i}."
-        qkv_names = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
-        qkv_shapes = [(self.q_size, h), (self.kv_size, h), (self.kv_size, h)]
         bias = None
         if self.config.attention_bias:
             bias = torch.cat(
@@ -241,25 +161,28 @@ class LlamaForCausalLM:
                     w.take(p + "self_attn.v_proj.bias", (self.kv_size,)),
                 ]
             )
-        gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
         q_norm = k_norm = None
         if self.config.qk_norm:
             d = (self.config.head_dim,)
-            q_norm = w.take(p + "self_attn.q_norm.weight", d)
-            k_norm = w.take(p + "self_attn.k_norm.weight", d)
+            q_norm = self._norm(w, p + "self_attn.q_norm.weight", d)
+            k_norm = self._norm(w, p + "self_attn.k_norm.weight", d)
         sparse = i in self.config.moe_layers
         return LayerWeights(
-            input_layernorm=w.take(p + "input_layernorm.weight", (h,)),
-            qkv_proj=w.take_linear(qkv_names, qkv_shapes),
+            input_layernorm=self._norm(w, p + "input_layernorm.weight", (h,)),
+            qkv_proj=w.take_layer_linear(p, "qkv_proj", [self.q_size, *[self.kv_size] * 2], h),
             qkv_bias=bias,
-            o_proj=w.take_linear([p + "self_attn.o_proj.weight"], [(h, self.q_size)]),
-            post_attention_layernorm=w.take(p + "post_attention_layernorm.weight", (h,)),
-            gate_up_proj=None if sparse else w.take_linear(gate_up, [(inter, h), (inter, h)]),
-            down_proj=None if sparse else w.take_linear([p + "mlp.down_proj.weight"], [(h, inter)]),
+            o_proj=w.take_layer_linear(p, "o_proj", [h], self.q_size),
+            post_attention_layernorm=self._norm(w, p + "post_attention_layernorm.weight", (h,)),
+            gate_up_proj=None if sparse else w.take_layer_linear(p, "gate_up_proj", [inter] * 2, h),
+            down_proj=None if sparse else w.take_layer_linear(p, "down_proj", [h], inter),
             moe=moe.load_moe(w, self.config, i) if sparse else None,
             q_norm=q_norm,
             k_norm=k_norm,
         )
+
+    def _norm(self, w: WeightReader, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """An RMSNorm weight as the kernels multiply it (Gemma overrides: 1 + w)."""
+        return w.take(name, shape)
 
     @property
     def cuda_graph_safe(self) -> bool:

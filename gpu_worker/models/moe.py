@@ -31,7 +31,7 @@ from laneserve.kernels import moe as moe_ops
 
 if TYPE_CHECKING:
     from laneserve.gpu_worker.model_config import ModelConfig
-    from laneserve.gpu_worker.models.llama import _WeightReader
+    from laneserve.gpu_worker.models.checkpoint import WeightReader
 
 Linear = torch.Tensor | QuantLinear
 
@@ -69,7 +69,7 @@ class MoEWeights:
         return sum(quant.nbytes(t) for t in parts)
 
 
-def _block_prefix(w: _WeightReader, p: str) -> str:
+def _block_prefix(w: WeightReader, p: str) -> str:
     """`model.layers.{i}.block_sparse_moe.` (Mixtral) or `model.layers.{i}.mlp.`."""
     for block in ("block_sparse_moe.", "mlp."):
         if p + block + "gate.weight" in w.weights:
@@ -80,7 +80,7 @@ def _block_prefix(w: _WeightReader, p: str) -> str:
     )
 
 
-def _expert_parts(w: _WeightReader, b: str, e: int, h: int, inter: int, num: int):
+def _expert_parts(w: WeightReader, b: str, e: int, h: int, inter: int, num: int):
     """Expert `e`'s (gate, up, down) weights from per-expert tensors or the fused 3-D ones."""
     fused = b + "experts.gate_up_proj"
     if fused in w.weights:
@@ -95,7 +95,7 @@ def _expert_parts(w: _WeightReader, b: str, e: int, h: int, inter: int, num: int
     return [w.raw(gate, (inter, h)), w.raw(up, (inter, h))], w.raw(down, (h, inter))
 
 
-def load_moe(w: _WeightReader, config: ModelConfig, i: int) -> MoEWeights:
+def load_moe(w: WeightReader, config: ModelConfig, i: int) -> MoEWeights:
     """Layer `i`'s MoE block.
 
     Raises:

@@ -23,6 +23,7 @@ from laneserve.gpu_worker.model_files import resolve_model_path
 from laneserve.gpu_worker.model_loader import load_hf_tokenizer, load_model_files
 from laneserve.gpu_worker.model_runner import ModelRunner
 from laneserve.gpu_worker.models.llama import LlamaForCausalLM
+from tests.harness import load_script
 
 TINY = dict(
     hidden_size=64,
@@ -72,66 +73,20 @@ def test_tiny_hf_directory_matches_transformers(tmp_path, smollm2_dir, family):
     assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
 
 
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute."""
-    return (
-        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-def test_gguf_llama_permutation_is_undone(tmp_path, smollm2_dir):
-    """A tiny HF Llama written as F32 GGUF the way llama.cpp does it loads back to the same logits."""
-    hf_model, _ = save_tiny(tmp_path, "llama", smollm2_dir)
-    cfg = hf_model.config
-    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    writer.add_eos_token_id(2)
-    names = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    layer = {
-        "input_layernorm.weight": "attn_norm.weight",
-        "post_attention_layernorm.weight": "ffn_norm.weight",
-        "self_attn.q_proj.weight": "attn_q.weight",
-        "self_attn.k_proj.weight": "attn_k.weight",
-        "self_attn.v_proj.weight": "attn_v.weight",
-        "self_attn.o_proj.weight": "attn_output.weight",
-        "mlp.gate_proj.weight": "ffn_gate.weight",
-        "mlp.up_proj.weight": "ffn_up.weight",
-        "mlp.down_proj.weight": "ffn_down.weight",
-    }
-    for name, tensor in hf_model.state_dict().items():
-        array = tensor.numpy().astype(np.float32)
-        if name in names:
-            gname = names[name]
-        else:
-            _, _, idx, rest = name.split(".", 3)
-            gname = f"blk.{idx}.{layer[rest]}"
-        if gname.endswith("attn_q.weight"):
-            array = llama_cpp_permute(array, cfg.num_attention_heads)
-        elif gname.endswith("attn_k.weight"):
-            array = llama_cpp_permute(array, cfg.num_key_value_heads)
-        writer.add_tensor(gname, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    path = tmp_path / "tiny.gguf"
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gguf_in_llama_cpp_layout_matches_transformers(tmp_path, smollm2_dir, family):
+    """A tiny HF model written as F32 GGUF the way llama.cpp does it (llama: Q/K rows permuted;
+    qwen3: attn_q_norm / attn_k_norm, head_dim from attention.key_length) loads back to the same
+    logits."""
+    maker = load_script("make_test_model")
+    if family == "llama":
+        hf_model, _ = save_tiny(tmp_path, "llama", smollm2_dir)
+    else:
+        hf_model = maker.make_model(family, "tiny")
+    path = maker.write_gguf(hf_model, family, tmp_path / "tiny.gguf")
     reader = gguf.GGUFReader(str(path))
     config = config_from_gguf(reader, path)
+    assert config.architecture == family
     weights = load_gguf_weights(reader, config, path)
     ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
     with torch.no_grad():
@@ -247,8 +202,54 @@ def test_truncated_gguf_names_the_file(tmp_path, smollm2_gguf):
 
 def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ModelLoadError, match="unsupported architecture.*LlamaForCausalLM"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"unsupported architecture .GPT2LMHeadModel.*LlamaForCausalLM"
+        r".*Phi3ForCausalLM.*Qwen3ForCausalLM",
+    ):
         load_model_files(tmp_path)
+
+
+TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], **TINY}
+
+
+@pytest.mark.parametrize(
+    ("extra", "refused"),
+    [
+        ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "rope_scaling type 'mrope'"),
+        ({"rope_parameters": {"rope_type": "proportional"}}, "rope_scaling type 'proportional'"),
+        ({"hidden_act": "relu2"}, "hidden_act 'relu2'"),
+        ({"attn_logit_softcapping": 50.0}, "attention logit soft-capping"),
+    ],
+)
+def test_unsupported_variant_is_refused_before_any_weight(tmp_path, extra, refused):
+    """A rope type, activation or attention variant we do not run is named with the supported
+    list at config time: the directory has no weights at all, so none was read."""
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_CONFIG, **extra}))
+    with pytest.raises(ModelLoadError, match=f"{refused}.*supported: ") as err:
+        load_model_files(tmp_path)
+    if "rope" in refused:
+        assert "default, linear, llama3, dynamic, yarn, longrope" in str(err.value)
+
+
+def test_fused_checkpoint_names_and_a_wrong_shape_named(tmp_path, smollm2_dir):
+    """Phi-3 stores q/k/v and gate/up fused: they load as our fused linears; a fused tensor of the
+    wrong shape is refused by name."""
+    from laneserve.gpu_worker.models.registry import build_model
+
+    maker = load_script("make_test_model")
+    out = maker.save_hf(maker.make_model("phi3", "tiny"), tmp_path / "phi3", smollm2_dir)
+    loaded = load_model_files(out)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in loaded.weights
+    assert "model.layers.0.self_attn.q_proj.weight" not in loaded.weights
+    model = build_model(loaded.config, loaded.weights, torch.float32, "cpu")
+    assert model.layers[0].qkv_proj.shape == (64 + 2 * 32, 64)
+    name = "model.layers.1.mlp.gate_up_proj.weight"
+    weights = {**loaded.weights, name: loaded.weights[name][:-2]}
+    with pytest.raises(
+        ModelLoadError, match=rf"{name} has shape \(190, 64\), expected \(192, 64\)"
+    ):
+        build_model(loaded.config, weights, torch.float32, "cpu")
 
 
 def test_unsupported_quant_type(tmp_path):

@@ -230,7 +230,9 @@ def write_gguf(model, family: str, path: Path, expert_type: str = "F32") -> Path
     import gguf
     from gguf import quants
 
-    from tests.model.test_model_loaders import llama_cpp_permute
+    from tests.harness import load_script
+
+    llama_cpp_permute = load_script("make_test_model").llama_cpp_permute
 
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "llama" if family == "mixtral" else "qwen3moe")

