@@ -294,8 +294,8 @@ def write_gguf(model, family: str, path: Path, expert_type: str = "F32") -> Path
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_gguf_experts_load_like_transformers(family, tmp_path):
-    """llama.cpp's layouts (F32, then Q8_0 experts kept in their blocks on the int8 kernels)
-    give transformers' logits."""
+    """llama.cpp's layouts: F32 gives transformers' logits; Q8_0 and Q4_0 experts kept in their
+    blocks (int8 / int4 kernels) give the logits of the same file dequantized."""
     from laneserve.gpu_worker.gguf_loader import config_from_gguf, load_gguf_weights, open_gguf
     from laneserve.gpu_worker.model_config import config_from_hf_dict
     from laneserve.gpu_worker.model_runner import ModelRunner
@@ -305,16 +305,13 @@ def test_gguf_experts_load_like_transformers(family, tmp_path):
     extra |= {"moe_intermediate_size": 32, "norm_topk_prob": True} if family == "qwen3_moe" else {}
     model = hf_model(family, vocab=96, intermediate_size=64, **extra)
     ids = torch.randint(0, 96, (29,), generator=torch.Generator().manual_seed(2)).tolist()
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0]
-    for expert_type, tol in (("F32", 1e-4), ("Q8_0", 3e-2)):
-        path = write_gguf(model, family, tmp_path / f"{expert_type}.gguf", expert_type)
+
+    def logits(path: Path, mode: str) -> torch.Tensor:
         reader = open_gguf(path)
         config = config_from_gguf(reader, path)
         assert config.architecture == family
         assert config.moe_layers == ((0,) if family == "qwen3_moe" else (0, 1))
         assert config_from_hf_dict(config.to_hf_dict(), path) == config  # the converted cache's
-        mode = "none" if expert_type == "F32" else "auto"
         weights = load_gguf_weights(reader, config, path, keep_quantized=mode != "none")
         ours = LlamaForCausalLM(config, weights, torch.float32, "cpu", mode)
         experts = ours.layers[0].moe.linears()
@@ -322,5 +319,14 @@ def test_gguf_experts_load_like_transformers(family, tmp_path):
         runner = ModelRunner(ours, block_size=8, num_blocks=8)
         inputs = runner.prepare_inputs([ids], [0], [list(range(4))], [True])
         inputs.logits_indices = torch.arange(len(ids))
-        logits = runner.execute(inputs)
-        assert ((logits - ref).abs().max() / ref.abs().max()).item() < tol, expert_type
+        return runner.execute(inputs)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).abs().max() / b.abs().max()).item()
+
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    assert rel(logits(write_gguf(model, family, tmp_path / "f32.gguf"), "none"), ref) < 1e-4
+    for expert_type in ("Q8_0", "Q4_0"):
+        path = write_gguf(model, family, tmp_path / f"{expert_type}.gguf", expert_type)
+        assert rel(logits(path, "auto"), logits(path, "none")) < 2e-3, expert_type
