@@ -18,9 +18,9 @@ import triton.language as tl
 from laneserve.kernels.triton._common import INTERPRET, check_device
 from laneserve.kernels.triton.layer_ops import silu_and_mul
 
-BLOCK_M = 16
-BLOCK_N = 32
-BLOCK_K = 32
+BLOCK_M = 16  # rows of sorted pairs per program (one expert's): decode batches are short
+# output and reduction tiles: GPU-sized when compiled, the interpreter's minimum for tl.dot on CPU
+BLOCK_N, BLOCK_K = (32, 32) if INTERPRET else (64, 64)
 
 
 def align_block_size(
@@ -165,3 +165,17 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     down = torch.empty(num_pairs, w2.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, down, weights, routing, 1, True, True)
     return down.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def compile_cases():
+    """(name, kernel, signature, constexprs) of every variant `fused_moe` launches, in
+    `kernels.triton.compile_check`'s form, for compiling ahead of time without a GPU."""
+    for dt in ("bf16", "fp32"):
+        for per_pair in (False, True):  # the gate/up GEMM, then the weighted down GEMM
+            sig = {"a_ptr": f"*{dt}", "w_ptr": f"*{dt}", "c_ptr": f"*{dt}", "weights_ptr": "*fp32"}
+            sig |= dict.fromkeys(("sorted_ids_ptr", "expert_ids_ptr", "total_ptr"), "*i32")
+            sig |= dict.fromkeys(("N", "K", "num_pairs", "top_k"), "i32")
+            sig |= dict.fromkeys(("stride_am", "stride_we", "stride_wn", "stride_cm"), "i32")
+            consts = dict(A_PER_PAIR=per_pair, MUL_WEIGHT=per_pair, FP32_DOT=False)
+            consts |= dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+            yield f"fused_moe[{dt},down={per_pair}]", _grouped_gemm_kernel, sig, consts
