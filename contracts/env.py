@@ -96,7 +96,7 @@ _VARS: tuple[EnvVar, ...] = (
         "LANESERVE_AMX",
         _flag,
         True,
-        "0 keeps bf16 linears off the AMX matmuls (kernels/cpu_ext_amx.py) on a CPU that has "
+        "0 keeps bf16 linears off the AMX matmuls (kernels/csrc/amx_matmul.cpp) on a CPU that has "
         "AMX-BF16: torch's int4 kernel, the GEMVs and the dense copy as elsewhere",
     ),
     EnvVar(

@@ -1,5 +1,5 @@
-"""Weights in the layouts of laneserve's C++ kernels (kernels/cpu_ext_quant.py GEMVs,
-kernels/cpu_ext_amx.py AMX matmuls): `GemvBlocks`, the block orders the built kernels read
+"""Weights in the layouts of laneserve's C++ kernels (kernels/csrc/quant_gemv.cpp GEMVs,
+kernels/csrc/amx_matmul.cpp AMX matmuls): `GemvBlocks`, the block orders the built kernels read
 (`int4_block_order`, `q8_0_block_order`, `amx_order`), and when those kernels take a call
 (`amx_usable`, `amx_takes`, `gemv_takes_bf16`, `BF16_GEMV_MIN_TOKENS`). gpu_worker/quantization.py
 routes each linear's calls between them, torch's kernels and a dense copy (its module docstring).
@@ -21,7 +21,7 @@ from laneserve.kernels import cpu_ext
 
 @dataclass(slots=True)
 class GemvBlocks:
-    """A weight in the layout of the C++ GEMVs (kernels/cpu_ext_quant.py). float32 activations
+    """A weight in the layout of the C++ GEMVs (kernels/csrc/quant_gemv.cpp). float32 activations
     are rounded by the kernel to int16 per 32-element group; bf16 ones are multiplied as they are
     with the weights rounded to bf16 where the CPU has AVX512-BF16 (`gemv_takes_bf16`), else
     read as float32 (exact) through the int16 path, the result rounded once to bf16.
@@ -141,7 +141,7 @@ def q8_0_kernel_block_groups() -> int:
 
 
 # bf16 calls from this many rows up to AMX_MAX_TOKENS run the AMX matmuls where they run
-# (`amx_usable`; kernels/cpu_ext_amx.py), whatever the GEMV or dense thresholds say. Whole bf16
+# (`amx_usable`; kernels/csrc/amx_matmul.cpp), whatever the GEMV or dense thresholds say. Whole bf16
 # SmolLM2 decode steps on a 2-core Xeon with AMX (`scripts/bench_quant.py --steps --quantization
 # auto,auto-noamx`, the two alternating), time with / without: 3 rows 1.30x, 4 rows 1.07x (torch's
 # int4 kernel unpacks its weights once per 4 rows), 5 rows 0.74x, 8 rows 0.68-0.73x, 16 rows
@@ -176,7 +176,7 @@ def amx_order(
     kind: str, qs: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GEMV blocks (`GemvBlocks`, the GGUF's order; N a multiple of 16) in the AMX matmuls'
-    layout (kernels/cpu_ext_amx.py): (qa, sa). Tile row r of output block b and group g holds the
+    layout (kernels/csrc/amx_matmul.cpp): (qa, sa). Tile row r of output block b and group g holds the
     pairs k = 32 g + 2 r, 2 r + 1 of outputs 16 b .. 16 b + 7 in its first half and of outputs
     16 b + 8 .. 16 b + 15 in its second (int4: low and high nibbles of the same 16 bytes)."""
     n, g = scale.shape
@@ -199,7 +199,7 @@ def q8_0_block_order(qs: torch.Tensor) -> torch.Tensor:
     """Q8_0 weights int8 [N, K] from the GGUF's order into the kernel's block order: for each full
     block of 16 groups, 16 chunks of 32 bytes, byte i of chunk c holding element 2 c + i % 2 of
     the block's group i // 2, so that a chunk widens into int16 pairs that each belong to one
-    group (kernels/cpu_ext_quant.py); the last G % 16 groups as they were."""
+    group (kernels/csrc/quant_gemv.cpp); the last G % 16 groups as they were."""
     n, k = qs.shape
     full = k // GROUP_SIZE // Q8_0_BLOCK_GROUPS * Q8_0_BLOCK_GROUPS
     b = qs[:, : full * GROUP_SIZE].reshape(n, -1, Q8_0_BLOCK_GROUPS, GROUP_SIZE // 2, 2)
@@ -219,7 +219,7 @@ def int4_block_order(qs: torch.Tensor) -> torch.Tensor:
     16 + j of group g) into the kernel's block order: for each full block of 8 groups, 8 chunks
     of 16 bytes, byte i of chunk c holding element 2 c + i % 2 of the block's group i // 2 in its
     low nibble and element 2 (c + 8) + i % 2 in its high one, so that a chunk unpacks into lanes
-    that each belong to one group (kernels/cpu_ext_quant.py); the last G % 8 groups as they
+    that each belong to one group (kernels/csrc/quant_gemv.cpp); the last G % 8 groups as they
     were."""
     n, half = qs.shape
     groups = half // (GROUP_SIZE // 2)
@@ -241,7 +241,7 @@ def int4_block_order(qs: torch.Tensor) -> torch.Tensor:
 # second pass) 0.81-0.87x, at 8 rows 0.98-1.01x (a 2-core Zen 5 EPYC with AVX512-BF16,
 # `scripts/bench_quant.py --steps --quantization auto,auto-nolayergemv`). The tied Q8_0 LM head
 # alone: 800 vs 647 us at 1 row, 964 vs 1451 at 5, 1392 vs 2235 at 8.
-BF16_GEMV_MIN_TOKENS = 5  # = kBf16GemvMinRows in kernels/cpu_ext_quant.py
+BF16_GEMV_MIN_TOKENS = 5  # = kBf16GemvMinRows in kernels/csrc/quant_gemv.cpp
 
 
 def gemv_takes_bf16() -> bool:

@@ -25,7 +25,7 @@ import torch
 
 from laneserve.gpu_worker.errors import ModelLoadError
 from laneserve.gpu_worker.gguf_blocks import GGUF_QUANT_TYPES, GGUFQuantTensor
-from laneserve.gpu_worker.model_config import ModelConfig, architecture_family
+from laneserve.gpu_worker.model_config import ModelConfig, architecture_family, cap_to_window
 from laneserve.gpu_worker.model_files import gguf_stamp
 
 logger = logging.getLogger(__name__)
@@ -90,26 +90,34 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
     scaling = None
     if get("rope.scaling.type") not in (None, "none"):
         scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor")}
+    head_dim = int(
+        get("attention.key_length")
+        or (family != "phi3" and get("rope.dimension_count"))
+        or hidden // heads
+    )
+    ctx = int(get("context_length", 2048))
+    extra = _family_fields(reader, family, get, head_dim, ctx, path)
     return ModelConfig(
         architecture=family,
         num_hidden_layers=int(get("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads),
+        head_dim=head_dim,
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         vocab_size=int(vocab),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings="output.weight" not in names,
-        max_model_len=int(get("context_length", 2048)),
-        max_position_embeddings=int(get("context_length", 2048)),
+        max_model_len=cap_to_window(ctx, extra.get("sliding_window"), family, path),
+        max_position_embeddings=ctx,
         eos_token_ids=(int(eos),) if eos is not None else (),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm=family in ("qwen3", "qwen3_moe"),
-        rope_scaling=scaling,
+        qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
+        rope_scaling=extra.pop("rope_scaling", scaling),
         name=str(_field(reader, "general.name", path.stem)),
+        **{k: v for k, v in extra.items() if not (k == "sliding_window" and family == "phi3")},
         **_moe_fields(get, names),
     )
 
@@ -134,6 +142,49 @@ def _moe_fields(get, names: set[str]) -> dict[str, Any]:
     }
 
 
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _tensor_values(reader, name: str) -> list[float]:
+    tensor = next(t for t in reader.tensors if t.name == name)
+    return [float(v) for v in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
+
+
+def _family_fields(reader, family: str, get, head_dim: int, ctx: int, path: Path) -> dict:
+    """The ModelConfig fields llama.cpp keeps per family: Phi-3's partial rotary and LongRoPE
+    factors (tensors `rope_factors_short` / `rope_factors_long`), Gemma 3's attention kinds,
+    local RoPE base, window and scale (llama.cpp: query_pre_attn_scalar = head_dim; every 6th
+    layer global unless `attention.sliding_window_pattern` lists them)."""
+    names = {t.name for t in reader.tensors}
+    window = get("attention.sliding_window")
+    out: dict[str, Any] = {"sliding_window": int(window) if window else None}
+    if family == "phi3":
+        out["partial_rotary_factor"] = int(get("rope.dimension_count") or head_dim) / head_dim
+        if "rope_factors_long.weight" in names:
+            out["rope_scaling"] = {
+                "rope_type": "longrope",
+                "short_factor": _tensor_values(reader, "rope_factors_short.weight"),
+                "long_factor": _tensor_values(reader, "rope_factors_long.weight"),
+                "original_max_position_embeddings": int(
+                    get("rope.scaling.original_context_length", ctx)
+                ),
+                "attention_factor": get("rope.scaling.attn_factor"),
+            }
+    elif family == "gemma3":
+        layers = int(get("block_count"))
+        pattern = get("attention.sliding_window_pattern")
+        if not isinstance(pattern, list):
+            pattern = [(i + 1) % 6 != 0 for i in range(layers)]
+        out |= {
+            "hidden_act": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": head_dim,
+            "layer_types": tuple("sliding_attention" if s else "full_attention" for s in pattern),
+            "rope_local_base_freq": float(get("rope.freq_base_swa", 10000.0)),
+            "final_logit_softcapping": get("final_logit_softcapping"),
+        }
+    return out
+
+
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -155,6 +206,19 @@ _GGUF_LAYER_NAMES = {
     "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
 }
+# where llama.cpp names a family's tensors otherwise (convert_hf_to_gguf.py, llama-arch.cpp):
+# Phi-3 keeps q/k/v and gate/up fused; Gemma 3 has norms after attention and the MLP too
+_FAMILY_LAYER_NAMES = {
+    "phi3": {
+        "attn_qkv.weight": "self_attn.qkv_proj.weight",
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+    },
+    "gemma3": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -162,28 +226,33 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def hf_to_gguf_name(name: str) -> str | None:
+def _layer_names(family: str) -> dict[str, str]:
+    return {**_GGUF_LAYER_NAMES, **_FAMILY_LAYER_NAMES.get(family, {})}
+
+
+def hf_to_gguf_name(name: str, family: str = "llama") -> str | None:
     """`model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight` (llama.cpp's tensor
-    names; the inverse of `gguf_to_hf_name`); None if llama.cpp has no such tensor."""
+    names for `family`; the inverse of `gguf_to_hf_name`); None if llama.cpp has no such tensor."""
     for gguf_name, hf_name in _GGUF_GLOBAL_NAMES.items():
         if name == hf_name:
             return gguf_name
     if name.startswith("model.layers."):
         _, _, idx, rest = name.split(".", 3)
-        for gguf_name, hf_name in _GGUF_LAYER_NAMES.items():
+        for gguf_name, hf_name in _layer_names(family).items():
             if rest == hf_name:
                 return f"blk.{idx}.{gguf_name}"
     return None
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, family: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     if name.startswith("blk."):
         _, idx, rest = name.split(".", 2)
-        if rest in _GGUF_LAYER_NAMES:
-            return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+        layer_names = _layer_names(family)
+        if rest in layer_names:
+            return f"model.layers.{idx}.{layer_names[rest]}"
     return None
 
 
@@ -256,9 +325,9 @@ def load_gguf_weights(
     """
     weights: dict[str, torch.Tensor | GGUFQuantTensor] = {}
     for tensor in reader.tensors:
-        hf_name = gguf_to_hf_name(tensor.name)
+        hf_name = gguf_to_hf_name(tensor.name, config.architecture)
         if hf_name is None:
-            if tensor.name == "rope_freqs.weight":
+            if tensor.name in _ROPE_TENSORS:
                 continue  # llama3 rope factors; we recompute them from rope_scaling
             logger.debug("%s: skipping unknown tensor %s", path, tensor.name)
             continue
@@ -276,6 +345,8 @@ def load_gguf_weights(
         array = dequantize_gguf_tensor(tensor, path)
         if n_head is not None:
             array = reverse_llama_permute(array, n_head)
+        if config.architecture == "gemma3" and hf_name.endswith("norm.weight"):
+            array = array - 1.0  # llama.cpp stores Gemma's (1 + w); the model folds the 1 itself
         if not array.flags.writeable:
             array = array.copy()  # F32 tensors are read-only memmap views of the file
         weights[hf_name] = torch.from_numpy(array)

@@ -23,6 +23,7 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
@@ -33,6 +34,8 @@ GGUF_ARCHITECTURES = {
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma3": "gemma3",
     "qwen3moe": "qwen3_moe",
 }
 SUPPORTED_ARCHITECTURES = {**HF_ARCHITECTURES, **GGUF_ARCHITECTURES}
@@ -115,7 +118,7 @@ class ModelConfig:
             "rope_scaling": self.rope_scaling,
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_model_len,
+            "max_position_embeddings": self.max_position_embeddings or self.max_model_len,
             "eos_token_id": eos[0] if len(eos) == 1 else eos,
             "bos_token_id": self.bos_token_id,
             "attention_bias": self.attention_bias,
@@ -200,10 +203,9 @@ def _rope(cfg: dict[str, Any], family: str, where: Path) -> tuple[float, dict | 
     return theta, scaling, (float(local) if local is not None else None)
 
 
-def _cap_to_window(cfg: dict[str, Any], window: int | None, family: str, where: Path) -> int:
-    """max_model_len: `max_position_embeddings`, capped to a sliding window the attention kernels
-    do not apply (sequences no longer than the window need none)."""
-    max_len = int(cfg.get("max_position_embeddings", 2048))
+def cap_to_window(max_len: int, window: int | None, family: str, where: Path) -> int:
+    """max_model_len: `max_len` (the config's max_position_embeddings), capped to a sliding
+    window the attention kernels do not apply (sequences no longer than the window need none)."""
     applied = family == "gemma3" and kernels_apply_sliding_window()
     if window is not None and window < max_len and not applied:
         logger.warning(
@@ -231,6 +233,10 @@ def config_from_hf_dict(cfg: dict[str, Any], where: Path) -> ModelConfig:
     """
     arch = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
     family = architecture_family(arch, where)
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(
+            f"{where}/config.json: bidirectional attention is not supported; supported: causal"
+        )
     if cfg.get("attn_logit_softcapping"):
         raise ModelLoadError(
             f"{where}/config.json: attention logit soft-capping (attn_logit_softcapping="
@@ -264,7 +270,9 @@ def config_from_hf_dict(cfg: dict[str, Any], where: Path) -> ModelConfig:
             rope_theta=theta,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-            max_model_len=_cap_to_window(cfg, window, family, where),
+            max_model_len=cap_to_window(
+                int(cfg.get("max_position_embeddings", 2048)), window, family, where
+            ),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),

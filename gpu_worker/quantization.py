@@ -20,11 +20,11 @@ Kernel choice by phase and CPU (measured with scripts/bench_quant.py, docs/bench
   slower than the int4 kernel at every row count.
 - bf16 activations on a CPU with AMX-BF16 (`amx_usable`): calls of `AMX_MIN_TOKENS` (5) to
   `AMX_MAX_TOKENS` (512) rows run laneserve's AMX matmuls over the int4 and Q8_0 blocks
-  (kernels/cpu_ext_amx.py: each 16-output x 32-input weight tile dequantized once to bf16 for
+  (kernels/csrc/amx_matmul.cpp: each 16-output x 32-input weight tile dequantized once to bf16 for
   all the rows of x, so 5 rows cost about what 1 does and a 512-token prefill reads 4-bit
   weights instead of the bf16 copy), ahead of the bf16 GEMV and the dense copy.
 - float32 activations (`dtype="auto"` on a CPU without native bf16): below `dense_min_tokens`
-  rows the C++ GEMVs (kernels/cpu_ext_quant.py) read the GGUF's values (int4 ones reordered once
+  rows the C++ GEMVs (kernels/csrc/quant_gemv.cpp) read the GGUF's values (int4 ones reordered once
   into blocks of 8 groups where the kernel was built for AVX2 without AVX-512BW,
   `int4_block_order`), each activation row rounded to 16-bit
   integers per 32-element group for integer dot products (~3e-5 relative to float32
@@ -149,7 +149,7 @@ KERNEL_DTYPE = torch.bfloat16  # torch's int4/int8 CPU kernels are vectorized fo
 # on an AVX2-only CPU a dense bf16 GEMM is 2-7x slower than the int4 kernel at every M measured.
 DENSE_MIN_TOKENS = 10
 # float32 activations (an AVX2-only CPU's `dtype="auto"`): up to GEMV_MAX_TOKENS rows run the
-# C++ GEMVs (kernels/cpu_ext_quant.py: the GGUF's exact weights, activations rounded to int16
+# C++ GEMVs (kernels/csrc/quant_gemv.cpp: the GGUF's exact weights, activations rounded to int16
 # per 32-element group), from DENSE_MIN_TOKENS_FP32 rows a dense float32 GEMM on a float32 copy.
 # Measured on a 2-core EPYC with AVX2/FMA/F16C only (scripts/bench_quant.py, 2 threads, dense
 # float32 time / GEMV time per shape): at 1 row 2.2-6.5, 8 rows 2.2-6.5, 16 rows 1.3-3.1,

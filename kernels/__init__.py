@@ -87,22 +87,36 @@ def unified_attention(
     block_tables: torch.Tensor,
     softmax_scale: float,
     out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed batch of decode tokens and prefill chunks (one launch).
 
     Shapes: q ``[num_tokens, num_q_heads, head_dim]``; k_cache/v_cache ``[num_blocks, block_size,
     num_kv_heads, head_dim]``; cu_seqlens_q int32 ``[num_seqs + 1]``; seq_lens int32 ``[num_seqs]``
     (context length including this step's query tokens); block_tables int32
-    ``[num_seqs, max_blocks_per_seq]``. See :func:`laneserve.kernels.reference.unified_attention`.
+    ``[num_seqs, max_blocks_per_seq]``. ``sliding_window`` ``W`` (tokens, ``None``: none): a query
+    at absolute position ``i`` attends keys ``i - W < j <= i``, as transformers' ``sliding_window``.
+    See :func:`laneserve.kernels.reference.unified_attention`.
 
     Raises:
-        TypeError / ValueError: wrong dtype / shape, device or layout (the message names the argument).
+        TypeError / ValueError: wrong dtype / shape, device or layout, or a ``sliding_window``
+            that is not a positive int (the message names the argument).
     """
     _validate.attention_args(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, softmax_scale, out
     )
+    _validate.sliding_window_arg(sliding_window)
     return _impl(q).unified_attention(
-        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, softmax_scale, out
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        softmax_scale,
+        out,
+        sliding_window=sliding_window,
     )
 
 
@@ -230,7 +244,20 @@ def _fused_rms_norm(x, weight, eps, residual=None):
     return torch.ops.laneserve.fused_add_rms_norm(x, residual, weight, eps)
 
 
-def _fused_decode_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+def _fused_decode_attention(
+    q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, *, sliding_window=None
+):
+    if sliding_window:
+        return reference.unified_attention(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            seq_lens,
+            block_tables,
+            scale,
+            sliding_window=sliding_window,
+        )
     return torch.ops.laneserve.paged_decode_attention(
         q, k_cache, v_cache, seq_lens, block_tables, scale
     )
@@ -266,7 +293,8 @@ def step_ops(
     block_tables: torch.Tensor,
 ) -> SimpleNamespace:
     """The layer ops (``rms_norm``, ``rope_and_cache``, ``unified_attention``, ``silu_and_mul``)
-    for one forward over the hidden states ``x [T, H]``, with the signatures above.
+    for one forward over the hidden states ``x [T, H]``, with the signatures above
+    (``unified_attention`` takes the ``sliding_window`` keyword of the layer calling it).
 
     When the C++ CPU ops take this step's tensors (CPU, torch backend, one float dtype, dense
     ``x``, caches with a contiguous head dimension, int64 positions and slots, int32 metadata,

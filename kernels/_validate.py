@@ -31,6 +31,16 @@ def same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"tensors must be on one device, got {devices}")
 
 
+def sliding_window_arg(sliding_window) -> None:
+    """``None`` or a positive int (tokens a query sees, itself included)."""
+    if sliding_window is None:
+        return
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise TypeError(f"sliding_window must be an int or None, got {sliding_window!r}")
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+
+
 def attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, softmax_scale, out):
     tensor("q", q, 3, FLOAT_DTYPES)
     tensor("k_cache", k_cache, 4, FLOAT_DTYPES)

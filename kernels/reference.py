@@ -102,16 +102,39 @@ def _gather_kv(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_table: torch.Tensor,  # [..., n_blocks] int32
     length: int,
+    first_block: int = 0,
 ) -> torch.Tensor:
-    """Return the first ``length`` tokens addressed by ``block_table`` as ``[..., length, Hk, D]``."""
+    """Return tokens ``[first_block * block_size, length)`` addressed by ``block_table`` as
+    ``[..., length - first_block * block_size, Hk, D]`` (blocks before ``first_block`` unread)."""
     num_blocks, block_size = cache.shape[0], cache.shape[1]
-    n_blocks = -(-length // block_size)
+    n_blocks = -(-length // block_size) - first_block
     # Entries past a sequence's last block may hold anything (e.g. -1 or stale ids); clamp so the
     # gather stays in bounds. Those tokens are masked out by the caller.
-    idx = block_table[..., :n_blocks].long().clamp(0, num_blocks - 1)
+    idx = block_table[..., first_block : first_block + n_blocks].long().clamp(0, num_blocks - 1)
     kv = cache.index_select(0, idx.flatten())  # faster than cache[idx] on CPU
     kv = kv.view(*idx.shape[:-1], n_blocks * block_size, *cache.shape[2:])  # [..., n*bs, Hk, D]
-    return kv[..., :length, :, :]
+    return kv[..., : length - first_block * block_size, :, :]
+
+
+def _first_block(first_query_pos: int, window: int, block_size: int) -> int:
+    """The first block holding a key that a query at ``first_query_pos`` or later can see: 0
+    without a window (``window == 0``), else the block of key ``first_query_pos - window + 1``.
+    The blocks before it lie wholly outside every such query's window and are not read."""
+    return max(0, first_query_pos - window + 1) // block_size if window else 0
+
+
+def _window_tables(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, window: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each row's block table from its first block inside the window, for a batch of one-token
+    rows: ``(tables [B, n] with n covering the longest row's window, the first key position of
+    each row's table [B] int64, n * block_size)``. Entries past a row's blocks repeat its first."""
+    lens = seq_lens.to(block_tables.device, torch.long)
+    first = (lens - window).clamp(min=0) // block_size  # [B]
+    n = -(-min(max_len, window + block_size - 1) // block_size)  # a window spans at most this many
+    cols = first[:, None] + torch.arange(n, device=block_tables.device)[None, :]  # [B, n]
+    cols = torch.where(cols < block_tables.shape[1], cols, first[:, None])
+    return block_tables.gather(1, cols), first * block_size, n * block_size
 
 
 def _decode_attention(
@@ -122,6 +145,7 @@ def _decode_attention(
     seq_lens_list: list[int],
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     softmax_scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Batched decode: gather every sequence padded to the longest one and mask by length.
 
@@ -129,26 +153,34 @@ def _decode_attention(
     query heads that share a KV head become ``g`` query rows of one SDPA problem per KV head, so
     no KV is repeated for GQA. For bf16/fp16 input PyTorch's CPU SDPA accumulates in fp32; its
     intermediate rounding may differ slightly from the Triton kernel's (both are checked against a
-    dense fp32 oracle within bf16 tolerance, tests/kernels). Returns ``[B, Hq, D]`` in the cache
-    dtype.
+    dense fp32 oracle within bf16 tolerance, tests/kernels). With a sliding ``window`` (> 0) each
+    row gathers only the blocks from its window's first one (:func:`_window_tables`) and sees its
+    last ``window`` keys. Returns ``[B, Hq, D]`` in the cache dtype.
     """
     max_len = max(seq_lens_list)
-    k = _gather_kv(k_cache, block_tables, max_len)  # [B, L, Hk, D]
-    v = _gather_kv(v_cache, block_tables, max_len)
+    lens = seq_lens.to(q.device, torch.long)[:, None]  # [B, 1]
+    if window:
+        tables, key0, span = _window_tables(
+            block_tables, seq_lens, max_len, window, k_cache.shape[1]
+        )
+        k = _gather_kv(k_cache, tables, span)  # [B, span, Hk, D]
+        v = _gather_kv(v_cache, tables, span)
+        positions = key0.to(q.device)[:, None] + torch.arange(span, device=q.device)  # [B, span]
+        valid = (positions < lens) & (positions >= lens - window)
+    else:
+        k = _gather_kv(k_cache, block_tables, max_len)  # [B, L, Hk, D]
+        v = _gather_kv(v_cache, block_tables, max_len)
+        positions = torch.arange(max_len, device=q.device)[None, :]
+        valid = None if min(seq_lens_list) == max_len else positions < lens  # [B, L]
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     # query head h reads KV head h // g, so heads kv*g .. kv*g+g-1 form KV head kv's group
     q_grouped = q.to(k.dtype).reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    mask = None
-    if min(seq_lens_list) != max_len:
-        positions = torch.arange(max_len, device=q.device)
-        valid = positions[None, :] < seq_lens.to(q.device, torch.long)[:, None]  # [B, L]
-        mask = valid[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(
         q_grouped,  # [B, Hk, g, D]
         k.transpose(1, 2),  # [B, Hk, L, D]
         v.transpose(1, 2),
-        attn_mask=mask,
+        attn_mask=None if valid is None else valid[:, None, None, :],  # [B, 1, 1, L]
         scale=softmax_scale,
     )  # [B, Hk, g, D]
     return out.reshape(batch, num_q_heads, head_dim)
@@ -156,26 +188,31 @@ def _decode_attention(
 
 def _sequence_attention(
     q: torch.Tensor,  # [q_len, Hq, D]
-    k: torch.Tensor,  # [ctx, Hk, D] fp32
-    v: torch.Tensor,  # [ctx, Hk, D] fp32
+    k: torch.Tensor,  # [n_keys, Hk, D] fp32: keys ctx - n_keys .. ctx - 1
+    v: torch.Tensor,  # [n_keys, Hk, D] fp32
     softmax_scale: float,
+    ctx: int,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of one sequence's query tokens over its context (queries are the last tokens)."""
-    q_len, ctx = q.shape[0], k.shape[0]
+    """Causal attention of one sequence's query tokens (the last ``q_len`` of its ``ctx`` tokens)
+    over the last ``n_keys`` keys of its context; with a ``window`` (> 0) a query at position i
+    sees keys i - window < j <= i."""
+    q_len, n_keys = q.shape[0], k.shape[0]
     mask = None
     is_causal = False
-    if q_len > 1:
-        if q_len == ctx:
-            is_causal = (
-                True  # SDPA's top-left causal mask equals ours when the query spans the context
-            )
-        else:
-            # query i sits at position ctx - q_len + i and sees keys 0..that position
-            q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
+    if q_len == n_keys == ctx and not window:
+        is_causal = (
+            q_len > 1
+        )  # SDPA's top-left causal mask equals ours: the query spans the context
+    elif q_len > 1 or window:
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]  # [q_len, 1]
+        k_pos = torch.arange(ctx - n_keys, ctx, device=q.device)[None, :]  # [1, n_keys]
+        mask = k_pos <= q_pos  # [q_len, n_keys]
+        if window:
+            mask &= k_pos > q_pos - window
     out = F.scaled_dot_product_attention(
         q.float().transpose(0, 1).unsqueeze(0),  # [1, Hq, q_len, D]
-        k.transpose(0, 1).unsqueeze(0),  # [1, Hk, ctx, D]
+        k.transpose(0, 1).unsqueeze(0),  # [1, Hk, n_keys, D]
         v.transpose(0, 1).unsqueeze(0),
         attn_mask=mask,
         is_causal=is_causal,
@@ -215,6 +252,59 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int32).contiguous()
 
 
+def _grouped_decode(q, kv, seq_lens, seq_lens_list, block_tables, scale, window, out, groups):
+    """A pure decode batch on the PyTorch path, in the length ``groups`` of
+    :func:`_length_groups_tensors` (None: one group); ``kv`` = (k_cache, v_cache)."""
+    if groups is None:
+        res = _decode_attention(q, *kv, seq_lens, seq_lens_list, block_tables, scale, window)
+        return out.copy_(res)
+    for rows, rows_list in groups:
+        out[rows] = _decode_attention(
+            q.index_select(0, rows),
+            *kv,
+            seq_lens.index_select(0, rows),
+            [seq_lens_list[r] for r in rows_list],
+            block_tables.index_select(0, rows),
+            scale,
+            window,
+        ).to(out.dtype)
+    return out
+
+
+def _mixed_decodes(
+    q, k_cache, v_cache, seq_lens, layout, block_tables, softmax_scale, window, out, in_place
+) -> set[int]:
+    """The one-token rows of a mixed batch, all in one call (the C++ decode kernel when
+    ``in_place``, else the batched PyTorch path for 2+ rows); returns the sequences done."""
+    seq_lens_list, starts, decodes = layout
+    if not decodes or (len(decodes) == 1 and not in_place):
+        return set()
+    seq_idx = torch.tensor(decodes, device=q.device)
+    rows = torch.tensor([starts[s] for s in decodes], device=q.device)
+    if in_place:
+        res = torch.ops.laneserve.paged_decode_attention(
+            q[rows],
+            k_cache,
+            v_cache,
+            _int32(seq_lens[seq_idx]),
+            _int32(block_tables[seq_idx]),
+            softmax_scale,
+        )
+    else:
+        res = _decode_attention(
+            q[rows],
+            k_cache,
+            v_cache,
+            seq_lens[seq_idx],
+            [seq_lens_list[s] for s in decodes],
+            block_tables[seq_idx],
+            softmax_scale,
+            window,
+        )
+    out[rows] = res.to(out.dtype)
+    return set(decodes)
+
+
 def unified_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -224,6 +314,8 @@ def unified_attention(
     block_tables: torch.Tensor,
     softmax_scale: float,
     out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a flattened varlen batch of decode tokens and prefill chunks.
 
@@ -237,6 +329,10 @@ def unified_attention(
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``, physical block ids per sequence.
         softmax_scale: multiplier of ``q @ k^T`` (usually ``head_dim ** -0.5``).
         out: optional ``[num_tokens, num_q_heads, head_dim]`` tensor written in place.
+        sliding_window: ``None`` (full causal attention) or ``W >= 1``: a query at absolute
+            position ``i`` attends keys ``j`` with ``i - W < j <= i`` (transformers' and vLLM's
+            ``sliding_window``, as Mistral and Gemma 3's local layers use it). Blocks wholly
+            before every query's window are not read, so their table entries may be stale.
 
     Query token ``i`` of sequence ``s`` sits at position ``seq_lens[s] - q_len_s + i`` and attends to
     keys ``0..`` that position. GQA: query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
@@ -249,11 +345,13 @@ def unified_attention(
     num_tokens = q.shape[0]
     if num_tokens == 0:
         return torch.empty_like(q) if out is None else out
-    seq_lens_list, starts, decodes = _layout_memo.get(
+    layout = _layout_memo.get(
         seq_lens, (cu_seqlens_q, _version(cu_seqlens_q)), lambda: _layout(seq_lens, cu_seqlens_q)
     )
+    seq_lens_list, starts, decodes = layout
+    window = sliding_window or 0  # 0: no window, as the C++ ops take it
     num_seqs = len(seq_lens_list)
-    cpp = _cpp_attention(q, k_cache, v_cache)  # the C++ kernels take these tensors
+    cpp = _cpp_attention(q, k_cache, v_cache) and not window  # the C++ kernels take these tensors
     in_place = bool(decodes) and cpp
     if len(decodes) == num_seqs == num_tokens and in_place:  # pure decode: blocks read in place
         res = torch.ops.laneserve.paged_decode_attention(
@@ -266,50 +364,13 @@ def unified_attention(
         groups = _groups_memo.get(
             seq_lens, (cu_seqlens_q,), lambda: _length_groups_tensors(seq_lens_list, q.device)
         )
-        if groups is None:
-            res = _decode_attention(
-                q, k_cache, v_cache, seq_lens, seq_lens_list, block_tables, softmax_scale
-            )
-            out.copy_(res)
-            return out
-        for rows, rows_list in groups:
-            out[rows] = _decode_attention(
-                q.index_select(0, rows),
-                k_cache,
-                v_cache,
-                seq_lens.index_select(0, rows),
-                [seq_lens_list[r] for r in rows_list],
-                block_tables.index_select(0, rows),
-                softmax_scale,
-            ).to(out.dtype)
-        return out
-    if decodes and in_place:  # the decodes of a mixed batch: one kernel call for all of them
-        seq_idx = torch.tensor(decodes, device=q.device)
-        rows = torch.tensor([starts[s] for s in decodes], device=q.device)
-        out[rows] = torch.ops.laneserve.paged_decode_attention(
-            q[rows],
-            k_cache,
-            v_cache,
-            _int32(seq_lens[seq_idx]),
-            _int32(block_tables[seq_idx]),
-            softmax_scale,
-        ).to(out.dtype)
-        decodes_done = set(decodes)
-    elif len(decodes) > 1:  # the decodes of a mixed batch still go through the batched path
-        seq_idx = torch.tensor(decodes, device=q.device)
-        rows = torch.tensor([starts[s] for s in decodes], device=q.device)
-        out[rows] = _decode_attention(
-            q[rows],
-            k_cache,
-            v_cache,
-            seq_lens[seq_idx],
-            [seq_lens_list[s] for s in decodes],
-            block_tables[seq_idx],
-            softmax_scale,
-        ).to(out.dtype)
-        decodes_done = set(decodes)
-    else:
-        decodes_done = set()
+        kv = (k_cache, v_cache)
+        return _grouped_decode(
+            q, kv, seq_lens, seq_lens_list, block_tables, softmax_scale, window, out, groups
+        )
+    decodes_done = _mixed_decodes(
+        q, k_cache, v_cache, seq_lens, layout, block_tables, softmax_scale, window, out, in_place
+    )
     if cpp and out.dtype == q.dtype and out.stride(-1) == 1:  # sequences of 2+ query tokens
         torch.ops.laneserve.paged_prefill_attention(
             q,
@@ -322,14 +383,16 @@ def unified_attention(
             out,
         )
         return out
+    block_size = k_cache.shape[1]
     for s in range(num_seqs):
         lo, hi = starts[s], starts[s + 1]
         if hi == lo or s in decodes_done:
             continue
         ctx = seq_lens_list[s]
-        k = _gather_kv(k_cache, block_tables[s], ctx).float()  # [ctx, Hk, D]
-        v = _gather_kv(v_cache, block_tables[s], ctx).float()
-        out[lo:hi] = _sequence_attention(q[lo:hi], k, v, softmax_scale)
+        first = _first_block(ctx - (hi - lo), window, block_size)
+        k = _gather_kv(k_cache, block_tables[s], ctx, first).float()  # [n_keys, Hk, D]
+        v = _gather_kv(v_cache, block_tables[s], ctx, first).float()
+        out[lo:hi] = _sequence_attention(q[lo:hi], k, v, softmax_scale, ctx, window)
     return out
 
 

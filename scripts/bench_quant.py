@@ -9,7 +9,7 @@ lm_head 576->49152) and M = 1 .. 512 rows, times `x @ W.T` through:
                               _weight_int8pack_mm (per channel), bfloat16 activations
     quant_int4_fp32_in        QuantLinear int4 called with float32 activations (cast in and out)
     int4_fp32 / int8_fp32     the raw kernels with float32 activations and scales (small M only)
-    gemv_int4_fp32            laneserve's C++ int4 GEMV (kernels/cpu_ext_quant.py), float32 in and
+    gemv_int4_fp32            laneserve's C++ int4 GEMV (kernels/csrc/quant_gemv.cpp), float32 in and
                               out (rounded to int16 inside), the same int4 weight
     gemv_q8_0_fp32            its Q8_0 GEMV over per-channel scales, the GGUF's order
     gemv_q8_0_blocks_fp32     the same reading a copy in blocks of 16 groups where the build reads
@@ -31,7 +31,7 @@ model: decodes at batch 1 / 8 / 64 and the prefill of one 512-token prompt, for 
 none,auto,auto-nodense` (`--dtype`, default bf16; `auto-nodense` drops the dense bf16 copies, so
 every call reads the 4-bit weights; `auto-nogemv` drops the C++ GEMV blocks used for few rows,
 `auto-nolayergemv` only those of the decoder layers' linears, keeping the LM head's;
-`auto-noamx` drops the AMX copies, kernels/cpu_ext_amx.py, where the CPU has AMX), the
+`auto-noamx` drops the AMX copies, kernels/csrc/amx_matmul.cpp, where the CPU has AMX), the
 engines stepped alternately so load from other processes hits all alike; it reports each
 model's weight bytes (quantized blocks, scales, dense copies) and load time:
 

@@ -5,9 +5,10 @@ Usage: ``python scripts/make_test_model.py FAMILY SHAPE OUT [--dtype bfloat16] [
 
 Writes a Hugging Face directory OUT (config.json, model.safetensors, the bundled SmolLM2
 tokenizer's files with its chat template) of transformers' own class for FAMILY with SHAPE's
-sizes, and, where laneserve and llama.cpp read the family from GGUF (llama, qwen3), the same
-weights as an F32/F16/BF16 GGUF in llama.cpp's tensor layout (`--gguf`, default OUT.gguf; Q/K rows
-permuted for llama as `convert_hf_to_gguf.py` does; the bundled GGUF's tokenizer metadata).
+sizes, and, where laneserve and llama.cpp read the family from GGUF (llama, qwen3, phi3, gemma3),
+the same weights as an F32 GGUF in llama.cpp's tensor layout and metadata keys (`--gguf`, default
+OUT.gguf; as `convert_hf_to_gguf.py` writes them: Q/K rows permuted for llama, Gemma's norms as
+1 + w, Phi-3's LongRoPE factors as tensors; the bundled GGUF's tokenizer metadata).
 
 Shapes are the public configs' sizes (written from the model cards, not downloaded); `tiny` of
 each is what the tests use (CPU float32 parity against transformers in seconds). Phi-4-mini's
@@ -19,6 +20,7 @@ shapes are scaled down (qwen3_moe `scaled`: ~1.0B total / ~0.34B active paramete
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -34,7 +36,7 @@ CLASSES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
-GGUF_FAMILIES = ("llama", "qwen3")  # written as GGUF too (laneserve's GGUF loader reads them)
+GGUF_FAMILIES = ("llama", "qwen3", "phi3", "gemma3")  # written as GGUF too
 
 
 def _longrope(rot_dim: int, long_max: float) -> dict:
@@ -49,14 +51,15 @@ def _longrope(rot_dim: int, long_max: float) -> dict:
 
 
 def _tiny(**extra) -> dict:
-    """The tests' shape: 2 layers, GQA 4/2, 64 wide, a 256-token vocabulary."""
+    """The tests' shape: 2 layers, GQA 4/2, 64 wide, the bundled tokenizer's 49,152 tokens (so
+    text prompts work end to end)."""
     base = dict(
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        vocab_size=256,
+        vocab_size=49152,
         max_position_embeddings=512,
         tie_word_embeddings=False,
         bos_token_id=1,
@@ -65,6 +68,20 @@ def _tiny(**extra) -> dict:
     )
     return {**base, **extra}
 
+
+_QWEN3_06B = dict(
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
 
 SHAPES: dict[str, dict[str, dict]] = {
     "llama": {
@@ -100,32 +117,8 @@ SHAPES: dict[str, dict[str, dict]] = {
         ),
     },
     "qwen3": {
-        "0.6b": dict(
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            max_position_embeddings=40960,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-        ),
-        "1.7b": dict(
-            hidden_size=2048,
-            intermediate_size=6144,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            max_position_embeddings=40960,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-        ),
+        "0.6b": _QWEN3_06B,
+        "1.7b": {**_QWEN3_06B, "hidden_size": 2048, "intermediate_size": 6144},
         # head_dim 32, not hidden / heads = 16: the config's head_dim must be the one used
         "tiny": _tiny(head_dim=32, rope_theta=1000000.0),
     },
@@ -202,7 +195,7 @@ SHAPES: dict[str, dict[str, dict]] = {
             num_hidden_layers=3,
             head_dim=32,
             query_pre_attn_scalar=24,
-            sliding_window=256,
+            sliding_window=24,  # shorter than the tests' sequences, longer than a 16-token block
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             rope_theta=1000000.0,
             rope_local_base_freq=10000.0,
@@ -249,26 +242,27 @@ SHAPES: dict[str, dict[str, dict]] = {
 }
 
 
-def make_config(family: str, shape: str):
-    """transformers' config object of `family` at `shape` (KeyError names the choices)."""
+def make_config(family: str, shape: str, **overrides):
+    """transformers' config object of `family` at `shape`, with `overrides` (KeyError names the
+    choices)."""
     import transformers
 
     if shape not in SHAPES.get(family, {}):
         raise KeyError(f"no shape {family}/{shape}; have {_table()}")
-    kwargs = dict(SHAPES[family][shape])
+    kwargs = {**SHAPES[family][shape], **overrides}
     config = getattr(transformers, CLASSES[family][0])(**kwargs)
     config.architectures = [CLASSES[family][1]]
     return config
 
 
-def make_model(family: str, shape: str, seed: int = 0) -> torch.nn.Module:
+def make_model(family: str, shape: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """A random-weight transformers model (float32, eval): transformers' own init, then every
     norm weight drawn from U(0.5, 1.5) (Gemma's (1 + w) ones from U(-0.5, 0.5)), so a norm that
     is skipped or misplaced changes the output."""
     import transformers
 
     torch.manual_seed(seed)
-    config = make_config(family, shape)
+    config = make_config(family, shape, **overrides)
     model = getattr(transformers, CLASSES[family][1])(config).eval()
     offset = 1.0 if family == "gemma3" else 0.0
     with torch.no_grad():
@@ -320,11 +314,54 @@ def _copy_tokenizer_fields(writer, tokenizer_gguf: Path) -> None:
         writer.add_key_value(key, field.contents(), kind, sub)
 
 
-def write_gguf(model, family: str, path: Path, tokenizer_gguf: Path | None = None) -> Path:
-    """`model`'s weights (float32) as a GGUF in llama.cpp's layout and metadata keys.
+def _family_metadata(writer, model, family: str, head_dim: int) -> dict[str, np.ndarray]:
+    """The metadata llama.cpp's converter writes for Phi-3 and Gemma 3, and the extra tensors
+    (Phi-3's LongRoPE factors).
 
     Raises:
-        ValueError: a family laneserve does not read from GGUF.
+        ValueError: a Gemma 3 whose query_pre_attn_scalar is not head_dim (llama.cpp assumes it).
+    """
+    cfg, extra = model.config, {}
+    window = getattr(cfg, "sliding_window", None)
+    if window:
+        writer.add_sliding_window(window)
+    if family == "phi3":
+        rope = cfg.rope_parameters
+        rot_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(rot_dim)
+        if rope.get("rope_type") == "longrope":
+            orig = rope["original_max_position_embeddings"]
+            scale = cfg.max_position_embeddings / orig
+            attn = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+            writer.add_rope_scaling_orig_ctx_len(orig)
+            writer.add_rope_scaling_attn_factors(attn)
+            extra["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)
+            extra["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
+    elif family == "gemma3":
+        if cfg.query_pre_attn_scalar != head_dim:
+            raise ValueError("llama.cpp's Gemma 3 takes query_pre_attn_scalar = head_dim")
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+        writer.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+        if cfg.final_logit_softcapping:
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    else:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_dimension_count(head_dim)
+    if family != "gemma3":
+        writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    return extra
+
+
+def write_gguf(model, family: str, path: Path, tokenizer_gguf: Path | None = None) -> Path:
+    """`model`'s weights (float32) as a GGUF in llama.cpp's layout and metadata keys (llama: Q/K
+    rows permuted; Gemma 3: norm weights stored as 1 + w; Phi-3: LongRoPE factors as tensors).
+
+    Raises:
+        ValueError: a family laneserve does not read from GGUF, or a config llama.cpp cannot say.
     """
     import gguf
 
@@ -342,24 +379,25 @@ def write_gguf(model, family: str, path: Path, tokenizer_gguf: Path | None = Non
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    extra = _family_metadata(writer, model, family, head_dim)
     if tokenizer_gguf is not None:
         _copy_tokenizer_fields(writer, tokenizer_gguf)
     else:
         writer.add_eos_token_id(int(np.atleast_1d(cfg.eos_token_id)[0]))
+    for name, array in extra.items():
+        writer.add_tensor(name, array)
     for name, tensor in model.state_dict().items():
-        gname = hf_to_gguf_name(name)
+        gname = hf_to_gguf_name(name, family)
         if gname is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         array = tensor.float().numpy()
         if family == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg.num_attention_heads if "attn_q" in gname else cfg.num_key_value_heads
             array = llama_cpp_permute(array, heads)
+        if family == "gemma3" and gname.endswith("norm.weight"):
+            array = array + 1.0
         writer.add_tensor(gname, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

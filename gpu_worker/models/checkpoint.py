@@ -70,11 +70,14 @@ class WeightReader:
             raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, expected {shape}")
         return tensor
 
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def take(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """A dense tensor in `dtype` (default: the model's)."""
         tensor = self.raw(name, shape)
         if isinstance(tensor, GGUFQuantTensor):
             tensor = dequantize(tensor)
-        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+        return tensor.to(device=self.device, dtype=dtype or self.dtype).contiguous()
 
     def take_linear(self, names: list[str], shapes: list[tuple[int, int]]) -> Linear:
         parts = [self.raw(n, s) for n, s in zip(names, shapes, strict=True)]

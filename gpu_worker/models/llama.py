@@ -57,8 +57,10 @@ class LayerWeights:
     post_attention_layernorm: torch.Tensor  # [H]
     gate_up_proj: Linear | None  # [2 I, H]; None in a sparse MoE layer
     down_proj: Linear | None  # [H, I]
-    q_norm: torch.Tensor | None = None  # [D] per-head RMSNorm weight before RoPE (Qwen3)
+    q_norm: torch.Tensor | None = None  # [D] per-head RMSNorm weight before RoPE (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None  # [D]
+    pre_feedforward_layernorm: torch.Tensor | None = None  # [H] (Gemma 3)
+    post_feedforward_layernorm: torch.Tensor | None = None  # [H] (Gemma 3)
     moe: moe.MoEWeights | None = None  # the MoE block replacing the MLP (Mixtral, Qwen3-MoE)
 
 
@@ -234,9 +236,28 @@ class LlamaForCausalLM:
         logits_indices: torch.Tensor,  # int64 [N] rows of the batch that emit a token
     ) -> torch.Tensor:
         """Run the decoder over one varlen batch; returns logits [N, vocab] (fp32)."""
-        c = self.config
+        eps = self.config.rms_norm_eps
         x = quant.embedding(input_ids, self.embed_tokens)  # [T, H]
-        ops = kernels.step_ops(
+        ops = self._step_ops(x, positions, attn, kv_caches)
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            if residual is None:
+                residual = x
+                h = ops.rms_norm(x, layer.input_layernorm, eps)
+            else:
+                h, residual = ops.rms_norm(x, layer.input_layernorm, eps, residual)
+            x = self._attention(h, layer, cache, positions, attn, ops, self.cos_sin_cache)
+            h, residual = ops.rms_norm(x, layer.post_attention_layernorm, eps, residual)
+            if layer.moe is not None:
+                x = moe.forward(h, layer.moe, ops.silu_and_mul)
+                continue
+            gate_up = quant.linear(h, layer.gate_up_proj)
+            x = quant.linear(ops.silu_and_mul(gate_up), layer.down_proj)
+        return self._logits(x, residual, logits_indices, ops)
+
+    def _step_ops(self, x, positions, attn: AttentionMetadata, kv_caches):
+        """This step's layer ops (`kernels.step_ops`, checked once for every layer)."""
+        return kernels.step_ops(
             x,
             self.norm,
             kv_caches[0][0],
@@ -247,44 +268,43 @@ class LlamaForCausalLM:
             attn.seq_lens,
             attn.block_tables,
         )
-        residual = None
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            if residual is None:
-                residual = x
-                h = ops.rms_norm(x, layer.input_layernorm, c.rms_norm_eps)
-            else:
-                h, residual = ops.rms_norm(x, layer.input_layernorm, c.rms_norm_eps, residual)
-            qkv = quant.linear(h, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) D]
-            if layer.q_norm is not None:
-                self._qk_norm(qkv, layer, ops)
-            q = ops.rope_and_cache(  # [T, Hq, D]; rotated k and v go to the cache
-                qkv,
-                positions,
-                self.cos_sin_cache,
-                cache[0],
-                cache[1],
-                attn.slot_mapping,
-                c.num_attention_heads,
-                c.num_key_value_heads,
-            )
-            o = ops.unified_attention(
-                q,
-                cache[0],
-                cache[1],
-                attn.cu_seqlens_q,
-                attn.seq_lens,
-                attn.block_tables,
-                self.scale,
-            )  # [T, Hq, D]
-            x = quant.linear(o.reshape(-1, self.q_size), layer.o_proj)
-            h, residual = ops.rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps, residual)
-            if layer.moe is not None:
-                x = moe.forward(h, layer.moe, ops.silu_and_mul)
-                continue
-            gate_up = quant.linear(h, layer.gate_up_proj)
-            x = quant.linear(ops.silu_and_mul(gate_up), layer.down_proj)
-        # Only rows that emit a token need the final norm and the LM head.
+
+    def _attention(
+        self,
+        h: torch.Tensor,  # [T, H] normed hidden states
+        layer: LayerWeights,
+        cache: torch.Tensor,  # [2, num_blocks, block_size, Hk, D]
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        ops,
+        cos_sin_cache: torch.Tensor,  # [max_model_len, rot_dim]
+        window: int | None = None,  # attend keys i - window < j <= i (None: all)
+    ) -> torch.Tensor:
+        """One layer's attention block up to and including o_proj: [T, H]."""
+        c = self.config
+        qkv = quant.linear(h, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) D]
+        if layer.q_norm is not None:
+            self._qk_norm(qkv, layer, ops)
+        q = ops.rope_and_cache(  # [T, Hq, D]; rotated k and v go to the cache
+            qkv,
+            positions,
+            cos_sin_cache,
+            cache[0],
+            cache[1],
+            attn.slot_mapping,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+        )
+        args = (q, cache[0], cache[1], attn.cu_seqlens_q, attn.seq_lens, attn.block_tables)
+        if window is None:
+            o = ops.unified_attention(*args, self.scale)  # [T, Hq, D]
+        else:
+            o = ops.unified_attention(*args, self.scale, sliding_window=window)
+        return quant.linear(o.reshape(-1, self.q_size), layer.o_proj)
+
+    def _logits(self, x, residual, logits_indices, ops) -> torch.Tensor:
+        """The final norm and LM head over the rows that emit a token: [N, V] fp32."""
         x = x.index_select(0, logits_indices)
         residual = residual.index_select(0, logits_indices)
-        h, _ = ops.rms_norm(x, self.norm, c.rms_norm_eps, residual)
+        h, _ = ops.rms_norm(x, self.norm, self.config.rms_norm_eps, residual)
         return quant.linear(h, self.lm_head).float()  # [N, V]

@@ -281,6 +281,8 @@ def unified_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     num_segments: int | None = None,
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`laneserve.kernels.reference.unified_attention` (same shapes and semantics).
 
@@ -292,6 +294,8 @@ def unified_attention(
         TypeError: the KV cache dtype differs from ``q``'s.
         ValueError: a tensor is not on a usable device or not contiguous where required.
     """
+    if sliding_window is not None:
+        raise NotImplementedError("sliding_window in the Triton kernel")
     if k_cache.dtype != q.dtype:
         raise TypeError(f"k_cache dtype {k_cache.dtype} must equal q dtype {q.dtype} for Triton")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):

@@ -49,9 +49,11 @@ def make_paged_batch(
 
 
 def naive_attention(
-    q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, softmax_scale
+    q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, softmax_scale, sliding_window=None
 ) -> torch.Tensor:
-    """Dense fp32 attention, token by token from the block table: the oracle for both backends."""
+    """Dense fp32 attention, token by token from the block table: the oracle for both backends.
+
+    With ``sliding_window`` W a query at position i sees keys i - W < j <= i."""
     q, k_cache, v_cache = q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float()
     block_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
@@ -66,6 +68,10 @@ def naive_attention(
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q[lo:hi], k) * softmax_scale
         q_pos = torch.arange(ctx - q_len, ctx)[:, None]
-        scores = scores.masked_fill(torch.arange(ctx)[None, :] > q_pos, float("-inf"))
+        k_pos = torch.arange(ctx)[None, :]
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[lo:hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out

@@ -1,4 +1,4 @@
-"""The AMX matmuls (kernels/cpu_ext_amx.py) against the bf16 weights' product, their layout
+"""The AMX matmuls (kernels/csrc/amx_matmul.cpp) against the bf16 weights' product, their layout
 (`gemv_blocks.amx_order`) by its definition, and the routing of bf16 linears to them.
 
 They run only on a CPU with AMX-BF16 (Sapphire Rapids and later); elsewhere `amx_usable()` is

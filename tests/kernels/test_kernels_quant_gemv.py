@@ -1,4 +1,4 @@
-"""The C++ quantized GEMVs (kernels/cpu_ext_quant.py) against dequantize-then-matmul: exact
+"""The C++ quantized GEMVs (kernels/csrc/quant_gemv.cpp) against dequantize-then-matmul: exact
 weights, activations rounded to 16-bit integers per 32-element group.
 
 Weights are real GGUF blocks (gguf-py quantizes, the loader reads them back with

@@ -19,10 +19,11 @@ from laneserve.gpu_worker.gguf_loader import (
     read_tensor_index,
     write_tensor_index,
 )
+from laneserve.gpu_worker.model_config import config_from_hf_dict
 from laneserve.gpu_worker.model_files import resolve_model_path
 from laneserve.gpu_worker.model_loader import load_hf_tokenizer, load_model_files
 from laneserve.gpu_worker.model_runner import ModelRunner
-from laneserve.gpu_worker.models.llama import LlamaForCausalLM
+from laneserve.gpu_worker.models.registry import build_model
 from tests.harness import load_script
 
 TINY = dict(
@@ -53,7 +54,7 @@ def save_tiny(tmp_path: Path, family: str, tokenizer_dir: Path):
 
 
 def our_logits(config, weights, ids):
-    model = LlamaForCausalLM(config, weights, torch.float32, "cpu")
+    model = build_model(config, weights, torch.float32, "cpu")
     runner = ModelRunner(model, block_size=8, num_blocks=16)
     inputs = runner.prepare_inputs([ids], [0], [list(range(len(ids) // 8 + 1))], [True])
     inputs.logits_indices = torch.arange(len(ids))
@@ -73,20 +74,24 @@ def test_tiny_hf_directory_matches_transformers(tmp_path, smollm2_dir, family):
     assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma3"])
 def test_gguf_in_llama_cpp_layout_matches_transformers(tmp_path, smollm2_dir, family):
-    """A tiny HF model written as F32 GGUF the way llama.cpp does it (llama: Q/K rows permuted;
-    qwen3: attn_q_norm / attn_k_norm, head_dim from attention.key_length) loads back to the same
-    logits."""
+    """A tiny HF model written as F32 GGUF the way llama.cpp's converter does (llama: Q/K rows
+    permuted; qwen3: attn_q_norm / attn_k_norm, head_dim from attention.key_length; phi3: fused
+    attn_qkv / ffn_up, LongRoPE factor tensors, partial rotary from rope.dimension_count; gemma3:
+    norms stored as 1 + w, its own norm names, local RoPE base and window pattern) loads back to
+    the same logits; its config survives the cached conversion's config.json."""
     maker = load_script("make_test_model")
     if family == "llama":
         hf_model, _ = save_tiny(tmp_path, "llama", smollm2_dir)
-    else:
-        hf_model = maker.make_model(family, "tiny")
+    else:  # llama.cpp's Gemma 3 scales queries by head_dim ** -0.5
+        overrides = {"query_pre_attn_scalar": 32} if family == "gemma3" else {}
+        hf_model = maker.make_model(family, "tiny", **overrides)
     path = maker.write_gguf(hf_model, family, tmp_path / "tiny.gguf")
     reader = gguf.GGUFReader(str(path))
     config = config_from_gguf(reader, path)
     assert config.architecture == family
+    assert config_from_hf_dict(config.to_hf_dict(), tmp_path) == config
     weights = load_gguf_weights(reader, config, path)
     ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
     with torch.no_grad():
@@ -204,7 +209,7 @@ def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(
         ModelLoadError,
-        match=r"unsupported architecture .GPT2LMHeadModel.*LlamaForCausalLM"
+        match=r"unsupported architecture .GPT2LMHeadModel.*Gemma3ForCausalLM.*LlamaForCausalLM"
         r".*Phi3ForCausalLM.*Qwen3ForCausalLM",
     ):
         load_model_files(tmp_path)
@@ -235,8 +240,6 @@ def test_unsupported_variant_is_refused_before_any_weight(tmp_path, extra, refus
 def test_fused_checkpoint_names_and_a_wrong_shape_named(tmp_path, smollm2_dir):
     """Phi-3 stores q/k/v and gate/up fused: they load as our fused linears; a fused tensor of the
     wrong shape is refused by name."""
-    from laneserve.gpu_worker.models.registry import build_model
-
     maker = load_script("make_test_model")
     out = maker.save_hf(maker.make_model("phi3", "tiny"), tmp_path / "phi3", smollm2_dir)
     loaded = load_model_files(out)

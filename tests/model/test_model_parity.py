@@ -105,7 +105,7 @@ def test_greedy_continuation_matches_transformers(runner, smollm2_loaded, hf_smo
 
 # ----------------------------------------------------------------- other families, tiny random weights
 
-FAMILIES = ["llama", "qwen3", "phi3"]  # scripts/make_test_model.py's `tiny` shape of each
+FAMILIES = ["llama", "qwen3", "phi3", "gemma3"]  # scripts/make_test_model.py's `tiny` shape of each
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -135,6 +135,11 @@ def test_family_greedy_matches_transformers(family):
     hf_model, runner = family
     prompts = random_prompts([37, 5, 2 * BLOCK + 3])
     refs = [hf_greedy(hf_model, ids, 32) for ids in prompts]
+    ids = prompts[0] + refs[0]
+    with torch.no_grad():  # the logits themselves too (Gemma's soft-capping keeps the argmax)
+        ref = hf_model(torch.tensor([ids])).logits[0]
+    ours = run_pieces(runner, ids, [len(ids)])
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
     assert greedy(runner, prompts[:1], 32) == refs[:1]
     assert greedy(runner, prompts, 32, chunk=7) == refs
     first = prompts[2]

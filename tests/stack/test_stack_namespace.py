@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import laneserve
+from laneserve.kernels import cpu_ext
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,13 +22,14 @@ _CHECK = r"""
 import json, sys
 import kernels  # Hugging Face's
 import laneserve, laneserve.kernels, laneserve.db.models, laneserve.jobs.runner
-from laneserve.kernels import reference
+from laneserve.kernels import cpu_ext, reference
 from transformers.integrations import hub_kernels  # transformers' own use of theirs
 from transformers.utils import is_kernels_available
 print(json.dumps({
     "hf_kernels": kernels.__file__, "ours": laneserve.kernels.__file__,
     "laneserve": laneserve.__file__, "hub_kernels": is_kernels_available(),
     "ours_ops": hasattr(reference, "unified_attention"),
+    "csrc": all((cpu_ext.CSRC / name).is_file() for name in (*cpu_ext._SOURCES, *cpu_ext._HEADERS)),
 }))
 """
 
@@ -63,6 +65,8 @@ def test_a_wheel_installs_one_top_level_name_beside_hugging_faces_kernels(tmp_pa
     for name in laneserve.SUBPACKAGES:
         assert f"laneserve/{name}/__init__.py" in names, name
     assert "laneserve/db/migrations/env.py" in names  # package data travels
+    for name in (*cpu_ext._SOURCES, *cpu_ext._HEADERS):  # the C++ sources travel too
+        assert f"laneserve/kernels/csrc/{name}" in names, name
     # a venv that sees this environment's packages (torch, transformers, ...), with the wheel and
     # Hugging Face's `kernels` installed into it
     venv = tmp_path / "venv"
@@ -86,6 +90,7 @@ def test_a_wheel_installs_one_top_level_name_beside_hugging_faces_kernels(tmp_pa
     assert str(venv) in got["laneserve"]  # the wheel, not the checkout
     assert got["hf_kernels"] != got["ours"] and str(venv) in got["ours"]
     assert got["hub_kernels"] is True and got["ours_ops"] is True
+    assert got["csrc"] is True  # the C++ sources the CPU kernels build from are installed
     # and laneserve's CLI runs there
     cli = subprocess.run(
         [str(venv / "bin" / "laneserve"), "status", "--help"],

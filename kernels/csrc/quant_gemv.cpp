@@ -1,94 +1,90 @@
-"""C++ source of the quantized matmuls for few rows (GEMV), compiled into :mod:`laneserve.kernels.cpu_ext`.
+// C++ source of the quantized matmuls for few rows (GEMV), compiled into :mod:`laneserve.kernels.cpu_ext`.
+//
+// ``torch.ops.laneserve.int4_gemv(x, qs, scale, offset, block_groups)`` and
+// ``torch.ops.laneserve.q8_0_gemv(x, qs, d, block_groups)`` compute ``y = x @ W.T`` for float32 or
+// bfloat16 activations (the result in x's dtype) from the GGUF blocks' values (ggml's ``block_q4_0`` /
+// ``block_q4_1`` / ``block_q8_0``): Q8_0 ones where they lie, int4 ones in the GGUF's nibble order
+// or, where the build reads it (``int4_gemv_block_groups()`` is 8: AVX2 without AVX-512BW), in the
+// block order described at the end.
+//
+// Layouts (N outputs, K inputs, G = K / 32 groups):
+//
+//     int4:  qs uint8 [N, K / 2]   byte 16 g + j of row n: q[n, 32 g + j] | q[n, 32 g + 16 + j] << 4
+//                                  (the GGUF's order; the block order permutes each 128 bytes)
+//            scale, offset float32 [N, G]   W[n, 32 g + i] = q * scale[n, g] + offset[n, g]
+//            (Q4_1: scale = d, offset = m; Q4_0: scale = d, offset = -8 d: exact)
+//     q8_0:  qs int8 [N, K]; d float32 [N, G]          W[n, 32 g + i] = qs * d[n, g]  (exact)
+//
+// Activations as 16-bit integers: each row's 32-element group g is rounded once to ``x'_i = a_g *
+// e_i``, ``e_i = round(x_i * 32767 / max|x_g|)`` (int16, ``a_g = max|x_g| / 32767``), so ``y = sum_g
+// a_g * (scale * (q . e_g) + offset * sum(e_g))`` = ``W . x'`` up to float32 rounding. The dot
+// products are integer (AVX2 ``vpmaddwd``: 16 weight-activation pairs per instruction, exact), one
+// conversion and one FMA per group in the GGUF order (per 8 groups in the block order): the
+// weights need no conversion to floats (a float32 loop spent 2 shuffles and a convert per 8
+// weights unpacking them, and ran at half this speed at M = 1 on a 2-core AVX2 EPYC). The rounding moves an element by about ``max|x_g| / 65534`` at most: outputs are
+// within ~3e-5 relative of float32 activations', against ~4e-3 for the bf16 rounding torch's
+// int4/int8 kernels make (llama.cpp rounds activations to 8 bits). A NaN or an infinity in a row
+// makes all its outputs NaN. Each output row's arithmetic is the same whatever M or the thread split
+// (work is split over N only, a row is rounded on its own), so a row's result does not depend on the
+// batch. AVX2 intrinsics under ``#ifdef __AVX2__`` (the build uses ``-march=native``; AVX-512BW
+// does 32 pairs per ``vpmaddwd``: 0.9x the AVX2 loop's time at M = 1 on a 2-core Zen 5 EPYC), the
+// same integer arithmetic as scalar loops otherwise. Each row sums into two accumulators (even
+// and odd groups; with AVX-512BW and int4, even and odd pairs of groups): one chain of FMAs bound
+// the loop by its latency at one row (two: 0.85-0.95x the time for int4, 0.76-0.82x for Q8_0 at
+// M = 1 with AVX-512, 0.85-0.97x with AVX2; 1.0-1.09x at M = 4, where the rows' chains already
+// overlap); every row count uses them, so rows stay independent of M. With AVX-512BW, int4 groups
+// go in pairs: each row's activations are stored with the middle halves of every pair of groups
+// swapped (`pair_order`), so the 32 bytes of a pair unpack to exactly the int16 lanes they
+// multiply (low nibbles, then high ones) with no shuffle; one load and multiply of 16 groups'
+// scales serves 8 pairs, each pair picking its two with one permute per row (and one vpdpwssd
+// where the CPU has AVX512-VNNI): against the previous loop (shuffles, a broadcast per group and
+// row) 0.91-0.96x the time at 1-4 float32 rows over SmolLM2's 120 layer linears (2-core Zen 4 EPYC).
+//
+// int4 with AVX2 but not AVX-512BW reads its weights in the block order (`int4_gemv_block_groups()`
+// is 8; `GemvBlocks.prepare` in gpu_worker/gemv_blocks.py reorders the GGUF's bytes once, and the
+// op refuses weights in another order): every full block of 8 groups is 8 chunks of 16 bytes
+// whose byte i holds element 2 c + i % 2 of the block's group i / 2 (low nibble) and element
+// 2 (c + 8) + i % 2 (high nibble), and each row's activations are stored to match
+// (`block_order`). A chunk then unpacks to two vectors whose vpmaddwd with the activations leaves
+// int32 lane j holding group j's products, so a block's 8 group dots add up in one vector (exact
+// integers, at most 32 x 32767 x 15 < 2^24, so the conversion is exact too) and take one
+// conversion, one scale product and one FMA per row, and the offset term one more FMA: the GGUF
+// order's loop spent a conversion, a scalar product with its broadcast and an FMA per group and
+// row, and that, not vpmaddwd (one per cycle on Zen 2), bounded it (3.9 cycles per group and row
+// against 2.7 in an ad-hoc copy of both loops, one thread, 16 rows). The last G % 8 groups go one
+// at a time, each row into the same single accumulator (the block order's rows keep one chain:
+// the blocks' FMAs are few). On a 2-core Zen 2 EPYC (AVX2 only) whole float32 decode steps of
+// SmolLM2 took 0.78-0.82x the time from 4 rows up (26.8 vs 33.0 ms at 8 rows; 8.8 vs 9.2 at one;
+// `scripts/bench_quant.py --steps --dtype float32`, two runs, not interleaved).
+//
+// Q8_0 with AVX-512BW: where the weights come with a copy in the Q8_0 block order (the op's
+// block_groups is `q8_0_gemv_block_groups()`, 16; `GemvBlocks.prepare` makes it for a tied LM head,
+// whose own blocks are the embedding's and stay in the GGUF's order), every full block of 16 groups
+// is 16 chunks of 32 bytes whose byte i holds element 2 c + i % 2 of the block's group i / 2, and
+// the int16 path stores each row's activations to match (`q8_block_order`): a chunk widens to 32
+// int16 whose vpmaddwd (vpdpwssd with AVX512-VNNI) with the activations leaves int32 lane j with
+// group j's products, so a block's 16 dots add up in one vector (exact integers; the conversion
+// of a sum above 2^24 rounds) and take one conversion, one scale product and one FMA per row, up
+// to 8 rows per pass over a weight row. On a 2-core Zen 4 the 49,152 x 576 head took 0.73-0.92x
+// the GGUF order's time from 4 rows (three noisy runs; 1 row unchanged, bound by memory), and
+// whole bf16 decode steps of 2-8 rows 0.94-0.99x (the two orders alternating step by step in one
+// engine, docs/benchmarks.md Run 15). The bf16 path reads the GGUF's order only (the op refuses
+// the copy there).
+//
+// bfloat16 activations, on a CPU with AVX512-BF16: the weights of a group are dequantized once to
+// bfloat16 (``fma(q, scale, offset)`` in float32, rounded to nearest even: a dense bf16 copy's
+// values but for a rare last-bit difference) and each row's group dot is one ``vdpbf16ps`` (bf16
+// products are exact in float32, float32 sums; the instruction treats denormals as zero), 4 weight
+// rows and up to 6 activation rows per pass, so extra rows cost little: a
+// speculative verification of 5 rows took 0.47-0.74x the time of torch's int4 kernel (which
+// unpacks the weights once per 4 rows) on SmolLM2's linears. It runs calls of 5 rows or more
+// (`kBf16GemvMinRows`, equal to `BF16_GEMV_MIN_TOKENS` in gpu_worker/gemv_blocks.py); fewer bf16
+// rows, and every bf16 row on a CPU without AVX512-BF16, are read exactly into the int16 path above
+// (no float32 copy to make) and the result rounded once to bf16. So a bf16 row's result depends
+// on M only through whether M < 5 (with AVX512-BF16), never on the thread split (weight rows go in
+// blocks aligned to multiples of 4, a short last block repeats its last row). A NaN in a bf16 row
+// makes its outputs NaN; an infinity gives infinities or NaN there (the int16 path: NaN).
 
-``torch.ops.laneserve.int4_gemv(x, qs, scale, offset, block_groups)`` and
-``torch.ops.laneserve.q8_0_gemv(x, qs, d, block_groups)`` compute ``y = x @ W.T`` for float32 or
-bfloat16 activations (the result in x's dtype) from the GGUF blocks' values (ggml's ``block_q4_0`` /
-``block_q4_1`` / ``block_q8_0``): Q8_0 ones where they lie, int4 ones in the GGUF's nibble order
-or, where the build reads it (``int4_gemv_block_groups()`` is 8: AVX2 without AVX-512BW), in the
-block order described at the end.
-
-Layouts (N outputs, K inputs, G = K / 32 groups):
-
-    int4:  qs uint8 [N, K / 2]   byte 16 g + j of row n: q[n, 32 g + j] | q[n, 32 g + 16 + j] << 4
-                                 (the GGUF's order; the block order permutes each 128 bytes)
-           scale, offset float32 [N, G]   W[n, 32 g + i] = q * scale[n, g] + offset[n, g]
-           (Q4_1: scale = d, offset = m; Q4_0: scale = d, offset = -8 d: exact)
-    q8_0:  qs int8 [N, K]; d float32 [N, G]          W[n, 32 g + i] = qs * d[n, g]  (exact)
-
-Activations as 16-bit integers: each row's 32-element group g is rounded once to ``x'_i = a_g *
-e_i``, ``e_i = round(x_i * 32767 / max|x_g|)`` (int16, ``a_g = max|x_g| / 32767``), so ``y = sum_g
-a_g * (scale * (q . e_g) + offset * sum(e_g))`` = ``W . x'`` up to float32 rounding. The dot
-products are integer (AVX2 ``vpmaddwd``: 16 weight-activation pairs per instruction, exact), one
-conversion and one FMA per group in the GGUF order (per 8 groups in the block order): the
-weights need no conversion to floats (a float32 loop spent 2 shuffles and a convert per 8
-weights unpacking them, and ran at half this speed at M = 1 on a 2-core AVX2 EPYC). The rounding moves an element by about ``max|x_g| / 65534`` at most: outputs are
-within ~3e-5 relative of float32 activations', against ~4e-3 for the bf16 rounding torch's
-int4/int8 kernels make (llama.cpp rounds activations to 8 bits). A NaN or an infinity in a row
-makes all its outputs NaN. Each output row's arithmetic is the same whatever M or the thread split
-(work is split over N only, a row is rounded on its own), so a row's result does not depend on the
-batch. AVX2 intrinsics under ``#ifdef __AVX2__`` (the build uses ``-march=native``; AVX-512BW
-does 32 pairs per ``vpmaddwd``: 0.9x the AVX2 loop's time at M = 1 on a 2-core Zen 5 EPYC), the
-same integer arithmetic as scalar loops otherwise. Each row sums into two accumulators (even
-and odd groups; with AVX-512BW and int4, even and odd pairs of groups): one chain of FMAs bound
-the loop by its latency at one row (two: 0.85-0.95x the time for int4, 0.76-0.82x for Q8_0 at
-M = 1 with AVX-512, 0.85-0.97x with AVX2; 1.0-1.09x at M = 4, where the rows' chains already
-overlap); every row count uses them, so rows stay independent of M. With AVX-512BW, int4 groups
-go in pairs: each row's activations are stored with the middle halves of every pair of groups
-swapped (`pair_order`), so the 32 bytes of a pair unpack to exactly the int16 lanes they
-multiply (low nibbles, then high ones) with no shuffle; one load and multiply of 16 groups'
-scales serves 8 pairs, each pair picking its two with one permute per row (and one vpdpwssd
-where the CPU has AVX512-VNNI): against the previous loop (shuffles, a broadcast per group and
-row) 0.91-0.96x the time at 1-4 float32 rows over SmolLM2's 120 layer linears (2-core Zen 4 EPYC).
-
-int4 with AVX2 but not AVX-512BW reads its weights in the block order (`int4_gemv_block_groups()`
-is 8; `GemvBlocks.prepare` in gpu_worker/gemv_blocks.py reorders the GGUF's bytes once, and the
-op refuses weights in another order): every full block of 8 groups is 8 chunks of 16 bytes
-whose byte i holds element 2 c + i % 2 of the block's group i / 2 (low nibble) and element
-2 (c + 8) + i % 2 (high nibble), and each row's activations are stored to match
-(`block_order`). A chunk then unpacks to two vectors whose vpmaddwd with the activations leaves
-int32 lane j holding group j's products, so a block's 8 group dots add up in one vector (exact
-integers, at most 32 x 32767 x 15 < 2^24, so the conversion is exact too) and take one
-conversion, one scale product and one FMA per row, and the offset term one more FMA: the GGUF
-order's loop spent a conversion, a scalar product with its broadcast and an FMA per group and
-row, and that, not vpmaddwd (one per cycle on Zen 2), bounded it (3.9 cycles per group and row
-against 2.7 in an ad-hoc copy of both loops, one thread, 16 rows). The last G % 8 groups go one
-at a time, each row into the same single accumulator (the block order's rows keep one chain:
-the blocks' FMAs are few). On a 2-core Zen 2 EPYC (AVX2 only) whole float32 decode steps of
-SmolLM2 took 0.78-0.82x the time from 4 rows up (26.8 vs 33.0 ms at 8 rows; 8.8 vs 9.2 at one;
-`scripts/bench_quant.py --steps --dtype float32`, two runs, not interleaved).
-
-Q8_0 with AVX-512BW: where the weights come with a copy in the Q8_0 block order (the op's
-block_groups is `q8_0_gemv_block_groups()`, 16; `GemvBlocks.prepare` makes it for a tied LM head,
-whose own blocks are the embedding's and stay in the GGUF's order), every full block of 16 groups
-is 16 chunks of 32 bytes whose byte i holds element 2 c + i % 2 of the block's group i / 2, and
-the int16 path stores each row's activations to match (`q8_block_order`): a chunk widens to 32
-int16 whose vpmaddwd (vpdpwssd with AVX512-VNNI) with the activations leaves int32 lane j with
-group j's products, so a block's 16 dots add up in one vector (exact integers; the conversion
-of a sum above 2^24 rounds) and take one conversion, one scale product and one FMA per row, up
-to 8 rows per pass over a weight row. On a 2-core Zen 4 the 49,152 x 576 head took 0.73-0.92x
-the GGUF order's time from 4 rows (three noisy runs; 1 row unchanged, bound by memory), and
-whole bf16 decode steps of 2-8 rows 0.94-0.99x (the two orders alternating step by step in one
-engine, docs/benchmarks.md Run 15). The bf16 path reads the GGUF's order only (the op refuses
-the copy there).
-
-bfloat16 activations, on a CPU with AVX512-BF16: the weights of a group are dequantized once to
-bfloat16 (``fma(q, scale, offset)`` in float32, rounded to nearest even: a dense bf16 copy's
-values but for a rare last-bit difference) and each row's group dot is one ``vdpbf16ps`` (bf16
-products are exact in float32, float32 sums; the instruction treats denormals as zero), 4 weight
-rows and up to 6 activation rows per pass, so extra rows cost little: a
-speculative verification of 5 rows took 0.47-0.74x the time of torch's int4 kernel (which
-unpacks the weights once per 4 rows) on SmolLM2's linears. It runs calls of 5 rows or more
-(`kBf16GemvMinRows`, equal to `BF16_GEMV_MIN_TOKENS` in gpu_worker/gemv_blocks.py); fewer bf16
-rows, and every bf16 row on a CPU without AVX512-BF16, are read exactly into the int16 path above
-(no float32 copy to make) and the result rounded once to bf16. So a bf16 row's result depends
-on M only through whether M < 5 (with AVX512-BF16), never on the thread split (weight rows go in
-blocks aligned to multiples of 4, a short last block repeats its last row). A NaN in a bf16 row
-makes its outputs NaN; an infinity gives infinities or NaN there (the int16 path: NaN).
-"""
-
-from __future__ import annotations
-
-SOURCE = r"""
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -812,5 +808,3 @@ TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("q8_0_gemv", &q8_0_gemv);
 }
-
-"""

@@ -1,41 +1,37 @@
-"""C++ source of the AMX matmuls over 4- and 8-bit weights, compiled into :mod:`laneserve.kernels.cpu_ext`.
+// C++ source of the AMX matmuls over 4- and 8-bit weights, compiled into :mod:`laneserve.kernels.cpu_ext`.
+//
+// ``torch.ops.laneserve.int4_amx(x, qa, sa)`` and ``torch.ops.laneserve.q8_0_amx(x, qa, sa)``
+// compute ``y = x @ W.T`` for bfloat16 activations on a CPU with AMX-BF16 (Sapphire Rapids and
+// later), reading the weights in their 4- or 8-bit form. Each weight tile (16 outputs x one
+// 32-element group) is dequantized once per call to bf16 (``w = q * scale + offset`` by one float32
+// FMA, rounded to nearest even: a dense bf16 copy's values but for a rare last bit, and subnormals
+// flushed to zero as oneDNN's AMX GEMMs do) in the VNNI pair layout the tile unit reads, and one
+// ``tdpbf16ps`` multiplies it with 16 rows of x at a time (products exact in float32, float32 sums).
+// Up to 16 rows, a tile is dequantized just before its product; with more, a pass's tiles (4 blocks
+// of 16 outputs x all of K, up to 1 MiB: K <= 8,192) are dequantized into a per-thread buffer and
+// every 16-row chunk reads them back; where there are fewer passes than threads the 16-row chunks are
+// split among threads too. The dequantization is the work; the rows are nearly free: on a 2-core Xeon
+// with AMX the SmolLM2 linears took the same time at 1 and 16 rows (qkv ~23 us, gate_up ~62 us in a
+// loop), against 1.2x / 4-6x for torch's int4 kernel from 1 to 16 rows. So a batch-1 speculative
+// verification or a small decode batch costs about what one row through the GEMVs does, and a decode
+// batch of 64 about 0.8x what the dense bf16 copy's GEMMs cost (whole steps).
+//
+// Layouts (N outputs, a multiple of 16; K inputs; G = K / 32; NB = N / 16 blocks of 16 outputs),
+// built by :func:`laneserve.gpu_worker.gemv_blocks.amx_order`:
+//
+//     int4:  qa uint8 [NB, G, 16, 16]  tile row r (k = 32 g + 2 r and 2 r + 1) of block b: byte j
+//                                      holds q[16 b + j // 2, k + j % 2] in its low nibble and
+//                                      q[16 b + 8 + j // 2, k + j % 2] in its high one
+//            sa float32 [NB, G, 32]    the 16 outputs' scale, then their offset
+//     q8_0:  qa int8 [NB, G, 16, 32]   tile row r: bytes 0..15 as the int4 low nibbles, 16..31 as
+//                                      the high ones
+//            sa float32 [NB, G, 16]    the 16 outputs' d
+//
+// A row's result depends on its own activations only (each 16-row chunk is a tile of its own, the
+// sums over K run in one order): not on M or the thread split. Linux grants a process the AMX
+// register state on request (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); ``amx_usable()`` asks once and is
+// false where the kernel or the build lacks AMX, and then the ops raise.
 
-``torch.ops.laneserve.int4_amx(x, qa, sa)`` and ``torch.ops.laneserve.q8_0_amx(x, qa, sa)``
-compute ``y = x @ W.T`` for bfloat16 activations on a CPU with AMX-BF16 (Sapphire Rapids and
-later), reading the weights in their 4- or 8-bit form. Each weight tile (16 outputs x one
-32-element group) is dequantized once per call to bf16 (``w = q * scale + offset`` by one float32
-FMA, rounded to nearest even: a dense bf16 copy's values but for a rare last bit, and subnormals
-flushed to zero as oneDNN's AMX GEMMs do) in the VNNI pair layout the tile unit reads, and one
-``tdpbf16ps`` multiplies it with 16 rows of x at a time (products exact in float32, float32 sums).
-Up to 16 rows, a tile is dequantized just before its product; with more, a pass's tiles (4 blocks
-of 16 outputs x all of K, up to 1 MiB: K <= 8,192) are dequantized into a per-thread buffer and
-every 16-row chunk reads them back; where there are fewer passes than threads the 16-row chunks are
-split among threads too. The dequantization is the work; the rows are nearly free: on a 2-core Xeon
-with AMX the SmolLM2 linears took the same time at 1 and 16 rows (qkv ~23 us, gate_up ~62 us in a
-loop), against 1.2x / 4-6x for torch's int4 kernel from 1 to 16 rows. So a batch-1 speculative
-verification or a small decode batch costs about what one row through the GEMVs does, and a decode
-batch of 64 about 0.8x what the dense bf16 copy's GEMMs cost (whole steps).
-
-Layouts (N outputs, a multiple of 16; K inputs; G = K / 32; NB = N / 16 blocks of 16 outputs),
-built by :func:`laneserve.gpu_worker.gemv_blocks.amx_order`:
-
-    int4:  qa uint8 [NB, G, 16, 16]  tile row r (k = 32 g + 2 r and 2 r + 1) of block b: byte j
-                                     holds q[16 b + j // 2, k + j % 2] in its low nibble and
-                                     q[16 b + 8 + j // 2, k + j % 2] in its high one
-           sa float32 [NB, G, 32]    the 16 outputs' scale, then their offset
-    q8_0:  qa int8 [NB, G, 16, 32]   tile row r: bytes 0..15 as the int4 low nibbles, 16..31 as
-                                     the high ones
-           sa float32 [NB, G, 16]    the 16 outputs' d
-
-A row's result depends on its own activations only (each 16-row chunk is a tile of its own, the
-sums over K run in one order): not on M or the thread split. Linux grants a process the AMX
-register state on request (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); ``amx_usable()`` asks once and is
-false where the kernel or the build lacks AMX, and then the ops raise.
-"""
-
-from __future__ import annotations
-
-SOURCE = r"""
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -292,4 +288,3 @@ TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
   m.impl("int4_amx", &int4_amx);
   m.impl("q8_0_amx", &q8_0_amx);
 }
-"""

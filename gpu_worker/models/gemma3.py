@@ -1,0 +1,84 @@
+"""Gemma 3 text decoder (`Gemma3ForCausalLM`) over the paged KV cache.
+
+What differs from the Llama decoder it extends, after transformers' `modeling_gemma3.py`:
+- embeddings scaled by sqrt(hidden) in the activation dtype (`Gemma3TextScaledWordEmbedding`);
+- RMSNorm weights applied as (1 + w): folded into the stored weight at load, in fp32, so the
+  kernels' RMSNorm runs unchanged;
+- a norm after attention and after the MLP, besides the ones before (four per layer);
+- GeLU-tanh gated MLP; q/k per-head RMSNorm before RoPE (as Qwen3);
+- softmax scale `query_pre_attn_scalar ** -0.5`;
+- "sliding_attention" layers attend the last `sliding_window` keys (i - W < j <= i) with RoPE base
+  `rope_local_base_freq`, the others all keys with `rope_theta` (and its scaling);
+- logits soft-capped as cap * tanh(logits / cap) when `final_logit_softcapping` is set.
+
+Where the attention kernels take no `sliding_window`, `model_config` caps `max_model_len` to the
+window, so no sequence outgrows it and every layer may attend all keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from laneserve.gpu_worker import quantization as quant
+from laneserve.gpu_worker.model_config import ModelConfig, kernels_apply_sliding_window
+from laneserve.gpu_worker.models.checkpoint import WeightReader
+from laneserve.gpu_worker.models.llama import AttentionMetadata, LayerWeights, LlamaForCausalLM
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`[..., 2I] -> [..., I]` = gelu_tanh(x[..., :I]) * x[..., I:] (Gemma's gated MLP), in x.dtype."""
+    inter = x.shape[-1] // 2
+    return F.gelu(x[..., :inter], approximate="tanh") * x[..., inter:]
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """The Gemma 3 text decoder; arguments and errors as `LlamaForCausalLM`."""
+
+    def __init__(self, config: ModelConfig, weights, dtype, device, quantization: str = "none"):
+        super().__init__(config, weights, dtype, device, quantization)
+        self.scale = float(config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        self.embed_scale = config.hidden_size**0.5
+        local = self._rope_cache(config.rope_local_base_freq or config.rope_theta, None)
+        kinds = config.layer_types or ("full_attention",) * config.num_hidden_layers
+        sliding = [kind == "sliding_attention" for kind in kinds]
+        window = config.sliding_window if kernels_apply_sliding_window() else None
+        self.layer_rope = [local if s else self.cos_sin_cache for s in sliding]
+        self.layer_window = [window if s else None for s in sliding]
+
+    def _norm(self, w: WeightReader, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Gemma's RMSNorm multiplies by (1 + w), computed in fp32."""
+        return (1.0 + w.take(name, shape, torch.float32)).to(self.dtype)
+
+    def _load_layer(self, w: WeightReader, i: int) -> LayerWeights:
+        layer = super()._load_layer(w, i)
+        h, p = (self.config.hidden_size,), f"model.layers.{i}."
+        layer.pre_feedforward_layernorm = self._norm(w, p + "pre_feedforward_layernorm.weight", h)
+        layer.post_feedforward_layernorm = self._norm(w, p + "post_feedforward_layernorm.weight", h)
+        return layer
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches, logits_indices):
+        """As `LlamaForCausalLM.forward` (same arguments and shapes): logits [N, vocab] fp32."""
+        eps = self.config.rms_norm_eps
+        x = quant.embedding(input_ids, self.embed_tokens)  # [T, H], scaled in its dtype:
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        ops = self._step_ops(x, positions, attn, kv_caches)
+        residual = None
+        layers = zip(self.layers, kv_caches, self.layer_rope, self.layer_window, strict=True)
+        for layer, cache, rope, window in layers:
+            if residual is None:
+                residual = x
+                h = ops.rms_norm(x, layer.input_layernorm, eps)
+            else:
+                h, residual = ops.rms_norm(x, layer.input_layernorm, eps, residual)
+            o = self._attention(h, layer, cache, positions, attn, ops, rope, window)
+            o = ops.rms_norm(o, layer.post_attention_layernorm, eps)
+            h, residual = ops.rms_norm(o, layer.pre_feedforward_layernorm, eps, residual)
+            m = quant.linear(
+                gelu_tanh_and_mul(quant.linear(h, layer.gate_up_proj)), layer.down_proj
+            )
+            x = ops.rms_norm(m, layer.post_feedforward_layernorm, eps)
+        logits = self._logits(x, residual, logits_indices, ops)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * torch.tanh(logits / cap)
