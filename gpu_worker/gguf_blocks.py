@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from laneserve.gpu_worker.errors import ModelLoadError
+
 GROUP_SIZE = 32  # GGUF's block size for Q4_0 / Q4_1 / Q8_0, and the int4 kernel's group size
 GGUF_QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # loaded as quantized linears without dequantizing
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -115,6 +117,7 @@ def int4_from_float(weight: torch.Tensor) -> Int4Groups:
     """Round-to-nearest asymmetric group-32 int4 of a float weight [N, K] (K a multiple of 32):
     per group, scale = (max - min) / 15 and zero = min + 8 scale (torch's int4 convention)."""
     n, k = weight.shape
+    _check_in_features("int4", k, GROUP_SIZE)
     w = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
     lo, hi = w.amin(-1), w.amax(-1)
     scale = ((hi - lo) / 15.0).clamp(min=1e-12)
@@ -124,10 +127,19 @@ def int4_from_float(weight: torch.Tensor) -> Int4Groups:
 
 def int8_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-channel int8 of a float weight [N, K]: (q int8 [N, K], scale float32 [N])."""
+    _check_in_features("int8", weight.shape[1], 16)  # torch's int8 matmul crashes on other K
     w = weight.float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
     q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
     return q, scale
+
+
+def _check_in_features(kind: str, k: int, multiple: int) -> None:
+    if k % multiple:
+        raise ModelLoadError(
+            f"the {kind} weight-only kernel needs in_features divisible by {multiple}; a weight "
+            f"has {k} (load this model with quantization='none')"
+        )
 
 
 def q8_0_arrays(t: GGUFQuantTensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,8 @@ as `GGUFQuantTensor`), a tensor index that maps the file again without parsing i
 
 Tensors are dequantized with the `gguf` package (`gguf.quants.dequantize`, which covers F32,
 F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K). llama.cpp's converter permutes the rows of
-Q and K for `general.architecture == "llama"` (`convert_hf_to_gguf.py`, `LlamaModel.permute`) so
+Q and K for `general.architecture == "llama"` (Mixtral too: llama with `expert_count`;
+`convert_hf_to_gguf.py`, `LlamaModel.permute`) so
 that its rotary kernel can use the interleaved layout; we undo it there, with the KV head count for
 K, so the Hugging Face rotate-half rotary embedding applies.
 """
@@ -76,6 +77,9 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
     def get(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
 
+    if family == "llama" and get("expert_count"):
+        family = "mixtral"  # llama.cpp writes Mixtral as llama with experts
+
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     vocab = get("vocab_size")
@@ -110,11 +114,32 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
         eos_token_ids=(int(eos),) if eos is not None else (),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm=family in ("qwen3", "gemma3"),
+        qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
         rope_scaling=extra.pop("rope_scaling", scaling),
         name=str(_field(reader, "general.name", path.stem)),
         **extra,  # sliding_window: llama.cpp's key, where the file has it
+        **_moe_fields(get, names),
     )
+
+
+def _moe_fields(get, names: set[str]) -> dict[str, Any]:
+    """`ModelConfig`'s MoE fields from llama.cpp's `expert_*` keys (none without experts): the
+    sparse layers are those with a router (`ffn_gate_inp`); the top-k weights are renormalized
+    unless `expert_weights_norm` says otherwise, as llama.cpp's llama (Mixtral) and qwen3moe
+    graphs do."""
+    experts = int(get("expert_count") or 0)
+    if not experts:
+        return {}
+    layers = range(int(get("block_count")))
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(get("expert_used_count")),
+        "moe_intermediate_size": int(
+            get("expert_feed_forward_length") or get("feed_forward_length")
+        ),
+        "norm_topk_prob": bool(get("expert_weights_norm", True)),
+        "moe_layers": tuple(i for i in layers if f"blk.{i}.ffn_gate_inp.weight" in names),
+    }
 
 
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -175,6 +200,11 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # MoE router [E, H]
+    # MoE experts, 3-D [E, N, K]: one tensor per expert in Hugging Face naming ({e})
+    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
 }
 # where llama.cpp names a family's tensors otherwise (convert_hf_to_gguf.py, llama-arch.cpp):
 # Phi-3 keeps q/k/v and gate/up fused; Gemma 3 has norms after attention and the MLP too
@@ -260,7 +290,7 @@ def dequantize_gguf_tensor(tensor, path: Path) -> np.ndarray:
 
 def _is_llama_qk(config: ModelConfig, hf_name: str) -> int | None:
     """Head count to undo llama.cpp's Q/K row permutation with, or None for other tensors."""
-    if config.architecture != "llama":
+    if config.architecture not in ("llama", "mixtral"):
         return None
     if ".q_proj." in hf_name:
         return config.num_attention_heads
@@ -301,6 +331,9 @@ def load_gguf_weights(
                 continue  # llama3 rope factors; we recompute them from rope_scaling
             logger.debug("%s: skipping unknown tensor %s", path, tensor.name)
             continue
+        if "{e}" in hf_name:
+            weights.update(_expert_tensors(tensor, hf_name, path, keep_quantized))
+            continue
         n_head = _is_llama_qk(config, hf_name)
         if keep_quantized and _keep_quantized(tensor, hf_name, path):
             blocks = np.asarray(tensor.data)
@@ -318,6 +351,26 @@ def load_gguf_weights(
             array = array.copy()  # F32 tensors are read-only memmap views of the file
         weights[hf_name] = torch.from_numpy(array)
     return weights
+
+
+def _expert_tensors(
+    tensor, hf_name: str, path: Path, keep_quantized: bool
+) -> dict[str, torch.Tensor | GGUFQuantTensor]:
+    """A 3-D experts tensor (`ffn_*_exps`) as one 2-D tensor per expert: views of its blocks
+    where they stay quantized, else dequantized to float32."""
+    num, n, k = (int(d) for d in reversed(tensor.shape.tolist()))
+    names = [hf_name.format(e=e) for e in range(num)]
+    if keep_quantized and _keep_quantized(tensor, names[0], path):
+        blocks = np.asarray(tensor.data).reshape(num, n, -1)
+        qtype = tensor.tensor_type.name
+        return {
+            name: GGUFQuantTensor(name, qtype, blocks[e], (n, k)) for e, name in enumerate(names)
+        }
+    array = dequantize_gguf_tensor(tensor, path)
+    if not array.flags.writeable:
+        array = array.copy()
+    experts = torch.from_numpy(array)  # one copy each: safetensors saves no shared storage
+    return {name: experts[e].clone() for e, name in enumerate(names)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,7 @@
-"""`ModelConfig`: the shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3), the
-architectures supported, and the config built from a Hugging Face `config.json` dict
-(`config_from_hf_dict`; a GGUF's metadata gives one through `gguf_loader.config_from_gguf`).
+"""`ModelConfig`: the shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and
+sparse MoE: Mixtral, Qwen3-MoE), the architectures supported, and the config built from a Hugging
+Face `config.json` dict (`config_from_hf_dict`; a GGUF's metadata gives one through
+`gguf_loader.config_from_gguf`).
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 HF_CLASS = {family: arch for arch, family in HF_ARCHITECTURES.items()}
 # GGUF `general.architecture` (llama.cpp's names) -> our family name
 GGUF_ARCHITECTURES = {
-    "llama": "llama",
+    "llama": "llama",  # Mixtral too: llama with experts (`gguf_loader.config_from_gguf`)
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
     "gemma3": "gemma3",
+    "qwen3moe": "qwen3_moe",
 }
 SUPPORTED_ARCHITECTURES = {**HF_ARCHITECTURES, **GGUF_ARCHITECTURES}
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's
@@ -71,6 +75,12 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     # the config's own, from which yarn / longrope scale (max_model_len may be capped below it)
     max_position_embeddings: int | None = None
+    # sparse MoE (Mixtral, Qwen3-MoE): the layers whose MLP is `num_experts` routed experts
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's intermediate size
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def rotary_dim(self) -> int:
@@ -91,6 +101,13 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def __post_init__(self) -> None:
+        if self.moe_layers and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(
+                f"{self.name}: num_experts_per_tok {self.num_experts_per_tok} must be 1.."
+                f"num_experts ({self.num_experts})"
+            )
+
     @property
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes per token in bf16: 2 (K and V) x layers x kv_heads x head_dim x 2 bytes."""
@@ -100,7 +117,7 @@ class ModelConfig:
         """A Hugging Face `config.json` describing this model."""
         arch = HF_CLASS[self.architecture]
         eos = list(self.eos_token_ids)
-        return {
+        return _moe_hf_fields(self) | {
             "architectures": [arch],
             "model_type": _MODEL_TYPE.get(self.architecture, self.architecture),
             "num_hidden_layers": self.num_hidden_layers,
@@ -150,15 +167,16 @@ def architecture_family(arch: str, where: Path) -> str:
 def sliding_window_from_hf_dict(
     cfg: dict[str, Any], family: str
 ) -> tuple[int | None, tuple[str, ...]]:
-    """``(sliding_window, layer_types)`` as transformers reads them: Mistral's and Phi-3's window
-    applies to every layer; Qwen2's and Qwen3's only with ``use_sliding_window``, to the layers
+    """``(sliding_window, layer_types)`` as transformers reads them: Mistral's, Mixtral's and
+    Phi-3's window applies to every layer; Qwen3-MoE's to every layer with
+    ``use_sliding_window``; Qwen2's and Qwen3's only with ``use_sliding_window``, to the layers
     from ``max_window_layers`` on (or as ``layer_types`` lists them); Gemma 3's to the layers
     ``layer_types`` names "sliding_attention" (older configs: all but every
     ``sliding_window_pattern``-th)."""
     window = cfg.get("sliding_window")
-    if family not in ("mistral", "qwen2", "qwen3", "phi3", "gemma3") or not window:
+    if family == "llama" or not window:
         return None, ()
-    always = family in ("phi3", "gemma3")
+    always = family in ("phi3", "gemma3", "mixtral")
     if not always and not cfg.get("use_sliding_window", family == "mistral"):
         return None, ()
     n = int(cfg["num_hidden_layers"])
@@ -254,7 +272,7 @@ def config_from_hf_dict(cfg: dict[str, Any], where: Path) -> ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-            qk_norm=family in ("qwen3", "gemma3"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             rope_scaling=scaling,
             name=str(cfg.get("laneserve_name") or cfg.get("_name_or_path") or where.name),
             partial_rotary_factor=float(partial or 1.0),
@@ -265,6 +283,44 @@ def config_from_hf_dict(cfg: dict[str, Any], where: Path) -> ModelConfig:
             rope_local_base_freq=local_theta,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            **_moe_fields(cfg, family),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{where}/config.json: missing or bad field: {exc}") from exc
+
+
+def _moe_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """The MoE fields of a Mixtral / Qwen3-MoE `config.json` (none for dense families): Qwen3-MoE
+    layer i is sparse unless in `mlp_only_layers` and when (i + 1) % `decoder_sparse_step` == 0
+    (transformers' `Qwen3MoeDecoderLayer`); Mixtral's every layer is, renormalizing its top-k."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if family not in ("mixtral", "qwen3_moe") or experts == 0:
+        return {}
+    layers = range(int(cfg["num_hidden_layers"]))
+    if family == "qwen3_moe":
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or ())
+        layers = [i for i in layers if i not in dense and (i + 1) % step == 0]
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        "norm_topk_prob": family == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        "moe_layers": tuple(layers),
+    }
+
+
+def _moe_hf_fields(config: ModelConfig) -> dict[str, Any]:
+    """`config.json` fields that give `_moe_fields` this config's MoE layers back."""
+    if not config.num_experts:
+        return {}
+    dense = [i for i in range(config.num_hidden_layers) if i not in config.moe_layers]
+    return {
+        "num_experts": config.num_experts,
+        "num_local_experts": config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "moe_intermediate_size": config.moe_intermediate_size,
+        "norm_topk_prob": config.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+    }

@@ -126,7 +126,7 @@ class ModelRunner:
             default = CPU_SINGLE_THREAD_TOKENS if openmp_is_purely_passive() else 0
             forced = env.get("LANESERVE_CPU_SINGLE_THREAD_TOKENS")  # EnvError if not an int
             self.cpu_single_thread_tokens = default if forced is None else forced
-        if use_cuda_graphs and self.device.type == "cuda":
+        if use_cuda_graphs and self.device.type == "cuda" and model.cuda_graph_safe:
             self.graphs = self._capture_graphs(max_num_seqs, -(-max_model_len // block_size))
 
     def _capture_graphs(self, max_num_seqs: int, max_blocks: int):

@@ -34,6 +34,8 @@ LAYER_LINEARS = {
     "qwen3": _SPLIT,
     "gemma3": _SPLIT,
     "phi3": _FUSED,
+    "mixtral": _SPLIT,  # attention; the experts are read by `models.moe`
+    "qwen3_moe": _SPLIT,  # attention and the dense MLP of `mlp_only_layers`
 }
 
 

@@ -6,7 +6,8 @@ request contributes its new tokens to `input_ids[T]`; attention reads each reque
 from the paged cache through its block table. Layer numerics follow Hugging Face's
 `modeling_llama.py` (RMSNorm in fp32, rotate-half RoPE, SwiGLU MLP) so float32 logits match
 transformers to ~1e-5. Qwen3 adds an RMSNorm over each q and k head before RoPE
-(`modeling_qwen3.py`, `Qwen3Attention`).
+(`modeling_qwen3.py`, `Qwen3Attention`). Mixtral and Qwen3-MoE layers listed in
+`ModelConfig.moe_layers` run a sparse MoE block instead of the MLP (`models/moe.py`).
 
 Weights use fused projections (`qkv_proj` = cat(q, k, v), `gate_up_proj` = cat(gate, up)), one matmul
 each instead of three/two. With `quantization` other than "none" the projections and the LM head
@@ -25,6 +26,7 @@ from laneserve.gpu_worker import quantization as quant
 from laneserve.gpu_worker.gemv_blocks import GemvBlocks
 from laneserve.gpu_worker.gguf_blocks import GGUFQuantTensor
 from laneserve.gpu_worker.model_config import ModelConfig
+from laneserve.gpu_worker.models import moe
 from laneserve.gpu_worker.models.checkpoint import Linear, WeightReader
 from laneserve.gpu_worker.models.rope import build_cos_sin_cache
 from laneserve.gpu_worker.quantization import QuantLinear
@@ -53,12 +55,13 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None  # [(Hq + 2 Hk) * D] (Qwen2)
     o_proj: Linear  # [H, Hq * D]
     post_attention_layernorm: torch.Tensor  # [H]
-    gate_up_proj: Linear  # [2 I, H]
-    down_proj: Linear  # [H, I]
+    gate_up_proj: Linear | None  # [2 I, H]; None in a sparse MoE layer
+    down_proj: Linear | None  # [H, I]
     q_norm: torch.Tensor | None = None  # [D] per-head RMSNorm weight before RoPE (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None  # [D]
     pre_feedforward_layernorm: torch.Tensor | None = None  # [H] (Gemma 3)
     post_feedforward_layernorm: torch.Tensor | None = None  # [H] (Gemma 3)
+    moe: moe.MoEWeights | None = None  # the MoE block replacing the MLP (Mixtral, Qwen3-MoE)
 
 
 class LlamaForCausalLM:
@@ -169,14 +172,16 @@ class LlamaForCausalLM:
             d = (self.config.head_dim,)
             q_norm = self._norm(w, p + "self_attn.q_norm.weight", d)
             k_norm = self._norm(w, p + "self_attn.k_norm.weight", d)
+        sparse = i in self.config.moe_layers
         return LayerWeights(
             input_layernorm=self._norm(w, p + "input_layernorm.weight", (h,)),
             qkv_proj=w.take_layer_linear(p, "qkv_proj", [self.q_size, *[self.kv_size] * 2], h),
             qkv_bias=bias,
             o_proj=w.take_layer_linear(p, "o_proj", [h], self.q_size),
             post_attention_layernorm=self._norm(w, p + "post_attention_layernorm.weight", (h,)),
-            gate_up_proj=w.take_layer_linear(p, "gate_up_proj", [inter, inter], h),
-            down_proj=w.take_layer_linear(p, "down_proj", [h], inter),
+            gate_up_proj=None if sparse else w.take_layer_linear(p, "gate_up_proj", [inter] * 2, h),
+            down_proj=None if sparse else w.take_layer_linear(p, "down_proj", [h], inter),
+            moe=moe.load_moe(w, self.config, i) if sparse else None,
             q_norm=q_norm,
             k_norm=k_norm,
         )
@@ -184,6 +189,12 @@ class LlamaForCausalLM:
     def _norm(self, w: WeightReader, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """An RMSNorm weight as the kernels multiply it (Gemma overrides: 1 + w)."""
         return w.take(name, shape)
+
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """Whether a step takes no host-side decision from tensor values (CUDA-graph capture):
+        not with quantized MoE experts, which run grouped by expert with a host-side count."""
+        return all(layer.moe is None or layer.moe.w13 is not None for layer in self.layers)
 
     def weight_bytes(self) -> int:
         """Bytes held by the weights (quantized blocks, scales and dense copies; a tied LM head
@@ -204,7 +215,8 @@ class LlamaForCausalLM:
         """Put the C++ GEMVs' int4 and Q8_0 weights in the built kernel's order now
         (`GemvBlocks.prepare`; needs `kernels.cpu_ext.load()`), not in the first step."""
         layers = [getattr(layer, f) for layer in self.layers for f in LayerWeights.__slots__]
-        for weight in [*layers, self.lm_head]:
+        experts = [t for layer in self.layers if layer.moe for t in layer.moe.linears()]
+        for weight in [*layers, *experts, self.lm_head]:
             gemv = getattr(weight, "gemv", None)
             if gemv is not None:
                 gemv.prepare()
@@ -241,6 +253,9 @@ class LlamaForCausalLM:
                 h, residual = ops.rms_norm(x, layer.input_layernorm, eps, residual)
             x = self._attention(h, layer, cache, positions, attn, ops, self.cos_sin_cache, window)
             h, residual = ops.rms_norm(x, layer.post_attention_layernorm, eps, residual)
+            if layer.moe is not None:
+                x = moe.forward(h, layer.moe, ops.silu_and_mul)
+                continue
             gate_up = quant.linear(h, layer.gate_up_proj)
             x = quant.linear(ops.silu_and_mul(gate_up), layer.down_proj)
         return self._logits(x, residual, logits_indices, ops)
