@@ -98,17 +98,18 @@ void unpack_q6_k(const uint8_t* b, float* y) {
     const uint8_t* h0 = qh + 32 * half;
     const int8_t* s = sc + 8 * half;
     float* y0 = y + 128 * half;
+    // weights l, l + 32, l + 64, l + 96 of this half: the low / high nibbles of ql[l] and
+    // ql[l + 32] with bit pairs 0-1, 2-3, 4-5, 6-7 of qh[l]; sub-block scale s[l / 16 + 2 i]
+    for (int g = 0; g < 2; ++g) {
+      const float s0 = d * s[g], s1 = d * s[g + 2], s2 = d * s[g + 4], s3 = d * s[g + 6];
 #pragma omp simd
-    for (int l = 0; l < 32; ++l) {
-      const int is = l / 16;
-      const int q1 = ((l0[l] & 0xF) | (((h0[l] >> 0) & 3) << 4)) - 32;
-      const int q2 = ((l0[l + 32] & 0xF) | (((h0[l] >> 2) & 3) << 4)) - 32;
-      const int q3 = ((l0[l] >> 4) | (((h0[l] >> 4) & 3) << 4)) - 32;
-      const int q4 = ((l0[l + 32] >> 4) | (((h0[l] >> 6) & 3) << 4)) - 32;
-      y0[l] = d * s[is] * static_cast<float>(q1);
-      y0[l + 32] = d * s[is + 2] * static_cast<float>(q2);
-      y0[l + 64] = d * s[is + 4] * static_cast<float>(q3);
-      y0[l + 96] = d * s[is + 6] * static_cast<float>(q4);
+      for (int l = 16 * g; l < 16 * g + 16; ++l) {
+        const int h = h0[l];
+        y0[l] = s0 * static_cast<float>(((l0[l] & 0xF) | ((h & 3) << 4)) - 32);
+        y0[l + 32] = s1 * static_cast<float>(((l0[l + 32] & 0xF) | (((h >> 2) & 3) << 4)) - 32);
+        y0[l + 64] = s2 * static_cast<float>(((l0[l] >> 4) | (((h >> 4) & 3) << 4)) - 32);
+        y0[l + 96] = s3 * static_cast<float>(((l0[l + 32] >> 4) | (((h >> 6) & 3) << 4)) - 32);
+      }
     }
   }
 }
