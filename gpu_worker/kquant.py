@@ -2,7 +2,7 @@
 
 A `KQuantLinear` holds the super-blocks of each (fused) part as the file ships them (a view of
 the mapped file where the loader did not have to permute the rows), so memory is about the file
-size. Calls of at most `KQUANT_GEMV_MAX_TOKENS` rows (decode) run the C++ GEMV
+size. Calls of at most `KQUANT_GEMV_MAX_TOKENS[qtype]` rows (decode) run the C++ GEMV
 (``torch.ops.laneserve.kquant_gemv``, kernels/csrc/kquant_gemv.cpp: each super-block unpacked
 once to float32 for all rows, fp32 dot products on the AVX-512 or AVX2 route the build has);
 larger calls (prefill chunks, big batches) dequantize `KQUANT_TILE_ROWS` outputs at a time and run
@@ -27,10 +27,12 @@ from laneserve.kernels import cpu_ext
 
 QTYPE_IDS = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml's type numbers, the kernel's `qtype`
 QK_K = 256  # weights per super-block
-# calls of more rows dequantize tiles for the dense GEMM. The GEMV unpacks each super-block once for
-# all rows, so its cost grows by one 256-wide dot per row and super-block; a rough single-call
-# timing on a loaded 2-core Xeon (see docs/quantization.md) put the crossover near 16 rows.
-KQUANT_GEMV_MAX_TOKENS = 16
+# calls of more rows dequantize tiles for the dense GEMM (per part of a fused linear). The GEMV
+# unpacks each super-block once for all rows, so its cost grows by one 256-wide dot per row and
+# super-block. Rough single-thread timings on a loaded 2-core Xeon (AVX-512 route, 4096 x 2048
+# Q4_K / 2048 x 4096 Q6_K): GEMV vs tiles 4.3 vs 24 ms / 8.1 vs 25.5 at 1 row, 17 vs 39 / 31 vs
+# 20 at 16, 82 vs 66 / 113 vs 32 at 64; Q5_K (not timed) sits between.
+KQUANT_GEMV_MAX_TOKENS = {"Q4_K": 32, "Q5_K": 16, "Q6_K": 8}
 KQUANT_TILE_ROWS = 512  # outputs dequantized at a time on the GEMM route (512 x 2048 x 4 = 4 MiB)
 
 
@@ -89,13 +91,13 @@ class KQuantLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
         xf = x.float().contiguous()
-        if x.shape[0] <= KQUANT_GEMV_MAX_TOKENS and cpu_ext.load():
-            ys = [
-                torch.ops.laneserve.kquant_gemv(xf, b, q, 0)
-                for b, q in zip(self.blocks, self.qtypes, strict=True)
-            ]
-        else:
-            ys = [self._gemm(xf, i) for i in range(len(self.parts))]
+        gemv = cpu_ext.load()
+        ys = [
+            torch.ops.laneserve.kquant_gemv(xf, self.blocks[i], self.qtypes[i], 0)
+            if gemv and x.shape[0] <= KQUANT_GEMV_MAX_TOKENS[p.qtype]
+            else self._gemm(xf, i)
+            for i, p in enumerate(self.parts)
+        ]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
         if bias is not None:
             y = y + bias.float()

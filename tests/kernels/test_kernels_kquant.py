@@ -96,8 +96,9 @@ def test_bad_blocks_are_typed_errors():
 
 
 def test_fused_linear_of_mixed_k_types_on_gemv_and_gemm_routes():
-    """A q/k/v-like fusion as Q4_K_M writes it (Q4_K, Q4_K, Q6_K); decode rows take the GEMV,
-    more than `KQUANT_GEMV_MAX_TOKENS` rows the tile-dequantizing GEMM; bf16 in, bf16 out."""
+    """A fusion of all three types: few rows take the GEMV, more than a type's
+    `KQUANT_GEMV_MAX_TOKENS` the tile-dequantizing GEMM (20 rows: some parts each); bf16 in, bf16
+    out."""
     rng = np.random.default_rng(7)
     types, rows = ["Q4_K", "Q5_K", "Q6_K"], [37, 19, 23]
     parts = [
@@ -110,7 +111,9 @@ def test_fused_linear_of_mixed_k_types_on_gemv_and_gemm_routes():
     assert linear.nbytes() == sum(p.blocks.nbytes for p in parts)
     torch.testing.assert_close(linear.dequantize(), w, rtol=1e-6, atol=0)
     bias = torch.randn(sum(rows))
-    for m in (1, KQUANT_GEMV_MAX_TOKENS, KQUANT_GEMV_MAX_TOKENS + 5):
+    limits = sorted(KQUANT_GEMV_MAX_TOKENS.values())
+    assert limits[0] < 20 <= limits[-1]
+    for m in (1, 20, limits[-1] + 5):
         x = torch.randn(m, K)
         want = x.double() @ w.double().T + bias.double()
         torch.testing.assert_close(
