@@ -1,4 +1,5 @@
-"""GGUF's quantized weight blocks (Q4_0, Q4_1, Q8_0) and their unpacked forms.
+"""GGUF's quantized weight blocks (Q4_0, Q4_1, Q8_0; the K-quants Q4_K, Q5_K, Q6_K) and their
+unpacked forms.
 
 A `GGUFQuantTensor` holds one GGUF tensor in its blocks (rows in Hugging Face order); `Int4Groups`
 is a group-32 int4 weight unpacked from them (`int4_from_gguf`, exact) or rounded from a float
@@ -14,6 +15,9 @@ GGUF block layouts (ggml `block_q4_0`, `block_q4_1`, `block_q8_0`, 32 weights pe
 
 torch's int4 convention is `W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]`: Q4_1 maps
 exactly with scale = d, zero = m + 8 d; Q4_0 with scale = d, zero = 0.
+
+The K-quants' 256-weight super-blocks (layouts in kernels/csrc/kquant_gemv.cpp) run as they ship
+through gpu_worker/kquant.py; `dequantize` reads them with the `gguf` package's own dequantization.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from laneserve.gpu_worker.errors import ModelLoadError
 
 GROUP_SIZE = 32  # GGUF's block size for Q4_0 / Q4_1 / Q8_0, and the int4 kernel's group size
 GGUF_QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # loaded as quantized linears without dequantizing
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+K_QUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # kept in their super-blocks (gpu_worker/kquant.py)
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+_BLOCK_WEIGHTS = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # the others: GROUP_SIZE
 
 
 @dataclass(slots=True)
@@ -35,16 +41,18 @@ class GGUFQuantTensor:
     """One GGUF tensor kept in its quantized blocks (rows already in Hugging Face order).
 
     blocks: uint8 [N, K / 32 * block_bytes]   row n holds the K / 32 blocks of output channel n
+    (K / 256 super-blocks for the K-quants)
     """
 
     name: str
-    qtype: str  # "Q4_0" | "Q4_1" | "Q8_0"
+    qtype: str  # "Q4_0" | "Q4_1" | "Q8_0" | "Q4_K" | "Q5_K" | "Q6_K"
     blocks: np.ndarray
     shape: tuple[int, int]  # (N, K) in Hugging Face layout [out, in]
 
     def __post_init__(self) -> None:
         n, k = self.shape
-        expected = (n, k // GROUP_SIZE * _BLOCK_BYTES[self.qtype])
+        per_block = _BLOCK_WEIGHTS.get(self.qtype, GROUP_SIZE)
+        expected = (n, k // per_block * _BLOCK_BYTES[self.qtype])
         assert self.blocks.shape == expected, (self.name, self.blocks.shape, expected)
 
 
@@ -110,6 +118,11 @@ def dequantize(t: GGUFQuantTensor) -> torch.Tensor:
     """Any supported GGUF quantized tensor -> float32 [N, K]."""
     if t.qtype == "Q8_0":
         return dequantize_q8_0(t)
+    if t.qtype in K_QUANT_TYPES:
+        from gguf import GGMLQuantizationType, quants
+
+        values = quants.dequantize(t.blocks, GGMLQuantizationType[t.qtype])
+        return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(t.shape))
     return int4_from_gguf(t).dequantize()
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from laneserve.gpu_worker.errors import ModelLoadError
-from laneserve.gpu_worker.gguf_blocks import GGUF_QUANT_TYPES, GGUFQuantTensor
+from laneserve.gpu_worker.gguf_blocks import GGUF_QUANT_TYPES, K_QUANT_TYPES, GGUFQuantTensor
 from laneserve.gpu_worker.model_config import ModelConfig, architecture_family
 from laneserve.gpu_worker.model_files import gguf_stamp
 
@@ -304,7 +304,7 @@ def _keep_quantized(tensor, hf_name: str, path: Path) -> bool:
     qtype = tensor.tensor_type.name
     if not hf_name.endswith(".weight") or "norm" in hf_name or qtype in ("F32", "F16", "BF16"):
         return False
-    if qtype in GGUF_QUANT_TYPES:
+    if qtype in GGUF_QUANT_TYPES or qtype in K_QUANT_TYPES:
         return True
     logger.info(
         "%s: tensor %s has type %s, which has no quantized kernel; dequantized instead",
@@ -319,7 +319,8 @@ def load_gguf_weights(
     reader, config: ModelConfig, path: Path, keep_quantized: bool = False
 ) -> dict[str, torch.Tensor | GGUFQuantTensor]:
     """All tensors of a GGUF file in Hugging Face naming, dequantized to float32, or (with
-    `keep_quantized`) Q4_0 / Q4_1 / Q8_0 weights kept as `GGUFQuantTensor` blocks.
+    `keep_quantized`) Q4_0 / Q4_1 / Q8_0 and Q4_K / Q5_K / Q6_K weights kept as `GGUFQuantTensor`
+    blocks (views of the mapped file where no permutation copies them).
 
     Q/K rows are un-permuted for llama either way (a row is a whole number of blocks).
     """

@@ -75,6 +75,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from laneserve.gpu_worker import kquant
 from laneserve.gpu_worker.config import QUANTIZATIONS as QUANTIZATION_MODES
 from laneserve.gpu_worker.gemv_blocks import (
     BF16_GEMV_MIN_TOKENS,
@@ -511,6 +512,8 @@ def build_linear(
     On a CUDA `device` (mode `int4`, `resolve_mode`) the int4 weight is packed for the CUDA
     kernel there, with no copies beside it. A dense result stays on the CPU (the caller moves it).
     """
+    if kquant.runs(parts, mode, device):
+        return kquant.KQuantLinear(parts)  # Q4_K / Q5_K / Q6_K on their own blocks (CPU)
     if (
         mode == "auto"
         and _auto_kind(parts) is None
@@ -536,7 +539,7 @@ def build_linear(
         return QuantLinear.from_int4(groups, **_routes(dtype, dense, gemv))
     weight = torch.cat([_as_float(p) for p in parts])
     dense = weight.to(dense_dtype) if dense_dtype else None
-    if with_gemv and all(_is_q8_0(p) for p in parts):
+    if with_gemv and all(isinstance(p, GGUFQuantTensor) and p.qtype == "Q8_0" for p in parts):
         gemv = GemvBlocks.from_q8_0(parts)  # the Q8_0 blocks themselves: exact weights
         gemv.use_amx = dtype == torch.bfloat16
     return QuantLinear.from_int8(*int8_from_float(weight), **_routes(dtype, dense, gemv))
@@ -547,7 +550,7 @@ def _int4_groups(parts: list[torch.Tensor | GGUFQuantTensor]) -> Int4Groups:
     return Int4Groups.cat(
         [
             int4_from_gguf(p)
-            if isinstance(p, GGUFQuantTensor) and p.qtype != "Q8_0"
+            if isinstance(p, GGUFQuantTensor) and p.qtype in ("Q4_0", "Q4_1")
             else int4_from_float(_as_float(p))
             for p in parts
         ]
@@ -562,29 +565,27 @@ def _routes(dtype: torch.dtype, dense: torch.Tensor | None, gemv: GemvBlocks | N
     return routes
 
 
-def _is_q8_0(part: torch.Tensor | GGUFQuantTensor) -> bool:
-    return isinstance(part, GGUFQuantTensor) and part.qtype == "Q8_0"
-
-
 def build_embedding(
     table: torch.Tensor | GGUFQuantTensor, mode: str, dtype: torch.dtype
 ) -> torch.Tensor | Q8Embedding:
     """The token embedding: Q8_0 blocks stay quantized (exact lookups) unless `mode == "none"`."""
     if mode != "none" and isinstance(table, GGUFQuantTensor) and table.qtype == "Q8_0":
         return Q8Embedding(table, dtype)
+    if mode != "none" and kquant.is_kquant(table):
+        return kquant.KQuantEmbedding(table, dtype)
     return _as_float(table).to(dtype).contiguous()
 
 
 def embedding(ids: torch.Tensor, table: torch.Tensor | Q8Embedding) -> torch.Tensor:
-    """F.embedding for a dense table, the Q8_0 lookup for a `Q8Embedding`."""
-    if isinstance(table, Q8Embedding):
+    """F.embedding for a dense table, the blocks' lookup for a `Q8Embedding` / `KQuantEmbedding`."""
+    if not isinstance(table, torch.Tensor):
         return table(ids)
     return F.embedding(ids, table)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantLinear, bias=None) -> torch.Tensor:
-    """F.linear for a dense weight, the quantized kernel for a `QuantLinear`."""
-    if isinstance(weight, QuantLinear):
+    """F.linear for a dense weight, the quantized kernel for a `QuantLinear` / `KQuantLinear`."""
+    if not isinstance(weight, torch.Tensor):
         return weight(x, bias)
     return F.linear(x, weight, bias)
 

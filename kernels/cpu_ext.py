@@ -49,7 +49,13 @@ logger = logging.getLogger(__name__)
 BUILD_TIMEOUT_S = 900  # a build takes ~1 min on 2 busy cores; past this, use the PyTorch path
 CSRC = Path(__file__).with_name("csrc")
 # one build: the attention kernels, the layer ops, the quantized GEMVs, the AMX matmuls
-_SOURCES = ("attention.cpp", "layer_ops.cpp", "quant_gemv.cpp", "amx_matmul.cpp")
+_SOURCES = (
+    "attention.cpp",
+    "layer_ops.cpp",
+    "quant_gemv.cpp",
+    "amx_matmul.cpp",
+    "kquant_gemv.cpp",
+)
 _HEADERS = ("vec.h",)
 _lock = threading.Lock()
 _background = threading.Event()  # set while a background build is pending

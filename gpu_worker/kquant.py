@@ -1,0 +1,125 @@
+"""K-quant GGUF weights (Q4_K, Q5_K, Q6_K) executed on their own 256-weight super-blocks.
+
+A `KQuantLinear` holds the super-blocks of each (fused) part as the file ships them (a view of
+the mapped file where the loader did not have to permute the rows), so memory is about the file
+size. Calls of at most `KQUANT_GEMV_MAX_TOKENS[qtype]` rows (decode) run the C++ GEMV
+(``torch.ops.laneserve.kquant_gemv``, kernels/csrc/kquant_gemv.cpp: each super-block unpacked
+once to float32 for all rows, fp32 dot products on the AVX-512 or AVX2 route the build has);
+larger calls (prefill chunks, big batches) dequantize `KQUANT_TILE_ROWS` outputs at a time and run
+the dense float32 GEMM on each tile, so no dense copy outlives the call. Without the C++ kernels
+(not built yet, or ``LANESERVE_CPU_KERNELS=0``) every call takes the tile route, dequantized by the
+`gguf` package. Activations of any dtype are computed in float32 and the result rounded once to
+their dtype. A `KQuantEmbedding` dequantizes only the looked-up rows.
+
+On CUDA K-quant weights are dequantized at load as before (`quantization.build_linear`).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from laneserve.gpu_worker.gguf_blocks import K_QUANT_TYPES, GGUFQuantTensor, dequantize
+from laneserve.kernels import cpu_ext
+
+QTYPE_IDS = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml's type numbers, the kernel's `qtype`
+QK_K = 256  # weights per super-block
+# calls of more rows dequantize tiles for the dense GEMM (per part of a fused linear). The GEMV
+# unpacks each super-block once for all rows, so its cost grows by one 256-wide dot per row and
+# super-block. Rough single-thread timings on a loaded 2-core Xeon (AVX-512 route, 4096 x 2048
+# Q4_K / 2048 x 4096 Q6_K): GEMV vs tiles 4.3 vs 24 ms / 8.1 vs 25.5 at 1 row, 17 vs 39 / 31 vs
+# 20 at 16, 82 vs 66 / 113 vs 32 at 64; Q5_K (not timed) sits between.
+KQUANT_GEMV_MAX_TOKENS = {"Q4_K": 32, "Q5_K": 16, "Q6_K": 8}
+KQUANT_TILE_ROWS = 512  # outputs dequantized at a time on the GEMM route (512 x 2048 x 4 = 4 MiB)
+
+
+def is_kquant(part: torch.Tensor | GGUFQuantTensor) -> bool:
+    return isinstance(part, GGUFQuantTensor) and part.qtype in K_QUANT_TYPES
+
+
+def _blocks_tensor(t: GGUFQuantTensor) -> torch.Tensor:
+    with warnings.catch_warnings():  # a read-only view of the mapped file: the kernels only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(t.blocks))
+
+
+def runs(parts: list, mode: str, device: torch.device | None) -> bool:
+    """Whether `quantization.build_linear` makes a `KQuantLinear` of these parts: all K-quant,
+    mode "auto", on the CPU."""
+    on_cpu = device is None or device.type == "cpu"
+    return mode == "auto" and on_cpu and all(map(is_kquant, parts))
+
+
+class KQuantLinear:
+    """`y = x @ W.T` with W = cat of K-quant parts [N_i, K] along N, each kept in its blocks."""
+
+    def __init__(self, parts: list[GGUFQuantTensor]):
+        assert parts and all(is_kquant(p) for p in parts), [p.qtype for p in parts]
+        ks = {p.shape[1] for p in parts}
+        assert len(ks) == 1, ks
+        self.parts = parts
+        self.blocks = [_blocks_tensor(p) for p in parts]
+        self.qtypes = [QTYPE_IDS[p.qtype] for p in parts]
+        self.shape = (sum(p.shape[0] for p in parts), ks.pop())
+
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.blocks)
+
+    def dequantize(self) -> torch.Tensor:
+        """W as float32 [N, K] (exact: the GGUF's values)."""
+        return torch.cat([self._tile(i, 0, p.shape[0]) for i, p in enumerate(self.parts)])
+
+    def _tile(self, i: int, r0: int, r1: int) -> torch.Tensor:
+        """Rows r0..r1 of part i as float32."""
+        blocks = self.blocks[i][r0:r1]
+        if cpu_ext.load():
+            return torch.ops.laneserve.kquant_dequantize(blocks, self.qtypes[i])
+        p = self.parts[i]
+        return dequantize(GGUFQuantTensor(p.name, p.qtype, blocks.numpy(), (r1 - r0, p.shape[1])))
+
+    def _gemm(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        n = self.parts[i].shape[0]
+        tiles = [
+            F.linear(x, self._tile(i, r0, min(n, r0 + KQUANT_TILE_ROWS)))
+            for r0 in range(0, n, KQUANT_TILE_ROWS)
+        ]
+        return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] -> [M, N] in x's dtype."""
+        xf = x.float().contiguous()
+        gemv = cpu_ext.load()
+        ys = [
+            torch.ops.laneserve.kquant_gemv(xf, self.blocks[i], self.qtypes[i], 0)
+            if gemv and x.shape[0] <= KQUANT_GEMV_MAX_TOKENS[p.qtype]
+            else self._gemm(xf, i)
+            for i, p in enumerate(self.parts)
+        ]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
+
+class KQuantEmbedding:
+    """An embedding table kept in K-quant super-blocks; a lookup dequantizes its rows (exact)."""
+
+    def __init__(self, t: GGUFQuantTensor, dtype: torch.dtype):
+        self.table = KQuantLinear([t])
+        self.dtype = dtype
+
+    def nbytes(self) -> int:
+        return self.table.nbytes()
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids int64 [T] -> [T, K] in `dtype`."""
+        t = self.table
+        rows = t.blocks[0].index_select(0, ids)
+        if cpu_ext.load():
+            return torch.ops.laneserve.kquant_dequantize(rows, t.qtypes[0]).to(self.dtype)
+        p = t.parts[0]
+        part = GGUFQuantTensor(p.name, p.qtype, rows.numpy(), (ids.shape[0], p.shape[1]))
+        return dequantize(part).to(self.dtype)
