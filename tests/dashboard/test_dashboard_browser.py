@@ -215,7 +215,8 @@ def test_chromium_renders_dashboard_charts(chromium_path, db_url, db_engine, tmp
             dom = _dom(tools)
             ready = dom and dom["drawn"] >= 2 * len(PHASES) + 6
             # panels render independently: under load the job panel may land after the charts
-            ready = ready and "batch_demo · in_progress · 120/500 completed" in dom["text"]
+            title = "batch_demo · chat/completions · input file gone · in_progress"
+            ready = ready and f"{title} · 120/500 completed" in dom["text"]
             return dom if ready else None
 
         dom = _wait(rendered, 90, "the charts to draw", dash)
