@@ -158,12 +158,12 @@ def summary(live: Live, window_label: str) -> None:
         cols[0].metric("requests", f"{r.requests:,}" if r.requests < 1e5 else compact(r.requests),
                        help=f"{r.lane} requests in the {window_label}")  # fmt: skip
         cols[1].metric(
-            f"tokens/s · last {now_s}",
+            f"tok/s · last {now_s}",
             compact(r.tokens_per_s_now),
             help=f"output tokens of the {r.lane} requests that finished in the last {now_s}",
         )
         cols[2].metric(
-            "tokens/s · window avg",
+            "tok/s · window avg",
             compact(r.tokens_per_s_avg),
             help=f"output tokens per second averaged over the {window_label}",
         )

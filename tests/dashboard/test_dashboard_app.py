@@ -76,7 +76,7 @@ def test_filled_database_shows_latency_charts(db_url, db_engine, run_app):
     assert any("No symptom in the last 5 minutes" in s.value for s in at.success)
     # current rates beside the window's averages, each labelled with its span
     labels = [m.label for m in at.metric]
-    assert {"requests", "tokens/s · last 30 s", "tokens/s · window avg", "TTFT P99"} <= set(labels)
+    assert {"requests", "tok/s · last 30 s", "tok/s · window avg", "TTFT P99"} <= set(labels)
     assert {"**interactive**", "**batch**"} <= {m.value for m in at.markdown}
     ttft = [m.value for m in at.metric if m.label == "TTFT P99"]
     assert len(ttft) == 2 and all(re.fullmatch(r"[\d.]+k? (ms|s|min)", v) for v in ttft), ttft
