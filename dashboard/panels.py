@@ -16,6 +16,7 @@ from sqlalchemy import Engine
 
 from laneserve.dashboard import charts, queries
 from laneserve.dashboard.diagnose import Figures, Finding, Thresholds, diagnose_all
+from laneserve.jobs.errors import error_text
 
 RECENT_S = 300.0  # s: the recent window the diagnosis judges (against the rest of the window)
 
@@ -120,29 +121,57 @@ def rules_text(t: Thresholds) -> str:
     ])  # fmt: skip
 
 
+def compact(value: float | None, unit: str = "") -> str:
+    """A headline figure that fits a narrow column: 3 significant digits at most, thousands as
+    k and millions as M (`110,981.2` -> `111k`), then `unit`; "-" when unknown."""
+    if value is None or math.isnan(value):
+        return "-"
+    for scale, suffix in ((1e6, "M"), (1e3, "k"), (1.0, "")):
+        if abs(value) >= scale or scale == 1.0:
+            v = value / scale
+            digits = 0 if abs(v) >= 100 or (v == int(v) and not suffix) else 1
+            text = f"{v:.{digits}f}{suffix}"
+            break
+    return f"{text} {unit}".strip()
+
+
+def duration_ms(value: float | None) -> str:
+    """A latency in its natural unit: `85.3 ms`, `1.2 s`, `111 s`, `3.1 min`."""
+    if value is None or math.isnan(value):
+        return "-"
+    if value < 1000:
+        return compact(value, "ms")
+    if value < 600_000:
+        return compact(value / 1000, "s")
+    return compact(value / 60_000, "min")
+
+
 def summary(live: Live, window_label: str) -> None:
-    """Per lane: requests, rates now (last 30 s) beside the window averages, latency P99s."""
+    """Per lane (its name above its row): requests, rates now (last 30 s) beside the window
+    averages, latency P99s; short labels and compact values with units, so each fits."""
     rates = queries.current_rates(live.rows, live.now, live.window)
     table = queries.latency_summary(None, live.window, rows=live.rows).set_index(["lane", "metric"])
     now_s = f"{queries.CURRENT_S:.0f} s"
     for r in rates.itertuples():
+        st.markdown(f"**{r.lane}**")
         cols = st.columns(6)
-        cols[0].metric(f"{r.lane} · requests", f"{r.requests:,}", help=f"in the {window_label}")
+        cols[0].metric("requests", f"{r.requests:,}" if r.requests < 1e5 else compact(r.requests),
+                       help=f"{r.lane} requests in the {window_label}")  # fmt: skip
         cols[1].metric(
-            f"tokens/s · last {now_s}",
-            f"{r.tokens_per_s_now:,.1f}",
+            f"tok/s · last {now_s}",
+            compact(r.tokens_per_s_now),
             help=f"output tokens of the {r.lane} requests that finished in the last {now_s}",
         )
         cols[2].metric(
-            "tokens/s · window avg",
-            f"{r.tokens_per_s_avg:,.2f}",
+            "tok/s · window avg",
+            compact(r.tokens_per_s_avg),
             help=f"output tokens per second averaged over the {window_label}",
         )
         for col, metric, q in zip(cols[3:], ("TTFT", "TPOT", "e2e"), ("p99", "p50", "p99"),
                                   strict=True):  # fmt: skip
             value = table[q].get((r.lane, metric))
-            shown = "-" if value is None or math.isnan(value) else f"{value:,.1f}"
-            col.metric(f"{metric} {q.upper()} · ms", shown, help=f"over the {window_label}")
+            col.metric(f"{metric} {q.upper()}", duration_ms(value),
+                       help=f"{r.lane}, over the {window_label}")  # fmt: skip
 
 
 def latency(live: Live) -> None:
@@ -183,17 +212,28 @@ def _eta(seconds: float) -> str:
     return f"ETA {int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m{int(seconds % 60):02d}s"
 
 
+def job_title(job) -> str:
+    """What a job is, for a person: its id, task (else its endpoint) and input file's name."""
+    what = job.task or str(job.endpoint or "").removeprefix("/v1/") or "-"
+    return f"{job.id} · {what} · {job.input_file or 'input file gone'}"
+
+
 def jobs(live: Live) -> None:
-    """Progress bars of active and recent bulk jobs, each with a link to its own view."""
+    """Progress bars of active and recent bulk jobs (task and input file named), each with a
+    link to its own view; a job refused by validation shows its errors instead of `0/0`."""
     st.header("Jobs")
     if live.jobs.empty:
         st.caption("No bulk job in this window.")
     for job in live.jobs.itertuples():
-        text = (
-            f"{job.id} · {job.status} · {job.completed}/{job.total} completed, "
-            f"{job.failed} failed · {_eta(job.eta_s)}"
-        )
-        st.progress(float(job.done), text=text)
+        if job.status == "failed" and job.total == 0:
+            why = "; ".join(error_text(e) for e in job.errors or ()) or "no reason stored"
+            st.error(f"{job_title(job)} · failed validation, no line ran: {why}")
+        else:
+            text = (
+                f"{job_title(job)} · {job.status} · {job.completed}/{job.total} completed, "
+                f"{job.failed} failed · {_eta(job.eta_s)}"
+            )
+            st.progress(float(job.done), text=text)
         st.markdown(f"[open job {job.id}](?job={job.id})")
     st.caption(retention_line(queries.retention_summary(live.engine)))
 

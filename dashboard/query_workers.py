@@ -4,6 +4,7 @@ table and job progress (from `worker_rows` frames and the `jobs` table; see quer
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -110,7 +111,9 @@ def job_progress(
 ) -> pd.DataFrame:
     """Active jobs, and jobs created in `window`, newest first, with progress and ETA.
 
-    Columns: id, status, model, task, total, completed, failed, done (0..1, (completed+failed)/total),
+    Columns: id, status, model, task, endpoint, input_file (the input file's name; None when
+    gone), errors (the job's errors, a list of `{"code", "message"[, "line"]}`; None when none),
+    total, completed, failed, done (0..1, (completed+failed)/total),
     created (UTC datetime), rate_per_s (lines finished per second since in_progress), eta_s (s;
     NaN when finished, not started, or no line finished yet), window_left_s (s until the end of
     the completion window, `expires_at - now`; negative once past, NaN when unknown).
@@ -127,6 +130,9 @@ def job_progress(
             Job.status,
             Job.model,
             Job.task,
+            Job.endpoint,
+            File.filename.label("input_file"),
+            Job.errors,
             Job.created_at,
             Job.in_progress_at,
             Job.request_total,
@@ -134,6 +140,7 @@ def job_progress(
             Job.request_failed,
             Job.expires_at,
         )  # fmt: skip
+        .outerjoin(File, File.id == Job.input_file_id)
         .where(cond)
         .order_by(Job.created_at.desc())
         .limit(limit)
@@ -159,8 +166,16 @@ def job_progress(
     df["eta_s"] = (remaining / rate.where(rate > 0)).where(active)
     df["window_left_s"] = pd.to_numeric(df["expires_at"], errors="coerce").astype("float64") - now
     df["created"] = pd.to_datetime(pd.to_numeric(df["created_at"]), unit="s", utc=True)
-    cols = ["id", "status", "model", "task", "total", "completed", "failed", "done", "created"]
+    df["errors"] = df["errors"].map(_json_list)  # PostgreSQL's JSON arrives parsed, SQLite's not
+    cols = ["id", "status", "model", "task", "endpoint", "input_file", "errors", "total"]
+    cols += ["completed", "failed", "done", "created"]
     return df[cols + ["rate_per_s", "eta_s", "window_left_s"]]
+
+
+def _json_list(value: object) -> list | None:
+    if isinstance(value, str):
+        value = json.loads(value)
+    return value if isinstance(value, list) and value else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,3 +48,10 @@ class ConflictError(InvalidRequestError):
 
     code = "invalid_request"
     status_code = 409
+
+
+def error_text(err: dict) -> str:
+    """One of a job's errors (OpenAI's batch `errors.data` item) for a person: its input line
+    first where it names one, then its code and message (`line 3: invalid_json: not JSON`)."""
+    where = f"line {err['line']}: " if isinstance(err.get("line"), int) else ""
+    return f"{where}{err.get('code')}: {err.get('message')}"

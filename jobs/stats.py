@@ -54,8 +54,8 @@ class BatchStats:
     their output is thrown away;
     `prompt_tokens` / `completion_tokens` / `cached_tokens`: sums over the other finished lines;
     `elapsed_s`: seconds since the job started running (to its end once ended), None before;
-    `output_tokens_per_s` and `lines_per_s` over `elapsed_s`; `eta_s`: seconds left at the
-    current line rate (None when ended or no line is done yet); `latency_ms`: for `ttft_ms` and
+    `output_tokens_per_s` and `lines_per_s` over `elapsed_s`; `eta_s`: seconds left
+    (:func:`smoothed_eta`; None when ended or no line is done yet); `latency_ms`: for `ttft_ms` and
     `e2e_ms`, `{"count", "p50", "p90", "p99"}` over the job's lines (None values when no line
     has the figure); `files`: `input` / `output` / `errors` (None when absent).
     """
@@ -121,6 +121,41 @@ def _rate(amount: float, elapsed_s: float | None) -> float | None:
 _FINISHED = Request.response.is_not(None) | Request.error.is_not(None)
 _ERROR_CODE = func.coalesce(Request.response["error"]["code"].as_string(), "")
 _RAN = _ERROR_CODE.not_in(ENDED_BY_JOB_CODES)
+
+
+ETA_LINES = 32  # the exponential average's span, in completed lines (alpha = 2 / (span + 1))
+_ETA_WINDOW = 4 * ETA_LINES  # the latest completions read per poll
+
+
+def smoothed_eta(
+    finished_at: Sequence[float], start: float, done: int, total: int, now: float
+) -> float | None:
+    """Seconds left: the remaining lines times an exponential average of the time between
+    completed lines (seeded with the job's mean until the window's first completion, then
+    `ETA_LINES` lines' span), less the time since the last completion. Between completions it
+    only falls, so a slow tail (few lines in flight) does not make it rise as the job ends;
+    0 means the next completion is overdue. `finished_at`: the latest completion times
+    (unix seconds, ascending), at most all `done` of them."""
+    if not finished_at or done <= 0 or total <= 0:
+        return None
+    first = finished_at[0]
+    before = done - len(finished_at)  # completions older than the window
+    interval = (first - start) / (before + 1) if before else first - start
+    alpha = 2.0 / (ETA_LINES + 1)
+    for prev, cur in zip(finished_at, finished_at[1:], strict=False):
+        interval = alpha * (cur - prev) + (1 - alpha) * interval
+    return max(0.0, max(0, total - done) * max(interval, 0.0) - (now - finished_at[-1]))
+
+
+def _latest_finished(session: Session, batch_id: str) -> list[float]:
+    """The latest `_ETA_WINDOW` completion times of the job's lines, ascending."""
+    rows = session.execute(
+        select(Request.finished_at)
+        .where(Request.job_id == batch_id, Request.finished_at.is_not(None))
+        .order_by(Request.finished_at.desc())
+        .limit(_ETA_WINDOW)
+    )
+    return sorted(v for (v,) in rows)
 
 
 def _may_have_ended_lines(job: Job, now: float) -> bool:
@@ -206,6 +241,7 @@ def batch_stats(
         sums, cancelled = _line_sums(session, job, now or time.time())
         values = _latency_values(session, batch_id, LATENCY_FIELDS if latency else ())
         files = _job_files(session, job)
+        latest = _latest_finished(session, batch_id) if _ended_at(job) is None else []
     counts = job.request_counts
     ended = _ended_at(job)
     start = job.in_progress_at
@@ -213,8 +249,8 @@ def batch_stats(
     done = counts["completed"] + counts["failed"]
     lines_per_s = _rate(done, elapsed)
     eta = None
-    if ended is None and lines_per_s and counts["total"]:
-        eta = max(0, counts["total"] - done) / lines_per_s
+    if ended is None and start is not None:
+        eta = smoothed_eta(latest, start, done, counts["total"], now or time.time())
     return BatchStats(
         id=job.id,
         status=job.status,

@@ -28,15 +28,23 @@ faster on a Zen 4 EPYC (905 vs 938 us per layer at batch 64) and is not kept.
 The sources are compiled with ``torch.utils.cpp_extension.load`` (one object per file, so a
 compiler error names the file and line) into torch's extension cache
 (``~/.cache/torch_extensions`` or ``TORCH_EXTENSIONS_DIR``) the first time :func:`load` runs on a
-machine (1-4 minutes on 2 cores, then loaded in milliseconds). ``-march=native`` is used, so the
-module name carries a hash of the CPU's flags (and of the sources and their folder). Without a C++
-compiler, or with ``LANESERVE_CPU_KERNELS=0``, :func:`load` returns False and callers use the PyTorch reference.
+machine (1-4 minutes on 2 cores, then loaded in milliseconds). The module name carries a hash of
+everything that makes one build differ from another (:func:`build_key`: the sources, their folder,
+the CPU's flags for ``-march=native``, torch's version and include paths, the compiler and its
+flags, the Python ABI), so two virtual environments or torch versions never share (and rewrite)
+one build folder. A finished build leaves a stamp (the hash of its ``build.ninja``); a folder whose
+stamp is missing or does not match, or whose library is older than a source, is rebuilt by
+:func:`load_or_build_in_background` in a background thread, never in a worker's start. Without a
+C++ compiler, or with ``LANESERVE_CPU_KERNELS=0``, :func:`load` returns False and callers use the
+PyTorch reference.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import sysconfig
 import threading
 from pathlib import Path
 
@@ -57,24 +65,46 @@ _SOURCES = (
     "kquant_gemv.cpp",
 )
 _HEADERS = ("vec.h",)
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing", "-ffp-contract=off")
+_LDFLAGS = ("-fopenmp",)
+_STAMP = "laneserve-build.stamp"  # the sha256 of build.ninja, written after a build succeeded
 _lock = threading.Lock()
 _background = threading.Event()  # set while a background build is pending
 _state: dict[str, bool] = {}
 
 
-def _cpu_flags_tag() -> str:
+def build_key() -> str:
+    """What makes one build differ from another, as one string (hashed into the module name)."""
+    from torch.utils.cpp_extension import get_cxx_compiler, include_paths
+
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         text = ""
-    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    cpu_flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
     digest = hashlib.sha256()
     for name in (*_SOURCES, *_HEADERS):  # a changed source or header is a new build
         digest.update((CSRC / name).read_bytes())
-    # and their folder: torch's build files name the sources by path, so two checkouts (or a
-    # checkout and a wheel install) sharing one build folder would recompile each other's build
-    digest.update((str(CSRC.resolve()) + flags + torch.__version__).encode())
-    return digest.hexdigest()[:12]
+    parts = [
+        digest.hexdigest(),
+        # torch's build files name the sources by path, so two checkouts (or a checkout and a
+        # wheel install) sharing one build folder would recompile each other's build
+        str(CSRC.resolve()),
+        cpu_flags,
+        torch.__version__,
+        *include_paths(),  # a venv's own torch headers: another venv is another build
+        str(torch._C._GLIBCXX_USE_CXX11_ABI),
+        get_cxx_compiler(),
+        " ".join(os.environ.get(name, "") for name in ("CXXFLAGS", "CFLAGS", "LDFLAGS")),
+        *_CFLAGS,
+        *_LDFLAGS,
+        str(sysconfig.get_config_var("EXT_SUFFIX")),  # the Python ABI
+    ]
+    return "\n".join(parts)
+
+
+def _build_tag() -> str:
+    return hashlib.sha256(build_key().encode()).hexdigest()[:12]
 
 
 def load() -> bool:
@@ -106,10 +136,25 @@ def _try_build() -> bool:
 
 
 def is_built() -> bool:
-    """Whether this source is already compiled for this CPU and torch (loading then takes
-    milliseconds); False means :func:`load` would compile (about 1-4 minutes on 2 cores)."""
+    """Whether this source is compiled, for this CPU, torch, compiler and Python, by a build that
+    finished (loading then takes milliseconds); False means :func:`load` would compile (about
+    1-4 minutes on 2 cores): no library, no stamp of a finished build, a ``build.ninja`` rewritten
+    since (by another process with other settings), or a source newer than the library."""
     build_dir = build_directory()
-    return (build_dir / f"{build_dir.name}.so").exists()
+    library, ninja, stamp = (build_dir / f"{build_dir.name}.so", build_dir / "build.ninja",
+                             build_dir / _STAMP)  # fmt: skip
+    try:
+        built_at = library.stat().st_mtime
+        if stamp.read_text().strip() != _file_digest(ninja):
+            return False
+    except OSError:
+        return False
+    sources = [CSRC / name for name in (*_SOURCES, *_HEADERS)]
+    return all(path.stat().st_mtime <= built_at for path in sources)
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def load_or_build_in_background() -> bool:
@@ -140,7 +185,8 @@ def build_directory() -> Path:
     """Where this source, for this CPU and torch version, is built (in torch's extension root)."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    return Path(get_default_build_root()) / f"laneserve_cpu_{_cpu_flags_tag()}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's load
+    return Path(root) / f"laneserve_cpu_{_build_tag()}"
 
 
 def _build_and_load() -> None:
@@ -162,15 +208,10 @@ def _build_and_load() -> None:
             name=build_dir.name,
             sources=[str(CSRC / name) for name in _SOURCES],
             build_directory=str(build_dir),
-            extra_cflags=[
-                "-O3",
-                "-march=native",
-                "-fopenmp",
-                "-fno-strict-aliasing",
-                "-ffp-contract=off",
-            ],
+            extra_cflags=list(_CFLAGS),
             extra_include_paths=[str(CSRC)],
-            extra_ldflags=["-fopenmp"],
+            extra_ldflags=list(_LDFLAGS),
             is_python_module=False,
             verbose=False,
         )
+        (build_dir / _STAMP).write_text(_file_digest(build_dir / "build.ninja"))

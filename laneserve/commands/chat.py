@@ -7,6 +7,12 @@ stdout as it streams; timing (TTFT at the first content token, TPOT = (total - T
 (tokens - 1), in ms) goes to stderr, and a line there says when `--max-tokens` cut the answer
 short (finish_reason "length"). Exit codes: 0 answered, 1 API error, 2 no usable API (no
 stack, unreachable, wrong key): one line on stderr.
+
+`laneserve chat -i` is a conversation: it reads one user message per line from stdin (a `> `
+prompt on a terminal), sends the whole history (system message, every earlier turn and answer)
+with each one, and ends at end of input, `/exit` or Ctrl-C; `/reset` forgets the history. A turn
+the API refuses is said on stderr and left out of the history; the conversation goes on. Exit
+codes as above (1 when the last turn failed), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -20,8 +26,17 @@ from laneserve.http_client import StackError, add_api_arguments, resolve_target
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("chat", help="stream one interactive answer in the terminal")
-    parser.add_argument("prompt", help="the user message ('-' reads stdin)")
+    parser = subparsers.add_parser(
+        "chat", help="stream one interactive answer in the terminal (-i: a conversation)"
+    )
+    parser.add_argument(
+        "prompt", nargs="?", default=None, help="the user message ('-' reads stdin; with -i, "
+        "optional: the first message)"
+    )  # fmt: skip
+    parser.add_argument(
+        "-i", "--interactive", action="store_true",
+        help="a conversation: one message per line from stdin, each sent with the history",
+    )  # fmt: skip
     parser.add_argument("--system", default=None, help="system message")
     parser.add_argument("--max-tokens", type=int, default=256, help="(default: %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.7, help="(default: %(default)s)")
@@ -38,10 +53,13 @@ def run(args: argparse.Namespace) -> int:
     quiet_http_logs()
     import openai
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not prompt.strip():
-        print("laneserve chat: empty prompt", file=sys.stderr)
-        return 2
+    if args.interactive:
+        prompt = None if args.prompt in (None, "-") else args.prompt
+    else:
+        prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+        if not prompt.strip():
+            print("laneserve chat: empty prompt", file=sys.stderr)
+            return 2
     try:
         target = resolve_target(args.url, args.api_key)
     except StackError as exc:
@@ -51,8 +69,57 @@ def run(args: argparse.Namespace) -> int:
     client = openai.OpenAI(
         base_url=base_url, api_key=target.api_key or "none", max_retries=0, timeout=600.0
     )
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    messages.append({"role": "user", "content": prompt})
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    if not args.interactive:
+        return _turn(client, args, target.api_key, [*system, {"role": "user", "content": prompt}])
+    return _conversation(client, args, target.api_key, system, prompt)
+
+
+def _conversation(
+    client: Any, args: argparse.Namespace, api_key: str | None, system: list, first: str | None
+) -> int:
+    """`-i`: one turn per line of stdin, each sent with the history of the turns answered."""
+    history: list[dict] = list(system)
+    code = 0
+    line = first
+    while True:
+        if line is None:
+            try:
+                line = input("> " if sys.stdin.isatty() else "")
+            except EOFError:
+                return code
+            except KeyboardInterrupt:
+                print(file=sys.stderr)
+                return 130
+        text, line = line.strip(), None
+        if text == "/exit":
+            return code
+        if text == "/reset":
+            history = list(system)
+            continue
+        if not text:
+            continue
+        turn = [*history, {"role": "user", "content": text}]
+        answer: list[_Answer] = []
+        code = _turn(client, args, api_key, turn, answer)
+        if code == 2 or code == 130:  # no usable API, or Ctrl-C in an answer
+            return code
+        if answer:
+            history = [*turn, {"role": "assistant", "content": answer[0].text}]
+
+
+def _turn(
+    client: Any,
+    args: argparse.Namespace,
+    api_key: str | None,
+    messages: list[dict],
+    answered: list | None = None,
+) -> int:
+    """Stream one answer to `messages` and say how it went; the exit code (module docstring).
+    The answer is appended to `answered` when there is one."""
+    import openai
+
+    base_url = str(client.base_url).rstrip("/")
     try:
         answer = _stream_answer(client, args, messages)
     except openai.APIConnectionError as exc:
@@ -61,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     except openai.AuthenticationError:
-        hint = "wrong API key" if target.api_key else "it needs an API key"
+        hint = "wrong API key" if api_key else "it needs an API key"
         print(
             f"laneserve chat: the laneserve API at {base_url} refused the request ({hint}; "
             "give --api-key or set $LANESERVE_API_KEY)",
@@ -81,18 +148,22 @@ def run(args: argparse.Namespace) -> int:
         print(file=sys.stderr)
         return 130
     sys.stdout.write("\n")
+    sys.stdout.flush()
     _print_footer(args, answer)
+    if answered is not None:
+        answered.append(answer)
     return 0
 
 
 class _Answer(NamedTuple):
     """How one streamed answer went: seconds from the request to the first content token (None
-    without content) and to the end, the last usage chunk, the last finish reason."""
+    without content) and to the end, the last usage chunk, the last finish reason, the text."""
 
     ttft: float | None
     total: float
     usage: Any
     finish_reason: str | None
+    text: str
 
 
 def _stream_answer(client: Any, args: argparse.Namespace, messages: list[dict]) -> _Answer:
@@ -113,6 +184,7 @@ def _stream_answer(client: Any, args: argparse.Namespace, messages: list[dict]) 
     ttft = None
     usage = None
     finish_reason = None
+    parts: list[str] = []
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
@@ -124,13 +196,14 @@ def _stream_answer(client: Any, args: argparse.Namespace, messages: list[dict]) 
                     ttft = time.perf_counter() - start
                 sys.stdout.write(text)
                 sys.stdout.flush()
-    return _Answer(ttft, time.perf_counter() - start, usage, finish_reason)
+                parts.append(text)
+    return _Answer(ttft, time.perf_counter() - start, usage, finish_reason, "".join(parts))
 
 
 def _print_footer(args: argparse.Namespace, answer: _Answer) -> None:
     """The stderr lines after the answer: a cut at `--max-tokens`, and unless `--quiet` the
     timing (TTFT, tokens, TPOT in ms, total in s)."""
-    ttft, total, usage, finish_reason = answer
+    ttft, total, usage, finish_reason, _ = answer
     if finish_reason == "length":  # said even with --quiet: the answer on stdout is cut short
         print(
             f"laneserve chat: the answer was cut at --max-tokens {args.max_tokens} "

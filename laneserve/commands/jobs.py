@@ -31,6 +31,7 @@ from laneserve.http_client import (
     add_api_arguments,
     client_for,
 )
+from laneserve.jobs.errors import error_text
 
 EXIT_CODES = {"completed": 0, "failed": 1, "cancelled": 3, "expired": 4}
 TERMINAL = tuple(EXIT_CODES)
@@ -179,13 +180,6 @@ def _file_line(info: dict | None, name: bool = False) -> str:
     if not info:
         return "-"
     return f"{info['id']}  {info['filename'] + '  ' if name else ''}({info['bytes']} bytes)"
-
-
-def error_text(err: dict) -> str:
-    """One job error for a person: its input line first where it names one (the API's `line`),
-    then its code and message."""
-    where = f"line {err['line']}: " if isinstance(err.get("line"), int) else ""
-    return f"{where}{err.get('code')}: {err.get('message')}"
 
 
 def failed_validation(batch: dict) -> bool:
@@ -487,7 +481,8 @@ def follow(
             f = _fields(batch, stats, rate.add((stats or {}).get("completion_tokens", 0)))
             final = batch["status"] in TERMINAL
             final = final or (deadline is not None and time.monotonic() >= deadline)
-            display.show(f, final)
+            if not failed_validation(batch):  # no "failed 0/?" line: `watch` says why instead
+                display.show(f, final)
             if final:
                 return batch
             time.sleep(poll_s)

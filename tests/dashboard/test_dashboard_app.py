@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import numpy as np
@@ -11,6 +12,8 @@ from dashboard_data import Profile, make_records, make_snapshots, store
 from streamlit.testing.v1 import AppTest
 
 from laneserve.dashboard.queries import PHASES
+from laneserve.db.models import File
+from laneserve.db.session import write_session
 
 
 def _charts(at: AppTest) -> dict[str, int]:
@@ -45,9 +48,16 @@ def test_filled_database_shows_latency_charts(db_url, db_engine, run_app):
     snaps = make_snapshots("w0", "interactive,batch", now - 600, now, every_s=10, kv_usage=0.4)
     jobs = [
         {"id": "batch_x", "status": "in_progress", "endpoint": "/v1/chat/completions",
-         "model": "m1", "created_at": now - 100, "in_progress_at": now - 90,
+         "model": "m1", "task": "summarize", "input_file_id": "file_docs",
+         "created_at": now - 100, "in_progress_at": now - 90,
          "request_total": 100, "request_completed": 40, "request_failed": 5},
+        {"id": "batch_bad", "status": "failed", "endpoint": "/v1/chat/completions",
+         "model": "m1", "created_at": now - 50, "failed_at": now - 49,
+         "errors": [{"code": "invalid_json", "message": "not JSON", "line": 2}]},
     ]  # fmt: skip
+    with write_session(db_engine) as s:
+        s.add(File(id="file_docs", purpose="batch", filename="docs.jsonl", bytes=10, path="-",
+                   created_at=now - 101))  # fmt: skip
     store(db_engine, records=recs, snapshots=snaps, jobs=jobs)
 
     at = run_app(db_url)
@@ -66,15 +76,22 @@ def test_filled_database_shows_latency_charts(db_url, db_engine, run_app):
     assert any("No symptom in the last 5 minutes" in s.value for s in at.success)
     # current rates beside the window's averages, each labelled with its span
     labels = [m.label for m in at.metric]
-    assert {"interactive · requests", "batch · requests"} <= set(labels)
-    assert {"tokens/s · last 30 s", "tokens/s · window avg"} <= set(labels)
+    assert {"requests", "tok/s · last 30 s", "tok/s · window avg", "TTFT P99"} <= set(labels)
+    assert {"**interactive**", "**batch**"} <= {m.value for m in at.markdown}
+    ttft = [m.value for m in at.metric if m.label == "TTFT P99"]
+    assert len(ttft) == 2 and all(re.fullmatch(r"[\d.]+k? (ms|s|min)", v) for v in ttft), ttft
     # figures these workers did not record are said plainly, not drawn as zeros
     captions = " ".join(c.value for c in at.caption)
     assert "No snapshot in this window carries these figures" in captions  # SLO columns empty
     assert "No request in this window used speculative decoding" in captions
     assert "DESIGN" not in captions + " ".join(m.value for m in at.markdown)
     progress = [p.proto.text for p in at.get("progress")]
-    assert any("batch_x" in t and "40/100 completed" in t and "5 failed" in t for t in progress)
+    assert any("batch_x · summarize · docs.jsonl" in t and "40/100 completed" in t
+               and "5 failed" in t for t in progress)  # fmt: skip
+    # a job refused by validation says why, not "failed · 0/0"
+    refused = [e.value for e in at.error if "batch_bad" in e.value]
+    assert refused and "line 2: invalid_json: not JSON" in refused[0], refused
+    assert not any("batch_bad" in t for t in progress)
     assert any("Slowest requests" == h for h in headers)
 
 
@@ -189,3 +206,13 @@ def test_slo_and_speculation_panels_show_columns_once_they_exist(db_url, db_engi
     # 1 + 7 accepted / 4 verifications per request that records them (the others' accepted
     # tokens are not divided by verifications they never counted)
     assert length.value == "2.75"
+
+
+def test_headline_figures_are_compact_with_units():
+    from laneserve.dashboard.panels import compact, duration_ms
+
+    assert [compact(v) for v in (7, 12.34, 110_981.2, 2_500_000)] == ["7", "12.3", "111k", "2.5M"]
+    assert [duration_ms(v) for v in (85.34, 1_234, 110_981.2, 3e6)] == [
+        "85.3 ms", "1.2 s", "111 s", "50 min",
+    ]  # fmt: skip
+    assert compact(float("nan"), "tok/s") == duration_ms(None) == "-"

@@ -136,6 +136,8 @@ DOM_PROBE = """JSON.stringify((() => {
         .filter(a => (a.getAttribute('aria-label') || '').includes('time'))
         .map(a => [...a.querySelectorAll('.role-axis-label text')].map(t => t.textContent)))
         .flat(),
+    cut: [...document.querySelectorAll('[data-testid="stMetricLabel"] *, [data-testid="stMetricValue"] *')]
+        .filter(e => e.clientWidth > 0 && e.scrollWidth > e.clientWidth + 1).map(e => e.innerText),
     text: document.body.innerText.slice(0, 30000),
   };
 })())"""
@@ -215,7 +217,8 @@ def test_chromium_renders_dashboard_charts(chromium_path, db_url, db_engine, tmp
             dom = _dom(tools)
             ready = dom and dom["drawn"] >= 2 * len(PHASES) + 6
             # panels render independently: under load the job panel may land after the charts
-            ready = ready and "batch_demo · in_progress · 120/500 completed" in dom["text"]
+            title = "batch_demo · chat/completions · input file gone · in_progress"
+            ready = ready and f"{title} · 120/500 completed" in dom["text"]
             return dom if ready else None
 
         dom = _wait(rendered, 90, "the charts to draw", dash)
@@ -243,7 +246,8 @@ def test_chromium_renders_dashboard_charts(chromium_path, db_url, db_engine, tmp
         assert label in dom["headings"], (label, dom["headings"])
     assert dom["charts"] >= 2 * len(PHASES) + 6
     assert "batch_demo" in dom["text"] and "120/500 completed" in dom["text"]
-    assert "tokens/s · last 30 s" in dom["text"] and "tokens/s · window avg" in dom["text"]
+    assert "tok/s · last 30 s" in dom["text"] and "tok/s · window avg" in dom["text"]
+    assert dom["cut"] == [], dom["cut"]  # every headline label and figure fits its column
     assert "DESIGN" not in dom["text"]
     # time axis labels are never repeated within a chart, and read on a 24-hour UTC clock:
     # HH:MM ticks fall in the hours the data spans (Vega's default printed 07:31 at 19:31 UTC)

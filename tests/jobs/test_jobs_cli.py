@@ -138,6 +138,7 @@ def test_submit_wait_show_download_and_exit_codes(laneserve_home, tmp_path):
         failed_id = re.search(r"(batch_\w+): failed validation, no line ran; why:\n  line",
                               failed.stderr)  # fmt: skip
         assert failed_id, failed.stderr
+        assert f"{failed_id.group(1)}: failed 0/" not in failed.stderr  # no stray progress line
         shown = _cli(laneserve_home, "jobs", "show", failed_id.group(1))
         assert "failed  (failed validation: no line ran)" in shown.stdout, shown.stdout
         assert "line 3: duplicate_custom_id" in shown.stdout

@@ -120,16 +120,32 @@ def test_batch_stats_eta_while_running_and_unknown_batch(engine):
     from laneserve.jobs import stats
     from laneserve.jobs.errors import NotFoundError
 
-    job_id = _finished_job(engine, [{"completion_tokens": 5}] * 2)
+    job_id = _finished_job(
+        engine, [{"completion_tokens": 5, "finished_at": t} for t in (1001.0, 1002.0)]
+    )
     with write_session(engine) as s:
         row = s.get(Job, job_id)
         row.status, row.completed_at, row.request_total = "in_progress", None, 10
     running = stats.batch_stats(engine, job_id, now=1004.0)  # 2 of 10 lines in 4 s
     assert running.elapsed_s == 4.0 and running.lines_per_s == 0.5
-    assert running.eta_s == 16.0  # 8 lines left at 0.5 lines/s
+    assert running.eta_s == 6.0  # 8 lines left, one a second, the last one 2 s ago
     assert running.latency_ms["ttft_ms"] == {"count": 0, "p50": None, "p90": None, "p99": None}
     with pytest.raises(NotFoundError):
         stats.batch_stats(engine, "batch_nope")
+
+
+def test_eta_smooths_and_never_rises_in_a_slow_tail():
+    from laneserve.jobs.stats import smoothed_eta
+
+    # 90 lines one a second, then 10 left with few in flight: no completion for 30 s
+    finished = [1000.0 + i for i in range(1, 91)]
+    etas = [smoothed_eta(finished[-128:], 1000.0, 90, 100, now) for now in range(1090, 1121, 5)]
+    assert etas[0] == pytest.approx(10.0)
+    assert all(b <= a for a, b in zip(etas, etas[1:], strict=False)) and etas[-1] == 0.0
+    # a burst (the lines of one engine step finish together) moves it by a fraction only
+    burst = [*finished, *[1091.0] * 4]
+    assert 0 < smoothed_eta(burst, 1000.0, 94, 100, 1091.0) < 6.0
+    assert smoothed_eta([], 1000.0, 0, 100, 1005.0) is None
 
 
 def test_show_summary_names_every_figure(engine):

@@ -201,6 +201,24 @@ def test_chat_command_streams_an_answer(up):
     assert "TTFT" in res.stderr
 
 
+def test_chat_conversation_sends_the_history(up):
+    """`laneserve chat -i`: each line of stdin is a turn sent with every earlier turn and
+    answer (the second request's prompt holds the first prompt and the first answer)."""
+    since = time.time()
+    res = subprocess.run(
+        [sys.executable, "-m", "laneserve.cli", "chat", "-i", "--max-tokens", "6",
+         "--temperature", "0", "--quiet"],
+        input="Name a fruit.\n\nName another one.\n/exit\nnot sent\n", env=child_env(up.home),
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip(), res.stderr
+    rows = wait_rows(up, Request.lane == "interactive", Request.arrival_at >= since, n=2)
+    first, second = sorted(rows, key=lambda r: r.arrival_at)[:2]
+    assert len(rows) == 2  # the blank line is skipped; "/exit" ends before "not sent"
+    assert second.prompt_tokens > first.prompt_tokens + first.completion_tokens
+
+
 def test_chat_command_reports_an_engine_error_and_the_stack_serves_on(up):
     """A request that fails inside the engine's step before its first token gets an HTTP error:
     `laneserve chat` says what failed in one line and exits 1, no traceback; the next chat runs."""
