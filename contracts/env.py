@@ -194,6 +194,10 @@ _VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar("TRITON_INTERPRET", _flag, False, "Triton runs kernels in its CPU interpreter"),
     EnvVar("CUDA_VISIBLE_DEVICES", _str, None, "CUDA devices a process may use"),
+    EnvVar("TORCH_EXTENSIONS_DIR", _path, None, "torch's C++ extension build root"),
+    EnvVar("CXXFLAGS", _str, None, "compiler flags (part of the C++ kernels' build key)"),
+    EnvVar("CFLAGS", _str, None, "compiler flags (part of the C++ kernels' build key)"),
+    EnvVar("LDFLAGS", _str, None, "linker flags (part of the C++ kernels' build key)"),
 )
 
 REGISTRY: Mapping[str, EnvVar] = {var.name: var for var in _VARS}

@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 
-from laneserve.contracts.tokens import PromptError, PromptTokenizer, prompt_ids
 from laneserve.gpu_worker.block_manager import BlockManager
 from laneserve.gpu_worker.config import ENGINE_DEFAULTS, EngineConfig
 from laneserve.gpu_worker.detokenizer import IncrementalDetokenizer
@@ -45,6 +44,7 @@ from laneserve.gpu_worker.model_runner import ModelRunner
 from laneserve.gpu_worker.models.llama import LlamaForCausalLM
 from laneserve.gpu_worker.models.registry import build_model
 from laneserve.gpu_worker.outputs import RequestDelta
+from laneserve.gpu_worker.prompt_encoder import PromptEncoder
 from laneserve.gpu_worker.prompt_logprobs import (
     attach_prompt_logprobs,
     flat_rows,
@@ -123,7 +123,6 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0  # prompt positions computed (prefix-cache hits excluded)
-        self.num_prompts_tokenized = 0  # prompts given as text or messages (not ids)
         spec = config.speculative_config
         self.spec = SpecController(spec) if spec is not None and spec.enabled else None
         if config.slo_control:  # SLO-driven step budgets, from a start-up profile of this engine
@@ -153,7 +152,6 @@ class LLMEngine:
         self.model_name = model_display_name(config.model)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.prompt_tokenizer = PromptTokenizer.from_hf(loaded.tokenizer)  # the edge's rule
         self.load_seconds = loaded.load_seconds
         return build_model(loaded.config, loaded.weights, self.dtype, self.device, quantization)
 
@@ -175,8 +173,10 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig.from_engine(config, max_len), self.block_manager)
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
         self.sampler = Sampler(sorted(self.eos_token_ids))
-        # ids a request may carry: the model's rows that the tokenizer can also decode
-        self.token_id_limit = min(self.model_config.vocab_size, len(self.tokenizer))
+        self.prompts = PromptEncoder(self.tokenizer, self.model_config.vocab_size)
+        self.encode_prompt = self.prompts.encode  # text, messages or ids -> checked ids
+        self.apply_chat_template = self.prompts.apply_chat_template
+        self.token_id_limit = self.prompts.token_id_limit
         self.structured = StructuredOutputs(
             GrammarCompiler(
                 self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
@@ -184,54 +184,6 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ requests
-
-    def encode_prompt(
-        self,
-        prompt: str | None = None,
-        prompt_token_ids: list[int] | None = None,
-        messages: list[dict] | None = None,
-    ) -> list[int]:
-        """Token ids of a prompt given as text, ids, or chat messages (chat template applied).
-
-        Raises:
-            InvalidRequestError: none or several given, empty prompt, ids outside
-                `[0, token_id_limit)` (the model's vocabulary and the tokenizer's length, the
-                smaller), or messages the chat template rejects.
-        """
-        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
-        if sum(given) != 1:
-            raise InvalidRequestError("give exactly one of prompt, prompt_token_ids, messages")
-        if prompt_token_ids is not None:
-            ids = list(prompt_token_ids)
-            limit = self.token_id_limit
-            bad = [t for t in ids if type(t) is not int or not 0 <= t < limit]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt_token_ids must be ints in [0, {limit}) (the model has "
-                    f"{self.model_config.vocab_size} embedding rows, the tokenizer "
-                    f"{len(self.tokenizer)} tokens); got {bad[0]!r}"
-                )
-        elif messages is not None:
-            self.num_prompts_tokenized += 1
-            ids = self.apply_chat_template(messages)
-        else:
-            if not isinstance(prompt, str):
-                raise InvalidRequestError("prompt must be a string")
-            self.num_prompts_tokenized += 1
-            ids = prompt_ids(self.prompt_tokenizer, prompt=prompt)
-        if not ids:
-            raise InvalidRequestError("prompt is empty (0 tokens)")
-        return ids
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` ids, no extra BOS
-        (`contracts.tokens.prompt_ids`, the rule the gateway and jobs runner count with)."""
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise InvalidRequestError("messages must be a list of objects")
-        try:
-            return prompt_ids(self.prompt_tokenizer, messages=messages)
-        except PromptError as exc:  # jinja errors on malformed conversations
-            raise InvalidRequestError(f"chat template failed: {exc}") from exc
 
     def add_request(
         self,
@@ -589,7 +541,7 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
             num_prefill_tokens=self.num_prefill_tokens,
-            num_prompts_tokenized=self.num_prompts_tokenized,
+            num_prompts_tokenized=self.prompts.num_prompts_tokenized,
             **spec_totals(self.spec),
         )
         return stats

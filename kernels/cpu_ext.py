@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import sysconfig
 import threading
 from pathlib import Path
@@ -95,7 +94,7 @@ def build_key() -> str:
         *include_paths(),  # a venv's own torch headers: another venv is another build
         str(torch._C._GLIBCXX_USE_CXX11_ABI),
         get_cxx_compiler(),
-        " ".join(os.environ.get(name, "") for name in ("CXXFLAGS", "CFLAGS", "LDFLAGS")),
+        " ".join(env.get(name) or "" for name in ("CXXFLAGS", "CFLAGS", "LDFLAGS")),
         *_CFLAGS,
         *_LDFLAGS,
         str(sysconfig.get_config_var("EXT_SUFFIX")),  # the Python ABI
@@ -185,7 +184,7 @@ def build_directory() -> Path:
     """Where this source, for this CPU and torch version, is built (in torch's extension root)."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's load
+    root = env.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's load
     return Path(root) / f"laneserve_cpu_{_build_tag()}"
 
 
