@@ -144,7 +144,7 @@ def _structured_outputs(so: Any) -> dict[str, Any]:
                 raise invalid(
                     f"'structured_outputs.json' is not valid JSON: {exc}", "structured_outputs"
                 ) from None
-        return {"json": schema_text(value, "structured_outputs")}
+        return {"json": schema_text(compact(value), "structured_outputs")}
     if kind == "json_object":
         if value is not True:
             raise invalid("'structured_outputs.json_object' must be true", "structured_outputs")
