@@ -4,23 +4,28 @@
 A response is stored when its body leaves ``store`` out or sets it true (OpenAI's default) and the
 gateway has its database (the one files and batches use); without one, ``store`` is answered
 ``false`` and ``previous_response_id`` / ``GET`` are a 503. Rows belong to the API key that made
-them (its SHA-256): another key's id reads as not found, as OpenAI words it.
+them (its SHA-256): another key's id reads as not found, as OpenAI words it. A database that stops
+answering makes ``GET``/``DELETE``/``previous_response_id`` a retryable 503 and a new response
+unstored (``store: false``), never a failed generation.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import TYPE_CHECKING, Any
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
 from laneserve.api.errors import ApiError
+from laneserve.api.files import jobs_call
 from laneserve.contracts.openai import responses as fmt
 
 if TYPE_CHECKING:
     from laneserve.api.state import GatewayState
+
+logger = logging.getLogger(__name__)
 
 
 def owner_of(request: Request) -> str:
@@ -83,7 +88,7 @@ async def history(request: Request, state: GatewayState, prev_id: Any) -> list[d
             "'previous_response_id' must be a string",
             param="previous_response_id",
         )
-    row = await run_in_threadpool(_load, _engine(state), owner_of(request), prev_id)
+    row = await jobs_call(_load, _engine(state), owner_of(request), prev_id)
     if row is None:
         raise _not_found(prev_id, "previous_response_id")
     return [*row.input_items, *row.response["output"]]
@@ -93,14 +98,21 @@ def can_store(body: dict, state: GatewayState) -> bool:
     return body.get("store") is not False and state.jobs is not None
 
 
-async def save(request: Request, state: GatewayState, items: list[dict], obj: dict) -> None:
-    await run_in_threadpool(_save, state.jobs.engine, owner_of(request), items, obj)
+async def save(request: Request, state: GatewayState, items: list[dict], obj: dict) -> bool:
+    """Store ``obj``; False (logged) when the database cannot take it now: the answer is still
+    sent, with ``store: false``, as chats do not depend on SQL."""
+    try:
+        await jobs_call(_save, state.jobs.engine, owner_of(request), items, obj)
+    except ApiError as exc:
+        logger.warning("response %s not stored: %s", obj["id"], exc.message)
+        return False
+    return True
 
 
 async def get_response(request: Request) -> Response:
     state: GatewayState = request.app.state.gateway
     resp_id = request.path_params["response_id"]
-    row = await run_in_threadpool(_load, _engine(state), owner_of(request), resp_id)
+    row = await jobs_call(_load, _engine(state), owner_of(request), resp_id)
     if row is None:
         raise _not_found(resp_id)
     return Response(fmt.dumps(row.response), media_type="application/json")
@@ -109,7 +121,7 @@ async def get_response(request: Request) -> Response:
 async def delete_response(request: Request) -> Response:
     state: GatewayState = request.app.state.gateway
     resp_id = request.path_params["response_id"]
-    if not await run_in_threadpool(_delete, _engine(state), owner_of(request), resp_id):
+    if not await jobs_call(_delete, _engine(state), owner_of(request), resp_id):
         raise _not_found(resp_id)
     body = {"id": resp_id, "object": "response", "deleted": True}
     return Response(fmt.dumps(body), media_type="application/json")

@@ -64,7 +64,7 @@ async def create_response(request: Request) -> Response:
         usage = _usage(gen)
         obj = api.response_object(gen.id, arrival_time, body, output, status, usage, keep)
         if keep:
-            await store.save(request, state, [*prior, *api.input_items(body)], obj)
+            obj["store"] = await store.save(request, state, [*prior, *api.input_items(body)], obj)
         return obj
 
     async def whole() -> dict:
