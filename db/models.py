@@ -319,3 +319,22 @@ class JobLease(Base):
     expires_at: Mapped[float | None] = mapped_column(Float)
     done: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     takeovers: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+
+
+class StoredResponse(Base):
+    """A stored Responses API answer (`POST /v1/responses` with `store`, the default).
+
+    `owner` is the SHA-256 (hex) of the API key that created it: only that key can read it,
+    delete it or continue it with `previous_response_id`. `input_items` is the whole
+    conversation the response answered (the earlier turns' items, then its own `input` as
+    items), `response` the `response` object as it was sent; the next turn's input is
+    `input_items + response["output"] + its own input`.
+    """
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[float] = mapped_column(Float)
+    input_items: Mapped[Any] = mapped_column(JSONType)
+    response: Mapped[Any] = mapped_column(JSONType)

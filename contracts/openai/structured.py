@@ -44,6 +44,8 @@ MAX_CHOICE_CHARS = 4096
 SPEC_KINDS = ("json", "json_object", "regex", "choice")
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 _JSON_SCHEMA_KEYS = frozenset({"name", "schema", "strict", "description"})
+COMPACT = {"whitespace_flexible": False}  # llguidance's JSON options: no free whitespace
+_COMPACT_OBJECT = json.dumps({"type": "object", "x-guidance": COMPACT})
 
 
 def parse_structured(body: dict) -> dict[str, Any] | None:
@@ -112,7 +114,7 @@ def _response_format(fmt: Any) -> dict[str, Any] | None:
         raise invalid("'response_format.json_schema.strict' must be a boolean", "response_format")
     if "schema" not in js:  # OpenAI: no schema means any JSON object
         return {"json_object": True}
-    return {"json": schema_text(js["schema"], "response_format")}
+    return {"json": schema_text(compact(js["schema"]), "response_format")}
 
 
 def _structured_outputs(so: Any) -> dict[str, Any]:
@@ -142,7 +144,7 @@ def _structured_outputs(so: Any) -> dict[str, Any]:
                 raise invalid(
                     f"'structured_outputs.json' is not valid JSON: {exc}", "structured_outputs"
                 ) from None
-        return {"json": schema_text(value, "structured_outputs")}
+        return {"json": schema_text(compact(value), "structured_outputs")}
     if kind == "json_object":
         if value is not True:
             raise invalid("'structured_outputs.json_object' must be true", "structured_outputs")
@@ -171,6 +173,15 @@ def parsed_json(text: str, finish_reason: str | None) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return None
+
+
+def compact(schema: Any) -> Any:
+    """`schema` with llguidance's compact JSON option (no free whitespace between tokens), so a
+    small model cannot pad its answer with newlines until ``max_tokens``; OpenAI's strict mode
+    answers compact JSON too. A schema that sets its own ``x-guidance`` options keeps them."""
+    if type(schema) is not dict or "x-guidance" in schema:
+        return schema
+    return {**schema, "x-guidance": COMPACT}
 
 
 def schema_text(schema: Any, param: str) -> str:
@@ -224,7 +235,7 @@ def grammar_of(spec: dict[str, Any]) -> str:
     if kind == "json":
         return llguidance.LLMatcher.grammar_from_json_schema(value)
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema('{"type":"object"}')
+        return llguidance.LLMatcher.grammar_from_json_schema(_COMPACT_OBJECT)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(value)
     # choice: a Lark rule of JSON-quoted literals (Lark strings use JSON's escapes)

@@ -33,7 +33,7 @@ from typing import Any
 
 from laneserve.contracts.openai.checks import given, type_name
 from laneserve.contracts.openai.errors import invalid
-from laneserve.contracts.openai.structured import grammar_error, schema_text
+from laneserve.contracts.openai.structured import compact, grammar_error, schema_text
 
 TOOL_CHOICES = ("none", "auto", "required")
 MAX_TOOLS = 128  # OpenAI's limit of functions per request
@@ -41,7 +41,6 @@ NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _TOOL_KEYS = frozenset({"type", "function"})
 _FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
 NO_PARAMETERS = {"type": "object", "properties": {}}
-COMPACT = {"whitespace_flexible": False}  # llguidance's JSON options: no free whitespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +75,7 @@ class ToolRequest:
         """The wire structured-output spec that forces the call; None unless :attr:`forced`."""
         if self.choice == "function":
             assert self.name is not None
-            return {"json": schema_text(_compact(self.parameters(self.name)), "tools")}
+            return {"json": schema_text(compact(self.parameters(self.name)), "tools")}
         if self.choice != "required":
             return None
         calls = [
@@ -91,11 +90,7 @@ class ToolRequest:
         schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
         if not self.parallel:
             schema["maxItems"] = 1
-        return {"json": schema_text(_compact(schema), "tools")}
-
-
-def _compact(schema: dict) -> dict:
-    return {**schema, "x-guidance": COMPACT}
+        return {"json": schema_text(compact(schema), "tools")}
 
 
 # ------------------------------------------------------------------------------- parsing

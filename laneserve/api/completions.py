@@ -15,6 +15,7 @@ runs -- has its engine requests aborted.
 
 from __future__ import annotations
 
+import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -63,7 +64,7 @@ async def _serve(request: Request, endpoint: str) -> Response:
     await state.check_lane(req.lane)
     kind = req.kind
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-    gen: Generation | None = Generation(
+    gen = Generation(
         state.client,
         req,
         prefix + uuid.uuid4().hex,
@@ -71,27 +72,46 @@ async def _serve(request: Request, endpoint: str) -> Response:
         arrival_time=arrival_time,
         metrics=state.metrics,
     )
+    streamed = _chat_stream if kind == "chat" else _completion_stream
+    return await respond(
+        request, gen, req.stream, lambda: _body(gen, state), lambda: streamed(gen, state)
+    )
+
+
+async def respond(
+    request: Request,
+    gen: Generation,
+    stream: bool,
+    whole: Callable[[], Any],
+    streamed: Callable[[], AsyncIterator[bytes]],
+) -> Response:
+    """Start `gen` and answer with ``whole()`` (a dict, or awaited to one) once it has finished, or (``stream``) with the
+    SSE body ``streamed()`` once every choice has started; errors before that are plain
+    JSON errors. The generation is aborted however the response ends."""
+    owned: Generation | None = gen
     gen.start()
     try:
-        if not req.stream:
+        if not stream:
             if await race_disconnect(request.receive, gen.run_to_end()) is DISCONNECTED:
                 return Response(status_code=499)  # nobody reads it; close() sends the aborts
             if gen.error is not None:
                 return response_for(gen.error)
-            response = Response(fmt.dumps(_body(gen, state)), media_type="application/json")
+            obj = whole()
+            if inspect.isawaitable(obj):
+                obj = await obj
+            response = Response(fmt.dumps(obj), media_type="application/json")
             gen.sent()
             return response
         if await race_disconnect(request.receive, gen.wait_started()) is DISCONNECTED:
             return Response(status_code=499)
         if gen.error is not None:
             return response_for(gen.error)
-        body_iter = _chat_stream(gen, state) if kind == "chat" else _completion_stream(gen, state)
-        response = _GenerationStream(gen, body_iter)  # owns gen from here on
-        gen = None
+        response = _GenerationStream(gen, streamed())  # owns gen from here on
+        owned = None
         return response
     finally:
-        if gen is not None:
-            gen.close()
+        if owned is not None:
+            owned.close()
 
 
 class _GenerationStream(StreamingResponse):
@@ -151,7 +171,7 @@ def _usage(gen: Generation) -> dict:
 # ---------------------------------------------------------------------------- streamed
 
 
-async def _events(gen: Generation) -> AsyncIterator[list[Event]]:
+async def events(gen: Generation) -> AsyncIterator[list[Event]]:
     """The backlog, then batches of events: one awaited plus whatever is already queued."""
     if gen.backlog:
         batch, gen.backlog = gen.backlog, []
@@ -190,7 +210,7 @@ async def _sse_stream(
     """
     try:
         out = list(opening)
-        async for batch in _events(gen):
+        async for batch in events(gen):
             for ev in batch:
                 c = ev.choice
                 if c.error is not None:
@@ -278,4 +298,4 @@ def _completion_stream(gen: Generation, state: GatewayState) -> AsyncIterator[by
     return _sse_stream(gen, chunk, body, logprobs, [])
 
 
-__all__ = ["chat_completions", "completions"]
+__all__ = ["chat_completions", "completions", "events", "respond"]

@@ -7,6 +7,7 @@ rendered into the next prompt, and the SDK's pydantic tools (what instructor's T
 from __future__ import annotations
 
 import json
+import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -73,6 +74,32 @@ def test_parse_with_a_pydantic_model_gives_objects_for_20_prompts(client) -> Non
         person = r.choices[0].message.parsed
         assert isinstance(person, Person), r.choices[0].message.content
         assert r.choices[0].finish_reason == "stop"
+
+
+class City(BaseModel):  # bounded: unbounded, the model at 0.7 may write a 100-digit population
+    name: str = Field(max_length=24)
+    country: str = Field(max_length=24)
+    population: int = Field(ge=0, le=100_000_000)
+
+
+def test_parse_at_temperature_07_is_compact_json_in_20_of_20(client) -> None:
+    """Issue 49 item 4: the grammar leaves no free whitespace, so sampling at temperature 0.7
+    cannot pad the object with newlines until max_tokens (LengthFinishReasonError before)."""
+    parse = getattr(client, "beta", client).chat.completions.parse
+
+    def one(i: int):
+        messages = [{"role": "user", "content": f"Describe city number {i} as JSON."}]
+        return parse(
+            model=MODEL, messages=messages, response_format=City, max_tokens=128, temperature=0.7
+        )
+
+    with ThreadPoolExecutor(10) as pool:
+        results = list(pool.map(one, range(20)))
+    for r in results:
+        content = r.choices[0].message.content
+        assert isinstance(r.choices[0].message.parsed, City), content
+        assert r.choices[0].finish_reason == "stop"
+        assert "\n" not in content, content  # a raw newline can only be padding between tokens
 
 
 def test_json_schema_and_json_object_plain_and_streamed(client) -> None:
@@ -271,3 +298,149 @@ def test_sdk_pydantic_tools_parse_as_instructor_uses_them(client) -> None:
     )  # fmt: skip
     parsed = r.choices[0].message.tool_calls[0].function.parsed_arguments
     assert isinstance(parsed, Weather)
+
+
+# ------------------------------------------------------------------ the Responses API (issue 49)
+
+
+def test_responses_create_text_with_instructions(client) -> None:
+    kw = {"model": MODEL, "max_output_tokens": 12, "temperature": 0}
+    rule, question = "Answer in one short sentence.", "What colour is the sky?"
+    r = client.responses.create(instructions=rule, input=question, **kw)
+    assert r.object == "response" and r.id.startswith("resp_") and r.instructions == rule
+    assert r.status in ("completed", "incomplete") and r.output_text
+    assert [item.type for item in r.output] == ["message"]
+    assert 0 < r.usage.output_tokens <= 12
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens"
+    # the instructions are the first system message of the prompt
+    items = [{"role": "system", "content": rule}, {"role": "user", "content": question}]
+    same = client.responses.create(input=items, **kw)
+    assert same.usage.input_tokens == r.usage.input_tokens
+    assert same.output_text == r.output_text
+
+
+def test_responses_parse_a_pydantic_model(client) -> None:
+    r = client.responses.parse(
+        model=MODEL,
+        input=[{"role": "user", "content": "Invent a person."}],
+        text_format=Person,
+        max_output_tokens=64,
+        temperature=0.7,
+    )
+    assert isinstance(r.output_parsed, Person), r.output_text
+    assert r.status == "completed"
+
+
+def test_responses_stream_events_in_order(client) -> None:
+    kw = {"model": MODEL, "input": "Count to five.", "max_output_tokens": 16, "temperature": 0}
+    whole = client.responses.create(**kw)
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+    final = events[-1].response  # response.completed, or .incomplete when cut
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert deltas >= 2  # token by token, not one block
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * deltas,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        f"response.{whole.status}",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert final.output_text == whole.output_text
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_forced_function_tool_and_its_output_round_trip(client, stream) -> None:
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    kw = {"model": MODEL, "tools": tools, "max_output_tokens": 64, "temperature": 0.7}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    choice = {"type": "function", "name": "get_weather"}
+    if stream:
+        with client.responses.stream(input=ask, tool_choice=choice, **kw) as s:
+            kinds = [e.type for e in s]
+            r = s.get_final_response()
+        assert "response.function_call_arguments.done" in kinds
+    else:
+        r = client.responses.create(input=ask, tool_choice=choice, **kw)
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_weather"])
+    follow = [
+        *ask,
+        call.model_dump(),
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 21}'},
+    ]
+    again = client.responses.create(input=follow, tool_choice="none", **kw)
+    assert again.output and again.output[0].type == "message"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"background": True}, "background"),
+        ({"input": [{"type": "reasoning"}]}, "input[0].type"),
+        ({"input": 3}, "input"),
+        ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "1"}]}, "input"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "int"}}}},
+            "text.format",
+        ),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+    ],
+)
+def test_responses_bad_input_is_a_400_naming_the_field(real_stack, extra, param) -> None:
+    body = {"model": MODEL, "input": "hi", **extra}
+    r = httpx.post(
+        real_stack.url + "/v1/responses",
+        json=body,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_responses_previous_response_id_get_and_delete(client, real_stack) -> None:
+    kw = {"model": MODEL, "max_output_tokens": 16, "temperature": 0}
+    first = client.responses.create(input="My name is Ada. Remember it.", **kw)
+    assert first.store is True
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text
+    second = client.responses.create(previous_response_id=first.id, input="What is my name?", **kw)
+    assert second.previous_response_id == first.id
+    # the stored turn is the same prompt as the whole conversation sent again, unstored
+    whole = [
+        {"role": "user", "content": "My name is Ada. Remember it."},
+        *[item.model_dump() for item in first.output],
+        {"role": "user", "content": "What is my name?"},
+    ]
+    again = client.responses.create(input=whole, store=False, **kw)
+    assert again.store is False
+    assert again.usage.input_tokens == second.usage.input_tokens
+    assert again.output_text == second.output_text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(again.id)  # not stored
+    # another API key's response reads as not found (its owner changed in the table)
+    with sqlite3.connect(real_stack.db_path) as db:
+        db.execute("UPDATE responses SET owner = 'another key' WHERE id = ?", (second.id,))
+    for gone in (second.id, "resp_nothere"):
+        with pytest.raises(openai.NotFoundError) as err:
+            client.responses.create(previous_response_id=gone, input="And now?", **kw)
+        assert err.value.body["param"] == "previous_response_id" and gone in err.value.message
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(gone)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(first.id)

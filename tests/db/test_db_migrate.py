@@ -13,7 +13,15 @@ from laneserve.cli import main
 from laneserve.db import migrate
 from laneserve.db.session import make_engine
 
-TABLES = {"files", "job_leases", "jobs", "requests", "retention_passes", "worker_stats"}
+TABLES = {
+    "files",
+    "job_leases",
+    "jobs",
+    "requests",
+    "responses",
+    "retention_passes",
+    "worker_stats",
+}
 
 
 def _tables(url: str) -> set[str]:
