@@ -158,10 +158,42 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 
+def cpu_kernel_state() -> str:
+    """Where this machine's C++ CPU kernels stand (kernels/cpu_ext.py): "built", "not built"
+    (a worker starting now compiles them in the background and serves on the slower PyTorch
+    path meanwhile), "off" (LANESERVE_CPU_KERNELS=0) or "gpu" (a CUDA device serves instead)."""
+    import torch
+
+    from laneserve.contracts import env
+
+    if torch.cuda.is_available():
+        return "gpu"
+    if not env.get("LANESERVE_CPU_KERNELS"):
+        return "off"
+    from laneserve.kernels import cpu_ext
+
+    return "built" if cpu_ext.is_built() else "not built"
+
+
+def kernel_note(at_start: str, at_end: str) -> str | None:
+    """What the figures owe to the CPU kernels' state, or None when they ran throughout."""
+    if at_start == "off":
+        return "C++ CPU kernels off (LANESERVE_CPU_KERNELS=0): these are the PyTorch path's figures"
+    if at_start != "not built":
+        return None
+    when = "still building for part of this run" if at_end == "built" else "not built in this run"
+    return (
+        f"the C++ CPU kernels were {when}: the worker served on the slower PyTorch path "
+        "meanwhile, so these figures are (partly) the slow path's; run the demo again for the fast path"
+    )
+
+
 def print_report(report, final, files, chats: ChatStats, out: Path, console) -> None:
     """The demo's tables and notes (latency per lane and phase, throughput, jobs, chats,
     files, dashboard) on the rich `console`."""
     console.print(_latency_table(report))
+    if report.get("cpu_kernels", {}).get("note"):
+        console.print(f"[bold yellow]note: {report['cpu_kernels']['note']}")
     for lane in LANES:
         s = report["lanes"].get(lane)
         if s is None:

@@ -30,14 +30,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_pull(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
+    # on stderr, and left on screen: each stage's line says what was done and how long it took
+    # (the kernel build takes minutes on a first run); stdout keeps the one JSON line
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         DownloadColumn(),
-        transient=True,
-        console=None,
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
     ) as progress:
         tasks: dict[str, int] = {}
 
@@ -75,7 +78,9 @@ def _build_cpu_kernels(progress: Progress) -> str:
     "unavailable" (no compiler, or LANESERVE_CPU_KERNELS=0: workers use the PyTorch path)."""
     from laneserve.kernels import cpu_ext
 
-    task = progress.add_task("build C++ CPU kernels (once per machine)", total=None)
+    task = progress.add_task(
+        "build C++ CPU kernels (once per machine, 1-4 min on 2 cores)", total=None
+    )
     built = cpu_ext.load()
     progress.update(task, total=1, completed=1)
     return "built" if built else "unavailable"
