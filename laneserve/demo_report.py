@@ -291,8 +291,15 @@ def cut_answers(path: Path) -> int:
 
 
 def _first_answer(path: Path) -> str | None:
+    """The first answer of a job's output file that finished on its own (`finish_reason`
+    "stop"), else its first answer: the example shown is a whole one when there is one (how many
+    were cut is said beside it)."""
     try:
-        line = json.loads(path.read_text().splitlines()[0])
-        return line["response"]["body"]["choices"][0]["message"]["content"].strip()
+        choices = [
+            json.loads(line)["response"]["body"]["choices"][0]
+            for line in path.read_text().splitlines()
+        ]
+        whole = [c for c in choices if c.get("finish_reason") == "stop"]
+        return (whole or choices)[0]["message"]["content"].strip()
     except (OSError, IndexError, KeyError, TypeError, json.JSONDecodeError):
         return None

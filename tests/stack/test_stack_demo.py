@@ -139,6 +139,30 @@ def test_report_always_has_both_lanes_columns():
     assert "interactive lane: no request recorded in SQL" in text
 
 
+def test_report_shows_a_whole_answer_and_counts_the_cut_ones(tmp_path):
+    """The example under a job's output file is its first answer that finished on its own, not
+    one cut mid-word at max tokens; the cut ones are counted beside it."""
+    from rich.console import Console
+
+    from laneserve.demo_chats import ChatStats
+    from laneserve.demo_report import cut_answers
+
+    def line(text: str, reason: str) -> str:
+        choice = {"message": {"content": text}, "finish_reason": reason}
+        return json.dumps({"response": {"body": {"choices": [choice]}}})
+
+    out = tmp_path / "summarize.jsonl"
+    out.write_text("\n".join([line("json is a mod", "length"), line("json reads JSON.", "stop")]))
+    r = _healthy_report()
+    r["jobs"]["summarize"] |= {"cut_at_max_tokens": cut_answers(out), "completed": 2}
+    buf = io.StringIO()
+    files = {"summarize_output": str(out)}
+    print_report(r, {}, files, ChatStats(), ROOT, Console(file=buf, width=400))
+    text = buf.getvalue()
+    assert "e.g. json reads JSON." in text and "json is a mod" not in text
+    assert "(1 of 2 answers cut at their max tokens: --summary-tokens raises it)" in text
+
+
 def test_report_says_when_the_figures_are_the_slow_paths(monkeypatch):
     """A run that started before the C++ kernels were built served (partly) on the PyTorch path:
     the report says so under the latency table; a run on built kernels says nothing."""
