@@ -59,7 +59,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--documents", type=int, default=None, help="documents to summarize")
     parser.add_argument("--sentences", type=int, default=None, help="sentences to translate")
     parser.add_argument("--target-lang", default="fr", help="translation target (default: fr)")
-    parser.add_argument("--summary-tokens", type=int, default=48, help="max tokens per summary")
+    parser.add_argument(
+        "--summary-tokens",
+        type=int,
+        default=128,  # the bundled model's summaries of the demo's documents: 35-128 tokens
+        help="max tokens per summary",
+    )
     parser.add_argument(
         "--translation-tokens", type=int, default=32, help="max tokens per translation"
     )

@@ -161,6 +161,17 @@ def test_report_shows_a_whole_answer_and_counts_the_cut_ones(tmp_path):
     text = buf.getvalue()
     assert "e.g. json reads JSON." in text and "json is a mod" not in text
     assert "(1 of 2 answers cut at their max tokens: --summary-tokens raises it)" in text
+    # the bundled model's "translations" are not shown as if they were ones; another model's are
+    out.rename(tmp_path / "translate.jsonl")
+    files = {"translate_output": str(tmp_path / "translate.jsonl")}
+    r["jobs"]["translate"] |= {"cut_at_max_tokens": 0}
+    for model, shown in (("smollm2-135m", False), ("/models/qwen3-8b", True)):
+        buf = io.StringIO()
+        print_report(
+            r | {"model": model}, {}, files, ChatStats(), ROOT, Console(file=buf, width=400)
+        )
+        assert ("e.g. json reads JSON." in buf.getvalue()) == shown, model
+        assert ("does not translate" in buf.getvalue()) != shown, model
 
 
 def test_report_says_when_the_figures_are_the_slow_paths(monkeypatch):
