@@ -59,6 +59,12 @@ LANGUAGES = {
     "uk": "Ukrainian",
     "zh": "Chinese",
 }
+# The repetition guard of summarize and translate lines (vLLM's / HF's `repetition_penalty`,
+# CTRL's form: logits of tokens already in the prompt or output are divided by it). Greedy
+# decoding of a small model falls into loops ("Aufgabe:\n\nAufgabe:..."); measured on the demo's
+# jobs (docs/benchmarks.md, "Repetition guard"). The task option `repetition_penalty` overrides it
+# (1 turns it off); extract lines, held to their schema by a grammar, get none.
+TASK_REPETITION_PENALTY = 1.1
 # Tokens kept free in every map-reduce prompt besides the output: template and instructions.
 MAP_REDUCE_OVERHEAD_TOKENS = 96
 
@@ -102,6 +108,20 @@ def check_task_options(task: str | None, options: dict) -> None:
             "task 'translate' needs the task option 'target_lang'",
             param="task_options.target_lang",
         )
+    penalty = options.get("repetition_penalty")
+    if penalty is not None and not _positive_number(penalty):
+        raise InvalidRequestError(
+            f"task option repetition_penalty must be a number > 0, got {penalty!r}",
+            param="task_options.repetition_penalty",
+        )
+
+
+def _positive_number(value: object) -> bool:
+    try:
+        number = float(value)  # type: ignore[arg-type]  # kept as a string in the job's metadata
+    except (TypeError, ValueError):
+        return False
+    return 0.0 < number < float("inf")
 
 
 def check_extract_schema(schema_text: str | None) -> None:
@@ -134,7 +154,8 @@ def check_extract_schema(schema_text: str | None) -> None:
 
 
 def task_body(task: str, text: str, model: str | None, options: dict[str, str]) -> dict:
-    """The chat completion body for one task document (greedy, `max_tokens` from options)."""
+    """The chat completion body for one task document (greedy, `max_tokens` from options; the
+    repetition guard `TASK_REPETITION_PENALTY` on summarize and translate lines)."""
     max_tokens = int(options.get("max_tokens") or DEFAULT_TASK_MAX_TOKENS)
     extra: dict = {}
     if task == "summarize":
@@ -149,6 +170,10 @@ def task_body(task: str, text: str, model: str | None, options: dict[str, str]) 
         extra["response_format"] = extract_format(schema)
     else:
         messages = translate_messages(text, options["target_lang"], options.get("source_lang"))
+    if task != "extract":
+        extra["repetition_penalty"] = float(
+            options.get("repetition_penalty") or TASK_REPETITION_PENALTY
+        )
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, **extra}
     if model:
         body["model"] = model

@@ -66,7 +66,7 @@ from laneserve.jobs.prompts import check_task_options
 
 _WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([smh])$")
 _WINDOW_UNIT_S = {"s": 1, "m": 60, "h": 3600}
-TASK_OPTION_KEYS = ("target_lang", "source_lang", "max_tokens", "schema")
+TASK_OPTION_KEYS = ("target_lang", "source_lang", "max_tokens", "schema", "repetition_penalty")
 MAX_METADATA_KEYS = 16  # OpenAI: up to 16 key-value pairs
 MAX_METADATA_VALUE_CHARS = 512  # OpenAI: values up to 512 characters
 CANCELLABLE = ("validating", "in_progress", "finalizing")

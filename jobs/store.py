@@ -143,7 +143,9 @@ def validate_job(engine: Engine, job_id: str, counter, default_model: str | None
         counter=counter,
         task=job.task,
         task_options={
-            k: meta[k] for k in ("target_lang", "source_lang", "max_tokens", "schema") if k in meta
+            k: meta[k]
+            for k in ("target_lang", "source_lang", "max_tokens", "schema", "repetition_penalty")
+            if k in meta
         },
         default_model=job.model or default_model,
     )

@@ -9,6 +9,7 @@ from typing import Any
 
 from laneserve.contracts.latency import percentile
 from laneserve.demo_chats import ChatStats
+from laneserve.gpu_worker.model_files import DEFAULT_MODEL
 
 LANES = ("interactive", "batch")
 PHASES = ("ttft_ms", "tpot_ms", "queue_ms", "prefill_ms", "decode_ms", "e2e_ms")
@@ -113,6 +114,7 @@ def build_report(
         },
         "files": files,
         "dashboard_url": info.get("dashboard_url"),
+        "model": info.get("model"),
         "stack_stops_after_demo": stops_after,
     }
 
@@ -158,10 +160,42 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 
+def cpu_kernel_state() -> str:
+    """Where this machine's C++ CPU kernels stand (kernels/cpu_ext.py): "built", "not built"
+    (a worker starting now compiles them in the background and serves on the slower PyTorch
+    path meanwhile), "off" (LANESERVE_CPU_KERNELS=0) or "gpu" (a CUDA device serves instead)."""
+    import torch
+
+    from laneserve.contracts import env
+
+    if torch.cuda.is_available():
+        return "gpu"
+    if not env.get("LANESERVE_CPU_KERNELS"):
+        return "off"
+    from laneserve.kernels import cpu_ext
+
+    return "built" if cpu_ext.is_built() else "not built"
+
+
+def kernel_note(at_start: str, at_end: str) -> str | None:
+    """What the figures owe to the CPU kernels' state, or None when they ran throughout."""
+    if at_start == "off":
+        return "C++ CPU kernels off (LANESERVE_CPU_KERNELS=0): these are the PyTorch path's figures"
+    if at_start != "not built":
+        return None
+    when = "still building for part of this run" if at_end == "built" else "not built in this run"
+    return (
+        f"the C++ CPU kernels were {when}: the worker served on the slower PyTorch path "
+        "meanwhile, so these figures are (partly) the slow path's; run the demo again for the fast path"
+    )
+
+
 def print_report(report, final, files, chats: ChatStats, out: Path, console) -> None:
     """The demo's tables and notes (latency per lane and phase, throughput, jobs, chats,
     files, dashboard) on the rich `console`."""
     console.print(_latency_table(report))
+    if report.get("cpu_kernels", {}).get("note"):
+        console.print(f"[bold yellow]note: {report['cpu_kernels']['note']}")
     for lane in LANES:
         s = report["lanes"].get(lane)
         if s is None:
@@ -233,6 +267,9 @@ def _print_outcomes(report, final, files, chats: ChatStats, out: Path, console) 
             flag = CUT_FLAGS.get(key.removesuffix("_output"), "max_tokens")
             cut = (f" ({job['cut_at_max_tokens']} of {job['completed']} answers cut at their "
                    f"max tokens: {flag} raises it)")  # fmt: skip
+        if key == "translate_output" and report.get("model") == DEFAULT_MODEL:
+            sample = None  # not shown as if it were one: the small model does not translate
+            cut += f"\n  {NO_TRANSLATION}"
         console.print(f"{key}: {path}{cut}" + (f"\n  e.g. {sample[:200]}" if sample else ""))
     console.print(f"summary: {out / 'summary.json'}")
     if report["dashboard_url"]:
@@ -242,6 +279,12 @@ def _print_outcomes(report, final, files, chats: ChatStats, out: Path, console) 
         console.print(f"dashboard: {report['dashboard_url']}{note}")
 
 
+# Measured on the demo's sentences (docs/benchmarks.md, "The demo's tasks"): the bundled 135M
+# model answers a translation prompt with garbled French or an explanation in English.
+NO_TRANSLATION = (
+    "the bundled 135M model does not translate (its answers are not shown): this job is the "
+    "batch lane's load; `scripts/demo --model DIR` runs it on a model that translates"
+)
 # the demo flag that sets each job's max tokens per answer
 CUT_FLAGS = {"summarize": "--summary-tokens", "translate": "--translation-tokens"}
 
@@ -259,8 +302,15 @@ def cut_answers(path: Path) -> int:
 
 
 def _first_answer(path: Path) -> str | None:
+    """The first answer of a job's output file that finished on its own (`finish_reason`
+    "stop"), else its first answer: the example shown is a whole one when there is one (how many
+    were cut is said beside it)."""
     try:
-        line = json.loads(path.read_text().splitlines()[0])
-        return line["response"]["body"]["choices"][0]["message"]["content"].strip()
+        choices = [
+            json.loads(line)["response"]["body"]["choices"][0]
+            for line in path.read_text().splitlines()
+        ]
+        whole = [c for c in choices if c.get("finish_reason") == "stop"]
+        return (whole or choices)[0]["message"]["content"].strip()
     except (OSError, IndexError, KeyError, TypeError, json.JSONDecodeError):
         return None

@@ -35,6 +35,8 @@ from laneserve.demo_chats import ChatStats, run_chats
 from laneserve.demo_report import (
     build_report,
     count_rows,
+    cpu_kernel_state,
+    kernel_note,
     lane_failures,
     phase_summary,
     print_report,
@@ -48,10 +50,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "demo", help="summarize + translate jobs with live chats, then the latency table"
     )
     parser.add_argument("--quick", action="store_true", help="12 lines instead of 104 (CI)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="serve this model (alias, .gguf file or Hugging Face directory; as `up --model`) "
+        "when the demo starts the stack; default: the bundled smollm2-135m",
+    )
     parser.add_argument("--documents", type=int, default=None, help="documents to summarize")
     parser.add_argument("--sentences", type=int, default=None, help="sentences to translate")
     parser.add_argument("--target-lang", default="fr", help="translation target (default: fr)")
-    parser.add_argument("--summary-tokens", type=int, default=48, help="max tokens per summary")
+    parser.add_argument(
+        "--summary-tokens",
+        type=int,
+        default=128,  # the bundled model's summaries of the demo's documents: 35-128 tokens
+        help="max tokens per summary",
+    )
     parser.add_argument(
         "--translation-tokens", type=int, default=32, help="max tokens per translation"
     )
@@ -76,7 +89,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 # ------------------------------------------------------------------------------ stack
 
 
-def start_stack(home: Path, no_dashboard: bool, console, keep: bool = False) -> subprocess.Popen:
+def start_stack(
+    home: Path, no_dashboard: bool, console, keep: bool = False, model: str | None = None
+) -> subprocess.Popen:
     """Run `laneserve up` as a child (stopped by the caller); return once it is ready.
 
     Raises:
@@ -87,12 +102,17 @@ def start_stack(home: Path, no_dashboard: bool, console, keep: bool = False) -> 
     from laneserve.stack import start_stack_process
 
     args = ["--api-port", str(DEFAULT_API_PORT if port_free(DEFAULT_API_PORT) else 0)]
+    if model:
+        args += ["--model", model]
     if no_dashboard:
         args.append("--no-dashboard")
     else:
         port = DEFAULT_DASHBOARD_PORT if port_free(DEFAULT_DASHBOARD_PORT) else 0
         args += ["--dashboard-port", str(port)]
-    with console.status("starting the stack (the first run downloads the model) ..."):
+    console.print(f"starting the stack in {home}: broker, worker, recorder, jobs runner, API ...")
+    with console.status(
+        "starting the stack (the worker loads the model; minutes on a first run) ..."
+    ):
         proc, _ = start_stack_process(home, args, watch_parent=not keep)
     return proc
 
@@ -111,16 +131,22 @@ def run(args: argparse.Namespace) -> int:
     home = laneserve_home().resolve()
     home.mkdir(parents=True, exist_ok=True)
     info = running_stack(home)
+    args.kernels_at_start = cpu_kernel_state()
     proc = None
     if info is None:
         try:
-            proc = start_stack(home, args.no_dashboard, console, keep=args.keep_running)
+            proc = start_stack(
+                home, args.no_dashboard, console, keep=args.keep_running, model=args.model
+            )
         except RuntimeError as exc:
             console.print(f"[red]laneserve demo: {exc}")
             return 1
         info = running_stack(home)
     else:
         console.print(f"using the running stack at {info['api_url']}")
+        if args.model:
+            console.print("[yellow]--model is for a stack the demo starts: serving what runs")
+    console.print(f"stack ready: API {info['api_url']}, dashboard {info.get('dashboard_url')}")
     try:
         return _demo(
             args, home, info, console, stops_after=proc is not None and not args.keep_running
@@ -184,6 +210,12 @@ def _demo(
     files = _copy_results(engine, final, out)
     engine.dispose()
     report = build_report(final, chats, summary, files, t1 - t0, info, stops_after)
+    at_end = cpu_kernel_state()
+    report["cpu_kernels"] = {
+        "at_start": args.kernels_at_start,
+        "at_end": at_end,
+        "note": kernel_note(args.kernels_at_start, at_end),
+    }
     failures = problems + lane_failures(report)
     report["ok"], report["failures"] = not failures, failures
     (out / "summary.json").write_text(json.dumps(report, indent=2))

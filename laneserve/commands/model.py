@@ -30,27 +30,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_pull(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    # on stderr, and left on screen: each stage's line says what was done and how long it took
+    # (the kernel build takes minutes on a first run); stdout keeps the one JSON line
     with Progress(
         TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        transient=True,
-        console=None,
+        BarColumn(bar_width=12),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[detail]}"),
+        console=Console(stderr=True),
     ) as progress:
         tasks: dict[str, int] = {}
 
         def report(stage: str, done: int, total: int) -> None:
             if stage not in tasks:
-                tasks[stage] = progress.add_task(stage, total=total)
-            progress.update(tasks[stage], completed=done)
+                tasks[stage] = progress.add_task(stage, total=total, detail="")
+            detail = f"{done / 1e6:.1f} / {total / 1e6:.1f} MB" if total else ""
+            progress.update(tasks[stage], completed=done, detail=detail)
 
         path = pull_model(args.alias, progress=report)
         if not args.no_convert:
             from laneserve.gpu_worker.model_loader import convert_gguf
 
-            task = progress.add_task("convert (tokenizer + dequantize, once)", total=None)
+            task = progress.add_task("convert the GGUF (once)", total=None, detail="")
             cache = convert_gguf(path)
             progress.update(task, total=1, completed=1)
         else:
@@ -75,9 +79,10 @@ def _build_cpu_kernels(progress: Progress) -> str:
     "unavailable" (no compiler, or LANESERVE_CPU_KERNELS=0: workers use the PyTorch path)."""
     from laneserve.kernels import cpu_ext
 
-    task = progress.add_task("build C++ CPU kernels (once per machine)", total=None)
+    task = progress.add_task("build C++ CPU kernels (once, minutes)", total=None, detail="")
     built = cpu_ext.load()
-    progress.update(task, total=1, completed=1)
+    state = "built" if built else "unavailable (the PyTorch path serves)"
+    progress.update(task, total=1, completed=1, detail=state)
     return "built" if built else "unavailable"
 
 

@@ -148,6 +148,13 @@ def test_task_options_go_to_metadata(any_engine):
         ("translate", {"max_tokens": 8}, "task_options.target_lang"),
         ("summarize", ["max_tokens", 8], "task_options"),
         ("extract", {"schema": {"type": "object"}}, "task_options.schema"),
+        ("summarize", {"repetition_penalty": "abc"}, "task_options.repetition_penalty"),
+        ("summarize", {"repetition_penalty": 0}, "task_options.repetition_penalty"),
+        (
+            "translate",
+            {"target_lang": "fr", "repetition_penalty": "inf"},
+            "task_options.repetition_penalty",
+        ),
     ):
         with pytest.raises(InvalidRequestError) as refused:
             service.create_batch(any_engine, f.id, "/v1/chat/completions", task=task,
@@ -156,3 +163,24 @@ def test_task_options_go_to_metadata(any_engine):
     with pytest.raises(InvalidRequestError) as refused:
         service.create_batch(any_engine, f.id, "/v1/chat/completions", completion_window="1y")
     assert refused.value.param == "completion_window"
+
+
+def test_task_lines_carry_the_repetition_guard(any_engine):
+    """Summarize and translate lines get `TASK_REPETITION_PENALTY` unless the job's
+    `repetition_penalty` option says otherwise (1 turns it off); extract lines, held to their
+    schema by a grammar, get none. The option is kept in the job's metadata like the others."""
+    from laneserve.jobs.prompts import TASK_REPETITION_PENALTY, task_body
+
+    assert TASK_REPETITION_PENALTY > 1.0
+    for task, options in (("summarize", {}), ("translate", {"target_lang": "de"})):
+        assert (
+            task_body(task, "x y", None, options)["repetition_penalty"] == TASK_REPETITION_PENALTY
+        )
+        off = task_body(task, "x y", None, options | {"repetition_penalty": "1"})
+        assert off["repetition_penalty"] == 1.0
+    schema = '{"type": "object", "properties": {"a": {"type": "string"}}}'
+    assert "repetition_penalty" not in task_body("extract", "x", None, {"schema": schema})
+    f = service.create_file(any_engine, b"{}\n", "docs.jsonl")
+    job = service.create_batch(any_engine, f.id, "/v1/chat/completions", task="summarize",
+                               task_options={"repetition_penalty": 1.3})  # fmt: skip
+    assert job.metadata_ == {"repetition_penalty": "1.3"}

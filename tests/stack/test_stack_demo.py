@@ -20,7 +20,14 @@ import psutil
 import pytest
 
 from laneserve.demo_corpus import build_corpus, write_jsonl
-from laneserve.demo_report import LANES, PHASES, lane_failures, print_report
+from laneserve.demo_report import (
+    LANES,
+    PHASES,
+    cpu_kernel_state,
+    kernel_note,
+    lane_failures,
+    print_report,
+)
 from tests.harness import ROOT, UpProcess, laneserve, link_model, processes_mentioning
 
 
@@ -132,6 +139,63 @@ def test_report_always_has_both_lanes_columns():
     assert "interactive lane: no request recorded in SQL" in text
 
 
+def test_report_shows_a_whole_answer_and_counts_the_cut_ones(tmp_path):
+    """The example under a job's output file is its first answer that finished on its own, not
+    one cut mid-word at max tokens; the cut ones are counted beside it."""
+    from rich.console import Console
+
+    from laneserve.demo_chats import ChatStats
+    from laneserve.demo_report import cut_answers
+
+    def line(text: str, reason: str) -> str:
+        choice = {"message": {"content": text}, "finish_reason": reason}
+        return json.dumps({"response": {"body": {"choices": [choice]}}})
+
+    out = tmp_path / "summarize.jsonl"
+    out.write_text("\n".join([line("json is a mod", "length"), line("json reads JSON.", "stop")]))
+    r = _healthy_report()
+    r["jobs"]["summarize"] |= {"cut_at_max_tokens": cut_answers(out), "completed": 2}
+    buf = io.StringIO()
+    files = {"summarize_output": str(out)}
+    print_report(r, {}, files, ChatStats(), ROOT, Console(file=buf, width=400))
+    text = buf.getvalue()
+    assert "e.g. json reads JSON." in text and "json is a mod" not in text
+    assert "(1 of 2 answers cut at their max tokens: --summary-tokens raises it)" in text
+    # the bundled model's "translations" are not shown as if they were ones; another model's are
+    out.rename(tmp_path / "translate.jsonl")
+    files = {"translate_output": str(tmp_path / "translate.jsonl")}
+    r["jobs"]["translate"] |= {"cut_at_max_tokens": 0}
+    for model, shown in (("smollm2-135m", False), ("/models/qwen3-8b", True)):
+        buf = io.StringIO()
+        print_report(
+            r | {"model": model}, {}, files, ChatStats(), ROOT, Console(file=buf, width=400)
+        )
+        assert ("e.g. json reads JSON." in buf.getvalue()) == shown, model
+        assert ("does not translate" in buf.getvalue()) != shown, model
+
+
+def test_report_says_when_the_figures_are_the_slow_paths(monkeypatch):
+    """A run that started before the C++ kernels were built served (partly) on the PyTorch path:
+    the report says so under the latency table; a run on built kernels says nothing."""
+    from rich.console import Console
+
+    from laneserve.demo_chats import ChatStats
+
+    monkeypatch.setenv("LANESERVE_CPU_KERNELS", "0")
+    off = cpu_kernel_state()
+    assert off in ("off", "gpu")  # a CUDA device serves instead of the CPU kernels
+    assert kernel_note("built", "built") is None and kernel_note("gpu", "gpu") is None
+    printed = {}
+    for start, end in (("not built", "built"), ("not built", "not built"), ("off", "off")):
+        r = _healthy_report() | {"cpu_kernels": {"note": kernel_note(start, end)}}
+        buf = io.StringIO()
+        print_report(r, {}, {}, ChatStats(), ROOT, Console(file=buf, width=400))
+        printed[start, end] = buf.getvalue()
+    assert "still building for part of this run" in printed["not built", "built"]
+    assert "not built in this run" in printed["not built", "not built"]
+    assert all("PyTorch path" in text for text in printed.values())
+
+
 def _assert_both_lanes_answered(summary: dict, lines: int) -> None:
     assert summary["ok"] is True and summary["failures"] == [], summary["failures"]
     assert summary["jobs"]["summarize"]["status"] == "completed"
@@ -212,6 +276,10 @@ def test_readme_demo_in_a_fresh_venv_with_runtime_dependencies_only(
         assert {"laneserve", "openai", "torch"} <= names
         assert not names & {"pytest", "ruff", "psycopg", "accelerate"}  # runtime deps only
         assert "INFO alembic" not in res.stderr and "Traceback" not in res.stderr
+        stages = [line for line in res.stderr.splitlines() if line.startswith("== [")]
+        assert [s.split("] ", 1)[1][:3] for s in stages] == ["1/4", "2/4", "3/4", "4/4"], stages
+        assert "Installing collected packages" in res.stderr  # pip's progress, not -q
+        assert "build C++ CPU kernels" in res.stderr  # `model pull`'s stages, with their times
         (summary_path,) = (home / "demo").glob("*/summary.json")
         _assert_both_lanes_answered(json.loads(summary_path.read_text()), 12)
         assert not (home / "stack.json").exists()
