@@ -11,7 +11,9 @@ line gets an error line for it (same message) and results for the others.
 Then a batch job whose lines together need far more than the pool: a real worker (a random
 2-layer Llama, float32 on the CPU, `save_tiny_llama`) with 12 blocks of 16 tokens and 16 sequences
 at once, 24 lines of ~80 tokens each (5 blocks): the scheduler preempts (the worker's heartbeat
-counts them) and every line comes back exactly once with all its tokens.
+counts them) and every line comes back exactly once with all its tokens (without the start-up
+step profile, to keep the test short: tests/engine_props/test_engine_props_regressions.py runs the
+profile on such a pool).
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def test_job_over_the_pool_in_total_runs_by_preemption(smollm2_dir, tmp_path_fac
     try:
         stack.start_broker()
         stack.start_worker("tiny", *POOL[:1], "12", *POOL[2:], "--max-num-seqs", "16",
-                           model=str(model))  # fmt: skip
+                           "--no-slo-control", model=str(model))  # fmt: skip
         stack.start_jobs_runner(model=str(model))
         stack.wait_workers({"tiny"})
         engine = sa.create_engine(stack.db_url)
