@@ -118,12 +118,15 @@ def idle_decode_step_ms(engine: Any, round_: int) -> float | None:
 def _run_profile(engine: Any, shapes: tuple, samples: list | None, round_: int) -> None:
     """Run `shapes` ((prompt tokens, requests, output tokens), ...) to completion on `engine`,
     appending (features, ms) of every step to `samples` unless it is None. Each `round_` has
-    its own prompts, so a later round never reads an earlier one's from the prefix cache."""
+    its own prompts, so a later round never reads an earlier one's from the prefix cache. A
+    sequence longer than the engine takes (a small KV pool caps `max_model_len`) is shortened to
+    fit; requests that do not fit the pool together are preempted as traffic would be."""
     from laneserve.gpu_worker.sampling_params import SamplingParams
 
     sched = engine.scheduler
     vocab = engine.token_id_limit
-    for k, (prompt, n, out) in enumerate(shapes):
+    for k, (longest, n, out) in enumerate(shapes):
+        prompt = max(1, min(longest, sched.config.max_model_len - out))
         params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
         for j in range(n):
             ids = [(7 + 31 * (k * 17 + j + 97 * round_) + i) % vocab for i in range(prompt)]

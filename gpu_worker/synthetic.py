@@ -84,7 +84,8 @@ class SyntheticEngine:
         self.running: dict[str, _SynthRequest] = {}
         self.free_blocks = num_blocks
         self.kv_pool = {"device": "synthetic", "num_blocks": num_blocks, "block_size": block_size,
-                        "num_tokens": num_blocks * block_size, "max_model_len": max_model_len}  # fmt: skip
+                        "num_tokens": num_blocks * block_size,
+                        "max_model_len": min(max_model_len, num_blocks * block_size)}  # fmt: skip
         self._last_step = 0.0
         self._errors: list[RequestDelta] = []
         self.num_steps = 0

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -317,7 +316,8 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
 
     async def _served_model(self) -> ServedModel | None:
         """The counter with the models the broker's workers report as further names (the
-        gateway accepts those too)."""
+        gateway accepts those too) and their largest KV pool (a line that fits none is an error
+        line, as the gateway's 400)."""
         if self.counter is None:
             return None
         assert self.client is not None
@@ -325,8 +325,7 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
             reply = await self.client.status(timeout_s=2.0)
         except TimeoutError:
             return self.counter
-        names = {w.get("model") for w in reply.workers} - {None, self.counter.served_name}
-        return dataclasses.replace(self.counter, aliases=tuple(sorted(names)))
+        return self.counter.with_workers(reply.workers)
 
     # ------------------------------------------------------------------ feeding
 

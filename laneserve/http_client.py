@@ -36,7 +36,8 @@ DEFAULT_TIMEOUT_S = 30.0  # per request; uploads and downloads stream, so this b
 
 class StackError(RuntimeError):
     """A CLI call to the API failed: `str(exc)` is one line for stderr; `exit_code` (1 or 2);
-    `status` the HTTP status (None when there was no answer); `code` laneserve's error code."""
+    `status` the HTTP status (None when there was no answer); `code` laneserve's error code;
+    `sent` False when the request never reached the API (safe to send again)."""
 
     def __init__(
         self,
@@ -44,11 +45,13 @@ class StackError(RuntimeError):
         exit_code: int = EXIT_API_ERROR,
         status: int | None = None,
         code: str | None = None,
+        sent: bool = True,
     ) -> None:
         super().__init__(message)
         self.exit_code = exit_code
         self.status = status
         self.code = code
+        self.sent = sent  # False: the request never reached the API (connection refused)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +142,9 @@ class StackClient:
                 f"the laneserve API at {self.base_url} did not answer in time", EXIT_NO_API
             )
         return StackError(
-            f"cannot reach the laneserve API at {self.base_url} ({_reason(exc)})", EXIT_NO_API
+            f"cannot reach the laneserve API at {self.base_url} ({_reason(exc)})",
+            EXIT_NO_API,
+            sent=not isinstance(exc, httpx.ConnectError),
         )
 
     def _check(self, response: httpx.Response, errors: bool = True) -> None:

@@ -8,6 +8,7 @@ before its first byte. :meth:`ServedModel.check` settles ``max_tokens`` the same
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -39,7 +40,10 @@ class ServedModel:
     """``served_name``: the name clients send as ``model``; ``aliases``: further names served
     (the models the broker's workers report). ``tokenizer``: None when prompts are not counted
     at the edge. ``max_model_len`` / ``vocab_size``: tokens, None when unknown. ``created``:
-    unix seconds, for ``/v1/models``."""
+    unix seconds, for ``/v1/models``. ``kv_pool``: the largest KV pool a live worker announced
+    (``num_blocks``, ``block_size``, ``max_model_len``; :meth:`with_workers`), None when unknown: a
+    sequence longer than it fits no worker even alone, so it is refused like one over
+    ``max_model_len``."""
 
     served_name: str | None = None
     tokenizer: PromptTokenizer | None = None
@@ -48,6 +52,7 @@ class ServedModel:
     aliases: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
     tool_call_parser: str | None = None
+    kv_pool: dict | None = None
 
     @property
     def tool_parser(self) -> str:
@@ -73,6 +78,28 @@ class ServedModel:
         return model
 
     # ------------------------------------------------------------------ names
+
+    def with_workers(self, workers: Iterable[dict]) -> ServedModel:
+        """This model with the names the broker's workers report as ``aliases`` and the largest
+        KV pool they announce (``info.kv_pool``) as ``kv_pool``."""
+        names = {w.get("model") for w in workers} - {None, self.served_name}
+        pool = largest_kv_pool(workers)
+        return dataclasses.replace(self, aliases=tuple(sorted(names)), kv_pool=pool)
+
+    def context_limit(self) -> tuple[int | None, str]:
+        """The most tokens (prompt + output) one sequence may hold here, and what sets it:
+        ``max_model_len``, or the largest worker's KV pool where that holds fewer."""
+        limit = self.max_model_len
+        what = f"this model's maximum context length is {limit} tokens"
+        pool = _pool_tokens(self.kv_pool)
+        if pool is not None and (limit is None or pool < limit):
+            kv = self.kv_pool
+            limit = pool
+            what = (
+                f"the largest worker takes at most {pool} tokens for one sequence (its KV "
+                f"cache: {kv['num_blocks']} blocks x {kv['block_size']} tokens)"
+            )
+        return limit, what
 
     def check_name(self, model: str, also: Iterable[str] = ()) -> None:
         """Raises OpenAIError ``not_found`` (404) unless ``model`` is the served name, one of
@@ -131,6 +158,7 @@ class ServedModel:
         vocabulary, or prompt + max_tokens over ``max_model_len``.
         """
         longest = 0
+        limit, what = self.context_limit()
         for prompt in req.prompts:
             self._check_ids(prompt)
             if prompt.messages is not None and (req.tools or uses_tools(prompt.messages)):
@@ -143,15 +171,15 @@ class ServedModel:
             prompt.num_tokens = len(prompt.encoded)
             if prompt.num_tokens == 0:
                 raise invalid("the prompt is empty (0 tokens)", _param(req))
-            if self.max_model_len is not None and prompt.num_tokens >= self.max_model_len:
+            if limit is not None and prompt.num_tokens >= limit:
                 raise OpenAIError(
                     "prompt_too_long",
-                    f"the prompt has {prompt.num_tokens} tokens; this model's maximum context "
-                    f"length is {self.max_model_len} tokens (prompt + at least 1 output token)",
+                    f"the prompt has {prompt.num_tokens} tokens; {what} "
+                    "(prompt + at least 1 output token)",
                     param=_param(req),
                 )
             longest = max(longest, prompt.num_tokens)
-        room = None if self.max_model_len is None else self.max_model_len - longest
+        room = None if limit is None else limit - longest
         if req.max_tokens is None:
             default = (
                 DEFAULT_COMPLETIONS_MAX_TOKENS
@@ -162,7 +190,7 @@ class ServedModel:
         elif room is not None and req.max_tokens > room:
             raise invalid(
                 f"max_tokens={req.max_tokens} plus the prompt's {longest} tokens is more than "
-                f"this model's maximum context length of {self.max_model_len} tokens",
+                f"{limit} tokens: {what}",
                 "max_tokens",
             )
         bias = req.sampling.get("logit_bias") or ()
@@ -206,6 +234,24 @@ class ServedModel:
             raise invalid(
                 f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt"
             )
+
+
+def largest_kv_pool(workers: Iterable[dict]) -> dict | None:
+    """The announced KV pool (a worker's ``info.kv_pool``) that takes the longest sequence, None
+    when no worker announces one."""
+    pools = [p for w in workers if _pool_tokens(p := (w.get("info") or {}).get("kv_pool"))]
+    return max(pools, key=_pool_tokens, default=None)
+
+
+def _pool_tokens(pool: object) -> int | None:
+    """The tokens one sequence may hold in an announced KV pool (its ``max_model_len``, at most
+    ``num_blocks`` x ``block_size``), None when `pool` does not say."""
+    if not isinstance(pool, dict):
+        return None
+    blocks, size, cap = pool.get("num_blocks"), pool.get("block_size"), pool.get("max_model_len")
+    if not (isinstance(blocks, int) and isinstance(size, int) and blocks > 0 and size > 0):
+        return None
+    return min(blocks * size, cap) if isinstance(cap, int) and cap > 0 else blocks * size
 
 
 def _param(req: ParsedRequest) -> str:

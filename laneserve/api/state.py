@@ -27,7 +27,7 @@ from laneserve.api.metrics import GatewayMetrics
 from laneserve.api.model_info import load_served_model
 from laneserve.api.probes import serve_metrics_port
 from laneserve.broker.client import BrokerClient
-from laneserve.contracts.openai.model import ServedModel
+from laneserve.contracts.openai.model import ServedModel, largest_kv_pool
 from laneserve.contracts.procs import parent_gone
 
 logger = logging.getLogger(__name__)
@@ -147,6 +147,7 @@ class GatewayState:
             "epoch": reply.epoch,
         }
         self.status_at = time.monotonic()
+        self.model_info.kv_pool = largest_kv_pool(reply.workers)  # checked at the edge
         self.metrics.broker.status = self.status
         self.metrics.model_name = (self.model_names() or [self.metrics.model_name])[0]
         self.readiness.observe(self.status, started)

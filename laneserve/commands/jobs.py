@@ -432,19 +432,31 @@ class _Outage:
             self.since = None
 
 
-def until_answered(call: Any, outage: _Outage, deadline: float | None = None) -> Any:
-    """`call()` again and again while it raises a `retryable` StackError (paced and told by
-    `outage`), until it answers or monotonic `deadline` passes (then the error is raised)."""
+def until_answered(
+    call: Any, outage: _Outage, deadline: float | None = None, repeat: Any = retryable
+) -> Any:
+    """`call()` again and again while it raises a StackError that `repeat` (default: `retryable`)
+    accepts, paced and told by `outage`, until it answers or monotonic `deadline` passes (then
+    the error is raised)."""
     while True:
         try:
             result = call()
         except StackError as exc:
-            if not retryable(exc) or (deadline is not None and time.monotonic() >= deadline):
+            if not repeat(exc) or (deadline is not None and time.monotonic() >= deadline):
                 raise
             time.sleep(outage.failed(exc))
             continue
         outage.ok()
         return result
+
+
+def retry_while_away(call: Any, timeout_s: float, console=None, repeat: Any = retryable) -> Any:
+    """`until_answered` for `timeout_s` seconds, saying so on `console` (default: stderr) as
+    `follow` does ("... still waiting, retrying", "answers again after N s")."""
+    from rich.console import Console
+
+    outage = _Outage(console or Console(stderr=True))
+    return until_answered(call, outage, time.monotonic() + timeout_s, repeat)
 
 
 def follow(

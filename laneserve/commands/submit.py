@@ -4,7 +4,9 @@ The file is uploaded (`POST /v1/files`) and the job created (`POST /v1/batches`)
 API, found like every CLI command finds it (laneserve/http_client.py): `--url` /
 `$LANESERVE_URL`, else the running stack's `api_url` in `$LANESERVE_HOME/stack.json`; the key
 is `--api-key` / `$LANESERVE_API_KEY`. Nothing is written to the stack's database or files
-directly, so this works from any host.
+directly, so this works from any host. While the API or its database is away (503
+`database_unavailable`, 429, connection refused) the upload and the job creation are sent again,
+saying so on stderr as `--wait` does, for at most `--timeout` seconds (default 300).
 
 Input: OpenAI Batch JSONL (endpoint from the first line's `url` unless --endpoint), or with
 `--task summarize|translate|extract` the shorthand `{"id", "text"}` per line (extract: `--schema
@@ -24,7 +26,7 @@ import json
 import sys
 from pathlib import Path
 
-from laneserve.commands.jobs import watch
+from laneserve.commands.jobs import RETRYABLE_STATUSES, retry_while_away, watch
 from laneserve.http_client import EXIT_NO_API, StackError, add_api_arguments, client_for
 
 
@@ -48,6 +50,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--txt-mode", choices=("line", "file"), default="line")
     parser.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--wait", action="store_true", help="follow the job to its end")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds to keep retrying the upload and job creation while the API or its "
+        "database is away (503, connection refused)",
+    )
     parser.add_argument("--json", action="store_true", help="print the batch object as JSON")
     add_api_arguments(parser)
     parser.set_defaults(func=run)
@@ -138,6 +147,24 @@ def _check_args(args: argparse.Namespace) -> str | None:
     return f"--metadata {bad[0]!r}: expected KEY=VALUE" if bad else None
 
 
+def unanswered(exc: StackError) -> bool:
+    """Worth sending again: the API refused for now (503 ``database_unavailable``, 429, ...) or
+    the request never reached it. A request sent whose answer was lost (a timeout, a reset) is
+    not: the file or job may exist already."""
+    return exc.status in RETRYABLE_STATUSES or (exc.status is None and not exc.sent)
+
+
+def _retried(args: argparse.Namespace, call):
+    """`call()`, sent again while the API or its database is away (`unanswered`), for at most
+    `--timeout` seconds, saying so on stderr as ``--wait`` does."""
+    return retry_while_away(call, args.timeout, repeat=unanswered)
+
+
+def _upload(client, path: Path) -> dict:
+    with path.open("rb") as f:  # read afresh by each try
+        return client.upload_file(f, path.name)
+
+
 def run(args: argparse.Namespace) -> int:
     problem = _check_args(args)
     if problem:
@@ -146,12 +173,12 @@ def run(args: argparse.Namespace) -> int:
         with client_for(args) as client:
             if args.file.suffix == ".txt":
                 data = _txt_as_jsonl(args.file, args.txt_mode)
-                file = client.upload_file(data, args.file.name)
+                file = _retried(args, lambda: client.upload_file(data, args.file.name))
             else:
-                with args.file.open("rb") as f:
-                    file = client.upload_file(f, args.file.name)
+                file = _retried(args, lambda: _upload(client, args.file))
             try:
-                job = client.create_batch(_batch_body(args, file["id"]))
+                body = _batch_body(args, file["id"])
+                job = _retried(args, lambda: client.create_batch(body))
             except StackError:  # refused: the upload would be left behind, unused
                 with contextlib.suppress(StackError):
                     client.delete_file(file["id"])

@@ -127,6 +127,7 @@ def build_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
             step_s=args.synthetic_step_ms / 1000.0,
             max_num_seqs=config.max_num_seqs,
             block_size=config.block_size,
+            num_blocks=config.num_blocks or 4096,
             fail_on=args.synthetic_fail_on,
             stamp=args.synthetic_stamp,
             cost_scale=args.synthetic_cost_scale,

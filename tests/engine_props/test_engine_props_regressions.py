@@ -5,6 +5,10 @@
    pass in another batch or chunking (~1e-6) swaps them, so the same uniform picked another token
    (engine property, shrunk example below; the sampler now walks the kept tokens in vocabulary
    order).
+2. The start-up step-cost profile sent 256-token prompts whatever the engine took: a worker whose
+   KV pool caps `max_model_len` below that (``--num-blocks 12``: 192 tokens) failed its start with
+   `PromptTooLongError` (found by tests/reliability/test_reliability_memory.py). The profile now
+   shortens its prompts to fit, and its requests that do not fit the pool together are preempted.
 """
 
 from __future__ import annotations
@@ -68,3 +72,14 @@ def test_engine_example_seeded_top_p_beside_chunked_prefills(make_engine):
     mixed = run_engine(engine, requests)["r4"]
     assert mixed.key() == alone.key()
     assert len(alone.token_ids) == 2
+
+
+def test_step_profile_fits_a_small_kv_pool(make_engine):
+    from laneserve.gpu_worker import step_profile
+
+    engine = make_engine(cache=False, num_blocks=12, max_model_len=192, max_num_seqs=16)
+    theta, idle_step, steps = step_profile.measure_step_cost_prior(engine)
+    assert steps > 0 and idle_step > 0 and len(theta) == step_profile.NUM_FEATURES
+    assert engine.scheduler.num_preemptions > 0  # 4 x 256-token prompts cannot share 12 blocks
+    assert not engine.has_unfinished_requests()
+    engine.check_integrity()
