@@ -13,6 +13,8 @@ same check gets ``{"code", "message"}`` of the same error in its error-file line
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 # DESIGN.md "Error codes" (+ the broker's extra codes) -> HTTP status.
 STATUS_BY_CODE: dict[str, int] = {
     "invalid_request": 400,
@@ -77,9 +79,12 @@ def invalid(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError("invalid_request", message, param=param)
 
 
-def model_not_found(model: str) -> OpenAIError:
-    """404 ``not_found`` for a model nobody serves."""
-    return OpenAIError("not_found", f"the model '{model}' does not exist", param="model")
+def model_not_found(model: str, served: Iterable[str] = ()) -> OpenAIError:
+    """404 ``not_found`` for a model nobody serves, naming the ``served`` ones (GET /v1/models
+    lists them)."""
+    names = ", ".join(f"'{name}'" for name in served if name)
+    also = f"; this server serves {names}" if names else ""
+    return OpenAIError("not_found", f"the model '{model}' does not exist{also}", param="model")
 
 
 def error_body(

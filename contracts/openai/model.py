@@ -105,7 +105,7 @@ class ServedModel:
         """Raises OpenAIError ``not_found`` (404) unless ``model`` is the served name, one of
         ``aliases`` or one of ``also``."""
         if model != self.served_name and model not in self.aliases and model not in set(also):
-            raise model_not_found(model)
+            raise model_not_found(model, (self.served_name or "",))
 
     # ------------------------------------------------------------------ counting
 

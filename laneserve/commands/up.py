@@ -429,7 +429,11 @@ def _prepare(args: argparse.Namespace, engine: EngineConfig) -> tuple[str, int]:
         return db_url, 0
     from laneserve.gpu_worker.errors import ModelLoadError
 
-    say(f"preparing the model {engine.model} (downloaded and converted once)")
+    local = Path(engine.model).expanduser().exists()  # a directory or file: nothing to download
+    say(
+        f"preparing the model {engine.model}"
+        + ("" if local else " (downloaded and converted once)")
+    )
     try:
         prepare_model(engine.model)
     except ModelLoadError as exc:
