@@ -114,7 +114,8 @@ def _response_format(fmt: Any) -> dict[str, Any] | None:
         raise invalid("'response_format.json_schema.strict' must be a boolean", "response_format")
     if "schema" not in js:  # OpenAI: no schema means any JSON object
         return {"json_object": True}
-    return {"json": schema_text(compact(js["schema"]), "response_format")}
+    schema = closed(js["schema"]) if js.get("strict") else js["schema"]
+    return {"json": schema_text(compact(schema), "response_format")}
 
 
 def _structured_outputs(so: Any) -> dict[str, Any]:
@@ -182,6 +183,32 @@ def compact(schema: Any) -> Any:
     if type(schema) is not dict or "x-guidance" in schema:
         return schema
     return {**schema, "x-guidance": COMPACT}
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with ``additionalProperties: false`` on every object schema that names its
+    ``properties`` and does not say otherwise, as OpenAI's strict mode reads a schema: an answer may only use the properties the
+    schema names, so a small model cannot pad it with invented keys until ``max_tokens``. What
+    the closed schema accepts, the original accepts too."""
+    if type(schema) is not dict:
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if type(out.get(key)) is dict:
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if type(out.get(key)) is list:
+            out[key] = [closed(sub) for sub in out[key]]
+    for key in ("items", "not", "if", "then", "else"):
+        if key in out:
+            out[key] = closed(out[key])
+    if "properties" in out and "additionalProperties" not in out:  # an object with named keys
+        out["additionalProperties"] = False
+    return out
 
 
 def schema_text(schema: Any, param: str) -> str:

@@ -219,4 +219,4 @@ def _valid_call(obj: Any, tools: ToolRequest) -> dict | None:
 
 
 def _call(name: str | None, args: dict) -> dict:
-    return {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}
+    return {"name": name, "arguments": json.dumps(args, ensure_ascii=False, separators=(",", ":"))}

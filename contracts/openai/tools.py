@@ -33,7 +33,7 @@ from typing import Any
 
 from laneserve.contracts.openai.checks import given, type_name
 from laneserve.contracts.openai.errors import invalid
-from laneserve.contracts.openai.structured import compact, grammar_error, schema_text
+from laneserve.contracts.openai.structured import closed, compact, grammar_error, schema_text
 
 TOOL_CHOICES = ("none", "auto", "required")
 MAX_TOOLS = 128  # OpenAI's limit of functions per request
@@ -75,13 +75,16 @@ class ToolRequest:
         """The wire structured-output spec that forces the call; None unless :attr:`forced`."""
         if self.choice == "function":
             assert self.name is not None
-            return {"json": schema_text(compact(self.parameters(self.name)), "tools")}
+            return {"json": schema_text(compact(closed(self.parameters(self.name))), "tools")}
         if self.choice != "required":
             return None
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": name}, "arguments": self.parameters(name)},
+                "properties": {
+                    "name": {"const": name},
+                    "arguments": closed(self.parameters(name)),
+                },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from laneserve.contracts.openai import Limits, OpenAIError, parse_chat, parse_completion
-from laneserve.contracts.openai.structured import MAX_SCHEMA_CHARS
+from laneserve.contracts.openai.structured import MAX_SCHEMA_CHARS, _byte_tokenizer
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -31,7 +31,7 @@ def json_schema(schema, **extra) -> dict:
 
 def test_forms_become_one_wire_spec() -> None:
     schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
-    spec = chat(response_format=json_schema(schema, strict=True)).sampling["structured_outputs"]
+    spec = chat(response_format=json_schema(schema, strict=False)).sampling["structured_outputs"]
     assert spec == {
         "json": '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"string"}},'
         '"x-guidance":{"whitespace_flexible":false}}'  # compact JSON: no free whitespace
@@ -117,3 +117,44 @@ def test_a_grammar_past_the_lexers_limits_is_a_400_not_a_failed_answer(regex) ->
 def test_tolerated_no_ops_are_accepted() -> None:
     req = chat(tool_choice="none", skip_special_tokens=True, response_format={"type": "text"})
     assert "structured_outputs" not in req.sampling
+
+
+def test_strict_schemas_and_forced_tool_arguments_take_no_invented_keys() -> None:
+    """`strict: true` and a forced tool call read a schema as OpenAI's strict mode does: an
+    object naming its properties takes no others (a small model padded answers with invented
+    keys), unless the schema says otherwise; a non-strict schema is left as written. The
+    grammar then refuses an extra key that the schema as written would have let through."""
+    import llguidance
+
+    from laneserve.contracts.openai.tools import parse_tools
+
+    city = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    open_map = {"type": "object", "additionalProperties": {"type": "integer"}}
+    schema = {**city, "properties": {**city["properties"], "tags": open_map}}
+
+    def spec(strict: bool) -> dict:
+        fmt = {"name": "City", "schema": schema, "strict": strict}
+        body = {
+            "model": "m",
+            "messages": MSG,
+            "response_format": {"type": "json_schema", "json_schema": fmt},
+        }
+        return json.loads(parse_chat(body, Limits()).sampling["structured_outputs"]["json"])
+
+    assert spec(True)["additionalProperties"] is False
+    assert spec(True)["properties"]["tags"] == open_map  # it said otherwise: kept
+    assert "additionalProperties" not in spec(False)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    named = {"type": "function", "function": {"name": "f"}}
+    forced = parse_tools({"tools": tools, "tool_choice": named}).spec()
+    assert json.loads(forced["json"])["additionalProperties"] is False
+
+    def accepts(grammar_schema: dict, text: str) -> bool:
+        """Whether the grammar of `grammar_schema` takes `text` whole (a byte per token)."""
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(grammar_schema)
+        matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    assert accepts(spec(False), '{"name":"Oslo","extra":1}')
+    assert not accepts(spec(True), '{"name":"Oslo","extra":1}')
+    assert accepts(spec(True), '{"name":"Oslo","tags":{"a":1}}')

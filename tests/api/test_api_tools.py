@@ -321,4 +321,4 @@ def test_a_batch_line_with_tools_is_rendered_sent_and_answered_as_the_api(
     (choice,) = out["body"]["choices"]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
     (call,) = choice["message"]["tool_calls"]
-    assert call["function"] == {"name": "get_time", "arguments": '{"zone": 3}'}
+    assert call["function"] == {"name": "get_time", "arguments": '{"zone":3}'}
