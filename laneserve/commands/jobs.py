@@ -399,6 +399,12 @@ def retryable(exc: StackError) -> bool:
     return exc.status in RETRYABLE_STATUSES or (exc.status is None and exc.exit_code == EXIT_NO_API)
 
 
+def _answered(exc: StackError) -> bool:
+    """A retryable answer (503 while its database is away, 429, ...) from an API that answered:
+    repeated; no answer at all is not (yet)."""
+    return exc.status in RETRYABLE_STATUSES
+
+
 class _Outage:
     """`follow`'s pacing while the API cannot answer: one line on the console when it starts
     ("... still waiting, retrying"), one when it ends ("answers again after N s"), pauses
@@ -471,7 +477,8 @@ def follow(
     stderr; see `_Display`) until it ends or `timeout_s` seconds pass; return the last batch
     object. It only reads the API, so it can be stopped (Ctrl-C) and started again any time.
     While the API cannot answer (`retryable`: connection errors, 503 while its database is
-    away) it says so on `console` and keeps polling, backing off up to 10 s.
+    away) it says so on `console` and keeps polling, backing off up to 10 s; an API that never
+    answered at all (a wrong `--url`) is an error at once.
 
     Raises:
         StackError: the API refused (unknown job, wrong key), or still could not answer when
@@ -483,13 +490,16 @@ def follow(
     rate = _Rate()
     console = console or Console(stderr=True)
     outage = _Outage(console)
+    repeat = _answered  # an API never reached is a wrong --url: "cannot reach" at once
     with _Display(console, job_id) as display:
         while True:
             batch, stats = until_answered(
                 lambda: (client.get_batch(job_id), client.batch_stats(job_id, latency=False)),
                 outage,
                 deadline,
+                repeat,
             )
+            repeat = retryable  # it answered: from now on ride out restarts and outages
             f = _fields(batch, stats, rate.add((stats or {}).get("completion_tokens", 0)))
             final = batch["status"] in TERMINAL
             final = final or (deadline is not None and time.monotonic() >= deadline)
@@ -543,7 +553,8 @@ def _watch(client: StackClient, args: argparse.Namespace) -> int:
 
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     outage = _Outage(Console(stderr=True))
-    batch = until_answered(lambda: client.find_batch(args.id), outage, deadline)
+    # an API that never answered is a wrong --url (exit 2 at once); one that answers 503 is away
+    batch = until_answered(lambda: client.find_batch(args.id), outage, deadline, _answered)
     return watch(client, batch["id"], args.timeout)
 
 
