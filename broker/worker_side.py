@@ -157,6 +157,10 @@ class WorkerSide:
         if self._send(self.back, identity, frames, "worker"):
             return True
         if not quiet and identity in self.workers:
-            logger.warning("worker %r unreachable: treating as lost", identity[:32])
+            worker = self.workers[identity]
+            if worker.draining and not worker.in_flight:  # a stop it announced: expected
+                logger.info("worker %r left after draining", identity[:32])
+            else:
+                logger.warning("worker %r unreachable: treating as lost", identity[:32])
             self._worker_lost(identity)
         return False

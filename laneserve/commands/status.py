@@ -329,17 +329,24 @@ def _slo_cells(ld: dict[str, Any]) -> dict[str, str]:
 def _worker_cells(w: dict[str, Any]) -> dict[str, str]:
     load = w.get("load") or {}
     kv = load.get("kv_usage")
+    seats = ((w.get("info") or {}).get("engine") or {}).get("max_num_seqs")
     return {
         "worker": str(w.get("worker_id")),
         "pid": str(w.get("pid")),
         "lanes": ",".join(w.get("lanes") or []),
         "model": str(w.get("model")),
         "in flight": f"{w.get('in_flight', 0)}/{w.get('capacity', '?')}",
-        "running": str(load.get("num_running", load.get("running", "-"))),
+        # running sequences against the engine's seats (max_num_seqs); "in flight" above counts
+        # what the broker handed the worker, which may exceed it (capacity = 2 x max_num_seqs)
+        "running": _of(load.get("num_running", load.get("running", "-")), seats),
         "waiting": str(load.get("num_waiting", load.get("waiting", "-"))),
         "KV use": f"{kv:.1%}" if isinstance(kv, (int, float)) else "-",
         "KV pool": kv_pool_text((w.get("info") or {}).get("kv_pool")),
     }
+
+
+def _of(value: Any, limit: Any) -> str:
+    return f"{value}/{limit}" if limit is not None and value != "-" else str(value)
 
 
 def _under_slo(w: dict[str, Any]) -> bool:

@@ -45,7 +45,7 @@ def status(num_workers: int) -> dict:
             "in_flight": 2,
             "capacity": 128,
             "load": dict(LOAD),
-            "info": {"kv_pool": POOL},
+            "info": {"kv_pool": POOL, "engine": {"max_num_seqs": 64}},
         }  # fmt: skip
         for i in range(num_workers)
     ]
@@ -63,7 +63,15 @@ def test_narrow_terminal_prints_every_field_whole():
     text = printed(80)
     assert "…" not in text, text
     assert max(len(line) for line in text.splitlines()) <= 80
-    for name in ("worker-0", "worker-1", "smollm2-135m", "interactive,batch", "2/128", "12.5%"):
+    for name in (
+        "worker-0",
+        "worker-1",
+        "smollm2-135m",
+        "interactive,batch",
+        "2/128",
+        "3/64",
+        "12.5%",
+    ):
         assert name in text, (name, text)
     assert text.count(kv_pool_text(POOL)) == 2, text
     # "field value" lines, the SLO ones for the worker under SLO control only

@@ -315,6 +315,8 @@ def test_down_stops_the_stack_and_is_idempotent(tmp_path):
         gone, alive = psutil.wait_procs(descendants, timeout=5)
         assert not alive, alive
         assert not (tmp_path / "stack.json").exists()
+        # a worker that drained and left on `down` is not reported as lost
+        assert "treating as lost" not in (tmp_path / "logs" / "broker.log").read_text()
         again = laneserve(tmp_path, "down")
         assert again.returncode == 0 and "No laneserve stack running" in again.stderr
     finally:
