@@ -25,6 +25,7 @@ class MapReduce:
         size = prompts.piece_tokens(self.counter.max_model_len, max_tokens)
         token_ids = await asyncio.to_thread(tokenizer.encode, line.request["map_reduce"]["text"])
         first_pieces, calls, document_tokens = 0, 0, len(token_ids)
+        map_prompt, map_completion = 0, 0  # the map levels' tokens: the job's counts include them
         for level in range(MAX_REDUCE_LEVELS):
             pieces = prompts.split_tokens(token_ids, size)
             first_pieces = first_pieces or len(pieces)
@@ -46,9 +47,15 @@ class MapReduce:
                         "levels": level + 1,
                         "requests": calls + 1,
                         "document_tokens": document_tokens,
+                        "map_prompt_tokens": map_prompt,
+                        "map_completion_tokens": map_completion,
                     }
                 }
-                return self._outcome(info, line, final, error, extra)
+                outcome = self._outcome(info, line, final, error, extra)
+                if outcome.completion_tokens is not None:  # answered: count every call's tokens
+                    outcome.prompt_tokens = (outcome.prompt_tokens or 0) + map_prompt or None
+                    outcome.completion_tokens += map_completion
+                return outcome
             coros = []
             for i, text in enumerate(texts):
                 sub = {**body, "messages": prompts.summarize_messages(text, reduce=level > 0)}
@@ -59,6 +66,8 @@ class MapReduce:
             for final, error in answers:
                 if final is None:
                     return store.Outcome(info.id, line.rid, error)
+                map_prompt += int(final.usage.get("prompt_tokens") or 0)
+                map_completion += int(final.usage.get("completion_tokens") or 0)
             joined = "\n\n".join(final.text.strip() for final, _ in answers)
             token_ids = await asyncio.to_thread(tokenizer.encode, joined)
         return store.Outcome(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from laneserve.jobs.stats import batch_stats
 from tests.harness import Stack, read_lines, submit, wait_job, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -64,5 +65,11 @@ def test_summarize_translate_and_map_reduce(laneserve_home, db_url, engine, smol
         info = body["laneserve"]["map_reduce"]
         assert info["pieces"] >= 2 and info["levels"] >= 2 and info["requests"] >= 3
         assert info["document_tokens"] > 320
+        # the job's token counts include the map levels' requests, not only the final summary
+        assert info["map_prompt_tokens"] > 320 and info["map_completion_tokens"] > 0
+        usage = body["usage"]
+        stats = batch_stats(engine, mr.id)
+        assert stats.completion_tokens == usage["completion_tokens"] + info["map_completion_tokens"]
+        assert stats.prompt_tokens == usage["prompt_tokens"] + info["map_prompt_tokens"]
     finally:
         stack.stop()
