@@ -1,6 +1,6 @@
-"""The demo's corpus and its verdict on the lanes (fast); `laneserve demo --quick` end to end on
-the bundled model, in this environment and in a fresh virtual environment with the runtime
-dependencies only; the demo failing loudly against stacks whose interactive or batch lane
+"""The demo's corpus and its verdict on the lanes (fast); `scripts/demo --quick` end to end on
+the bundled model in a fresh virtual environment with the runtime dependencies only (the
+README's first command, run once: it asserts what the demo must show); the demo failing loudly against stacks whose interactive or batch lane
 serves nothing (slow); a synthetic stack whose supervisor is SIGKILLed leaves no process behind
 (slow)."""
 
@@ -208,22 +208,16 @@ def _assert_both_lanes_answered(summary: dict, lines: int) -> None:
     assert summary["lanes"]["interactive"]["ttft_ms"]["p50"] > 0
 
 
-@pytest.mark.slow
-def test_demo_quick_completes_and_stops_its_stack(model_home):
-    res = laneserve(model_home, "demo", "--quick", "--no-dashboard", timeout=900)
-    assert res.returncode == 0, res.stdout + res.stderr[-5000:]
-    for needle in ("TTFT", "TPOT", "queue", "prefill", "decode", "interactive", "batch"):
-        assert needle in res.stdout, needle
-    assert "INFO alembic" not in res.stderr  # quiet start-up: no migration INFO lines
-    (summary_path,) = (model_home / "demo").glob("*/summary.json")
-    summary = json.loads(summary_path.read_text())
+def _assert_quick_demo_summary(summary: dict, stdout: str) -> None:
+    """What `demo --quick` must leave: both lanes answered, both jobs completed with their 12
+    lines, the summaries written and the ones cut at max tokens counted and said."""
     _assert_both_lanes_answered(summary, 12)
+    for needle in ("TTFT", "TPOT", "queue", "prefill", "decode", "interactive", "batch"):
+        assert needle in stdout, needle
     assert summary["jobs"]["summarize"]["status"] == "completed"
     assert summary["jobs"]["translate"]["status"] == "completed"
     assert summary["jobs"]["summarize"]["total"] + summary["jobs"]["translate"]["total"] == 12
     assert summary["lanes"]["batch"]["requests"] >= 12
-    assert summary["lanes"]["batch"]["ttft_ms"]["p50"] > 0
-    assert summary["chats"]["done"] >= 1 and summary["lanes"]["interactive"]["requests"] >= 1
     outputs = [json.loads(x) for x in open(summary["files"]["summarize_output"])]
     assert len(outputs) == 4
     assert all(o["response"]["body"]["choices"][0]["message"]["content"] for o in outputs)
@@ -231,9 +225,7 @@ def test_demo_quick_completes_and_stops_its_stack(model_home):
     cut = [o["response"]["body"]["choices"][0]["finish_reason"] == "length" for o in outputs]
     assert summary["jobs"]["summarize"]["cut_at_max_tokens"] == sum(cut)
     said = f"({sum(cut)} of 4 answers cut at their max tokens: --summary-tokens raises it)"
-    assert (said in res.stdout) == (sum(cut) > 0), res.stdout
-    assert not (model_home / "stack.json").exists()  # the demo stopped the stack it started
-    assert processes_mentioning(str(model_home)) == []
+    assert (said in stdout) == (sum(cut) > 0), stdout
 
 
 def _fresh_env(home, **extra: str) -> dict[str, str]:
@@ -281,8 +273,8 @@ def test_readme_demo_in_a_fresh_venv_with_runtime_dependencies_only(
         assert "Installing collected packages" in res.stderr  # pip's progress, not -q
         assert "build C++ CPU kernels" in res.stderr  # `model pull`'s stages, with their times
         (summary_path,) = (home / "demo").glob("*/summary.json")
-        _assert_both_lanes_answered(json.loads(summary_path.read_text()), 12)
-        assert not (home / "stack.json").exists()
+        _assert_quick_demo_summary(json.loads(summary_path.read_text()), res.stdout)
+        assert not (home / "stack.json").exists()  # the demo stopped the stack it started
         assert processes_mentioning(str(home)) == []
     finally:
         shutil.rmtree(venv, ignore_errors=True)  # 2-3 GB
