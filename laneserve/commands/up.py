@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -353,7 +354,12 @@ def _run_locked(
         return 130
     plan = _plan(args, home, lanes, engine, db_url, gpus, ports)
     stack_file = _StackFile(plan, "synthetic" if args.synthetic else engine.model, time.time())
-    sup = Supervisor(build_specs(args, plan), home / "logs", on_change=stack_file.write)
+    sup = Supervisor(
+        build_specs(args, plan),
+        home / "logs",
+        on_change=stack_file.write,
+        on_exit=functools.partial(_tell_broker, plan["front"]),
+    )
     code = 0
     try:
         say(f"starting {len(sup.children)} processes (logs in {home / 'logs'})")
@@ -542,6 +548,14 @@ def _wait_ready(sup: Supervisor, args: argparse.Namespace, plan: dict, stop: _St
         if waiting:
             time.sleep(0.5)
     return 0
+
+
+def _tell_broker(front: str, name: str, pid: int, code: int) -> None:
+    """A worker exited: the broker requeues its requests now, not after the liveness window."""
+    if name.startswith("worker-"):
+        from laneserve.broker.client import notify_worker_exited
+
+        notify_worker_exited(front, name, pid)
 
 
 def _watch(sup, parent_pid: int | None, stop: _Stop) -> None:
