@@ -13,8 +13,8 @@ seconds since the kill (wall clock, one host):
     broker_lost       the broker drops the dead worker (its `workers_lost` counter moves)
     requeued          its lines are back in the queue (`requeued` moves)
     restarted         the supervisor has a new worker pid in stack.json
-    model_loaded      the new worker's log: weights loaded (`KV pool: ...` line)
-    profiled          the new worker's log: the start-up profile ready (`SLO control` line)
+    model_loaded      the new worker's log: weights loaded, the start-up profile begins
+    profiled          the new worker's log: the start-up profile is ready (`step cost prior`)
     ready             the broker lists the new worker (its `ready`)
     readmitted        first job line the new engine schedules (requests.first_scheduled_at)
     first_line_done   first job line finished after the kill (requests.finished_at)
@@ -56,7 +56,7 @@ PHASES = (
     "first_line_done",
 )
 # Worker log lines that mark a start-up milestone (logging's asctime, local time, ms).
-LOG_MARKS = {"model_loaded": "KV pool:", "profiled": "SLO control"}
+LOG_MARKS = {"model_loaded": "weights loaded:", "profiled": "step cost prior"}
 _ASCTIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
@@ -154,7 +154,7 @@ def watch_recovery(home: Path, front: str, old_pid: int, before: dict, t_kill: f
                 seen.setdefault("broker_lost", now)
             if counters.get("requeued", 0) > before.get("requeued", 0):
                 seen.setdefault("requeued", now)
-            if new and any(w["pid"] == new for w in st["workers"]):
+            if new and new != old_pid and any(w["pid"] == new for w in st["workers"]):
                 seen.setdefault("ready", now)
         time.sleep(0.02)
     return {k: round(v, 3) for k, v in seen.items()}

@@ -226,7 +226,11 @@ def build_specs(args: argparse.Namespace, plan: dict) -> list:
         argv += ["--liveness", liveness, "--parent-pid", pid, "--drain-timeout", "5"]
         if args.synthetic:
             argv.append("--synthetic")
-        specs.append(ChildSpec(f"worker-{i}", argv, worker_env, stop_group=1))
+        # The start-up profile this worker uses, taken back by its restarts (not by a new stack)
+        profile = home / "run" / f"worker-{i}.profile.json"
+        profile.unlink(missing_ok=True)
+        env = dict(worker_env, LANESERVE_RESTART_PROFILE=str(profile))
+        specs.append(ChildSpec(f"worker-{i}", argv, env, stop_group=1))
     n_runners = args.jobs_runners
     tools = ["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []
     for i in range(n_runners):
