@@ -34,15 +34,16 @@ from typing import TYPE_CHECKING
 
 from laneserve.commands import add_tool_parser_argument, port_number
 from laneserve.commands.up_host import (
+    child_env,
     cpu_cores,
     free_port,
     gpu_count,
     port_free,
     prepare_model,
+    tell_broker,
     threads_per_worker,
 )
 from laneserve.contracts import env as lsenv
-from laneserve.gpu_worker import openmp
 from laneserve.gpu_worker.config import EngineConfig, add_engine_arguments, config_from_args
 
 if TYPE_CHECKING:
@@ -170,24 +171,6 @@ def engine_options(args: argparse.Namespace) -> EngineConfig:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     return config_from_args(args, exclude=PER_WORKER)
-
-
-def child_env(home: Path, threads: int, api_key: str | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        LANESERVE_HOME=str(home),
-        OMP_NUM_THREADS=str(threads),
-        MKL_NUM_THREADS=str(threads),
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONUNBUFFERED="1",
-    )
-    env.update(openmp.policy_env())  # a short spin; an explicit setting of either is passed on
-    env.pop("LANESERVE_DB_URL", None)  # every child gets --db explicitly
-    if api_key:
-        env["LANESERVE_API_KEY"] = api_key
-    else:
-        env.pop("LANESERVE_API_KEY", None)
-    return env
 
 
 def build_specs(args: argparse.Namespace, plan: dict) -> list:
@@ -362,7 +345,7 @@ def _run_locked(
         build_specs(args, plan),
         home / "logs",
         on_change=stack_file.write,
-        on_exit=functools.partial(_tell_broker, plan["front"]),
+        on_exit=functools.partial(tell_broker, plan["front"]),
     )
     code = 0
     try:
@@ -552,14 +535,6 @@ def _wait_ready(sup: Supervisor, args: argparse.Namespace, plan: dict, stop: _St
         if waiting:
             time.sleep(0.5)
     return 0
-
-
-def _tell_broker(front: str, name: str, pid: int, code: int) -> None:
-    """A worker exited: the broker requeues its requests now, not after the liveness window."""
-    if name.startswith("worker-"):
-        from laneserve.broker.client import notify_worker_exited
-
-        notify_worker_exited(front, name, pid)
 
 
 def _watch(sup, parent_pid: int | None, stop: _Stop) -> None:
