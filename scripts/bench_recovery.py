@@ -77,7 +77,7 @@ def make_home(src_home: Path) -> Path:
     home = Path(tempfile.mkdtemp(prefix="lsrec"))
     models = home / "models"
     models.mkdir()
-    for path in (src_home / "models").iterdir():
+    for path in (src_home / "models").glob("*"):
         if not path.name.endswith(".lock"):
             (models / path.name).symlink_to(path.resolve())
     return home
