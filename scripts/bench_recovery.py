@@ -72,6 +72,21 @@ def _line(i: int, max_tokens: int) -> str:
     )
 
 
+def add_model_home(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--model-home",
+        default=os.environ.get("LANESERVE_HOME"),
+        help="LANESERVE_HOME holding the pulled model (default: $LANESERVE_HOME)",
+    )
+
+
+def home_for(model_home: str | None, model_needed: bool = True) -> Path:
+    """A fresh home for the run, its models/ linked to `model_home`'s."""
+    if not model_home and model_needed:
+        raise SystemExit("set LANESERVE_HOME (or --model-home) to a home with the model pulled")
+    return make_home(Path(model_home or tempfile.mkdtemp(prefix="lsnomodel")))
+
+
 def make_home(src_home: Path) -> Path:
     """A fresh LANESERVE_HOME whose models/ links to `src_home`'s pulled files."""
     home = Path(tempfile.mkdtemp(prefix="lsrec"))
@@ -98,6 +113,15 @@ def start_up(home: Path, extra: list[str]) -> tuple[subprocess.Popen, dict]:
             return proc, info
         time.sleep(0.3)
     raise SystemExit("laneserve up not ready in 600 s")
+
+
+def stop_up(proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Stop `laneserve up` as Ctrl-C does (SIGKILL when it has not stopped in `timeout_s`)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def stack_info(home: Path) -> dict:
@@ -240,25 +264,15 @@ def main() -> None:
     ap.add_argument("--lines", type=int, default=200, help="lines per job")
     ap.add_argument("--max-tokens", type=int, default=32, help="max_tokens of every line")
     ap.add_argument("--kill-after", type=int, default=20, help="lines done before the kill")
-    ap.add_argument(
-        "--model-home",
-        default=os.environ.get("LANESERVE_HOME"),
-        help="LANESERVE_HOME holding the pulled model (default: $LANESERVE_HOME)",
-    )
+    add_model_home(ap)
     ap.add_argument("up_args", nargs="*", help="more `laneserve up` flags (after --)")
     args = ap.parse_args()  # fmt: skip
-    if not args.model_home:
-        raise SystemExit("set LANESERVE_HOME (or --model-home) to a home with the model pulled")
-    home = make_home(Path(args.model_home))
+    home = home_for(args.model_home)
     proc, info = start_up(home, args.up_args)
     try:
         rounds = [one_kill(home, info, args) for _ in range(args.kills)]
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_up(proc)
     medians = {}
     for phase in PHASES:
         vals = [r["phases_s"][phase] for r in rounds if r["phases_s"][phase] is not None]

@@ -32,9 +32,7 @@ import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -47,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_recovery import make_home, stack_info, start_up  # noqa: E402
+from bench_recovery import add_model_home, home_for, stack_info, start_up, stop_up  # noqa: E402
 from soak_traffic import Client, summarize_requests  # noqa: E402
 
 KILLED = ("worker-0", "broker", "jobs-runner", "recorder")
@@ -298,11 +296,7 @@ def run_soak(args, home: Path, db: Database) -> dict:
             "restarts": _restarts(home),
         }
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_up(proc)
 
 
 def _restarts(home: Path) -> int:
@@ -331,18 +325,12 @@ def main() -> None:
         help="seconds to wait for the jobs after the traffic stops",
     )
     ap.add_argument("--sample-every", type=float, default=5.0, help="RSS/FD sampling period, s")
-    ap.add_argument(
-        "--model-home",
-        default=os.environ.get("LANESERVE_HOME"),
-        help="LANESERVE_HOME holding the pulled model (default: $LANESERVE_HOME)",
-    )
+    add_model_home(ap)
     ap.add_argument("--keep", action="store_true", help="keep the soak's home (logs) afterwards")
     args = ap.parse_args()  # fmt: skip
     if args.bulk_lines is None:
         args.bulk_lines = max(50, round(20_000 * args.minutes / 60))
-    if not args.model_home and not args.synthetic:
-        raise SystemExit("set LANESERVE_HOME (or --model-home) to a home with the model pulled")
-    home = make_home(Path(args.model_home or tempfile.mkdtemp(prefix="lsnomodel")))
+    home = home_for(args.model_home, model_needed=not args.synthetic)
     try:
         with Database(args.pg_url) as db:
             result = run_soak(args, home, db)
