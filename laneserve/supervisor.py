@@ -5,9 +5,10 @@ reaches only the supervisor, which then stops the children in order) with stdout
 to `LOG_DIR/NAME.log`. `poll()` restarts a child that exited: at once after a stable run, then
 with exponential backoff (`backoff_initial_s`, doubled per quick crash up to `backoff_max_s`, reset
 once a child has stayed up for `stable_s`), and tells `on_exit` (so `laneserve up` can tell the
-broker that a worker died without waiting for its liveness window). `stop()` never restarts anything: it sends SIGTERM group by group (`stop_group`
-ascending: edges first, the recorder last so it can flush), waits up to `stop_timeout_s` per group,
-then SIGKILLs what is left, including grandchildren in each child's process group.
+broker that a worker died without waiting for a heartbeat to fail). `stop()` never restarts
+anything: it sends SIGTERM group by group (`stop_group` ascending: edges first, the recorder last
+so it can flush), waits up to `stop_timeout_s` per group, then SIGKILLs what is left, including
+grandchildren in each child's process group.
 
 Children also get `--parent-pid` from their owner (`laneserve up`), so they exit on their own if
 the supervisor is killed with SIGKILL (DESIGN.md "Processes").

@@ -123,7 +123,9 @@ class StatusRequest(Message):
 class WorkerExited(Message):
     """A supervisor saw its worker process exit (``laneserve up``): the broker drops the worker
     registered with this ``worker_id`` and ``pid`` at once and requeues its requests, instead of
-    waiting out the liveness window. Ignored while that pid still runs on the broker's host."""
+    waiting for its next heartbeat to fail (up to an interval) or, where the dead peer's
+    connection lingers, the liveness window. Ignored while that pid still runs on the broker's
+    host."""
 
     KIND: ClassVar[str] = "worker_exited"
     worker_id: str = spec(t_str())

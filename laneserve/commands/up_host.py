@@ -104,7 +104,7 @@ def child_env(home: Path, threads: int, api_key: str | None) -> dict[str, str]:
 
 
 def tell_broker(front: str, name: str, pid: int, code: int) -> None:
-    """A worker exited: the broker requeues its requests now, not after the liveness window."""
+    """A worker exited: the broker requeues its requests now, not at its next failed heartbeat."""
     if name.startswith("worker-"):
         from laneserve.broker.client import notify_worker_exited
 

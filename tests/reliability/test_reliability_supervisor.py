@@ -1,7 +1,7 @@
 """Fault scenarios under `laneserve up` (the real supervisor), synthetic workers, dashboard on:
 
 - scenario 1 as operators meet it: SIGKILL a worker mid-job; the supervisor tells the broker,
-  which drops the worker and requeues its lines within seconds (not after the liveness window),
+  which drops the worker and requeues its lines at once (not at its next failed heartbeat),
   the supervisor restarts the worker at once (a new pid in stack.json) and it registers again,
   the job completes exactly once;
 - scenario 6: SIGKILL the supervisor itself; every process of the stack (children and their
@@ -39,7 +39,8 @@ from tests.harness import (
 pytestmark = pytest.mark.slow
 
 # Generous deadlines after a worker's SIGKILL (issue 52 item 4): the supervisor tells the broker
-# at once (well under the 30 s CPU liveness window), restarts the worker without a backoff, and
+# at once (before the broker's next heartbeat to it fails, up to 1 s later; on a TCP link that
+# lingers, the 30 s CPU liveness window), restarts the worker without a backoff, and
 # a synthetic worker registers again within seconds even on a loaded 2-core machine.
 LOST_WITHIN_S = 5.0
 READY_WITHIN_S = 30.0
@@ -115,7 +116,7 @@ def test_worker_sigkill_mid_job_supervisor_restarts_it(up, tmp_path) -> None:
     t_kill = time.monotonic()
     psutil.Process(old).kill()
 
-    def lost():  # told by the supervisor, not after the 30 s liveness window
+    def lost():  # told by the supervisor (workers_exited), not by a failed heartbeat
         counters = broker_status(info["broker_front"])["counters"]
         return (
             counters.get("workers_lost", 0) > lost_before and counters.get("workers_exited", 0) > 0
