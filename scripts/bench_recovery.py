@@ -41,6 +41,7 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -57,6 +58,7 @@ PHASES = (
 )
 # Worker log lines that mark a start-up milestone (logging's asctime, local time, ms).
 LOG_MARKS = {"model_loaded": "weights loaded:", "profiled": "step cost prior"}
+STABLE_S = 30.0  # laneserve.supervisor.Supervisor's default stable_s
 _ASCTIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
@@ -164,6 +166,8 @@ def watch_recovery(home: Path, front: str, old_pid: int, before: dict, t_kill: f
     seen: dict[str, float] = {}
     deadline = time.monotonic() + 300
     while len(seen) < 4 and time.monotonic() < deadline:
+        if "ready" in seen and time.time() - t_kill > seen["ready"] + 2.0:
+            break  # nothing was in flight to requeue
         now = time.time() - t_kill
         new = stack_info(home).get("children", {}).get("worker-0")
         if new and new != old_pid:
@@ -240,6 +244,10 @@ def one_kill(home: Path, info: dict, args) -> dict:
     job_id = submit(api, args.lines, args.max_tokens)
     wait_batch(api, job_id, lambda s: s["request_counts"]["completed"] >= args.kill_after, 600)
     old = stack_info(home)["children"]["worker-0"]
+    # the supervisor restarts a worker that ran `stable_s` (30 s) at once, a younger one after a
+    # backoff: each round measures the first kind
+    up_s = time.time() - psutil.Process(old).create_time()
+    time.sleep(max(0.0, STABLE_S + 1.0 - up_s))
     before = broker_status(info["broker_front"])["counters"]
     t_kill = time.time()
     os.kill(old, signal.SIGKILL)
