@@ -53,7 +53,7 @@ from laneserve.broker.records import ENGINE_COUNTS, RecordLink
 from laneserve.broker.requests import RequestState, outcome, timings, usage
 from laneserve.broker.worker_side import WorkerSide
 from laneserve.broker.workers import WorkerRegistry, WorkerState
-from laneserve.contracts.procs import parent_gone
+from laneserve.contracts.procs import parent_gone, pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -240,6 +240,8 @@ class Broker(WorkerSide):
             self._send_client(identity, self._heartbeat_frames())
         elif type(msg) is p.StatusRequest:
             self._send_client(identity, self.status(msg.request_id).to_frames())
+        elif type(msg) is p.WorkerExited:
+            self._on_worker_exited(msg)
         elif type(msg) is p.EdgeTimings:
             if self.records is not None:  # only these fields of the record are updated
                 self.records.add_edge_timings(msg)
@@ -267,6 +269,20 @@ class Broker(WorkerSide):
         self.dispatcher.enqueue(req)
         self.counters["submitted"] += 1
         self._dispatch()
+
+    def _on_worker_exited(self, msg: p.WorkerExited) -> None:
+        """Drop a worker its supervisor saw exit, unless that pid still runs on this host."""
+        for identity, worker in list(self.workers.items()):
+            if worker.worker_id == msg.worker_id and worker.pid == msg.pid:
+                if pid_alive(msg.pid):
+                    logger.warning(
+                        "worker_exited for %s ignored: pid %d runs", msg.worker_id, msg.pid
+                    )
+                    return
+                logger.warning("worker %s (pid %d) lost: exited", worker.worker_id, worker.pid)
+                self.counters["workers_exited"] += 1
+                self._worker_lost(identity)  # requeues and dispatches
+                return
 
     def _on_abort(self, identity: bytes, rid: str) -> None:
         req = self.requests.get(rid)

@@ -423,6 +423,20 @@ class RequestStream:
         self._abort()
 
 
+def notify_worker_exited(address: str, worker_id: str, pid: int, linger_s: float = 1.0) -> None:
+    """Tell the broker at ``address`` that worker ``worker_id`` (``pid``) exited (a supervisor
+    saw it): fire and forget, the message waits at most ``linger_s`` for the connection."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    p.secure_socket_options(sock)
+    try:
+        sock.connect(address)
+        sock.send_multipart(p.WorkerExited(worker_id=worker_id, pid=pid).to_frames(), zmq.NOBLOCK)
+    except zmq.ZMQError as exc:
+        logger.warning("could not tell the broker that %s exited: %s", worker_id, exc)
+    finally:
+        sock.close(linger=int(linger_s * 1000))
+
+
 def broker_status(address: str, timeout_s: float = 3.0) -> dict[str, Any]:
     """Synchronous status call for the CLI: ``{"epoch", "workers", "queues", "counters"}``.
 

@@ -100,6 +100,14 @@ _VARS: tuple[EnvVar, ...] = (
         "AMX-BF16: torch's int4 kernel, the GEMVs and the dense copy as elsewhere",
     ),
     EnvVar(
+        "LANESERVE_RESTART_PROFILE",
+        _path,
+        None,
+        "file where a worker keeps the start-up profile it uses, and a restart of it (same "
+        "model and options) takes it back without profiling again (`laneserve up` sets one per "
+        "worker)",
+    ),
+    EnvVar(
         "LANESERVE_STEP_COST_CACHE",
         _flag,
         True,

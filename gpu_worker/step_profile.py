@@ -3,7 +3,10 @@
 a few rounds of idle decodes, decode batches and prefills, fitted by least squares) or reads back
 from the step-cost cache (``$XDG_CACHE_HOME/laneserve/step_cost``, keyed by everything a step's
 cost depends on: `step_cost_cache_key`), checked against a few idle decode steps timed now
-(`steps_agree`). See gpu_worker/step_budget.py for the controller itself.
+(`steps_agree`). A worker restarted by `laneserve up` (`LANESERVE_RESTART_PROFILE`) takes back the
+profile its previous start used without timing anything: it restarts mid-traffic, when an idle
+check would disagree and profile again for seconds while its requeued lines wait. See
+gpu_worker/step_budget.py for the controller itself.
 """
 
 from __future__ import annotations
@@ -45,11 +48,42 @@ def profile_engine(engine: Any, slo_text: str | None) -> BudgetController:
     with these options (`step_cost_cache_key`; a warm start then only warms the engine up).
     Either way a few idle decode steps are timed against the profile's idle step
     (`steps_agree`): a cached profile that disagrees is measured again, and a fresh one that
-    disagrees (the load changed while it ran) is used but not cached.
-    Targets the operator left out are derived from the prior; the caller attaches the
+    disagrees (the load changed while it ran) is used but not cached. A restarted worker reads
+    back the prior its previous start kept in `LANESERVE_RESTART_PROFILE` (same key) and only
+    warms up. Targets the operator left out are derived from the prior; the caller attaches the
     controller to the scheduler."""
+    logger.info("weights loaded: start-up profile of the step cost")
     given = parse_slo(slo_text)
     key = step_cost_cache_key(engine)
+    restart = env.get("LANESERVE_RESTART_PROFILE")
+    cached = _read_prior(restart, key) if restart else None
+    source = "from this worker's previous start"
+    if cached is not None:  # a restart (kill -9, crash) mid-traffic: the load is not idle now
+        _run_profile(engine, _WARMUP, None, round_=0)
+    else:
+        theta, idle_step, source = _checked_prior(engine, key)
+        cached = (theta, idle_step)
+        if restart:
+            _write_prior(restart, theta, idle_step, key)
+    theta, idle_step = cached
+    _reset_after_profile(engine)
+    model = StepCostModel(theta)
+    targets = default_targets(model, given, idle_step)
+    logger.info(
+        "step cost prior %s (ms, ms/token, ms/row, ms/ktoken, ms/kpair), idle decode step "
+        "%.2f ms %s; SLO %s",
+        [round(c, 4) for c in theta], idle_step, source, targets,
+    )  # fmt: skip
+    return BudgetController(
+        targets, model, engine.scheduler.config.max_num_batched_tokens,
+        given_ttft="ttft" in given.get("interactive", {}),
+        given_tpot="tpot" in given.get("interactive", {}),
+    )  # fmt: skip
+
+
+def _checked_prior(engine: Any, key: str) -> tuple[list[float], float, str]:
+    """(prior, idle decode step ms, where it came from): the cached prior when an idle decode
+    step timed now agrees with it, else a profile measured now (cached when it is steady)."""
     cached = read_cached_prior(key)
     source = "from the step-cost cache"
     if cached is not None:
@@ -73,21 +107,8 @@ def profile_engine(engine: Any, slo_text: str | None) -> BudgetController:
                 "profile is not cached", idle_step, again or 0.0,
             )  # fmt: skip
             source = f"from {n} profiled steps, not cached (the load changed meanwhile)"
-    else:
-        theta, idle_step = cached
-    _reset_after_profile(engine)
-    model = StepCostModel(theta)
-    targets = default_targets(model, given, idle_step)
-    logger.info(
-        "step cost prior %s (ms, ms/token, ms/row, ms/ktoken, ms/kpair), idle decode step "
-        "%.2f ms %s; SLO %s",
-        [round(c, 4) for c in theta], idle_step, source, targets,
-    )  # fmt: skip
-    return BudgetController(
-        targets, model, engine.scheduler.config.max_num_batched_tokens,
-        given_ttft="ttft" in given.get("interactive", {}),
-        given_tpot="tpot" in given.get("interactive", {}),
-    )  # fmt: skip
+        return theta, idle_step, source
+    return cached[0], cached[1], source
 
 
 _WARMUP = ((8, 1, 2), (64, 1, 1))  # a cached prior's start: one short decode, one chunk
@@ -244,10 +265,17 @@ def read_cached_prior(key: str) -> tuple[list[float], float] | None:
     always gives None)."""
     if not env.get("LANESERVE_STEP_COST_CACHE"):
         return None
+    return _read_prior(step_cost_cache_dir() / f"{key}.json")
+
+
+def _read_prior(path: Path, key: str | None = None) -> tuple[list[float], float] | None:
+    """The prior kept in `path` (and written for `key`, when given), or None."""
     try:
-        data = json.loads((step_cost_cache_dir() / f"{key}.json").read_text())
+        data = json.loads(path.read_text())
         theta = [float(c) for c in data["theta"]]
         idle_step = float(data["idle_step_ms"])
+        if key is not None and data["key"] != key:
+            return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if len(theta) != NUM_FEATURES or not all(math.isfinite(c) and c >= 0.0 for c in theta):
@@ -262,12 +290,15 @@ def write_cached_prior(key: str, theta: list[float], idle_step_ms: float) -> Non
     written costs the next start its profile, nothing else)."""
     if not env.get("LANESERVE_STEP_COST_CACHE"):
         return
-    folder = step_cost_cache_dir()
-    tmp = folder / f"{key}.json.tmp{os.getpid()}"
-    record = {"theta": theta, "idle_step_ms": idle_step_ms, "written": time.time()}
+    _write_prior(step_cost_cache_dir() / f"{key}.json", theta, idle_step_ms, key)
+
+
+def _write_prior(path: Path, theta: list[float], idle_step_ms: float, key: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    record = {"theta": theta, "idle_step_ms": idle_step_ms, "key": key, "written": time.time()}
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(record))
-        os.replace(tmp, folder / f"{key}.json")
+        os.replace(tmp, path)
     except OSError as exc:
-        logger.warning("cannot write the step-cost cache in %s (%s)", folder, exc)
+        logger.warning("cannot keep the step-cost profile in %s (%s)", path, exc)

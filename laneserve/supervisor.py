@@ -2,11 +2,13 @@
 
 Each child is a command line (`ChildSpec`) started in its own session (so a terminal Ctrl-C
 reaches only the supervisor, which then stops the children in order) with stdout/stderr appended
-to `LOG_DIR/NAME.log`. `poll()` restarts a child that exited with exponential backoff
-(`backoff_initial_s`, doubled per crash up to `backoff_max_s`, reset once a child has stayed up for
-`stable_s`). `stop()` never restarts anything: it sends SIGTERM group by group (`stop_group`
-ascending: edges first, the recorder last so it can flush), waits up to `stop_timeout_s` per group,
-then SIGKILLs what is left, including grandchildren in each child's process group.
+to `LOG_DIR/NAME.log`. `poll()` restarts a child that exited: at once after a stable run, then
+with exponential backoff (`backoff_initial_s`, doubled per quick crash up to `backoff_max_s`, reset
+once a child has stayed up for `stable_s`), and tells `on_exit` (so `laneserve up` can tell the
+broker that a worker died without waiting for a heartbeat to fail). `stop()` never restarts
+anything: it sends SIGTERM group by group (`stop_group` ascending: edges first, the recorder last
+so it can flush), waits up to `stop_timeout_s` per group, then SIGKILLs what is left, including
+grandchildren in each child's process group.
 
 Children also get `--parent-pid` from their owner (`laneserve up`), so they exit on their own if
 the supervisor is killed with SIGKILL (DESIGN.md "Processes").
@@ -50,7 +52,8 @@ class Child:
     proc: subprocess.Popen | None = None
     started_at: float = 0.0  # time.monotonic()
     restarts: int = 0
-    backoff_s: float = 0.0
+    backoff_s: float = 0.0  # the delay of the last restart
+    streak: int = 0  # exits in a row that came before `stable_s` of running
     restart_at: float | None = None  # monotonic time of the next start, None: not scheduled
     exit_codes: list[int] = field(default_factory=list)
 
@@ -72,6 +75,7 @@ class Supervisor:
         stable_s: float = 30.0,
         stop_timeout_s: float = 15.0,
         on_change: Callable[[Supervisor], None] | None = None,
+        on_exit: Callable[[str, int, int], None] | None = None,
     ) -> None:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -83,6 +87,7 @@ class Supervisor:
         self.stable_s = stable_s
         self.stop_timeout_s = stop_timeout_s
         self.on_change = on_change
+        self.on_exit = on_exit  # (name, pid, exit code) of a child that exited unasked
         self.stopping = False
 
     # --------------------------------------------------------------------------- start
@@ -140,11 +145,12 @@ class Supervisor:
                     child.restart_at = float("inf")
                     changed = True
                     continue
-                if up_s >= self.stable_s or child.backoff_s == 0.0:
-                    child.backoff_s = self.backoff_initial_s
-                else:
-                    child.backoff_s = min(self.backoff_max_s, child.backoff_s * 2)
+                if up_s >= self.stable_s:
+                    child.streak = 0
+                child.backoff_s = self._backoff(child.streak)
+                child.streak += 1
                 child.restart_at = now + child.backoff_s
+                self._exited(name, proc.pid, code)
                 events.append(
                     f"{name} (pid {proc.pid}) exited with {code} after {up_s:.1f}s; "
                     f"restarting in {child.backoff_s:.1f}s (log: {self.log_path(name)})"
@@ -160,6 +166,21 @@ class Supervisor:
         if changed:
             self._changed()
         return events
+
+    def _backoff(self, streak: int) -> float:
+        """Seconds before a restart: none after a stable run (a killed worker's lines wait for
+        it), then `backoff_initial_s` doubled per quick crash up to `backoff_max_s`."""
+        if streak == 0:
+            return 0.0
+        return min(self.backoff_max_s, self.backoff_initial_s * 2 ** (streak - 1))
+
+    def _exited(self, name: str, pid: int, code: int) -> None:
+        if self.on_exit is None:
+            return
+        try:
+            self.on_exit(name, pid, code)
+        except Exception:  # a failing callback must not kill the supervisor
+            logger.exception("supervisor on_exit callback failed")
 
     def exited(self, name: str) -> int | None:
         """The exit code when `name` is down (and not yet restarted), else None."""

@@ -75,6 +75,7 @@ from laneserve.broker.protocol.front import (
     StatusReply,
     StatusRequest,
     Submit,
+    WorkerExited,
     encode_delta,
 )
 from laneserve.broker.protocol.recorder import (
@@ -131,6 +132,7 @@ __all__ = [
     "StepOutput",
     "StepOutputs",
     "Submit",
+    "WorkerExited",
     "WorkRequest",
     "WorkerError",
     "WorkerHeartbeat",

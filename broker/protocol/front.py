@@ -120,6 +120,19 @@ class StatusRequest(Message):
 
 
 @message
+class WorkerExited(Message):
+    """A supervisor saw its worker process exit (``laneserve up``): the broker drops the worker
+    registered with this ``worker_id`` and ``pid`` at once and requeues its requests, instead of
+    waiting for its next heartbeat to fail (up to an interval) or, where the dead peer's
+    connection lingers, the liveness window. Ignored while that pid still runs on the broker's
+    host."""
+
+    KIND: ClassVar[str] = "worker_exited"
+    worker_id: str = spec(t_str())
+    pid: int = spec(t_int(1, 2**31))
+
+
+@message
 class Hello(Message):
     """Client liveness probe; the broker answers with a :class:`Heartbeat` carrying its epoch."""
 
@@ -245,5 +258,12 @@ class StatusReply(Message):
     counters: dict = spec(t_map(), {})
 
 
-CLIENT_TO_BROKER: tuple[type[Message], ...] = (Submit, Abort, StatusRequest, Hello, EdgeTimings)
+CLIENT_TO_BROKER: tuple[type[Message], ...] = (
+    Submit,
+    Abort,
+    StatusRequest,
+    Hello,
+    EdgeTimings,
+    WorkerExited,
+)
 BROKER_TO_CLIENT: tuple[type[Message], ...] = (Delta, Final, Error, Heartbeat, StatusReply)

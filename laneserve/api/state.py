@@ -168,12 +168,17 @@ class GatewayState:
         return names
 
     async def check_model(self, model: str) -> None:
-        """Raises ApiError ``not_found`` (404) for a model nobody serves."""
+        """Raises ApiError ``not_found`` (404) for a model nobody serves, ``no_worker`` (503)
+        while no model is known at all (a gateway without ``--model`` and no worker registered,
+        e.g. the only one restarting)."""
         if model in self.model_names():
             return
         if time.monotonic() - self.status_at > 0.5:
             await self.refresh_status()
-        self.model_info.check_name(model, self.model_names())
+        names = self.model_names()
+        if not names:  # no served name and no worker now (one restarting): nothing is unknown yet
+            raise ApiError("no_worker", "no worker serves any model now; retry shortly")
+        self.model_info.check_name(model, names)
 
     def _serves(self, lane: str) -> bool:
         workers = (self.status or {}).get("workers") or []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -33,15 +34,16 @@ from typing import TYPE_CHECKING
 
 from laneserve.commands import add_tool_parser_argument, port_number
 from laneserve.commands.up_host import (
+    child_env,
     cpu_cores,
     free_port,
     gpu_count,
     port_free,
     prepare_model,
+    tell_broker,
     threads_per_worker,
 )
 from laneserve.contracts import env as lsenv
-from laneserve.gpu_worker import openmp
 from laneserve.gpu_worker.config import EngineConfig, add_engine_arguments, config_from_args
 
 if TYPE_CHECKING:
@@ -171,24 +173,6 @@ def engine_options(args: argparse.Namespace) -> EngineConfig:
     return config_from_args(args, exclude=PER_WORKER)
 
 
-def child_env(home: Path, threads: int, api_key: str | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        LANESERVE_HOME=str(home),
-        OMP_NUM_THREADS=str(threads),
-        MKL_NUM_THREADS=str(threads),
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONUNBUFFERED="1",
-    )
-    env.update(openmp.policy_env())  # a short spin; an explicit setting of either is passed on
-    env.pop("LANESERVE_DB_URL", None)  # every child gets --db explicitly
-    if api_key:
-        env["LANESERVE_API_KEY"] = api_key
-    else:
-        env.pop("LANESERVE_API_KEY", None)
-    return env
-
-
 def build_specs(args: argparse.Namespace, plan: dict) -> list:
     """The child commands for this stack (`plan`: addresses, ports, db url, pid, threads)."""
     from laneserve.supervisor import ChildSpec
@@ -225,7 +209,11 @@ def build_specs(args: argparse.Namespace, plan: dict) -> list:
         argv += ["--liveness", liveness, "--parent-pid", pid, "--drain-timeout", "5"]
         if args.synthetic:
             argv.append("--synthetic")
-        specs.append(ChildSpec(f"worker-{i}", argv, worker_env, stop_group=1))
+        # The start-up profile this worker uses, taken back by its restarts (not by a new stack)
+        profile = home / "run" / f"worker-{i}.profile.json"
+        profile.unlink(missing_ok=True)
+        env = dict(worker_env, LANESERVE_RESTART_PROFILE=str(profile))
+        specs.append(ChildSpec(f"worker-{i}", argv, env, stop_group=1))
     n_runners = args.jobs_runners
     tools = ["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []
     for i in range(n_runners):
@@ -353,7 +341,12 @@ def _run_locked(
         return 130
     plan = _plan(args, home, lanes, engine, db_url, gpus, ports)
     stack_file = _StackFile(plan, "synthetic" if args.synthetic else engine.model, time.time())
-    sup = Supervisor(build_specs(args, plan), home / "logs", on_change=stack_file.write)
+    sup = Supervisor(
+        build_specs(args, plan),
+        home / "logs",
+        on_change=stack_file.write,
+        on_exit=functools.partial(tell_broker, plan["front"]),
+    )
     code = 0
     try:
         say(f"starting {len(sup.children)} processes (logs in {home / 'logs'})")

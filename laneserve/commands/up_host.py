@@ -1,5 +1,6 @@
 """What the host offers `laneserve up`: free ports, CPU cores and threads per worker, GPUs, and
-the model prepared on disk before any worker starts."""
+the model prepared on disk before any worker starts, the children's environment, and the
+broker told at once when a worker exits."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import socket
 from pathlib import Path
 
 from laneserve.contracts import env as lsenv
+from laneserve.gpu_worker import openmp
 
 
 def free_port() -> int:
@@ -81,3 +83,29 @@ def prepare_model(model: str) -> None:
         )
 
         convert_gguf(path)
+
+
+def child_env(home: Path, threads: int, api_key: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        LANESERVE_HOME=str(home),
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(openmp.policy_env())  # a short spin; an explicit setting of either is passed on
+    env.pop("LANESERVE_DB_URL", None)  # every child gets --db explicitly
+    if api_key:
+        env["LANESERVE_API_KEY"] = api_key
+    else:
+        env.pop("LANESERVE_API_KEY", None)
+    return env
+
+
+def tell_broker(front: str, name: str, pid: int, code: int) -> None:
+    """A worker exited: the broker requeues its requests now, not at its next failed heartbeat."""
+    if name.startswith("worker-"):
+        from laneserve.broker.client import notify_worker_exited
+
+        notify_worker_exited(front, name, pid)

@@ -173,6 +173,12 @@ def test_readiness_follows_worker_and_broker(tmp_path: Path) -> None:
         assert "no worker is attached to the broker" in r.json()["reasons"], r.json()
         alt = httpx.get(api + "/health?ready=1", timeout=3)
         assert alt.status_code == 503 and alt.json()["reasons"] == r.json()["reasons"]
+        # a chat meanwhile: a gateway without --model knows no model while nothing serves, so
+        # the answer is a retryable 503 (it was a 404 'model not found', which clients give up on)
+        msg = [{"role": "user", "content": "hi"}]
+        chat = httpx.post(api + "/v1/chat/completions", json={"model": "synthetic", "messages": msg},
+                          timeout=10)  # fmt: skip
+        assert chat.status_code == 503 and chat.json()["error"]["code"] == "no_worker", chat.text
 
         # the supervisor restarts it: 200 again, liveness 200 throughout
         os.kill(up.pid, signal.SIGCONT)

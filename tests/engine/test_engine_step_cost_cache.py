@@ -3,7 +3,9 @@ and read back on the next start (the warm start then only warms the engine up)."
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -90,6 +92,39 @@ def test_second_start_reuses_the_profiled_prior(make_llm, step_cost_cache, monke
     assert step_profile.read_cached_prior(key) is None
     fourth = make_llm(slo_control=True)
     assert _prior(fourth)[0] != pytest.approx(marked[0])
+
+
+@pytest.mark.slow
+def test_a_restarted_worker_takes_back_its_profile_untimed(
+    base_llm, make_llm, tmp_path, monkeypatch
+):
+    """`laneserve up` restarts a killed worker mid-traffic: an idle check would disagree with
+    any profile and profile again for seconds while the requeued lines wait (issue 52)."""
+    monkeypatch.setenv("LANESERVE_STEP_COST_CACHE", "0")  # only the restart file can hold it
+    kept = tmp_path / "run" / "worker-0.profile.json"
+    monkeypatch.setenv("LANESERVE_RESTART_PROFILE", str(kept))
+    # what the previous start kept: the key of an SLO-controlled engine of these options, and
+    # an idle step 10x off, which the step-cost cache's check would throw away
+    engine = base_llm.engine
+    shim = SimpleNamespace(
+        config=dataclasses.replace(engine.config, slo_control=True, max_num_seqs=5),
+        model_path=engine.model_path, dtype=engine.dtype, device=engine.device,
+        quantization=engine.quantization,
+    )  # fmt: skip
+    theta = [123.0, 1.0, 2.0, 3.0, 0.0]
+    key = step_profile.step_cost_cache_key(shim)
+    kept.parent.mkdir()
+    kept.write_text(json.dumps({"theta": theta, "idle_step_ms": 500.0, "key": key}))
+    restarted = make_llm(slo_control=True, max_num_seqs=5)
+    assert step_profile.step_cost_cache_key(restarted.engine) == key
+    assert _prior(restarted) == pytest.approx(theta)  # taken as it is, nothing re-measured
+    tpot = restarted.engine.scheduler.step_budget.targets.interactive.tpot_ms
+    assert tpot == pytest.approx(step_budget.TPOT_MULTIPLE * 500.0, abs=0.1)
+    out = restarted.generate(["Hi"], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out[0].token_ids) == 2  # warmed up, serves
+    assert json.loads(kept.read_text())["theta"] == theta
+    # a file kept for other options (another key) is not taken: read as absent
+    assert step_profile._read_prior(kept, "another-key") is None
 
 
 def test_idle_steps_agree_within_the_stated_factor():
