@@ -168,7 +168,10 @@ class LLMEngine:
             max_model_len=max_len,
         )
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            sliding_window=self.model_config.kv_sliding_window,
         )
         self.scheduler = Scheduler(SchedulerConfig.from_engine(config, max_len), self.block_manager)
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
