@@ -151,13 +151,17 @@ def _tensor_values(reader, name: str) -> list[float]:
 
 
 def _family_fields(reader, family: str, get, head_dim: int, ctx: int, path: Path) -> dict:
-    """The ModelConfig fields llama.cpp keeps per family: Phi-3's partial rotary and LongRoPE
+    """The ModelConfig fields llama.cpp keeps per family: llama3 rope scaling (`rope_freqs`:
+    the divisor of each rotated pair's frequency, `rope_scaling["freq_factors"]`), Phi-3's partial rotary and LongRoPE
     factors (tensors `rope_factors_short` / `rope_factors_long`), Gemma 3's attention kinds,
     local RoPE base, window and scale (llama.cpp: query_pre_attn_scalar = head_dim; every 6th
     layer global unless `attention.sliding_window_pattern` lists them)."""
     names = {t.name for t in reader.tensors}
     window = get("attention.sliding_window")
     out: dict[str, Any] = {"sliding_window": int(window) if window else None}
+    if "rope_freqs.weight" in names:  # llama3 scaling as llama.cpp's converter writes it
+        factors = _tensor_values(reader, "rope_freqs.weight")
+        out["rope_scaling"] = {"rope_type": "llama3", "freq_factors": factors}
     if family == "phi3":
         out["partial_rotary_factor"] = int(get("rope.dimension_count") or head_dim) / head_dim
         if "rope_factors_long.weight" in names:
@@ -329,7 +333,7 @@ def load_gguf_weights(
         hf_name = gguf_to_hf_name(tensor.name, config.architecture)
         if hf_name is None:
             if tensor.name in _ROPE_TENSORS:
-                continue  # llama3 rope factors; we recompute them from rope_scaling
+                continue  # rope factors: read into the config's rope_scaling
             logger.debug("%s: skipping unknown tensor %s", path, tensor.name)
             continue
         if "{e}" in hf_name:

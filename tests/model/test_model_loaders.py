@@ -375,3 +375,29 @@ def test_host_zeros_are_zero_writable_and_separate(dtype):
     assert torch.equal(a, torch.zeros_like(a))
     a[1, 2].fill_(3.0)
     assert a.sum().item() == 3.0 * 20 and b.abs().sum().item() == 0.0
+
+
+def test_llama3_gguf_rope_freqs_match_transformers(tmp_path):
+    """llama.cpp writes llama3 rope scaling as a `rope_freqs.weight` tensor (no scaling keys):
+    the Llama-3.2 `tiny` shape's GGUF reads it into the config and gives transformers' logits
+    over 48 tokens; without the factors the logits are another model's."""
+    import dataclasses
+
+    maker = load_script("make_test_model")
+    hf_model = maker.make_model("llama", "tiny")  # rope_scaling llama3, factor 8
+    path = maker.write_gguf(hf_model, "llama", tmp_path / "llama3.gguf")
+    reader = gguf.GGUFReader(str(path))
+    assert "llama.rope.scaling.type" not in reader.fields
+    config = config_from_gguf(reader, path)
+    assert len(config.rope_scaling["freq_factors"]) == config.head_dim // 2
+    assert config_from_hf_dict(config.to_hf_dict(), tmp_path) == config  # the cached conversion
+    weights = load_gguf_weights(reader, config, path)
+    ids = torch.randint(3, 49152, (48,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0]
+
+    def rel(cfg) -> float:
+        return ((our_logits(cfg, weights, ids) - ref).abs().max() / ref.abs().max()).item()
+
+    assert rel(config) < 1e-4
+    assert rel(dataclasses.replace(config, rope_scaling=None)) > 1e-3
