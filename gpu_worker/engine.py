@@ -153,7 +153,10 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.load_seconds = loaded.load_seconds
-        return build_model(loaded.config, loaded.weights, self.dtype, self.device, quantization)
+        weights, loaded.weights = loaded.weights, {}  # the model's own: freed as it takes them
+        return build_model(
+            loaded.config, weights, self.dtype, self.device, quantization, release_weights=True
+        )
 
     def _build_step_parts(self, model: LlamaForCausalLM, num_blocks: int) -> None:
         """The model runner over a KV pool of `num_blocks`, the block manager, scheduler,

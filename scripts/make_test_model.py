@@ -130,6 +130,22 @@ SHAPES: dict[str, dict[str, dict]] = {
         "1.7b": {**_QWEN3_06B, "hidden_size": 2048, "intermediate_size": 6144},
         # head_dim 32, not hidden / heads = 16: the config's head_dim must be the one used
         "tiny": _tiny(head_dim=32, rope_theta=1000000.0),
+        # ~50M parameters (200 MB float32): big enough that a second copy of the weights shows
+        # in the load's peak RSS, small enough to write and load in seconds
+        "small": {
+            **_QWEN3_06B,
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "vocab_size": 49152,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 64,
+            "max_position_embeddings": 512,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "pad_token_id": 0,
+        },
     },
     "phi3": {
         "mini": dict(  # Phi-3-mini-4k-instruct
