@@ -437,9 +437,12 @@ def _gguf_tensors(model, family: str):
             yield name, array
 
 
-def write_gguf(model, family: str, path: Path, tokenizer_gguf: Path | None = None) -> Path:
+def write_gguf(
+    model, family: str, path: Path, tokenizer_gguf: Path | None = None, expert_type: str = "F32"
+) -> Path:
     """`model`'s weights (float32) as a GGUF in llama.cpp's layout and metadata keys (llama: Q/K
-    rows permuted; Gemma 3: norm weights stored as 1 + w; Phi-3: LongRoPE factors as tensors).
+    rows permuted; Gemma 3: norm weights stored as 1 + w; Phi-3: LongRoPE factors as tensors;
+    MoE experts as 3-D tensors, of `expert_type`).
 
     Raises:
         ValueError: a family laneserve does not read from GGUF, or a config llama.cpp cannot say.
@@ -479,6 +482,10 @@ def write_gguf(model, family: str, path: Path, tokenizer_gguf: Path | None = Non
             array = llama_cpp_permute(array, heads)
         if family == "gemma3" and gname.endswith("norm.weight"):
             array = array + 1.0
+        if "_exps." in gname and expert_type != "F32":  # MoE experts quantized (Q8_0, Q4_0, ...)
+            qtype = gguf.GGMLQuantizationType[expert_type]
+            writer.add_tensor(gname, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            continue
         writer.add_tensor(gname, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
