@@ -38,6 +38,19 @@ another request already shares (`shares_uncomputed`). Output blocks are register
 step that computed them (`cache_full_blocks`), so speculative or rolled-back tokens never enter
 the cache.
 
+Sliding window (`sliding_window`, given when every layer of the model attends within a window,
+e.g. Mistral): a query at position i reads keys i - W < j <= i only, so once a request has
+computed `num_computed_tokens` tokens its blocks wholly before position `num_computed_tokens - W`
+are never read again (the next query sits at `num_computed_tokens`). `free_outside_window`
+returns them to the pool (the scheduler calls it after each step, `allocate_slots` before each
+allocation) and puts `NULL_BLOCK` in their place in the block table, so a table keeps one entry per logical block (``table[i]`` still holds tokens
+``[i * block_size, (i + 1) * block_size)``) and the attention paths, which start reading at the
+window's first block, never touch a null entry. Between steps a request then holds at most
+``ceil(W / block_size) + 1`` blocks (during a step, also those of the tokens it computes). A freed block keeps its cached hash: its KV is that of its
+whole token chain, which a sliding window does not change, so a later request whose prompt
+starts with the same chain may hit it as long as every earlier block of the chain is still
+cached (a hit is a run of consecutive blocks from block 0, each confirmed).
+
 Counters `prefix_cache_queries` and `prefix_cache_hits` are in **tokens**: the first admission
 of a request adds its `num_tokens` to the queries and its hit tokens to the hits. Re-admission
 after a preemption is not counted (it mostly finds the request's own freed blocks, which would
@@ -56,12 +69,15 @@ from dataclasses import dataclass, field
 
 from laneserve.gpu_worker.request import Request
 
-__all__ = ["BlockManager", "KVBlock", "hash_block_tokens"]
+__all__ = ["NULL_BLOCK", "BlockManager", "KVBlock", "hash_block_tokens"]
 
 logger = logging.getLogger(__name__)
 
 # `_num_registered` value of a request whose chain hit a collision: no block of it registers again.
 _STOP_REGISTERING = 1 << 62
+
+# Block table entry of a block freed because it left the sliding window (never read again).
+NULL_BLOCK = -1
 
 
 def hash_block_tokens(
@@ -127,9 +143,11 @@ class BlockManager:
         num_blocks: number of physical blocks in the KV cache (>= 1).
         block_size: tokens per block (>= 1).
         enable_prefix_caching: look up and register full blocks by chained hash.
+        sliding_window: tokens every layer attends within (None: some layer attends everything);
+            blocks that left it are freed (`free_outside_window`).
 
     Raises:
-        ValueError: when `num_blocks` or `block_size` is below 1.
+        ValueError: when `num_blocks` or `block_size` is below 1, or `sliding_window` below 1.
 
     Typical use by the scheduler, per request::
 
@@ -140,14 +158,23 @@ class BlockManager:
         bm.free(req)                                         # finish, abort or preemption
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+    ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Free list in eviction order: head = next to allocate. Values unused.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -155,6 +182,8 @@ class BlockManager:
         self._live: dict[str, Request] = {}  # requests holding blocks, by request id
         self._num_registered: dict[str, int] = {}  # leading blocks already hashed, per request
         self._uncomputed: set[int] = set()  # registered at allocation, KV not yet computed
+        self._num_window_freed: dict[str, int] = {}  # leading NULL_BLOCK entries, per request
+        self.num_window_freed_blocks = 0  # blocks returned because they left the window
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of which found in the cache
         self.num_hash_collisions = 0  # hash matched but token ids differed (refused)
@@ -261,6 +290,9 @@ class BlockManager:
         raised; new blocks come from the head of the free list, evicting their cached hash.
         The caller advances `num_computed_tokens` (the hit tokens and, after the step, the new ones).
 
+        First returns the request's blocks that left the sliding window (`free_outside_window`);
+        that is the one change made even when it then returns False.
+
         Args:
             request: the request to grow.
             num_new_tokens: tokens to compute this step (>= 0).
@@ -272,6 +304,7 @@ class BlockManager:
             True on success; False when too few free blocks, in which case nothing changed.
         """
         assert num_new_tokens >= 0, f"num_new_tokens={num_new_tokens}"
+        self.free_outside_window(request)
         table = request.block_table
         if not new_computed_blocks and table and reserve_blocks <= len(self._free):
             # Fast path (decodes): the new tokens fit in the blocks the request already holds.
@@ -375,6 +408,8 @@ class BlockManager:
         self._update_block_hashes(request, num_full * self.block_size)
         bs = self.block_size
         for i in range(start, num_full):
+            if request.block_table[i] == NULL_BLOCK:
+                continue  # left the window before it was registered: its KV is gone from here
             block = self.blocks[request.block_table[i]]
             block_hash = request.block_hashes[i]
             parent = request.block_hashes[i - 1] if i else None
@@ -417,27 +452,61 @@ class BlockManager:
             freed += 1
         return freed
 
+    def free_outside_window(self, request: Request) -> int:
+        """Return the request's blocks wholly before position `num_computed_tokens -
+        sliding_window` to the pool (no query of it reads them again) and mark them
+        `NULL_BLOCK` in its block table. Nothing without a sliding window.
+
+        Returns the number of blocks freed.
+
+        ::
+
+            positions  [0 ........ n - W) [n - W ...... n)  n = num_computed_tokens
+            blocks      freed (NULL_BLOCK)  kept: the block holding n - W and after
+        """
+        if self.sliding_window is None:
+            return 0
+        table = request.block_table
+        start = self._num_window_freed.get(request.request_id, 0)
+        end = min(
+            (request.num_computed_tokens - self.sliding_window) // self.block_size, len(table)
+        )
+        for i in range(start, end):
+            self._release(table[i])
+            table[i] = NULL_BLOCK
+        if end <= start:
+            return 0
+        self._num_window_freed[request.request_id] = end
+        self.num_window_freed_blocks += end - start
+        return end - start
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; a block reaching ref count 0 goes to the tail of the free list
+        when it is cached (LRU eviction order) or to the head when it is not."""
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"double free of block {block_id}"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            if block_id in self._uncomputed:  # its KV was never written: not a hit
+                self._uncomputed.discard(block_id)
+                del self._cached[block.block_hash]
+                block.forget()
+            if block.block_hash is None:
+                self._free.move_to_end(block_id, last=False)
+
     def free(self, request: Request) -> None:
         """Release all blocks of `request` (finish, abort or preemption); idempotent.
 
-        Blocks are released tail-first. A block reaching ref count 0 goes to the tail of the
-        free list when it is cached (LRU eviction order) or to the head when it is not.
+        Blocks are released tail-first (`_release`); `NULL_BLOCK` entries were freed already.
         """
         for block_id in reversed(request.block_table):
-            block = self.blocks[block_id]
-            assert block.ref_count > 0, f"double free of block {block_id}"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                if block_id in self._uncomputed:  # its KV was never written: not a hit
-                    self._uncomputed.discard(block_id)
-                    del self._cached[block.block_hash]
-                    block.forget()
-                if block.block_hash is None:
-                    self._free.move_to_end(block_id, last=False)
+            if block_id != NULL_BLOCK:
+                self._release(block_id)
         request.block_table.clear()
         self._live.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
+        self._num_window_freed.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash (e.g. after weights change). Returns the blocks dropped.
@@ -462,13 +531,17 @@ class BlockManager:
         counts = [0] * self.num_blocks
         for rid, req in self._live.items():
             assert req.request_id == rid, f"live request key {rid} != {req.request_id}"
-            assert len(set(req.block_table)) == len(req.block_table), (
+            held = [b for b in req.block_table if b != NULL_BLOCK]
+            assert len(set(held)) == len(held), (
                 f"{rid} block table repeats a block: {req.block_table}"
             )
             assert req.num_computed_tokens <= len(req.block_table) * self.block_size, (
                 f"{rid}: {req.num_computed_tokens} computed tokens in {len(req.block_table)} blocks"
             )
-            for block_id in req.block_table:
+            nulls = self._num_window_freed.get(rid, 0)
+            assert all(b == NULL_BLOCK for b in req.block_table[:nulls]), f"{rid}: freed head"
+            for block_id in req.block_table[nulls:]:
+                assert block_id != NULL_BLOCK, f"{rid}: NULL_BLOCK past its window-freed head"
                 counts[block_id] += 1
         for block in self.blocks:
             assert block.ref_count == counts[block.block_id], (

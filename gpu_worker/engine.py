@@ -153,7 +153,10 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.load_seconds = loaded.load_seconds
-        return build_model(loaded.config, loaded.weights, self.dtype, self.device, quantization)
+        weights, loaded.weights = loaded.weights, {}  # the model's own: freed as it takes them
+        return build_model(
+            loaded.config, weights, self.dtype, self.device, quantization, release_weights=True
+        )
 
     def _build_step_parts(self, model: LlamaForCausalLM, num_blocks: int) -> None:
         """The model runner over a KV pool of `num_blocks`, the block manager, scheduler,
@@ -168,7 +171,10 @@ class LLMEngine:
             max_model_len=max_len,
         )
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            sliding_window=self.model_config.kv_sliding_window,
         )
         self.scheduler = Scheduler(SchedulerConfig.from_engine(config, max_len), self.block_manager)
         self.eos_token_ids = frozenset(model.config.eos_token_ids)

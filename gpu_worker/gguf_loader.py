@@ -151,13 +151,17 @@ def _tensor_values(reader, name: str) -> list[float]:
 
 
 def _family_fields(reader, family: str, get, head_dim: int, ctx: int, path: Path) -> dict:
-    """The ModelConfig fields llama.cpp keeps per family: Phi-3's partial rotary and LongRoPE
+    """The ModelConfig fields llama.cpp keeps per family: llama3 rope scaling (`rope_freqs`:
+    the divisor of each rotated pair's frequency, `rope_scaling["freq_factors"]`), Phi-3's partial rotary and LongRoPE
     factors (tensors `rope_factors_short` / `rope_factors_long`), Gemma 3's attention kinds,
     local RoPE base, window and scale (llama.cpp: query_pre_attn_scalar = head_dim; every 6th
     layer global unless `attention.sliding_window_pattern` lists them)."""
     names = {t.name for t in reader.tensors}
     window = get("attention.sliding_window")
     out: dict[str, Any] = {"sliding_window": int(window) if window else None}
+    if "rope_freqs.weight" in names:  # llama3 scaling as llama.cpp's converter writes it
+        factors = _tensor_values(reader, "rope_freqs.weight")
+        out["rope_scaling"] = {"rope_type": "llama3", "freq_factors": factors}
     if family == "phi3":
         out["partial_rotary_factor"] = int(get("rope.dimension_count") or head_dim) / head_dim
         if "rope_factors_long.weight" in names:
@@ -288,6 +292,23 @@ def dequantize_gguf_tensor(tensor, path: Path) -> np.ndarray:
     return np.asarray(data, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
 
 
+def _drop_file_pages(view: np.ndarray) -> None:
+    """Drop the pages of a read-only memory-mapped tensor `view` from this process once it was
+    copied out (madvise MADV_DONTNEED; the page cache keeps them, a later read maps them again).
+    Without it a dequantized or copied F32 tensor counts twice in the load's peak RSS: its copy
+    and the file pages the copy touched."""
+    import ctypes
+    import mmap
+
+    if view.flags.writeable or view.nbytes < mmap.PAGESIZE or not hasattr(os, "posix_fadvise"):
+        return  # our own memory, too small to hold a whole page, or not Linux
+    start = -(-view.ctypes.data // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (view.ctypes.data + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
+
+
 def _is_llama_qk(config: ModelConfig, hf_name: str) -> int | None:
     """Head count to undo llama.cpp's Q/K row permutation with, or None for other tensors."""
     if config.architecture not in ("llama", "mixtral"):
@@ -329,7 +350,7 @@ def load_gguf_weights(
         hf_name = gguf_to_hf_name(tensor.name, config.architecture)
         if hf_name is None:
             if tensor.name in _ROPE_TENSORS:
-                continue  # llama3 rope factors; we recompute them from rope_scaling
+                continue  # rope factors: read into the config's rope_scaling
             logger.debug("%s: skipping unknown tensor %s", path, tensor.name)
             continue
         if "{e}" in hf_name:
@@ -344,12 +365,13 @@ def load_gguf_weights(
             weights[hf_name] = GGUFQuantTensor(hf_name, tensor.tensor_type.name, blocks, shape)
             continue
         array = dequantize_gguf_tensor(tensor, path)
+        if not array.flags.writeable:
+            array = array.copy()  # F32 tensors are read-only memmap views of the file
+        _drop_file_pages(np.asarray(tensor.data))
         if n_head is not None:
             array = reverse_llama_permute(array, n_head)
         if config.architecture == "gemma3" and hf_name.endswith("norm.weight"):
             array = array - 1.0  # llama.cpp stores Gemma's (1 + w); the model folds the 1 itself
-        if not array.flags.writeable:
-            array = array.copy()  # F32 tensors are read-only memmap views of the file
         weights[hf_name] = torch.from_numpy(array)
     return weights
 
@@ -370,6 +392,7 @@ def _expert_tensors(
     array = dequantize_gguf_tensor(tensor, path)
     if not array.flags.writeable:
         array = array.copy()
+    _drop_file_pages(np.asarray(tensor.data))
     experts = torch.from_numpy(array)  # one copy each: safetensors saves no shared storage
     return {name: experts[e].clone() for e, name in enumerate(names)}
 

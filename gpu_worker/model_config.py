@@ -101,6 +101,15 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window every layer attends within (the widest of them), or None when some
+        layer attends every key (Gemma 3's global layers): KV outside it is never read again."""
+        windows = [self.layer_sliding_window(i) for i in range(self.num_hidden_layers)]
+        if not windows or None in windows:
+            return None
+        return max(windows)
+
     def __post_init__(self) -> None:
         if self.moe_layers and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ModelLoadError(

@@ -136,6 +136,7 @@ def convert_gguf(path: Path, out_dir: Path | None = None) -> Path:
         (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
         tokenizer.save_pretrained(str(tmp))
+        write_tensor_index(reader, path, tmp)  # the quantized path maps the file without parsing
         write_conversion_marker(tmp, path)
         if out_dir.exists():
             import shutil

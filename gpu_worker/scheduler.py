@@ -45,7 +45,7 @@ import itertools
 import logging
 import time
 
-from laneserve.gpu_worker.block_manager import BlockManager
+from laneserve.gpu_worker.block_manager import NULL_BLOCK, BlockManager
 from laneserve.gpu_worker.request import Lane, Request, RequestStatus
 from laneserve.gpu_worker.scheduler_config import SchedulerConfig
 from laneserve.gpu_worker.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -495,7 +495,7 @@ class Scheduler:
         if not victims:
             return False
         bm = self.block_manager
-        uses = collections.Counter(b for r in victims for b in r.block_table)
+        uses = collections.Counter(b for r in victims for b in r.block_table if b != NULL_BLOCK)
         hit = set(hit_blocks)
         reclaim = sum(1 for b, c in uses.items() if bm.blocks[b].ref_count == c and b not in hit)
         return bm.num_free_after(req, n, hit_blocks) + reclaim >= reserve
@@ -560,3 +560,4 @@ class Scheduler:
                 req.num_computed_tokens -= rejected
                 self.block_manager.trim(req, req.num_computed_tokens + 1)
             self.block_manager.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+            self.block_manager.free_outside_window(req)  # registered first, then out of the window

@@ -82,11 +82,17 @@ def model_bytes(path: str) -> dict:
     embed = sizes.get("token_embd.weight", 0)
     tied = "output.weight" not in sizes
     vocab = next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight")
+    experts = int(_field(reader, f"{arch}.expert_count") or 0)
+    used = int(_field(reader, f"{arch}.expert_used_count") or 0)
+    expert_bytes = sum(n for name, n in sizes.items() if "_exps." in name)
+    step = sum(sizes.values()) - (0 if tied else embed)
     return {
         "file_bytes": os.path.getsize(path),
         "weight_bytes": sum(sizes.values()),
         # the embedding is read in full only when it is also the output head
-        "step_weight_bytes": sum(sizes.values()) - (0 if tied else embed),
+        "step_weight_bytes": step,
+        # a one-token MoE step reads only its top-k experts (expert_used_count of expert_count)
+        "active_step_weight_bytes": step - expert_bytes + expert_bytes * used // max(experts, 1),
         "embedding_row_bytes": embed // vocab,
         "tied_embedding": tied,
         "kv_elements_per_token": 2 * layers * kv_heads * head_dim,  # K and V, every layer

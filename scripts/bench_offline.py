@@ -23,6 +23,13 @@ not installed, fails or runs past ``--peer-timeout`` is reported as ``"skipped":
 
     python scripts/bench_offline.py --peers hf,vllm,llamacpp [--num-prompts 64] [--max-tokens 64]
 
+``--family FAMILY --shape SHAPE`` benchmarks a random-weight model of scripts/make_test_model.py
+(made once under ``--models-dir``): its F32 GGUF for laneserve and llama.cpp, its bf16 Hugging
+Face directory for transformers and vLLM. Every engine then also reports its peak RSS, and the
+report the measured read bandwidth and the share of it each single-stream decode uses.
+
+    python scripts/bench_offline.py --family qwen3 --shape 0.6b --peers hf,vllm,llamacpp --rounds 3
+
 ``--rounds N`` runs that sequence N times (laneserve, the peers, laneserve, the peers, ...) and
 reports each figure's median, and per peer the median of the ratios taken within each round, with
 the values of every round beside them: on a shared machine whose speed drifts by tens of percent
@@ -325,6 +332,7 @@ def bench_engine(
         "single_stream_prefill_s": cold["single_stream_decode"]["prefill_s"],
         "cold_start_s": cold["start_s"],
         "cold_load_s": cold["load_s"],
+        "peak_rss_mib": cold.get("peak_rss_mib"),
         "warm_start_s": warm.get("start_s"),
         "load_avg_before": load_before,
         "cpu_steal_pct": cold_steal,  # during the measured (cold) run; see steal_pct
@@ -351,7 +359,7 @@ def peer_python(peer: str) -> tuple[str | None, str | None]:
 
 FIGURES = ("offline_tok_s", "single_stream_decode_tok_s", "cold_start_s", "warm_start_s")
 # an entry's timed fields: medians over --rounds, but for cold_start_s (merge_rounds)
-MEDIAN_FIELDS = (*FIGURES, "offline_s", "single_stream_prefill_s", "cold_load_s")
+MEDIAN_FIELDS = (*FIGURES, "offline_s", "single_stream_prefill_s", "cold_load_s", "peak_rss_mib")
 
 
 def ratios(lane: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None]:
@@ -381,11 +389,14 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"--peers: unknown peer(s) {unknown}; expected a subset of {list(PEERS)}")
     path = resolve_model_path(args.model)
-    hf_dir = convert_gguf(path) if path.is_file() else path
+    hf_dir = args.hf_dir or (convert_gguf(path) if path.is_file() else path)
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     prompts = build_prompts(tokenizer, args.num_prompts)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 2
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
     base = {
+        # 2048, or a small random model's own max_position_embeddings (vLLM refuses more)
+        "max_model_len": min(2048, config.get("max_position_embeddings") or 2048),
         "prompts": prompts,
         "max_tokens": args.max_tokens,
         "single_tokens": args.single_tokens,
@@ -453,7 +464,39 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
     report["rounds"] = len(rounds)
     report["engines"], report["ratios_laneserve_over_peer"] = merge_rounds(rounds)
     report["load_avg_end_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
+    if path.is_file():
+        report["bandwidth"] = bandwidth_shares(path, report["engines"], args.threads)
     return report
+
+
+def bandwidth_shares(gguf: Path, engines: dict[str, Any], threads: int | None) -> dict[str, Any]:
+    """The measured streaming read bandwidth (scripts/bench_bandwidth.py, all threads) and, per
+    engine, the share of it a single-stream decode uses: tok/s x the weight bytes a one-token
+    step reads from the GGUF (a MoE's top-k experts only; the KV of a 64-token context aside)."""
+    import bench_bandwidth
+
+    gb_s = bench_bandwidth.read_bandwidth(1.0, threads or torch.get_num_threads(), 5)
+    step = bench_bandwidth.model_bytes(str(gguf))["active_step_weight_bytes"]
+    shares = {
+        name: round(e["single_stream_decode_tok_s"] * step / (gb_s * 1e9), 3)
+        for name, e in engines.items()
+        if isinstance(e.get("single_stream_decode_tok_s"), int | float)
+    }
+    return {"read_gb_s": round(gb_s, 2), "step_weight_bytes": step, "single_stream_share": shares}
+
+
+def make_family_model(family: str, shape: str, models_dir: Path) -> tuple[Path, Path]:
+    """(GGUF file, bf16 Hugging Face directory) of a random-weight `family`/`shape` model from
+    scripts/make_test_model.py (the same weights; F32 GGUF), made once under `models_dir`."""
+    out = models_dir / f"{family}-{shape}"
+    gguf, hf_dir = out / "model.gguf", out / "hf"
+    if not (gguf.exists() and (hf_dir / "config.json").exists()):
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, str(REPO / "scripts" / "make_test_model.py"), family, shape,
+               str(hf_dir), "--dtype", "bfloat16", "--gguf", str(gguf)]  # fmt: skip
+        print(f"[bench] making {family}/{shape} under {out}", file=sys.stderr, flush=True)
+        subprocess.run(cmd, check=True, stdout=sys.stderr)  # stdout is the report's
+    return gguf, hf_dir
 
 
 def merge_rounds(
@@ -544,9 +587,26 @@ def main() -> None:
         help="--peers: run every engine this many times, round-robin; report medians and the "
         "median of within-round ratios (a noisy shared machine)",
     )
+    ap.add_argument("--hf-dir", type=Path, default=None,
+                    help="the Hugging Face directory of --model's weights for transformers and "
+                    "vLLM (default: --model's own, or its GGUF converted)")  # fmt: skip
+    ap.add_argument("--family", default=None,
+                    help="bench a random-weight model of scripts/make_test_model.py instead of "
+                    "--model: FAMILY (with --shape); its F32 GGUF for laneserve and llama.cpp, "
+                    "its bf16 directory for transformers and vLLM")  # fmt: skip
+    ap.add_argument("--shape", default="tiny", help="--family's shape (make_test_model.py --list)")
+    ap.add_argument("--models-dir", type=Path, default=None,
+                    help="where --family models are made once (default: under LANESERVE_HOME "
+                    "or ~/.cache/laneserve, bench-models/)")  # fmt: skip
     args = ap.parse_args()
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
+    if args.family:
+        home = Path(os.environ.get("LANESERVE_HOME") or Path.home() / ".cache" / "laneserve")
+        gguf, args.hf_dir = make_family_model(
+            args.family, args.shape, args.models_dir or home / "bench-models"
+        )
+        args.model = str(gguf)
     if args.peers is not None:
         print(json.dumps(run_peers(args), indent=2))
         return
@@ -561,7 +621,7 @@ def main() -> None:
     from laneserve.gpu_worker.model_loader import convert_gguf
 
     path = resolve_model_path(args.model)
-    hf_dir = convert_gguf(path) if path.is_file() else path
+    hf_dir = args.hf_dir or (convert_gguf(path) if path.is_file() else path)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     llm = LLM(
         model=str(hf_dir),

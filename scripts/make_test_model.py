@@ -36,7 +36,16 @@ CLASSES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
-GGUF_FAMILIES = ("llama", "qwen3", "phi3", "gemma3")  # written as GGUF too
+# written as GGUF too, under llama.cpp's `general.architecture` (Mixtral: llama with experts)
+GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma3": "gemma3",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",
+}
+GGUF_FAMILIES = tuple(GGUF_ARCHITECTURES)
 
 
 def _longrope(rot_dim: int, long_max: float) -> dict:
@@ -121,6 +130,22 @@ SHAPES: dict[str, dict[str, dict]] = {
         "1.7b": {**_QWEN3_06B, "hidden_size": 2048, "intermediate_size": 6144},
         # head_dim 32, not hidden / heads = 16: the config's head_dim must be the one used
         "tiny": _tiny(head_dim=32, rope_theta=1000000.0),
+        # ~50M parameters (200 MB float32): big enough that a second copy of the weights shows
+        # in the load's peak RSS, small enough to write and load in seconds
+        "small": {
+            **_QWEN3_06B,
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "vocab_size": 49152,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 64,
+            "max_position_embeddings": 512,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "pad_token_id": 0,
+        },
     },
     "phi3": {
         "mini": dict(  # Phi-3-mini-4k-instruct
@@ -221,7 +246,13 @@ SHAPES: dict[str, dict[str, dict]] = {
             rope_theta=1000000.0,
             tie_word_embeddings=True,
         ),
-        "tiny": _tiny(head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+        "tiny": _tiny(
+            head_dim=32,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,  # as Qwen3-30B-A3B (and llama.cpp's qwen3moe graph)
+        ),
     },
     "mixtral": {
         "scaled": dict(  # Mixtral-8x7B's form (8 experts, top 2) at ~0.8B total / ~0.25B active
@@ -315,17 +346,46 @@ def _copy_tokenizer_fields(writer, tokenizer_gguf: Path) -> None:
         writer.add_key_value(key, field.contents(), kind, sub)
 
 
+def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """The `rope_freqs.weight` tensor llama.cpp's converter writes for llama3 rope scaling
+    (`LlamaModel.generate_extra_tensors`): per rotated pair, the divisor of its frequency
+    (1 for short wavelengths, `factor` for long ones, smoothed in between)."""
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_len = rope.get("original_max_position_embeddings", 8192)
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1.0 / ((1.0 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
 def _family_metadata(writer, model, family: str, head_dim: int) -> dict[str, np.ndarray]:
     """The metadata llama.cpp's converter writes for Phi-3 and Gemma 3, and the extra tensors
-    (Phi-3's LongRoPE factors).
+    (Phi-3's LongRoPE factors, llama3's `rope_freqs`).
 
     Raises:
         ValueError: a Gemma 3 whose query_pre_attn_scalar is not head_dim (llama.cpp assumes it).
     """
     cfg, extra = model.config, {}
     window = getattr(cfg, "sliding_window", None)
-    if window:
+    if window and getattr(cfg, "use_sliding_window", True):
         writer.add_sliding_window(window)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:  # llama.cpp's qwen3moe / llama (Mixtral) keys; qwen3moe always renormalizes
+        if family == "qwen3_moe" and not cfg.norm_topk_prob:
+            raise ValueError("llama.cpp's qwen3moe renormalizes the top-k: norm_topk_prob=True")
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if family == "qwen3_moe":
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if family == "phi3":
         rope = cfg.rope_parameters
         rot_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
@@ -352,14 +412,37 @@ def _family_metadata(writer, model, family: str, head_dim: int) -> dict[str, np.
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
         writer.add_rope_dimension_count(head_dim)
+        rope = cfg.rope_parameters
+        if rope.get("rope_type") == "llama3":  # no scaling keys: the factors are a tensor
+            extra["rope_freqs.weight"] = llama3_rope_freqs(rope, head_dim)
     if family != "gemma3":
         writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     return extra
 
 
-def write_gguf(model, family: str, path: Path, tokenizer_gguf: Path | None = None) -> Path:
+def _gguf_tensors(model, family: str):
+    """(name, float32 array) of every weight, Hugging Face names except the MoE experts, which
+    transformers 5 holds fused ([E, 2I, H] gate_up, [E, H, I] down) and llama.cpp stores as 3-D
+    `blk.{i}.ffn_gate_exps` / `ffn_up_exps` ([E, I, H]) and `ffn_down_exps` ([E, H, I])."""
+    for name, tensor in model.state_dict().items():
+        array = tensor.float().numpy()
+        if name.endswith("experts.gate_up_proj"):
+            i = name.split(".")[2]
+            gate, up = np.split(array, 2, axis=1)
+            yield f"blk.{i}.ffn_gate_exps.weight", gate
+            yield f"blk.{i}.ffn_up_exps.weight", up
+        elif name.endswith("experts.down_proj"):
+            yield f"blk.{name.split('.')[2]}.ffn_down_exps.weight", array
+        else:
+            yield name, array
+
+
+def write_gguf(
+    model, family: str, path: Path, tokenizer_gguf: Path | None = None, expert_type: str = "F32"
+) -> Path:
     """`model`'s weights (float32) as a GGUF in llama.cpp's layout and metadata keys (llama: Q/K
-    rows permuted; Gemma 3: norm weights stored as 1 + w; Phi-3: LongRoPE factors as tensors).
+    rows permuted; Gemma 3: norm weights stored as 1 + w; Phi-3: LongRoPE factors as tensors;
+    MoE experts as 3-D tensors, of `expert_type`).
 
     Raises:
         ValueError: a family laneserve does not read from GGUF, or a config llama.cpp cannot say.
@@ -372,7 +455,8 @@ def write_gguf(model, family: str, path: Path, tokenizer_gguf: Path | None = Non
         raise ValueError(f"no GGUF layout for {family}; have {GGUF_FAMILIES}")
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer = gguf.GGUFWriter(str(path), family)
+    arch = GGUF_ARCHITECTURES[family]
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"{family}-random")
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -389,16 +473,19 @@ def write_gguf(model, family: str, path: Path, tokenizer_gguf: Path | None = Non
         writer.add_eos_token_id(int(np.atleast_1d(cfg.eos_token_id)[0]))
     for name, array in extra.items():
         writer.add_tensor(name, array)
-    for name, tensor in model.state_dict().items():
-        gname = hf_to_gguf_name(name, family)
-        if gname is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+    for name, array in _gguf_tensors(model, family):
+        gname = hf_to_gguf_name(name, family) or name
+        if gname.startswith("model.") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        array = tensor.float().numpy()
-        if family == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg.num_attention_heads if "attn_q" in gname else cfg.num_key_value_heads
             array = llama_cpp_permute(array, heads)
         if family == "gemma3" and gname.endswith("norm.weight"):
             array = array + 1.0
+        if "_exps." in gname and expert_type != "F32":  # MoE experts quantized (Q8_0, Q4_0, ...)
+            qtype = gguf.GGMLQuantizationType[expert_type]
+            writer.add_tensor(gname, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            continue
         writer.add_tensor(gname, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -44,6 +44,9 @@ class WeightReader:
     shape, onto `device`: dense in `dtype` (`take`), or as (fused) linears in the quantization mode
     (`take_linear`, `take_layer_linear`).
 
+    With `release` (the engine's load, which owns `weights`), the tensors of each layer linear
+    leave `weights` once built (`drop`).
+
     Raises (every method):
         ModelLoadError: a weight is missing or has the wrong shape (the message names it).
     """
@@ -55,8 +58,10 @@ class WeightReader:
         device: torch.device,
         quantization: str,
         family: str = "llama",
+        release: bool = False,
     ):
         self.weights = weights
+        self.release = release
         self.dtype = dtype
         self.device = device
         self.quantization = quantization
@@ -89,4 +94,14 @@ class WeightReader:
         checkpoint's parts (`LAYER_LINEARS`): one tensor per entry of `rows`, or the fused one."""
         names = [f"{prefix}{name}.weight" for name in self.linears[param]]
         shapes = [(r, cols) for r in rows] if len(names) == len(rows) else [(sum(rows), cols)]
-        return self.take_linear(names, shapes)
+        linear = self.take_linear(names, shapes)
+        self.drop(names)
+        return linear
+
+    def drop(self, names) -> None:
+        """With `release`, forget the checkpoint tensors `names` once a parameter is built from
+        them, so a part that the build copied (a fused or converted linear) is freed layer by
+        layer instead of living beside the model until the load ends (peak RSS)."""
+        if self.release:
+            for name in names:
+                self.weights.pop(name, None)

@@ -34,8 +34,8 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """The Gemma 3 text decoder; arguments and errors as `LlamaForCausalLM`."""
 
-    def __init__(self, config: ModelConfig, weights, dtype, device, quantization: str = "none"):
-        super().__init__(config, weights, dtype, device, quantization)
+    def __init__(self, config: ModelConfig, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)  # weights, dtype, device, quantization, ...
         self.scale = float(config.query_pre_attn_scalar or config.head_dim) ** -0.5
         self.embed_scale = config.hidden_size**0.5
         local = self._rope_cache(config.rope_local_base_freq or config.rope_theta, None)

@@ -90,6 +90,7 @@ class LlamaForCausalLM:
         dtype,
         device,
         quantization: str = "none",
+        release_weights: bool = False,  # `weights` is ours: free each part once it is built
     ):
         self.config = config
         self.dtype = dtype
@@ -98,7 +99,9 @@ class LlamaForCausalLM:
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_attention_heads * config.head_dim
         self.kv_size = config.num_key_value_heads * config.head_dim
-        w = WeightReader(weights, dtype, self.device, self.quantization, config.architecture)
+        w = WeightReader(
+            weights, dtype, self.device, self.quantization, config.architecture, release_weights
+        )
         self._load_embedding(w)
         self.norm = self._norm(w, "model.norm.weight", (config.hidden_size,))
         self._load_lm_head(w)

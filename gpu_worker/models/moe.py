@@ -110,6 +110,7 @@ def load_moe(w: WeightReader, config: ModelConfig, i: int) -> MoEWeights:
         name = f"{b}experts.{e}"
         gate_up.append(quant.build_linear(name, parts, w.quantization, w.dtype, w.device))
         down.append(quant.build_linear(name, [down_part], w.quantization, w.dtype, w.device))
+    w.drop([name for name in w.weights if name.startswith(b + "experts.")])
     w13 = w2 = None
     if all(isinstance(t, torch.Tensor) for t in gate_up + down):
         w13 = torch.stack(gate_up).to(w.device)

@@ -17,6 +17,14 @@ def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
     return LlamaForCausalLM
 
 
-def build_model(config: ModelConfig, weights, dtype, device, quantization: str = "none"):
-    """`model_class(config)(config, weights, dtype, device, quantization)`."""
-    return model_class(config)(config, weights, dtype, device, quantization)
+def build_model(
+    config: ModelConfig,
+    weights,
+    dtype,
+    device,
+    quantization: str = "none",
+    release_weights: bool = False,
+):
+    """`model_class(config)(config, weights, dtype, device, quantization, release_weights)`;
+    with `release_weights` the checkpoint tensors leave `weights` as the model takes them."""
+    return model_class(config)(config, weights, dtype, device, quantization, release_weights)

@@ -2,6 +2,8 @@
 
 The inverse frequencies follow Hugging Face's `modeling_rope_utils.py` for the rope types here;
 the attention factor that `yarn` and `longrope` apply to cos and sin is folded into the cache.
+A GGUF's `rope_freqs` tensor (llama.cpp's form of llama3 scaling) arrives as
+`params["freq_factors"]`: each pair's base frequency divided by its factor, as llama.cpp's rope does.
 `partial_rotary_factor` (Phi-4-mini) rotates only the first `rot_dim = head_dim * factor` features
 (the kernels take a cache narrower than the head).
 
@@ -100,6 +102,20 @@ def _longrope_factor(p: dict[str, Any], max_pos: int) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
 
 
+def _freq_factors(factors: list[float], rot_dim: int) -> torch.Tensor:
+    """llama.cpp's `rope_freqs` (one divisor of each rotated pair's frequency, as its converter
+    writes llama3 scaling into a GGUF), checked against the rotated width.
+
+    Raises:
+        ModelLoadError: not one factor per rotated pair.
+    """
+    if len(factors) != rot_dim // 2:
+        raise ModelLoadError(
+            f"rope_freqs has {len(factors)} factors; the rotary width {rot_dim} needs {rot_dim // 2}"
+        )
+    return torch.tensor(factors, dtype=torch.float32)
+
+
 def build_cos_sin_cache(
     theta: float,
     params: dict[str, Any] | None,
@@ -125,7 +141,9 @@ def build_cos_sin_cache(
     check_rope_type(p, "rope")
     inv_freq, attention_factor = _base_inv_freq(theta, rot_dim), 1.0
     t = torch.arange(max_positions, dtype=torch.float32)
-    if kind == "linear":
+    if "freq_factors" in p:  # a GGUF's `rope_freqs` tensor: the divisors themselves
+        inv_freq = inv_freq / _freq_factors(p["freq_factors"], rot_dim)
+    elif kind == "linear":
         inv_freq = inv_freq / float(p["factor"])
     elif kind == "llama3":
         inv_freq = _llama3(inv_freq, p)

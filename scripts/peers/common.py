@@ -13,7 +13,8 @@ calls `run_worker`, which
 
 Spec (JSON file, written by the parent): ``prompts`` (token ids, chat-templated by the parent),
 ``max_tokens``, ``single_tokens``, ``mode`` (``full`` | ``start``), ``model`` (the path this
-engine loads), ``threads``, ``options`` (engine-specific).
+engine loads), ``threads``, ``max_model_len`` (default 2048), ``options`` (engine-specific).
+The result holds ``peak_rss_mib`` beside the timings.
 """
 
 from __future__ import annotations
@@ -90,6 +91,18 @@ def measure(engine: Engine, spec: dict[str, Any], loaded_at: float) -> dict[str,
     return result
 
 
+def peak_rss_mib() -> float:
+    """This process's peak RSS (VmHWM), or a child's where one peaked higher (vLLM's engine core
+    runs in its own process), in MiB."""
+    import resource
+
+    own = next(
+        int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")
+    )
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB on Linux
+    return round(max(own, children) / 1024, 1)
+
+
 def run_worker(build: Callable[[dict[str, Any]], Engine]) -> None:
     """Entry point of a worker script: read the spec, build the engine, measure, write JSON.
 
@@ -104,6 +117,7 @@ def run_worker(build: Callable[[dict[str, Any]], Engine]) -> None:
         engine = build(spec)
         out["engine"] = engine.info
         out.update(measure(engine, spec, time.time()))
+        out["peak_rss_mib"] = peak_rss_mib()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which skips the peer
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()[-4000:]

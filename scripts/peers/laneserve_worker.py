@@ -50,7 +50,7 @@ def build(spec: dict[str, Any]) -> Engine:
     llm = LLM(
         model=spec["model"],
         dtype=opts.get("dtype", "auto"),
-        max_model_len=2048,
+        max_model_len=spec.get("max_model_len", 2048),
         max_num_seqs=len(spec["prompts"]),
     )
 

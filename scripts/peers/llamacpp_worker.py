@@ -21,7 +21,7 @@ def build(spec: dict[str, Any]) -> Engine:
     threads = spec.get("threads") or 2
     llm = Llama(
         model_path=spec["model"],
-        n_ctx=2048,
+        n_ctx=spec.get("max_model_len", 2048),
         n_threads=threads,
         n_threads_batch=threads,
         seed=0,

@@ -20,7 +20,7 @@ def build(spec: dict[str, Any]) -> Engine:
 
     llm = LLM(
         model=spec["model"],
-        max_model_len=2048,
+        max_model_len=spec.get("max_model_len", 2048),
         max_num_seqs=len(spec["prompts"]),
         seed=0,
     )

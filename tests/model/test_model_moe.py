@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -239,71 +238,12 @@ def test_unsupported_moe_architecture_is_refused_by_name(tmp_path):
 
 
 def write_gguf(model, family: str, path: Path, expert_type: str = "F32") -> Path:
-    """`model`'s weights as llama.cpp lays them out: Mixtral as `llama` with experts (Q/K rows
-    permuted), Qwen3-MoE as `qwen3moe`; experts as 3-D `ffn_*_exps` tensors of `expert_type`."""
-    import gguf
-    from gguf import quants
-
+    """`model`'s weights as llama.cpp lays them out (scripts/make_test_model.py): Mixtral as
+    `llama` with experts (Q/K rows permuted), Qwen3-MoE as `qwen3moe`; experts as 3-D
+    `ffn_*_exps` tensors of `expert_type`."""
     from tests.harness import load_script
 
-    llama_cpp_permute = load_script("make_test_model").llama_cpp_permute
-
-    cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "llama" if family == "mixtral" else "qwen3moe")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    expert_ff = cfg.intermediate_size if family == "mixtral" else cfg.moe_intermediate_size
-    writer.add_expert_feed_forward_length(expert_ff)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_expert_count(cfg.num_local_experts)
-    writer.add_expert_used_count(cfg.num_experts_per_tok)
-    globals_ = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm"}
-    layer = {
-        "input_layernorm.weight": "attn_norm",
-        "post_attention_layernorm.weight": "ffn_norm",
-        "self_attn.q_norm.weight": "attn_q_norm",
-        "self_attn.k_norm.weight": "attn_k_norm",
-        "mlp.gate.weight": "ffn_gate_inp",
-        "mlp.experts.down_proj": "ffn_down_exps",
-    }
-    layer |= {f"self_attn.{x}_proj.weight": f"attn_{x}" for x in "qkv"}
-    layer |= {"self_attn.o_proj.weight": "attn_output", "mlp.down_proj.weight": "ffn_down"}
-    layer |= {"mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up"}
-    tensors = {}
-    for name, t in model.state_dict().items():
-        array = t.numpy().astype(np.float32)
-        if name == "lm_head.weight":
-            tensors["output.weight"] = array
-        elif name in globals_:
-            tensors[globals_[name] + ".weight"] = array
-        elif name.endswith("experts.gate_up_proj"):
-            i = name.split(".")[2]
-            gate, up = np.split(array, 2, axis=1)
-            tensors |= {f"blk.{i}.ffn_gate_exps.weight": gate, f"blk.{i}.ffn_up_exps.weight": up}
-        else:
-            i, rest = name.split(".", 3)[2:]
-            heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
-            if family == "mixtral" and layer[rest] in heads:
-                array = llama_cpp_permute(array, heads[layer[rest]])
-            tensors[f"blk.{i}.{layer[rest]}.weight"] = array
-    for gname, array in tensors.items():
-        if "_exps" in gname and expert_type != "F32":
-            qtype = gguf.GGMLQuantizationType[expert_type]
-            writer.add_tensor(gname, quants.quantize(array, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gname, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return load_script("make_test_model").write_gguf(model, family, path, expert_type=expert_type)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
@@ -344,3 +284,23 @@ def test_gguf_experts_load_like_transformers(family, tmp_path):
     for expert_type in ("Q8_0", "Q4_0"):
         path = write_gguf(model, family, tmp_path / f"{expert_type}.gguf", expert_type)
         assert rel(logits(path, "auto"), logits(path, "none")) < 2e-3, expert_type
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_llm_from_gguf_file_matches_transformers(family, tmp_path, smollm2_gguf):
+    """`LLM(model=FILE.gguf)` end to end on the GGUF that scripts/make_test_model.py writes from
+    its `tiny` shape (qwen3moe; Mixtral as llama with experts, Q/K permuted; the bundled GGUF's
+    tokenizer): greedy float32 tokens of two prompts, batched, equal transformers' own."""
+    from laneserve.gpu_worker.llm import LLM
+    from tests.harness import load_script
+
+    maker = load_script("make_test_model")
+    model = maker.make_model(family, "tiny")
+    path = maker.write_gguf(model, family, tmp_path / f"{family}.gguf", smollm2_gguf)
+    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=32, max_model_len=128)
+    assert llm.engine.model_config.architecture == family
+    g = torch.Generator().manual_seed(5)
+    batch = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (9, 23)]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate(batch, params)
+    assert [o.token_ids for o in outs] == [hf_greedy(model, ids) for ids in batch]

@@ -4,6 +4,7 @@ tiny random-weight shape from scripts/make_test_model.py (greedy tokens and logi
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -254,3 +255,58 @@ def test_sliding_window_config_fields(family, extra, window, layer_types):
                 for t in (layer_types or ("sliding_attention",) * 2)]  # fmt: skip
     assert [config.layer_sliding_window(i) for i in range(2)] == expected
     assert config_from_hf_dict(config.to_hf_dict(), Path("tiny")) == config  # round trip
+
+
+def test_sliding_window_engine_frees_blocks_that_left_the_window(tmp_path, smollm2_dir):
+    """A tiny Mistral (every layer windowed, W = 24, blocks of 8) generating 48 tokens past a
+    41-token prompt through the engine: after each step a request holds at most
+    ceil(W / block) + 1 blocks, the freed ones return to the pool, and the tokens equal
+    transformers'. A second request whose prompt repeats the first's prompt and output hits the
+    prefix cache through blocks freed by the window (still cached) and still matches; a model
+    with a global layer frees nothing."""
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    from laneserve.gpu_worker.block_manager import NULL_BLOCK
+    from laneserve.gpu_worker.llm import LLM
+    from laneserve.gpu_worker.sampling_params import SamplingParams
+
+    torch.manual_seed(0)
+    hf = MistralForCausalLM(MistralConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        sliding_window=WINDOW, tie_word_embeddings=False, eos_token_id=None)).eval()  # fmt: skip
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(smollm2_dir)).save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", block_size=SW_BLOCK, num_blocks=64)
+    engine, bm = llm.engine, llm.engine.block_manager
+    assert bm.sliding_window == WINDOW
+    prompt = random_prompts([41], seed=3)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    ref = hf_greedy(hf, prompt, 48)
+    limit = -(-WINDOW // SW_BLOCK) + 1
+
+    def run(rid: str, ids: list[int]) -> tuple[list[int], int]:
+        req = engine.add_request(rid, prompt_token_ids=ids, sampling_params=params)
+        out, peak = [], 0
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                out.extend(delta.new_token_ids)
+            held = [b for b in req.block_table if b != NULL_BLOCK]
+            peak = max(peak, len(held))
+            if req.block_table:
+                assert len(held) <= limit, (len(held), req.num_computed_tokens)
+                assert bm.num_free_blocks == bm.num_total_blocks - len(held)
+            engine.check_integrity()
+        return out, peak
+
+    tokens, peak = run("a", prompt)
+    assert tokens == ref
+    assert peak <= limit and bm.num_window_freed_blocks >= (41 + 48 - WINDOW) // SW_BLOCK - 1
+    longer = prompt + ref + random_prompts([5], seed=4)[0]
+    hits_before = bm.prefix_cache_hits
+    assert run("b", longer)[0] == hf_greedy(hf, longer, 48)
+    assert bm.prefix_cache_hits > hits_before  # the hit ran through blocks the window freed
+    config = dataclasses.replace(
+        engine.model_config, layer_types=("full_attention", "sliding_attention")
+    )
+    assert config.kv_sliding_window is None  # a global layer reads every key: nothing is freed

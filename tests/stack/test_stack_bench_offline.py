@@ -50,6 +50,9 @@ def test_two_rounds_report_medians_and_within_round_ratios(smollm2_gguf, tmp_pat
                 assert entry[key] == round(statistics.median(values), 2)
         assert entry["cold_start_s"] == entry["per_round"]["cold_start_s"][0]
         assert len(entry["per_round"]["cpu_steal_pct"]) == 2 and "cpu_steal_pct" not in entry
+        assert entry["peak_rss_mib"] > 100  # the worker's VmHWM: torch and a model at least
+    shares = report["bandwidth"]["single_stream_share"]  # tok/s x step bytes / measured GB/s
+    assert report["bandwidth"]["read_gb_s"] > 0 and set(shares) == {"laneserve", "hf"}
     ratio = report["ratios_laneserve_over_peer"]["hf"]
     lane, hf = report["engines"]["laneserve"]["per_round"], report["engines"]["hf"]["per_round"]
     for key in FIGURES:
