@@ -520,7 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.family in GGUF_FAMILIES:
         from laneserve.gpu_worker.model_files import pull_model
 
-        gguf_path = args.gguf or args.out.with_name(args.out.name + ".gguf")  # "llama-3.2-1b" keeps its ".2-1b"
+        gguf_path = args.gguf or args.out.with_name(
+            args.out.name + ".gguf"
+        )  # "llama-3.2-1b" keeps its ".2-1b"
         write_gguf(model, args.family, gguf_path, pull_model())
         print(f"wrote {gguf_path}")
     return 0
