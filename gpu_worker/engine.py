@@ -8,7 +8,7 @@ One `step()` is DESIGN.md's `schedule -> execute -> process outputs`:
    the detokenizer turns it into a text delta and the stop checks (EOS, stop ids, stop strings,
    max_tokens, max_model_len) finish requests.
 
-It returns one `RequestDelta` per request that produced something (a token, a final, an error).
+It returns one `EngineOutput` per request that produced something (a token, a final, an error).
 
 Fault isolation: an exception in the forward pass fails the requests of that step; everything
 after it is per request -- a request whose sampling or output processing (detokenizer, stop
@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from laneserve.contracts.engine_io import EngineOutput, label_logprobs
 from laneserve.gpu_worker.block_manager import BlockManager
 from laneserve.gpu_worker.config import ENGINE_DEFAULTS, EngineConfig
 from laneserve.gpu_worker.detokenizer import IncrementalDetokenizer
@@ -43,7 +44,6 @@ from laneserve.gpu_worker.model_loader import load_model_files
 from laneserve.gpu_worker.model_runner import ModelRunner
 from laneserve.gpu_worker.models.llama import LlamaForCausalLM
 from laneserve.gpu_worker.models.registry import build_model
-from laneserve.gpu_worker.outputs import RequestDelta
 from laneserve.gpu_worker.prompt_encoder import PromptEncoder
 from laneserve.gpu_worker.prompt_logprobs import (
     attach_prompt_logprobs,
@@ -119,7 +119,7 @@ class LLMEngine:
         self.kv_pool = pool.info
         self._build_step_parts(model, pool.num_blocks)
         self.states: dict[str, RequestState] = {}
-        self._pending: list[RequestDelta] = []  # aborts/errors reported at the next step
+        self._pending: list[EngineOutput] = []  # aborts/errors reported at the next step
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0  # prompt positions computed (prefix-cache hits excluded)
@@ -177,6 +177,7 @@ class LLMEngine:
         self.encode_prompt = self.prompts.encode  # text, messages or ids -> checked ids
         self.apply_chat_template = self.prompts.apply_chat_template
         self.token_id_limit = self.prompts.token_id_limit
+        self.token_text = self.prompts.prompt_tokenizer.token_text  # logprobs' token texts
         self.structured = StructuredOutputs(
             GrammarCompiler(
                 self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
@@ -274,7 +275,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
 
-    def step(self) -> list[RequestDelta]:
+    def step(self) -> list[EngineOutput]:
         """Run one engine step; returns the deltas it produced (possibly none)."""
         deltas, self._pending = self._pending, []
         if self.structured.num_pending:
@@ -317,8 +318,7 @@ class LLMEngine:
         for row in sampled:
             if row.error is None:
                 try:
-                    deltas.append(self._process_tokens(row, now))
-                    attach_prompt_logprobs(row.state, deltas[-1])
+                    deltas.append(attach_prompt_logprobs(row.state, self._process_tokens(row, now)))
                     continue
                 except Exception as exc:  # this request's output only: the others go on
                     logger.exception(
@@ -337,7 +337,7 @@ class LLMEngine:
         state = self.states[req.request_id]
         return state.spec, state.params
 
-    def _admit_compiled(self) -> list[RequestDelta]:
+    def _admit_compiled(self) -> list[EngineOutput]:
         """Schedule the requests whose grammar is compiled; end those whose compile failed.
         With nothing else to run, wait briefly for a compile rather than spin."""
         idle = not self.scheduler.requests
@@ -354,7 +354,7 @@ class LLMEngine:
             self.scheduler.add_request(state.request)
         return deltas
 
-    def _fail(self, state: RequestState, error: str) -> RequestDelta:
+    def _fail(self, state: RequestState, error: str) -> EngineOutput:
         """End one request with finish_reason "error" (the broker reports `engine_error`)."""
         self.states.pop(state.request.request_id, None)
         self.scheduler.finish_request(state.request, RequestStatus.FINISHED_ERROR)
@@ -453,7 +453,7 @@ class LLMEngine:
             for s, r, d in zip(states, runs, drafts, strict=True)
         ]
 
-    def _process_tokens(self, row: _Sampled, now: float) -> RequestDelta:
+    def _process_tokens(self, row: _Sampled, now: float) -> EngineOutput:
         """Append a step's tokens of one request, one by one, until one of them stops it (EOS,
         stop id, stop string, max_tokens, max_model_len): the tokens after it are dropped, so a
         stop inside an accepted speculative run cuts the run at the right token."""
@@ -491,10 +491,10 @@ class LLMEngine:
                 break
         text = "".join(texts)
         lps = row.logprobs[: len(kept)]
-        lp = lps if any(x is not None for x in lps) else None
+        lp = label_logprobs(lps, self.token_text) if any(x is not None for x in lps) else None
         if reason is None:
             state.text_parts.append(text)
-            return RequestDelta(req.request_id, text, kept, False, logprobs=lp)
+            return EngineOutput(req.request_id, text, kept, False, logprobs=lp)
         if reason == "length" or grammar_done:
             text += state.detokenizer.flush()
         self.states.pop(req.request_id, None)
@@ -512,11 +512,11 @@ class LLMEngine:
         reason: str,
         logprobs: list | None = None,
         error: str | None = None,
-    ) -> RequestDelta:
+    ) -> EngineOutput:
         state.text_parts.append(text)
         if state.request.finished_time is None:
             state.request.finished_time = time.monotonic()
-        return RequestDelta(
+        return EngineOutput(
             state.request.request_id,
             text,
             token_ids,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from laneserve.gpu_worker.outputs import RequestDelta
+from laneserve.contracts.engine_io import EngineOutput
 
 __all__ = ["Engine"]
 
@@ -50,7 +50,7 @@ class Engine(Protocol):
         """
         ...
 
-    def step(self) -> list[RequestDelta]:
+    def step(self) -> list[EngineOutput]:
         """One engine step; the deltas it produced (a token, a final, an error), maybe none."""
         ...
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from laneserve.contracts import env
+from laneserve.contracts.engine_io import EngineOutput
 from laneserve.gpu_worker.engine_protocol import Engine
-from laneserve.gpu_worker.outputs import RequestDelta
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class FaultInjectingEngine:
             self._marked.add(request_id)
         return result
 
-    def step(self) -> list[RequestDelta]:
+    def step(self) -> list[EngineOutput]:
         deltas = self.engine.step()
         if self._marked:
             for d in deltas:
