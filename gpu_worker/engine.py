@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from laneserve.contracts.engine_io import EngineOutput, label_logprobs
+from laneserve.contracts.engine_io import EngineOutput, EngineRequest, label_logprobs
 from laneserve.gpu_worker.block_manager import BlockManager
 from laneserve.gpu_worker.config import ENGINE_DEFAULTS, EngineConfig
 from laneserve.gpu_worker.detokenizer import IncrementalDetokenizer
@@ -197,18 +197,21 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> Request:
+        """`add` an `EngineRequest` of these fields (exactly one prompt form)."""
+        return self.add(EngineRequest(request_id, prompt_token_ids, sampling_params, lane,
+                                      priority, arrival_time, prompt, messages))  # fmt: skip
+
+    def add(self, request: EngineRequest) -> Request:
         """Queue a request; its outputs come from later `step()` calls.
 
-        Args:
-            sampling_params: `SamplingParams` or its `to_dict()` form (the wire format).
-            lane: "interactive" or "batch".
-            priority: lower is more urgent (within a lane).
-            arrival_time: `time.monotonic()` seconds when the request reached this process.
+        `request.sampling_params` is a `SamplingParams`, its `to_dict()` form (the wire format)
+        or None (defaults); a text or chat prompt is encoded here by the edge's rule.
 
         Raises:
             InvalidRequestError: bad prompt, params or lane; duplicate id.
             PromptTooLongError: the prompt leaves no room for one output token.
         """
+        request_id, sampling_params = request.request_id, request.sampling_params
         if request_id in self.states:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
         if isinstance(sampling_params, dict):
@@ -220,12 +223,12 @@ class LLMEngine:
         else:
             raise InvalidRequestError("sampling_params must be a SamplingParams or a dict")
         try:
-            lane_enum = Lane(lane)
+            lane_enum = Lane(request.lane)
         except ValueError:
             raise InvalidRequestError(
-                f"lane must be 'interactive' or 'batch', got {lane!r}"
+                f"lane must be 'interactive' or 'batch', got {request.lane!r}"
             ) from None
-        ids = self.encode_prompt(prompt, prompt_token_ids, messages)
+        ids = self.encode_prompt(request.prompt, request.prompt_token_ids, request.messages)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 len(ids),
@@ -238,8 +241,8 @@ class LLMEngine:
             prompt_token_ids=ids,
             sampling_params=params,
             lane=lane_enum,
-            priority=int(priority),
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=int(request.priority),
+            arrival_time=time.monotonic() if request.arrival_time is None else request.arrival_time,
         )
         generator = None
         if params.seed is not None:

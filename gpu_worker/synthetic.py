@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from laneserve.contracts import defaults, latency
-from laneserve.contracts.engine_io import EngineOutput
+from laneserve.contracts.engine_io import EngineOutput, EngineRequest
 from laneserve.gpu_worker.config import ENGINE_DEFAULTS
 
 
@@ -103,8 +103,20 @@ class SyntheticEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> None:
+        """`add` an `EngineRequest` of these fields."""
+        self.add(EngineRequest(request_id, prompt_token_ids, sampling_params, lane, priority,
+                               arrival_time, prompt, messages))  # fmt: skip
+
+    def add(self, request: EngineRequest) -> None:
         """Queue a request. Raises ValueError on a bad prompt or sampling params, or a
         duplicate request id."""
+        request_id, lane, arrival_time = request.request_id, request.lane, request.arrival_time
+        prompt, prompt_token_ids, messages = (
+            request.prompt,
+            request.prompt_token_ids,
+            request.messages,
+        )
+        sampling_params = request.sampling_params
         if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
             raise ValueError(f"duplicate request_id {request_id!r}")
         if prompt_token_ids is not None:

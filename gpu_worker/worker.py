@@ -13,7 +13,7 @@ Two threads::
   a new broker ``epoch`` or a ``disconnect`` -> forget all requests and send ``ready`` again), and
   polls the parent pid (``parent_pid``) so the worker exits when its supervisor dies.
 - The **engine loop** drives any `gpu_worker.engine_protocol.Engine` (``LLMEngine``,
-  ``SyntheticEngine``): ``add_request``, ``step() -> list[EngineOutput]``, ``abort_request``,
+  ``SyntheticEngine``): ``add`` (an ``EngineRequest``), ``step() -> list[EngineOutput]``, ``abort_request``,
   ``has_unfinished_requests``, ``stats``. It sends exactly **one** ``step_outputs`` message per
   engine step carrying every request's delta/final/error. An aborted request always gets a
   final output with ``finish_reason="abort"`` (synthesized if the engine emits none) so the
@@ -234,22 +234,13 @@ class Worker:
         if rid in self.active:
             return  # duplicate dispatch; already running
         try:
-            self.engine.add_request(
-                rid,
-                prompt=msg.prompt,
-                prompt_token_ids=msg.prompt_token_ids,
-                messages=msg.messages,
-                sampling_params=msg.sampling_params,
-                lane=msg.lane,
-                priority=msg.priority,
-                arrival_time=time.monotonic(),
-            )
+            self.engine.add(msg.engine_request(arrival_time=time.monotonic()))
         except Exception as exc:  # bad input -> a typed error for this request, keep serving
             code = _ERROR_CODES.get(type(exc).__name__)
             if code is None:
                 code = "invalid_request" if isinstance(exc, ValueError) else "engine_error"
             if code == "engine_error":
-                logger.exception("add_request %s failed", rid)
+                logger.exception("adding request %s failed", rid)
             err = p.WorkerError(
                 worker_id=self.worker_id, code=code, message=str(exc)[:2000], request_id=rid
             )

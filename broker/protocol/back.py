@@ -35,7 +35,7 @@ from laneserve.broker.protocol.checks import (
     t_token_ids,
 )
 from laneserve.broker.protocol.front import Abort, Heartbeat, PromptRequest
-from laneserve.contracts.engine_io import EngineOutput
+from laneserve.contracts.engine_io import EngineOutput, EngineRequest
 
 # worker -> broker
 
@@ -170,6 +170,20 @@ class WorkRequest(PromptRequest):
         """The work message of a submitted request: its prompt fields and ``attempt``."""
         shared = {name: getattr(submit, name) for name in _PROMPT_FIELDS}
         return cls(**shared, attempt=attempt)
+
+    def engine_request(self, arrival_time: float) -> EngineRequest:
+        """What the worker hands its engine; ``arrival_time``: ``time.monotonic()`` s when the
+        worker took it."""
+        return EngineRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            sampling_params=self.sampling_params,
+            lane=self.lane,
+            priority=self.priority,
+            arrival_time=arrival_time,
+            prompt=self.prompt,
+            messages=self.messages,
+        )
 
 
 _PROMPT_FIELDS = tuple(f.name for f in fields(PromptRequest))

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from laneserve.contracts.engine_io import EngineRequest
 from laneserve.jobs.results import choice_requests
 from laneserve.jobs.tokens import load_served_model
 from laneserve.jobs.validate import Validator
@@ -247,11 +248,12 @@ def batch_line(tmp_path, served, endpoint: str, body: dict) -> tuple[dict | None
     (result,) = validator.lines(write_jsonl(tmp_path / "in.jsonl", [line]))
     if result.error is not None:
         return result.error, None
-    return None, [_sent(kw) for _, kw in choice_requests("x", result.request)]
+    return None, [_sent(r) for r in choice_requests("x", result.request)[1]]
 
 
-def _sent(submit_kwargs: dict) -> dict:
-    return {k: submit_kwargs.get(k) for k in PROMPT_KEYS}
+def _sent(request: EngineRequest) -> dict:
+    sent = {"sampling_params": request.sampling_params, **request.prompt_fields()}
+    return {k: sent.get(k) for k in PROMPT_KEYS}
 
 
 @pytest.mark.parametrize(("endpoint", "changes"), CASES)
