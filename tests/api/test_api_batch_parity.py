@@ -248,12 +248,16 @@ def batch_line(tmp_path, served, endpoint: str, body: dict) -> tuple[dict | None
     (result,) = validator.lines(write_jsonl(tmp_path / "in.jsonl", [line]))
     if result.error is not None:
         return result.error, None
-    return None, [_sent(r) for r in choice_requests("x", result.request)[1]]
+    return None, [_sent(_submitted(r)) for r in choice_requests("x", result.request)[1]]
 
 
-def _sent(request: EngineRequest) -> dict:
-    sent = {"sampling_params": request.sampling_params, **request.prompt_fields()}
-    return {k: sent.get(k) for k in PROMPT_KEYS}
+def _submitted(request: EngineRequest) -> dict:
+    """What `BrokerClient.submit_request` passes to `submit` for `request`'s prompt fields."""
+    return {"sampling_params": request.sampling_params, **request.prompt_fields()}
+
+
+def _sent(submit_kwargs: dict) -> dict:
+    return {k: submit_kwargs.get(k) for k in PROMPT_KEYS}
 
 
 @pytest.mark.parametrize(("endpoint", "changes"), CASES)
