@@ -39,6 +39,7 @@ import zmq.asyncio
 from laneserve.broker import protocol as p
 from laneserve.broker.client_conn import Conn, Connections
 from laneserve.contracts import defaults
+from laneserve.contracts.engine_io import EngineRequest
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +227,19 @@ class BrokerClient(Connections):
                 max(0.0, deadline - now), self._expire, rid, pend
             )
         return pend
+
+    def submit_request(self, request: EngineRequest, **edge: Any) -> RequestStream:
+        """:meth:`submit` an :class:`EngineRequest` (what the gateway and the jobs runner build);
+        ``edge``: the other :meth:`submit` keywords (``stream``, ``model``, ``arrival_time``,
+        ``deadline``, ...). Raises ProtocolError as :meth:`submit` does."""
+        return self.submit(
+            lane=request.lane,
+            request_id=request.request_id,
+            priority=request.priority,
+            sampling_params=request.sampling_params,
+            **request.prompt_fields(),
+            **edge,
+        )
 
     async def status(self, timeout_s: float = 5.0) -> p.StatusReply:
         """The broker's status (workers, queues, counters). Raises TimeoutError.

@@ -73,7 +73,7 @@ class WorkerSide:
                 if not out.finished and rid not in worker.in_flight:
                     self._send_worker(worker.identity, p.Abort(request_id=rid).to_frames())
                 continue
-            if out.token_ids or out.text:
+            if out.new_token_ids or out.new_text:
                 self._on_output(req, out, now)
             if out.finished:
                 self.dispatcher.release(worker, req)
@@ -92,21 +92,21 @@ class WorkerSide:
         self._finish(req, out.finish_reason or "stop", None, metrics, status=status)
 
     def _on_output(self, req: RequestState, out: p.StepOutput, now: float) -> None:
-        req.num_tokens += len(out.token_ids)
-        if out.text and not req.first_token:
+        req.num_tokens += len(out.new_token_ids)
+        if out.new_text and not req.first_token:
             req.first_token = now
         if req.aborted:
             return
         if out.prompt_logprobs is not None:
             req.prompt_logprobs = out.prompt_logprobs
         if req.submit.stream:
-            frames = encode_delta(out.request_id, out.text, out.token_ids, out.logprobs)
+            frames = encode_delta(out.request_id, out.new_text, out.new_token_ids, out.logprobs)
             if self._send_client(req.client, frames):
                 req.sent_output = True
                 self.counters["deltas"] += 1
         else:
-            req.text.append(out.text)
-            req.token_ids.extend(out.token_ids)
+            req.text.append(out.new_text)
+            req.token_ids.extend(out.new_token_ids)
             if out.logprobs is not None:
                 req.logprobs = (req.logprobs or []) + list(out.logprobs)
 

@@ -2,13 +2,17 @@
 
 One `step()` is DESIGN.md's `schedule -> execute -> process outputs`:
 
-1. `Scheduler.schedule()` hands out the token budget (decodes, prefill chunks, preemptions);
-2. `ModelRunner` runs one flattened varlen forward over the paged KV cache;
-3. the `Sampler` picks one token for every request whose step reached its last known token;
-   the detokenizer turns it into a text delta and the stop checks (EOS, stop ids, stop strings,
+1. schedule: `Scheduler.schedule()` hands out the token budget (decodes, prefill chunks,
+   preemptions; speculative drafts proposed first through `Speculation`);
+2. execute (`_execute`): `ModelRunner` runs one flattened varlen forward over the paged KV
+   cache and the `Sampler` picks (or verifies) the tokens of every request whose step reached
+   its last known token;
+3. update (`_update`): the scheduler advances (rejected drafts rolled back), the detokenizer
+   turns tokens into a text delta and the stop checks (EOS, stop ids, stop strings,
    max_tokens, max_model_len) finish requests.
 
-It returns one `RequestDelta` per request that produced something (a token, a final, an error).
+It returns one `EngineOutput` per request that produced something (a token, a final, an error).
+Speculation on or off, the three calls are the same (`gpu_worker/speculation.py`).
 
 Fault isolation: an exception in the forward pass fails the requests of that step; everything
 after it is per request -- a request whose sampling or output processing (detokenizer, stop
@@ -32,6 +36,7 @@ from typing import Any
 
 import torch
 
+from laneserve.contracts.engine_io import EngineOutput, EngineRequest, label_logprobs
 from laneserve.gpu_worker.block_manager import BlockManager
 from laneserve.gpu_worker.config import ENGINE_DEFAULTS, EngineConfig
 from laneserve.gpu_worker.detokenizer import IncrementalDetokenizer
@@ -43,7 +48,6 @@ from laneserve.gpu_worker.model_loader import load_model_files
 from laneserve.gpu_worker.model_runner import ModelRunner
 from laneserve.gpu_worker.models.llama import LlamaForCausalLM
 from laneserve.gpu_worker.models.registry import build_model
-from laneserve.gpu_worker.outputs import RequestDelta
 from laneserve.gpu_worker.prompt_encoder import PromptEncoder
 from laneserve.gpu_worker.prompt_logprobs import (
     attach_prompt_logprobs,
@@ -59,13 +63,8 @@ from laneserve.gpu_worker.sampling_params import SamplingParams
 from laneserve.gpu_worker.scheduler import Scheduler
 from laneserve.gpu_worker.scheduler_config import SchedulerConfig
 from laneserve.gpu_worker.scheduler_output import SchedulerOutput
-from laneserve.gpu_worker.spec_decode import (
-    SpecController,
-    SpecRequest,
-    TokenHistory,
-    spec_totals,
-    verify,
-)
+from laneserve.gpu_worker.spec_decode import SpecRequest, spec_totals, verify
+from laneserve.gpu_worker.speculation import Speculation
 from laneserve.gpu_worker.structured_output import GrammarCompiler, GrammarMask, StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -119,16 +118,10 @@ class LLMEngine:
         self.kv_pool = pool.info
         self._build_step_parts(model, pool.num_blocks)
         self.states: dict[str, RequestState] = {}
-        self._pending: list[RequestDelta] = []  # aborts/errors reported at the next step
+        self._pending: list[EngineOutput] = []  # aborts/errors reported at the next step
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0  # prompt positions computed (prefix-cache hits excluded)
-        spec = config.speculative_config
-        self.spec = SpecController(spec) if spec is not None and spec.enabled else None
-        if config.slo_control:  # SLO-driven step budgets, from a start-up profile of this engine
-            from laneserve.gpu_worker.step_profile import profile_engine
-
-            self.scheduler.step_budget = profile_engine(self, config.slo)
         logger.info(
             "engine ready: model=%s dtype=%s device=%s blocks=%d x %d (KV %.2f GiB) max_model_len=%d",
             self.model_name,
@@ -139,6 +132,10 @@ class LLMEngine:
             self.runner.kv_cache_bytes() / 2**30,
             self.max_model_len,
         )
+        if config.slo_control:  # SLO-driven step budgets, from a profile of the finished engine
+            from laneserve.gpu_worker.step_profile import profile_engine
+
+            self.scheduler.step_budget = profile_engine(self, config.slo)
 
     def _load_model(self, config: EngineConfig) -> LlamaForCausalLM:
         """Resolve the device, dtype, model path and weight kernels; load the model files and
@@ -177,12 +174,15 @@ class LLMEngine:
             sliding_window=self.model_config.kv_sliding_window,
         )
         self.scheduler = Scheduler(SchedulerConfig.from_engine(config, max_len), self.block_manager)
+        self.speculation = Speculation(config.speculative_config, self._spec_of, max_len)
+        self.scheduler.propose_drafts = self.speculation.propose  # drafts are the scheduler's
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
         self.sampler = Sampler(sorted(self.eos_token_ids))
         self.prompts = PromptEncoder(self.tokenizer, self.model_config.vocab_size)
         self.encode_prompt = self.prompts.encode  # text, messages or ids -> checked ids
         self.apply_chat_template = self.prompts.apply_chat_template
         self.token_id_limit = self.prompts.token_id_limit
+        self.token_text = self.prompts.prompt_tokenizer.token_text  # logprobs' token texts
         self.structured = StructuredOutputs(
             GrammarCompiler(
                 self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
@@ -202,18 +202,21 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> Request:
+        """`add` an `EngineRequest` of these fields (exactly one prompt form)."""
+        return self.add(EngineRequest(request_id, prompt_token_ids, sampling_params, lane,
+                                      priority, arrival_time, prompt, messages))  # fmt: skip
+
+    def add(self, request: EngineRequest) -> Request:
         """Queue a request; its outputs come from later `step()` calls.
 
-        Args:
-            sampling_params: `SamplingParams` or its `to_dict()` form (the wire format).
-            lane: "interactive" or "batch".
-            priority: lower is more urgent (within a lane).
-            arrival_time: `time.monotonic()` seconds when the request reached this process.
+        `request.sampling_params` is a `SamplingParams`, its `to_dict()` form (the wire format)
+        or None (defaults); a text or chat prompt is encoded here by the edge's rule.
 
         Raises:
             InvalidRequestError: bad prompt, params or lane; duplicate id.
             PromptTooLongError: the prompt leaves no room for one output token.
         """
+        request_id, sampling_params = request.request_id, request.sampling_params
         if request_id in self.states:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
         if isinstance(sampling_params, dict):
@@ -225,12 +228,12 @@ class LLMEngine:
         else:
             raise InvalidRequestError("sampling_params must be a SamplingParams or a dict")
         try:
-            lane_enum = Lane(lane)
+            lane_enum = Lane(request.lane)
         except ValueError:
             raise InvalidRequestError(
-                f"lane must be 'interactive' or 'batch', got {lane!r}"
+                f"lane must be 'interactive' or 'batch', got {request.lane!r}"
             ) from None
-        ids = self.encode_prompt(prompt, prompt_token_ids, messages)
+        ids = self.encode_prompt(request.prompt, request.prompt_token_ids, request.messages)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 len(ids),
@@ -243,8 +246,8 @@ class LLMEngine:
             prompt_token_ids=ids,
             sampling_params=params,
             lane=lane_enum,
-            priority=int(priority),
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=int(request.priority),
+            arrival_time=time.monotonic() if request.arrival_time is None else request.arrival_time,
         )
         generator = None
         if params.seed is not None:
@@ -257,9 +260,7 @@ class LLMEngine:
         self.states[request_id] = RequestState(
             req, IncrementalDetokenizer(self.tokenizer, ids, params), generator, params
         )
-        if self.spec is not None and params.structured_outputs is None:
-            # constrained requests are not speculated: their rows carry one grammar mask each
-            self.states[request_id].spec = SpecRequest(TokenHistory(ids))
+        self.states[request_id].spec = self.speculation.new_request(ids, params)
         if params.prompt_logprobs is not None:
             # position 0 has no logprob; its entry names the token (the API's echo needs it)
             first = {"token_id": ids[0], "logprob": None, "rank": None, "top": []}
@@ -280,70 +281,76 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
 
-    def step(self) -> list[RequestDelta]:
-        """Run one engine step; returns the deltas it produced (possibly none)."""
-        deltas, self._pending = self._pending, []
+    def step(self) -> list[EngineOutput]:
+        """Run one engine step, `schedule -> execute -> update`; returns the outputs it produced
+        (possibly none)."""
+        outputs, self._pending = self._pending, []
         if self.structured.num_pending:
-            deltas.extend(self._admit_compiled())
-        step_started = time.perf_counter()
-        if self.spec is not None:
-            self.spec.propose(self.scheduler.running, self._spec_of, self.max_model_len)
-        out = self.scheduler.schedule()
+            outputs.extend(self._admit_compiled())
+        started = time.perf_counter()
+        out = self.scheduler.schedule()  # speculative drafts proposed first (`Speculation`)
         if out.is_empty:
-            return deltas
+            return outputs
+        sampled = self._execute(out, outputs)
+        if sampled is not None:
+            outputs.extend(self._update(out, sampled, started))
+        return outputs
+
+    def _execute(self, out: SchedulerOutput, outputs: list[EngineOutput]) -> list[_Sampled] | None:
+        """Run the scheduled step (`execute_model`). A failed forward fails this step's
+        requests (their finals go to `outputs`), not the engine: None then."""
         self.num_steps += 1
         try:
             started = time.perf_counter()
             sampled = self.execute_model(out)
-            if self.spec is not None:
-                step_ms = (time.perf_counter() - started) * 1000.0
-                self.spec.observe_step(out.num_batched_tokens, step_ms)
-        except Exception as exc:  # a failed forward fails this step's requests, not the engine
+            self.speculation.observe_execute(out.num_batched_tokens, started)
+            return sampled
+        except Exception as exc:
             logger.exception("engine step failed; failing %d requests", len(out.scheduled))
             for entry in out.scheduled:
                 state = self.states.pop(entry.request.request_id, None)
                 if state is not None:
                     self.scheduler.finish_request(state.request, RequestStatus.FINISHED_ERROR)
-                    deltas.append(
+                    outputs.append(
                         self._final(state, "", [], "error", error=f"engine step failed: {exc}")
                     )
-            return deltas
+            return None
+
+    def _update(
+        self, out: SchedulerOutput, sampled: list[_Sampled], started: float
+    ) -> list[EngineOutput]:
+        """Advance the scheduler past the step (rejected drafts rolled back) and turn each
+        request's sampled tokens into its output; a request whose output processing raises
+        ends alone with finish_reason "error"."""
         self.num_prefill_tokens += sum(
             max(0, min(e.num_computed_tokens + e.num_new_tokens, e.request.num_prompt_tokens)
                 - e.num_computed_tokens)
             for e in out.scheduled
         )  # fmt: skip
-        rejected = None
-        if self.spec is not None:  # figures of this step's verified drafts
-            runs = [(r.state.request, r.state.spec, r.num_drafts, r.num_accepted) for r in sampled
-                    if r.num_drafts and r.error is None]  # fmt: skip
-            rejected = self.spec.record(runs)  # an error: every draft rejected (the default)
-        self.scheduler.update_after_step(out, rejected)
+        self.scheduler.update_after_step(out, self.speculation.record(sampled))
         now = time.monotonic()
+        outputs = []
         for row in sampled:
             if row.error is None:
                 try:
-                    deltas.append(self._process_tokens(row, now))
-                    attach_prompt_logprobs(row.state, deltas[-1])
+                    outputs.append(
+                        attach_prompt_logprobs(row.state, self._process_tokens(row, now))
+                    )
                     continue
                 except Exception as exc:  # this request's output only: the others go on
                     logger.exception(
                         "output processing failed for %s", row.state.request.request_id
                     )
                     row.error = f"output processing failed: {type(exc).__name__}: {exc}"
-            deltas.append(self._fail(row.state, row.error))
-        if self.spec is not None:  # the whole step, for the measured check on drafting
-            emitted = sum(r[3] for r in runs) + sum(row.error is None for row in sampled)
-            self.spec.observe_wall(len(out.scheduled), out.num_batched_tokens,
-                                   sum(r[2] for r in runs), emitted,
-                                   (time.perf_counter() - step_started) * 1000.0)  # fmt: skip
-        return deltas
+            outputs.append(self._fail(row.state, row.error))
+        self.speculation.observe_wall(out, sampled, started)
+        return outputs
 
     def _spec_of(self, req: Request) -> tuple[SpecRequest | None, SamplingParams]:
         state = self.states[req.request_id]
         return state.spec, state.params
 
-    def _admit_compiled(self) -> list[RequestDelta]:
+    def _admit_compiled(self) -> list[EngineOutput]:
         """Schedule the requests whose grammar is compiled; end those whose compile failed.
         With nothing else to run, wait briefly for a compile rather than spin."""
         idle = not self.scheduler.requests
@@ -360,7 +367,7 @@ class LLMEngine:
             self.scheduler.add_request(state.request)
         return deltas
 
-    def _fail(self, state: RequestState, error: str) -> RequestDelta:
+    def _fail(self, state: RequestState, error: str) -> EngineOutput:
         """End one request with finish_reason "error" (the broker reports `engine_error`)."""
         self.states.pop(state.request.request_id, None)
         self.scheduler.finish_request(state.request, RequestStatus.FINISHED_ERROR)
@@ -459,7 +466,7 @@ class LLMEngine:
             for s, r, d in zip(states, runs, drafts, strict=True)
         ]
 
-    def _process_tokens(self, row: _Sampled, now: float) -> RequestDelta:
+    def _process_tokens(self, row: _Sampled, now: float) -> EngineOutput:
         """Append a step's tokens of one request, one by one, until one of them stops it (EOS,
         stop id, stop string, max_tokens, max_model_len): the tokens after it are dropped, so a
         stop inside an accepted speculative run cuts the run at the right token."""
@@ -497,10 +504,10 @@ class LLMEngine:
                 break
         text = "".join(texts)
         lps = row.logprobs[: len(kept)]
-        lp = lps if any(x is not None for x in lps) else None
+        lp = label_logprobs(lps, self.token_text) if any(x is not None for x in lps) else None
         if reason is None:
             state.text_parts.append(text)
-            return RequestDelta(req.request_id, text, kept, False, logprobs=lp)
+            return EngineOutput(req.request_id, text, kept, False, logprobs=lp)
         if reason == "length" or grammar_done:
             text += state.detokenizer.flush()
         self.states.pop(req.request_id, None)
@@ -518,11 +525,11 @@ class LLMEngine:
         reason: str,
         logprobs: list | None = None,
         error: str | None = None,
-    ) -> RequestDelta:
+    ) -> EngineOutput:
         state.text_parts.append(text)
         if state.request.finished_time is None:
             state.request.finished_time = time.monotonic()
-        return RequestDelta(
+        return EngineOutput(
             state.request.request_id,
             text,
             token_ids,
@@ -548,7 +555,7 @@ class LLMEngine:
             num_generated_tokens=self.num_generated_tokens,
             num_prefill_tokens=self.num_prefill_tokens,
             num_prompts_tokenized=self.prompts.num_prompts_tokenized,
-            **spec_totals(self.spec),
+            **spec_totals(self.speculation.controller),
         )
         return stats
 

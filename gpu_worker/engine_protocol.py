@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from laneserve.gpu_worker.outputs import RequestDelta
+from laneserve.contracts.engine_io import EngineOutput, EngineRequest
 
 __all__ = ["Engine"]
 
 
 @runtime_checkable
 class Engine(Protocol):
-    """A streaming engine: requests go in with `add_request`, token deltas come out of `step`.
+    """A streaming engine: requests go in with `add` (`add_request`), token deltas come out of `step`.
 
     Attributes:
         model_name: the name the worker announces to the broker.
@@ -40,7 +40,8 @@ class Engine(Protocol):
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> object:
-        """Queue a request (exactly one of prompt, prompt_token_ids, messages).
+        """Queue a request (exactly one of prompt, prompt_token_ids, messages): `add` of an
+        `EngineRequest` of these fields.
 
         `sampling_params` is a `SamplingParams` or its wire dict; `arrival_time` is
         `time.monotonic()` seconds when the request reached this process.
@@ -50,7 +51,11 @@ class Engine(Protocol):
         """
         ...
 
-    def step(self) -> list[RequestDelta]:
+    def add(self, request: EngineRequest) -> object:
+        """Queue an `EngineRequest` (what the worker hands over). Raises as `add_request`."""
+        ...
+
+    def step(self) -> list[EngineOutput]:
         """One engine step; the deltas it produced (a token, a final, an error), maybe none."""
         ...
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from laneserve.contracts import env
+from laneserve.contracts.engine_io import EngineOutput, EngineRequest
 from laneserve.gpu_worker.engine_protocol import Engine
-from laneserve.gpu_worker.outputs import RequestDelta
 
 logger = logging.getLogger(__name__)
 
@@ -115,22 +115,25 @@ class FaultInjectingEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> object:
-        text = repr((prompt, messages))
-        if prompt_token_ids is not None and (self.plan.crash_marker or self.plan.step_marker):
-            text = self.engine.tokenizer.decode(prompt_token_ids)  # the edge sent ids
+        return self.add(EngineRequest(request_id, prompt_token_ids, sampling_params, lane,
+                                      priority, arrival_time, prompt, messages))  # fmt: skip
+
+    def add(self, request: EngineRequest) -> object:
+        request_id = request.request_id
+        text = repr((request.prompt, request.messages))
+        if request.prompt_token_ids is not None and (
+            self.plan.crash_marker or self.plan.step_marker
+        ):
+            text = self.engine.tokenizer.decode(request.prompt_token_ids)  # the edge sent ids
         if self.plan.crash_marker and self.plan.crash_marker in text:
             logger.error("%s matched request %s: exiting", CRASH_VAR, request_id)
             os._exit(1)
-        # positional: the protocol fixes the order (tests/engine/test_engine_protocol.py)
-        result = self.engine.add_request(
-            request_id, prompt, prompt_token_ids, messages, sampling_params, lane, priority,
-            arrival_time,
-        )  # fmt: skip
+        result = self.engine.add(request)
         if self.plan.step_marker and self.plan.step_marker in text:
             self._marked.add(request_id)
         return result
 
-    def step(self) -> list[RequestDelta]:
+    def step(self) -> list[EngineOutput]:
         deltas = self.engine.step()
         if self._marked:
             for d in deltas:

@@ -16,6 +16,7 @@ import torch
 from laneserve.contracts import env
 from laneserve.gpu_worker.gguf_blocks import GROUP_SIZE, GGUFQuantTensor, Int4Groups, q8_0_arrays
 from laneserve.gpu_worker.hardware import cpu_flags
+from laneserve.gpu_worker.kernel_routes import AMX_MAX_TOKENS, AMX_MIN_TOKENS, BF16_GEMV_MIN_TOKENS  # noqa: F401
 from laneserve.kernels import cpu_ext
 
 
@@ -140,19 +141,6 @@ def q8_0_kernel_block_groups() -> int:
     return int(torch.ops.laneserve.q8_0_gemv_block_groups())
 
 
-# bf16 calls from this many rows up to AMX_MAX_TOKENS run the AMX matmuls where they run
-# (`amx_usable`; kernels/csrc/amx_matmul.cpp), whatever the GEMV or dense thresholds say. Whole bf16
-# SmolLM2 decode steps on a 2-core Xeon with AMX (`scripts/bench_quant.py --steps --quantization
-# auto,auto-noamx`, the two alternating), time with / without: 3 rows 1.30x, 4 rows 1.07x (torch's
-# int4 kernel unpacks its weights once per 4 rows), 5 rows 0.74x, 8 rows 0.68-0.73x, 16 rows
-# 0.58-0.68x; since each pass's tiles are dequantized once for all its rows (not once per 16),
-# 32 rows 0.70-0.82x, 64 rows 0.78-0.87x, 128 rows 0.87-0.95x, 256 rows 0.92-0.94x and a
-# 512-token prefill 0.90-0.94x against the dense copy (docs/benchmarks.md Run 20). In a loop
-# (weights in cache) the dense copy wins from ~1,024 rows, so it keeps the calls above 512.
-AMX_MIN_TOKENS = 5
-AMX_MAX_TOKENS = 512
-
-
 def amx_usable() -> bool:
     """Whether the built C++ kernels run the AMX matmuls here: a CPU with AMX-BF16 (the build
     is ``-march=native``) whose kernel granted this process the tile state. False while the
@@ -231,17 +219,6 @@ def int4_block_order(qs: torch.Tensor) -> torch.Tensor:
     chunks = GROUP_SIZE // 4  # element pairs (k) 0..7 in the low nibbles, 8..15 in the high
     blocks = q[:, :, :chunks] | (q[:, :, chunks:] << 4)  # [N, blocks, chunk c, byte i]
     return torch.cat([blocks.reshape(n, -1), qs[:, full * GROUP_SIZE // 2 :]], dim=1).contiguous()
-
-
-# bf16 calls of fewer rows than this skip the bf16 GEMV: int4 ones run torch's int4 kernel, Q8_0
-# ones the int16 path (the kernel's own threshold, `kBf16GemvMinRows`). The bf16 GEMV reads 24 bytes
-# per 32 weights (torch's kernel 20) and dequantizes every group, so at 1-4 rows, where torch's
-# kernel unpacks its weights in one 4-row pass, whole bf16 SmolLM2 decode steps took 1.11-1.18x as
-# long with it; at 5 rows (a batch-1 speculative verification of 4 drafts; torch's kernel makes a
-# second pass) 0.81-0.87x, at 8 rows 0.98-1.01x (a 2-core Zen 5 EPYC with AVX512-BF16,
-# `scripts/bench_quant.py --steps --quantization auto,auto-nolayergemv`). The tied Q8_0 LM head
-# alone: 800 vs 647 us at 1 row, 964 vs 1451 at 5, 1392 vs 2235 at 8.
-BF16_GEMV_MIN_TOKENS = 5  # = kBf16GemvMinRows in kernels/csrc/quant_gemv.cpp
 
 
 def gemv_takes_bf16() -> bool:

@@ -23,16 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from laneserve.gpu_worker.gguf_blocks import K_QUANT_TYPES, GGUFQuantTensor, dequantize
+from laneserve.gpu_worker.kernel_routes import KQUANT_GEMV_MAX_TOKENS  # noqa: F401 (re-exported)
 from laneserve.kernels import cpu_ext
 
 QTYPE_IDS = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml's type numbers, the kernel's `qtype`
 QK_K = 256  # weights per super-block
-# calls of more rows dequantize tiles for the dense GEMM (per part of a fused linear). The GEMV
-# unpacks each super-block once for all rows, so its cost grows by one 256-wide dot per row and
-# super-block. Rough single-thread timings on a loaded 2-core Xeon (AVX-512 route, 4096 x 2048
-# Q4_K / 2048 x 4096 Q6_K): GEMV vs tiles 4.3 vs 24 ms / 8.1 vs 25.5 at 1 row, 17 vs 39 / 31 vs
-# 20 at 16, 82 vs 66 / 113 vs 32 at 64; Q5_K (not timed) sits between.
-KQUANT_GEMV_MAX_TOKENS = {"Q4_K": 32, "Q5_K": 16, "Q6_K": 8}
 KQUANT_TILE_ROWS = 512  # outputs dequantized at a time on the GEMM route (512 x 2048 x 4 = 4 MiB)
 
 

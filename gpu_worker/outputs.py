@@ -1,35 +1,9 @@
-"""What an engine step hands to its driver (torch-free, shared by `LLMEngine` and the synthetic
-engine)."""
+"""The offline `LLM`'s view of prompt logprobs (vLLM's `Logprob`). What an engine step hands to
+its driver is `contracts.engine_io.EngineOutput`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-
-@dataclass(slots=True)
-class RequestDelta:
-    """What one step produced for one request (docs/interfaces.md).
-
-    `new_token_ids` may be non-empty while `new_text` is "" (text held back: an incomplete UTF-8
-    character or a possible stop string). `metrics` (the engine metrics dict, ms) is set on the
-    final delta; `finish_reason` is "stop" | "length" | "abort" | "error" when `finished`.
-
-    `prompt_logprobs` (only when `SamplingParams.prompt_logprobs` is set, on the request's first
-    token delta, once): one entry per prompt position,
-    `{"token_id", "logprob", "rank", "top": [(token_id, logprob), ...]}` -- the prompt token's
-    raw log-softmax value, its 1-based rank in the distribution, and the top-n, best first;
-    position 0 has `logprob` and `rank` None and no top (nothing predicts it).
-    """
-
-    request_id: str
-    new_text: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    logprobs: list | None = None
-    metrics: dict | None = None
-    error: str | None = None
-    prompt_logprobs: list | None = None
 
 
 @dataclass(slots=True)
@@ -46,7 +20,7 @@ class Logprob:
 
 
 def prompt_logprob_dicts(entries: list | None, decode) -> list[dict[int, Logprob] | None] | None:
-    """The engine's `RequestDelta.prompt_logprobs` entries as vLLM's shape: per position None
+    """The engine's `EngineOutput.prompt_logprobs` entries as vLLM's shape: per position None
     (position 0, whose entry has no logprob) or `{token_id: Logprob}` holding the prompt token and the top-n (ranks 1..n).
 
     `decode(token_id) -> str` gives `decoded_token`.

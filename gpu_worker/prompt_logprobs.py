@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from laneserve.gpu_worker.outputs import RequestDelta
+from laneserve.contracts.engine_io import EngineOutput
 from laneserve.gpu_worker.request_state import RequestState
 from laneserve.gpu_worker.scheduler_output import ScheduledRequest
 
@@ -90,13 +90,13 @@ def flat_rows(rows: list[PromptRows], device: torch.device) -> torch.Tensor:
     return torch.tensor(flat, dtype=torch.int64, device=device)
 
 
-def attach_prompt_logprobs(state: RequestState, delta: RequestDelta) -> None:
-    """Put a request's complete prompt logprobs on `delta`, once (not again after a recompute)."""
+def attach_prompt_logprobs(state: RequestState, delta: EngineOutput) -> EngineOutput:
+    """`delta` with a request's complete prompt logprobs, once (not again after a recompute)."""
     if state.prompt_logprobs is None or state.prompt_logprobs_sent:
-        return
+        return delta
     assert len(state.prompt_logprobs) == state.request.num_prompt_tokens, (
         f"{state.request.request_id}: {len(state.prompt_logprobs)} prompt logprobs for "
         f"{state.request.num_prompt_tokens} prompt tokens"
     )
-    delta.prompt_logprobs = state.prompt_logprobs
     state.prompt_logprobs_sent = True
+    return delta._replace(prompt_logprobs=state.prompt_logprobs)

@@ -77,12 +77,7 @@ import torch.nn.functional as F
 
 from laneserve.gpu_worker import kquant
 from laneserve.gpu_worker.config import QUANTIZATIONS as QUANTIZATION_MODES
-from laneserve.gpu_worker.gemv_blocks import (
-    BF16_GEMV_MIN_TOKENS,
-    GemvBlocks,
-    amx_takes,
-    gemv_takes_bf16,
-)
+from laneserve.gpu_worker.gemv_blocks import GemvBlocks, amx_takes, gemv_takes_bf16
 from laneserve.gpu_worker.gguf_blocks import (
     GROUP_SIZE,
     GGUFQuantTensor,
@@ -94,6 +89,16 @@ from laneserve.gpu_worker.gguf_blocks import (
     q8_0_arrays,
 )
 from laneserve.gpu_worker.hardware import cpu_flags, cpu_has_fast_bf16
+from laneserve.gpu_worker.kernel_routes import (  # noqa: F401 (re-exported: the routes' names)
+    BF16_GEMV_MAX_TOKENS,
+    BF16_GEMV_MIN_TOKENS,
+    BF16_GEMV_SLOWER,
+    DENSE_MIN_TOKENS,
+    DENSE_MIN_TOKENS_FP32,
+    DENSE_MIN_TOKENS_FP32_GGUF_ORDER,
+    GEMV_MAX_TOKENS,
+    Q8_0_HEAD_DENSE_MIN_TOKENS_FP32,
+)
 from laneserve.kernels import cpu_ext
 
 logger = logging.getLogger(__name__)
@@ -140,36 +145,6 @@ def resolve_mode(mode: str, device: torch.device, dtype: torch.dtype | None = No
 
 INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
 KERNEL_DTYPE = torch.bfloat16  # torch's int4/int8 CPU kernels are vectorized for bf16 only
-# From this many rows up, a dense bf16 GEMM beats the int4 kernel. With the dense copy packed
-# (`pack_dense`) on a 2-core EPYC with AVX512-BF16, 2 threads: per linear
-# (scripts/bench_quant.py, medians of per-round ratios) the crossovers are qkv 8, o 12,
-# gate_up 12, down 8, lm_head 12; whole bf16 SmolLM2 decode steps (context 150-300, dense vs
-# int4 alternating step by step) take 15.6 vs 14.2 ms at 8 rows, 17.1 vs 19.1 at 10, 21.5 vs
-# 24.8 at 12. (Unpacked, at 1 thread, the per-linear crossovers were 8-32 rows: 16 then.)
-# Only used when the activations are bf16/fp16 on a CPU with native bf16 (`dense_copy_dtype`):
-# on an AVX2-only CPU a dense bf16 GEMM is 2-7x slower than the int4 kernel at every M measured.
-DENSE_MIN_TOKENS = 10
-# float32 activations (an AVX2-only CPU's `dtype="auto"`): up to GEMV_MAX_TOKENS rows run the
-# C++ GEMVs (kernels/csrc/quant_gemv.cpp: the GGUF's exact weights, activations rounded to int16
-# per 32-element group), from DENSE_MIN_TOKENS_FP32 rows a dense float32 GEMM on a float32 copy.
-# Measured on a 2-core EPYC with AVX2/FMA/F16C only (scripts/bench_quant.py, 2 threads, dense
-# float32 time / GEMV time per shape): at 1 row 2.2-6.5, 8 rows 2.2-6.5, 16 rows 1.3-3.1,
-# 32 rows 1.07-2.1, 40 rows 0.99-1.35, 48 rows 1.01-1.18, 56 rows 0.93-1.09, 64 rows 0.85-1.04
-# (the LM head 1.4 at 64). With float32 activations in the GEMVs (before 3 December 2026) the
-# crossover was 32 rows. Since the int4 GEMV reads its weights in blocks of 8 groups on AVX2
-# (December 2026), on a 2-core Zen 2 EPYC (AVX2 only, 3.3 GHz) the per-linear crossovers are
-# qkv and o 48, down 80, gate_up 96 rows (the Q8_0 LM head: about 128), and whole float32 decode
-# steps of SmolLM2 (thresholds switched step by step on one engine, medians of 8) took 147 vs
-# 180 ms at 48 rows with the GEMVs, 184 vs 218 at 64, 232 vs 259 at 80, 283-284 either way at 96.
-# Where the int4 GEMV keeps the GGUF order (an AVX-512BW build's pair loop, `int4_blocked_cpu`
-# False) the threshold stays the one measured before the block order.
-DENSE_MIN_TOKENS_FP32 = 96
-DENSE_MIN_TOKENS_FP32_GGUF_ORDER = 48
-# A tied Q8_0 LM head (`QuantLinear.read_q8_0_blocks`) runs float32 calls on its dense copy
-# only from this many rows where the int4 GEMV reads the block order (measured there): its GEMV
-# took 0.55-0.75x the dense GEMM's time up to 96 rows and about as long at 128 on that EPYC.
-Q8_0_HEAD_DENSE_MIN_TOKENS_FP32 = 128
-GEMV_MAX_TOKENS = DENSE_MIN_TOKENS_FP32 - 1
 
 
 def int4_blocked_cpu() -> bool:
@@ -215,18 +190,6 @@ def dense_copy_dtype(dtype: torch.dtype) -> torch.dtype | None:
     if dtype == torch.float32 or cpu_has_fast_bf16():
         return dtype
     return None
-
-
-# int4 calls of more rows than this (up to the dense copy's threshold) go back to torch's kernel:
-# whole bf16 verification steps of one sequence (context 400, one process, interleaved) on a
-# 2-core Zen 4 EPYC took 30.4 ms with the bf16 GEMV at 8 rows against 27.7 with torch's kernel
-# (5 rows 22.2 vs 24.4, 6 rows 23.5 vs 24.9); on the Zen 5 of docs/benchmarks.md Run 9, 8 rows
-# were 0.98-1.04x either way.
-BF16_GEMV_MAX_TOKENS = 7
-# A Q8_0 linear leaves the bf16 GEMV for the int16 path only when the bf16 one measures slower
-# than this many times the int16 one (`QuantLinear.bf16_gemv_pays`; 1.5x faster on a Zen 5,
-# ~3x slower on a Zen 4).
-BF16_GEMV_SLOWER = 1.25
 
 
 def bf16_takes_gemv(kind: str, rows: int) -> bool:

@@ -44,6 +44,7 @@ import collections
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 from laneserve.gpu_worker.block_manager import NULL_BLOCK, BlockManager
 from laneserve.gpu_worker.request import Lane, Request, RequestStatus
@@ -125,6 +126,9 @@ class Scheduler:
         # SLO-driven budgets (gpu_worker/step_budget.py); None: the fixed knobs alone
         self.step_budget = step_budget
         self.last_features: StepFeatures | None = None  # what the last non-empty step ran
+        # speculative drafts of the running requests, set before each step's budget is handed
+        # out (the engine's `Speculation.propose`; no drafts by default)
+        self.propose_drafts: Callable[[list[Request]], None] = lambda running: None
 
     # --- queue views ---
     @property
@@ -228,6 +232,7 @@ class Scheduler:
     # --- one step ---
     def schedule(self) -> SchedulerOutput:
         """Build the next step (see the module docstring for the algorithm)."""
+        self.propose_drafts(self.running)
         budget = self.config.max_num_batched_tokens
         cap = self.config.batch_token_budget
         inter_cap = self.config.interactive_batch_token_cap

@@ -166,8 +166,9 @@ def _reset_after_profile(engine: Any) -> None:
     bm.reset_prefix_cache()  # the profile's counters and cached blocks are not traffic
     bm.prefix_cache_queries = bm.prefix_cache_hits = 0
     engine.num_steps = engine.num_generated_tokens = engine.num_prefill_tokens = 0
-    if engine.spec is not None:  # the profile's drafts are not traffic either (/metrics)
-        engine.spec.reset_totals()
+    spec = engine.speculation.controller
+    if spec is not None:  # the profile's drafts are not traffic either (/metrics)
+        spec.reset_totals()
 
 
 def least_of_rounds(

@@ -6,7 +6,7 @@ engine (`gpu_worker.engine_protocol.Engine`, docs/interfaces.md "gpu_worker engi
 
 - ``add_request(request_id, prompt=None, prompt_token_ids=None, messages=None,
   sampling_params=None, lane="batch", priority=0, arrival_time=None)``
-- ``step() -> list[RequestDelta]`` — one token for every running request per step, interactive
+- ``step() -> list[EngineOutput]`` — one token for every running request per step, interactive
   requests admitted first (``max_num_seqs`` running at most), the step paced to ``step_s``;
 - ``abort_request(request_id)``, ``has_unfinished_requests()``, ``stats()``.
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from laneserve.contracts import defaults, latency
+from laneserve.contracts.engine_io import EngineOutput, EngineRequest
 from laneserve.gpu_worker.config import ENGINE_DEFAULTS
-from laneserve.gpu_worker.outputs import RequestDelta
 
 
 @dataclass(slots=True)
@@ -87,7 +87,7 @@ class SyntheticEngine:
                         "num_tokens": num_blocks * block_size,
                         "max_model_len": min(max_model_len, num_blocks * block_size)}  # fmt: skip
         self._last_step = 0.0
-        self._errors: list[RequestDelta] = []
+        self._errors: list[EngineOutput] = []
         self.num_steps = 0
 
     # ------------------------------------------------------------------ Engine interface
@@ -103,8 +103,20 @@ class SyntheticEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> None:
+        """`add` an `EngineRequest` of these fields."""
+        self.add(EngineRequest(request_id, prompt_token_ids, sampling_params, lane, priority,
+                               arrival_time, prompt, messages))  # fmt: skip
+
+    def add(self, request: EngineRequest) -> None:
         """Queue a request. Raises ValueError on a bad prompt or sampling params, or a
         duplicate request id."""
+        request_id, lane, arrival_time = request.request_id, request.lane, request.arrival_time
+        prompt, prompt_token_ids, messages = (
+            request.prompt,
+            request.prompt_token_ids,
+            request.messages,
+        )
+        sampling_params = request.sampling_params
         if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
             raise ValueError(f"duplicate request_id {request_id!r}")
         if prompt_token_ids is not None:
@@ -135,7 +147,7 @@ class SyntheticEngine:
         )
         if self.fail_on and self.fail_on in text:
             self._errors.append(
-                RequestDelta(request_id, "", [], True, "error", error="synthetic engine failure")
+                EngineOutput(request_id, "", [], True, "error", error="synthetic engine failure")
             )
             return
         if lane == "interactive":
@@ -159,7 +171,7 @@ class SyntheticEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting or self._errors)
 
-    def step(self) -> list[RequestDelta]:
+    def step(self) -> list[EngineOutput]:
         """One engine step: admit waiting requests, one token for each running request."""
         self._pace()
         now = time.monotonic()
@@ -175,13 +187,13 @@ class SyntheticEngine:
                 req.blocks += 1
             done = req.output >= req.max_tokens
             text = f" t{time.monotonic_ns()}" if self.stamp else f" w{tok}"
-            delta = RequestDelta(req.request_id, text, [tok], done)
             if done:
-                delta.finish_reason = "length"
-                delta.metrics = self._metrics(req)
+                out.append(EngineOutput(req.request_id, text, [tok], True, "length",
+                                        metrics=self._metrics(req)))  # fmt: skip
                 self.running.pop(req.request_id)
                 self.free_blocks += req.blocks
-            out.append(delta)
+            else:
+                out.append(EngineOutput(req.request_id, text, [tok]))
         self.num_steps += 1
         return out
 

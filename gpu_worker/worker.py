@@ -13,7 +13,7 @@ Two threads::
   a new broker ``epoch`` or a ``disconnect`` -> forget all requests and send ``ready`` again), and
   polls the parent pid (``parent_pid``) so the worker exits when its supervisor dies.
 - The **engine loop** drives any `gpu_worker.engine_protocol.Engine` (``LLMEngine``,
-  ``SyntheticEngine``): ``add_request``, ``step() -> list[RequestDelta]``, ``abort_request``,
+  ``SyntheticEngine``): ``add`` (an ``EngineRequest``), ``step() -> list[EngineOutput]``, ``abort_request``,
   ``has_unfinished_requests``, ``stats``. It sends exactly **one** ``step_outputs`` message per
   engine step carrying every request's delta/final/error. An aborted request always gets a
   final output with ``finish_reason="abort"`` (synthesized if the engine emits none) so the
@@ -48,6 +48,7 @@ import zmq
 
 from laneserve.broker import protocol as p
 from laneserve.contracts import defaults
+from laneserve.contracts.engine_io import EngineOutput
 from laneserve.gpu_worker.engine_protocol import Engine
 from laneserve.gpu_worker.worker_io import RESET_DONE, IoLoop, ResetEngine
 
@@ -233,22 +234,13 @@ class Worker:
         if rid in self.active:
             return  # duplicate dispatch; already running
         try:
-            self.engine.add_request(
-                rid,
-                prompt=msg.prompt,
-                prompt_token_ids=msg.prompt_token_ids,
-                messages=msg.messages,
-                sampling_params=msg.sampling_params,
-                lane=msg.lane,
-                priority=msg.priority,
-                arrival_time=time.monotonic(),
-            )
+            self.engine.add(msg.engine_request(arrival_time=time.monotonic()))
         except Exception as exc:  # bad input -> a typed error for this request, keep serving
             code = _ERROR_CODES.get(type(exc).__name__)
             if code is None:
                 code = "invalid_request" if isinstance(exc, ValueError) else "engine_error"
             if code == "engine_error":
-                logger.exception("add_request %s failed", rid)
+                logger.exception("adding request %s failed", rid)
             err = p.WorkerError(
                 worker_id=self.worker_id, code=code, message=str(exc)[:2000], request_id=rid
             )
@@ -279,7 +271,7 @@ class Worker:
         except Exception as exc:  # an engine bug must not take the worker down silently
             logger.exception("engine.step() raised; failing %d requests", len(self.active))
             outputs = [
-                p.StepOutput(rid, "", [], True, "error", error=f"engine step failed: {exc}"[:2000])
+                EngineOutput(rid, "", [], True, "error", error=f"engine step failed: {exc}"[:2000])
                 for rid in self.active
             ]
             for rid in list(self.active):
@@ -293,36 +285,20 @@ class Worker:
             step_ms if not self._step_ms_ema else 0.9 * self._step_ms_ema + 0.1 * step_ms
         )
         self.counters["steps"] += 1
-        outputs = []
+        outputs = [d for d in deltas if d.request_id in self.active]  # the wire items as they are
         ntok = 0
-        for d in deltas:
-            rid = d.request_id
-            if rid not in self.active:
-                continue
+        for d in outputs:
             ntok += len(d.new_token_ids)
-            outputs.append(
-                p.StepOutput(
-                    rid,
-                    d.new_text,
-                    list(d.new_token_ids),
-                    bool(d.finished),
-                    d.finish_reason,
-                    d.logprobs,
-                    d.metrics,
-                    d.error,
-                    d.prompt_logprobs,
-                )
-            )
             if d.finished:
-                self.active.discard(rid)
-                self._pending_aborts.discard(rid)
+                self.active.discard(d.request_id)
+                self._pending_aborts.discard(d.request_id)
         self._tokens_window.append((t0, ntok))
         self._send_outputs(pipe, outputs, step_ms)
 
-    def _send_outputs(self, pipe: zmq.Socket, outputs: list[p.StepOutput], step_ms: float) -> None:
+    def _send_outputs(self, pipe: zmq.Socket, outputs: list[EngineOutput], step_ms: float) -> None:
         for rid in self._pending_aborts:
             self.active.discard(rid)
-            outputs.append(p.StepOutput(rid, "", [], True, "abort"))
+            outputs.append(EngineOutput(rid, "", [], True, "abort"))
         self._pending_aborts.clear()
         if outputs:
             msg = p.StepOutputs(worker_id=self.worker_id, outputs=outputs, step_ms=step_ms)

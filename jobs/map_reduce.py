@@ -31,16 +31,17 @@ class MapReduce:
             first_pieces = first_pieces or len(pieces)
             texts = [tokenizer.decode(piece) for piece in pieces]
             if len(pieces) == 1:
-                kwargs = results.submit_kwargs(
+                model, (call,) = results.choice_requests(
+                    line.rid,
                     {
                         "url": line.request["url"],
                         "body": {
                             **body,
                             "messages": prompts.summarize_messages(texts[0], reduce=level > 0),
                         },
-                    }
+                    },
                 )
-                final, error = await self._call(line.rid, kwargs, info.id, line.custom_id)
+                final, error = await self._call(call, model, info.id, line.custom_id)
                 extra = {
                     "map_reduce": {
                         "pieces": first_pieces,
@@ -59,8 +60,9 @@ class MapReduce:
             coros = []
             for i, text in enumerate(texts):
                 sub = {**body, "messages": prompts.summarize_messages(text, reduce=level > 0)}
-                kwargs = results.submit_kwargs({"url": line.request["url"], "body": sub})
-                coros.append(self._call(f"mr_{line.rid}_{level}_{i}", kwargs))
+                piece = {"url": line.request["url"], "body": sub}
+                model, (call,) = results.choice_requests(f"mr_{line.rid}_{level}_{i}", piece)
+                coros.append(self._call(call, model))
             answers = await asyncio.gather(*coros)
             calls += len(answers)
             for final, error in answers:

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from laneserve.broker import protocol as p
+from laneserve.contracts.engine_io import EngineRequest
 from laneserve.contracts.openai import Limits, ServedModel, parse
 from laneserve.contracts.openai import responses as fmt
 from laneserve.contracts.openai.responses import TokenText
@@ -28,14 +29,14 @@ from laneserve.contracts.openai.structured import parsed_json, wants_json
 from laneserve.contracts.openai.tool_parsers import apply_tools
 
 
-def choice_requests(rid: str, request: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """`(request id, BrokerClient.submit keyword arguments)` per choice of a line request
+def choice_requests(rid: str, request: dict[str, Any]) -> tuple[str, list[EngineRequest]]:
+    """The model and one batch-lane `EngineRequest` per choice of a line request
     `{"url", "body"[, "sampling_params"][, "prompt_token_ids"]}`
     (`jobs.validate.LineResult.request`); the validator's `prompt_token_ids` (one list per
     prompt) are sent instead of the text, so a line is tokenized once.
 
-    A line fans out as the gateway does (`n` samples of each prompt): choice `k = prompt * n +
-    sample` is the line's own request id for `k == 0` and `{rid}-{k}` otherwise, with
+    A line fans out as the gateway does (`ParsedRequest.engine_requests`): choice `k = prompt *
+    n + sample` is the line's own request id for `k == 0` and `{rid}-{k}` otherwise, with
     `ParsedRequest.sampling_for(k)` (`seed + sample`). The sampling params are the validated
     ones stored with the line; a request without them (a map-reduce piece, a line stored by an
     older validator) is mapped by the same parser. Raises `contracts.openai.OpenAIError` for a
@@ -51,24 +52,7 @@ def choice_requests(rid: str, request: dict[str, Any]) -> list[tuple[str, dict[s
     if encoded is not None and len(encoded) == len(req.prompts):
         for prompt, ids in zip(req.prompts, encoded, strict=True):
             prompt.encoded = ids
-    out = []
-    for i, prompt in enumerate(req.prompts):
-        for j in range(req.n):
-            k = i * req.n + j
-            kwargs: dict[str, Any] = {
-                "sampling_params": req.sampling_for(k),
-                "model": req.model,
-                "priority": req.priority,
-                **prompt.wire(),
-            }
-            out.append((rid if k == 0 else f"{rid}-{k}", kwargs))
-    return out
-
-
-def submit_kwargs(request: dict[str, Any]) -> dict[str, Any]:
-    """The submit arguments of a one-choice request (a map-reduce piece)."""
-    ((_, kwargs),) = choice_requests("", request)
-    return kwargs
+    return req.model, req.engine_requests(rid, lane="batch")
 
 
 def usage(finals: list[p.Final], n: int = 1) -> dict[str, Any]:

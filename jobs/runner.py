@@ -43,7 +43,6 @@ import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
@@ -51,6 +50,7 @@ from sqlalchemy.exc import OperationalError
 from laneserve.broker import protocol as p
 from laneserve.broker.client import BrokerClient
 from laneserve.contracts import defaults
+from laneserve.contracts.engine_io import EngineRequest
 from laneserve.contracts.openai import ServedModel
 from laneserve.contracts.procs import parent_gone
 from laneserve.db.availability import Outage
@@ -413,11 +413,11 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
             if request.get("map_reduce"):
                 outcome = await self._map_reduce(info, line)
             else:  # one call per choice (n > 1, several prompts), as the gateway fans out
-                calls = results.choice_requests(line.rid, request)
+                model, calls = results.choice_requests(line.rid, request)
                 answers = await asyncio.gather(
                     *(
-                        self._call(rid, kwargs, *((info.id, line.custom_id) if k == 0 else ()))
-                        for k, (rid, kwargs) in enumerate(calls)
+                        self._call(call, model, *((info.id, line.custom_id) if k == 0 else ()))
+                        for k, call in enumerate(calls)
                     )
                 )
                 error = next((e for f, e in answers if f is None), None)
@@ -475,26 +475,26 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
 
     async def _call(
         self,
-        rid: str,
-        kwargs: dict[str, Any],
+        request: EngineRequest,
+        model: str | None,
         job_id: str | None = None,
         custom_id: str | None = None,
     ) -> tuple[p.Final | None, dict | None]:
         """One request through the batch lane until a final answer: (Final, None) or
         (None, error response). Retryable errors are resubmitted under the same id."""
+        rid = request.request_id
         assert self.client is not None
         backoff = RETRY_BACKOFF_S[0]
         while True:
             last = None
             try:
-                stream = self.client.submit(
-                    lane="batch",
+                stream = self.client.submit_request(
+                    request,
                     stream=False,
-                    request_id=rid,
+                    model=model,
                     job_id=job_id,
                     custom_id=custom_id,
                     arrival_time=time.time(),
-                    **kwargs,
                 )
             except p.ProtocolError as exc:
                 return None, results.error_response("invalid_request", str(exc))

@@ -28,21 +28,7 @@ import statistics
 import time
 
 import torch
-
-
-def cpu_info() -> dict:
-    model, flags = "", []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and not model:
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = value.split()
-    except OSError:
-        pass
-    return {"model": model, "cores": os.cpu_count(), "flags": flags}
+from benchlib import cpu_info
 
 
 def read_bandwidth(gib: float, threads: int, repeats: int) -> float:

@@ -52,8 +52,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from bench_offline import sample_documents  # noqa: E402
 from bench_serving import (  # noqa: E402
     add_stack_args,

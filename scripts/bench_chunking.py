@@ -25,11 +25,8 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
 from bench_serving import (  # noqa: E402

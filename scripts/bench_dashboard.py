@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import sqlalchemy as sa  # noqa: E402
-from bench_offline import cpu_info  # noqa: E402  (scripts/ is on sys.path: the one CPU report)
+from benchlib import cpu_info  # noqa: E402
 
 APP = ROOT / "dashboard" / "app.py"
 COLUMNS = (

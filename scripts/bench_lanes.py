@@ -47,11 +47,8 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import (  # noqa: E402
     RequestResult,

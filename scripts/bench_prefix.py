@@ -20,10 +20,7 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import (  # noqa: E402
     add_stack_args,

@@ -52,7 +52,7 @@ apply_openmp_policy()
 import torch  # noqa: E402  # isort: skip
 import torch.nn.functional as F  # noqa: E402  # isort: skip
 
-from bench_offline import cpu_info  # noqa: E402  # isort: skip  (scripts/ is on sys.path)
+from benchlib import cpu_info  # noqa: E402  # isort: skip
 from laneserve.kernels import cpu_ext  # noqa: E402  # isort: skip
 from laneserve.gpu_worker.gemv_blocks import GemvBlocks  # noqa: E402  # isort: skip
 from laneserve.gpu_worker.gguf_blocks import int4_from_float, int8_from_float  # noqa: E402  # isort: skip

@@ -136,7 +136,7 @@ def log(msg: str) -> None:
 
 def machine() -> dict[str, Any]:
     import torch
-    from bench_offline import cpu_info  # the one CPU report (model, SIMD flags)
+    from benchlib import cpu_info  # the one CPU report (model, SIMD flags)
 
     info = cpu_info()
     return {

@@ -60,16 +60,13 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from laneserve.gpu_worker.openmp import apply_openmp_policy  # isort: skip
 
 apply_openmp_policy()
 import torch  # noqa: E402
-from bench_offline import cpu_info, thread_settings  # noqa: E402
+from benchlib import cpu_info, thread_settings  # noqa: E402
 
 from laneserve.demo_chats import CHAT_MODULES, CHAT_QUESTIONS  # noqa: E402
 from laneserve.demo_corpus import build_corpus  # noqa: E402

@@ -28,7 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_offline import cpu_info  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from laneserve.gpu_worker.openmp import apply_openmp_policy  # noqa: E402  # isort: skip
+
+apply_openmp_policy(exclusive=True)  # the offline policy, before torch loads
+from benchlib import cpu_info  # noqa: E402  # isort: skip
 
 from laneserve.gpu_worker.model_files import models_dir  # noqa: E402
 from laneserve.stack import start_stack_process, stop_stack_process  # noqa: E402

@@ -37,7 +37,7 @@ from laneserve.gpu_worker.openmp import apply_openmp_policy  # noqa: E402  (torc
 OPENMP_POLICY_APPLIED = apply_openmp_policy()
 
 import torch  # noqa: E402
-from bench_offline import cpu_info  # noqa: E402  (scripts/ is on sys.path: the one CPU report)
+from benchlib import cpu_info  # noqa: E402
 
 from laneserve.gpu_worker.model_loader import load_model_files  # noqa: E402
 from laneserve.gpu_worker.model_runner import ModelRunner  # noqa: E402

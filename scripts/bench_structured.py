@@ -33,12 +33,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jsonschema  # noqa: E402
 import torch  # noqa: E402
-from bench_offline import cpu_info  # noqa: E402  (applies the engines' OpenMP policy first)
+from benchlib import cpu_info  # noqa: E402
 
 from laneserve.contracts.openai.structured import parse_structured  # noqa: E402
 from laneserve.contracts.openai.tools import parse_tools  # noqa: E402

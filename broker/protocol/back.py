@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 from laneserve.broker.protocol.base import Message, message
 from laneserve.broker.protocol.checks import (
@@ -35,6 +35,7 @@ from laneserve.broker.protocol.checks import (
     t_token_ids,
 )
 from laneserve.broker.protocol.front import Abort, Heartbeat, PromptRequest
+from laneserve.contracts.engine_io import EngineOutput, EngineRequest
 
 # worker -> broker
 
@@ -68,23 +69,10 @@ class WorkerHeartbeat(Message):
     draining: bool = spec(t_bool, False)
 
 
-class StepOutput(NamedTuple):
-    """One request's output in one engine step (mirrors gpu_worker ``RequestDelta``).
-
-    On the wire it is a msgpack array in field order (compact: one per request per step).
-    """
-
-    request_id: str
-    text: str = ""
-    token_ids: list[int] = []  # noqa: RUF012 - NamedTuple default, never mutated
-    finished: bool = False
-    finish_reason: str | None = None
-    logprobs: list | None = None
-    metrics: dict | None = None
-    error: str | None = None
-    # SamplingParams.prompt_logprobs: per prompt position None or {token_id, logprob, rank, top},
-    # on the request's first token (gpu_worker RequestDelta.prompt_logprobs). Optional 9th item.
-    prompt_logprobs: list | None = None
+StepOutput = EngineOutput
+"""One request's output in one engine step: the engine's own :class:`EngineOutput`, sent as a
+msgpack array in field order (compact: one per request per step). The 9th item,
+``prompt_logprobs``, is optional (workers before it sent 8)."""
 
 
 _STEP_OUTPUT_CHECKS: tuple[Check, ...] = (
@@ -182,6 +170,20 @@ class WorkRequest(PromptRequest):
         """The work message of a submitted request: its prompt fields and ``attempt``."""
         shared = {name: getattr(submit, name) for name in _PROMPT_FIELDS}
         return cls(**shared, attempt=attempt)
+
+    def engine_request(self, arrival_time: float) -> EngineRequest:
+        """What the worker hands its engine; ``arrival_time``: ``time.monotonic()`` s when the
+        worker took it."""
+        return EngineRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            sampling_params=self.sampling_params,
+            lane=self.lane,
+            priority=self.priority,
+            arrival_time=arrival_time,
+            prompt=self.prompt,
+            messages=self.messages,
+        )
 
 
 _PROMPT_FIELDS = tuple(f.name for f in fields(PromptRequest))

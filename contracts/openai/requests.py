@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from laneserve.contracts.engine_io import EngineRequest
 from laneserve.contracts.openai.checks import (
     MAX_TOKEN_ID,
     WIRE_INT_MAX,
@@ -244,6 +245,22 @@ class ParsedRequest:
             seed = sampling["seed"] + index % self.n
             sampling["seed"] = seed - 2**64 if seed > WIRE_INT_MAX else seed  # stays a seed
         return sampling
+
+    def engine_requests(self, request_id: str, lane: str | None = None) -> list[EngineRequest]:
+        """One :class:`EngineRequest` per choice ``k = prompt * n + sample`` (vLLM's order), the
+        front end the gateway and the jobs runner share: request id ``request_id`` for ``k == 0``
+        and ``{request_id}-{k}`` after, :meth:`sampling_for` ``k``, the prompt's ids when they
+        were encoded at the edge (:meth:`Prompt.wire`), this request's lane unless ``lane``."""
+        return [
+            EngineRequest(
+                request_id=request_id if k == 0 else f"{request_id}-{k}",
+                sampling_params=self.sampling_for(k),
+                lane=lane or self.lane,
+                priority=self.priority,
+                **prompt.wire(),
+            )
+            for k, prompt in enumerate(p for p in self.prompts for _ in range(self.n))
+        ]
 
 
 # ------------------------------------------------------------------------------- entry points

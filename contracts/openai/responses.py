@@ -51,9 +51,25 @@ def clamp_logprob(value: Any) -> float:
 
 
 def _entries(raw: list | None) -> list[dict]:
-    """Engine logprob entries ``{"token_id", "logprob", "top": [[id, lp], ...]}`` (see
-    ``gpu_worker.sampler``); anything else is skipped."""
+    """Engine logprob entries ``{"token_id", "logprob", "top": [[id, lp], ...]}`` with their
+    texts ``token`` and ``top_tokens`` (:mod:`laneserve.contracts.engine_io`); anything else is
+    skipped."""
     return [e for e in raw or () if isinstance(e, dict) and isinstance(e.get("token_id"), int)]
+
+
+def _texts(e: dict, token_text: TokenText) -> tuple[str, list[tuple[int, Any, str]]]:
+    """An entry's token text and its valid top-n as (id, logprob, text): the engine's texts,
+    ``token_text`` only for an entry that came without them (prompt logprobs, older workers)."""
+    tok = e.get("token")
+    if not isinstance(tok, str):
+        tok = token_text(e["token_id"])
+    texts = e.get("top_tokens")
+    top = []
+    for k, pair in enumerate(e.get("top") or ()):
+        if isinstance(pair, list | tuple) and len(pair) == 2 and isinstance(pair[0], int):
+            text = texts[k] if isinstance(texts, list) and k < len(texts) else None
+            top.append((pair[0], pair[1], text if isinstance(text, str) else token_text(pair[0])))
+    return tok, top
 
 
 def chat_logprobs(raw: list | None, token_text: TokenText) -> dict:
@@ -61,14 +77,11 @@ def chat_logprobs(raw: list | None, token_text: TokenText) -> dict:
     top_logprobs: [...]}]}``."""
     content = []
     for e in _entries(raw):
-        tok = token_text(e["token_id"])
-        top = []
-        for pair in e.get("top") or ():
-            if isinstance(pair, list | tuple) and len(pair) == 2 and isinstance(pair[0], int):
-                t = token_text(pair[0])
-                top.append(
-                    {"token": t, "logprob": clamp_logprob(pair[1]), "bytes": list(t.encode())}
-                )
+        tok, pairs = _texts(e, token_text)
+        top = [
+            {"token": t, "logprob": clamp_logprob(lp), "bytes": list(t.encode())}
+            for _, lp, t in pairs
+        ]
         content.append(
             {
                 "token": tok,
@@ -90,14 +103,10 @@ def completion_logprobs(raw: list | None, token_text: TokenText, offset: int = 0
         "text_offset": [],
     }
     for e in _entries(raw):
-        tok = token_text(e["token_id"])
+        tok, pairs = _texts(e, token_text)
         out["tokens"].append(tok)
         out["token_logprobs"].append(clamp_logprob(e.get("logprob")))
-        top = {}
-        for pair in e.get("top") or ():
-            if isinstance(pair, list | tuple) and len(pair) == 2 and isinstance(pair[0], int):
-                top[token_text(pair[0])] = clamp_logprob(pair[1])
-        out["top_logprobs"].append(top)
+        out["top_logprobs"].append({t: clamp_logprob(lp) for _, lp, t in pairs})
         out["text_offset"].append(offset)
         offset += len(tok)
     return out

@@ -118,16 +118,12 @@ class Generation:
     def start(self) -> None:
         """Submit every choice. Raises ApiError (400) if the broker client refuses one."""
         req = self.req
-        for choice in self.choices:
-            sampling = req.sampling_for(choice.index)
+        for choice, request in zip(self.choices, req.engine_requests(self.id), strict=True):
+            assert request.request_id == choice.request_id, "choices in vLLM's order"
             try:
-                stream = self.client.submit(
-                    lane=req.lane,
-                    **choice.prompt.wire(),
-                    sampling_params=sampling,
+                stream = self.client.submit_request(
+                    request,
                     stream=True,
-                    request_id=choice.request_id,
-                    priority=req.priority,
                     model=req.model,
                     arrival_time=self.arrival_time,
                     arrival_monotonic=self.arrival_monotonic,

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from laneserve.contracts.engine_io import EngineRequest
 from laneserve.jobs.results import choice_requests
 from laneserve.jobs.tokens import load_served_model
 from laneserve.jobs.validate import Validator
@@ -247,7 +248,12 @@ def batch_line(tmp_path, served, endpoint: str, body: dict) -> tuple[dict | None
     (result,) = validator.lines(write_jsonl(tmp_path / "in.jsonl", [line]))
     if result.error is not None:
         return result.error, None
-    return None, [_sent(kw) for _, kw in choice_requests("x", result.request)]
+    return None, [_sent(_submitted(r)) for r in choice_requests("x", result.request)[1]]
+
+
+def _submitted(request: EngineRequest) -> dict:
+    """What `BrokerClient.submit_request` passes to `submit` for `request`'s prompt fields."""
+    return {"sampling_params": request.sampling_params, **request.prompt_fields()}
 
 
 def _sent(submit_kwargs: dict) -> dict:

@@ -40,6 +40,28 @@ def test_logprobs_with_inf_are_valid_json() -> None:
     json.loads(fmt.dumps(legacy))
 
 
+def test_logprob_texts_are_the_engines() -> None:
+    """Entries carrying the engine's texts (`contracts.engine_io.label_logprobs`) are formatted
+    without decoding a token at the edge."""
+    from laneserve.contracts.engine_io import label_logprobs
+
+    raw = label_logprobs([{"token_id": 5, "logprob": -0.1, "top": [(5, -0.1), (7, -2.5)]}],
+                         {5: " Paris", 7: "é"}.__getitem__)  # fmt: skip
+
+    def refuse(token_id: int) -> str:
+        raise AssertionError(f"the edge decoded token {token_id}")
+
+    entry = fmt.chat_logprobs(raw, refuse)["content"][0]
+    assert entry["token"] == " Paris" and entry["bytes"] == list(b" Paris")
+    assert [(t["token"], t["bytes"]) for t in entry["top_logprobs"]] == [
+        (" Paris", list(b" Paris")),
+        ("é", [0xC3, 0xA9]),
+    ]
+    legacy = fmt.completion_logprobs(raw, refuse, offset=2)
+    assert legacy["tokens"] == [" Paris"] and legacy["text_offset"] == [2]
+    assert legacy["top_logprobs"] == [{" Paris": -0.1, "é": -2.5}]
+
+
 def test_dumps_refuses_non_finite() -> None:
     with pytest.raises(ValueError):
         fmt.dumps({"x": math.inf})

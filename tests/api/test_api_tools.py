@@ -311,10 +311,10 @@ def test_a_batch_line_with_tools_is_rendered_sent_and_answered_as_the_api(
     line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}
     validator = Validator(endpoint="/v1/chat/completions", counter=served)
     (result,) = validator.lines(write_jsonl(tmp_path / "in.jsonl", [line]))
-    ((_, submit),) = choice_requests("r", result.request)
+    _, (submit,) = choice_requests("r", result.request)
     req = parse("/v1/chat/completions", body, Limits())
     served.check(req, Limits())
-    assert submit["prompt_token_ids"] == req.prompts[0].encoded and "messages" not in submit
+    assert submit.prompt_token_ids == req.prompts[0].encoded and submit.messages is None
     text = 'Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": 3}}\n</tool_call>'
     final = Final(request_id="r", finish_reason="stop", text=text, usage={"prompt_tokens": 9})
     out = success_response("r", "/v1/chat/completions", "m", final, body=body, served=served)

@@ -70,6 +70,21 @@ def test_round_trip_every_kind() -> None:
         assert type(msg).from_frames(frames) == msg
 
 
+def test_step_outputs_carry_the_engines_outputs_as_they_are() -> None:
+    """The wire item is the engine's own `EngineOutput` (no copy in the worker), labelled
+    logprobs included, and it decodes back as one."""
+    from laneserve.contracts.engine_io import EngineOutput, EngineRequest, label_logprobs
+
+    assert p.StepOutput is EngineOutput
+    lps = label_logprobs([{"token_id": 5, "logprob": -0.5, "top": [[5, -0.5]]}], str)
+    out = EngineOutput("r1", " a", [5], True, "stop", lps, {"queue_ms": 1.0})
+    (back,) = p.decode(p.StepOutputs(worker_id="w", outputs=[out]).to_frames()).outputs
+    assert type(back) is EngineOutput and back == out
+    assert back.logprobs[0]["token"] == "5" and back.logprobs[0]["top_tokens"] == ["5"]
+    work = p.WorkRequest(request_id="r1", lane="batch", prompt_token_ids=[1, 2], priority=3)
+    assert work.engine_request(arrival_time=2.0) == EngineRequest("r1", [1, 2], {}, "batch", 3, 2.0)
+
+
 @pytest.mark.parametrize(
     "frames",
     [

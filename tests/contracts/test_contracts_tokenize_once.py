@@ -75,16 +75,16 @@ def test_a_batch_line_is_tokenized_once_by_its_validator(smollm2_dir, tmp_path) 
     assert result.error is None, result.error
     assert CountingTokenizer.calls == 2  # render + encode
     reference = prompt_ids(PromptTokenizer.load(smollm2_dir), messages=MESSAGES)
-    requests = choice_requests("r1", result.request)
+    _, requests = choice_requests("r1", result.request)
     assert CountingTokenizer.calls == 2  # dispatch tokenizes nothing again
-    assert [rid for rid, _ in requests] == ["r1", "r1-1"]
-    assert all(kw.get("prompt_token_ids") == reference and "messages" not in kw
-               for _, kw in requests)  # fmt: skip
+    assert [r.request_id for r in requests] == ["r1", "r1-1"]
+    assert all(r.prompt_token_ids == reference and r.messages is None and r.lane == "batch"
+               for r in requests)  # fmt: skip
 
     path.write_text(json.dumps({"id": "d1", "text": "A long day at the lake. " * 20}) + "\n")
     CountingTokenizer.calls = 0
     (result,) = Validator(CHAT_ENDPOINT, model, task="summarize").lines(path)
     assert result.error is None, result.error
     assert CountingTokenizer.calls == 2  # counted for the context check, not again
-    ((_, kwargs),) = choice_requests("d1", result.request)
-    assert len(kwargs["prompt_token_ids"]) == result.prompt_tokens
+    _, (request,) = choice_requests("d1", result.request)
+    assert len(request.prompt_token_ids) == result.prompt_tokens

@@ -116,6 +116,10 @@ def test_seeded_sampling_reproducible_and_metrics(llm):
         e["token_id"] == t and len(e["top"]) == 2
         for e, t in zip(a.logprobs, a.token_ids, strict=True)
     )
+    # token texts come from the engine (contracts.engine_io.label_logprobs), special tokens kept
+    decode = llm.tokenizer.decode
+    assert [e["token"] for e in a.logprobs] == [decode([t]) for t in a.token_ids]
+    assert all(e["top_tokens"] == [decode([i]) for i, _ in e["top"]] for e in a.logprobs)
     m = a.metrics
     assert m["completion_tokens"] == len(a.token_ids)
     assert m["prompt_tokens"] == len(a.prompt_token_ids)

@@ -26,7 +26,7 @@ from laneserve.gpu_worker.sampling_params import SamplingParams
 from laneserve.gpu_worker.synthetic import SyntheticEngine
 
 ROOT = Path(__file__).resolve().parents[2]
-METHODS = ("add_request", "step", "abort_request", "has_unfinished_requests", "stats")
+METHODS = ("add_request", "add", "step", "abort_request", "has_unfinished_requests", "stats")
 
 
 def _params(func) -> list[tuple[str, object, object]]:

@@ -213,7 +213,8 @@ def test_slo_budgets_leave_room_for_drafts_and_the_profile_counts_none(
     monkeypatch.setenv("LANESERVE_STEP_COST_CACHE", "0")  # this start profiles
     spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
     llm = make_llm(slo_control=True, speculative_config=spec)
-    c = llm.engine.spec  # whether or not the profile drafted, its reset zeroes the totals
+    # whether or not the profile drafted, its reset zeroes the totals
+    c = llm.engine.speculation.controller
     c.num_draft_tokens, c.num_accepted_tokens, c.num_drafts = 9, 7, 3
     from laneserve.gpu_worker.step_profile import _reset_after_profile
 

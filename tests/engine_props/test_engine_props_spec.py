@@ -234,7 +234,7 @@ def test_spec_on_equals_off_under_small_budgets_and_preemption(make_engine):
     reqs = _requests(6, params_of)
     off = run_engine(make_engine(**opts), reqs, preempt_at=preempt)
     engine = make_engine(cache=False, **opts, speculative_config=FORCED)
-    engine.spec.proposer = ReplayProposer(
+    engine.speculation.controller.proposer = ReplayProposer(
         {tuple(r["prompt_token_ids"]): off[r["request_id"]].token_ids for r in reqs}
     )
     before = engine.stats()
@@ -267,7 +267,9 @@ def test_sampled_token_frequencies_match_without_speculation(make_engine):
     off = run_engine(plain, reqs)
     engine = make_engine(cache=False, **opts, speculative_config=FORCED)
     # uncorrupted: the sampler rejects on its own
-    engine.spec.proposer = ReplayProposer({tuple(prompt): top["g"].token_ids}, corrupt=False)
+    engine.speculation.controller.proposer = ReplayProposer(
+        {tuple(prompt): top["g"].token_ids}, corrupt=False
+    )
     torch.manual_seed(1)
     on = run_engine(engine, [dict(r) for r in reqs])
     st = engine.stats()

@@ -1,0 +1,105 @@
+"""The request contract from edge to engine: `EngineRequest` in, `EngineOutput` out (torch-free).
+
+The edge (HTTP gateway) and the jobs runner template and tokenize a prompt once
+(:func:`laneserve.contracts.tokens.prompt_ids`) and build an :class:`EngineRequest`; the broker
+routes it on its header fields (lane, priority); the worker hands it to the engine's ``add``. A
+prompt stays text (``prompt``/``messages``) only when the sender holds no tokenizer (a CLI or SDK
+client); the engine then encodes it by the same rule.
+
+Every engine step yields one :class:`EngineOutput` per request it touched, and that same tuple is
+the wire item of the worker's ``step_outputs`` message (a msgpack array in field order: compact,
+one per request per step), so nothing is copied field by field between engine and broker.
+
+Logprob entries (``EngineOutput.logprobs``, one per new token, when the request asked for them)::
+
+    {"token_id": int, "logprob": float, "top": [[token_id, logprob], ...],   # top-n, best first
+     "token": str, "top_tokens": [str, ...]}                                # their texts
+
+``token`` texts are the engine's own (its detokenizer's tokenizer, special tokens kept), so the
+edge never decodes a token to format logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+__all__ = ["EngineOutput", "EngineRequest", "label_logprobs"]
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One generation request as the engine takes it.
+
+    Attributes:
+        request_id: unique among the requests an engine holds.
+        prompt_token_ids: the prompt as the engine feeds it (chat template applied, tokenized
+            once at the edge). ``prompt`` (text) or ``messages`` (chat) instead only from a
+            sender without a tokenizer: exactly one of the three is set.
+        sampling_params: ``SamplingParams`` or its wire dict (``SamplingParams.to_dict()``);
+            the structured-output spec (``response_format``'s grammar) travels in it as
+            ``structured_outputs``.
+        lane: "interactive" or "batch".
+        priority: lower is more urgent (within a lane).
+        arrival_time: ``time.monotonic()`` seconds when the request reached this process (None:
+            when the engine takes it).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int] | None = None
+    sampling_params: Any = None
+    lane: str = "batch"
+    priority: int = 0
+    arrival_time: float | None = None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+
+    def prompt_fields(self) -> dict[str, Any]:
+        """The one prompt form that is set, as the keyword the wire and the engine use."""
+        if self.prompt_token_ids is not None:
+            return {"prompt_token_ids": self.prompt_token_ids}
+        if self.messages is not None:
+            return {"messages": self.messages}
+        return {"prompt": self.prompt}
+
+
+class EngineOutput(NamedTuple):
+    """What one engine step produced for one request: a token delta, a final, or an error.
+
+    ``new_token_ids`` may be non-empty while ``new_text`` is "" (text held back: an incomplete
+    UTF-8 character or a possible stop string). ``finish_reason`` is "stop" | "length" | "abort"
+    | "error" when ``finished``; ``metrics`` (the engine's timings and counts, ms) is set on the
+    final output; ``error`` says what ended a request with "error". ``logprobs``: one entry per
+    new token (module docstring) or None.
+
+    ``prompt_logprobs`` (only when ``SamplingParams.prompt_logprobs`` is set, on the request's
+    first token output, once): one entry per prompt position,
+    ``{"token_id", "logprob", "rank", "top": [(token_id, logprob), ...]}``; position 0 has
+    ``logprob`` and ``rank`` None and no top (nothing predicts it). Optional 9th wire item.
+    """
+
+    request_id: str
+    new_text: str = ""
+    new_token_ids: list[int] = []  # noqa: RUF012 - NamedTuple default, never mutated
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list | None = None
+    metrics: dict | None = None
+    error: str | None = None
+    prompt_logprobs: list | None = None
+
+
+def label_logprobs(
+    entries: Sequence[dict | None], token_text: Callable[[int], str]
+) -> list[dict | None]:
+    """Sampler logprob entries (``{"token_id", "logprob", "top": [(id, lp), ...]}``) with their
+    tokens' texts added as ``token`` and ``top_tokens`` (module docstring); None stays None."""
+    out: list[dict | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        top_tokens = [token_text(pair[0]) for pair in e.get("top") or ()]
+        out.append({**e, "token": token_text(e["token_id"]), "top_tokens": top_tokens})
+    return out
