@@ -48,8 +48,11 @@ struct Q8K {
 };
 
 void quantize_block(const float* x, int8_t* q, float* d, int16_t* bsums) {
-  float amax = 0.0f;
-  for (int i = 0; i < kQK; ++i) amax = std::max(amax, std::fabs(x[i]));
+  float amax = 0.0f;  // NaN if any x is: the outputs then are NaN, as the fp32 route's
+  for (int i = 0; i < kQK; ++i) {
+    const float a = std::fabs(x[i]);
+    amax = (a > amax || a != a) ? a : amax;
+  }
   if (amax == 0.0f) {
     std::memset(q, 0, kQK);
     std::memset(bsums, 0, kGroups * sizeof(int16_t));

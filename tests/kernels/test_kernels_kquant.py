@@ -98,6 +98,10 @@ def test_int8_route_is_the_exact_dot_of_q8k_activations_on_every_route(qtype):
             assert ((y.double() - want[:m]).abs() / scale).max() < 2e-6, route
             # the activations' int8 rounding: ~1 % of the row's largest output here
             assert ((y.double() - exact[:m]).abs() / scale).max() < 3e-2, route
+    nan = x[:2].clone()
+    nan[1, 300] = float("nan")  # a NaN activation is not rounded away
+    y = torch.ops.laneserve.kquant_gemv_q8k(nan, torch.from_numpy(blocks), QTYPE_IDS[qtype], 0)
+    assert y[0].isfinite().all() and y[1].isnan().all()
 
 
 def test_routes_this_cpu_has_are_built():
