@@ -103,12 +103,22 @@ void unpack_q45_k(const uint8_t* b, bool five, Unpacked* u) {
   t[1] = (t[2] & kLow4) | (((t[0] >> 6) & kLow2) << 4);
   t[2] = mins_low;
   t[0] &= kLow6;
+#ifdef __AVX2__
+  // each byte widened to int16 twice: the two 16-groups of a sub-block
+  const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+  const __m128i sc16 = _mm_cvtepu8_epi16(sm), m16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
+  _mm_store_si128(reinterpret_cast<__m128i*>(u->scale), _mm_unpacklo_epi16(sc16, sc16));
+  _mm_store_si128(reinterpret_cast<__m128i*>(u->scale + 8), _mm_unpackhi_epi16(sc16, sc16));
+  _mm_store_si128(reinterpret_cast<__m128i*>(u->min), _mm_unpacklo_epi16(m16, m16));
+  _mm_store_si128(reinterpret_cast<__m128i*>(u->min + 8), _mm_unpackhi_epi16(m16, m16));
+#else
   uint8_t sm[16];
   std::memcpy(sm, t, 16);
   for (int g = 0; g < kGroups; ++g) {
     u->scale[g] = sm[g / 2];
     u->min[g] = sm[8 + g / 2];
   }
+#endif
   for (int j = 0; j < 4; ++j) {
     const uint8_t* q = qs + 32 * j;
     uint8_t* y = u->q + 64 * j;
