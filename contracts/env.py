@@ -93,6 +93,14 @@ _VARS: tuple[EnvVar, ...] = (
         "build and use the C++ CPU kernels (kernels/cpu_ext.py); 0 = the PyTorch path only",
     ),
     EnvVar(
+        "LANESERVE_KQUANT_INT8",
+        _flag,
+        True,
+        "0 keeps K-quant GGUF linears (Q4_K, Q5_K, Q6_K) off the int8 GEMV "
+        "(kernels/csrc/kquant_q8k.cpp: activations rounded to int8 per 256, as llama.cpp): "
+        "decode rows then run the exact fp32 GEMV",
+    ),
+    EnvVar(
         "LANESERVE_AMX",
         _flag,
         True,

@@ -46,3 +46,6 @@ GEMV_MAX_TOKENS = DENSE_MIN_TOKENS_FP32 - 1
 # (rough single-thread timings on a 2-core Xeon, AVX-512 route: "Where each routing constant
 # comes from").
 KQUANT_GEMV_MAX_TOKENS = {"Q4_K": 32, "Q5_K": 16, "Q6_K": 8}
+# The same limit for the int8 (Q8_K activation) GEMV, the default route (`scripts/bench_kquant.py`
+# on a 2-core AVX2 EPYC: "Where each routing constant comes from").
+KQUANT_Q8K_MAX_TOKENS = {"Q4_K": 64, "Q5_K": 32, "Q6_K": 32}

@@ -2,7 +2,13 @@
 
 A `KQuantLinear` holds the super-blocks of each (fused) part as the file ships them (a view of
 the mapped file where the loader did not have to permute the rows), so memory is about the file
-size. Calls of at most `KQUANT_GEMV_MAX_TOKENS[qtype]` rows (decode) run the C++ GEMV
+size. Calls of at most `KQUANT_Q8K_MAX_TOKENS[qtype]` rows (decode, speculative verification,
+small batches) run the int8 GEMV (``torch.ops.laneserve.kquant_gemv_q8k``,
+kernels/csrc/kquant_q8k.cpp: the activations quantized once per call to llama.cpp's Q8_K, int8
+per 256 with a float scale, and integer dot products with the weights' own quants on the
+AVX-512 VNNI, AVX2 or scalar route the build has; ~0.4 % of a block's largest activation of
+rounding per element, as llama.cpp). ``LANESERVE_KQUANT_INT8=0`` keeps the activations exact:
+calls of at most `KQUANT_GEMV_MAX_TOKENS[qtype]` rows then run the fp32 GEMV
 (``torch.ops.laneserve.kquant_gemv``, kernels/csrc/kquant_gemv.cpp: each super-block unpacked
 once to float32 for all rows, fp32 dot products on the AVX-512 or AVX2 route the build has);
 larger calls (prefill chunks, big batches) dequantize `KQUANT_TILE_ROWS` outputs at a time and run
@@ -22,8 +28,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from laneserve.contracts import env
 from laneserve.gpu_worker.gguf_blocks import K_QUANT_TYPES, GGUFQuantTensor, dequantize
-from laneserve.gpu_worker.kernel_routes import KQUANT_GEMV_MAX_TOKENS  # noqa: F401 (re-exported)
+from laneserve.gpu_worker.kernel_routes import (  # noqa: F401 (re-exported)
+    KQUANT_GEMV_MAX_TOKENS,
+    KQUANT_Q8K_MAX_TOKENS,
+)
 from laneserve.kernels import cpu_ext
 
 QTYPE_IDS = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml's type numbers, the kernel's `qtype`
@@ -83,16 +93,20 @@ class KQuantLinear:
         ]
         return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
 
+    def _part(self, xf: torch.Tensor, i: int) -> torch.Tensor:
+        """Part i of `xf @ W.T` on the route for its row count (module docstring)."""
+        rows, qtype = xf.shape[0], self.parts[i].qtype
+        if cpu_ext.load():
+            if env.get("LANESERVE_KQUANT_INT8") and rows <= KQUANT_Q8K_MAX_TOKENS[qtype]:
+                return torch.ops.laneserve.kquant_gemv_q8k(xf, self.blocks[i], self.qtypes[i], 0)
+            if rows <= KQUANT_GEMV_MAX_TOKENS[qtype]:
+                return torch.ops.laneserve.kquant_gemv(xf, self.blocks[i], self.qtypes[i], 0)
+        return self._gemm(xf, i)
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
         xf = x.float().contiguous()
-        gemv = cpu_ext.load()
-        ys = [
-            torch.ops.laneserve.kquant_gemv(xf, self.blocks[i], self.qtypes[i], 0)
-            if gemv and x.shape[0] <= KQUANT_GEMV_MAX_TOKENS[p.qtype]
-            else self._gemm(xf, i)
-            for i, p in enumerate(self.parts)
-        ]
+        ys = [self._part(xf, i) for i in range(len(self.parts))]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
         if bias is not None:
             y = y + bias.float()
@@ -118,3 +132,19 @@ class KQuantEmbedding:
         p = t.parts[0]
         part = GGUFQuantTensor(p.name, p.qtype, rows.numpy(), (ids.shape[0], p.shape[1]))
         return dequantize(part).to(self.dtype)
+
+
+def random_blocks(qtype: str, rows: int, cols: int, rng, scale: float = 0.1) -> np.ndarray:
+    """Random `qtype` super-blocks uint8 [rows, cols / 256 * bytes] with fp16 d (and dmin) drawn
+    from [scale / 100, scale]: every bit pattern of the packed scales and quants is a valid block
+    (the kernels' tests and `scripts/bench_kquant.py`; gguf-py has no K-quant quantizer)."""
+    import gguf
+
+    block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    raw = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
+    d = rng.uniform(scale / 100, scale, size=(rows, cols // block_size, 2)).astype(np.float16)
+    if qtype == "Q6_K":  # ql, qh, scales, then d
+        raw[..., -2:] = d[..., :1].view(np.uint8)
+    else:  # d, dmin, then the rest
+        raw[..., :4] = d.view(np.uint8)
+    return raw.reshape(rows, -1)

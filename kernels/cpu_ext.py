@@ -62,8 +62,9 @@ _SOURCES = (
     "quant_gemv.cpp",
     "amx_matmul.cpp",
     "kquant_gemv.cpp",
+    "kquant_q8k.cpp",
 )
-_HEADERS = ("vec.h",)
+_HEADERS = ("vec.h", "kquant.h")
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing", "-ffp-contract=off")
 _LDFLAGS = ("-fopenmp",)
 _STAMP = "laneserve-build.stamp"  # the sha256 of build.ninja, written after a build succeeded

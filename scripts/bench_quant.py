@@ -78,8 +78,14 @@ PREFILL_TOKENS = 512  # the prompt of the prefill timing (--steps)
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def time_cells(fns: dict, x32: torch.Tensor, budget_s: float, min_rounds: int = 9) -> dict:
-    """Per variant: median microseconds per call, and per-round ratios to `int4_bf16`.
+def time_cells(
+    fns: dict,
+    x32: torch.Tensor,
+    budget_s: float,
+    min_rounds: int = 9,
+    refs: tuple[str, ...] = ("int4_bf16", "quant_int4_fp32_in"),
+) -> dict:
+    """Per variant: median microseconds per call, and per-round ratios to each of `refs` timed.
 
     Variants are timed round-robin (one call each per round, until `budget_s` per variant is
     spent), so a burst of load from other processes hits every variant of a round alike; the
@@ -100,7 +106,7 @@ def time_cells(fns: dict, x32: torch.Tensor, budget_s: float, min_rounds: int = 
     out = {}
     for v, ts in times.items():
         cell = {"median_us": round(statistics.median(ts) * 1e6, 1)}
-        for ref_name in ("int4_bf16", "quant_int4_fp32_in"):
+        for ref_name in refs:
             ref = times.get(ref_name)
             if ref is not None:
                 cell[f"ratio_to_{ref_name}"] = round(

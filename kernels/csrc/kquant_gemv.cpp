@@ -23,40 +23,19 @@
 // Routes (``route``): 0 the widest this build has, 1 AVX-512F (16 lanes), 2 AVX2 + FMA (8 lanes),
 // 3 scalar; ``kquant_routes()`` lists the ones built (-march=native decides). They differ in the
 // dot product's summation order only.
-#include "vec.h"
+#include "kquant.h"
 
 namespace laneserve {
 namespace {
 
-constexpr int64_t kQK = 256;
-constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;
-
-int64_t kquant_block_bytes(int64_t qtype) {
-  switch (qtype) {
-    case kQ4K: return 144;
-    case kQ5K: return 176;
-    case kQ6K: return 210;
-    default: TORCH_CHECK(false, "kquant: qtype ", qtype, " is not Q4_K (12), Q5_K (13) or Q6_K (14)");
-  }
-  return 0;
-}
-
-inline float fp16(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
-// ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j from the 12 packed bytes.
-inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
-  if (j < 4) {
-    *sc = q[j] & 63;
-    *m = q[j + 4] & 63;
-  } else {
-    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
+using kquant::check_blocks;
+using kquant::fp16;
+using kquant::kQ4K;
+using kquant::kQ5K;
+using kquant::kQ6K;
+using kquant::kQK;
+using kquant::scale_min_k4;
+const auto kquant_block_bytes = kquant::block_bytes;
 
 // Q4_K and Q5_K (qh null for Q4_K): one super-block -> 256 floats.
 void unpack_q45_k(const uint8_t* b, bool five, float* y) {
@@ -161,23 +140,14 @@ float dot256_avx512(const float* w, const float* x) {
 
 using Dot = float (*)(const float*, const float*);
 
-std::vector<int64_t> built_routes() {
-  std::vector<int64_t> routes;
 #if defined(__AVX512F__)
-  routes.push_back(1);
+constexpr bool kWide = true;
+#else
+constexpr bool kWide = false;
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
-  routes.push_back(2);
-#endif
-  routes.push_back(3);
-  return routes;
-}
 
 Dot dot_for(int64_t route) {
-  const auto routes = built_routes();
-  if (route == 0) route = routes.front();
-  TORCH_CHECK(std::find(routes.begin(), routes.end(), route) != routes.end(), "kquant: route ",
-              route, " is not built here");
+  route = kquant::pick_route(kquant::built_routes(kWide), route, "kquant");
 #if defined(__AVX512F__)
   if (route == 1) return dot256_avx512;
 #endif
@@ -185,15 +155,6 @@ Dot dot_for(int64_t route) {
   if (route == 2) return dot256_avx2;
 #endif
   return dot256_scalar;
-}
-
-int64_t check_blocks(const at::Tensor& blocks, int64_t qtype) {
-  const int64_t bytes = kquant_block_bytes(qtype);
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
-              "kquant: blocks must be contiguous uint8 [N, K / 256 * ", bytes, "]");
-  TORCH_CHECK(blocks.size(1) % bytes == 0, "kquant: a row of ", blocks.size(1),
-              " bytes is not a whole number of ", bytes, "-byte super-blocks");
-  return blocks.size(1) / bytes;  // super-blocks per row
 }
 
 }  // namespace
@@ -212,7 +173,7 @@ at::Tensor kquant_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t qt
   const float* xp = x.data_ptr<float>();
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, nb));
+  const int64_t grain = kquant::row_grain(nb);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     alignas(64) float w[kQK];
     std::vector<float> acc(M);
@@ -242,7 +203,7 @@ at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t qtype) {
   return w;
 }
 
-std::vector<int64_t> kquant_routes() { return built_routes(); }
+std::vector<int64_t> kquant_routes() { return kquant::built_routes(kWide); }
 
 TORCH_LIBRARY_FRAGMENT(laneserve, m) {
   m.def("kquant_gemv(Tensor x, Tensor blocks, int qtype, int route) -> Tensor");

@@ -3,8 +3,10 @@ the `gguf` package's own dequantization, on random super-blocks.
 
 gguf-py has no K-quant quantizer, so the blocks are random bytes with sane fp16 super-block scales
 (every bit pattern of the packed scales and quants is a valid block). Shapes are odd on purpose:
-N = 37 outputs, K = 3 super-blocks; every route the build has (AVX-512, AVX2, scalar) is forced in
-turn.
+N = 37 outputs, K = 3 super-blocks; every route the build has (fp32: AVX-512, AVX2, scalar; int8:
+AVX-512 VNNI, AVX2, scalar) is forced in turn. The int8 route is checked against the float64 dot
+product of the dequantized weights with the activations rounded as llama.cpp's Q8_K rounds them
+(`q8k_reference`), which it computes exactly up to float32 rounding.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from gguf import quants
 from laneserve.gpu_worker.gguf_blocks import GGUFQuantTensor
 from laneserve.gpu_worker.kquant import (
     KQUANT_GEMV_MAX_TOKENS,
+    KQUANT_Q8K_MAX_TOKENS,
     QTYPE_IDS,
     KQuantEmbedding,
     KQuantLinear,
 )
+from laneserve.gpu_worker.kquant import random_blocks as kquant_blocks
 from laneserve.kernels import cpu_ext
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
@@ -31,22 +35,20 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 N, K = 37, 3 * 256
 
 
-def kquant_blocks(qtype: str, rows: int, cols: int, rng, scale: float = 0.1) -> np.ndarray:
-    """Random `qtype` super-blocks uint8 [rows, cols / 256 * bytes] with fp16 d (and dmin) drawn
-    from [scale / 100, scale]."""
-    block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
-    raw = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
-    d = rng.uniform(scale / 100, scale, size=(rows, cols // block_size, 2)).astype(np.float16)
-    if qtype == "Q6_K":  # ql, qh, scales, then d
-        raw[..., -2:] = d[..., :1].view(np.uint8)
-    else:  # d, dmin, then the rest
-        raw[..., :4] = d.view(np.uint8)
-    return raw.reshape(rows, -1)
-
-
 def reference(blocks: np.ndarray, qtype: str) -> torch.Tensor:
     w = quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype])
     return torch.from_numpy(np.asarray(w, dtype=np.float32))
+
+
+def q8k_reference(x: torch.Tensor) -> torch.Tensor:
+    """x float32 [M, K] as float64 after Q8_K rounding: per 256 values d = max|x| / 127,
+    round(x * (127 / max|x|)) ties to even, times d (all in float32 as the kernel does)."""
+    blocks = x.numpy().reshape(x.shape[0], -1, 256)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    iscale = np.float32(127) / np.where(amax > 0, amax, np.float32(1))
+    q = np.clip(np.rint(blocks * iscale), -127, 127)
+    d = (amax / np.float32(127)).astype(np.float64)
+    return torch.from_numpy((q * d).reshape(x.shape))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -74,11 +76,42 @@ def test_kernel_matches_gguf_dequantization_on_every_route(qtype):
             torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_int8_route_is_the_exact_dot_of_q8k_activations_on_every_route(qtype):
+    rng = np.random.default_rng(10 + QTYPE_IDS[qtype])
+    blocks = kquant_blocks(qtype, N, K, rng)
+    w = reference(blocks, qtype).double()
+    routes = list(torch.ops.laneserve.kquant_q8k_routes())
+    assert 3 in routes and routes == sorted(routes)
+    x = torch.randn(4, K) * torch.tensor([1.0, 1e-3, 50.0, 1.0])[:, None]
+    x[3, 256:512] = 0  # a block of zeros: scale 0, no division by it
+    x[0, 7] = 9.0  # one outlier: the rest of its block rounds coarser
+    want = q8k_reference(x) @ w.T
+    exact = x.double() @ w.T
+    for m in (1, 4):
+        for route in [0, *routes]:
+            y = torch.ops.laneserve.kquant_gemv_q8k(
+                x[:m].contiguous(), torch.from_numpy(blocks), QTYPE_IDS[qtype], route
+            )
+            assert y.dtype == torch.float32 and y.shape == (m, N)
+            scale = want[:m].abs().amax(1, keepdim=True)
+            assert ((y.double() - want[:m]).abs() / scale).max() < 2e-6, route
+            # the activations' int8 rounding: ~1 % of the row's largest output here
+            assert ((y.double() - exact[:m]).abs() / scale).max() < 3e-2, route
+    nan = x[:2].clone()
+    nan[1, 300] = float("nan")  # a NaN activation is not rounded away
+    y = torch.ops.laneserve.kquant_gemv_q8k(nan, torch.from_numpy(blocks), QTYPE_IDS[qtype], 0)
+    assert y[0].isfinite().all() and y[1].isnan().all()
+
+
 def test_routes_this_cpu_has_are_built():
     flags = open("/proc/cpuinfo").read()
     routes = list(torch.ops.laneserve.kquant_routes())
     assert (1 in routes) == (" avx512f" in flags)
     assert (2 in routes) == (" avx2" in flags and " fma" in flags)
+    q8k = list(torch.ops.laneserve.kquant_q8k_routes())
+    assert (1 in q8k) == (" avx512_vnni" in flags and " avx512bw" in flags)
+    assert (2 in q8k) == (" avx2" in flags and " fma" in flags)
 
 
 def test_bad_blocks_are_typed_errors():
@@ -93,12 +126,22 @@ def test_bad_blocks_are_typed_errors():
     missing = next(r for r in (1, 2, 3, 4) if r not in routes)
     with pytest.raises(RuntimeError, match=f"route {missing} is not built"):
         torch.ops.laneserve.kquant_gemv(torch.zeros(1, 256), blocks, QTYPE_IDS["Q4_K"], missing)
+    with pytest.raises(RuntimeError, match="x has 255 columns"):
+        torch.ops.laneserve.kquant_gemv_q8k(torch.zeros(1, 255), blocks, QTYPE_IDS["Q4_K"], 0)
+    with pytest.raises(RuntimeError, match="qtype 11 is not Q4_K"):
+        torch.ops.laneserve.kquant_gemv_q8k(torch.zeros(1, 256), blocks, 11, 0)
+    q8k = list(torch.ops.laneserve.kquant_q8k_routes())
+    missing = next(r for r in (1, 2, 3, 4) if r not in q8k)
+    with pytest.raises(RuntimeError, match=f"route {missing} is not built"):
+        torch.ops.laneserve.kquant_gemv_q8k(torch.zeros(1, 256), blocks, QTYPE_IDS["Q4_K"], missing)
 
 
-def test_fused_linear_of_mixed_k_types_on_gemv_and_gemm_routes():
-    """A fusion of all three types: few rows take the GEMV, more than a type's
-    `KQUANT_GEMV_MAX_TOKENS` the tile-dequantizing GEMM (20 rows: some parts each); bf16 in, bf16
-    out."""
+@pytest.mark.parametrize("int8", [False, True])
+def test_fused_linear_of_mixed_k_types_on_gemv_and_gemm_routes(int8, monkeypatch):
+    """A fusion of all three types: few rows take a GEMV (the int8 one, or with
+    LANESERVE_KQUANT_INT8=0 the exact fp32 one), more than a type's limit the tile-dequantizing
+    GEMM (20 rows: some parts each on the fp32 GEMV); bf16 in, bf16 out."""
+    monkeypatch.setenv("LANESERVE_KQUANT_INT8", "1" if int8 else "0")
     rng = np.random.default_rng(7)
     types, rows = ["Q4_K", "Q5_K", "Q6_K"], [37, 19, 23]
     parts = [
@@ -111,18 +154,22 @@ def test_fused_linear_of_mixed_k_types_on_gemv_and_gemm_routes():
     assert linear.nbytes() == sum(p.blocks.nbytes for p in parts)
     torch.testing.assert_close(linear.dequantize(), w, rtol=1e-6, atol=0)
     bias = torch.randn(sum(rows))
-    limits = sorted(KQUANT_GEMV_MAX_TOKENS.values())
-    assert limits[0] < 20 <= limits[-1]
+    limits = sorted((KQUANT_Q8K_MAX_TOKENS if int8 else KQUANT_GEMV_MAX_TOKENS).values())
+    assert int8 or limits[0] < 20 <= limits[-1]
+    tol = 3e-2 if int8 else 1e-4  # the activations' int8 rounding (see the test above)
     for m in (1, 20, limits[-1] + 5):
         x = torch.randn(m, K)
         want = x.double() @ w.double().T + bias.double()
-        torch.testing.assert_close(
-            linear(x, bias).double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item()
-        )
+        y = linear(x, bias).double()
+        torch.testing.assert_close(y, want, rtol=tol, atol=tol * want.abs().max().item())
+        if int8 and m <= limits[0]:  # the int8 GEMV: the exact dot of Q8_K activations
+            q8 = q8k_reference(x) @ w.double().T + bias.double()
+            torch.testing.assert_close(y, q8, rtol=1e-5, atol=1e-5 * q8.abs().max().item())
         y16 = linear(x.bfloat16())
         assert y16.dtype == torch.bfloat16
         want16 = (x.bfloat16().double() @ w.double().T).float()
-        torch.testing.assert_close(y16.float(), want16, rtol=1e-2, atol=1e-2 * want16.abs().max())
+        tol16 = 3e-2 if int8 else 1e-2
+        torch.testing.assert_close(y16.float(), want16, rtol=tol16, atol=tol16 * want16.abs().max())
 
 
 def test_embedding_lookup_dequantizes_its_rows():
