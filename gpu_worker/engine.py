@@ -44,6 +44,7 @@ from laneserve.gpu_worker.model_runner import ModelRunner
 from laneserve.gpu_worker.models.llama import LlamaForCausalLM
 from laneserve.gpu_worker.models.registry import build_model
 from laneserve.gpu_worker.outputs import RequestDelta
+from laneserve.gpu_worker.pooling import embedding_bytes, gather_pooled
 from laneserve.gpu_worker.prompt_encoder import PromptEncoder
 from laneserve.gpu_worker.prompt_logprobs import (
     attach_prompt_logprobs,
@@ -120,6 +121,7 @@ class LLMEngine:
         self._build_step_parts(model, pool.num_blocks)
         self.states: dict[str, RequestState] = {}
         self._pending: list[RequestDelta] = []  # aborts/errors reported at the next step
+        self._embedded: list[RequestState] = []  # embed requests this step completed
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0  # prompt positions computed (prefix-cache hits excluded)
@@ -195,6 +197,7 @@ class LLMEngine:
         lane: str = "batch",
         priority: int = 0,
         arrival_time: float | None = None,
+        task: str = "generate",
     ) -> Request:
         """Queue a request; its outputs come from later `step()` calls.
 
@@ -203,6 +206,9 @@ class LLMEngine:
             lane: "interactive" or "batch".
             priority: lower is more urgent (within a lane).
             arrival_time: `time.monotonic()` seconds when the request reached this process.
+            task: "generate", or "embed": prefill only, its final delta carries the pooled
+                hidden state (`config.pooling_type`, gpu_worker/pooling.py); sampling params
+                are ignored.
 
         Raises:
             InvalidRequestError: bad prompt, params or lane; duplicate id.
@@ -210,6 +216,10 @@ class LLMEngine:
         """
         if request_id in self.states:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
+        if task not in ("generate", "embed"):
+            raise InvalidRequestError(f"task must be 'generate' or 'embed', got {task!r}")
+        if task == "embed":  # samples nothing: its params only size the length check
+            sampling_params = SamplingParams(max_tokens=1)
         if isinstance(sampling_params, dict):
             params = SamplingParams.from_dict(sampling_params)
         elif sampling_params is None:
@@ -239,6 +249,7 @@ class LLMEngine:
             lane=lane_enum,
             priority=int(priority),
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            pooling_type=self.config.pooling_type if task == "embed" else None,
         )
         generator = None
         if params.seed is not None:
@@ -251,7 +262,7 @@ class LLMEngine:
         self.states[request_id] = RequestState(
             req, IncrementalDetokenizer(self.tokenizer, ids, params), generator, params
         )
-        if self.spec is not None and params.structured_outputs is None:
+        if self.spec is not None and params.structured_outputs is None and task == "generate":
             # constrained requests are not speculated: their rows carry one grammar mask each
             self.states[request_id].spec = SpecRequest(TokenHistory(ids))
         if params.prompt_logprobs is not None:
@@ -277,6 +288,7 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         """Run one engine step; returns the deltas it produced (possibly none)."""
         deltas, self._pending = self._pending, []
+        self._embedded = []
         if self.structured.num_pending:
             deltas.extend(self._admit_compiled())
         step_started = time.perf_counter()
@@ -314,6 +326,7 @@ class LLMEngine:
             rejected = self.spec.record(runs)  # an error: every draft rejected (the default)
         self.scheduler.update_after_step(out, rejected)
         now = time.monotonic()
+        deltas.extend(self._finish_embed(state, now) for state in self._embedded)
         for row in sampled:
             if row.error is None:
                 try:
@@ -354,6 +367,22 @@ class LLMEngine:
             self.scheduler.add_request(state.request)
         return deltas
 
+    def _finish_embed(self, state: RequestState, now: float) -> RequestDelta:
+        """End an embed request whose prompt is computed: free its blocks at once, send the
+        pooled vector. Its prefill ends now; it has no output token, so no decode or TPOT."""
+        req = state.request
+        try:
+            vector = embedding_bytes(state.pooled, req.pooling_type, req.num_prompt_tokens)
+        except Exception as exc:  # this request only
+            logger.exception("pooling failed for %s", req.request_id)
+            return self._fail(state, f"pooling failed: {type(exc).__name__}: {exc}")
+        req.first_token_time = now
+        self.states.pop(req.request_id, None)
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+        delta = self._final(state, "", [], "stop")
+        delta.embedding = vector
+        return delta
+
     def _fail(self, state: RequestState, error: str) -> RequestDelta:
         """End one request with finish_reason "error" (the broker reports `engine_error`)."""
         self.states.pop(state.request.request_id, None)
@@ -379,6 +408,7 @@ class LLMEngine:
             [e.request.block_table for e in entries],
             [e.samples for e in entries],
             num_drafts,
+            [e.request.pooling_type for e in entries],
         )
         num_sampled = inputs.logits_indices.shape[0]
         prompt_rows = prompt_logprob_rows(entries, self.states)
@@ -390,6 +420,9 @@ class LLMEngine:
         # grammar bitmasks of the constrained rows, computed while the forward pass runs
         masks = self.structured.start_bitmask([s.matcher for s in states])
         logits = self.runner.execute(inputs)
+        if inputs.pooled is not None:  # embed requests: their final hidden rows
+            logits, hidden = logits
+            self._embedded = gather_pooled(entries, inputs.pooled, hidden, self.states)
         if prompt_rows:
             record_prompt_logprobs(prompt_rows, logits[num_sampled:])
             logits = logits[:num_sampled]

@@ -43,7 +43,8 @@ class Engine(Protocol):
         """Queue a request (exactly one of prompt, prompt_token_ids, messages).
 
         `sampling_params` is a `SamplingParams` or its wire dict; `arrival_time` is
-        `time.monotonic()` seconds when the request reached this process.
+        `time.monotonic()` seconds when the request reached this process. An engine that
+        computes embeddings also takes `task="embed"` (the worker passes it only then).
 
         Raises:
             ValueError (InvalidRequestError, PromptTooLongError): bad input, duplicate id.

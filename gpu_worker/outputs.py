@@ -19,6 +19,9 @@ class RequestDelta:
     `{"token_id", "logprob", "rank", "top": [(token_id, logprob), ...]}` -- the prompt token's
     raw log-softmax value, its 1-based rank in the distribution, and the top-n, best first;
     position 0 has `logprob` and `rank` None and no top (nothing predicts it).
+
+    `embedding` (embed requests, on the final delta): the pooled, L2-normalized final hidden
+    state as little-endian float32 bytes (`hidden_size` x 4 bytes).
     """
 
     request_id: str
@@ -30,6 +33,7 @@ class RequestDelta:
     metrics: dict | None = None
     error: str | None = None
     prompt_logprobs: list | None = None
+    embedding: bytes | None = None
 
 
 @dataclass(slots=True)

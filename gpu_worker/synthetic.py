@@ -102,9 +102,12 @@ class SyntheticEngine:
         lane: str = "batch",
         priority: int = 0,
         arrival_time: float | None = None,
+        task: str = "generate",
     ) -> None:
-        """Queue a request. Raises ValueError on a bad prompt or sampling params, or a
-        duplicate request id."""
+        """Queue a request. Raises ValueError on a bad prompt or sampling params, a duplicate
+        request id, or ``task="embed"`` (fake tokens have no hidden states to pool)."""
+        if task != "generate":
+            raise ValueError("the synthetic engine computes no embeddings (task 'embed')")
         if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
             raise ValueError(f"duplicate request_id {request_id!r}")
         if prompt_token_ids is not None:

@@ -232,6 +232,7 @@ class Worker:
         rid = msg.request_id
         if rid in self.active:
             return  # duplicate dispatch; already running
+        extra = {"task": msg.task} if msg.task != "generate" else {}  # engines without embed
         try:
             self.engine.add_request(
                 rid,
@@ -242,6 +243,7 @@ class Worker:
                 lane=msg.lane,
                 priority=msg.priority,
                 arrival_time=time.monotonic(),
+                **extra,
             )
         except Exception as exc:  # bad input -> a typed error for this request, keep serving
             code = _ERROR_CODES.get(type(exc).__name__)
@@ -311,6 +313,7 @@ class Worker:
                     d.metrics,
                     d.error,
                     d.prompt_logprobs,
+                    d.embedding,
                 )
             )
             if d.finished:

@@ -15,6 +15,7 @@ from laneserve.broker.protocol.checks import (
     ERROR_CODES,
     FINISH_REASONS,
     LANES,
+    MAX_EMBEDDING_BYTES,
     MAX_ID_CHARS,
     MAX_STEP_OUTPUTS,
     MAX_TEXT_CHARS,
@@ -26,6 +27,7 @@ from laneserve.broker.protocol.checks import (
     spec,
     t_any,
     t_bool,
+    t_bytes,
     t_float,
     t_int,
     t_list,
@@ -85,6 +87,8 @@ class StepOutput(NamedTuple):
     # SamplingParams.prompt_logprobs: per prompt position None or {token_id, logprob, rank, top},
     # on the request's first token (gpu_worker RequestDelta.prompt_logprobs). Optional 9th item.
     prompt_logprobs: list | None = None
+    # task "embed": the pooled vector (little-endian float32 bytes) on the final. Optional 10th.
+    embedding: bytes | None = None
 
 
 _STEP_OUTPUT_CHECKS: tuple[Check, ...] = (
@@ -97,6 +101,7 @@ _STEP_OUTPUT_CHECKS: tuple[Check, ...] = (
     t_opt(t_map()),
     t_opt(t_str(MAX_TEXT_CHARS)),
     t_opt(t_list(t_any, MAX_TOKEN_IDS)),
+    t_opt(t_bytes(MAX_EMBEDDING_BYTES)),
 )
 _STEP_OUTPUT_MIN_ITEMS = 8  # without prompt_logprobs (what workers before it sent)
 
@@ -121,7 +126,7 @@ def _step_output(name: str, v: Any) -> StepOutput:
         and metrics is None
         and error is None
         and reason is None
-        and (not extra or extra[0] is None)
+        and all(x is None for x in extra)
         and type(token_ids) is list
         and len(token_ids) <= 64
         and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in token_ids)
