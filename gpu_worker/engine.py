@@ -100,6 +100,20 @@ def _expand_mask_rows(
     return GrammarMask([offsets[i] for i in masks.rows], masks.bitmask)
 
 
+def _request_params(sampling_params: SamplingParams | dict | None, task: str) -> SamplingParams:
+    """A request's `SamplingParams` from what `add_request` was given; an embed request samples
+    nothing (its params only size the length check). Raises InvalidRequestError."""
+    if task not in ("generate", "embed"):
+        raise InvalidRequestError(f"task must be 'generate' or 'embed', got {task!r}")
+    if task == "embed" or sampling_params is None:
+        return SamplingParams(max_tokens=1) if task == "embed" else SamplingParams()
+    if isinstance(sampling_params, dict):
+        return SamplingParams.from_dict(sampling_params)
+    if isinstance(sampling_params, SamplingParams):
+        return sampling_params
+    raise InvalidRequestError("sampling_params must be a SamplingParams or a dict")
+
+
 class LLMEngine:
     """Continuous-batching engine over one model on one device (an `engine_protocol.Engine`).
 
@@ -216,18 +230,7 @@ class LLMEngine:
         """
         if request_id in self.states:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
-        if task not in ("generate", "embed"):
-            raise InvalidRequestError(f"task must be 'generate' or 'embed', got {task!r}")
-        if task == "embed":  # samples nothing: its params only size the length check
-            sampling_params = SamplingParams(max_tokens=1)
-        if isinstance(sampling_params, dict):
-            params = SamplingParams.from_dict(sampling_params)
-        elif sampling_params is None:
-            params = SamplingParams()
-        elif isinstance(sampling_params, SamplingParams):
-            params = sampling_params
-        else:
-            raise InvalidRequestError("sampling_params must be a SamplingParams or a dict")
+        params = _request_params(sampling_params, task)
         try:
             lane_enum = Lane(lane)
         except ValueError:

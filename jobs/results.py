@@ -23,6 +23,11 @@ from typing import Any
 from laneserve.broker import protocol as p
 from laneserve.contracts.openai import Limits, ServedModel, parse
 from laneserve.contracts.openai import responses as fmt
+from laneserve.contracts.openai.embeddings import (
+    EMBEDDINGS_ENDPOINT,
+    embeddings_response,
+    encoding_format,
+)
 from laneserve.contracts.openai.responses import TokenText
 from laneserve.contracts.openai.structured import parsed_json, wants_json
 from laneserve.contracts.openai.tool_parsers import apply_tools
@@ -56,6 +61,7 @@ def choice_requests(rid: str, request: dict[str, Any]) -> list[tuple[str, dict[s
         for j in range(req.n):
             k = i * req.n + j
             kwargs: dict[str, Any] = {
+                "task": "embed" if req.kind == "embedding" else "generate",
                 "sampling_params": req.sampling_for(k),
                 "model": req.model,
                 "priority": req.priority,
@@ -105,6 +111,12 @@ def success_response(
     prompts for `echo`.
     """
     finals = final if isinstance(final, list) else [final]
+    if url == EMBEDDINGS_ENDPOINT:
+        fmt_ = encoding_format(body or {})
+        vectors = [f.embedding or b"" for f in finals]
+        prompt = sum(int(f.usage.get("prompt_tokens") or 0) for f in finals)
+        out = embeddings_response(model or "", vectors, fmt_, prompt)
+        return {"status_code": 200, "request_id": rid, "body": out}
     kind = "chat" if url == "/v1/chat/completions" else "completion"
     served = served or ServedModel()
     req = None

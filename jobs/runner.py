@@ -469,7 +469,7 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
             line.rid,
             response,
             prompt_tokens=usage["prompt_tokens"] or None,
-            completion_tokens=usage["completion_tokens"],
+            completion_tokens=usage.get("completion_tokens", 0),
             finish_reason=finals[0].finish_reason,
         )
 

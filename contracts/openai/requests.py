@@ -216,7 +216,7 @@ class ParsedRequest:
     extension field, each choice then carries ``prompt_logprobs`` in vLLM's form.
     """
 
-    kind: str  # "chat" | "completion"
+    kind: str  # "chat" | "completion" | "embedding" (contracts/openai/embeddings.py)
     model: str
     prompts: list[Prompt]
     n: int = 1
@@ -346,9 +346,9 @@ def _model(body: dict) -> str:
     return model
 
 
-def _prompts(v: Any) -> list[Prompt]:
+def _prompts(v: Any, max_prompts: int = MAX_PROMPTS) -> list[Prompt]:
     """/v1/completions ``prompt``: a string, a list of strings, a list of token ids, or a list of
-    lists of token ids."""
+    lists of token ids (at most ``max_prompts``)."""
     if v is None:
         raise invalid("'prompt' is required", "prompt")
     if type(v) is str:
@@ -361,8 +361,8 @@ def _prompts(v: Any) -> list[Prompt]:
         raise invalid(f"'prompt' must be a string or an array, got {type_name(v)}", "prompt")
     if not items:
         raise invalid("'prompt' must not be empty", "prompt")
-    if len(items) > MAX_PROMPTS:
-        raise invalid(f"more than {MAX_PROMPTS} prompts in one request", "prompt")
+    if len(items) > max_prompts:
+        raise invalid(f"more than {max_prompts} prompts in one request", "prompt")
     out = []
     for item in items:
         if type(item) is str:

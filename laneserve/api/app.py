@@ -4,6 +4,7 @@ Routes (OpenAI-compatible unless noted)::
 
     POST /v1/chat/completions        POST /v1/completions          GET /v1/models
     POST /v1/responses   GET /v1/responses/{id}   DELETE /v1/responses/{id}
+    POST /v1/embeddings
     POST /v1/files                   GET  /v1/files/{id}           GET /v1/files/{id}/content
     POST /v1/batches   GET /v1/batches   GET /v1/batches/{id}   POST /v1/batches/{id}/cancel
     GET  /health  (liveness, no key)   GET /ready  (readiness, no key; laneserve.api.health)
@@ -33,6 +34,7 @@ from laneserve.api.arrival import ArrivalMiddleware
 from laneserve.api.auth import ApiKeyMiddleware
 from laneserve.api.completions import chat_completions, completions
 from laneserve.api.config import ApiConfig
+from laneserve.api.embeddings import create_embeddings
 from laneserve.api.errors import ApiError, error_response, response_for
 from laneserve.api.files import add_routes as add_file_routes
 from laneserve.api.inspection import add_routes as add_inspection_routes
@@ -89,6 +91,7 @@ def create_app(config: ApiConfig) -> FastAPI:
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/responses", create_response, methods=["POST"])
+    app.add_api_route("/v1/embeddings", create_embeddings, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", get_response, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", delete_response, methods=["DELETE"])
     add_file_routes(app)
