@@ -351,13 +351,13 @@ _TASK_PARAMS = {
 def req_body(req: ParsedRequest, body: dict) -> dict:
     """The stored body: `body` with its model filled in and its prompt normalized (chat text
     parts joined, `developer` -> `system`; completion prompts as strings or token ids, a list
-    of them when there are several)."""
+    of them when there are several; an embeddings body's `input` likewise)."""
     out = {**body, "model": req.model}
     if req.kind == "chat":
         out["messages"] = req.prompts[0].messages
         return out
     forms = [p.text if p.text is not None else p.token_ids for p in req.prompts]
-    out["prompt"] = forms[0] if len(forms) == 1 else forms
+    out["input" if req.kind == "embedding" else "prompt"] = forms[0] if len(forms) == 1 else forms
     return out
 
 
