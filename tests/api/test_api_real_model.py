@@ -213,3 +213,48 @@ def test_embeddings_shape_norm_batch_equality_base64_and_models(client, real_sta
     with pytest.raises(openai.BadRequestError) as exc:
         client.embeddings.create(model=MODEL, input=[])
     assert exc.value.body["param"] == "input"
+
+
+def test_instructor_and_a_langchain_tool_agent_unmodified(client, real_stack) -> None:
+    """Third-party clients as users run them: instructor's default mode (it sends the model as a
+    forced tool) returns a validated pydantic object from the bundled model; LangChain's
+    `ChatOpenAI.bind_tools` agent loop calls the tool, feeds its result back as a `tool`
+    message and gets an answer."""
+    import instructor
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    ic = instructor.from_openai(client)
+    city = ic.chat.completions.create(
+        model=MODEL,
+        response_model=City,
+        max_tokens=64,
+        max_retries=0,
+        messages=[{"role": "user", "content": "Paris is a city in France."}],
+    )
+    assert isinstance(city, City) and city.name and city.country
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    llm = ChatOpenAI(
+        model=MODEL, base_url=real_stack.url + "/v1", api_key=API_KEY, max_retries=0,
+        temperature=0, max_tokens=48,
+    )  # fmt: skip
+    agent = llm.bind_tools([add], tool_choice="required")
+    messages = [HumanMessage("What is 2 + 3? Use the add tool.")]
+    reply = agent.invoke(messages)
+    assert reply.tool_calls and reply.tool_calls[0]["name"] == "add"
+    call = reply.tool_calls[0]
+    result = add.invoke(call["args"])
+    messages += [reply, ToolMessage(str(result), tool_call_id=call["id"])]
+    final = llm.bind_tools([add]).invoke(messages)
+    assert final.content or final.tool_calls  # the model answered after the tool's result
