@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from laneserve.broker import protocol as p
-from laneserve.contracts.openai import Limits, ServedModel, parse
+from laneserve.contracts.openai import Limits, ServedModel, parse, responses_api
 from laneserve.contracts.openai import responses as fmt
 from laneserve.contracts.openai.embeddings import (
     EMBEDDINGS_ENDPOINT,
@@ -71,6 +71,23 @@ def choice_requests(rid: str, request: dict[str, Any]) -> list[tuple[str, dict[s
     return out
 
 
+def _response_line(rid: str, final: p.Final, body: dict, served: ServedModel) -> dict[str, Any]:
+    """A /v1/responses line's stored response: the Responses object (not stored: ``store``
+    false), its output items as the API builds them, ``id`` the line's request id."""
+    req = parse("/v1/responses", body, Limits())
+    one = fmt.choice("chat", 0, final.text, final.finish_reason, None)
+    if req.tools is not None:
+        apply_tools(one, req.tools, served.tool_parser)
+    status = "incomplete" if final.finish_reason == "length" else "completed"
+    u = usage([final])
+    totals = responses_api.usage(
+        u["prompt_tokens"], u["completion_tokens"], u["prompt_tokens_details"]["cached_tokens"]
+    )
+    output = responses_api.output_items(one["message"], status)
+    obj = responses_api.response_object(rid, int(time.time()), body, output, status, totals)
+    return {"status_code": 200, "request_id": rid, "body": obj}
+
+
 def submit_kwargs(request: dict[str, Any]) -> dict[str, Any]:
     """The submit arguments of a one-choice request (a map-reduce piece)."""
     ((_, kwargs),) = choice_requests("", request)
@@ -117,6 +134,8 @@ def success_response(
         prompt = sum(int(f.usage.get("prompt_tokens") or 0) for f in finals)
         out = embeddings_response(model or "", vectors, fmt_, prompt)
         return {"status_code": 200, "request_id": rid, "body": out}
+    if url == "/v1/responses":
+        return _response_line(rid, finals[0], body or {}, served or ServedModel())
     kind = "chat" if url == "/v1/chat/completions" else "completion"
     served = served or ServedModel()
     req = None

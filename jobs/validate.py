@@ -293,7 +293,8 @@ class Validator:
             (self.counter or ServedModel()).check(req, self.limits)
         except OpenAIError as exc:
             raise LineError(exc.code, exc.message, param=self._param(exc.param)) from exc
-        request = {"url": url, "body": req_body(req, body)}
+        stored = body if url == "/v1/responses" else req_body(req, body)  # parsed again as is
+        request = {"url": url, "body": {**stored, "model": req.model}}
         request["sampling_params"] = req.sampling
         encoded = [p.encoded for p in req.prompts]
         if None not in encoded:  # tokenized once here (tools rendered): the engine takes these

@@ -25,10 +25,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
+import laneserve.api.response_background as background
 import laneserve.api.response_store as store
 from laneserve.api.arrival import arrival
 from laneserve.api.auth import read_json
 from laneserve.api.completions import checked_generation, events, respond
+from laneserve.api.errors import ApiError
 from laneserve.api.generate import Generation
 from laneserve.contracts.openai import responses as fmt
 from laneserve.contracts.openai import responses_api as api
@@ -51,6 +53,18 @@ async def create_response(request: Request) -> Response:
         state, req, api.new_id("resp"), (arrival_monotonic, arrival_time)
     )
     keep = store.can_store(body, state)
+    if body.get("background") is True:
+        if not keep:
+            raise ApiError("database_unavailable", "background responses need the database")
+        items = [*prior, *api.input_items(body)]
+        run = background.Running(gen, None, store.owner_of(request), items, body, arrival_time)
+
+        async def done(gen: Generation) -> dict:
+            output, status = _result(gen, state)
+            obj = api.response_object(gen.id, arrival_time, body, output, status, _usage(gen), True)
+            return obj
+
+        return await background.start(request, state, run, done)
 
     async def finished(output: list[dict], status: str) -> dict:
         usage = _usage(gen)
