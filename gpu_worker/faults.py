@@ -114,7 +114,7 @@ class FaultInjectingEngine:
         lane: str = "batch",
         priority: int = 0,
         arrival_time: float | None = None,
-        **kwargs: Any,
+        task: str = "generate",
     ) -> object:
         text = repr((prompt, messages))
         if prompt_token_ids is not None and (self.plan.crash_marker or self.plan.step_marker):
@@ -125,7 +125,7 @@ class FaultInjectingEngine:
         # positional: the protocol fixes the order (tests/engine/test_engine_protocol.py)
         result = self.engine.add_request(
             request_id, prompt, prompt_token_ids, messages, sampling_params, lane, priority,
-            arrival_time, **kwargs,
+            arrival_time, task,
         )  # fmt: skip
         if self.plan.step_marker and self.plan.step_marker in text:
             self._marked.add(request_id)

@@ -232,7 +232,6 @@ class Worker:
         rid = msg.request_id
         if rid in self.active:
             return  # duplicate dispatch; already running
-        extra = {"task": msg.task} if msg.task != "generate" else {}  # engines without embed
         try:
             self.engine.add_request(
                 rid,
@@ -243,7 +242,7 @@ class Worker:
                 lane=msg.lane,
                 priority=msg.priority,
                 arrival_time=time.monotonic(),
-                **extra,
+                task=msg.task,
             )
         except Exception as exc:  # bad input -> a typed error for this request, keep serving
             code = _ERROR_CODES.get(type(exc).__name__)
