@@ -167,6 +167,7 @@ class BrokerClient(Connections):
         custom_id: str | None = None,
         deadline: float | None = None,
         restartable: bool = False,
+        task: str = "generate",
     ) -> RequestStream:
         """Send a request; returns an async iterator of Delta ... then one Final or Error.
 
@@ -176,7 +177,7 @@ class BrokerClient(Connections):
         across resubmissions. ``restartable``: the caller passes nothing on before the end, so
         the request may be run again after content (module docstring). Raises ProtocolError at
         once on an invalid request (bad lane, not exactly one prompt form, unknown sampling
-        field, ...).
+        field, ...). ``task``: ``"generate"`` or ``"embed"`` (the Final carries the embedding).
         """
         now = time.monotonic()
         msg = p.Submit(
@@ -193,6 +194,7 @@ class BrokerClient(Connections):
             edge_ms=max(0.0, (now - arrival_monotonic) * 1000.0) if arrival_monotonic else 0.0,
             job_id=job_id,
             custom_id=custom_id,
+            task=task,
         )
         p.Submit.from_payload(msg.payload())  # validate here, not at the broker
         # ... and encode it: a request the wire cannot carry fails here, before it is tracked
@@ -237,6 +239,7 @@ class BrokerClient(Connections):
             request_id=request.request_id,
             priority=request.priority,
             sampling_params=request.sampling_params,
+            task=request.task,
             **request.prompt_fields(),
             **edge,
         )

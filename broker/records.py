@@ -73,6 +73,7 @@ def request_record(
         "worker_id": req.worker_id,
         "job_id": s.job_id,
         "custom_id": s.custom_id,
+        "kind": s.task,
     }
     if error is not None:
         fields["error_code"], fields["error_message"] = error

@@ -37,6 +37,7 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # held for the Final, streamed or not
+    embedding: bytes | None = None  # task "embed": the pooled vector of its final output
     num_tokens: int = 0
     lost: int = 0  # times its worker was lost before it sent anything
     solo: bool = False  # dispatched alone (its last attempt after a worker loss)
@@ -117,4 +118,5 @@ def outcome(
         worker_id=req.worker_id,
         attempts=req.attempts,
         prompt_logprobs=req.prompt_logprobs,
+        embedding=req.embedding,
     )

@@ -88,6 +88,7 @@ class WorkerSide:
             error = ("engine_error", out.error or "engine error")
             self._finish(req, "error", error, metrics, status="failed")
             return
+        req.embedding = out.embedding
         status = "aborted" if out.finish_reason == "abort" else "completed"
         self._finish(req, out.finish_reason or "stop", None, metrics, status=status)
 

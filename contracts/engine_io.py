@@ -44,6 +44,8 @@ class EngineRequest:
         priority: lower is more urgent (within a lane).
         arrival_time: ``time.monotonic()`` seconds when the request reached this process (None:
             when the engine takes it).
+        task: "generate", or "embed": prefill only, its final output carries the pooled hidden
+            state (the worker's ``pooling_type``); sampling params are ignored.
     """
 
     request_id: str
@@ -54,6 +56,7 @@ class EngineRequest:
     arrival_time: float | None = None
     prompt: str | None = None
     messages: list[dict] | None = None
+    task: str = "generate"
 
     def prompt_fields(self) -> dict[str, Any]:
         """The one prompt form that is set, as the keyword the wire and the engine use."""
@@ -77,6 +80,9 @@ class EngineOutput(NamedTuple):
     first token output, once): one entry per prompt position,
     ``{"token_id", "logprob", "rank", "top": [(token_id, logprob), ...]}``; position 0 has
     ``logprob`` and ``rank`` None and no top (nothing predicts it). Optional 9th wire item.
+
+    ``embedding`` (embed requests, on the final output): the pooled, L2-normalized final hidden
+    state as little-endian float32 bytes (``hidden_size`` x 4 bytes). Optional 10th wire item.
     """
 
     request_id: str
@@ -88,6 +94,7 @@ class EngineOutput(NamedTuple):
     metrics: dict | None = None
     error: str | None = None
     prompt_logprobs: list | None = None
+    embedding: bytes | None = None
 
 
 def label_logprobs(

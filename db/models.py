@@ -185,6 +185,8 @@ class Request(Base):
         String(16), default="interactive", server_default="interactive"
     )
     priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # the request's task: "generate", or "embed" (/v1/embeddings: prefill only, no TPOT)
+    kind: Mapped[str] = mapped_column(String(16), default="generate", server_default="generate")
     model: Mapped[str | None] = mapped_column(String(255))
     worker_id: Mapped[str | None] = mapped_column(String(128))
     status: Mapped[str | None] = mapped_column(String(24))

@@ -169,5 +169,6 @@ _RECORD_COLUMNS = (
     "spec_draft_tokens",
     "spec_accepted_tokens",
     "spec_num_drafts",
+    "kind",
     *TIMING_FIELDS,
 )

@@ -243,8 +243,12 @@ class BlockManager:
         """
         assert not request.block_table, f"{request.request_id} already holds blocks"
         params = request.sampling_params
-        if not self.enable_prefix_caching or getattr(params, "prompt_logprobs", None) is not None:
-            return [], 0  # prompt_logprobs need every prompt position computed (vLLM does so)
+        if (
+            not self.enable_prefix_caching
+            or getattr(params, "prompt_logprobs", None) is not None
+            or request.pooling_type == "MEAN"
+        ):  # prompt_logprobs and mean pooling need every prompt position computed (as vLLM)
+            return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._update_block_hashes(request, max_blocks * self.block_size)
         bs = self.block_size

@@ -42,6 +42,7 @@ __all__ = [
 
 LANES = ("interactive", "batch")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+POOLING_TYPES = ("LAST", "MEAN")  # vLLM's PoolerConfig.pooling_type names (gpu_worker/pooling.py)
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only kernels (gpu_worker/quantization.py)
 
 
@@ -333,6 +334,11 @@ class EngineConfig:
     quantization: str = _opt("auto", "weight-only kernels: auto = a GGUF's own Q4_0/Q4_1/Q8_0 "
                              "on CPU (int4 / int8), none = dequantized, int8, int4",
                              choices=QUANTIZATIONS)  # fmt: skip
+    pooling_type: str = _opt(
+        "LAST", "how /v1/embeddings pools the final hidden states (L2-normalized): LAST = the "
+        "last prompt token's (what a causal model's last position has read), MEAN = the average "
+        "over every prompt token", choices=POOLING_TYPES
+    )  # fmt: skip
     speculative_config: SpeculativeConfig | dict | None = _opt(
         None, 'speculative decoding as JSON, vLLM\'s names: {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, '
@@ -351,6 +357,11 @@ class EngineConfig:
             raise EngineConfigError(
                 f"lanes must be a non-empty list from {LANES}, got {self.lanes}"
             )
+        if str(self.pooling_type).upper() not in POOLING_TYPES:
+            raise EngineConfigError(
+                f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}"
+            )
+        object.__setattr__(self, "pooling_type", str(self.pooling_type).upper())
         if len(set(self.lanes)) != len(self.lanes):
             raise EngineConfigError(f"lanes repeat: {self.lanes}")
         if self.slo is not None:

@@ -48,6 +48,7 @@ from laneserve.gpu_worker.model_loader import load_model_files
 from laneserve.gpu_worker.model_runner import ModelRunner
 from laneserve.gpu_worker.models.llama import LlamaForCausalLM
 from laneserve.gpu_worker.models.registry import build_model
+from laneserve.gpu_worker.pooling import embedding_bytes, gather_pooled
 from laneserve.gpu_worker.prompt_encoder import PromptEncoder
 from laneserve.gpu_worker.prompt_logprobs import (
     attach_prompt_logprobs,
@@ -119,6 +120,7 @@ class LLMEngine:
         self._build_step_parts(model, pool.num_blocks)
         self.states: dict[str, RequestState] = {}
         self._pending: list[EngineOutput] = []  # aborts/errors reported at the next step
+        self._embedded: list[RequestState] = []  # embed requests this step completed
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0  # prompt positions computed (prefix-cache hits excluded)
@@ -201,32 +203,32 @@ class LLMEngine:
         lane: str = "batch",
         priority: int = 0,
         arrival_time: float | None = None,
+        task: str = "generate",
     ) -> Request:
         """`add` an `EngineRequest` of these fields (exactly one prompt form)."""
         return self.add(EngineRequest(request_id, prompt_token_ids, sampling_params, lane,
-                                      priority, arrival_time, prompt, messages))  # fmt: skip
+                                      priority, arrival_time, prompt, messages, task))  # fmt: skip
 
     def add(self, request: EngineRequest) -> Request:
         """Queue a request; its outputs come from later `step()` calls.
 
         `request.sampling_params` is a `SamplingParams`, its `to_dict()` form (the wire format)
         or None (defaults); a text or chat prompt is encoded here by the edge's rule.
+        `request.task` "embed": prefill only, its final output carries the pooled hidden state
+        (`config.pooling_type`, gpu_worker/pooling.py); sampling params are ignored.
 
         Raises:
             InvalidRequestError: bad prompt, params or lane; duplicate id.
             PromptTooLongError: the prompt leaves no room for one output token.
         """
-        request_id, sampling_params = request.request_id, request.sampling_params
+        request_id, sampling_params, task = (
+            request.request_id,
+            request.sampling_params,
+            request.task,
+        )
         if request_id in self.states:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
-        if isinstance(sampling_params, dict):
-            params = SamplingParams.from_dict(sampling_params)
-        elif sampling_params is None:
-            params = SamplingParams()
-        elif isinstance(sampling_params, SamplingParams):
-            params = sampling_params
-        else:
-            raise InvalidRequestError("sampling_params must be a SamplingParams or a dict")
+        params = SamplingParams.for_task(sampling_params, task)
         try:
             lane_enum = Lane(request.lane)
         except ValueError:
@@ -248,6 +250,7 @@ class LLMEngine:
             lane=lane_enum,
             priority=int(request.priority),
             arrival_time=time.monotonic() if request.arrival_time is None else request.arrival_time,
+            pooling_type=self.config.pooling_type if task == "embed" else None,
         )
         generator = None
         if params.seed is not None:
@@ -260,7 +263,8 @@ class LLMEngine:
         self.states[request_id] = RequestState(
             req, IncrementalDetokenizer(self.tokenizer, ids, params), generator, params
         )
-        self.states[request_id].spec = self.speculation.new_request(ids, params)
+        if task == "generate":
+            self.states[request_id].spec = self.speculation.new_request(ids, params)
         if params.prompt_logprobs is not None:
             # position 0 has no logprob; its entry names the token (the API's echo needs it)
             first = {"token_id": ids[0], "logprob": None, "rank": None, "top": []}
@@ -285,6 +289,7 @@ class LLMEngine:
         """Run one engine step, `schedule -> execute -> update`; returns the outputs it produced
         (possibly none)."""
         outputs, self._pending = self._pending, []
+        self._embedded = []
         if self.structured.num_pending:
             outputs.extend(self._admit_compiled())
         started = time.perf_counter()
@@ -330,6 +335,7 @@ class LLMEngine:
         self.scheduler.update_after_step(out, self.speculation.record(sampled))
         now = time.monotonic()
         outputs = []
+        outputs.extend(self._finish_embed(state, now) for state in self._embedded)
         for row in sampled:
             if row.error is None:
                 try:
@@ -367,6 +373,20 @@ class LLMEngine:
             self.scheduler.add_request(state.request)
         return deltas
 
+    def _finish_embed(self, state: RequestState, now: float) -> EngineOutput:
+        """End an embed request whose prompt is computed: free its blocks at once, send the
+        pooled vector. Its prefill ends now; it has no output token, so no decode or TPOT."""
+        req = state.request
+        try:
+            vector = embedding_bytes(state.pooled, req.pooling_type, req.num_prompt_tokens)
+        except Exception as exc:  # this request only
+            logger.exception("pooling failed for %s", req.request_id)
+            return self._fail(state, f"pooling failed: {type(exc).__name__}: {exc}")
+        req.first_token_time = now
+        self.states.pop(req.request_id, None)
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+        return self._final(state, "", [], "stop")._replace(embedding=vector)
+
     def _fail(self, state: RequestState, error: str) -> EngineOutput:
         """End one request with finish_reason "error" (the broker reports `engine_error`)."""
         self.states.pop(state.request.request_id, None)
@@ -392,6 +412,7 @@ class LLMEngine:
             [e.request.block_table for e in entries],
             [e.samples for e in entries],
             num_drafts,
+            [e.request.pooling_type for e in entries],
         )
         num_sampled = inputs.logits_indices.shape[0]
         prompt_rows = prompt_logprob_rows(entries, self.states)
@@ -403,6 +424,9 @@ class LLMEngine:
         # grammar bitmasks of the constrained rows, computed while the forward pass runs
         masks = self.structured.start_bitmask([s.matcher for s in states])
         logits = self.runner.execute(inputs)
+        if inputs.pooled is not None:  # embed requests: their final hidden rows
+            logits, hidden = logits
+            self._embedded = gather_pooled(entries, inputs.pooled, hidden, self.states)
         if prompt_rows:
             record_prompt_logprobs(prompt_rows, logits[num_sampled:])
             logits = logits[:num_sampled]

@@ -39,12 +39,15 @@ class Engine(Protocol):
         lane: str = "batch",
         priority: int = 0,
         arrival_time: float | None = None,
+        task: str = "generate",
     ) -> object:
         """Queue a request (exactly one of prompt, prompt_token_ids, messages): `add` of an
         `EngineRequest` of these fields.
 
         `sampling_params` is a `SamplingParams` or its wire dict; `arrival_time` is
-        `time.monotonic()` seconds when the request reached this process.
+        `time.monotonic()` seconds when the request reached this process. `task`: "generate",
+        or "embed" (prefill only; the final delta carries `embedding`); an engine that computes
+        no embeddings raises ValueError for it.
 
         Raises:
             ValueError (InvalidRequestError, PromptTooLongError): bad input, duplicate id.

@@ -114,9 +114,10 @@ class FaultInjectingEngine:
         lane: str = "batch",
         priority: int = 0,
         arrival_time: float | None = None,
+        task: str = "generate",
     ) -> object:
         return self.add(EngineRequest(request_id, prompt_token_ids, sampling_params, lane,
-                                      priority, arrival_time, prompt, messages))  # fmt: skip
+                                      priority, arrival_time, prompt, messages, task))  # fmt: skip
 
     def add(self, request: EngineRequest) -> object:
         request_id = request.request_id

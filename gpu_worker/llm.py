@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from laneserve.gpu_worker.config import EngineConfig
 from laneserve.gpu_worker.model_files import DEFAULT_MODEL
 from laneserve.gpu_worker.openmp import apply_openmp_policy
@@ -30,6 +32,8 @@ class RequestOutput:
         prompt_logprobs: with `SamplingParams.prompt_logprobs`, vLLM's shape: per prompt
             position None (the first) or `{token_id: Logprob(logprob, rank, decoded_token)}`
             with the prompt's token and the top-n.
+        embedding: from `LLM.embed`, the pooled, L2-normalized final hidden state
+            (`hidden_size` floats; the engine's `pooling_type`).
     """
 
     request_id: str
@@ -42,6 +46,7 @@ class RequestOutput:
     logprobs: list[dict] | None = None
     error: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None
 
 
 class LLM:
@@ -97,7 +102,25 @@ class LLM:
             conversations = [conversations]  # a single conversation
         return self._run([{"messages": list(c)} for c in conversations], sampling_params, lane)
 
-    def _run(self, kinds: list[dict], sampling_params, lane: str) -> list[RequestOutput]:
+    def embed(
+        self, prompts: Sequence[str] | Sequence[Sequence[int]] | str, lane: str = "batch"
+    ) -> list[RequestOutput]:
+        """Embed every prompt (text or token ids), vLLM's `LLM.embed`: prefill only, each
+        output's `embedding` is the pooled, normalized final hidden state (`pooling_type`).
+
+        Raises:
+            InvalidRequestError / PromptTooLongError: a bad prompt (nothing is run then).
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        kinds = [
+            {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts
+        ]
+        return self._run(kinds, None, lane, task="embed")
+
+    def _run(
+        self, kinds: list[dict], sampling_params, lane: str, task: str = "generate"
+    ) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(kinds)
         else:
@@ -112,7 +135,9 @@ class LLM:
         try:
             for ids, p in zip(encoded, params, strict=True):
                 rid = f"offline-{next(self._ids)}"
-                req = engine.add_request(rid, prompt_token_ids=ids, sampling_params=p, lane=lane)
+                req = engine.add_request(
+                    rid, prompt_token_ids=ids, sampling_params=p, lane=lane, task=task
+                )
                 outputs[rid] = RequestOutput(
                     rid, list(req.prompt_token_ids), logprobs=[] if p.logprobs is not None else None
                 )
@@ -129,6 +154,8 @@ class LLM:
                         out.prompt_logprobs = prompt_logprob_dicts(d.prompt_logprobs, self._decode)
                     if d.logprobs and out.logprobs is not None:
                         out.logprobs.extend(d.logprobs)
+                    if d.embedding is not None:
+                        out.embedding = np.frombuffer(d.embedding, "<f4").tolist()
                     if d.finished:
                         out.finish_reason = d.finish_reason
                         out.metrics = d.metrics or {}

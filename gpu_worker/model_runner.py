@@ -28,6 +28,7 @@ from laneserve.gpu_worker import host_memory
 from laneserve.gpu_worker.config import ENGINE_DEFAULTS
 from laneserve.gpu_worker.models.llama import AttentionMetadata, LlamaForCausalLM
 from laneserve.gpu_worker.openmp import openmp_is_purely_passive
+from laneserve.gpu_worker.pooling import hidden_rows
 from laneserve.gpu_worker.step_upload import StepUploader
 from laneserve.kernels import cpu_ext
 
@@ -51,6 +52,10 @@ class StepInputs:
     attn: AttentionMetadata
     logits_indices: torch.Tensor
     sample_rows: list[int]  # index into the scheduled list of each request that emits a token
+    # embed requests (gpu_worker/pooling.py): rows whose final hidden states come back, and
+    # (request index, offset, count) into them per embed request of the step
+    hidden_indices: torch.Tensor | None = None
+    pooled: list[tuple[int, int, int]] | None = None
 
     @property
     def is_pure_decode(self) -> bool:
@@ -165,6 +170,7 @@ class ModelRunner:
         block_tables: Sequence[Sequence[int]],
         samples: Sequence[bool],
         num_drafts: Sequence[int] | None = None,
+        pooling: Sequence[str | None] | None = None,
     ) -> StepInputs:
         """Build the varlen batch.
 
@@ -177,6 +183,8 @@ class ModelRunner:
             num_drafts: per request, draft tokens at the end of its new tokens (speculative
                 decoding): a sampling request then gets logits rows for its last
                 `1 + num_drafts[b]` tokens, in order.
+            pooling: per request, "LAST" | "MEAN" for an embed request (it samples nothing;
+                its rows' hidden states come back instead, `pooling.hidden_rows`), else None.
         """
         bs = self.block_size
         num_reqs = len(new_token_ids)
@@ -196,7 +204,11 @@ class ModelRunner:
         tables = np.zeros((num_reqs, max(max_blocks, 1)), dtype=np.int32)
         for b, table in enumerate(block_tables):
             tables[b, : len(table)] = table
-        sample_rows = [b for b in range(num_reqs) if samples[b]]
+        if pooling is not None and not any(pooling):
+            pooling = None
+        sample_rows = [
+            b for b in range(num_reqs) if samples[b] and (pooling is None or pooling[b] is None)
+        ]
         if num_drafts is None or not any(num_drafts):
             logits_indices = cu[1:][sample_rows].astype(np.int64) - 1
         else:
@@ -218,16 +230,21 @@ class ModelRunner:
         ids_t, pos_t, slots_t, cu_t, lens_t, tables_t, logits_t = self.uploader.upload(
             [input_ids, positions, slots, att_cu, att_lens, att_tables, logits_indices]
         )
-        return StepInputs(
+        inputs = StepInputs(
             input_ids=ids_t,
             positions=pos_t,
             attn=AttentionMetadata(slots_t, cu_t, lens_t, tables_t),
             logits_indices=logits_t,
             sample_rows=sample_rows,
         )
+        if pooling is not None:
+            rows, inputs.pooled = hidden_rows(cu, samples, pooling)
+            inputs.hidden_indices = torch.from_numpy(rows).to(self.device)
+        return inputs
 
-    def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """One forward; logits [len(logits_indices), vocab] in fp32."""
+    def execute(self, inputs: StepInputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One forward; logits [len(logits_indices), vocab] in fp32, and with
+        `inputs.hidden_indices` (embed requests) also the final hidden rows [M, H] fp32."""
         if (
             self.cpu_single_thread_tokens
             and inputs.input_ids.shape[0] <= self.cpu_single_thread_tokens
@@ -254,6 +271,11 @@ class ModelRunner:
                 block_tables=a.block_tables,
             )
             return logits[:batch]
+        if inputs.hidden_indices is not None:
+            return self.model.forward(
+                inputs.input_ids, inputs.positions, inputs.attn, self.kv_views,
+                inputs.logits_indices, inputs.hidden_indices,
+            )  # fmt: skip
         return self.model.forward(
             inputs.input_ids, inputs.positions, inputs.attn, self.kv_views, inputs.logits_indices
         )

@@ -83,6 +83,8 @@ class Request:
         arrival_time: `time.monotonic()` seconds when the engine accepted the request.
         cache_salt: optional string mixed into the first block's hash so requests with
             different salts never share prefix-cache blocks.
+        pooling_type: "LAST" | "MEAN" for an embed request (prefill only: it ends when its
+            prompt is computed, gpu_worker/pooling.py), None for a generating one.
     """
 
     request_id: str
@@ -92,6 +94,7 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
+    pooling_type: str | None = None
 
     # --- scheduling state (owned by the scheduler) ---
     status: RequestStatus = RequestStatus.WAITING

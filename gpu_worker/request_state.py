@@ -30,3 +30,6 @@ class RequestState:
     prompt_logprobs_sent: bool = False
     spec: SpecRequest | None = None  # speculative decoding: token history, acceptance
     matcher: GrammarMatcher | None = None  # structured outputs: the request's grammar state
+    # embed requests: fp32 [hidden_size], the sum of the final hidden states so far (MEAN) or
+    # the last prompt token's (LAST); gpu_worker/pooling.py
+    pooled: torch.Tensor | None = None

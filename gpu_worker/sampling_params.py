@@ -184,6 +184,20 @@ class SamplingParams:
             out[f.name] = list(value) if isinstance(value, list) else value
         return out
 
+    @staticmethod
+    def for_task(sampling_params: SamplingParams | dict | None, task: str) -> SamplingParams:
+        """A request's params from what `LLMEngine.add` was given; an embed request samples
+        nothing (its params only size the length check). Raises InvalidRequestError."""
+        if task not in ("generate", "embed"):
+            raise InvalidRequestError(f"task must be 'generate' or 'embed', got {task!r}")
+        if task == "embed" or sampling_params is None:
+            return SamplingParams(max_tokens=1) if task == "embed" else SamplingParams()
+        if isinstance(sampling_params, dict):
+            return SamplingParams.from_dict(sampling_params)
+        if isinstance(sampling_params, SamplingParams):
+            return sampling_params
+        raise InvalidRequestError("sampling_params must be a SamplingParams or a dict")
+
     @classmethod
     def from_dict(cls, d: Any) -> SamplingParams:
         """Build from a map (e.g. decoded msgpack); missing keys take their defaults.

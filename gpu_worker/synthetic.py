@@ -102,14 +102,17 @@ class SyntheticEngine:
         lane: str = "batch",
         priority: int = 0,
         arrival_time: float | None = None,
+        task: str = "generate",
     ) -> None:
         """`add` an `EngineRequest` of these fields."""
         self.add(EngineRequest(request_id, prompt_token_ids, sampling_params, lane, priority,
-                               arrival_time, prompt, messages))  # fmt: skip
+                               arrival_time, prompt, messages, task))  # fmt: skip
 
     def add(self, request: EngineRequest) -> None:
-        """Queue a request. Raises ValueError on a bad prompt or sampling params, or a
-        duplicate request id."""
+        """Queue a request. Raises ValueError on a bad prompt or sampling params, a duplicate
+        request id, or ``task="embed"`` (fake tokens have no hidden states to pool)."""
+        if request.task != "generate":
+            raise ValueError("the synthetic engine computes no embeddings (task 'embed')")
         request_id, lane, arrival_time = request.request_id, request.lane, request.arrival_time
         prompt, prompt_token_ids, messages = (
             request.prompt,

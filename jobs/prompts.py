@@ -155,7 +155,10 @@ def check_extract_schema(schema_text: str | None) -> None:
 
 def task_body(task: str, text: str, model: str | None, options: dict[str, str]) -> dict:
     """The chat completion body for one task document (greedy, `max_tokens` from options; the
-    repetition guard `TASK_REPETITION_PENALTY` on summarize and translate lines)."""
+    repetition guard `TASK_REPETITION_PENALTY` on summarize and translate lines); for `embed`
+    the /v1/embeddings body of the document."""
+    if task == "embed":
+        return {"input": text, "model": model} if model else {"input": text}
     max_tokens = int(options.get("max_tokens") or DEFAULT_TASK_MAX_TOKENS)
     extra: dict = {}
     if task == "summarize":

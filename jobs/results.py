@@ -22,8 +22,13 @@ from typing import Any
 
 from laneserve.broker import protocol as p
 from laneserve.contracts.engine_io import EngineRequest
-from laneserve.contracts.openai import Limits, ServedModel, parse
+from laneserve.contracts.openai import Limits, ServedModel, parse, responses_api
 from laneserve.contracts.openai import responses as fmt
+from laneserve.contracts.openai.embeddings import (
+    EMBEDDINGS_ENDPOINT,
+    embeddings_response,
+    encoding_format,
+)
 from laneserve.contracts.openai.responses import TokenText
 from laneserve.contracts.openai.structured import parsed_json, wants_json
 from laneserve.contracts.openai.tool_parsers import apply_tools
@@ -53,6 +58,23 @@ def choice_requests(rid: str, request: dict[str, Any]) -> tuple[str, list[Engine
         for prompt, ids in zip(req.prompts, encoded, strict=True):
             prompt.encoded = ids
     return req.model, req.engine_requests(rid, lane="batch")
+
+
+def _response_line(rid: str, final: p.Final, body: dict, served: ServedModel) -> dict[str, Any]:
+    """A /v1/responses line's stored response: the Responses object (not stored: ``store``
+    false), its output items as the API builds them, ``id`` the line's request id."""
+    req = parse("/v1/responses", body, Limits())
+    one = fmt.choice("chat", 0, final.text, final.finish_reason, None)
+    if req.tools is not None:
+        apply_tools(one, req.tools, served.tool_parser)
+    status = "incomplete" if final.finish_reason == "length" else "completed"
+    u = usage([final])
+    totals = responses_api.usage(
+        u["prompt_tokens"], u["completion_tokens"], u["prompt_tokens_details"]["cached_tokens"]
+    )
+    output = responses_api.output_items(one["message"], status)
+    obj = responses_api.response_object(rid, int(time.time()), body, output, status, totals)
+    return {"status_code": 200, "request_id": rid, "body": obj}
 
 
 def usage(finals: list[p.Final], n: int = 1) -> dict[str, Any]:
@@ -89,6 +111,14 @@ def success_response(
     prompts for `echo`.
     """
     finals = final if isinstance(final, list) else [final]
+    if url == EMBEDDINGS_ENDPOINT:
+        fmt_ = encoding_format(body or {})
+        vectors = [f.embedding or b"" for f in finals]
+        prompt = sum(int(f.usage.get("prompt_tokens") or 0) for f in finals)
+        out = embeddings_response(model or "", vectors, fmt_, prompt)
+        return {"status_code": 200, "request_id": rid, "body": out}
+    if url == "/v1/responses":
+        return _response_line(rid, finals[0], body or {}, served or ServedModel())
     kind = "chat" if url == "/v1/chat/completions" else "completion"
     served = served or ServedModel()
     req = None

@@ -468,8 +468,8 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
             info.id,
             line.rid,
             response,
-            prompt_tokens=usage["prompt_tokens"] or None,
-            completion_tokens=usage["completion_tokens"],
+            prompt_tokens=usage.get("prompt_tokens", usage.get("input_tokens")) or None,
+            completion_tokens=usage.get("completion_tokens", usage.get("output_tokens", 0)),
             finish_reason=finals[0].finish_reason,
         )
 

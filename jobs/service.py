@@ -149,10 +149,9 @@ def _check_task(task: str | None, endpoint: str, task_options: Any) -> None:
     """
     if task is not None and task not in TASKS:
         raise InvalidRequestError(f"task must be one of {list(TASKS)}, got {task!r}", param="task")
-    if task is not None and endpoint != "/v1/chat/completions":
-        raise InvalidRequestError(
-            "task shorthand jobs use the /v1/chat/completions endpoint", param="endpoint"
-        )
+    want = "/v1/embeddings" if task == "embed" else "/v1/chat/completions"
+    if task is not None and endpoint != want:
+        raise InvalidRequestError(f"task {task!r} jobs use the {want} endpoint", param="endpoint")
     if task_options is not None and not isinstance(task_options, dict):
         raise InvalidRequestError(
             f"task_options must be an object, got {_as_json(task_options)}", param="task_options"

@@ -2,8 +2,9 @@
 
 Two input forms (DESIGN.md "Bulk jobs"):
 
-- OpenAI Batch JSONL: `{"custom_id", "method": "POST", "url", "body"}` per line, `url` equal to
-  the batch's endpoint (`/v1/chat/completions` or `/v1/completions`);
+- OpenAI Batch JSONL: `{"custom_id", "method": "POST", "url", "body"}` per line, `url` one of
+  `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings` (a file may mix them: each line
+  runs as its own `url` would);
 - the task shorthand (`task` = "summarize" | "translate"): `{"id", "text"}` per line.
 
 `Validator.lines(path)` streams the file and yields one `LineResult` per non-blank line, good or
@@ -37,6 +38,7 @@ from laneserve.contracts.openai.checks import unpaired_surrogate
 from laneserve.jobs import prompts
 from laneserve.jobs.errors import InvalidRequestError
 from laneserve.jobs.limits import (
+    ENDPOINTS,
     MAX_BAD_FRACTION,
     MAX_CUSTOM_ID_CHARS,
     MAX_FILE_BYTES,
@@ -246,13 +248,14 @@ class Validator:
         if obj["method"] != "POST":
             msg = f"method must be POST, got {obj['method']!r}"
             raise LineError("invalid_request", msg, param="method")
-        if obj["url"] != self.endpoint:
-            msg = f"url {obj['url']!r} is not the batch endpoint {self.endpoint}"
+        url = obj["url"]
+        if url not in ENDPOINTS:  # a line may name another endpoint than the batch's own
+            msg = f"url {str(url)[:80]!r} is not an endpoint batches take ({', '.join(ENDPOINTS)})"
             raise LineError("invalid_request", msg, param="url")
         body = obj["body"]
         if not isinstance(body, dict):
             raise LineError("invalid_request", "body must be an object", param="body")
-        return self._request(body)
+        return self._request(body, url=url)
 
     def _task_line(self, obj: dict) -> tuple[dict, int | None]:
         text = obj.get("text")
@@ -279,15 +282,19 @@ class Validator:
             return self._request(body, req)
         return self._request(body)
 
-    def _request(self, body: dict, req: ParsedRequest | None = None) -> tuple[dict, int | None]:
+    def _request(
+        self, body: dict, req: ParsedRequest | None = None, url: str | None = None
+    ) -> tuple[dict, int | None]:
         """Validate `body` (already parsed: `req`) as the gateway would; the stored request and
         its prompt tokens."""
-        req = req or self._parse(body)
+        url = url or self.endpoint
+        req = req or self._parse(body, url)
         try:
             (self.counter or ServedModel()).check(req, self.limits)
         except OpenAIError as exc:
             raise LineError(exc.code, exc.message, param=self._param(exc.param)) from exc
-        request = {"url": self.endpoint, "body": req_body(req, body)}
+        stored = body if url == "/v1/responses" else req_body(req, body)  # parsed again as is
+        request = {"url": url, "body": {**stored, "model": req.model}}
         request["sampling_params"] = req.sampling
         encoded = [p.encoded for p in req.prompts]
         if None not in encoded:  # tokenized once here (tools rendered): the engine takes these
@@ -295,13 +302,13 @@ class Validator:
         counts = [p.num_tokens for p in req.prompts]
         return request, None if None in counts else sum(counts)
 
-    def _parse(self, body: dict) -> ParsedRequest:
+    def _parse(self, body: dict, url: str | None = None) -> ParsedRequest:
         """`contracts.openai.parse` + the model checks + what a batch line cannot do."""
         default = self.default_model or (self.counter and self.counter.served_name)
         if body.get("model") is None and default:
             body = {**body, "model": default}
         try:
-            req = parse(self.endpoint, body, self.limits)
+            req = parse(url or self.endpoint, body, self.limits)
             if self.counter is not None:  # an unknown model is this line's error, not the job's
                 self.counter.check_name(req.model)
             self._note_model(req.model)
@@ -345,13 +352,13 @@ _TASK_PARAMS = {
 def req_body(req: ParsedRequest, body: dict) -> dict:
     """The stored body: `body` with its model filled in and its prompt normalized (chat text
     parts joined, `developer` -> `system`; completion prompts as strings or token ids, a list
-    of them when there are several)."""
+    of them when there are several; an embeddings body's `input` likewise)."""
     out = {**body, "model": req.model}
     if req.kind == "chat":
         out["messages"] = req.prompts[0].messages
         return out
     forms = [p.text if p.text is not None else p.token_ids for p in req.prompts]
-    out["prompt"] = forms[0] if len(forms) == 1 else forms
+    out["input" if req.kind == "embedding" else "prompt"] = forms[0] if len(forms) == 1 else forms
     return out
 
 

@@ -15,6 +15,7 @@ from laneserve.broker.protocol.checks import (
     ERROR_CODES,
     FINISH_REASONS,
     LANES,
+    MAX_EMBEDDING_BYTES,
     MAX_ID_CHARS,
     MAX_STEP_OUTPUTS,
     MAX_TEXT_CHARS,
@@ -26,6 +27,7 @@ from laneserve.broker.protocol.checks import (
     spec,
     t_any,
     t_bool,
+    t_bytes,
     t_float,
     t_int,
     t_list,
@@ -72,7 +74,7 @@ class WorkerHeartbeat(Message):
 StepOutput = EngineOutput
 """One request's output in one engine step: the engine's own :class:`EngineOutput`, sent as a
 msgpack array in field order (compact: one per request per step). The 9th item,
-``prompt_logprobs``, is optional (workers before it sent 8)."""
+``prompt_logprobs``, and the 10th, ``embedding``, are optional (workers before them sent 8)."""
 
 
 _STEP_OUTPUT_CHECKS: tuple[Check, ...] = (
@@ -85,6 +87,7 @@ _STEP_OUTPUT_CHECKS: tuple[Check, ...] = (
     t_opt(t_map()),
     t_opt(t_str(MAX_TEXT_CHARS)),
     t_opt(t_list(t_any, MAX_TOKEN_IDS)),
+    t_opt(t_bytes(MAX_EMBEDDING_BYTES)),
 )
 _STEP_OUTPUT_MIN_ITEMS = 8  # without prompt_logprobs (what workers before it sent)
 
@@ -109,7 +112,7 @@ def _step_output(name: str, v: Any) -> StepOutput:
         and metrics is None
         and error is None
         and reason is None
-        and (not extra or extra[0] is None)
+        and all(x is None for x in extra)
         and type(token_ids) is list
         and len(token_ids) <= 64
         and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in token_ids)
@@ -183,6 +186,7 @@ class WorkRequest(PromptRequest):
             arrival_time=arrival_time,
             prompt=self.prompt,
             messages=self.messages,
+            task=self.task,
         )
 
 

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from laneserve.broker.protocol.checks import (
+    MAX_EMBEDDING_BYTES,
     MAX_MAP_ITEMS,
     MAX_MESSAGE_BYTES,
     MAX_TEXT_CHARS,
@@ -129,7 +130,7 @@ def decode(frames: Sequence[bytes], allowed: Sequence[type[Message]] | None = No
             use_list=True,
             ext_hook=_ext_refused,
             max_str_len=MAX_TEXT_CHARS * 4,
-            max_bin_len=0,
+            max_bin_len=MAX_EMBEDDING_BYTES,  # the one binary field: an embedding vector
             max_array_len=MAX_TOKEN_IDS,
             max_map_len=MAX_MAP_ITEMS * 64,
             max_ext_len=0,

@@ -29,6 +29,8 @@ MAX_NESTING = 8  # nesting depth of free-form values
 MAX_TOKEN_ID = 2**31 - 1
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+TASKS = ("generate", "embed")  # a request's kind: sample tokens, or pool its prompt (embeddings)
+MAX_EMBEDDING_BYTES = 4 * 65536  # one float32 vector of up to 65,536 dimensions
 SAMPLING_FIELDS = frozenset(SAMPLING_KEYS)
 """Keys allowed in a wire ``sampling_params`` map: the OpenAI layer's one list."""
 
@@ -100,6 +102,17 @@ def t_bool(name: str, v: Any) -> bool:
     if type(v) is not bool:
         raise fail(name, f"expected bool, got {type(v).__name__}")
     return v
+
+
+def t_bytes(max_bytes: int) -> Check:
+    def check(name: str, v: Any) -> bytes:
+        if type(v) is not bytes:
+            raise fail(name, f"expected bytes, got {type(v).__name__}")
+        if len(v) > max_bytes:
+            raise fail(name, f"longer than {max_bytes} bytes")
+        return v
+
+    return check
 
 
 def t_opt(inner: Check) -> Check:

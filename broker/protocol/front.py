@@ -20,17 +20,20 @@ from laneserve.broker.protocol.checks import (
     ERROR_CODES,
     FINISH_REASONS,
     LANES,
+    MAX_EMBEDDING_BYTES,
     MAX_ID_CHARS,
     MAX_MESSAGES,
     MAX_TEXT_CHARS,
     MAX_TOKEN_ID,
     MAX_TOKEN_IDS,
     SAMPLING_FIELDS,
+    TASKS,
     ProtocolError,
     one_prompt,
     spec,
     t_any,
     t_bool,
+    t_bytes,
     t_chat_message,
     t_float,
     t_int,
@@ -48,8 +51,9 @@ from laneserve.broker.protocol.checks import (
 class PromptRequest(Message):
     """The fields ``submit`` (client -> broker) and ``request`` (broker -> worker) share: the
     request id, its lane, sampling params, exactly one prompt form (``prompt`` text, chat
-    ``messages`` or ``prompt_token_ids``), ``priority`` (lower = more urgent) and ``model``.
-    Not a message kind itself."""
+    ``messages`` or ``prompt_token_ids``), ``priority`` (lower = more urgent), ``model`` and
+    ``task``: ``"generate"`` (sample tokens) or ``"embed"`` (prefill only; the final carries the
+    pooled, normalized hidden state). Not a message kind itself."""
 
     request_id: str = spec(t_str())
     lane: str = spec(t_str(choices=LANES))
@@ -59,6 +63,7 @@ class PromptRequest(Message):
     prompt_token_ids: list | None = spec(t_opt(t_token_ids()), None)
     priority: int = spec(t_int(-(2**31), 2**31 - 1), 0)
     model: str | None = spec(t_opt(t_str()), None)
+    task: str = spec(t_str(choices=TASKS), "generate")
 
     def validate(self) -> None:
         one_prompt(self.KIND, self.prompt, self.messages, self.prompt_token_ids)
@@ -203,7 +208,7 @@ class Final(Message):
     for ``stream=False`` requests and any tail not yet sent as a delta for streaming ones
     (normally empty). ``prompt_logprobs``: with ``sampling_params.prompt_logprobs``, one entry
     per prompt position (None for the first, else ``{token_id, logprob, rank, top}``), streamed
-    or not.
+    or not. ``embedding`` (``task="embed"``): the pooled vector as little-endian float32 bytes.
     """
 
     KIND: ClassVar[str] = "final"
@@ -217,6 +222,7 @@ class Final(Message):
     worker_id: str | None = spec(t_opt(t_str()), None)
     attempts: int = spec(t_int(0, 1000), 1)
     prompt_logprobs: list | None = spec(t_opt(t_list(t_any, MAX_TOKEN_IDS)), None)
+    embedding: bytes | None = spec(t_opt(t_bytes(MAX_EMBEDDING_BYTES)), None)
 
 
 @message

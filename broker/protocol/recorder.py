@@ -21,6 +21,7 @@ from laneserve.broker.protocol.checks import (
     LANES,
     MAX_RECORDS,
     MAX_TEXT_CHARS,
+    TASKS,
     ProtocolError,
     spec,
     t_float,
@@ -49,7 +50,8 @@ class RequestRecord(Message):
     ``spec_draft_tokens`` / ``spec_accepted_tokens`` / ``spec_num_drafts`` (speculative decoding:
     draft tokens verified / accepted, and verifications that carried drafts).
     ``error_code`` (one of ERROR_CODES) and ``error_message`` are set when ``status`` is
-    ``"failed"``. ``job_id``/``custom_id`` are set for bulk-job lines only.
+    ``"failed"``. ``job_id``/``custom_id`` are set for bulk-job lines only. ``kind``: the
+    request's task, ``"generate"`` or ``"embed"`` (prefill only: no decode, no TPOT).
     """
 
     KIND: ClassVar[str] = "request_record"
@@ -81,6 +83,7 @@ class RequestRecord(Message):
     e2e_ms: float | None = spec(_MS, None)
     job_id: str | None = spec(t_opt(t_str()), None)
     custom_id: str | None = spec(t_opt(t_str(4096)), None)
+    kind: str = spec(t_str(choices=TASKS), "generate")
 
     def validate(self) -> None:
         if not self.request_id:

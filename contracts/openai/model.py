@@ -255,4 +255,4 @@ def _pool_tokens(pool: object) -> int | None:
 
 
 def _param(req: ParsedRequest) -> str:
-    return "messages" if req.kind == "chat" else "prompt"
+    return {"chat": "messages", "embedding": "input"}.get(req.kind, "prompt")

@@ -217,7 +217,7 @@ class ParsedRequest:
     extension field, each choice then carries ``prompt_logprobs`` in vLLM's form.
     """
 
-    kind: str  # "chat" | "completion"
+    kind: str  # "chat" | "completion" | "embedding" (contracts/openai/embeddings.py)
     model: str
     prompts: list[Prompt]
     n: int = 1
@@ -257,6 +257,7 @@ class ParsedRequest:
                 sampling_params=self.sampling_for(k),
                 lane=lane or self.lane,
                 priority=self.priority,
+                task="embed" if self.kind == "embedding" else "generate",
                 **prompt.wire(),
             )
             for k, prompt in enumerate(p for p in self.prompts for _ in range(self.n))
@@ -363,9 +364,9 @@ def _model(body: dict) -> str:
     return model
 
 
-def _prompts(v: Any) -> list[Prompt]:
+def _prompts(v: Any, max_prompts: int = MAX_PROMPTS) -> list[Prompt]:
     """/v1/completions ``prompt``: a string, a list of strings, a list of token ids, or a list of
-    lists of token ids."""
+    lists of token ids (at most ``max_prompts``)."""
     if v is None:
         raise invalid("'prompt' is required", "prompt")
     if type(v) is str:
@@ -378,8 +379,8 @@ def _prompts(v: Any) -> list[Prompt]:
         raise invalid(f"'prompt' must be a string or an array, got {type_name(v)}", "prompt")
     if not items:
         raise invalid("'prompt' must not be empty", "prompt")
-    if len(items) > MAX_PROMPTS:
-        raise invalid(f"more than {MAX_PROMPTS} prompts in one request", "prompt")
+    if len(items) > max_prompts:
+        raise invalid(f"more than {max_prompts} prompts in one request", "prompt")
     out = []
     for item in items:
         if type(item) is str:

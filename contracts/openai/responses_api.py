@@ -19,7 +19,7 @@ the shapes of ``openai.types.responses``:
   ``tool_choice``: ``"none" | "auto" | "required" | {"type": "function", "name"}``.
 
 ``store`` (default true) and ``previous_response_id``: :mod:`laneserve.api.response_store`;
-``background`` is a 400 naming the field (not implemented).
+``background: true`` runs the response in the batch lane (laneserve/api/response_background.py).
 """
 
 from __future__ import annotations
@@ -84,8 +84,13 @@ def to_chat_body(body: Any, history: list[dict] | None = None) -> dict:
     unknown = sorted(k for k in body if k not in _OWN and k not in _SAME)
     if unknown:
         raise invalid(f"unsupported field(s): {', '.join(unknown)}", unknown[0])
-    if given(body.get("background")):
-        raise invalid("'background' is not supported by this server yet", "background")
+    background = body.get("background")
+    if background not in (None, False, True):
+        raise invalid("'background' must be a boolean", "background")
+    if background and body.get("store") is False:
+        raise invalid("background responses need 'store': true (the default)", "background")
+    if background and body.get("stream") is True:
+        raise invalid("'stream' is not supported with 'background': true", "stream")
     for name in ("store", "stream"):
         if body.get(name) not in (None, False, True):
             raise invalid(f"'{name}' must be a boolean", name)
@@ -95,6 +100,8 @@ def to_chat_body(body: Any, history: list[dict] | None = None) -> dict:
         raise invalid("'truncation' supports only \"disabled\"", "truncation")
     chat: dict[str, Any] = {k: body[k] for k in _SAME if k in body}
     chat["messages"] = _messages(body, history or [])
+    if background and "service_tier" not in chat:  # background responses run in the batch lane
+        chat["lane"] = "batch"
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     fmt = _text_format(body.get("text"))
@@ -298,14 +305,15 @@ def response_object(
     usage_: dict | None,
     stored: bool = False,
 ) -> dict:
-    """The ``response`` object (``status``: in_progress | completed | incomplete)."""
+    """The ``response`` object (``status``: queued | in_progress | completed | incomplete |
+    failed | cancelled; the first and the last two only for ``background`` responses)."""
     text = body.get("text") or {}
     return {
         "id": resp_id,
         "object": "response",
         "created_at": created,
         "status": status,
-        "background": False,
+        "background": body.get("background") is True,
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": body.get("instructions"),

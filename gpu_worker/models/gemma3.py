@@ -54,8 +54,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return layer
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches, logits_indices):
-        """As `LlamaForCausalLM.forward` (same arguments and shapes): logits [N, vocab] fp32."""
+    def forward(
+        self, input_ids, positions, attn: AttentionMetadata, kv_caches, logits_indices,
+        hidden_indices=None,
+    ):  # fmt: skip
+        """As `LlamaForCausalLM.forward` (same arguments and shapes): logits [N, vocab] fp32,
+        and with `hidden_indices` the final-norm rows [M, H] fp32 too."""
         eps = self.config.rms_norm_eps
         x = quant.embedding(input_ids, self.embed_tokens)  # [T, H], scaled in its dtype:
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
@@ -75,6 +79,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 gelu_tanh_and_mul(quant.linear(h, layer.gate_up_proj)), layer.down_proj
             )
             x = ops.rms_norm(m, layer.post_feedforward_layernorm, eps)
-        logits = self._logits(x, residual, logits_indices, ops)
+        out = self._logits(x, residual, logits_indices, ops, hidden_indices)
+        logits, hidden = (out, None) if hidden_indices is None else out
         cap = self.config.final_logit_softcapping
-        return logits if cap is None else cap * torch.tanh(logits / cap)
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        return logits if hidden is None else (logits, hidden)

@@ -241,8 +241,10 @@ class LlamaForCausalLM:
         attn: AttentionMetadata,
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hk, D]
         logits_indices: torch.Tensor,  # int64 [N] rows of the batch that emit a token
-    ) -> torch.Tensor:
-        """Run the decoder over one varlen batch; returns logits [N, vocab] (fp32)."""
+        hidden_indices: torch.Tensor | None = None,  # int64 [M] rows pooled for embeddings
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run the decoder over one varlen batch; returns logits [N, vocab] (fp32), and with
+        `hidden_indices` also those rows' final-norm hidden states [M, H] (fp32)."""
         eps = self.config.rms_norm_eps
         x = quant.embedding(input_ids, self.embed_tokens)  # [T, H]
         ops = self._step_ops(x, positions, attn, kv_caches)
@@ -261,7 +263,7 @@ class LlamaForCausalLM:
                 continue
             gate_up = quant.linear(h, layer.gate_up_proj)
             x = quant.linear(ops.silu_and_mul(gate_up), layer.down_proj)
-        return self._logits(x, residual, logits_indices, ops)
+        return self._logits(x, residual, logits_indices, ops, hidden_indices)
 
     def _step_ops(self, x, positions, attn: AttentionMetadata, kv_caches):
         """This step's layer ops (`kernels.step_ops`, checked once for every layer)."""
@@ -310,9 +312,16 @@ class LlamaForCausalLM:
             o = ops.unified_attention(*args, self.scale, sliding_window=window)
         return quant.linear(o.reshape(-1, self.q_size), layer.o_proj)
 
-    def _logits(self, x, residual, logits_indices, ops) -> torch.Tensor:
-        """The final norm and LM head over the rows that emit a token: [N, V] fp32."""
-        x = x.index_select(0, logits_indices)
-        residual = residual.index_select(0, logits_indices)
+    def _logits(self, x, residual, logits_indices, ops, hidden_indices=None):
+        """The final norm and LM head over the rows that emit a token: [N, V] fp32; with
+        `hidden_indices` also the final-norm rows [M, H] fp32 (embeddings; no LM head)."""
+        rows = logits_indices if hidden_indices is None else torch.cat(
+            [logits_indices, hidden_indices]
+        )  # fmt: skip
+        x = x.index_select(0, rows)
+        residual = residual.index_select(0, rows)
         h, _ = ops.rms_norm(x, self.norm, self.config.rms_norm_eps, residual)
-        return quant.linear(h, self.lm_head).float()  # [N, V]
+        if hidden_indices is None:
+            return quant.linear(h, self.lm_head).float()  # [N, V]
+        n = logits_indices.shape[0]
+        return quant.linear(h[:n], self.lm_head).float(), h[n:].float()

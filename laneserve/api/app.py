@@ -4,6 +4,8 @@ Routes (OpenAI-compatible unless noted)::
 
     POST /v1/chat/completions        POST /v1/completions          GET /v1/models
     POST /v1/responses   GET /v1/responses/{id}   DELETE /v1/responses/{id}
+    POST /v1/responses/{id}/cancel  (background responses)
+    POST /v1/embeddings
     POST /v1/files                   GET  /v1/files/{id}           GET /v1/files/{id}/content
     POST /v1/batches   GET /v1/batches   GET /v1/batches/{id}   POST /v1/batches/{id}/cancel
     GET  /health  (liveness, no key)   GET /ready  (readiness, no key; laneserve.api.health)
@@ -33,10 +35,12 @@ from laneserve.api.arrival import ArrivalMiddleware
 from laneserve.api.auth import ApiKeyMiddleware
 from laneserve.api.completions import chat_completions, completions
 from laneserve.api.config import ApiConfig
+from laneserve.api.embeddings import create_embeddings
 from laneserve.api.errors import ApiError, error_response, response_for
 from laneserve.api.files import add_routes as add_file_routes
 from laneserve.api.inspection import add_routes as add_inspection_routes
 from laneserve.api.probes import add_probe_routes
+from laneserve.api.response_background import cancel_response
 from laneserve.api.response_store import delete_response, get_response
 from laneserve.api.responses import create_response
 from laneserve.api.state import GatewayState, model_objects
@@ -89,8 +93,10 @@ def create_app(config: ApiConfig) -> FastAPI:
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/responses", create_response, methods=["POST"])
+    app.add_api_route("/v1/embeddings", create_embeddings, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", get_response, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", delete_response, methods=["DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"])
     add_file_routes(app)
     add_inspection_routes(app)  # GET /v1/batches/{id}/stats, GET /status (laneserve)
 

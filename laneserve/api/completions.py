@@ -35,6 +35,7 @@ from laneserve.contracts.openai.tool_parsers import ToolStream, apply_tools
 
 if TYPE_CHECKING:
     from laneserve.api.state import GatewayState
+    from laneserve.contracts.openai.requests import ParsedRequest
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -59,22 +60,33 @@ async def _serve(request: Request, endpoint: str) -> Response:
         req = await run_in_threadpool(parse, endpoint, body, cfg.limits)
     else:
         req = parse(endpoint, body, cfg.limits)
-    await state.check_model(req.model)
-    state.model_info.check(req, cfg.limits)
-    await state.check_lane(req.lane)
     kind = req.kind
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-    gen = Generation(
-        state.client,
-        req,
-        prefix + uuid.uuid4().hex,
-        arrival_monotonic=arrival_monotonic,
-        arrival_time=arrival_time,
-        metrics=state.metrics,
+    gen = await checked_generation(
+        state, req, prefix + uuid.uuid4().hex, (arrival_monotonic, arrival_time)
     )
     streamed = _chat_stream if kind == "chat" else _completion_stream
     return await respond(
         request, gen, req.stream, lambda: _body(gen, state), lambda: streamed(gen, state)
+    )
+
+
+async def checked_generation(
+    state: GatewayState, req: ParsedRequest, request_id: str, arrived: tuple[float, float]
+) -> Generation:
+    """The model named, the prompts counted (``max_tokens`` settled) and a worker serving the
+    lane checked, the (unstarted) generation of ``req``. ``arrived``: (monotonic, unix) s when
+    the gateway accepted the request. Raises ApiError (404, 400, 503)."""
+    await state.check_model(req.model)
+    state.model_info.check(req, state.config.limits)
+    await state.check_lane(req.lane)
+    return Generation(
+        state.client,
+        req,
+        request_id,
+        arrival_monotonic=arrived[0],
+        arrival_time=arrived[1],
+        metrics=state.metrics,
     )
 
 

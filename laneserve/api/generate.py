@@ -54,6 +54,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None  # the engine's prompt entries (from the Final)
+    embedding: bytes | None = None  # an embedding request's vector (float32 bytes, the Final)
     num_tokens: int = 0
     started: bool = False  # the broker said something about it (delta, final or error)
     done: bool = False
@@ -206,6 +207,7 @@ class Generation:
             choice.usage = dict(msg.usage)
             choice.timings = dict(msg.timings)
             choice.prompt_logprobs = msg.prompt_logprobs
+            choice.embedding = msg.embedding
             if msg.finish_reason in ("stop", "length"):
                 choice.finish_reason = msg.finish_reason
                 self.metrics.observe_final(lane, choice.timings, choice.usage, msg.finish_reason)

@@ -67,6 +67,29 @@ def _save(engine: Any, owner: str, items: list[dict], obj: dict) -> None:
         session.add(row)
 
 
+def _put(engine: Any, owner: str, items: list[dict], obj: dict) -> None:
+    """Insert or replace a stored response (a background response's status changes)."""
+    from laneserve.db.models import StoredResponse
+    from laneserve.db.session import write_session
+
+    row = StoredResponse(
+        id=obj["id"], owner=owner, created_at=obj["created_at"], input_items=items, response=obj
+    )
+    with write_session(engine) as session:
+        session.merge(row)
+
+
+async def put(state: GatewayState, owner: str, items: list[dict], obj: dict) -> None:
+    """Store or replace ``obj`` for ``owner``. Raises ApiError 503 without the database."""
+    await jobs_call(_put, _engine(state), owner, items, obj)
+
+
+async def load(state: GatewayState, owner: str, resp_id: str) -> dict | None:
+    """The stored response object, None when ``owner`` has none of that id."""
+    row = await jobs_call(_load, _engine(state), owner, resp_id)
+    return None if row is None else row.response
+
+
 def _delete(engine: Any, owner: str, resp_id: str) -> bool:
     from laneserve.db.models import StoredResponse
     from laneserve.db.session import write_session
@@ -127,4 +150,6 @@ async def delete_response(request: Request) -> Response:
     return Response(fmt.dumps(body), media_type="application/json")
 
 
-__all__ = ["can_store", "delete_response", "get_response", "history", "owner_of", "save"]
+__all__ = [
+    "can_store", "delete_response", "get_response", "history", "load", "owner_of", "put", "save"
+]  # fmt: skip

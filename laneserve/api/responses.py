@@ -25,10 +25,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
+import laneserve.api.response_background as background
 import laneserve.api.response_store as store
 from laneserve.api.arrival import arrival
 from laneserve.api.auth import read_json
-from laneserve.api.completions import events, respond
+from laneserve.api.completions import checked_generation, events, respond
+from laneserve.api.errors import ApiError
 from laneserve.api.generate import Generation
 from laneserve.contracts.openai import responses as fmt
 from laneserve.contracts.openai import responses_api as api
@@ -47,18 +49,22 @@ async def create_response(request: Request) -> Response:
     if type(body) is dict and body.get("previous_response_id") is not None:
         prior = await store.history(request, state, body["previous_response_id"])
     req = await run_in_threadpool(api.parse_response_request, body, cfg.limits, prior)
-    await state.check_model(req.model)
-    state.model_info.check(req, cfg.limits)
-    await state.check_lane(req.lane)
-    gen = Generation(
-        state.client,
-        req,
-        api.new_id("resp"),
-        arrival_monotonic=arrival_monotonic,
-        arrival_time=arrival_time,
-        metrics=state.metrics,
+    gen = await checked_generation(
+        state, req, api.new_id("resp"), (arrival_monotonic, arrival_time)
     )
     keep = store.can_store(body, state)
+    if body.get("background") is True:
+        if not keep:
+            raise ApiError("database_unavailable", "background responses need the database")
+        items = [*prior, *api.input_items(body)]
+        run = background.Running(gen, None, store.owner_of(request), items, body, arrival_time)
+
+        async def done(gen: Generation) -> dict:
+            output, status = _result(gen, state)
+            obj = api.response_object(gen.id, arrival_time, body, output, status, _usage(gen), True)
+            return obj
+
+        return await background.start(request, state, run, done)
 
     async def finished(output: list[dict], status: str) -> dict:
         usage = _usage(gen)

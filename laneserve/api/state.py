@@ -206,5 +206,21 @@ async def model_objects(state: GatewayState) -> list[dict]:
         entry = {"id": name, "object": "model", "created": created, "owned_by": "laneserve"}
         if name == state.model_info.served_name and state.model_info.max_model_len:
             entry["max_model_len"] = state.model_info.max_model_len
+        pooling = _pooling_of(state, name)
+        if pooling is not None:
+            entry["pooling"] = pooling
         data.append(entry)
     return data
+
+
+def _pooling_of(state: GatewayState, name: str) -> dict | None:
+    """How ``/v1/embeddings`` pools for model ``name``: the first real worker serving it that
+    announces its engine's ``pooling_type`` (vLLM's PoolerConfig names; vectors normalized)."""
+    for w in (state.status or {}).get("workers") or []:
+        info = w.get("info") or {}
+        engine = info.get("engine") or {}
+        kind = engine.get("pooling_type")
+        served = w.get("model") == name or name == state.model_info.served_name
+        if served and isinstance(kind, str) and not info.get("synthetic"):
+            return {"pooling_type": kind, "normalize": True}
+    return None

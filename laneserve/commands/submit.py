@@ -9,8 +9,9 @@ directly, so this works from any host. While the API or its database is away (50
 saying so on stderr as `--wait` does, for at most `--timeout` seconds (default 300).
 
 Input: OpenAI Batch JSONL (endpoint from the first line's `url` unless --endpoint), or with
-`--task summarize|translate|extract` the shorthand `{"id", "text"}` per line (extract: `--schema
-fields.json`, outputs constrained to that schema, parsed in `message.parsed`); a `.txt` file is one
+`--task summarize|translate|extract|embed` the shorthand `{"id", "text"}` per line (extract:
+`--schema fields.json`, outputs constrained to that schema, parsed in `message.parsed`; embed: a
+/v1/embeddings job, one output line per document holding its vector); a `.txt` file is one
 document per line (`--txt-mode line`, the default) or one document (`--txt-mode file`).
 
 Exit codes: 0 submitted (with --wait: completed, failed lines included), 1 failed, 3 cancelled,
@@ -33,7 +34,9 @@ from laneserve.http_client import EXIT_NO_API, StackError, add_api_arguments, cl
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("submit", help="submit a bulk job (JSONL or task shorthand)")
     parser.add_argument("file", type=Path, help="input .jsonl (OpenAI Batch or {id, text}) or .txt")
-    parser.add_argument("--task", choices=("summarize", "translate", "extract"), default=None)
+    parser.add_argument(
+        "--task", choices=("summarize", "translate", "extract", "embed"), default=None
+    )
     parser.add_argument(
         "--schema", type=Path, default=None, help="extract: a JSON schema file of the fields"
     )
@@ -98,6 +101,11 @@ def _txt_as_jsonl(path: Path, mode: str) -> bytes:
     return b"".join(json.dumps({"id": i, "text": t}).encode() + b"\n" for i, t in docs)
 
 
+def _task_endpoint(task: str) -> str:
+    """The endpoint of a task shorthand job: embeddings for `embed`, chat for the others."""
+    return "/v1/embeddings" if task == "embed" else "/v1/chat/completions"
+
+
 def _fail(msg: str, code: int = 2) -> int:
     print(f"laneserve submit: {msg}", file=sys.stderr)
     return code
@@ -109,7 +117,7 @@ def _batch_body(args: argparse.Namespace, file_id: str) -> dict:
     body: dict = {
         "input_file_id": file_id,
         "endpoint": args.endpoint
-        or ("/v1/chat/completions" if args.task else _endpoint_of(args.file)),
+        or (_task_endpoint(args.task) if args.task else _endpoint_of(args.file)),
         "completion_window": args.completion_window,
     }
     if metadata:

@@ -178,3 +178,83 @@ def test_slo_controller_runs_by_default_and_is_exported(client, real_stack) -> N
     assert set(values) == set(names), text
     assert 0 < values["slo_interactive_tpot_target_ms"] < values["slo_interactive_ttft_target_ms"]
     assert values["step_token_budget"] >= 1 and values["step_measured_ms"] > 0
+
+
+def test_embeddings_shape_norm_batch_equality_base64_and_models(client, real_stack) -> None:
+    """/v1/embeddings through the SDK: one unit vector of hidden_size per input, the same vector
+    alone as in a batch (float32: batch composition must not change it), base64 equal to
+    float, usage counting prompt tokens, the pooling named in /v1/models, bad fields a 400."""
+    import base64
+
+    import numpy as np
+
+    texts = ["The cat sat on the mat.", "Paris is the capital of France.", "hi"]
+    batch = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    assert [d.index for d in batch.data] == [0, 1, 2]
+    vecs = np.array([d.embedding for d in batch.data])
+    assert vecs.shape == (3, 576)  # SmolLM2-135M's hidden_size
+    assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)
+    assert batch.usage.prompt_tokens == batch.usage.total_tokens > 3
+    alone = client.embeddings.create(model=MODEL, input=texts[1]).data[0].embedding
+    assert np.allclose(alone, vecs[1], atol=1e-5)
+    assert not np.allclose(vecs[0], vecs[1], atol=1e-2)  # different texts, different vectors
+    b64 = client.embeddings.create(model=MODEL, input=texts, encoding_format="base64")
+    raw = [np.frombuffer(base64.b64decode(d.embedding), "<f4") for d in b64.data]
+    assert np.array_equal(np.array(raw), vecs.astype(np.float32))
+    default = client.embeddings.create(model=MODEL, input=texts)  # the SDK asks for base64
+    assert np.allclose(np.array([d.embedding for d in default.data]), vecs, atol=1e-6)
+    ids = client.embeddings.create(model=MODEL, input=[[504, 2295, 2717]]).data[0].embedding
+    assert len(ids) == 576
+    models = client.models.list().data
+    assert models[0].model_extra["pooling"] == {"pooling_type": "LAST", "normalize": True}
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.embeddings.create(model=MODEL, input="x", dimensions=64)
+    assert exc.value.body["param"] == "dimensions"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.embeddings.create(model=MODEL, input=[])
+    assert exc.value.body["param"] == "input"
+
+
+def test_instructor_and_a_langchain_tool_agent_unmodified(client, real_stack) -> None:
+    """Third-party clients as users run them: instructor's default mode (it sends the model as a
+    forced tool) returns a validated pydantic object from the bundled model; LangChain's
+    `ChatOpenAI.bind_tools` agent loop calls the tool, feeds its result back as a `tool`
+    message and gets an answer."""
+    import instructor
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    ic = instructor.from_openai(client)
+    city = ic.chat.completions.create(
+        model=MODEL,
+        response_model=City,
+        max_tokens=64,
+        max_retries=0,
+        messages=[{"role": "user", "content": "Paris is a city in France."}],
+    )
+    assert isinstance(city, City) and city.name and city.country
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    llm = ChatOpenAI(
+        model=MODEL, base_url=real_stack.url + "/v1", api_key=API_KEY, max_retries=0,
+        temperature=0, max_tokens=48,
+    )  # fmt: skip
+    agent = llm.bind_tools([add], tool_choice="required")
+    messages = [HumanMessage("What is 2 + 3? Use the add tool.")]
+    reply = agent.invoke(messages)
+    assert reply.tool_calls and reply.tool_calls[0]["name"] == "add"
+    call = reply.tool_calls[0]
+    result = add.invoke(call["args"])
+    messages += [reply, ToolMessage(str(result), tool_call_id=call["id"])]
+    final = llm.bind_tools([add]).invoke(messages)
+    assert final.content or final.tool_calls  # the model answered after the tool's result

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -387,7 +388,7 @@ def test_responses_forced_function_tool_and_its_output_round_trip(client, stream
     ("extra", "param"),
     [
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),
         ({"input": [{"type": "reasoning"}]}, "input[0].type"),
         ({"input": 3}, "input"),
         ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "1"}]}, "input"),
@@ -444,3 +445,32 @@ def test_responses_previous_response_id_get_and_delete(client, real_stack) -> No
         client.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.delete(first.id)
+
+
+def test_responses_background_get_and_cancel(client) -> None:
+    """`background: true` answers `queued` at once and runs in the batch lane; GET follows it to
+    `completed`; cancel stops a running one (`cancelled`, also when read back), returns a
+    finished one as it is, and refuses a response made in the foreground (OpenAI's 400)."""
+    kw = {"model": MODEL, "temperature": 0}
+    first = client.responses.create(
+        input="Name a color.", background=True, max_output_tokens=8, **kw
+    )
+    assert first.background is True and first.status in ("queued", "in_progress")
+    done = first
+    deadline = time.monotonic() + 50
+    while done.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        done = client.responses.retrieve(first.id)
+    assert done.status in ("completed", "incomplete") and done.output_text, done
+    assert client.responses.cancel(first.id).status == done.status  # finished: as it is
+    long = client.responses.create(
+        input="Write a long story about the sea.", background=True, max_output_tokens=2000, **kw
+    )
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    time.sleep(0.5)
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    plain = client.responses.create(input="Hi", max_output_tokens=2, **kw)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.cancel(plain.id)
+    assert "Only background responses can be cancelled" in err.value.message

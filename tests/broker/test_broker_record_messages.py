@@ -36,6 +36,7 @@ RECORD = {
     "e2e_ms": 457.0,
     "job_id": "batch_1",
     "custom_id": "line-1",
+    "kind": "generate",
 }
 SNAPSHOT = {
     "worker_id": "w1",

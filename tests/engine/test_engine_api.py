@@ -150,3 +150,36 @@ def test_token_counters_count_prompt_positions_computed_and_tokens_generated(llm
     after = llm.stats()
     hits = after["prefix_cache_hits"] - mid["prefix_cache_hits"]
     assert hits > 0 and after["num_prefill_tokens"] - mid["num_prefill_tokens"] == 70 - hits
+
+
+def test_embed_equals_transformers_pooling_chunked_and_frees_its_blocks(
+    base_llm, make_llm, smollm2_dir
+) -> None:
+    """`LLM.embed` (prefill-only embed requests) against transformers' `last_hidden_state` with
+    the same pooling, float32: LAST on the shared engine, MEAN on one whose 16-token budget
+    chunks every prompt (the sum must carry across chunks); no
+    KV block stays held."""
+    import numpy as np
+    import torch
+    from transformers import AutoModel
+
+    texts = ["The cat sat on the mat.", "Embeddings map text to vectors. " * 6, "hi"]
+    hf = AutoModel.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+    def reference(ids: list[int], mode: str) -> np.ndarray:
+        with torch.inference_mode():
+            h = hf(torch.tensor([ids])).last_hidden_state[0]
+        pooled = h[-1] if mode == "LAST" else h.mean(0)
+        return torch.nn.functional.normalize(pooled, dim=0).numpy()
+
+    for llm, mode in ((base_llm, "LAST"), (make_llm(pooling_type="MEAN",
+                                                    max_num_batched_tokens=16), "MEAN")):  # fmt: skip
+        outs = llm.embed(texts)
+        assert [o.finish_reason for o in outs] == ["stop"] * 3
+        for out in outs:
+            got = np.array(out.embedding)
+            assert got.shape == (576,) and out.token_ids == []
+            assert np.abs(got - reference(out.prompt_token_ids, mode)).max() < 1e-4, mode
+            assert out.metrics["tpot_ms"] is None and out.metrics["completion_tokens"] == 0
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"], stats

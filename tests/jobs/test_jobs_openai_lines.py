@@ -5,6 +5,9 @@ the API's 404 and 400 (broker + SmolLM2 worker + jobs runner as processes)."""
 
 from __future__ import annotations
 
+import base64
+
+import numpy as np
 import pytest
 
 from tests.harness import Stack, read_lines, submit, wait_job, write_jsonl
@@ -86,14 +89,36 @@ def test_chat_lines_with_logprobs_ignore_eos_and_api_errors(stack, engine, lanes
 
 
 def test_completion_line_with_legacy_logprobs(stack, engine, laneserve_home):
+    """... in a file that mixes endpoints: chat, embeddings and responses lines run as their
+    own url would (a responses line cannot continue a stored conversation)."""
     url = "/v1/completions"
+    emb = "/v1/embeddings"
     lines = [
+        line("chat", "/v1/chat/completions", messages=MSG, max_tokens=2, temperature=0),
+        line("emb", emb, input=["The capital of France is", [504, 3575, 282]]),
+        line("emb64", emb, input="The capital of France is", encoding_format="base64"),
+        line("dims", emb, input="x", dimensions=8),
+        line("resp", "/v1/responses", input="Name a color.", max_output_tokens=4, temperature=0),
+        line("prev", "/v1/responses", input="And?", previous_response_id="resp_1"),
         line("lp", url, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=3),
         line("ids", url, prompt=[504, 3575, 282], max_tokens=4, ignore_eos=True),
         line("two", url, prompt=[[504, 3575], [282]], max_tokens=2, ignore_eos=True),
     ]
     out, err = _run(engine, stack, write_jsonl(laneserve_home / "text.jsonl", lines), url)
-    assert err == {} and sorted(out) == ["ids", "lp", "two"]
+    assert sorted(err) == ["dims", "prev"] and err["dims"]["param"] == "body.dimensions", err
+    assert err["prev"]["param"] == "body.previous_response_id", err
+    assert sorted(out) == ["chat", "emb", "emb64", "ids", "lp", "resp", "two"]
+    resp = out["resp"]["response"]["body"]
+    assert resp["object"] == "response" and resp["status"] in ("completed", "incomplete")
+    assert resp["output"][0]["content"][0]["text"] and resp["usage"]["output_tokens"] >= 1
+    assert out["chat"]["response"]["body"]["object"] == "chat.completion"
+    vecs = out["emb"]["response"]["body"]
+    assert vecs["object"] == "list" and [d["index"] for d in vecs["data"]] == [0, 1]
+    first = np.array(vecs["data"][0]["embedding"])
+    assert first.shape == (576,) and abs(np.linalg.norm(first) - 1.0) < 1e-5
+    assert vecs["usage"]["prompt_tokens"] == vecs["usage"]["total_tokens"] > 3
+    raw = base64.b64decode(out["emb64"]["response"]["body"]["data"][0]["embedding"])
+    assert np.allclose(np.frombuffer(raw, "<f4"), first, atol=2e-3)  # alone = in a pair
     body = out["lp"]["response"]["body"]
     lp = body["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == body["usage"]["completion_tokens"]

@@ -76,7 +76,7 @@ def test_create_get_list_cancel_batch(any_engine):
 def test_create_batch_rejects_bad_input(any_engine):
     f = service.create_file(any_engine, b"{}\n", "in.jsonl")
     with pytest.raises(InvalidRequestError, match="endpoint"):
-        service.create_batch(any_engine, f.id, "/v1/embeddings")
+        service.create_batch(any_engine, f.id, "/v1/moderations")
     with pytest.raises(InvalidRequestError, match="completion_window"):
         service.create_batch(any_engine, f.id, "/v1/completions", completion_window="1d")
     with pytest.raises(NotFoundError):

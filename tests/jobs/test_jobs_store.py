@@ -99,7 +99,7 @@ def test_revalidation_after_a_crash_replaces_rows(any_engine, laneserve_home):
 
 def test_mostly_bad_file_fails_the_job_with_errors(any_engine, laneserve_home):
     engine = any_engine
-    wrong_url = {**chat_line("u", "x"), "url": "/v1/embeddings"}
+    wrong_url = {**chat_line("u", "x"), "url": "/v1/moderations"}
     lines = [chat_line("ok", "x"), "bad 1", "[2]", {"custom_id": "no-body"}, wrong_url]
     job = submit(engine, write_jsonl(laneserve_home / "bad.jsonl", lines))
     assert store.validate_job(engine, job.id, None, "m") == "failed"

@@ -30,7 +30,7 @@ def test_line_errors_are_named_and_the_rest_is_kept(tmp_path):
         "not json",
         "42",
         {"method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}},
-        {**chat_line("wrong-url", "hi"), "url": "/v1/embeddings"},
+        {**chat_line("wrong-url", "hi"), "url": "/v1/moderations"},
         {
             **chat_line("tools", "hi"),
             "body": {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]},

@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""Embeddings throughput (issue 49): sequences/s for N documents of ~T tokens, three ways.
+
+1. **api**: a fresh stack (`laneserve up`, defaults plus `--pooling-type`), the documents through
+   `POST /v1/embeddings` in requests of `--request-size` inputs, `--concurrency` at once;
+2. **batch**: the same documents as a `/v1/embeddings` batch file (`POST /v1/files` +
+   `POST /v1/batches`), the batch's in_progress -> completed span;
+3. **transformers**: `AutoModel` on the same model (the bundled GGUF's converted directory) and
+   the same token ids, padded batches of `--hf-batch-size`, the same pooling (last token or mean,
+   L2-normalized), float32 (`--hf-dtype`); sentence-transformers is not used (not installed).
+
+Each document is the first `--tokens` token ids of a stdlib document (`bench_offline.
+sample_documents`), sent as token ids so every path embeds exactly the same input. The stack's
+vectors are checked against transformers' (max cosine distance reported). Forced tool calls'
+validity and grammar overhead at batch 64 are `scripts/bench_structured.py --tools`. Prints one
+JSON object (with the CPU model and flags) on stdout, progress on stderr.
+
+    python scripts/bench_embeddings.py --num-docs 1000 --tokens 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+from bench_bulk import api_call, served_model  # noqa: E402
+from bench_offline import sample_documents  # noqa: E402
+from bench_serving import add_stack_args, bench_stack, log, machine, model_path  # noqa: E402
+
+
+def documents(hf_dir: Path, n: int, tokens: int) -> list[list[int]]:
+    """`n` token-id documents of `tokens` ids each (shorter only if a source text is)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    texts = sample_documents(n, max_words=tokens)
+    return [tok(t, add_special_tokens=False)["input_ids"][:tokens] for t in texts]
+
+
+async def via_api(url: str, model: str, docs: list[list[int]], size: int, conc: int) -> dict:
+    """Sequences/s through /v1/embeddings; the vectors in document order."""
+    import httpx
+
+    chunks = [docs[i : i + size] for i in range(0, len(docs), size)]
+    out: list[list[float]] = [[] for _ in chunks]
+    sem = asyncio.Semaphore(conc)
+
+    async def one(c: httpx.AsyncClient, k: int) -> None:
+        async with sem:
+            r = await c.post("/v1/embeddings", json={"model": model, "input": chunks[k]})
+            r.raise_for_status()
+            out[k] = [d["embedding"] for d in r.json()["data"]]
+
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as c:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(c, k) for k in range(len(chunks))))
+        wall = time.perf_counter() - t0
+    vecs = [v for chunk in out for v in chunk]
+    return {"wall_s": round(wall, 3), "seq_per_s": round(len(docs) / wall, 2), "vectors": vecs}
+
+
+def via_batch(url: str, model: str, docs: list[list[int]]) -> dict:
+    """Sequences/s of a /v1/embeddings batch file (in_progress -> completed)."""
+    import httpx
+
+    lines = [
+        {"custom_id": f"d{i}", "method": "POST", "url": "/v1/embeddings",
+         "body": {"model": model, "input": ids}}
+        for i, ids in enumerate(docs)
+    ]  # fmt: skip
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    with httpx.Client(base_url=url, timeout=600) as c:
+        f = api_call(c, "POST", "/v1/files", files={"file": ("emb.jsonl", data)},
+                     data={"purpose": "batch"})  # fmt: skip
+        b = api_call(
+            c,
+            "POST",
+            "/v1/batches",
+            json={
+                "input_file_id": f["id"],
+                "endpoint": "/v1/embeddings",
+                "completion_window": "24h",
+            },
+        )
+        while b["status"] not in ("completed", "failed", "cancelled", "expired"):
+            time.sleep(0.25)
+            b = api_call(c, "GET", f"/v1/batches/{b['id']}")
+    span = (b.get("completed_at") or 0) - (b.get("in_progress_at") or 0)
+    counts = b.get("request_counts") or {}
+    return {"status": b["status"], "request_counts": counts, "span_s": span,
+            "seq_per_s": round(counts.get("completed", 0) / span, 2) if span > 0 else None}  # fmt: skip
+
+
+def via_transformers(hf_dir: Path, docs, pooling: str, batch: int, dtype: str) -> dict:
+    """Sequences/s of transformers' forward with the same pooling; the vectors."""
+    import torch
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
+    vecs = []
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(docs), batch):
+            part = docs[i : i + batch]
+            width = max(len(d) for d in part)
+            ids = torch.zeros(len(part), width, dtype=torch.long)
+            mask = torch.zeros(len(part), width, dtype=torch.long)
+            for r, d in enumerate(part):
+                ids[r, : len(d)], mask[r, : len(d)] = torch.tensor(d), 1
+            h = model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+            if pooling == "MEAN":
+                pooled = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+            else:
+                pooled = h[torch.arange(len(part)), mask.sum(1) - 1]
+            vecs += torch.nn.functional.normalize(pooled, dim=1).tolist()
+    wall = time.perf_counter() - t0
+    return {"wall_s": round(wall, 3), "seq_per_s": round(len(docs) / wall, 2), "vectors": vecs}
+
+
+def max_cosine_distance(a: list, b: list) -> float:
+    x, y = np.asarray(a), np.asarray(b)
+    return float(np.max(1.0 - np.sum(x * y, axis=1)))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_stack_args(ap)
+    ap.add_argument("--num-docs", type=int, default=1000)
+    ap.add_argument("--tokens", type=int, default=200, help="tokens per document")
+    ap.add_argument("--pooling-type", default="LAST", choices=("LAST", "MEAN"))
+    ap.add_argument("--request-size", type=int, default=64, help="inputs per /v1/embeddings call")
+    ap.add_argument("--concurrency", type=int, default=4, help="calls in flight")
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--hf-dtype", default="float32")
+    args = ap.parse_args()
+    from laneserve.gpu_worker.model_loader import convert_gguf
+
+    path = Path(model_path(args.model))
+    hf_dir = convert_gguf(path) if path.suffix == ".gguf" else path
+    docs = documents(hf_dir, args.num_docs, args.tokens)
+    result: dict[str, Any] = {"machine": machine(), "num_docs": len(docs),
+                              "mean_tokens": round(float(np.mean([len(d) for d in docs])), 1),
+                              "pooling_type": args.pooling_type, "dtype": args.dtype}  # fmt: skip
+    with bench_stack(args, ["--pooling-type", args.pooling_type]) as info:
+        model = served_model(info["api_url"])
+        log(f"{len(docs)} documents through /v1/embeddings")
+        api = asyncio.run(
+            via_api(info["api_url"], model, docs, args.request_size, args.concurrency)
+        )
+        log("the same documents as a batch file")
+        result["batch"] = via_batch(info["api_url"], model, docs)
+    log("transformers' forward")
+    hf = via_transformers(hf_dir, docs, args.pooling_type, args.hf_batch_size, args.hf_dtype)
+    result["api"] = {k: v for k, v in api.items() if k != "vectors"}
+    result["transformers"] = {k: v for k, v in hf.items() if k != "vectors"}
+    result["transformers"]["dtype"] = args.hf_dtype
+    result["api_max_cosine_distance_vs_transformers"] = max_cosine_distance(
+        api["vectors"], hf["vectors"]
+    )
+    for name in ("api", "batch"):
+        rate = result[name].get("seq_per_s")
+        result[f"{name}_over_transformers"] = (
+            round(rate / hf["seq_per_s"], 2) if rate and hf["seq_per_s"] else None
+        )
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
