@@ -22,7 +22,14 @@ For each size in `--lines` the same summarization lines (the stdlib documents of
    the idle phase, by class) -- the work the worker must spend on them whatever the scheduling;
 5. **offline_at_step**: the offline engine again with `max_num_batched_tokens` set to the median
    token budget of the alone phase's batch-only steps: what the engine itself does at the step
-   size the TTFT slack allows (the stack's loss beyond that is the path's, not the bound's).
+   size the TTFT slack allows (the stack's loss beyond that is the path's, not the bound's);
+6. **offline_worker_policy**: the offline engine under the OpenMP wait policy a worker of
+   `laneserve up` runs with (``OMP_WAIT_POLICY=PASSIVE``, ``GOMP_SPINCOUNT=3000``: a short spin,
+   since it shares the cores) instead of the `LLM`'s own (``ACTIVE``: it owns them), so the
+   policy's share of the gap is told apart from the path's
+   (``alone_over_offline_worker_policy``);
+7. **alone_active**: the alone phase on a stack whose worker spins as the offline engine does
+   (``OMP_WAIT_POLICY=ACTIVE``, which `laneserve up` passes on to its workers).
 
 A job's rate is its lines' completion tokens over the job's own span (first line dispatched ->
 last result written, from the `requests` rows), and also over in_progress -> completed. The
@@ -65,7 +72,20 @@ from bench_serving import (  # noqa: E402
     stream_request,
 )
 
-PHASES = ("offline", "alone", "after_chat", "beside_chats", "offline_at_step")
+PHASES = (
+    "offline", "alone", "after_chat", "beside_chats", "offline_at_step", "offline_worker_policy",
+    "alone_active",
+)  # fmt: skip
+# The OpenMP wait policy of each phase's engine process (gpu_worker/openmp.py): the offline `LLM`
+# owns the cores and spins at every barrier; a worker of `laneserve up` shares them and spins
+# ~30 us before it sleeps. `offline_worker_policy` is the offline engine under the worker's
+# policy, `alone_active` a job on a stack whose worker spins as the offline engine does: the
+# policy's share of the gap, apart from the path's.
+OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+SPIN_ENV = {"OMP_WAIT_POLICY": "ACTIVE"}
+SHORT_SPIN_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"}
+POLL_S = 1.0  # seconds between polls of the batch (4 a second cost the API 37 s of CPU over a
+# 2,000-line job, docs/benchmarks.md Run 24)
 SUMMARY_PROMPT = "Summarize in two sentences:\n\n{doc}"
 
 # The offline engine in a process of its own: the lines' messages -> tok/s.
@@ -84,9 +104,18 @@ t0 = time.perf_counter()
 outs = llm.chat(spec["conversations"], params)
 wall = time.perf_counter() - t0
 tokens = sum(len(o.token_ids) for o in outs)
+import os
+omp = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
 print(json.dumps({"seconds": round(wall, 3), "completion_tokens": tokens,
-                  "tok_s": round(tokens / wall, 1), "options": opts}))
+                  "tok_s": round(tokens / wall, 1), "options": opts, "openmp": omp}))
 """
+
+
+def with_openmp(environ: dict[str, str], omp: dict[str, str]) -> dict[str, str]:
+    """`environ` with `omp` as its whole OpenMP wait policy (an inherited `GOMP_SPINCOUNT` would
+    win over `OMP_WAIT_POLICY`)."""
+    out = {k: v for k, v in environ.items() if k not in OMP_VARS}
+    return out | omp
 
 
 def conversations(n: int) -> list[list[dict[str, str]]]:
@@ -131,7 +160,12 @@ def worker_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run_offline(args: argparse.Namespace, convs: list, budget: int | None = None) -> dict:
+def run_offline(
+    args: argparse.Namespace, convs: list, budget: int | None = None,
+    omp: dict[str, str] | None = None,
+) -> dict:  # fmt: skip
+    """The offline engine on `convs` in a process of its own (`budget`: its
+    `max_num_batched_tokens`; `omp`: OpenMP variables that replace the `LLM`'s own policy)."""
     options = worker_options(args)
     if budget:
         options["max_num_batched_tokens"] = budget
@@ -144,6 +178,8 @@ def run_offline(args: argparse.Namespace, convs: list, budget: int | None = None
     }
     repo = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    if omp is not None:
+        env = with_openmp(env, omp)
     proc = subprocess.run(
         [sys.executable, "-c", _OFFLINE], input=json.dumps(spec),
         capture_output=True, text=True, env=env, cwd=tempfile.gettempdir(), timeout=3600,
@@ -183,7 +219,10 @@ def run_job(info: dict[str, Any], data: bytes, model: str) -> dict[str, Any]:
             "completion_window": "24h",
         })  # fmt: skip
         while b["status"] not in ("completed", "failed", "cancelled", "expired"):
-            time.sleep(0.25)
+            # once a second: each poll costs the API a stats query over the job's lines, CPU
+            # the worker's threads lose on a small machine (the job's rate comes from its rows,
+            # not from when the poll saw it end)
+            time.sleep(POLL_S)
             b = api_call(c, "GET", f"/v1/batches/{b['id']}")
         return {"batch": b, "wall_s": time.time() - t0}
 
@@ -476,7 +515,13 @@ def stack_phase(args, phase: str, convs: list, alone_tok_s: float | None) -> dic
         if args.keep_traces:
             args.keep_traces.mkdir(parents=True, exist_ok=True)
             trace = args.keep_traces / f"{phase}-{time.strftime('%H%M%S')}.jsonl"
+        saved = dict(os.environ)
         os.environ["LANESERVE_STEP_TRACE"] = str(trace)
+        if phase == "alone_active":  # `laneserve up` passes an explicit policy on to its workers
+            for name in OMP_VARS:
+                os.environ.pop(name, None)
+            os.environ.update(SPIN_ENV)
+        openmp = {name: os.environ.get(name) for name in OMP_VARS}  # None: up's own
         try:
             with bench_stack(args, args.up_args.split()) as info:
                 model = served_model(info["api_url"])
@@ -492,8 +537,10 @@ def stack_phase(args, phase: str, convs: list, alone_tok_s: float | None) -> dic
                     out["client_wall_s"] = round(job["wall_s"], 2)
                 out["cpu_s_by_process"] = cpu_delta(before, cpu_seconds(info))
         finally:
-            os.environ.pop("LANESERVE_STEP_TRACE", None)
+            os.environ.clear()
+            os.environ.update(saved)
         out["steps"] = step_summary(trace)
+        out["openmp"] = openmp
         return out
 
 
@@ -561,6 +608,8 @@ def main() -> int:
                 log(f"{n} lines, round {k + 1}/{args.rounds}: {phase}")
                 if phase == "offline":
                     got[phase] = run_offline(args, convs)
+                elif phase == "offline_worker_policy":
+                    got[phase] = run_offline(args, convs, omp=SHORT_SPIN_ENV)
                 elif phase == "offline_at_step":
                     budget = ((got.get("alone") or {}).get("steps") or {}).get("budget_p50")
                     if budget is None:
@@ -587,6 +636,12 @@ def summarize(rounds: list[dict[str, Any]], phases: list[str]) -> dict[str, Any]
     for phase in phases:
         if phase == "offline":
             out["offline_tok_s_median"] = offline
+            continue
+        if phase == "offline_worker_policy":  # the policy's share, then the path's
+            out["offline_worker_policy_tok_s_median"] = med(phase, "tok_s")
+            out["offline_worker_policy_over_offline_median"] = _ratio(med(phase, "tok_s"), offline)
+            out["alone_over_offline_worker_policy_median"] = _ratio(med("alone", "tok_s"),
+                                                                    med(phase, "tok_s"))  # fmt: skip
             continue
         if phase == "offline_at_step":
             out["offline_at_step_tok_s_median"] = med(phase, "tok_s")
