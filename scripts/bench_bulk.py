@@ -29,7 +29,8 @@ For each size in `--lines` the same summarization lines (the stdlib documents of
    policy's share of the gap is told apart from the path's
    (``alone_over_offline_worker_policy``);
 7. **alone_active**: the alone phase on a stack whose worker spins as the offline engine does
-   (``OMP_WAIT_POLICY=ACTIVE``, which `laneserve up` passes on to its workers).
+   (``OMP_WAIT_POLICY=ACTIVE``, which `laneserve up` passes on to its workers; `--spin-env`
+   tries another policy, e.g. a longer spin that still sleeps when the worker idles).
 
 A job's rate is its lines' completion tokens over the job's own span (first line dispatched ->
 last result written, from the `requests` rows), and also over in_progress -> completed. The
@@ -116,6 +117,21 @@ def with_openmp(environ: dict[str, str], omp: dict[str, str]) -> dict[str, str]:
     win over `OMP_WAIT_POLICY`)."""
     out = {k: v for k, v in environ.items() if k not in OMP_VARS}
     return out | omp
+
+
+def openmp_vars(text: str) -> dict[str, str]:
+    """``"OMP_WAIT_POLICY=PASSIVE,GOMP_SPINCOUNT=100000"`` -> a dict of OpenMP wait variables.
+
+    Raises:
+        argparse.ArgumentTypeError: an item that is not NAME=VALUE with NAME in `OMP_VARS`.
+    """
+    out = {}
+    for item in text.split(","):
+        name, eq, value = item.strip().partition("=")
+        if name not in OMP_VARS or not eq or not value:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected NAME=VALUE, NAME in {OMP_VARS}")
+        out[name] = value
+    return out
 
 
 def conversations(n: int) -> list[list[dict[str, str]]]:
@@ -520,7 +536,7 @@ def stack_phase(args, phase: str, convs: list, alone_tok_s: float | None) -> dic
         if phase == "alone_active":  # `laneserve up` passes an explicit policy on to its workers
             for name in OMP_VARS:
                 os.environ.pop(name, None)
-            os.environ.update(SPIN_ENV)
+            os.environ.update(args.spin_env)
         openmp = {name: os.environ.get(name) for name in OMP_VARS}  # None: up's own
         try:
             with bench_stack(args, args.up_args.split()) as info:
@@ -585,6 +601,9 @@ def main() -> int:
                     help="more `laneserve up` flags, e.g. '--slo interactive:ttft=400'")  # fmt: skip
     ap.add_argument("--offline-defaults", action="store_true",
                     help="the offline LLM with its own defaults, not the worker's options")  # fmt: skip
+    ap.add_argument("--spin-env", type=openmp_vars, default=SPIN_ENV,
+                    help="the alone_active phase's worker policy, e.g. 'OMP_WAIT_POLICY=PASSIVE,"
+                    "GOMP_SPINCOUNT=100000' (default OMP_WAIT_POLICY=ACTIVE)")  # fmt: skip
     ap.add_argument("--keep-traces", type=Path, default=None,
                     help="keep each stack's step trace in this folder")  # fmt: skip
     args = ap.parse_args()

@@ -8,6 +8,7 @@ beside 64 running rows after one "Hi")."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -81,6 +82,13 @@ def test_policy_phases_set_the_whole_wait_policy_and_split_the_gap():
     short = bench.with_openmp(inherited, bench.SHORT_SPIN_ENV)
     assert short["GOMP_SPINCOUNT"] == "3000" and short["OMP_WAIT_POLICY"] == "PASSIVE"
     assert inherited["GOMP_SPINCOUNT"] == "0"  # the caller's environment is left as it was
+    assert bench.openmp_vars("OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=100000") == {
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "GOMP_SPINCOUNT": "100000",
+    }
+    for bad in ("OMP_NUM_THREADS=1", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY="):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected NAME=VALUE"):
+            bench.openmp_vars(bad)
     rounds = [
         {"offline": {"tok_s": 400.0}, "offline_worker_policy": {"tok_s": 320.0},
          "alone": {"tok_s": 288.0}, "alone_active": {"tok_s": 360.0}},
