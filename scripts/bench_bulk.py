@@ -91,7 +91,7 @@ SUMMARY_PROMPT = "Summarize in two sentences:\n\n{doc}"
 
 # The offline engine in a process of its own: the lines' messages -> tok/s.
 _OFFLINE = r"""
-import json, sys, time
+import json, os, sys, time
 spec = json.loads(sys.stdin.read())
 from laneserve.gpu_worker.openmp import apply_openmp_policy
 apply_openmp_policy(exclusive=True)
@@ -101,14 +101,22 @@ llm = LLM(model=spec["model"], dtype=spec["dtype"], **opts)
 params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
 llm.chat(spec["conversations"][:8], params)  # warm-up (first-call costs)
 llm.engine.block_manager.reset_prefix_cache()
+e = llm.engine
+steps0, computed0 = e.num_steps, e.num_prefill_tokens + e.num_generated_tokens
 t0 = time.perf_counter()
 outs = llm.chat(spec["conversations"], params)
 wall = time.perf_counter() - t0
 tokens = sum(len(o.token_ids) for o in outs)
-import os
+steps = e.num_steps - steps0
+# positions computed: prompts (prefix hits excluded) and each output token fed back (not a
+# line's last)
+computed = e.num_prefill_tokens + e.num_generated_tokens - computed0 - len(outs)
 omp = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
 print(json.dumps({"seconds": round(wall, 3), "completion_tokens": tokens,
-                  "tok_s": round(tokens / wall, 1), "options": opts, "openmp": omp}))
+                  "tok_s": round(tokens / wall, 1), "options": opts, "openmp": omp,
+                  "steps": steps, "ms_per_step": round(1e3 * wall / max(steps, 1), 2),
+                  "tokens_per_step": round(computed / max(steps, 1), 1),
+                  "ms_per_token": round(1e3 * wall / max(computed, 1), 3)}))
 """
 
 
@@ -345,6 +353,11 @@ def step_summary(trace: Path) -> dict[str, Any]:
         "running_p50": pct(running, 50),
         "tokens_p50": pct(tokens, 50),
         "measured_ms_p50": pct([s["measured_ms"] for s in steps], 50),
+        # the engine's time per computed token (prompt and output), the offline phases'
+        # `ms_per_token` beside it: a gap at the same tokens per step is the worker's own
+        "ms_per_token": round(
+            sum(s["measured_ms"] for s in steps) / max(sum(tokens), 1), 3
+        ),  # fmt: skip
         "steps_with_budget_below_running": below,
         "steps_without_a_queued_prompt_first_80pct": starved,
         "steps_first_80pct": len(early),
