@@ -41,6 +41,10 @@ def test_a_one_token_chat_leaves_the_jobs_steps_sized_for_throughput(model_home,
         assert got[phase]["completion_tokens"] == 40 * 8
         assert got[phase]["tok_s"] > 0
     assert got["offline"]["completion_tokens"] == 40 * 8
+    # time per computed token on both sides: the offline engine's and the job's batch-only steps'
+    assert got["offline"]["steps"] > 0 and got["offline"]["ms_per_token"] > 0
+    assert got["offline"]["tokens_per_step"] > 8  # 40 prompts of ~300 tokens in 2,048-token steps
+    assert got["after_chat"]["steps"]["ms_per_token"] > 0
     assert size["after_chat_over_offline_median"] > 0
     assert got["after_chat"]["steps"]["steps_with_budget_below_running"] == 0
     beside = got["beside_chats"]
