@@ -22,7 +22,15 @@ For each size in `--lines` the same summarization lines (the stdlib documents of
    the idle phase, by class) -- the work the worker must spend on them whatever the scheduling;
 5. **offline_at_step**: the offline engine again with `max_num_batched_tokens` set to the median
    token budget of the alone phase's batch-only steps: what the engine itself does at the step
-   size the TTFT slack allows (the stack's loss beyond that is the path's, not the bound's).
+   size the TTFT slack allows (the stack's loss beyond that is the path's, not the bound's);
+6. **offline_worker_policy**: the offline engine under the OpenMP wait policy a worker of
+   `laneserve up` runs with (``OMP_WAIT_POLICY=PASSIVE``, ``GOMP_SPINCOUNT=3000``: a short spin,
+   since it shares the cores) instead of the `LLM`'s own (``ACTIVE``: it owns them), so the
+   policy's share of the gap is told apart from the path's
+   (``alone_over_offline_worker_policy``);
+7. **alone_active**: the alone phase on a stack whose worker spins as the offline engine does
+   (``OMP_WAIT_POLICY=ACTIVE``, which `laneserve up` passes on to its workers; `--spin-env`
+   tries another policy, e.g. a longer spin that still sleeps when the worker idles).
 
 A job's rate is its lines' completion tokens over the job's own span (first line dispatched ->
 last result written, from the `requests` rows), and also over in_progress -> completed. The
@@ -63,12 +71,25 @@ from bench_serving import (  # noqa: E402
     stream_request,
 )
 
-PHASES = ("offline", "alone", "after_chat", "beside_chats", "offline_at_step")
+PHASES = (
+    "offline", "alone", "after_chat", "beside_chats", "offline_at_step", "offline_worker_policy",
+    "alone_active",
+)  # fmt: skip
+# The OpenMP wait policy of each phase's engine process (gpu_worker/openmp.py): the offline `LLM`
+# owns the cores and spins at every barrier; a worker of `laneserve up` shares them and spins
+# ~30 us before it sleeps. `offline_worker_policy` is the offline engine under the worker's
+# policy, `alone_active` a job on a stack whose worker spins as the offline engine does: the
+# policy's share of the gap, apart from the path's.
+OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+SPIN_ENV = {"OMP_WAIT_POLICY": "ACTIVE"}
+SHORT_SPIN_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"}
+POLL_S = 1.0  # seconds between polls of the batch (4 a second cost the API 37 s of CPU over a
+# 2,000-line job, docs/benchmarks.md Run 24)
 SUMMARY_PROMPT = "Summarize in two sentences:\n\n{doc}"
 
 # The offline engine in a process of its own: the lines' messages -> tok/s.
 _OFFLINE = r"""
-import json, sys, time
+import json, os, sys, time
 spec = json.loads(sys.stdin.read())
 from laneserve.gpu_worker.openmp import apply_openmp_policy
 apply_openmp_policy(exclusive=True)
@@ -78,13 +99,45 @@ llm = LLM(model=spec["model"], dtype=spec["dtype"], **opts)
 params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
 llm.chat(spec["conversations"][:8], params)  # warm-up (first-call costs)
 llm.engine.block_manager.reset_prefix_cache()
+e = llm.engine
+steps0, computed0 = e.num_steps, e.num_prefill_tokens + e.num_generated_tokens
 t0 = time.perf_counter()
 outs = llm.chat(spec["conversations"], params)
 wall = time.perf_counter() - t0
 tokens = sum(len(o.token_ids) for o in outs)
+steps = e.num_steps - steps0
+# positions computed: prompts (prefix hits excluded) and each output token fed back (not a
+# line's last)
+computed = e.num_prefill_tokens + e.num_generated_tokens - computed0 - len(outs)
+omp = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
 print(json.dumps({"seconds": round(wall, 3), "completion_tokens": tokens,
-                  "tok_s": round(tokens / wall, 1), "options": opts}))
+                  "tok_s": round(tokens / wall, 1), "options": opts, "openmp": omp,
+                  "steps": steps, "ms_per_step": round(1e3 * wall / max(steps, 1), 2),
+                  "tokens_per_step": round(computed / max(steps, 1), 1),
+                  "ms_per_token": round(1e3 * wall / max(computed, 1), 3)}))
 """
+
+
+def with_openmp(environ: dict[str, str], omp: dict[str, str]) -> dict[str, str]:
+    """`environ` with `omp` as its whole OpenMP wait policy (an inherited `GOMP_SPINCOUNT` would
+    win over `OMP_WAIT_POLICY`)."""
+    out = {k: v for k, v in environ.items() if k not in OMP_VARS}
+    return out | omp
+
+
+def openmp_vars(text: str) -> dict[str, str]:
+    """``"OMP_WAIT_POLICY=PASSIVE,GOMP_SPINCOUNT=100000"`` -> a dict of OpenMP wait variables.
+
+    Raises:
+        argparse.ArgumentTypeError: an item that is not NAME=VALUE with NAME in `OMP_VARS`.
+    """
+    out = {}
+    for item in text.split(","):
+        name, eq, value = item.strip().partition("=")
+        if name not in OMP_VARS or not eq or not value:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected NAME=VALUE, NAME in {OMP_VARS}")
+        out[name] = value
+    return out
 
 
 def conversations(n: int) -> list[list[dict[str, str]]]:
@@ -129,7 +182,12 @@ def worker_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run_offline(args: argparse.Namespace, convs: list, budget: int | None = None) -> dict:
+def run_offline(
+    args: argparse.Namespace, convs: list, budget: int | None = None,
+    omp: dict[str, str] | None = None,
+) -> dict:  # fmt: skip
+    """The offline engine on `convs` in a process of its own (`budget`: its
+    `max_num_batched_tokens`; `omp`: OpenMP variables that replace the `LLM`'s own policy)."""
     options = worker_options(args)
     if budget:
         options["max_num_batched_tokens"] = budget
@@ -142,6 +200,8 @@ def run_offline(args: argparse.Namespace, convs: list, budget: int | None = None
     }
     repo = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    if omp is not None:
+        env = with_openmp(env, omp)
     proc = subprocess.run(
         [sys.executable, "-c", _OFFLINE], input=json.dumps(spec),
         capture_output=True, text=True, env=env, cwd=tempfile.gettempdir(), timeout=3600,
@@ -181,7 +241,10 @@ def run_job(info: dict[str, Any], data: bytes, model: str) -> dict[str, Any]:
             "completion_window": "24h",
         })  # fmt: skip
         while b["status"] not in ("completed", "failed", "cancelled", "expired"):
-            time.sleep(0.25)
+            # once a second: each poll costs the API a stats query over the job's lines, CPU
+            # the worker's threads lose on a small machine (the job's rate comes from its rows,
+            # not from when the poll saw it end)
+            time.sleep(POLL_S)
             b = api_call(c, "GET", f"/v1/batches/{b['id']}")
         return {"batch": b, "wall_s": time.time() - t0}
 
@@ -288,6 +351,11 @@ def step_summary(trace: Path) -> dict[str, Any]:
         "running_p50": pct(running, 50),
         "tokens_p50": pct(tokens, 50),
         "measured_ms_p50": pct([s["measured_ms"] for s in steps], 50),
+        # the engine's time per computed token (prompt and output), the offline phases'
+        # `ms_per_token` beside it: a gap at the same tokens per step is the worker's own
+        "ms_per_token": round(
+            sum(s["measured_ms"] for s in steps) / max(sum(tokens), 1), 3
+        ),  # fmt: skip
         "steps_with_budget_below_running": below,
         "steps_without_a_queued_prompt_first_80pct": starved,
         "steps_first_80pct": len(early),
@@ -474,7 +542,13 @@ def stack_phase(args, phase: str, convs: list, alone_tok_s: float | None) -> dic
         if args.keep_traces:
             args.keep_traces.mkdir(parents=True, exist_ok=True)
             trace = args.keep_traces / f"{phase}-{time.strftime('%H%M%S')}.jsonl"
+        saved = dict(os.environ)
         os.environ["LANESERVE_STEP_TRACE"] = str(trace)
+        if phase == "alone_active":  # `laneserve up` passes an explicit policy on to its workers
+            for name in OMP_VARS:
+                os.environ.pop(name, None)
+            os.environ.update(args.spin_env)
+        openmp = {name: os.environ.get(name) for name in OMP_VARS}  # None: up's own
         try:
             with bench_stack(args, args.up_args.split()) as info:
                 model = served_model(info["api_url"])
@@ -490,8 +564,10 @@ def stack_phase(args, phase: str, convs: list, alone_tok_s: float | None) -> dic
                     out["client_wall_s"] = round(job["wall_s"], 2)
                 out["cpu_s_by_process"] = cpu_delta(before, cpu_seconds(info))
         finally:
-            os.environ.pop("LANESERVE_STEP_TRACE", None)
+            os.environ.clear()
+            os.environ.update(saved)
         out["steps"] = step_summary(trace)
+        out["openmp"] = openmp
         return out
 
 
@@ -536,6 +612,9 @@ def main() -> int:
                     help="more `laneserve up` flags, e.g. '--slo interactive:ttft=400'")  # fmt: skip
     ap.add_argument("--offline-defaults", action="store_true",
                     help="the offline LLM with its own defaults, not the worker's options")  # fmt: skip
+    ap.add_argument("--spin-env", type=openmp_vars, default=SPIN_ENV,
+                    help="the alone_active phase's worker policy, e.g. 'OMP_WAIT_POLICY=PASSIVE,"
+                    "GOMP_SPINCOUNT=100000' (default OMP_WAIT_POLICY=ACTIVE)")  # fmt: skip
     ap.add_argument("--keep-traces", type=Path, default=None,
                     help="keep each stack's step trace in this folder")  # fmt: skip
     args = ap.parse_args()
@@ -559,6 +638,8 @@ def main() -> int:
                 log(f"{n} lines, round {k + 1}/{args.rounds}: {phase}")
                 if phase == "offline":
                     got[phase] = run_offline(args, convs)
+                elif phase == "offline_worker_policy":
+                    got[phase] = run_offline(args, convs, omp=SHORT_SPIN_ENV)
                 elif phase == "offline_at_step":
                     budget = ((got.get("alone") or {}).get("steps") or {}).get("budget_p50")
                     if budget is None:
@@ -585,6 +666,12 @@ def summarize(rounds: list[dict[str, Any]], phases: list[str]) -> dict[str, Any]
     for phase in phases:
         if phase == "offline":
             out["offline_tok_s_median"] = offline
+            continue
+        if phase == "offline_worker_policy":  # the policy's share, then the path's
+            out["offline_worker_policy_tok_s_median"] = med(phase, "tok_s")
+            out["offline_worker_policy_over_offline_median"] = _ratio(med(phase, "tok_s"), offline)
+            out["alone_over_offline_worker_policy_median"] = _ratio(med("alone", "tok_s"),
+                                                                    med(phase, "tok_s"))  # fmt: skip
             continue
         if phase == "offline_at_step":
             out["offline_at_step_tok_s_median"] = med(phase, "tok_s")

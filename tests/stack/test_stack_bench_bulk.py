@@ -8,11 +8,12 @@ beside 64 running rows after one "Hi")."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
-from tests.harness import run_script
+from tests.harness import load_script, run_script
 
 
 @pytest.mark.slow
@@ -40,6 +41,10 @@ def test_a_one_token_chat_leaves_the_jobs_steps_sized_for_throughput(model_home,
         assert got[phase]["completion_tokens"] == 40 * 8
         assert got[phase]["tok_s"] > 0
     assert got["offline"]["completion_tokens"] == 40 * 8
+    # time per computed token on both sides: the offline engine's and the job's batch-only steps'
+    assert got["offline"]["steps"] > 0 and got["offline"]["ms_per_token"] > 0
+    assert got["offline"]["tokens_per_step"] > 8  # 40 prompts of ~300 tokens in 2,048-token steps
+    assert got["after_chat"]["steps"]["ms_per_token"] > 0
     assert size["after_chat_over_offline_median"] > 0
     assert got["after_chat"]["steps"]["steps_with_budget_below_running"] == 0
     beside = got["beside_chats"]
@@ -65,3 +70,36 @@ def test_a_one_token_chat_leaves_the_jobs_steps_sized_for_throughput(model_home,
         assert s["robust_prompt"] >= 256, s
     budgets = sorted(s["plan"]["token_budget"] for s in alone)
     assert budgets[len(budgets) // 2] >= 32  # prefill chunks of real size, not 1-4 tokens
+
+
+def test_policy_phases_set_the_whole_wait_policy_and_split_the_gap():
+    """The phases that tell the OpenMP wait policy's share of the gap from the path's: a phase's
+    policy replaces both variables (an inherited ``GOMP_SPINCOUNT=0``, as the test suite sets,
+    would otherwise win over ``OMP_WAIT_POLICY=ACTIVE`` in libgomp), and the summary splits
+    offline / alone into offline / offline-under-the-worker's-policy and that / alone."""
+    bench = load_script("bench_bulk")
+    inherited = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "PATH": "/bin"}
+    assert bench.with_openmp(inherited, bench.SPIN_ENV) == {
+        "OMP_WAIT_POLICY": "ACTIVE",
+        "PATH": "/bin",
+    }
+    short = bench.with_openmp(inherited, bench.SHORT_SPIN_ENV)
+    assert short["GOMP_SPINCOUNT"] == "3000" and short["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert inherited["GOMP_SPINCOUNT"] == "0"  # the caller's environment is left as it was
+    assert bench.openmp_vars("OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=100000") == {
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "GOMP_SPINCOUNT": "100000",
+    }
+    for bad in ("OMP_NUM_THREADS=1", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY="):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected NAME=VALUE"):
+            bench.openmp_vars(bad)
+    rounds = [
+        {"offline": {"tok_s": 400.0}, "offline_worker_policy": {"tok_s": 320.0},
+         "alone": {"tok_s": 288.0}, "alone_active": {"tok_s": 360.0}},
+    ]  # fmt: skip
+    phases = ["offline", "offline_worker_policy", "alone", "alone_active"]
+    out = bench.summarize(rounds, phases)
+    assert out["offline_worker_policy_over_offline_median"] == 0.8
+    assert out["alone_over_offline_worker_policy_median"] == 0.9
+    assert out["alone_over_offline_median"] == 0.72
+    assert out["alone_active_over_offline_median"] == 0.9
