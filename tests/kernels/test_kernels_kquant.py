@@ -7,6 +7,9 @@ N = 37 outputs, K = 3 super-blocks; every route the build has (fp32: AVX-512, AV
 AVX-512 VNNI, AVX2, scalar) is forced in turn. The int8 route is checked against the float64 dot
 product of the dequantized weights with the activations rounded as llama.cpp's Q8_K rounds them
 (`q8k_reference`), which it computes exactly up to float32 rounding.
+On an AVX2-only machine the AVX-512 VNNI route is not built and cannot run here:
+scripts/check_kquant_vnni.py runs its block dot under SIMDe's portable AVX-512 intrinsics, and
+every process self-checks its routes on first use (`kquant.q8k_route`, tested below).
 """
 
 from __future__ import annotations
