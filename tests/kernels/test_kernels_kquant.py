@@ -180,6 +180,21 @@ def test_int8_self_check_disables_a_route_that_disagrees(caplog):
         assert f"route ({built[0]}) disagrees" in messages[4], messages
 
 
+def test_linear_runs_the_self_checked_route(monkeypatch):
+    """KQuantLinear's int8 calls take `q8k_route()`'s verdict, not the kernel's widest route."""
+    monkeypatch.setenv("LANESERVE_KQUANT_INT8", "1")
+    blocks = kquant_blocks("Q4_K", N, K, np.random.default_rng(5))
+    linear = KQuantLinear([GGUFQuantTensor("p", "Q4_K", blocks, (N, K))])
+    x = torch.randn(2, K)
+    ys = {}
+    for route in torch.ops.laneserve.kquant_q8k_routes():
+        monkeypatch.setattr(kquant, "q8k_route", lambda route=route: route)
+        ys[route] = torch.ops.laneserve.kquant_gemv_q8k(x, torch.from_numpy(blocks), 12, route)
+        assert torch.equal(linear(x), ys[route]), route
+    if len(ys) > 1:  # the routes round differently, so the check above tells them apart
+        assert not torch.equal(*list(ys.values())[-2:])
+
+
 @pytest.mark.parametrize("int8", [False, True])
 def test_fused_linear_of_mixed_k_types_on_gemv_and_gemm_routes(int8, monkeypatch):
     """A fusion of all three types: few rows take a GEMV (the int8 one, or with
