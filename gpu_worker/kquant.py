@@ -7,7 +7,9 @@ small batches) run the int8 GEMV (``torch.ops.laneserve.kquant_gemv_q8k``,
 kernels/csrc/kquant_q8k.cpp: the activations quantized once per call to llama.cpp's Q8_K, int8
 per 256 with a float scale, and integer dot products with the weights' own quants on the
 AVX-512 VNNI, AVX2 or scalar route the build has; ~0.4 % of a block's largest activation of
-rounding per element, as llama.cpp). ``LANESERVE_KQUANT_INT8=0`` keeps the activations exact:
+rounding per element, as llama.cpp). The route is the widest that passes `q8k_route`'s first-use
+self-check against the scalar route (a SIMD route that disagrees is disabled for the process with
+a warning). ``LANESERVE_KQUANT_INT8=0`` keeps the activations exact:
 calls of at most `KQUANT_GEMV_MAX_TOKENS[qtype]` rows then run the fp32 GEMV
 (``torch.ops.laneserve.kquant_gemv``, kernels/csrc/kquant_gemv.cpp: each super-block unpacked
 once to float32 for all rows, fp32 dot products on the AVX-512 or AVX2 route the build has);
@@ -22,7 +24,11 @@ On CUDA K-quant weights are dequantized at load as before (`quantization.build_l
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -36,9 +42,18 @@ from laneserve.gpu_worker.kernel_routes import (  # noqa: F401 (re-exported)
 )
 from laneserve.kernels import cpu_ext
 
+logger = logging.getLogger(__name__)
+
 QTYPE_IDS = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml's type numbers, the kernel's `qtype`
 QK_K = 256  # weights per super-block
 KQUANT_TILE_ROWS = 512  # outputs dequantized at a time on the GEMM route (512 x 2048 x 4 = 4 MiB)
+# The int8 GEMV's routes (kernels/csrc/kquant_q8k.cpp), widest first; 3 is the reference.
+Q8K_ROUTE_NAMES = {1: "AVX-512 VNNI", 2: "AVX2", 3: "scalar"}
+Q8K_SCALAR_ROUTE = 3
+# Routes compute the same integer sums and differ only in float32 summation order: ~1e-7 of the
+# terms' magnitude (at most ~2e-6 of a row's largest output over random blocks); a wrong index or
+# scale is off by O(1).
+Q8K_SELF_CHECK_RTOL = 1e-5
 
 
 def is_kquant(part: torch.Tensor | GGUFQuantTensor) -> bool:
@@ -98,7 +113,10 @@ class KQuantLinear:
         rows, qtype = xf.shape[0], self.parts[i].qtype
         if cpu_ext.load():
             if env.get("LANESERVE_KQUANT_INT8") and rows <= KQUANT_Q8K_MAX_TOKENS[qtype]:
-                return torch.ops.laneserve.kquant_gemv_q8k(xf, self.blocks[i], self.qtypes[i], 0)
+                route = q8k_route()
+                return torch.ops.laneserve.kquant_gemv_q8k(
+                    xf, self.blocks[i], self.qtypes[i], route
+                )
             if rows <= KQUANT_GEMV_MAX_TOKENS[qtype]:
                 return torch.ops.laneserve.kquant_gemv(xf, self.blocks[i], self.qtypes[i], 0)
         return self._gemm(xf, i)
@@ -111,6 +129,63 @@ class KQuantLinear:
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype)
+
+
+Q8KGemv = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+
+
+@functools.cache
+def q8k_route() -> int:
+    """The int8 GEMV route this process uses: the widest built route (``kquant_q8k_routes()``)
+    that agrees with the scalar one in `check_q8k_routes`, run once, on first use (the C++
+    kernels must be loaded). Guards the routes this project's CI machines cannot execute (the
+    AVX-512 VNNI one is the default on AVX-512 CPUs) against silently wrong logits."""
+    start = time.perf_counter()
+    route = check_q8k_routes(list(torch.ops.laneserve.kquant_q8k_routes()))
+    ms = (time.perf_counter() - start) * 1e3
+    logger.debug("kquant int8 GEMV: route %d (%s), self-check %.1f ms", route,
+                 Q8K_ROUTE_NAMES.get(route, "?"), ms)  # fmt: skip
+    return route
+
+
+def check_q8k_routes(routes: list[int], gemv: Q8KGemv | None = None) -> int:
+    """The first of `routes` (widest first) whose int8 GEMV agrees with the scalar route's on a
+    fixed random set: 8 outputs x 2 super-blocks of each of Q4_K, Q5_K, Q6_K, 2 activation rows.
+    Agreement: |y - y_scalar| <= `Q8K_SELF_CHECK_RTOL` x the row's largest |y_scalar| (NaN
+    disagrees). Each route that disagrees is logged as one WARNING and skipped; the scalar route
+    is taken as correct. `gemv` (x, blocks, qtype, route) -> y defaults to the kernel
+    ``torch.ops.laneserve.kquant_gemv_q8k``; tests pass a faulty one. 0.5 ms on a 2-core AVX2
+    EPYC (7 ms as a process's first use of the op)."""
+    gemv = gemv or torch.ops.laneserve.kquant_gemv_q8k
+    rng = np.random.default_rng(0)  # fixed: a route's verdict does not vary between processes
+    cases = [
+        (QTYPE_IDS[t], torch.from_numpy(random_blocks(t, 8, 2 * QK_K, rng))) for t in QTYPE_IDS
+    ]
+    x = torch.from_numpy(rng.standard_normal((2, 2 * QK_K), dtype=np.float32))
+    x[1] *= torch.from_numpy(rng.uniform(0.01, 10.0, size=2 * QK_K).astype(np.float32))
+    want = [gemv(x, blocks, qtype, Q8K_SCALAR_ROUTE) for qtype, blocks in cases]
+    for route in routes:
+        if route == Q8K_SCALAR_ROUTE:
+            return route
+        ys = [gemv(x, blocks, qtype, route) for qtype, blocks in cases]
+        worst = max(_disagreement(y, w) for y, w in zip(ys, want, strict=True))
+        if worst <= Q8K_SELF_CHECK_RTOL:
+            return route
+        logger.warning(
+            "kquant int8 GEMV: the %s route (%d) disagrees with the scalar route on this CPU "
+            "(%.3g of a row's largest output); disabled for this process",
+            Q8K_ROUTE_NAMES.get(route, "?"), route, worst,
+        )  # fmt: skip
+    return Q8K_SCALAR_ROUTE
+
+
+def _disagreement(y: torch.Tensor, want: torch.Tensor) -> float:
+    """max |y - want| / the row's largest |want| over rows of [M, N]; inf where NaN or a shape
+    differs."""
+    if y.shape != want.shape:
+        return float("inf")
+    err = ((y.double() - want.double()).abs() / want.double().abs().amax(1, keepdim=True)).max()
+    return float(err) if err.isfinite() else float("inf")
 
 
 class KQuantEmbedding:

@@ -7,6 +7,9 @@ N = 37 outputs, K = 3 super-blocks; every route the build has (fp32: AVX-512, AV
 AVX-512 VNNI, AVX2, scalar) is forced in turn. The int8 route is checked against the float64 dot
 product of the dequantized weights with the activations rounded as llama.cpp's Q8_K rounds them
 (`q8k_reference`), which it computes exactly up to float32 rounding.
+On an AVX2-only machine the AVX-512 VNNI route is not built and cannot run here:
+scripts/check_kquant_vnni.py runs its block dot under SIMDe's portable AVX-512 intrinsics, and
+every process self-checks its routes on first use (`kquant.q8k_route`, tested below).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pytest
 import torch
 from gguf import quants
 
+from laneserve.gpu_worker import kquant
 from laneserve.gpu_worker.gguf_blocks import GGUFQuantTensor
 from laneserve.gpu_worker.kquant import (
     KQUANT_GEMV_MAX_TOKENS,
@@ -134,6 +138,61 @@ def test_bad_blocks_are_typed_errors():
     missing = next(r for r in (1, 2, 3, 4) if r not in q8k)
     with pytest.raises(RuntimeError, match=f"route {missing} is not built"):
         torch.ops.laneserve.kquant_gemv_q8k(torch.zeros(1, 256), blocks, QTYPE_IDS["Q4_K"], missing)
+
+
+def test_int8_self_check_keeps_the_widest_route_that_agrees(caplog):
+    """On this CPU every built route agrees with the scalar one: the widest is used, no warning."""
+    routes = list(torch.ops.laneserve.kquant_q8k_routes())
+    with caplog.at_level("WARNING", logger=kquant.__name__):
+        assert kquant.check_q8k_routes(routes) == routes[0]
+        assert kquant.q8k_route() == routes[0]
+    assert not caplog.records
+
+
+def test_int8_self_check_disables_a_route_that_disagrees(caplog):
+    """A faulty widest route (here: route 1, AVX-512 VNNI, played by the real scalar kernel with
+    one output off by 1e-4 of its row's largest) is skipped with one warning naming it, and the
+    next route down is checked and used; an error of 1e-7 (float rounding) or a NaN decide
+    as they should."""
+    real = torch.ops.laneserve.kquant_gemv_q8k
+
+    def faulty(error: float, bad: tuple[int, ...] = (1,)):
+        def gemv(x, blocks, qtype, route):
+            y = real(x, blocks, qtype, 3 if route == 1 else route)
+            if route in bad:
+                y[1, 5] += error * y[1].abs().max()
+            return y
+
+        return gemv
+
+    with caplog.at_level("WARNING", logger=kquant.__name__):
+        assert kquant.check_q8k_routes([1, 3], faulty(1e-7)) == 1
+        assert not caplog.records
+        assert kquant.check_q8k_routes([1, 3], faulty(1e-4)) == 3
+        assert kquant.check_q8k_routes([1, 3], faulty(float("nan"))) == 3
+        built = list(torch.ops.laneserve.kquant_q8k_routes())  # [2, 3] on an AVX2 CPU
+        assert kquant.check_q8k_routes([1, *built], faulty(1e-4)) == built[0]
+        assert kquant.check_q8k_routes([1, *built], faulty(1e-4, (1, built[0]))) == built[-1]
+    messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(messages) == 4 + (built[0] != 3), messages  # one per faulty route per check
+    assert all("the AVX-512 VNNI route (1) disagrees" in m for m in messages[:4]), messages
+    if built[0] != 3:
+        assert f"route ({built[0]}) disagrees" in messages[4], messages
+
+
+def test_linear_runs_the_self_checked_route(monkeypatch):
+    """KQuantLinear's int8 calls take `q8k_route()`'s verdict, not the kernel's widest route."""
+    monkeypatch.setenv("LANESERVE_KQUANT_INT8", "1")
+    blocks = kquant_blocks("Q4_K", N, K, np.random.default_rng(5))
+    linear = KQuantLinear([GGUFQuantTensor("p", "Q4_K", blocks, (N, K))])
+    x = torch.randn(2, K)
+    ys = {}
+    for route in torch.ops.laneserve.kquant_q8k_routes():
+        monkeypatch.setattr(kquant, "q8k_route", lambda route=route: route)
+        ys[route] = torch.ops.laneserve.kquant_gemv_q8k(x, torch.from_numpy(blocks), 12, route)
+        assert torch.equal(linear(x), ys[route]), route
+    if len(ys) > 1:  # the routes round differently, so the check above tells them apart
+        assert not torch.equal(*list(ys.values())[-2:])
 
 
 @pytest.mark.parametrize("int8", [False, True])
