@@ -333,8 +333,10 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _copy_tokenizer_fields(writer, tokenizer_gguf: Path) -> None:
-    """The `tokenizer.*` metadata of a GGUF that llama.cpp wrote, copied as is."""
+def _copy_tokenizer_fields(writer, tokenizer_gguf: Path, vocab_size: int) -> None:
+    """The `tokenizer.*` metadata of a GGUF that llama.cpp wrote, copied, its token list padded
+    to the model's `vocab_size` with unused `[PAD{i}]` tokens as llama.cpp's converter pads a
+    tokenizer smaller than its embedding (llama.cpp takes the vocabulary size from the list)."""
     import gguf
 
     reader = gguf.GGUFReader(str(tokenizer_gguf))
@@ -343,7 +345,15 @@ def _copy_tokenizer_fields(writer, tokenizer_gguf: Path) -> None:
             continue
         kind = field.types[0]
         sub = field.types[1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), kind, sub)
+        value = field.contents()
+        pad = vocab_size - len(value) if kind == gguf.GGUFValueType.ARRAY else 0
+        if key == "tokenizer.ggml.tokens" and pad > 0:
+            value = [*value, *(f"[PAD{i}]" for i in range(len(value), vocab_size))]
+        elif key == "tokenizer.ggml.token_type" and pad > 0:
+            value = [*value, *[int(gguf.TokenType.UNUSED)] * pad]
+        elif key == "tokenizer.ggml.scores" and pad > 0:
+            value = [*value, *[0.0] * pad]
+        writer.add_key_value(key, value, kind, sub)
 
 
 def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
@@ -468,7 +478,7 @@ def write_gguf(
     writer.add_vocab_size(cfg.vocab_size)
     extra = _family_metadata(writer, model, family, head_dim)
     if tokenizer_gguf is not None:
-        _copy_tokenizer_fields(writer, tokenizer_gguf)
+        _copy_tokenizer_fields(writer, tokenizer_gguf, cfg.vocab_size)
     else:
         writer.add_eos_token_id(int(np.atleast_1d(cfg.eos_token_id)[0]))
     for name, array in extra.items():
