@@ -30,8 +30,13 @@ def test_step_output_carries_prompt_logprobs_and_old_outputs_still_decode() -> N
     assert old.outputs[0].prompt_logprobs is None  # an eight-item output (older worker)
     with pytest.raises(p.ProtocolError):
         p.decode(_step_frames([["r1", "a", [1], False, None, None, None, None, "nope"]]))
+    # the optional 10th item is an embed request's vector (bytes); an 11th is refused
+    vec = p.decode(_step_frames([["r1", "", [], True, "stop", None, None, None, None, b"\0" * 8]]))
+    assert vec.outputs[0].embedding == b"\0" * 8
     with pytest.raises(p.ProtocolError):
-        p.decode(_step_frames([["r1", "a", [1], False, None, None, None, None, None, None]]))
+        p.decode(_step_frames([["r1", "", [], True, "stop", None, None, None, None, "nope"]]))
+    with pytest.raises(p.ProtocolError):
+        p.decode(_step_frames([["r1", "a", [1], False, None, None, None, None, None, None, None]]))
 
 
 def test_final_carries_prompt_logprobs() -> None:
