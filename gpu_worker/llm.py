@@ -84,12 +84,7 @@ class LLM:
         Raises:
             InvalidRequestError / PromptTooLongError: a bad prompt (nothing is run then).
         """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        kinds = [
-            {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts
-        ]
-        return self._run(kinds, sampling_params, lane)
+        return self._run(_prompt_kinds(prompts), sampling_params, lane)
 
     def chat(
         self,
@@ -111,12 +106,7 @@ class LLM:
         Raises:
             InvalidRequestError / PromptTooLongError: a bad prompt (nothing is run then).
         """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        kinds = [
-            {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts
-        ]
-        return self._run(kinds, None, lane, task="embed")
+        return self._run(_prompt_kinds(prompts), None, lane, task="embed")
 
     def _run(
         self, kinds: list[dict], sampling_params, lane: str, task: str = "generate"
@@ -180,3 +170,10 @@ class LLM:
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()
+
+
+def _prompt_kinds(prompts: Sequence[str] | Sequence[Sequence[int]] | str) -> list[dict]:
+    """`generate`/`embed`'s prompts as the engine's prompt fields: text or token ids each."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    return [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
