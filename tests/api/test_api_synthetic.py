@@ -393,7 +393,7 @@ def test_files_and_batches_with_the_sdk(client, tmp_path) -> None:
         client.files.content("file-nope")
     with pytest.raises(openai.BadRequestError) as bad:
         client.batches.create(
-            input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h"
+            input_file_id=f.id, endpoint="/v1/moderations", completion_window="24h"
         )
     assert bad.value.param == "endpoint"
     # a task's max_tokens above the gateway's cap is the job's 400, not an error on every line;

@@ -85,12 +85,14 @@ def test_work_request_carries_every_prompt_field_of_the_submit():
         stream=False,
         job_id="batch_1",
         custom_id="line-2",
+        task="embed",
     )
     work = p.WorkRequest.of(submit, attempt=2)
     shared = {k: v for k, v in submit.payload().items() if k in work.payload()}
     assert work.payload() == shared | {"attempt": 2}
     assert set(shared) == {
         "request_id", "lane", "sampling_params", "prompt", "messages", "prompt_token_ids",
-        "priority", "model", "attempt",
+        "priority", "model", "attempt", "task",
     }  # fmt: skip
+    assert work.engine_request(0.0).task == "embed"
     assert p.decode(work.to_frames(), p.BROKER_TO_WORKER) == work
