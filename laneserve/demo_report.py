@@ -267,11 +267,13 @@ def _print_outcomes(report, final, files, chats: ChatStats, out: Path, console) 
             flag = CUT_FLAGS.get(key.removesuffix("_output"), "max_tokens")
             cut = (f" ({job['cut_at_max_tokens']} of {job['completed']} answers cut at their "
                    f"max tokens: {flag} raises it)")  # fmt: skip
+        # a path is never wrapped (a wrapped path cannot be copied): the terminal folds the line
+        console.print(f"{key}: {path}{cut}", soft_wrap=True)
         if key == "translate_output" and report.get("model") == DEFAULT_MODEL:
-            sample = None  # not shown as if it were one: the small model does not translate
-            cut += f"\n  {NO_TRANSLATION}"
-        console.print(f"{key}: {path}{cut}" + (f"\n  e.g. {sample[:200]}" if sample else ""))
-    console.print(f"summary: {out / 'summary.json'}")
+            console.print(f"  {NO_TRANSLATION}")  # no sample: the small model does not translate
+        elif sample:
+            console.print(f"  e.g. {sample[:200]}")
+    console.print(f"summary: {out / 'summary.json'}", soft_wrap=True)
     if report["dashboard_url"]:
         note = ""
         if report["stack_stops_after_demo"]:
