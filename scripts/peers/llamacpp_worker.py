@@ -48,6 +48,8 @@ def build(spec: dict[str, Any]) -> Engine:
             "dtype": "gguf (as stored)",
             "threads": threads,
             "batching": "one sequence at a time (llama-cpp-python Llama)",
+            # the instruction sets this build uses (AVX2 or AVX-512: scripts/setup_peers.sh)
+            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
         },
     )
 
