@@ -39,7 +39,7 @@ import zmq.asyncio
 from laneserve.broker import protocol as p
 from laneserve.broker.client_conn import Conn, Connections
 from laneserve.contracts import defaults
-from laneserve.contracts.engine_io import EngineRequest
+from laneserve.contracts.engine_io import EngineRequest, TextRequest
 
 logger = logging.getLogger(__name__)
 
@@ -230,8 +230,9 @@ class BrokerClient(Connections):
             )
         return pend
 
-    def submit_request(self, request: EngineRequest, **edge: Any) -> RequestStream:
-        """:meth:`submit` an :class:`EngineRequest` (what the gateway and the jobs runner build);
+    def submit_request(self, request: EngineRequest | TextRequest, **edge: Any) -> RequestStream:
+        """:meth:`submit` an :class:`EngineRequest` or, from an edge without a tokenizer, a
+        :class:`TextRequest` (what the gateway and the jobs runner build);
         ``edge``: the other :meth:`submit` keywords (``stream``, ``model``, ``arrival_time``,
         ``deadline``, ...). Raises ProtocolError as :meth:`submit` does."""
         return self.submit(
