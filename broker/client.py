@@ -39,7 +39,7 @@ import zmq.asyncio
 from laneserve.broker import protocol as p
 from laneserve.broker.client_conn import Conn, Connections
 from laneserve.contracts import defaults
-from laneserve.contracts.engine_io import EngineRequest
+from laneserve.contracts.engine_io import EngineRequest, TextRequest
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class _Pending:
     delivered: bool = False  # a Delta with content reached the caller
     restartable: bool = False  # the caller can drop its output (it gets a Restart)
     timer: asyncio.TimerHandle | None = None
+    frames: list[bytes] | None = None  # `submit` encoded, until its first send
 
 
 class BrokerClient(Connections):
@@ -203,8 +204,9 @@ class BrokerClient(Connections):
         if self._conn is None:
             raise RuntimeError("BrokerClient.start() was not called")
         pend = self._track(msg, now, deadline, restartable)
+        pend.frames = frames  # sent as encoded here, now or once the connection is up
         if self._conn.epoch is not None:
-            self._send_submit(self._conn, pend, now, frames)
+            self._send_submit(self._conn, pend, now)
         return RequestStream(self, msg.request_id, pend.queue)
 
     def _track(
@@ -230,8 +232,9 @@ class BrokerClient(Connections):
             )
         return pend
 
-    def submit_request(self, request: EngineRequest, **edge: Any) -> RequestStream:
-        """:meth:`submit` an :class:`EngineRequest` (what the gateway and the jobs runner build);
+    def submit_request(self, request: EngineRequest | TextRequest, **edge: Any) -> RequestStream:
+        """:meth:`submit` an :class:`EngineRequest` or, from an edge without a tokenizer, a
+        :class:`TextRequest` (what the gateway and the jobs runner build);
         ``edge``: the other :meth:`submit` keywords (``stream``, ``model``, ``arrival_time``,
         ``deadline``, ...). Raises ProtocolError as :meth:`submit` does."""
         return self.submit(
@@ -291,11 +294,9 @@ class BrokerClient(Connections):
             pend.delivered = False
             pend.queue.put_nowait(Restart(pend.submit.request_id, why))
 
-    def _send_submit(
-        self, conn: Conn, pend: _Pending, now: float, frames: list[bytes] | None = None
-    ) -> None:
-        """Send `pend` on `conn` (`frames`: its first send's, already encoded)."""
-        msg = pend.submit
+    def _send_submit(self, conn: Conn, pend: _Pending, now: float) -> None:
+        """Send `pend` on `conn` (its first send: the frames `submit` encoded)."""
+        msg, frames, pend.frames = pend.submit, pend.frames, None
         if pend.sends:
             # The broker measures queueing from the edge's arrival: count the wait as edge time.
             edge_ms = msg.edge_ms + (now - pend.submitted_at) * 1000.0

@@ -2,9 +2,11 @@
 
 The edge (HTTP gateway) and the jobs runner template and tokenize a prompt once
 (:func:`laneserve.contracts.tokens.prompt_ids`) and build an :class:`EngineRequest`; the broker
-routes it on its header fields (lane, priority); the worker hands it to the engine's ``add``. A
-prompt stays text (``prompt``/``messages``) only when the sender holds no tokenizer (a CLI or SDK
-client); the engine then encodes it by the same rule.
+routes it on its header fields (lane, priority); the worker hands it to the engine's ``add``. The
+engine takes token ids only. A sender without a tokenizer (a CLI or SDK client, an edge started
+without one) sends the prompt as text or chat messages (:class:`TextRequest`); the worker's front
+end (``gpu_worker/prompt_encoder.py``, the same rule) templates and tokenizes it once and builds
+the :class:`EngineRequest`, as the offline ``LLM`` does for its text prompts.
 
 Every engine step yields one :class:`EngineOutput` per request it touched, and that same tuple is
 the wire item of the worker's ``step_outputs`` message (a msgpack array in field order: compact,
@@ -25,18 +27,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["EngineOutput", "EngineRequest", "label_logprobs"]
+__all__ = ["EngineOutput", "EngineRequest", "TextRequest", "label_logprobs"]
 
 
 @dataclass(slots=True)
 class EngineRequest:
-    """One generation request as the engine takes it.
+    """One generation request as the engine takes it: the prompt as token ids.
 
     Attributes:
         request_id: unique among the requests an engine holds.
         prompt_token_ids: the prompt as the engine feeds it (chat template applied, tokenized
-            once at the edge). ``prompt`` (text) or ``messages`` (chat) instead only from a
-            sender without a tokenizer: exactly one of the three is set.
+            once: at the edge, or by the worker's front end for a :class:`TextRequest`).
         sampling_params: ``SamplingParams`` or its wire dict (``SamplingParams.to_dict()``);
             the structured-output spec (``response_format``'s grammar) travels in it as
             ``structured_outputs``.
@@ -49,19 +50,35 @@ class EngineRequest:
     """
 
     request_id: str
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int]
     sampling_params: Any = None
     lane: str = "batch"
     priority: int = 0
     arrival_time: float | None = None
-    prompt: str | None = None
-    messages: list[dict] | None = None
     task: str = "generate"
 
     def prompt_fields(self) -> dict[str, Any]:
-        """The one prompt form that is set, as the keyword the wire and the engine use."""
-        if self.prompt_token_ids is not None:
-            return {"prompt_token_ids": self.prompt_token_ids}
+        """The prompt as the wire's keyword: ``{"prompt_token_ids": ...}``."""
+        return {"prompt_token_ids": self.prompt_token_ids}
+
+
+@dataclass(slots=True)
+class TextRequest:
+    """A request whose prompt is still text (``prompt``) or chat ``messages`` (exactly one):
+    what a sender without a tokenizer submits. It travels as text; the worker's front end
+    (``gpu_worker/prompt_encoder.py``) templates and tokenizes it and builds the
+    :class:`EngineRequest` (fields as there), so no engine sees text."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    sampling_params: Any = None
+    lane: str = "batch"
+    priority: int = 0
+    task: str = "generate"
+
+    def prompt_fields(self) -> dict[str, Any]:
+        """The one prompt form that is set, as the wire's keyword."""
         if self.messages is not None:
             return {"messages": self.messages}
         return {"prompt": self.prompt}

@@ -180,8 +180,8 @@ class LLMEngine:
         self.scheduler.propose_drafts = self.speculation.propose  # drafts are the scheduler's
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
         self.sampler = Sampler(sorted(self.eos_token_ids))
+        # the front end's prompt encoder (the worker's, the offline LLM's): `add` takes ids only
         self.prompts = PromptEncoder(self.tokenizer, self.model_config.vocab_size)
-        self.encode_prompt = self.prompts.encode  # text, messages or ids -> checked ids
         self.apply_chat_template = self.prompts.apply_chat_template
         self.token_id_limit = self.prompts.token_id_limit
         self.token_text = self.prompts.prompt_tokenizer.token_text  # logprobs' token texts
@@ -196,24 +196,23 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | None = None,
-        prompt_token_ids: list[int] | None = None,
-        messages: list[dict] | None = None,
+        prompt_token_ids: list[int],
         sampling_params: SamplingParams | dict | None = None,
         lane: str = "batch",
         priority: int = 0,
         arrival_time: float | None = None,
         task: str = "generate",
     ) -> Request:
-        """`add` an `EngineRequest` of these fields (exactly one prompt form)."""
+        """`add` an `EngineRequest` of these fields (a text prompt: `self.prompts.encode` first)."""
         return self.add(EngineRequest(request_id, prompt_token_ids, sampling_params, lane,
-                                      priority, arrival_time, prompt, messages, task))  # fmt: skip
+                                      priority, arrival_time, task))  # fmt: skip
 
     def add(self, request: EngineRequest) -> Request:
         """Queue a request; its outputs come from later `step()` calls.
 
         `request.sampling_params` is a `SamplingParams`, its `to_dict()` form (the wire format)
-        or None (defaults); a text or chat prompt is encoded here by the edge's rule.
+        or None (defaults); the prompt is token ids (a text or chat prompt is encoded before,
+        by the front end: `self.prompts`, gpu_worker/prompt_encoder.py).
         `request.task` "embed": prefill only, its final output carries the pooled hidden state
         (`config.pooling_type`, gpu_worker/pooling.py); sampling params are ignored.
 
@@ -235,7 +234,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"lane must be 'interactive' or 'batch', got {request.lane!r}"
             ) from None
-        ids = self.encode_prompt(request.prompt, request.prompt_token_ids, request.messages)
+        ids = self.prompts.check_ids(request.prompt_token_ids)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 len(ids),
@@ -570,8 +569,8 @@ class LLMEngine:
         """Queue and KV figures: num_total_blocks, num_free_blocks, kv_usage, num_running,
         num_waiting, prefix_cache_queries, prefix_cache_hits (tokens), num_preemptions,
         num_steps, num_generated_tokens, num_prefill_tokens (prompt positions computed, cache hits
-        excluded), num_prompts_tokenized (prompts it templated or tokenized itself: the edge
-        sends ids), and speculative decoding's totals spec_draft_tokens,
+        excluded), num_prompts_tokenized (prompts its front end, `self.prompts`, templated or
+        tokenized: the edge sends ids), and speculative decoding's totals spec_draft_tokens,
         spec_accepted_tokens, spec_num_drafts, spec_propose_ms (`spec_decode.spec_totals`)."""
         stats = dict(self.scheduler.stats())
         stats.update(

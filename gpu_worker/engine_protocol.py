@@ -12,7 +12,24 @@ from typing import Any, Protocol, runtime_checkable
 
 from laneserve.contracts.engine_io import EngineOutput, EngineRequest
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "PromptFrontEnd"]
+
+
+class PromptFrontEnd(Protocol):
+    """Text to token ids before an `EngineRequest` is built (`PromptEncoder`,
+    gpu_worker/prompt_encoder.py, for a model's tokenizer)."""
+
+    num_prompts_tokenized: int
+
+    def encode(
+        self,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        messages: list[dict] | None = None,
+    ) -> list[int]:
+        """Checked ids of exactly one prompt form (chat template applied to `messages`).
+        Raises ValueError (InvalidRequestError) for a bad prompt."""
+        ...
 
 
 @runtime_checkable
@@ -24,25 +41,26 @@ class Engine(Protocol):
         kv_pool: the KV pool's numbers the worker announces (``num_blocks``, ``block_size``,
             ``num_tokens``, ``max_model_len``; a real engine adds bytes, dtype and the profiled
             activation peak), shown by ``laneserve status``.
+        prompts: the front end that templates and tokenizes a text prompt (a wire request from a
+            sender without a tokenizer) before the worker builds the `EngineRequest`; `add`
+            takes ids only.
     """
 
     model_name: str
     kv_pool: dict[str, Any]
+    prompts: PromptFrontEnd
 
     def add_request(
         self,
         request_id: str,
-        prompt: str | None = None,
-        prompt_token_ids: list[int] | None = None,
-        messages: list[dict] | None = None,
+        prompt_token_ids: list[int],
         sampling_params: Any = None,
         lane: str = "batch",
         priority: int = 0,
         arrival_time: float | None = None,
         task: str = "generate",
     ) -> object:
-        """Queue a request (exactly one of prompt, prompt_token_ids, messages): `add` of an
-        `EngineRequest` of these fields.
+        """Queue a request: `add` of an `EngineRequest` of these fields.
 
         `sampling_params` is a `SamplingParams` or its wire dict; `arrival_time` is
         `time.monotonic()` seconds when the request reached this process. `task`: "generate",

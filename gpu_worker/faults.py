@@ -81,6 +81,7 @@ class FaultInjectingEngine:
         self.plan = plan
         self.model_name = engine.model_name
         self.kv_pool = getattr(engine, "kv_pool", {})
+        self.prompts = engine.prompts
         self._marked: set[str] = set()  # live requests whose prompt carries the step marker
         if plan.step_marker or plan.slowdown:
             execute = getattr(engine, "execute_model", None)
@@ -107,9 +108,7 @@ class FaultInjectingEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | None = None,
-        prompt_token_ids: list[int] | None = None,
-        messages: list[dict] | None = None,
+        prompt_token_ids: list[int],
         sampling_params: Any = None,
         lane: str = "batch",
         priority: int = 0,
@@ -117,15 +116,13 @@ class FaultInjectingEngine:
         task: str = "generate",
     ) -> object:
         return self.add(EngineRequest(request_id, prompt_token_ids, sampling_params, lane,
-                                      priority, arrival_time, prompt, messages, task))  # fmt: skip
+                                      priority, arrival_time, task))  # fmt: skip
 
     def add(self, request: EngineRequest) -> object:
         request_id = request.request_id
-        text = repr((request.prompt, request.messages))
-        if request.prompt_token_ids is not None and (
-            self.plan.crash_marker or self.plan.step_marker
-        ):
-            text = self.engine.tokenizer.decode(request.prompt_token_ids)  # the edge sent ids
+        text = ""
+        if self.plan.crash_marker or self.plan.step_marker:  # the prompt's text, from its ids
+            text = self.engine.tokenizer.decode(request.prompt_token_ids)
         if self.plan.crash_marker and self.plan.crash_marker in text:
             logger.error("%s matched request %s: exiting", CRASH_VAR, request_id)
             os._exit(1)

@@ -118,8 +118,9 @@ class LLM:
             if len(params) != len(kinds):
                 raise ValueError(f"{len(params)} sampling_params for {len(kinds)} prompts")
         engine = self.engine
-        # Validate every prompt first so a bad one leaves nothing half-submitted.
-        encoded = [engine.encode_prompt(**k) for k in kinds]
+        # Template and tokenize every prompt first (the front end's encoder: the engine takes
+        # ids only), so a bad one leaves nothing half-submitted.
+        encoded = [engine.prompts.encode(**k) for k in kinds]
         outputs: dict[str, RequestOutput] = {}
         order: list[str] = []
         try:
@@ -173,7 +174,7 @@ class LLM:
 
 
 def _prompt_kinds(prompts: Sequence[str] | Sequence[Sequence[int]] | str) -> list[dict]:
-    """`generate`/`embed`'s prompts as the engine's prompt fields: text or token ids each."""
+    """`generate`/`embed`'s prompts as the prompt encoder's fields: text or token ids each."""
     if isinstance(prompts, str):
         prompts = [prompts]
     return [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]

@@ -1,7 +1,10 @@
-"""`PromptEncoder`: the engine's front end for prompts. A prompt given as text, chat messages or
-token ids becomes checked token ids, by the rule the gateway and the jobs runner count with
-(`contracts.tokens.prompt_ids`). Behind the edge a prompt arrives as the ids the edge counted, so
-`num_prompts_tokenized` (prompts templated or tokenized here) stays 0 there.
+"""`PromptEncoder`: the front end for prompts, before an `EngineRequest` is built. A prompt given
+as text, chat messages or token ids becomes checked token ids, by the rule the gateway and the
+jobs runner count with (`contracts.tokens.prompt_ids`). The worker runs it for a wire request that
+carries text (a sender without a tokenizer), the offline `LLM` for its text prompts and chats; the
+engine's `add` takes ids only and checks them (`check_ids`). Behind the edge a prompt arrives as
+the ids the edge counted, so `num_prompts_tokenized` (prompts templated or tokenized here) stays
+0 there.
 """
 
 from __future__ import annotations
@@ -41,23 +44,33 @@ class PromptEncoder:
         if sum(given) != 1:
             raise InvalidRequestError("give exactly one of prompt, prompt_token_ids, messages")
         if prompt_token_ids is not None:
-            ids = list(prompt_token_ids)
-            limit = self.token_id_limit
-            bad = [t for t in ids if type(t) is not int or not 0 <= t < limit]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt_token_ids must be ints in [0, {limit}) (the model has "
-                    f"{self.vocab_size} embedding rows, the tokenizer "
-                    f"{len(self.tokenizer)} tokens); got {bad[0]!r}"
-                )
-        elif messages is not None:
-            self.num_prompts_tokenized += 1
+            return self.check_ids(prompt_token_ids)
+        if messages is not None:
             ids = self.apply_chat_template(messages)
+        elif not isinstance(prompt, str):
+            raise InvalidRequestError("prompt must be a string")
         else:
-            if not isinstance(prompt, str):
-                raise InvalidRequestError("prompt must be a string")
-            self.num_prompts_tokenized += 1
             ids = prompt_ids(self.prompt_tokenizer, prompt=prompt)
+        self.num_prompts_tokenized += 1
+        return self.check_ids(ids)
+
+    def check_ids(self, prompt_token_ids: list[int]) -> list[int]:
+        """The prompt's ids as a new list, checked (what the engine's `add` does with them).
+
+        Raises:
+            InvalidRequestError: no ids, or ids outside `[0, token_id_limit)`.
+        """
+        if not isinstance(prompt_token_ids, (list, tuple)):
+            raise InvalidRequestError("prompt_token_ids must be a list of ints")
+        ids = list(prompt_token_ids)
+        limit = self.token_id_limit
+        bad = [t for t in ids if type(t) is not int or not 0 <= t < limit]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt_token_ids must be ints in [0, {limit}) (the model has "
+                f"{self.vocab_size} embedding rows, the tokenizer "
+                f"{len(self.tokenizer)} tokens); got {bad[0]!r}"
+            )
         if not ids:
             raise InvalidRequestError("prompt is empty (0 tokens)")
         return ids

@@ -4,8 +4,9 @@ No model, no torch: it exists so the broker and worker processes can be tested a
 without weights (``laneserve worker --synthetic``). It mimics what the worker sees from the real
 engine (`gpu_worker.engine_protocol.Engine`, docs/interfaces.md "gpu_worker engine"):
 
-- ``add_request(request_id, prompt=None, prompt_token_ids=None, messages=None,
-  sampling_params=None, lane="batch", priority=0, arrival_time=None)``
+- ``add_request(request_id, prompt_token_ids, sampling_params=None, lane="batch", priority=0,
+  arrival_time=None)`` (ids only; a text prompt is encoded first by ``prompts``, one id per
+  word: `WordPrompts`)
 - ``step() -> list[EngineOutput]`` — one token for every running request per step, interactive
   requests admitted first (``max_num_seqs`` running at most), the step paced to ``step_s``;
 - ``abort_request(request_id)``, ``has_unfinished_requests()``, ``stats()``.
@@ -26,6 +27,42 @@ from typing import Any
 from laneserve.contracts import defaults, latency
 from laneserve.contracts.engine_io import EngineOutput, EngineRequest
 from laneserve.gpu_worker.config import ENGINE_DEFAULTS
+
+
+class WordPrompts:
+    """The synthetic engine's prompt front end (`engine_protocol.PromptFrontEnd`): one id per
+    whitespace-separated word (at least one), ids given out in order of first sight, and
+    `decode` back to the words (for ``fail_on`` and the test faults)."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.words: list[str] = []
+        self.num_prompts_tokenized = 0
+
+    def encode(
+        self,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        messages: list[dict] | None = None,
+    ) -> list[int]:
+        """Ids of exactly one prompt form. Raises ValueError otherwise."""
+        if sum(x is not None for x in (prompt, prompt_token_ids, messages)) != 1:
+            raise ValueError("give exactly one of prompt, prompt_token_ids, messages")
+        if prompt_token_ids is not None:
+            return list(prompt_token_ids)
+        if messages is not None:
+            prompt = " ".join(str(m.get("content", "")) for m in messages)
+        if not isinstance(prompt, str):
+            raise ValueError("prompt must be a string")
+        self.num_prompts_tokenized += 1
+        return [self.ids.setdefault(w, len(self.ids)) for w in prompt.split() or [""]]
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The words of ids this front end gave out ("" for any other id)."""
+        if len(self.words) < len(self.ids):
+            self.words = list(self.ids)
+        n = len(self.words)
+        return " ".join(self.words[t] if type(t) is int and 0 <= t < n else "" for t in token_ids)
 
 
 @dataclass(slots=True)
@@ -88,6 +125,8 @@ class SyntheticEngine:
                         "max_model_len": min(max_model_len, num_blocks * block_size)}  # fmt: skip
         self._last_step = 0.0
         self._errors: list[EngineOutput] = []
+        self.prompts = WordPrompts()
+        self.tokenizer = self.prompts  # its `decode` (the test faults read prompts with it)
         self.num_steps = 0
 
     # ------------------------------------------------------------------ Engine interface
@@ -95,9 +134,7 @@ class SyntheticEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | None = None,
-        prompt_token_ids: list[int] | None = None,
-        messages: list[dict] | None = None,
+        prompt_token_ids: list[int],
         sampling_params: dict | Any | None = None,
         lane: str = "batch",
         priority: int = 0,
@@ -106,7 +143,7 @@ class SyntheticEngine:
     ) -> None:
         """`add` an `EngineRequest` of these fields."""
         self.add(EngineRequest(request_id, prompt_token_ids, sampling_params, lane, priority,
-                               arrival_time, prompt, messages, task))  # fmt: skip
+                               arrival_time, task))  # fmt: skip
 
     def add(self, request: EngineRequest) -> None:
         """Queue a request. Raises ValueError on a bad prompt or sampling params, a duplicate
@@ -114,25 +151,14 @@ class SyntheticEngine:
         if request.task != "generate":
             raise ValueError("the synthetic engine computes no embeddings (task 'embed')")
         request_id, lane, arrival_time = request.request_id, request.lane, request.arrival_time
-        prompt, prompt_token_ids, messages = (
-            request.prompt,
-            request.prompt_token_ids,
-            request.messages,
-        )
         sampling_params = request.sampling_params
         if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
             raise ValueError(f"duplicate request_id {request_id!r}")
-        if prompt_token_ids is not None:
-            n_prompt = len(prompt_token_ids)
-            text = ""
-        elif messages is not None:
-            text = " ".join(str(m.get("content", "")) for m in messages)
-            n_prompt = max(1, len(text.split()))
-        elif prompt is not None:
-            text = prompt
-            n_prompt = max(1, len(prompt.split()))
-        else:
-            raise ValueError("one of prompt, prompt_token_ids, messages is required")
+        ids = request.prompt_token_ids
+        if not isinstance(ids, list):
+            raise ValueError("prompt_token_ids must be a list of ints")
+        n_prompt = len(ids)
+        text = self.prompts.decode(ids) if self.fail_on else ""
         sp = sampling_params if isinstance(sampling_params, dict) else {}
         max_tokens = sp.get("max_tokens", self.default_max_tokens)
         if type(max_tokens) is not int or max_tokens < 1:

@@ -14,7 +14,10 @@ Two threads::
   polls the parent pid (``parent_pid``) so the worker exits when its supervisor dies.
 - The **engine loop** drives any `gpu_worker.engine_protocol.Engine` (``LLMEngine``,
   ``SyntheticEngine``): ``add`` (an ``EngineRequest``), ``step() -> list[EngineOutput]``, ``abort_request``,
-  ``has_unfinished_requests``, ``stats``. It sends exactly **one** ``step_outputs`` message per
+  ``has_unfinished_requests``, ``stats``. A request whose prompt came as text (a sender without a
+  tokenizer) is templated and tokenized first by the engine's front end (``engine.prompts``,
+  gpu_worker/prompt_encoder.py; on this thread, which owns the tokenizer the detokenizer uses),
+  so ``add`` gets ids; a bad prompt is an error for that request only. It sends exactly **one** ``step_outputs`` message per
   engine step carrying every request's delta/final/error. An aborted request always gets a
   final output with ``finish_reason="abort"`` (synthesized if the engine emits none) so the
   broker frees its credit.
@@ -234,7 +237,10 @@ class Worker:
         if rid in self.active:
             return  # duplicate dispatch; already running
         try:
-            self.engine.add(msg.engine_request(arrival_time=time.monotonic()))
+            # a text prompt (a sender without a tokenizer) is templated and tokenized here, by
+            # the engine's front end: the engine itself takes ids only
+            request = msg.engine_request(time.monotonic(), self.engine.prompts.encode)
+            self.engine.add(request)
         except Exception as exc:  # bad input -> a typed error for this request, keep serving
             code = _ERROR_CODES.get(type(exc).__name__)
             if code is None:

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from laneserve.broker import protocol as p
-from laneserve.contracts.engine_io import EngineRequest
+from laneserve.contracts.engine_io import EngineRequest, TextRequest
 from laneserve.contracts.openai import Limits, ServedModel, parse, responses_api
 from laneserve.contracts.openai import responses as fmt
 from laneserve.contracts.openai.embeddings import (
@@ -34,11 +34,14 @@ from laneserve.contracts.openai.structured import parsed_json, wants_json
 from laneserve.contracts.openai.tool_parsers import apply_tools
 
 
-def choice_requests(rid: str, request: dict[str, Any]) -> tuple[str, list[EngineRequest]]:
+def choice_requests(
+    rid: str, request: dict[str, Any]
+) -> tuple[str, list[EngineRequest | TextRequest]]:
     """The model and one batch-lane `EngineRequest` per choice of a line request
     `{"url", "body"[, "sampling_params"][, "prompt_token_ids"]}`
     (`jobs.validate.LineResult.request`); the validator's `prompt_token_ids` (one list per
-    prompt) are sent instead of the text, so a line is tokenized once.
+    prompt) are sent instead of the text, so a line is tokenized once (a `TextRequest` when
+    the validator had no tokenizer: the worker's front end tokenizes it).
 
     A line fans out as the gateway does (`ParsedRequest.engine_requests`): choice `k = prompt *
     n + sample` is the line's own request id for `k == 0` and `{rid}-{k}` otherwise, with

@@ -50,7 +50,7 @@ from sqlalchemy.exc import OperationalError
 from laneserve.broker import protocol as p
 from laneserve.broker.client import BrokerClient
 from laneserve.contracts import defaults
-from laneserve.contracts.engine_io import EngineRequest
+from laneserve.contracts.engine_io import EngineRequest, TextRequest
 from laneserve.contracts.openai import ServedModel
 from laneserve.contracts.procs import parent_gone
 from laneserve.db.availability import Outage
@@ -475,7 +475,7 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
 
     async def _call(
         self,
-        request: EngineRequest,
+        request: EngineRequest | TextRequest,
         model: str | None,
         job_id: str | None = None,
         custom_id: str | None = None,

@@ -2,7 +2,7 @@
 """A bulk job through the stack against the offline engine on the same lines (issue 53).
 
 For each size in `--lines` the same summarization lines (the stdlib documents of
-`bench_offline.sample_documents`, chat-templated, `--max-tokens` forced output tokens with
+`benchlib.sample_documents`, chat-templated, `--max-tokens` forced output tokens with
 `ignore_eos`) run:
 
 1. **offline**: the offline `LLM` (`llm.chat`, greedy) in a process of its own, with the engine
@@ -60,14 +60,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_offline import sample_documents  # noqa: E402
-from bench_serving import (  # noqa: E402
+from benchlib import (  # noqa: E402
     add_stack_args,
+    api_call,
     bench_stack,
     log,
     machine,
     model_path,
     pct,
+    sample_documents,
+    served_model,
     stream_request,
 )
 
@@ -212,12 +214,6 @@ def run_offline(
 
 
 # ----------------------------------------------------------------------------- the stack
-
-
-def api_call(client, method: str, path: str, **kw) -> dict[str, Any]:
-    r = client.request(method, path, **kw)
-    r.raise_for_status()
-    return r.json()
 
 
 def one_token_chat(api_url: str, model: str) -> None:
@@ -385,7 +381,7 @@ def chat_plan(rng: random.Random, n: int) -> list[tuple[str, int, str]]:
 
 
 async def stream_chat(client, model: str, text: str, max_tokens: int) -> dict[str, Any]:
-    """One streamed chat (`bench_serving.stream_request`, greedy, `ignore_eos`): TTFT (ms, the
+    """One streamed chat (`benchlib.stream_request`, greedy, `ignore_eos`): TTFT (ms, the
     first content delta), TPOT, tokens; or ``{"error": ...}`` (an HTTP error, a failed
     connection, or an error event in the stream)."""
     body = {"model": model, "messages": [{"role": "user", "content": text}],
@@ -590,12 +586,6 @@ def cpu_seconds(info: dict[str, Any]) -> dict[str, float]:
 
 def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: round(after[k] - before.get(k, 0.0), 1) for k in after}
-
-
-def served_model(api_url: str) -> str:
-    import httpx
-
-    return httpx.get(f"{api_url}/v1/models", timeout=30).json()["data"][0]["id"]
 
 
 def main() -> int:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import httpx  # noqa: E402
-from bench_serving import (  # noqa: E402
+from benchlib import (  # noqa: E402
     RequestResult,
     add_stack_args,
     bench_stack,

@@ -9,7 +9,7 @@
    the same token ids, padded batches of `--hf-batch-size`, the same pooling (last token or mean,
    L2-normalized), float32 (`--hf-dtype`); sentence-transformers is not used (not installed).
 
-Each document is the first `--tokens` token ids of a stdlib document (`bench_offline.
+Each document is the first `--tokens` token ids of a stdlib document (`benchlib.
 sample_documents`), sent as token ids so every path embeds exactly the same input. The stack's
 vectors are checked against transformers' (max cosine distance reported). Forced tool calls'
 validity and grammar overhead at batch 64 are `scripts/bench_structured.py --tools`. Prints one
@@ -32,9 +32,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
-from bench_bulk import api_call, served_model  # noqa: E402
-from bench_offline import sample_documents  # noqa: E402
-from bench_serving import add_stack_args, bench_stack, log, machine, model_path  # noqa: E402
+from benchlib import (  # noqa: E402
+    add_stack_args,
+    api_call,
+    bench_stack,
+    log,
+    machine,
+    model_path,
+    sample_documents,
+    served_model,
+)
 
 
 def documents(hf_dir: Path, n: int, tokens: int) -> list[list[int]]:

@@ -50,7 +50,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench_serving import (  # noqa: E402
+from benchlib import (  # noqa: E402
     RequestResult,
     add_stack_args,
     bench_stack,

@@ -39,7 +39,6 @@ over minutes, one round's ratio says little.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
@@ -61,95 +60,13 @@ from laneserve.gpu_worker.openmp import POLICY_VARIABLES, apply_openmp_policy  #
 USER_OPENMP = {name: os.environ.get(name) for name in POLICY_VARIABLES}
 apply_openmp_policy(exclusive=True)
 import torch  # noqa: E402  # isort: skip
-from benchlib import cpu_info, cpu_times, steal_pct, thread_settings  # noqa: E402, F401
-
-STDLIB_MODULES = [
-    "argparse",
-    "asyncio",
-    "base64",
-    "bisect",
-    "calendar",
-    "collections",
-    "colorsys",
-    "contextlib",
-    "copy",
-    "csv",
-    "dataclasses",
-    "datetime",
-    "decimal",
-    "difflib",
-    "enum",
-    "fractions",
-    "functools",
-    "getopt",
-    "gettext",
-    "glob",
-    "gzip",
-    "hashlib",
-    "heapq",
-    "hmac",
-    "html",
-    "imaplib",
-    "inspect",
-    "io",
-    "ipaddress",
-    "json",
-    "locale",
-    "logging",
-    "mailbox",
-    "mimetypes",
-    "numbers",
-    "operator",
-    "optparse",
-    "pathlib",
-    "pickle",
-    "pprint",
-    "queue",
-    "random",
-    "re",
-    "sched",
-    "secrets",
-    "selectors",
-    "shelve",
-    "shlex",
-    "shutil",
-    "smtplib",
-    "socket",
-    "sqlite3",
-    "statistics",
-    "string",
-    "struct",
-    "subprocess",
-    "tarfile",
-    "tempfile",
-    "textwrap",
-    "threading",
-    "timeit",
-    "tokenize",
-    "typing",
-    "uuid",
-    "wave",
-    "weakref",
-    "zipfile",
-    "zlib",
-]
-
-
-def sample_documents(n: int, max_words: int = 160) -> list[str]:
-    docs = []
-    for name in STDLIB_MODULES:
-        try:
-            doc = importlib.import_module(name).__doc__ or ""
-        except Exception:
-            continue
-        words = doc.split()
-        if len(words) >= 20:
-            docs.append(" ".join(words[:max_words]))
-        if len(docs) == n:
-            break
-    while len(docs) < n:  # recycle with a marker so prompts stay distinct
-        docs.append(f"(copy {len(docs)}) " + docs[len(docs) % max(1, len(docs))])
-    return docs
+from benchlib import (  # noqa: E402, F401
+    cpu_info,
+    cpu_times,
+    sample_documents,
+    steal_pct,
+    thread_settings,
+)
 
 
 def build_prompts(tokenizer, n: int) -> list[list[int]]:

@@ -22,7 +22,7 @@ import json
 import random
 from pathlib import Path
 
-from bench_serving import (  # noqa: E402
+from benchlib import (  # noqa: E402
     add_stack_args,
     bench_stack,
     client_figures,

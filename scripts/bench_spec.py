@@ -133,7 +133,7 @@ def run_cell(llm: LLM, convs: list[list[dict]], batch: int, *, params: SamplingP
 def stack_cell(info: dict, convs: list[list[dict]], batch: int, *, max_tokens: int) -> dict:
     """One cell through a running stack: `convs` as streamed chat completions, `batch` at once."""
     import httpx
-    from bench_serving import closed_loop, first_model, server_rows, stream_chat
+    from benchlib import closed_loop, first_model, server_rows, stream_chat
 
     async def run() -> tuple[list, float]:
         async with httpx.AsyncClient(timeout=None) as client:
@@ -310,7 +310,7 @@ def stack_cells(
 ) -> tuple[list, dict[str, dict]]:
     """Every cell through one fresh stack per mode, the stacks up at once, cells interleaved;
     and per mode the SLO targets its worker derived, after the warm-up and at the end."""
-    from bench_serving import bench_stack
+    from benchlib import bench_stack
 
     stack_args = argparse.Namespace(
         running=False, model="smollm2-135m", dtype=args.dtype, slowdown=None,

@@ -496,7 +496,7 @@ def link_model(home: Path, gguf: Path, hf_dir: Path) -> None:
 
 def load_script(name: str):
     """scripts/`name`.py as a module; scripts/ is on sys.path only while it loads (the benchmark
-    scripts import each other)."""
+    scripts import scripts/benchlib.py)."""
     import importlib.util
 
     saved = sys.path[:]

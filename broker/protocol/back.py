@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any, ClassVar
 
@@ -174,18 +175,29 @@ class WorkRequest(PromptRequest):
         shared = {name: getattr(submit, name) for name in _PROMPT_FIELDS}
         return cls(**shared, attempt=attempt)
 
-    def engine_request(self, arrival_time: float) -> EngineRequest:
+    def engine_request(
+        self, arrival_time: float, encode: Callable[..., list[int]] | None = None
+    ) -> EngineRequest:
         """What the worker hands its engine; ``arrival_time``: ``time.monotonic()`` s when the
-        worker took it."""
+        worker took it. A prompt sent as text or messages (a sender without a tokenizer) is
+        templated and tokenized by ``encode(prompt=..., messages=...)``, the worker's front end
+        (gpu_worker/prompt_encoder.py): the engine takes ids only.
+
+        Raises:
+            ValueError: a text prompt and no ``encode``; what ``encode`` raises for a bad prompt.
+        """
+        ids = self.prompt_token_ids
+        if ids is None:
+            if encode is None:
+                raise ValueError("a text prompt needs the worker's prompt encoder")
+            ids = encode(prompt=self.prompt, messages=self.messages)
         return EngineRequest(
             request_id=self.request_id,
-            prompt_token_ids=self.prompt_token_ids,
+            prompt_token_ids=ids,
             sampling_params=self.sampling_params,
             lane=self.lane,
             priority=self.priority,
             arrival_time=arrival_time,
-            prompt=self.prompt,
-            messages=self.messages,
             task=self.task,
         )
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from laneserve.contracts.engine_io import EngineRequest
+from laneserve.contracts.engine_io import EngineRequest, TextRequest
 from laneserve.contracts.openai.checks import (
     MAX_TOKEN_ID,
     WIRE_INT_MAX,
@@ -246,22 +246,27 @@ class ParsedRequest:
             sampling["seed"] = seed - 2**64 if seed > WIRE_INT_MAX else seed  # stays a seed
         return sampling
 
-    def engine_requests(self, request_id: str, lane: str | None = None) -> list[EngineRequest]:
-        """One :class:`EngineRequest` per choice ``k = prompt * n + sample`` (vLLM's order), the
-        front end the gateway and the jobs runner share: request id ``request_id`` for ``k == 0``
-        and ``{request_id}-{k}`` after, :meth:`sampling_for` ``k``, the prompt's ids when they
-        were encoded at the edge (:meth:`Prompt.wire`), this request's lane unless ``lane``."""
-        return [
-            EngineRequest(
-                request_id=request_id if k == 0 else f"{request_id}-{k}",
-                sampling_params=self.sampling_for(k),
-                lane=lane or self.lane,
-                priority=self.priority,
-                task="embed" if self.kind == "embedding" else "generate",
-                **prompt.wire(),
-            )
-            for k, prompt in enumerate(p for p in self.prompts for _ in range(self.n))
-        ]
+    def engine_requests(
+        self, request_id: str, lane: str | None = None
+    ) -> list[EngineRequest | TextRequest]:
+        """One request per choice ``k = prompt * n + sample`` (vLLM's order), the front end the
+        gateway and the jobs runner share: request id ``request_id`` for ``k == 0`` and
+        ``{request_id}-{k}`` after, :meth:`sampling_for` ``k``, this request's lane unless
+        ``lane``. An :class:`EngineRequest` of the prompt's ids (encoded at the edge, or given),
+        else (an edge without a tokenizer) a :class:`TextRequest` the worker tokenizes."""
+        out: list[EngineRequest | TextRequest] = []
+        for k, prompt in enumerate(p for p in self.prompts for _ in range(self.n)):
+            common = {
+                "request_id": request_id if k == 0 else f"{request_id}-{k}",
+                "sampling_params": self.sampling_for(k),
+                "lane": lane or self.lane,
+                "priority": self.priority,
+                "task": "embed" if self.kind == "embedding" else "generate",
+            }
+            wire = prompt.wire()
+            text = "prompt_token_ids" not in wire
+            out.append(TextRequest(**common, **wire) if text else EngineRequest(**common, **wire))
+        return out
 
 
 # ------------------------------------------------------------------------------- entry points

@@ -62,7 +62,7 @@ def test_prompt_ids_equal_the_engine_tokenizer(smollm2_dir, tmp_path, bos) -> No
         _bos_variant(smollm2_dir, directory)
     engine_tok = AutoTokenizer.from_pretrained(str(directory))
     edge = PromptTokenizer.load(directory)
-    engine = PromptTokenizer.from_hf(engine_tok)  # what LLMEngine.encode_prompt calls with
+    engine = PromptTokenizer.from_hf(engine_tok)  # what the engine's PromptEncoder calls with
     bos_id = engine_tok.convert_tokens_to_ids("<|im_start|>")
     for text in TEXTS:
         expected = engine_tok(text)["input_ids"]

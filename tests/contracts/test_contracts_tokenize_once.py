@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from laneserve.contracts.engine_io import EngineRequest, TextRequest
 from laneserve.contracts.openai import Limits, ServedModel, parse
 from laneserve.contracts.openai.requests import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
 from laneserve.contracts.tokens import PromptTokenizer, prompt_ids
@@ -60,6 +61,10 @@ def test_without_a_tokenizer_the_engine_gets_the_prompt_as_given() -> None:
     req = parse(CHAT_ENDPOINT, {"model": "m", "messages": MESSAGES}, Limits())
     ServedModel("m").check(req, Limits())
     assert req.prompts[0].wire() == {"messages": MESSAGES}
+    (request,) = req.engine_requests("r1")  # sent as text: the worker's front end tokenizes it
+    assert request == TextRequest("r1", messages=MESSAGES, sampling_params=req.sampling_for(0),
+                                  lane=req.lane, priority=req.priority)  # fmt: skip
+    assert request.prompt_fields() == {"messages": MESSAGES}
 
 
 def test_a_batch_line_is_tokenized_once_by_its_validator(smollm2_dir, tmp_path) -> None:
@@ -78,8 +83,8 @@ def test_a_batch_line_is_tokenized_once_by_its_validator(smollm2_dir, tmp_path) 
     _, requests = choice_requests("r1", result.request)
     assert CountingTokenizer.calls == 2  # dispatch tokenizes nothing again
     assert [r.request_id for r in requests] == ["r1", "r1-1"]
-    assert all(r.prompt_token_ids == reference and r.messages is None and r.lane == "batch"
-               for r in requests)  # fmt: skip
+    assert all(type(r) is EngineRequest and r.prompt_token_ids == reference
+               and r.lane == "batch" for r in requests)  # fmt: skip
 
     path.write_text(json.dumps({"id": "d1", "text": "A long day at the lake. " * 20}) + "\n")
     CountingTokenizer.calls = 0

@@ -93,7 +93,7 @@ def test_abort_frees_blocks(llm):
     total = engine.stats()["num_total_blocks"]
     engine.add_request(
         "a1",
-        prompt="Tell me a long story about dragons.",
+        engine.prompts.encode("Tell me a long story about dragons."),
         sampling_params=SamplingParams(max_tokens=200, ignore_eos=True),
     )
     for _ in range(3):

@@ -96,8 +96,8 @@ def test_step_fault_fails_that_step_through_the_engines_recovery(make_llm):
     engine = with_faults(llm.engine, FaultPlan(step_marker="POISON"))
     # greedy: an unseeded sampled request may draw EOS inside 4 tokens (CI saw 'stop' once)
     params = SamplingParams(max_tokens=4, temperature=0.0)
-    engine.add_request("bad", prompt="a POISON prompt", sampling_params=params)
-    engine.add_request("good", prompt="a fine prompt", sampling_params=params)
+    engine.add_request("bad", engine.prompts.encode("a POISON prompt"), params)
+    engine.add_request("good", engine.prompts.encode("a fine prompt"), params)
     finals = {}
     for _ in range(50):
         for d in engine.step():
@@ -110,7 +110,7 @@ def test_step_fault_fails_that_step_through_the_engines_recovery(make_llm):
     assert finals["good"].finish_reason == "error"
     stats = engine.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
-    engine.add_request("after", prompt="a fine prompt", sampling_params=params)
+    engine.add_request("after", engine.prompts.encode("a fine prompt"), params)
     out = []
     while engine.has_unfinished_requests():
         out += [d for d in engine.step() if d.finished]
@@ -141,7 +141,7 @@ def test_slowdown_fault_stretches_every_model_call(make_llm, monkeypatch):
     llm.engine.execute_model = timed
     engine = with_faults(llm.engine, plan)
     params = SamplingParams(max_tokens=4, ignore_eos=True)  # 4 model calls, whatever it samples
-    engine.add_request("r", prompt="a prompt", sampling_params=params)
+    engine.add_request("r", engine.prompts.encode("a prompt"), params)
     while engine.has_unfinished_requests():
         started = time.perf_counter()
         n = len(inner)
@@ -263,10 +263,59 @@ def test_worker_serves_with_each_engine_and_announces_its_config(engine, procs, 
 def test_synthetic_cost_scale_paces_every_step():
     engine = SyntheticEngine(step_s=0.01, prefill_s=0.002, cost_scale=2.0)
     assert (engine.step_s, engine.prefill_s) == (0.02, 0.004)
-    engine.add_request("r", prompt="a b c", sampling_params={"max_tokens": 4})
+    engine.add_request("r", engine.prompts.encode("a b c"), {"max_tokens": 4})
     t0 = time.monotonic()
     while engine.has_unfinished_requests():
         engine.step()
     assert time.monotonic() - t0 >= 3 * 0.02  # paced steps: 4 tokens, 3 waits at least
     with pytest.raises(ValueError):
         SyntheticEngine(cost_scale=0)
+
+
+async def _submit_text(front: str, prompts: list[dict]) -> list[object]:
+    """Each prompt form (``prompt=`` or ``messages=``) sent as text, one at a time: its last
+    message (a Final or an Error)."""
+    from laneserve.broker.client import BrokerClient
+
+    lasts = []
+    async with BrokerClient(front) as client:
+        for form in prompts:
+            stream = client.submit(lane="interactive", sampling_params={"max_tokens": 2}, **form)
+            last = None
+            async for last in stream:  # noqa: B007 - the last message is the answer
+                pass
+            lasts.append(last)
+    return lasts
+
+
+@pytest.mark.slow
+def test_the_worker_front_end_tokenizes_text_and_answers_bad_prompts(procs, smollm2_dir):
+    """A sender without a tokenizer sends text: the worker's front end (`engine.prompts`, the
+    edge's rule) tokenizes it once before the engine, which takes ids only. An empty prompt and
+    an over-long one come back as typed errors for that request; the worker keeps serving."""
+    from laneserve.broker import protocol as p
+    from laneserve.contracts.tokens import PromptTokenizer, prompt_ids
+
+    config = EngineConfig(model=str(smollm2_dir), dtype="float32", max_model_len=64,
+                          kv_cache_memory_bytes=8 * 2**20, lanes=("interactive",))  # fmt: skip
+    procs.spawn("worker", "laneserve.commands.worker", "--broker", procs.back,
+                "--worker-id", "w", "--engine-config", config.to_json())  # fmt: skip
+    _wait_worker(procs, timeout_s=120)
+    chat = [{"role": "user", "content": "Name a color."}]
+    forms = [{"prompt": ""}, {"prompt": "word " * 200}, {"messages": chat}, {"prompt": "Hi"}]
+    empty, long, good_chat, good_text = asyncio.run(
+        asyncio.wait_for(_submit_text(procs.front, forms), 120)
+    )
+    assert type(empty) is p.Error and empty.code == "invalid_request", empty
+    assert "empty" in empty.message
+    assert type(long) is p.Error and long.code == "prompt_too_long", long
+    assert "max_model_len=64" in long.message
+    expected = prompt_ids(PromptTokenizer.load(smollm2_dir), messages=chat)
+    assert type(good_chat) is p.Final and good_chat.finish_reason == "length", procs.logs()
+    assert good_chat.usage["prompt_tokens"] == len(expected)  # the edge's rule, at the worker
+    assert type(good_text) is p.Final and good_text.usage["completion_tokens"] == 2
+    # four prompts templated or tokenized once each, by the worker's front end
+    deadline = time.monotonic() + 10
+    while (load := _wait_worker(procs, 10).get("load") or {}).get("num_prompts_tokenized") != 4:
+        assert time.monotonic() < deadline, (load, procs.logs())
+        time.sleep(0.2)

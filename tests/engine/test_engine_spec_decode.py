@@ -43,7 +43,8 @@ def _key(out):
 def _stream(llm, conversation, params) -> list[tuple[list[int], str, bool]]:
     """(token ids, text, finished) of every delta of one request, through `LLMEngine.step`."""
     engine = llm.engine
-    engine.add_request("stream-1", messages=conversation, sampling_params=params)
+    ids = engine.prompts.encode(messages=conversation)
+    engine.add_request("stream-1", ids, sampling_params=params)
     deltas = []
     while engine.has_unfinished_requests():
         deltas += [(d.new_token_ids, d.new_text, d.finished) for d in engine.step()]
@@ -121,7 +122,7 @@ def test_eos_inside_an_accepted_run_ends_the_request(llm, base_llm):
 
 def test_preemption_mid_run_recomputes_to_the_same_tokens(llm, base_llm):
     engine = llm.engine
-    engine.add_request("pre-1", messages=COPY, sampling_params=GREEDY)
+    engine.add_request("pre-1", engine.prompts.encode(messages=COPY), GREEDY)
     tokens: list[int] = []
     preempted = False
     before = engine.stats()["num_preemptions"]
