@@ -151,6 +151,16 @@ def hand_back(engine: Engine, resp_id: str, holder: str, runs: int) -> None:
         session.execute(update(StoredResponse).where(held).values(runs=runs - 1))
 
 
+def let_go(engine: Engine, holder: str) -> int:
+    """Make every lease of ``holder`` (a gateway shutting down) lapse now, so another gateway, or
+    this one restarted, runs those responses at its next heartbeat; the number let go."""
+    with write_session(engine) as session:
+        mine = StoredResponse.lease_owner == holder
+        return session.execute(
+            update(StoredResponse).where(mine).values(lease_expires_at=0.0)
+        ).rowcount
+
+
 def cancel(engine: Engine, owner: str, resp_id: str) -> dict | None:
     """Cancel a stored background response of ``owner`` that has not ended: its object's
     status becomes ``cancelled`` and its lease is released, so the gateway running it stops at
@@ -171,5 +181,5 @@ def cancel(engine: Engine, owner: str, resp_id: str) -> dict | None:
 
 __all__ = [
     "CLAIMS_PER_PASS", "Claimed", "DEFAULT_LEASE_S", "TERMINAL", "cancel", "claim_lapsed",
-    "hand_back", "insert", "renew", "write_held",
+    "hand_back", "insert", "let_go", "renew", "write_held",
 ]  # fmt: skip

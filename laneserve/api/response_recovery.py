@@ -13,7 +13,9 @@ A claimed response that cannot run again ends ``failed`` with an error object sa
 body was not kept (stored before re-runs existed), the body no longer validates or names a
 model nobody serves now (``not_found``, as a new request would be answered), or its gateway died
 under it ``MAX_RUNS`` times. While its lane has no worker (a 503), it is handed back unrun and
-tried again once its lease lapses.
+tried again once its lease lapses. A gateway that shuts down cleanly lets its leases go
+(:func:`let_go`): they are run again at the next heartbeat of another gateway (or of this one
+restarted) instead of a lease later.
 """
 
 from __future__ import annotations
@@ -60,6 +62,23 @@ async def keep_leases(state: GatewayState) -> None:
             raise
         except Exception:
             logger.exception("background responses: the heartbeat failed")
+
+
+async def let_go(state: GatewayState) -> None:
+    """At shutdown: stop this process's runs and let their leases lapse at once (another
+    gateway, or this one restarted, runs them again without waiting out the lease)."""
+    runs, state.background = list(state.background.values()), {}
+    for run in runs:
+        if run.task is not None:
+            run.task.cancel()
+        run.gen.close()
+    if runs and state.jobs is not None:
+        try:
+            n = await jobs_call(leases.let_go, state.jobs.engine, state.instance_id)
+        except ApiError as exc:  # they lapse on their own
+            logger.warning("background responses not let go: %s", exc.message)
+            return
+        logger.info("%d background responses let go for another gateway", n)
 
 
 async def _renew(state: GatewayState, lease_s: float) -> None:
@@ -133,4 +152,4 @@ async def _rerun(state: GatewayState, c: leases.Claimed) -> background.Running:
     return background.Running(gen, None, c.owner, c.input_items, body, c.created_at)
 
 
-__all__ = ["MAX_RUNS", "keep_leases"]
+__all__ = ["MAX_RUNS", "keep_leases", "let_go"]

@@ -29,7 +29,7 @@ from laneserve.api.health import ReadinessProbe
 from laneserve.api.metrics import GatewayMetrics
 from laneserve.api.model_info import load_served_model
 from laneserve.api.probes import serve_metrics_port
-from laneserve.api.response_recovery import keep_leases
+from laneserve.api.response_recovery import keep_leases, let_go
 from laneserve.broker.client import BrokerClient
 from laneserve.contracts.openai.model import ServedModel, largest_kv_pool
 from laneserve.contracts.procs import parent_gone
@@ -106,6 +106,7 @@ class GatewayState:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await let_go(self)  # background responses: another gateway takes them at once
         if self.client is not None:
             await self.client.close()
         if self.jobs is not None and hasattr(self.jobs, "close"):

@@ -7,6 +7,7 @@ from another gateway."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 
@@ -14,9 +15,10 @@ import openai
 import pytest
 import sqlalchemy as sa
 
+import laneserve.api.response_leases as leases
 from laneserve.db import migrate
 from laneserve.db.models import StoredResponse
-from laneserve.db.session import make_engine, read_session
+from laneserve.db.session import make_engine, read_session, write_session
 from tests.harness import API_KEY, Stack, free_port, real_model_stack, wait_for
 
 pytestmark = pytest.mark.slow
@@ -92,6 +94,41 @@ def test_a_killed_gateways_background_response_runs_again_after_restart(
     assert client.responses.cancel(long.id).status == "cancelled"
     stack.wait_status(lambda st: st["queues"]["in_flight"] == 0, 10)  # aborted at the worker
     assert client.responses.retrieve(long.id).status == "cancelled"
+    # a clean shutdown lets its leases go at once: the restarted gateway takes them at its
+    # first heartbeat, without waiting out the lease
+    third = client.responses.create(background=True, **LONG)
+    _wait(client, third.id, ("in_progress", *ENDED), 30)
+    stack.stop_proc("api")  # SIGINT
+    left = _row(engine, third.id)
+    assert left.response["status"] == "in_progress" and left.lease_expires_at == 0.0
+    stack.start_api("--model", str(smollm2_gguf), "--served-model-name", MODEL)
+    stack.wait_api()
+    wait_for(lambda: _row(engine, third.id).lease_owner != left.lease_owner, 20, "third re-run")
+    assert client.responses.cancel(third.id).status == "cancelled"
+    engine.dispose()
+
+
+def test_a_response_that_cannot_run_again_ends_failed_with_an_error(stack: Stack) -> None:
+    """Rows left by a dead gateway that must not run again: a body naming a model nobody
+    serves now, a row stored without its body, one whose gateway died under it 3 times."""
+    client, engine = _client(stack.url), make_engine(stack.db_url)
+    key = hashlib.sha256(API_KEY.encode()).hexdigest()
+    cases = {
+        "resp_gone_model": ({**ASK, "model": "retired-model"}, 0, "not_found", "retired-model"),
+        "resp_no_body": (None, 0, "server_error", "request was not kept"),
+        "resp_died_thrice": (ASK, 2, "server_error", "stopped 3 times"),
+    }
+    for resp_id, (body, extra_runs, _code, _words) in cases.items():
+        obj = {"id": resp_id, "object": "response", "created_at": time.time(), "status": "queued"}
+        obj.update(background=True, error=None, output=[], model=MODEL)
+        leases.insert(engine, key, [], obj, body, "gw-dead", lease_s=-1)
+        with write_session(engine) as session:
+            session.get(StoredResponse, resp_id).runs += extra_runs
+    for resp_id, (_body, _runs, code, words) in cases.items():
+        failed = _wait(client, resp_id, ENDED, 20)
+        assert failed.status == "failed" and failed.error.code == code, failed
+        assert words in failed.error.message, failed.error
+        assert _row(engine, resp_id).lease_owner is None
     engine.dispose()
 
 

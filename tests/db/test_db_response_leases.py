@@ -83,3 +83,13 @@ def test_a_cancel_elsewhere_releases_the_lease_and_a_hand_back_is_not_a_run(engi
     leases.hand_back(engine, "resp_y", "gw-b", c.runs)
     (again,) = leases.claim_lapsed(engine, "gw-c", 30)
     assert again.runs == 2 and again.previous_owner == "gw-b"
+
+
+def test_a_gateway_shutting_down_lets_its_leases_go_at_once(engine) -> None:
+    leases.insert(engine, "k", [], _obj("resp_a"), BODY, "gw-a", lease_s=60)
+    leases.insert(engine, "k", [], _obj("resp_b"), BODY, "gw-b", lease_s=60)
+    assert leases.claim_lapsed(engine, "gw-c", 30) == []
+    assert leases.let_go(engine, "gw-a") == 1
+    (claimed,) = leases.claim_lapsed(engine, "gw-c", 30)
+    assert claimed.id == "resp_a" and claimed.previous_owner == "gw-a"
+    assert _row(engine, "resp_b").lease_owner == "gw-b"  # another live gateway's: kept
