@@ -26,7 +26,7 @@ from typing import Any
 from sqlalchemy import Engine, and_, select, update
 
 from laneserve.db.models import StoredResponse
-from laneserve.db.session import write_session
+from laneserve.db.session import read_session, write_session
 
 DEFAULT_LEASE_S = 10.0  # a dead gateway's background responses wait this long to run again
 CLAIMS_PER_PASS = 8  # lapsed responses one gateway claims per heartbeat (the rest: next pass)
@@ -111,6 +111,9 @@ def claim_lapsed(
     """Take over up to ``limit`` background responses whose lease lapsed (their gateway died),
     oldest first, for ``lease_s``; each claim counts one more run."""
     now = time.time()
+    with read_session(engine) as session:  # the common case, nothing lapsed: no write lock
+        if session.scalar(select(StoredResponse.id).where(_lapsed(now)).limit(1)) is None:
+            return []
     out = []
     with write_session(engine) as session:
         rows = session.scalars(
