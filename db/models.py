@@ -331,6 +331,12 @@ class StoredResponse(Base):
     conversation the response answered (the earlier turns' items, then its own `input` as
     items), `response` the `response` object as it was sent; the next turn's input is
     `input_items + response["output"] + its own input`.
+
+    A background response (`background: true`) also keeps its create body in `request_body`
+    and, while it is queued or in progress, the lease of the gateway process that runs it
+    (`lease_owner`, its instance id; `lease_expires_at`, unix seconds, renewed by a heartbeat):
+    a lapsed lease means that process died, and another gateway runs the body again. `runs`
+    counts the times it was started (laneserve.api.response_leases).
     """
 
     __tablename__ = "responses"
@@ -340,3 +346,7 @@ class StoredResponse(Base):
     created_at: Mapped[float] = mapped_column(Float)
     input_items: Mapped[Any] = mapped_column(JSONType)
     response: Mapped[Any] = mapped_column(JSONType)
+    request_body: Mapped[Any | None] = mapped_column(JSONType)
+    lease_owner: Mapped[str | None] = mapped_column(String(255))
+    lease_expires_at: Mapped[float | None] = mapped_column(Float, index=True)
+    runs: Mapped[int] = mapped_column(Integer, default=0, server_default="0")

@@ -13,6 +13,9 @@ from laneserve.contracts.openai.requests import (
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # JSON request bodies; a prompt is text, not a file
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file (200 MB)
+# A dead gateway's background responses run again this long after its last heartbeat: a few
+# missed renewals (every third of it), not a slow database write, must make a gateway look dead.
+DEFAULT_BACKGROUND_LEASE_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,8 @@ class ApiConfig:
     ``ready_ttl_s``: seconds a readiness answer is reused (laneserve.api.health).
     ``tool_call_parser``: how replies are read for tool calls (``hermes``, ``llama3_json``,
     ``mistral``); None: the one the chat template implies (docs/tool-calling.md).
+    ``background_lease_s``: seconds a background response's lease lasts without a renewal
+    (laneserve.api.response_leases); the same on every gateway sharing a database.
     """
 
     broker: str
@@ -56,6 +61,7 @@ class ApiConfig:
     ready_lanes: tuple[str, ...] = LANES
     ready_ttl_s: float = 1.0
     tool_call_parser: str | None = None
+    background_lease_s: float = DEFAULT_BACKGROUND_LEASE_S
 
     @property
     def limits(self) -> Limits:

@@ -5,11 +5,16 @@ OpenAI's semantics: the create call answers at once with the stored response in 
 stored object goes ``in_progress`` when its first token arrives and ``completed`` /
 ``incomplete`` / ``failed`` at the end, so ``GET /v1/responses/{id}`` shows where it is.
 ``POST /v1/responses/{id}/cancel`` aborts a running background response (status
-``cancelled``); a finished one (or one another gateway process runs) is returned as it is; a response that was not created in the
+``cancelled``); a finished one is returned as it is; a response that was not created in the
 background cannot be cancelled (400, OpenAI's wording).
 
-The running ones are held per gateway process (``app.state.background_responses``): a cancel
-reaching another gateway of the same stack finds only the stored object.
+The running ones are held per gateway process (``GatewayState.background``), each under a lease
+in its row (:mod:`laneserve.api.response_leases`): every status write is conditional on the
+lease, and the heartbeat (:mod:`laneserve.api.response_recovery`) renews it and stops a run
+whose lease is gone. A cancel reaching another gateway of the same stack marks the row
+``cancelled`` and releases the lease, so the gateway running it aborts it at its next renewal.
+A response whose gateway died is run again from its stored body by whichever gateway claims
+its lapsed lease (:mod:`laneserve.api.response_recovery`).
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import Response
 
+import laneserve.api.response_leases as leases
 import laneserve.api.response_store as store
 from laneserve.api.errors import ApiError
+from laneserve.api.files import jobs_call
 from laneserve.api.generate import Generation
 from laneserve.contracts.openai import responses as fmt
 from laneserve.contracts.openai import responses_api as api
@@ -33,8 +40,6 @@ if TYPE_CHECKING:
     from laneserve.api.state import GatewayState
 
 logger = logging.getLogger(__name__)
-
-TERMINAL = ("completed", "incomplete", "failed", "cancelled")
 
 
 @dataclass(slots=True)
@@ -49,32 +54,39 @@ class Running:
     created: float
 
 
-def _registry(request: Request) -> dict[str, Running]:
-    app_state = request.app.state
-    if not hasattr(app_state, "background_responses"):
-        app_state.background_responses = {}
-    return app_state.background_responses
-
-
 async def start(
-    request: Request,
-    state: GatewayState,
-    run: Running,
-    finish: Callable[[Generation], Awaitable[dict]],
+    state: GatewayState, run: Running, finish: Callable[[Generation], Awaitable[dict]]
 ) -> Response:
-    """Submit ``run.gen``, store the ``queued`` object and answer with it; the response runs on
-    in a task. ``finish(gen)``: the final response object of a finished generation."""
+    """Submit ``run.gen``, store the ``queued`` object (with its body and this process's lease)
+    and answer with it; the response runs on in a task. ``finish(gen)``: the final response
+    object of a finished generation."""
     run.gen.start()
     queued = _object(run, "queued")
     try:
-        await store.put(state, run.owner, run.items, queued)
+        await jobs_call(
+            leases.insert, store.engine_of(state), run.owner, run.items, queued, run.body,
+            state.instance_id, state.config.background_lease_s,
+        )  # fmt: skip
     except BaseException:
         run.gen.close()
         raise
-    registry = _registry(request)
-    registry[run.gen.id] = run
-    run.task = asyncio.create_task(_follow(state, run, finish, registry))
+    follow(state, run, finish)
     return Response(fmt.dumps(queued), media_type="application/json")
+
+
+def follow(state: GatewayState, run: Running, finish: Callable[[Generation], Awaitable[dict]]):
+    """Hold ``run`` (started, its lease held by this process) and follow it to its end."""
+    state.background[run.gen.id] = run
+    run.task = asyncio.create_task(_follow(state, run, finish))
+
+
+async def _write_held(state: GatewayState, run: Running, obj: dict, final: bool = False) -> bool:
+    """Store ``obj`` if this process still holds the response's lease (renewed; released when
+    ``final``); False when it does not (nothing written)."""
+    lease_s = None if final else state.config.background_lease_s
+    return await jobs_call(
+        leases.write_held, store.engine_of(state), run.gen.id, state.instance_id, obj, lease_s
+    )
 
 
 def _object(run: Running, status: str, error: dict | None = None) -> dict:
@@ -83,26 +95,33 @@ def _object(run: Running, status: str, error: dict | None = None) -> dict:
     return obj
 
 
-async def _follow(state, run: Running, finish, registry: dict[str, Running]) -> None:
+async def _follow(state: GatewayState, run: Running, finish) -> None:
+    """Store ``in_progress`` at the first token and the final object at the end. A write the
+    database refuses ends the run here with its lease held: the lease lapses and the response
+    runs again (here or on another gateway)."""
     gen = run.gen
     try:
         await gen.wait_started()
         if gen.error is None:
-            await store.put(state, run.owner, run.items, _object(run, "in_progress"))
+            if not await _write_held(state, run, _object(run, "in_progress")):
+                logger.info("background response %s: lease gone, stopping it", gen.id)
+                return
             await gen.run_to_end()
         if gen.error is not None:
             err = {"code": gen.error.code, "message": gen.error.message}
             obj = _object(run, "failed", err)
         else:
             obj = await finish(gen)
-        await store.put(state, run.owner, run.items, obj)
+        if not await _write_held(state, run, obj, final=True):
+            logger.info("background response %s: lease gone, its result is dropped", gen.id)
     except asyncio.CancelledError:
         raise
     except Exception:
         logger.exception("background response %s failed", gen.id)
     finally:
         gen.close()
-        registry.pop(gen.id, None)
+        if state.background.get(gen.id) is run:
+            del state.background[gen.id]
 
 
 async def cancel_response(request: Request) -> Response:
@@ -110,18 +129,18 @@ async def cancel_response(request: Request) -> Response:
     state: GatewayState = request.app.state.gateway
     resp_id = request.path_params["response_id"]
     owner = store.owner_of(request)
-    run = _registry(request).get(resp_id)
+    run = state.background.get(resp_id)
     if run is not None and run.owner == owner:
         if run.task is not None:
             run.task.cancel()
         run.gen.close()  # the broker forwards the abort to the worker
         obj = _object(run, "cancelled")
-        await store.put(state, owner, run.items, obj)
-        return Response(fmt.dumps(obj), media_type="application/json")
-    obj = await store.load(state, owner, resp_id)
+        if await _write_held(state, run, obj, final=True):
+            return Response(fmt.dumps(obj), media_type="application/json")
+    # held by another gateway process (which aborts it once its lease is released), or ended
+    obj = await jobs_call(leases.cancel, store.engine_of(state), owner, resp_id)
     if obj is None:
         raise ApiError("not_found", f"Response with id '{resp_id}' not found.")
     if not obj.get("background"):
         raise ApiError("invalid_request", "Only background responses can be cancelled.")
-    # finished, or held by another gateway process (which alone can abort it): as it is
     return Response(fmt.dumps(obj), media_type="application/json")

@@ -34,7 +34,8 @@ def owner_of(request: Request) -> str:
     return hashlib.sha256(token.strip().encode()).hexdigest()
 
 
-def _engine(state: GatewayState) -> Any:
+def engine_of(state: GatewayState) -> Any:
+    """The database engine of stored responses. Raises ApiError 503 without the database."""
     if state.jobs is None:
         raise ApiError(
             "database_unavailable", "stored responses need the database, which is unavailable"
@@ -67,29 +68,6 @@ def _save(engine: Any, owner: str, items: list[dict], obj: dict) -> None:
         session.add(row)
 
 
-def _put(engine: Any, owner: str, items: list[dict], obj: dict) -> None:
-    """Insert or replace a stored response (a background response's status changes)."""
-    from laneserve.db.models import StoredResponse
-    from laneserve.db.session import write_session
-
-    row = StoredResponse(
-        id=obj["id"], owner=owner, created_at=obj["created_at"], input_items=items, response=obj
-    )
-    with write_session(engine) as session:
-        session.merge(row)
-
-
-async def put(state: GatewayState, owner: str, items: list[dict], obj: dict) -> None:
-    """Store or replace ``obj`` for ``owner``. Raises ApiError 503 without the database."""
-    await jobs_call(_put, _engine(state), owner, items, obj)
-
-
-async def load(state: GatewayState, owner: str, resp_id: str) -> dict | None:
-    """The stored response object, None when ``owner`` has none of that id."""
-    row = await jobs_call(_load, _engine(state), owner, resp_id)
-    return None if row is None else row.response
-
-
 def _delete(engine: Any, owner: str, resp_id: str) -> bool:
     from laneserve.db.models import StoredResponse
     from laneserve.db.session import write_session
@@ -111,7 +89,7 @@ async def history(request: Request, state: GatewayState, prev_id: Any) -> list[d
             "'previous_response_id' must be a string",
             param="previous_response_id",
         )
-    row = await jobs_call(_load, _engine(state), owner_of(request), prev_id)
+    row = await jobs_call(_load, engine_of(state), owner_of(request), prev_id)
     if row is None:
         raise _not_found(prev_id, "previous_response_id")
     return [*row.input_items, *row.response["output"]]
@@ -135,7 +113,7 @@ async def save(request: Request, state: GatewayState, items: list[dict], obj: di
 async def get_response(request: Request) -> Response:
     state: GatewayState = request.app.state.gateway
     resp_id = request.path_params["response_id"]
-    row = await jobs_call(_load, _engine(state), owner_of(request), resp_id)
+    row = await jobs_call(_load, engine_of(state), owner_of(request), resp_id)
     if row is None:
         raise _not_found(resp_id)
     return Response(fmt.dumps(row.response), media_type="application/json")
@@ -144,12 +122,12 @@ async def get_response(request: Request) -> Response:
 async def delete_response(request: Request) -> Response:
     state: GatewayState = request.app.state.gateway
     resp_id = request.path_params["response_id"]
-    if not await jobs_call(_delete, _engine(state), owner_of(request), resp_id):
+    if not await jobs_call(_delete, engine_of(state), owner_of(request), resp_id):
         raise _not_found(resp_id)
     body = {"id": resp_id, "object": "response", "deleted": True}
     return Response(fmt.dumps(body), media_type="application/json")
 
 
 __all__ = [
-    "can_store", "delete_response", "get_response", "history", "load", "owner_of", "put", "save"
+    "can_store", "delete_response", "engine_of", "get_response", "history", "owner_of", "save"
 ]  # fmt: skip

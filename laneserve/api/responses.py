@@ -58,13 +58,7 @@ async def create_response(request: Request) -> Response:
             raise ApiError("database_unavailable", "background responses need the database")
         items = [*prior, *api.input_items(body)]
         run = background.Running(gen, None, store.owner_of(request), items, body, arrival_time)
-
-        async def done(gen: Generation) -> dict:
-            output, status = _result(gen, state)
-            obj = api.response_object(gen.id, arrival_time, body, output, status, _usage(gen), True)
-            return obj
-
-        return await background.start(request, state, run, done)
+        return await background.start(state, run, background_result(state, body, arrival_time))
 
     async def finished(output: list[dict], status: str) -> dict:
         usage = _usage(gen)
@@ -80,6 +74,19 @@ async def create_response(request: Request) -> Response:
     return await respond(
         request, gen, stream, whole, lambda: _stream(gen, state, body, arrival_time, finished)
     )
+
+
+def background_result(
+    state: GatewayState, body: dict, created: float
+) -> Callable[[Generation], Awaitable[dict]]:
+    """The final (stored) object of a finished background response made from ``body`` at
+    ``created`` (unix s)."""
+
+    async def done(gen: Generation) -> dict:
+        output, status = _result(gen, state)
+        return api.response_object(gen.id, created, body, output, status, _usage(gen), True)
+
+    return done
 
 
 def _result(gen: Generation, state: GatewayState) -> tuple[list[dict], str]:
@@ -196,4 +203,4 @@ async def _stream(
         gen.close()
 
 
-__all__ = ["create_response"]
+__all__ = ["background_result", "create_response"]

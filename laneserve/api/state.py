@@ -5,7 +5,8 @@
 
 Start-up (lifespan): load the model's tokenizer (``tokenizer.json``, no torch), connect the
 broker client, start the status poller (workers per lane for the 503 check, gauges for /metrics,
-parent-pid watch) and, with ``metrics_port`` set, the metrics listener
+parent-pid watch), the background responses' heartbeat (:mod:`laneserve.api.response_recovery`)
+and, with ``metrics_port`` set, the metrics listener
 (:mod:`laneserve.api.probes`).
 """
 
@@ -16,7 +17,9 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import time
+import uuid
 from typing import Any
 
 from laneserve.api.config import ApiConfig
@@ -26,6 +29,7 @@ from laneserve.api.health import ReadinessProbe
 from laneserve.api.metrics import GatewayMetrics
 from laneserve.api.model_info import load_served_model
 from laneserve.api.probes import serve_metrics_port
+from laneserve.api.response_recovery import keep_leases, let_go
 from laneserve.broker.client import BrokerClient
 from laneserve.contracts.openai.model import ServedModel, largest_kv_pool
 from laneserve.contracts.procs import parent_gone
@@ -52,6 +56,9 @@ class GatewayState:
         # the database answered its last check (/ready's "database"); None: never checked
         self.database: bool | None = None
         self.metrics_server: Any = None  # uvicorn server of the metrics port
+        # this process in background responses' leases; the ones it runs, by response id
+        self.instance_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.background: dict[str, Any] = {}  # laneserve.api.response_background.Running
         self._tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -72,6 +79,7 @@ class GatewayState:
         self.database = self.jobs is not None
         self._tasks.append(asyncio.create_task(self._poll(), name="gateway-status-poll"))
         self._tasks.append(asyncio.create_task(self._watch_database(), name="gateway-db-check"))
+        self._tasks.append(asyncio.create_task(keep_leases(self), name="gateway-leases"))
         if self.config.metrics_port is not None:
             await self._start_metrics_server()
         logger.info(
@@ -98,6 +106,7 @@ class GatewayState:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await let_go(self)  # background responses: another gateway takes them at once
         if self.client is not None:
             await self.client.close()
         if self.jobs is not None and hasattr(self.jobs, "close"):

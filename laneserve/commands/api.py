@@ -69,7 +69,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=",".join(LANES),
         help="lanes that need a live worker for /ready to answer 200 (default: %(default)s)",
     )
+    parser.add_argument(
+        "--background-lease-timeout",
+        dest="background_lease_s",
+        type=_positive_seconds,
+        default=None,
+        help="seconds after this gateway's last heartbeat at which another gateway sharing the "
+        "database runs its background responses again (default: 10; the same on every gateway)",
+    )
     parser.set_defaults(func=run)
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
+    return value
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
@@ -95,7 +110,13 @@ def build_config(args: argparse.Namespace):
 
     extra = {
         name: getattr(args, name)
-        for name in ("max_body_bytes", "max_file_bytes", "max_n", "max_tokens_limit")
+        for name in (
+            "max_body_bytes",
+            "max_file_bytes",
+            "max_n",
+            "max_tokens_limit",
+            "background_lease_s",
+        )
         if getattr(args, name) is not None
     }
     return ApiConfig(
