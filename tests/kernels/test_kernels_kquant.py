@@ -170,7 +170,8 @@ def test_int8_self_check_disables_a_route_that_disagrees(caplog):
         assert not caplog.records
         assert kquant.check_q8k_routes([1, 3], faulty(1e-4)) == 3
         assert kquant.check_q8k_routes([1, 3], faulty(float("nan"))) == 3
-        built = list(torch.ops.laneserve.kquant_q8k_routes())  # [2, 3] on an AVX2 CPU
+        # the routes below the one played faulty: [2, 3] on AVX2 and AVX-512 CPUs alike
+        built = [r for r in torch.ops.laneserve.kquant_q8k_routes() if r != 1]
         assert kquant.check_q8k_routes([1, *built], faulty(1e-4)) == built[0]
         assert kquant.check_q8k_routes([1, *built], faulty(1e-4, (1, built[0]))) == built[-1]
     messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
