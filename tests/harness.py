@@ -341,10 +341,12 @@ class Stack:
 
 
 @contextlib.contextmanager
-def real_model_stack(gguf: Path, *worker_extra: str, recorder: bool = False) -> Iterator[Stack]:
+def real_model_stack(
+    gguf: Path, *worker_extra: str, recorder: bool = False, api_extra: tuple[str, ...] = ()
+) -> Iterator[Stack]:
     """Broker (+ recorder writing SQLite) + one real SmolLM2 worker (float32, up to 16
-    sequences, plus the `worker_extra` flags) + gateway with a key, serving ``gguf`` as
-    ``smollm2``."""
+    sequences, plus the `worker_extra` flags) + gateway with a key (plus the `api_extra` flags),
+    serving ``gguf`` as ``smollm2``."""
     tmp = Path(tempfile.mkdtemp(prefix="lsr", dir="/tmp"))
     stack = Stack.for_api(tmp, tmp / "home")
     try:
@@ -358,7 +360,7 @@ def real_model_stack(gguf: Path, *worker_extra: str, recorder: bool = False) -> 
             *worker_extra,
             model=str(gguf),
         )
-        stack.start_api("--model", str(gguf), "--served-model-name", "smollm2")
+        stack.start_api("--model", str(gguf), "--served-model-name", "smollm2", *api_extra)
         stack.wait_workers({"real"}, timeout_s=300)
         stack.wait_api(timeout_s=300)
         yield stack

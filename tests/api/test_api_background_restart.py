@@ -34,10 +34,19 @@ LONG = {
 ENDED = ("completed", "incomplete", "failed", "cancelled")
 
 
+# Every gateway here holds its leases 2 s (not 10): a dead one's responses run again sooner.
+LEASE = ("--background-lease-timeout", "2")
+
+
 @pytest.fixture(scope="module")
 def stack(smollm2_gguf, smollm2_dir) -> Iterator[Stack]:
-    with real_model_stack(smollm2_gguf) as s:
+    with real_model_stack(smollm2_gguf, api_extra=LEASE) as s:
         yield s
+
+
+def _restart_api(stack: Stack, gguf) -> None:
+    stack.start_api("--model", str(gguf), "--served-model-name", MODEL, *LEASE)
+    stack.wait_api()
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -85,9 +94,8 @@ def test_a_killed_gateways_background_response_runs_again_after_restart(
     killed = _row(engine, first.id)
     assert killed.response["status"] == "in_progress", "ended before the kill: nothing to test"
     dead = killed.lease_owner
-    stack.start_api("--model", str(smollm2_gguf), "--served-model-name", MODEL)
-    stack.wait_api()
-    done = _wait(client, first.id, ENDED, 45)  # the dead gateway's lease lapses (10 s) first
+    _restart_api(stack, smollm2_gguf)
+    done = _wait(client, first.id, ENDED, 45)  # the dead gateway's lease lapses (2 s) first
     _check_rerun(engine, done, client.responses.create(**ASK))
     # the long one runs again here too; cancel reaches the re-run
     wait_for(lambda: _row(engine, long.id).lease_owner not in (None, dead), 20, "long re-run")
@@ -101,8 +109,7 @@ def test_a_killed_gateways_background_response_runs_again_after_restart(
     stack.stop_proc("api")  # SIGINT
     left = _row(engine, third.id)
     assert left.response["status"] == "in_progress" and left.lease_expires_at == 0.0
-    stack.start_api("--model", str(smollm2_gguf), "--served-model-name", MODEL)
-    stack.wait_api()
+    _restart_api(stack, smollm2_gguf)
     wait_for(lambda: _row(engine, third.id).lease_owner != left.lease_owner, 20, "third re-run")
     assert client.responses.cancel(third.id).status == "cancelled"
     engine.dispose()
@@ -136,7 +143,7 @@ def _gateway(stack: Stack, name: str, db_url: str, gguf) -> str:
     port = free_port()
     args = ["--broker", stack.front, "--port", str(port), "--db", db_url, "--api-key", API_KEY]
     args += ["--model", str(gguf), "--served-model-name", MODEL]
-    stack.spawn(name, ["laneserve.commands.api", *args, "--background-lease-timeout", "2"])
+    stack.spawn(name, ["laneserve.commands.api", *args, *LEASE])
     return f"http://127.0.0.1:{port}"
 
 
@@ -145,11 +152,11 @@ def test_another_gateway_on_the_database_takes_over_a_dead_ones_responses(
     stack: Stack, smollm2_gguf, own_pg_url
 ) -> None:
     migrate.upgrade(own_pg_url)
-    a = _client(_gateway(stack, "api-a", own_pg_url, smollm2_gguf))
-    b = _client(_gateway(stack, "api-b", own_pg_url, smollm2_gguf))
-    for client in (a, b):
-        wait_for(lambda c=client: _models(c), 120, "gateway up", poll_s=0.3)
-    long = b.responses.create(background=True, **LONG)  # b is alive throughout: b keeps it
+    # three gateways start at once: a (killed), b (alive throughout), c (a cancel through it)
+    a, b, c = (_client(_gateway(stack, f"api-{x}", own_pg_url, smollm2_gguf)) for x in "abc")
+    for client in (a, b, c):
+        wait_for(lambda cl=client: _models(cl), 120, "gateway up", poll_s=0.3)
+    long = b.responses.create(background=True, **LONG)  # b and c are alive: b keeps it
     first = a.responses.create(background=True, **ASK)
     _wait(a, first.id, ("in_progress", *ENDED), 30)
     stack.kill("api-a")
@@ -160,8 +167,6 @@ def test_another_gateway_on_the_database_takes_over_a_dead_ones_responses(
     live = _row(engine, long.id)
     assert live.runs == 1 and live.response["status"] == "in_progress", live.response["usage"]
     # a cancel through a third gateway: b stops its run at its next renewal
-    c = _client(_gateway(stack, "api-c", own_pg_url, smollm2_gguf))
-    wait_for(lambda: _models(c), 120, "gateway c up", poll_s=0.3)
     assert c.responses.cancel(long.id).status == "cancelled"
     stack.wait_status(lambda st: st["queues"]["in_flight"] == 0, 10)
     time.sleep(1.0)  # b's final write, if it made one, would come now

@@ -203,6 +203,9 @@ def _artifacts(tmp_path: Path) -> Path:
     return out
 
 
+# SQLite only: what the browser shows does not depend on the database; the same panels on
+# PostgreSQL are checked by test_dashboard_app.py (AppTest) and test_dashboard_queries.py.
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_chromium_renders_dashboard_charts(chromium_path, db_url, db_engine, tmp_path):
     now = _fill(db_engine)
     shots = _artifacts(tmp_path)

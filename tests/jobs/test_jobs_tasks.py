@@ -26,7 +26,7 @@ def test_summarize_translate_and_map_reduce(laneserve_home, db_url, engine, smol
     try:
         stack.start_broker()
         stack.start_worker("w1", "--max-num-seqs", "16", model=str(smollm2_dir))
-        # A low context for the runner so a ~900-token document needs map-reduce.
+        # A low context for the runner so a ~420-token document needs map-reduce.
         stack.start_jobs_runner("--max-model-len", "320", model=str(smollm2_dir))
         docs = [{"id": f"p{i}", "text": t} for i, t in enumerate(PARAGRAPHS)]
         summ = submit(
@@ -41,7 +41,7 @@ def test_summarize_translate_and_map_reduce(laneserve_home, db_url, engine, smol
             task="translate",
             task_options={"target_lang": "fr", "source_lang": "en", "max_tokens": 8},
         )
-        long_doc = " ".join(PARAGRAPHS * 6)  # ~900 tokens > 320
+        long_doc = " ".join(PARAGRAPHS * 3)  # ~420 tokens > 320: 2 pieces, then their reduce
         mr = submit(
             engine,
             write_jsonl(laneserve_home / "long.jsonl", [{"id": "long", "text": long_doc}]),
