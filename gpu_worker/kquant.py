@@ -3,7 +3,8 @@
 A `KQuantLinear` holds the super-blocks of each (fused) part as the file ships them (a view of
 the mapped file where the loader did not have to permute the rows), so memory is about the file
 size. Calls of at most `KQUANT_Q8K_MAX_TOKENS[qtype]` rows (decode, speculative verification,
-small batches) run the int8 GEMV (``torch.ops.laneserve.kquant_gemv_q8k``,
+small batches) run the int8 GEMV (``torch.ops.laneserve.kquant_gemv_q8k``, or for a fused
+linear whose parts all take it ``kquant_gemv_q8k_fused``: one call over all parts,
 kernels/csrc/kquant_q8k.cpp: the activations quantized once per call to llama.cpp's Q8_K, int8
 per 256 with a float scale, and integer dot products with the weights' own quants on the
 AVX-512 VNNI, AVX2 or scalar route the build has; ~0.4 % of a block's largest activation of
@@ -121,11 +122,23 @@ class KQuantLinear:
                 return torch.ops.laneserve.kquant_gemv(xf, self.blocks[i], self.qtypes[i], 0)
         return self._gemm(xf, i)
 
+    def _int8_fused(self, xf: torch.Tensor) -> bool:
+        """Whether every part of a call of `xf`'s rows runs the int8 GEMV: then one kernel call
+        quantizes the activations once and splits all parts' bytes across the threads."""
+        rows = xf.shape[0]
+        if not (cpu_ext.load() and env.get("LANESERVE_KQUANT_INT8")):
+            return False
+        return all(rows <= KQUANT_Q8K_MAX_TOKENS[p.qtype] for p in self.parts)
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
         xf = x.float().contiguous()
-        ys = [self._part(xf, i) for i in range(len(self.parts))]
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+        if self._int8_fused(xf):
+            route = q8k_route()
+            y = torch.ops.laneserve.kquant_gemv_q8k_fused(xf, self.blocks, self.qtypes, route)
+        else:
+            ys = [self._part(xf, i) for i in range(len(self.parts))]
+            y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype)

@@ -6,9 +6,9 @@
 // float32 x [M, K] and blocks uint8 [N, K / 256 * bytes] (kquant_gemv.cpp has the layouts). Each
 // row of x is first quantized per 256 values to Q8_K: a float scale xd = max|x| / 127, int8
 // xq = round(x / xd) (ties to even) and the sums of xq per 16 (bsums). Each task then takes a
-// range of outputs; per super-block it unpacks the weight's quants once into 256 unsigned bytes
-// in the activations' order (q: 0..15 Q4_K, 0..31 Q5_K, 0..63 Q6_K), an int16 scale per 16
-// weights and an int16 "min" per 16, and for each row of x adds
+// range of outputs; per super-block it cuts the weight's quants out of their packed bytes once
+// (q: 0..15 Q4_K, 0..31 Q5_K, 0..63 Q6_K, in the activations' order), with an int16 scale per
+// 16 weights and an int16 "min" per 16, and for each row of x adds
 //   xd * (d * sum_g scale_g * sum_{i in g} q_i xq_i  -  dmin * sum_g min_g * bsums_g)
 // where for Q4_K / Q5_K (w = d sc q - dmin m) scale_g, min_g are the sub-block's sc and m, and for
 // Q6_K (w = d sc (q - 32)) scale_g = sc, min_g = 32 sc, dmin = d. The integer sums are exact
@@ -17,10 +17,12 @@
 // the per-super-block terms: the only approximation is the activations' int8 rounding (~0.4 %
 // of a 256-block's largest value per element).
 //
-// Routes (``route``): 0 the widest this build has, 1 AVX-512 VNNI (``vpdpbusd`` over 64 bytes, a
-// per-16 int32 scale by ``vpmulld``), 2 AVX2 (``vpmaddubsw`` then ``vpmaddwd`` with the int16
-// scales), 3 scalar; ``kquant_q8k_routes()`` lists the ones built (-march=native decides). All
-// give the same integer sums; they differ in the float32 summation order over super-blocks only.
+// Routes (``route``): 0 the widest this build has, 1 AVX-512 VNNI (256-bit ``vpdpwssd`` for the
+// scale multiply-adds), 2 AVX2 (``vpmaddwd`` + ``vpaddd``), both reading each super-block in
+// place into registers (``vpmaddubsw`` for the byte products), 3 scalar (the reference: the
+// super-block unpacked to a byte array first); ``kquant_q8k_routes()`` lists the ones built
+// (-march=native decides). All give the same integer sums; they differ in the float32
+// summation order over super-blocks only.
 #include "kquant.h"
 
 namespace laneserve {
@@ -85,6 +87,18 @@ Q8K quantize_rows(const float* x, int64_t M, int64_t K) {
   return a;
 }
 
+// Q4_K and Q5_K's 12 packed bytes -> scales sc[0..7] (bytes of t[0..1]) and mins m[0..7]
+// (t[2..3]), as kquant::scale_min_k4 gives them one at a time.
+inline void scales_mins_k4(const uint8_t* packed, uint32_t t[4]) {
+  std::memcpy(t, packed, 12);
+  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  t[3] = ((t[2] >> 4) & kLow4) | (((t[1] >> 6) & kLow2) << 4);
+  const uint32_t mins_low = t[1] & kLow6;
+  t[1] = (t[2] & kLow4) | (((t[0] >> 6) & kLow2) << 4);
+  t[2] = mins_low;
+  t[0] &= kLow6;
+}
+
 // Q4_K and Q5_K: sub-blocks 2j, 2j + 1 are the low and high nibbles of qs[32 j .. 32 j + 31]
 // (Q5_K's fifth bit: bits 2j, 2j + 1 of qh[l]).
 void unpack_q45_k(const uint8_t* b, bool five, Unpacked* u) {
@@ -93,16 +107,8 @@ void unpack_q45_k(const uint8_t* b, bool five, Unpacked* u) {
   const uint8_t* scales = b + 4;
   const uint8_t* qh = b + 16;
   const uint8_t* qs = five ? b + 48 : b + 16;
-  // the 12 packed bytes -> scales sc[0..7] (bytes of t[0..1]) and mins m[0..7] (t[2..3]), as
-  // kquant::scale_min_k4 gives them one at a time
-  uint32_t t[4];
-  std::memcpy(t, scales, 12);
-  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
-  t[3] = ((t[2] >> 4) & kLow4) | (((t[1] >> 6) & kLow2) << 4);
-  const uint32_t mins_low = t[1] & kLow6;
-  t[1] = (t[2] & kLow4) | (((t[0] >> 6) & kLow2) << 4);
-  t[2] = mins_low;
-  t[0] &= kLow6;
+  uint32_t t[4];  // sc[0..7] (bytes 0-7), m[0..7] (bytes 8-15)
+  scales_mins_k4(scales, t);
 #ifdef __AVX2__
   // each byte widened to int16 twice: the two 16-groups of a sub-block
   const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
@@ -189,54 +195,9 @@ void block_dot_scalar(const Unpacked& u, const int8_t* xq, const int16_t* bs, fl
   acc[0] += xd * (u.d * static_cast<float>(isum) - u.dmin * static_cast<float>(msum));
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-void block_dot_avx2(const Unpacked& u, const int8_t* xq, const int16_t* bs, float xd,
-                    float* acc) {
-  __m256i isum = _mm256_setzero_si256();
-  for (int c = 0; c < kGroups / 2; ++c) {  // 32 bytes: groups 2c (lanes 0-7), 2c + 1 (8-15)
-    const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.q + 32 * c));
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * c));
-    const __m256i pairs = _mm256_maddubs_epi16(q, x);  // |.| <= 2 * 63 * 127: no saturation
-    const __m256i sc =
-        _mm256_set_m128i(_mm_set1_epi16(u.scale[2 * c + 1]), _mm_set1_epi16(u.scale[2 * c]));
-    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, sc));
-  }
-  const __m256i mins = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.min));
-  const __m256i msum =
-      _mm256_madd_epi16(mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
-  __m256 a = _mm256_loadu_ps(acc);
-  a = _mm256_fmadd_ps(_mm256_set1_ps(xd * u.d), _mm256_cvtepi32_ps(isum), a);
-  a = _mm256_fnmadd_ps(_mm256_set1_ps(xd * u.dmin), _mm256_cvtepi32_ps(msum), a);
-  _mm256_storeu_ps(acc, a);
-}
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
 #define LANESERVE_KQUANT_VNNI 1
-void block_dot_vnni(const Unpacked& u, const int8_t* xq, const int16_t* bs, float xd,
-                    float* acc) {
-  // lane i of a 64-byte chunk c's vpdpbusd holds 4 products of group 4c + i / 4
-  const __m512i scale32 =
-      _mm512_cvtepi16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(u.scale)));
-  const __m512i quarter = _mm512_srli_epi32(
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
-  __m512i isum = _mm512_setzero_si512();
-  for (int c = 0; c < 4; ++c) {
-    const __m512i q = _mm512_load_si512(u.q + 64 * c);
-    const __m512i x = _mm512_loadu_si512(xq + 64 * c);
-    const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
-    const __m512i idx = _mm512_add_epi32(quarter, _mm512_set1_epi32(4 * c));
-    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(dots, _mm512_permutexvar_epi32(idx, scale32)));
-  }
-  const __m256i mins = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.min));
-  const __m256i msum =
-      _mm256_madd_epi16(mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
-  __m512 a = _mm512_loadu_ps(acc);
-  a = _mm512_fmadd_ps(_mm512_set1_ps(xd * u.d), _mm512_cvtepi32_ps(isum), a);
-  a = _mm512_fnmadd_ps(_mm512_set1_ps(xd * u.dmin),
-                       _mm512_cvtepi32_ps(_mm512_zextsi256_si512(msum)), a);
-  _mm512_storeu_ps(acc, a);
-}
 #endif
 
 #ifdef LANESERVE_KQUANT_VNNI
@@ -245,9 +206,10 @@ constexpr bool kWide = true;
 constexpr bool kWide = false;
 #endif
 
+// One part of a (fused) weight: its blocks, and y the part's first column of the output.
 struct GemvArgs {
   const uint8_t* blocks;
-  int64_t nb, bytes, M, N;
+  int64_t nb, bytes, M, ldy;  // ldy: the output's row stride (all parts' outputs)
   const Q8K* a;
   float* y;
 };
@@ -274,7 +236,7 @@ void gemv_rows(const GemvArgs& g, int64_t n0, int64_t n1) {
       const float* s = acc.data() + m * 16;
       float t = 0.0f;
       for (int l = 0; l < 16; ++l) t += s[l];
-      g.y[m * g.N + n] = t;
+      g.y[m * g.ldy + n] = t;
     }
   }
 }
@@ -288,43 +250,222 @@ Rows rows_of(int64_t qtype) {
   return gemv_rows<kquant::kQ4K, kDot>;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The SIMD routes read each super-block where it lies (no unpacked copy): the quants are cut out
+// of their packed bytes into registers once per super-block, 32 weights of one or two scale
+// groups per register in the activations' order, and each row of x takes 8 `vpmaddubsw` (byte
+// pairs -> int16) and 8 scale multiply-adds (int16 pairs -> int32): `vpdpwssd` on the VNNI
+// route, `vpmaddwd` + `vpaddd` on the AVX2 one. The integer sums are those of the scalar route.
+template <bool kVnni>
+inline __m256i dot_pairs(__m256i acc, __m256i pairs, __m256i scale) {
+#ifdef LANESERVE_KQUANT_VNNI
+  if constexpr (kVnni) return _mm256_dpwssd_epi32(acc, pairs, scale);
+#endif
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale));
+}
+
+// One super-block in registers: q[c] the quants of weights 32c .. 32c + 31 (unsigned bytes),
+// scale[c] their int16 scales (lanes 0-7 the first 16 weights', 8-15 the second 16's), min the
+// per-16 mins (Q6_K: 32 x scale) as int16 [16], d and dmin its float scales.
+struct Regs {
+  __m256i q[8], scale[8], min;
+  float d, dmin;
+};
+
+// an int16 pair broadcast: both 128-bit lanes pick int16 `i` of their lane
+inline __m256i pick16(__m256i v, int i) {
+  return _mm256_shuffle_epi8(v, _mm256_set1_epi16(static_cast<int16_t>((2 * i + 1) << 8 | 2 * i)));
+}
+
+// Q4_K / Q5_K: qs[32 j + l]'s low nibble is weight 64 j + l (sub-block 2 j), its high nibble
+// 64 j + 32 + l (sub-block 2 j + 1); Q5_K's fifth bits are bits 2 j, 2 j + 1 of qh[l].
+template <bool kFive>
+inline void load_q45_k(const uint8_t* b, Regs* r) {
+  r->d = kquant::fp16(b);
+  r->dmin = kquant::fp16(b + 2);
+  uint32_t t[4];  // sc[0..7] (bytes 0-7), m[0..7] (bytes 8-15)
+  scales_mins_k4(b + 4, t);
+  const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+  const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));  // sc[0..7] per lane
+  const __m128i m = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
+  r->min = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const uint8_t* qs = kFive ? b + 48 : b + 16;
+  __m256i qh = _mm256_setzero_si256();
+  if constexpr (kFive) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+  for (int j = 0; j < 4; ++j) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+    __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+    if constexpr (kFive) {
+      const __m256i bit = _mm256_set1_epi8(0x10);  // bit 2 j (2 j + 1) of qh moved to bit 4
+      const __m128i s0 = _mm_cvtsi32_si128(2 * j), s1 = _mm_cvtsi32_si128(2 * j + 1);
+      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qh, s0), 4), bit));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qh, s1), 4), bit));
+    }
+    r->q[2 * j] = lo;
+    r->q[2 * j + 1] = hi;
+    r->scale[2 * j] = pick16(sc, 2 * j);
+    r->scale[2 * j + 1] = pick16(sc, 2 * j + 1);
+  }
+}
+
+// Q6_K: per half of 128, weights l, l + 32, l + 64, l + 96 are the low / high nibbles of ql[l]
+// and ql[l + 32] with bit pairs 0-1, 2-3, 4-5, 6-7 of qh[l]; group g's scale is scales[g].
+inline void load_q6_k(const uint8_t* b, Regs* r) {
+  r->d = r->dmin = kquant::fp16(b + 208);
+  const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  r->min = _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc8), 5);  // 32 x scale
+  // lane 0 the even groups' scales, lane 1 the odd ones': pick16(., c) gives groups 2c, 2c + 1
+  const __m128i eo = _mm_shuffle_epi8(sc8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7,
+                                                         9, 11, 13, 15));
+  const __m256i sc =
+      _mm256_set_m128i(_mm_cvtepi8_epi16(_mm_srli_si128(eo, 8)), _mm_cvtepi8_epi16(eo));
+  const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
+  for (int half = 0; half < 2; ++half) {
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+    __m256i* q = r->q + 4 * half;
+    q[0] = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                           _mm256_and_si256(_mm256_slli_epi16(h, 4), high2));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l1, low4),
+                           _mm256_and_si256(_mm256_slli_epi16(h, 2), high2));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                           _mm256_and_si256(h, high2));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                           _mm256_and_si256(_mm256_srli_epi16(h, 2), high2));
+    for (int c = 0; c < 4; ++c) r->scale[4 * half + c] = pick16(sc, 4 * half + c);
+  }
+}
+
+// acc[0..7] += xd * (d * sum_g scale_g qxq_g - dmin * sum_g min_g bsums_g) for one row of x.
+template <bool kVnni>
+inline __m256 regs_dot(const Regs& r, const int8_t* xq, const int16_t* bs, float xd, __m256 acc) {
+  __m256i isum = _mm256_setzero_si256();
+  for (int c = 0; c < 8; ++c) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * c));
+    isum = dot_pairs<kVnni>(isum, _mm256_maddubs_epi16(r.q[c], x), r.scale[c]);
+  }
+  const __m256i msum =
+      _mm256_madd_epi16(r.min, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(xd * r.d), _mm256_cvtepi32_ps(isum), acc);
+  return _mm256_fnmadd_ps(_mm256_set1_ps(xd * r.dmin), _mm256_cvtepi32_ps(msum), acc);
+}
+
+// Outputs n0..n1 on a SIMD route: each super-block loaded into registers once for all rows.
+template <int64_t kType, bool kVnni>
+void gemv_rows_simd(const GemvArgs& g, int64_t n0, int64_t n1) {
+  std::vector<__m256> acc(g.M);
+  const int8_t* xq = g.a->q.data();
+  const int16_t* bsums = g.a->bsums.data();
+  const float* xd = g.a->d.data();
+  Regs r;
+  for (int64_t n = n0; n < n1; ++n) {
+    std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
+    const uint8_t* row = g.blocks + n * g.nb * g.bytes;
+    for (int64_t b = 0; b < g.nb; ++b) {
+      if constexpr (kType == kQ6K) {
+        load_q6_k(row + b * g.bytes, &r);
+      } else {
+        load_q45_k<kType == kQ5K>(row + b * g.bytes, &r);
+      }
+      for (int64_t m = 0; m < g.M; ++m) {
+        const int64_t i = m * g.nb + b;
+        acc[m] = regs_dot<kVnni>(r, xq + i * kQK, bsums + i * kGroups, xd[i], acc[m]);
+      }
+    }
+    for (int64_t m = 0; m < g.M; ++m) {
+      const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+      const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+      g.y[m * g.ldy + n] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+    }
+  }
+}
+
+template <bool kVnni>
+Rows simd_rows_of(int64_t qtype) {
+  if (qtype == kQ6K) return gemv_rows_simd<kQ6K, kVnni>;
+  if (qtype == kQ5K) return gemv_rows_simd<kQ5K, kVnni>;
+  return gemv_rows_simd<kquant::kQ4K, kVnni>;
+}
+#endif
+
 Rows rows_for(int64_t route, int64_t qtype) {
   route = kquant::pick_route(kquant::built_routes(kWide), route, "kquant_gemv_q8k");
 #ifdef LANESERVE_KQUANT_VNNI
-  if (route == 1) return rows_of<block_dot_vnni>(qtype);
+  if (route == 1) return simd_rows_of<true>(qtype);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (route == 2) return rows_of<block_dot_avx2>(qtype);
+  if (route == 2) return simd_rows_of<false>(qtype);
 #endif
   return rows_of<block_dot_scalar>(qtype);
 }
 
 }  // namespace
 
-at::Tensor kquant_gemv_q8k(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype,
-                           int64_t route) {
-  const int64_t nb = kquant::check_blocks(blocks, qtype);
-  const int64_t bytes = kquant::block_bytes(qtype);
+// Bytes of weights per parallel task at least: ~20 us of reading, so k and v (0.6 MB) split too.
+constexpr int64_t kTaskBytes = 1 << 19;
+
+// y [M, sum N_i] = x @ cat(W_i).T with x quantized once. The threads split the parts' bytes
+// evenly (a Q6_K row costs more than a Q4_K one): row r of part i goes to the task holding its
+// first byte.
+at::Tensor kquant_gemv_q8k_fused(const at::Tensor& x, at::TensorList blocks,
+                                 at::IntArrayRef qtypes, int64_t route) {
+  TORCH_CHECK(!blocks.empty() && blocks.size() == qtypes.size(),
+              "kquant_gemv_q8k: one qtype per blocks tensor");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "kquant_gemv_q8k: x must be contiguous float32 [M, K]");
-  TORCH_CHECK(x.size(1) == nb * kQK, "kquant_gemv_q8k: x has ", x.size(1), " columns, the weight ",
-              nb * kQK);
-  const Rows rows = rows_for(route, qtype);
-  const int64_t M = x.size(0), N = blocks.size(0), K = x.size(1);
+  const int64_t M = x.size(0), K = x.size(1);
+  int64_t ldy = 0, total = 0;
+  std::vector<int64_t> col(blocks.size()), start(blocks.size() + 1);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const int64_t nb = kquant::check_blocks(blocks[i], qtypes[i]);
+    TORCH_CHECK(K == nb * kQK, "kquant_gemv_q8k: x has ", K, " columns, weight ", i, " ", nb * kQK);
+    col[i] = ldy;
+    start[i] = total;
+    ldy += blocks[i].size(0);
+    total += blocks[i].numel();
+  }
+  start.back() = total;
   const Q8K a = quantize_rows(x.data_ptr<float>(), M, K);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const GemvArgs g{blocks.data_ptr<uint8_t>(), nb, bytes, M, N, &a, y.data_ptr<float>()};
-  at::parallel_for(0, N, kquant::row_grain(nb), [&](int64_t n0, int64_t n1) { rows(g, n0, n1); });
+  at::Tensor y = at::empty({M, ldy}, x.options());
+  std::vector<GemvArgs> args;
+  std::vector<Rows> rows;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const int64_t bytes = kquant::block_bytes(qtypes[i]), nb = K / kQK;
+    args.push_back({blocks[i].data_ptr<uint8_t>(), nb, bytes, M, ldy, &a, y.data_ptr<float>() + col[i]});
+    rows.push_back(rows_for(route, qtypes[i]));
+  }
+  at::parallel_for(0, total, kTaskBytes, [&](int64_t b0, int64_t b1) {
+    for (size_t i = 0; i < args.size(); ++i) {
+      const int64_t row_bytes = args[i].nb * args[i].bytes, n = blocks[i].size(0);
+      const auto first_row = [&](int64_t b) {  // the first row starting at or after byte b
+        const int64_t off = std::clamp(b, start[i], start[i + 1]) - start[i];
+        return std::min(n, (off + row_bytes - 1) / row_bytes);
+      };
+      const int64_t n0 = first_row(b0), n1 = first_row(b1);
+      if (n0 < n1) rows[i](args[i], n0, n1);
+    }
+  });
   return y;
+}
+
+at::Tensor kquant_gemv_q8k(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype,
+                           int64_t route) {
+  return kquant_gemv_q8k_fused(x, {blocks}, {qtype}, route);
 }
 
 std::vector<int64_t> kquant_q8k_routes() { return kquant::built_routes(kWide); }
 
 TORCH_LIBRARY_FRAGMENT(laneserve, m) {
   m.def("kquant_gemv_q8k(Tensor x, Tensor blocks, int qtype, int route) -> Tensor");
+  m.def("kquant_gemv_q8k_fused(Tensor x, Tensor[] blocks, int[] qtypes, int route) -> Tensor");
   m.def("kquant_q8k_routes() -> int[]", &kquant_q8k_routes);
 }
 
-TORCH_LIBRARY_IMPL(laneserve, CPU, m) { m.impl("kquant_gemv_q8k", &kquant_gemv_q8k); }
+TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
+  m.impl("kquant_gemv_q8k", &kquant_gemv_q8k);
+  m.impl("kquant_gemv_q8k_fused", &kquant_gemv_q8k_fused);
+}
 
 }  // namespace laneserve

@@ -7,9 +7,9 @@ N = 37 outputs, K = 3 super-blocks; every route the build has (fp32: AVX-512, AV
 AVX-512 VNNI, AVX2, scalar) is forced in turn. The int8 route is checked against the float64 dot
 product of the dequantized weights with the activations rounded as llama.cpp's Q8_K rounds them
 (`q8k_reference`), which it computes exactly up to float32 rounding.
-On an AVX2-only machine the AVX-512 VNNI route is not built and cannot run here:
-scripts/check_kquant_vnni.py runs its block dot under SIMDe's portable AVX-512 intrinsics, and
-every process self-checks its routes on first use (`kquant.q8k_route`, tested below).
+On an AVX2-only machine the AVX-512 VNNI route is not built and cannot run here (it shares
+its code with the AVX2 route but for the scale multiply-adds, `dot_pairs`), and every process
+self-checks its routes on first use (`kquant.q8k_route`, tested below).
 """
 
 from __future__ import annotations
@@ -238,3 +238,26 @@ def test_embedding_lookup_dequantizes_its_rows():
     emb = KQuantEmbedding(table, torch.float32)
     ids = torch.tensor([5, 0, 36, 5])
     torch.testing.assert_close(emb(ids), reference(table.blocks, "Q6_K")[ids], rtol=1e-6, atol=0)
+
+
+def test_fused_int8_gemv_splits_parts_by_bytes_and_matches_each_part():
+    """`kquant_gemv_q8k_fused` over parts of all three types (0.8 MB: split across the threads
+    by bytes, a boundary inside a part) gives exactly the single-part calls' outputs, side by
+    side, on every route."""
+    rng = np.random.default_rng(11)
+    types, rows = ["Q4_K", "Q6_K", "Q5_K"], [2048, 1537, 300]
+    blocks = [
+        torch.from_numpy(kquant_blocks(t, n, 256, rng)) for t, n in zip(types, rows, strict=True)
+    ]
+    qtypes = [QTYPE_IDS[t] for t in types]
+    assert sum(b.numel() for b in blocks) > 1 << 19  # more than one task's bytes
+    x = torch.randn(3, 256)
+    for route in [0, *torch.ops.laneserve.kquant_q8k_routes()]:
+        y = torch.ops.laneserve.kquant_gemv_q8k_fused(x, blocks, qtypes, route)
+        parts = [
+            torch.ops.laneserve.kquant_gemv_q8k(x, b, t, route)
+            for b, t in zip(blocks, qtypes, strict=True)
+        ]
+        assert torch.equal(y, torch.cat(parts, dim=1)), route
+    with pytest.raises(RuntimeError, match="one qtype per blocks tensor"):
+        torch.ops.laneserve.kquant_gemv_q8k_fused(x, blocks, qtypes[:2], 0)
