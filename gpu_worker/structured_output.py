@@ -38,6 +38,7 @@ import llguidance
 import torch
 
 from laneserve.contracts.openai.structured import grammar_of
+from laneserve.kernels import cpu_ext
 
 __all__ = [
     "DEFAULT_GRAMMAR_CACHE_SIZE",
@@ -180,8 +181,19 @@ def batch_bitmask(
 def apply_token_bitmask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
     """`[B, V]` logits -> a float32 copy where the tokens `mask` forbids are -inf (only its rows).
 
-    Tokens beyond the bitmask's `32 * W` ids are forbidden too. The input is not modified."""
+    Tokens beyond the bitmask's `32 * W` ids are forbidden too. The input is not modified. On
+    the CPU with the C++ kernels built, one in-place pass (`apply_token_bitmask_`, ~1 ms at batch
+    64 where unpacking the bits in torch took ~8); elsewhere torch ops."""
     out = logits.to(torch.float32, copy=True)  # [B, V]
+    if out.device.type == "cpu" and out.is_contiguous() and cpu_ext.load():
+        rows = torch.tensor(mask.rows, dtype=torch.int64)
+        torch.ops.laneserve.apply_token_bitmask_(out, mask.bitmask.contiguous(), rows)
+        return out
+    return apply_token_bitmask_torch(out, mask)
+
+
+def apply_token_bitmask_torch(out: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
+    """`apply_token_bitmask` in torch ops (any device), on the float32 copy `out`, in place."""
     rows, vocab = len(mask.rows), out.shape[1]
     bitmask = mask.bitmask.to(out.device, non_blocking=True)  # [R, W]
     words = min(bitmask.shape[1], (vocab + 31) // 32)

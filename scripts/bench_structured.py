@@ -16,9 +16,10 @@ Same model, same prompts, side by side:
 Targets (issue 20): 100% valid with constraints; <= 10% tok/s overhead at batch 64; cached
 compile < 1 ms. Prints one JSON object, with the CPU model and flags.
 
-``--tools``: the same with a forced tool call instead (issue 49: ``tool_choice: "required"`` with the
-schema as a function's ``parameters``, the grammar the gateway sends); valid = an array of calls
-naming the function, each with arguments that validate.
+``--tools``: the same with a forced tool call instead (issue 49: ``tool_choice`` naming the function
+whose ``parameters`` are the schema, the grammar the gateway sends: the reply is its arguments,
+valid when they validate); ``--tool-choice required``: any number of calls, valid = an array of
+calls naming the function, each with arguments that validate.
 
     python scripts/bench_structured.py [--num-prompts 64] [--batch1-prompts 4] [--max-tokens 160]
         [--tools]
@@ -57,6 +58,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 TOOL = {"type": "function", "function": {"name": "add_person", "parameters": SCHEMA}}
+FORCED = {"type": "function", "function": {"name": "add_person"}}  # the reply: its arguments
 SUBJECTS = ["a teacher", "a pilot", "a chef", "a student", "a nurse", "an artist", "a farmer"]
 
 
@@ -165,6 +167,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--tools", action="store_true", help="a forced tool call, not a schema")
+    ap.add_argument(
+        "--tool-choice", choices=("function", "required"), default="function",
+        help="--tools: the named function (OpenAI's forced call: one call, its arguments) or "
+        "'required' (any number of calls: a small model may repeat calls until max tokens)",
+    )  # fmt: skip
     args = ap.parse_args()
 
     kwargs = {"dtype": args.dtype, "max_num_seqs": max(64, args.num_prompts)}
@@ -174,7 +181,9 @@ def main() -> None:
     )
     check = valid
     if args.tools:  # the grammar of tool_choice "required" (contracts/openai/tools.py)
-        spec, check = parse_tools({"tools": [TOOL], "tool_choice": "required"}).spec(), valid_calls
+        choice = "required" if args.tool_choice == "required" else FORCED
+        spec = parse_tools({"tools": [TOOL], "tool_choice": choice}).spec()
+        check = valid_calls if args.tool_choice == "required" else valid
     convs = conversations(args.num_prompts)
     llm.chat(convs[:2], SamplingParams(max_tokens=4, temperature=0.0, structured_outputs=spec))
 

@@ -215,6 +215,43 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& positions,
   return q;
 }
 
+// Grammar bitmask (structured outputs): in float32 `logits` [B, V], set -inf at every token row
+// `rows[r]` may not take: bit t % 32 of bitmask[r][t / 32] clear, or t beyond the bitmask's
+// 32 * W ids. In place; rows in parallel. The torch version unpacked every bit into a bool tensor
+// ([64, 49152]: ~8 ms a step at batch 64 on a 2-core EPYC).
+void apply_token_bitmask_(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "logits: contiguous float32 [B, V]");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous(),
+              "bitmask: contiguous int32 [R, W]");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.size(0) == bitmask.size(0),
+              "rows: int64 [R], one per bitmask row");
+  const int64_t B = logits.size(0), V = logits.size(1), R = bitmask.size(0), W = bitmask.size(1);
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(row_ids[r] >= 0 && row_ids[r] < B, "row ", row_ids[r], " outside [0, ", B, ")");
+  const int64_t words = std::min(W, (V + 31) / 32);
+  const float neg = -std::numeric_limits<float>::infinity();
+  float* base = logits.data_ptr<float>();
+  const int32_t* bits = bitmask.data_ptr<int32_t>();
+  at::parallel_for(0, R, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* out = base + row_ids[r] * V;
+      const uint32_t* word = reinterpret_cast<const uint32_t*>(bits + r * W);
+      for (int64_t w = 0; w < words; ++w) {
+        const int64_t t0 = w * 32;
+        uint32_t forbidden = ~word[w];
+        if (V - t0 < 32) forbidden &= (1u << (V - t0)) - 1u;  // the last word's ids past V
+        while (forbidden) {
+          out[t0 + __builtin_ctz(forbidden)] = neg;
+          forbidden &= forbidden - 1;
+        }
+      }
+      for (int64_t t = words * 32; t < V; ++t) out[t] = neg;
+    }
+  });
+}
+
 }  // namespace
 }  // namespace laneserve
 
@@ -225,6 +262,7 @@ TORCH_LIBRARY_FRAGMENT(laneserve, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rope_and_cache(Tensor qkv, Tensor positions, Tensor cos_sin_cache, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, int num_q_heads, int num_kv_heads) -> Tensor");
+  m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
@@ -232,4 +270,5 @@ TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
   m.impl("rms_norm", &laneserve::rms_norm);
   m.impl("silu_and_mul", &laneserve::silu_and_mul);
   m.impl("rope_and_cache", &laneserve::rope_and_cache);
+  m.impl("apply_token_bitmask_", &laneserve::apply_token_bitmask_);
 }

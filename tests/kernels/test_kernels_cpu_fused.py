@@ -276,3 +276,30 @@ def test_an_unbuilt_extension_compiles_in_the_background_without_blocking(tmp_pa
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     assert cpu_ext.is_built()  # this process's build is unaffected
+
+
+@pytest.mark.parametrize(
+    ("batch", "vocab", "rows", "words"),
+    [(64, 49152, list(range(64)), 1536), (5, 49155, [0, 2, 4], 1536), (4, 70, [3, 1], 3),
+     (3, 100, [1], 4)],
+)  # fmt: skip
+def test_grammar_bitmask_op_equals_the_torch_path(gen, batch, vocab, rows, words):
+    """`apply_token_bitmask_` (C++, in place) forbids exactly the tokens the torch path does: clear
+    bits, a last word's ids past the vocabulary, ids past a bitmask narrower than the vocabulary
+    (49155 ids, 1536 words), only the mask's rows; a word of all ones leaves its 32 tokens."""
+    from laneserve.gpu_worker.structured_output import (
+        GrammarMask,
+        apply_token_bitmask,
+        apply_token_bitmask_torch,
+    )
+
+    logits = torch.randn(batch, vocab, generator=gen).to(torch.bfloat16)
+    bits = torch.randint(-(2**31), 2**31 - 1, (len(rows), words), generator=gen, dtype=torch.int32)
+    bits[0, 0] = -1  # every token of the first word allowed
+    mask = GrammarMask(rows, bits)
+    fast = apply_token_bitmask(logits, mask)
+    expect = apply_token_bitmask_torch(logits.to(torch.float32, copy=True), mask)
+    assert torch.equal(fast, expect)
+    assert torch.isinf(fast).any() and not torch.isinf(fast[rows[0], :32]).any()
+    untouched = [b for b in range(batch) if b not in rows]
+    assert torch.equal(fast[untouched], logits[untouched].float())
