@@ -23,13 +23,13 @@ def exact_llm(make_llm):
 
 
 @pytest.fixture(scope="module")
-def hf_logprobs(smollm2_gguf, exact_llm):
-    """log_softmax of transformers' own float32 forward over the whole prompt: `[P, V]`."""
+def hf_logprobs(smollm2_dir, exact_llm):
+    """log_softmax of transformers' own float32 forward over the whole prompt: `[P, V]`, on the
+    converted directory the engine loads (transformers' own GGUF reading, against our converter,
+    is tests/model/test_model_parity.py's reference)."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
+    model = LlamaForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
     ids = exact_llm.tokenizer(TEXT)["input_ids"]
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].float()
@@ -81,7 +81,10 @@ def test_prompt_logprobs_once_across_preemption(make_llm, exact_llm):
     lengths = [3, 7, 15, 16, 17, 31, 32, 33, 48, 64, 70, 5, 90, 11, 100, 111]
     prompts = [long[i * 3 : i * 3 + n] for i, n in enumerate(lengths)]
     params = SamplingParams(max_tokens=10, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
-    alone = [exact_llm.generate([p], params)[0] for p in prompts]
+    # the same batch in a pool that never preempts (a batch equals its prompts run alone:
+    # tests/engine/test_engine_invariance.py, prompt logprobs under chunking above)
+    alone = exact_llm.generate(prompts, params)
+    assert exact_llm.stats()["num_preemptions"] == 0
     # 14 blocks x 16 = 224 slots for 16 requests of up to 121 tokens: preempted and recomputed
     tight = make_llm(quantization="none", num_blocks=14, max_model_len=224)
     outs = tight.generate(prompts, params)

@@ -97,13 +97,19 @@ def test_logits_one_pass_and_pieces_match_transformers(runner, smollm2_loaded, h
     assert torch.equal(one.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("length", [1, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK, 500])
-def test_greedy_continuation_matches_transformers(runner, smollm2_loaded, hf_smollm2, length):
-    ids = long_ids(smollm2_loaded.tokenizer, length)
-    assert len(ids) == length
-    ref = hf_greedy(hf_smollm2, ids, 24)
-    assert greedy(runner, [ids], 24) == [ref]
-    assert greedy(runner, [ids], 24, chunk=7) == [ref]
+def test_greedy_continuation_matches_transformers(runner, smollm2_loaded, hf_smollm2):
+    """Prompts of 1 token, around a block and past several, each against transformers run alone,
+    decoded in one batch through the paged cache: whole prefills, then 7-token chunks. (One
+    prompt alone through our runner: the logits test above and the families' test below; a
+    batch equal to its prompts alone: tests/engine/test_engine_invariance.py.)"""
+    lengths = [1, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK, 500]
+    prompts = [long_ids(smollm2_loaded.tokenizer, n) for n in lengths]
+    assert list(map(len, prompts)) == lengths
+    refs = [hf_greedy(hf_smollm2, ids, 24) for ids in prompts]
+    sizes = [(n + 24) // BLOCK + 1 for n in lengths]  # each prompt's own blocks, disjoint
+    tables = [list(range(sum(sizes[:b]), sum(sizes[: b + 1]))) for b in range(len(sizes))]
+    assert greedy(runner, prompts, 24, tables=tables) == refs
+    assert greedy(runner, prompts, 24, chunk=7, tables=tables) == refs
 
 
 # ----------------------------------------------------------------- other families, tiny random weights
