@@ -302,6 +302,7 @@ def test_a_batch_line_with_tools_is_rendered_sent_and_answered_as_the_api(
     smollm2_dir, tmp_path
 ) -> None:
     from laneserve.broker.protocol import Final
+    from laneserve.contracts.engine_io import EngineRequest
     from laneserve.jobs.results import choice_requests, success_response
     from laneserve.jobs.validate import Validator
     from tests.harness import write_jsonl
@@ -314,7 +315,8 @@ def test_a_batch_line_with_tools_is_rendered_sent_and_answered_as_the_api(
     _, (submit,) = choice_requests("r", result.request)
     req = parse("/v1/chat/completions", body, Limits())
     served.check(req, Limits())
-    assert submit.prompt_token_ids == req.prompts[0].encoded and submit.messages is None
+    assert isinstance(submit, EngineRequest)  # ids, not text: tokenized once, at the edge
+    assert submit.prompt_token_ids == req.prompts[0].encoded
     text = 'Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": 3}}\n</tool_call>'
     final = Final(request_id="r", finish_reason="stop", text=text, usage={"prompt_tokens": 9})
     out = success_response("r", "/v1/chat/completions", "m", final, body=body, served=served)

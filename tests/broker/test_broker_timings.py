@@ -94,5 +94,16 @@ def test_work_request_carries_every_prompt_field_of_the_submit():
         "request_id", "lane", "sampling_params", "prompt", "messages", "prompt_token_ids",
         "priority", "model", "attempt", "task",
     }  # fmt: skip
-    assert work.engine_request(0.0).task == "embed"
+    # the worker's front end templates and tokenizes a prompt sent as messages; the engine gets ids
+    seen = []
+
+    def encode(prompt=None, messages=None):
+        seen.append((prompt, messages))
+        return [5, 6]
+
+    engine_request = work.engine_request(0.0, encode)
+    assert engine_request.task == "embed" and engine_request.prompt_token_ids == [5, 6]
+    assert seen == [(None, [{"role": "user", "content": "x"}])]
+    with pytest.raises(ValueError, match="prompt encoder"):
+        work.engine_request(0.0)
     assert p.decode(work.to_frames(), p.BROKER_TO_WORKER) == work
