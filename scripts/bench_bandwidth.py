@@ -23,66 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import time
 
 import torch
-from benchlib import cpu_info
-
-
-def read_bandwidth(gib: float, threads: int, repeats: int) -> float:
-    """GB/s of `torch.sum` over `gib` GiB of float32 with `threads` torch threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        x = torch.ones(int(gib * 2**30) // 4)
-        x.sum()  # warm-up: the pages are touched by `ones`, the threads started here
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            x.sum()
-            times.append(time.perf_counter() - t0)
-        return x.numel() * 4 / statistics.median(times) / 1e9
-    finally:
-        torch.set_num_threads(before)
-
-
-def _field(reader, key: str):
-    field = reader.get_field(key)
-    return None if field is None else field.contents()
-
-
-def model_bytes(path: str) -> dict:
-    """The GGUF's weight bytes as a decode step reads them, and its per-token KV elements."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    arch = _field(reader, "general.architecture")
-    layers = int(_field(reader, f"{arch}.block_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or heads)
-    head_dim = int(_field(reader, f"{arch}.attention.key_length") or hidden // heads)
-    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
-    embed = sizes.get("token_embd.weight", 0)
-    tied = "output.weight" not in sizes
-    vocab = next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight")
-    experts = int(_field(reader, f"{arch}.expert_count") or 0)
-    used = int(_field(reader, f"{arch}.expert_used_count") or 0)
-    expert_bytes = sum(n for name, n in sizes.items() if "_exps." in name)
-    step = sum(sizes.values()) - (0 if tied else embed)
-    return {
-        "file_bytes": os.path.getsize(path),
-        "weight_bytes": sum(sizes.values()),
-        # the embedding is read in full only when it is also the output head
-        "step_weight_bytes": step,
-        # a one-token MoE step reads only its top-k experts (expert_used_count of expert_count)
-        "active_step_weight_bytes": step - expert_bytes + expert_bytes * used // max(experts, 1),
-        "embedding_row_bytes": embed // vocab,
-        "tied_embedding": tied,
-        "kv_elements_per_token": 2 * layers * kv_heads * head_dim,  # K and V, every layer
-    }
+from benchlib import cpu_info, model_bytes, read_bandwidth
 
 
 def decode_reads(model: dict, batches: list[int], context: int, kv_bytes: int) -> dict:

@@ -10,7 +10,7 @@ file's type) and M rows of float32 activations, times `x @ W.T` through:
             to float32, fp32 dot products (up to `--fp32-max-m` rows)
     tiles   KQuantLinear's GEMM route: 512 outputs dequantized at a time, dense float32 GEMM
 
-Variants are timed round-robin (`bench_quant.time_cells`), so load from other processes hits
+Variants are timed round-robin (`benchlib.time_cells`), so load from other processes hits
 them alike: read the per-round ratios (`ratio_to_q8k`). Prints one JSON object: the CPU, torch
 threads, the q8k routes built, per shape and M each variant's median microseconds and its ratio
 to q8k, q8k's weight bytes per second at each M, and per shape the largest M up to which q8k is
@@ -50,8 +50,7 @@ apply_openmp_policy()
 import numpy as np  # noqa: E402  # isort: skip
 import torch  # noqa: E402  # isort: skip
 
-from bench_offline import cpu_info  # noqa: E402  # isort: skip  (scripts/ is on sys.path)
-from bench_quant import gemv_max_m, time_cells  # noqa: E402  # isort: skip
+from benchlib import cpu_info, gemv_max_m, time_cells  # noqa: E402  # isort: skip  (scripts/ is on sys.path)
 from laneserve.gpu_worker.gguf_blocks import GGUFQuantTensor  # noqa: E402  # isort: skip
 from laneserve.gpu_worker.kquant import QTYPE_IDS, KQuantLinear, random_blocks  # noqa: E402  # isort: skip
 from laneserve.kernels import cpu_ext  # noqa: E402  # isort: skip
@@ -190,7 +189,7 @@ def llama_quantize(src: str, dst: str, kind: str = "Q4_K_M") -> None:
     """Quantize GGUF `src` into `dst` with llama.cpp's own quantizer (the peer's llama_cpp)."""
     import subprocess
 
-    from bench_offline import VENV_PEERS, peer_python
+    from benchlib import VENV_PEERS, peer_python
 
     if kind not in LLAMA_FTYPES:
         raise SystemExit(f"--llama-quantize: type {kind!r} is not one of {sorted(LLAMA_FTYPES)}")

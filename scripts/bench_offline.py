@@ -61,8 +61,13 @@ USER_OPENMP = {name: os.environ.get(name) for name in POLICY_VARIABLES}
 apply_openmp_policy(exclusive=True)
 import torch  # noqa: E402  # isort: skip
 from benchlib import (  # noqa: E402, F401
+    VENV_PEERS,
     cpu_info,
     cpu_times,
+    model_bytes,
+    peer_python,
+    read_bandwidth,
+    run_transformers,
     sample_documents,
     steal_pct,
     thread_settings,
@@ -80,46 +85,13 @@ def build_prompts(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
-def run_transformers(model, prompts, max_tokens, batch_size, pad_id):
-    outs = []
-    start = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i : i + batch_size]
-        width = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for r, p in enumerate(chunk):  # left padding
-            ids[r, width - len(p) :] = torch.tensor(p)
-            mask[r, width - len(p) :] = 1
-        with torch.inference_mode():
-            gen = model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=pad_id,
-            )
-        outs.extend(gen[:, width:].tolist())
-    return outs, time.perf_counter() - start
-
-
 # --- --peers: one process per engine -----------------------------------------------------------
 
 PEERS = ("hf", "vllm", "llamacpp")
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "scripts" / "peers"
-DEFAULT_PEERS_DIR = Path.home() / ".cache" / "laneserve-peers"
-VENV_PEERS = {"vllm": "vllm", "llamacpp": "llamacpp"}  # peer -> venv name under the peers dir
 LOG_TAIL_CHARS = 1500
 VLLM_KV_CACHE_GIB = "1"  # vLLM CPU's default reserves 4 GiB; 1 GiB holds 64 x 2048 tokens here
-
-
-def peers_dir() -> Path:
-    """Where scripts/setup_peers.sh puts the peers' virtual environments."""
-    from laneserve.contracts import env
-
-    return env.get("LANESERVE_PEERS_DIR") or DEFAULT_PEERS_DIR
 
 
 def _tail(path: Path) -> str:
@@ -211,20 +183,6 @@ def bench_engine(
     if "error" in warm:
         out["warm_start_error"] = warm["error"]
     return out
-
-
-def peer_python(peer: str) -> tuple[str | None, str | None]:
-    """The interpreter that runs `peer`'s worker, or None and why it cannot run."""
-    if peer not in VENV_PEERS:
-        return sys.executable, None
-    venv = peers_dir() / VENV_PEERS[peer]
-    python = venv / "bin" / "python"
-    if not python.exists():
-        return (
-            None,
-            f"not installed: no virtual environment at {venv} (scripts/setup_peers.sh {peer})",
-        )
-    return str(python), None
 
 
 FIGURES = ("offline_tok_s", "single_stream_decode_tok_s", "cold_start_s", "warm_start_s")
@@ -343,10 +301,8 @@ def bandwidth_shares(gguf: Path, engines: dict[str, Any], threads: int | None) -
     """The measured streaming read bandwidth (scripts/bench_bandwidth.py, all threads) and, per
     engine, the share of it a single-stream decode uses: tok/s x the weight bytes a one-token
     step reads from the GGUF (a MoE's top-k experts only; the KV of a 64-token context aside)."""
-    import bench_bandwidth
-
-    gb_s = bench_bandwidth.read_bandwidth(1.0, threads or torch.get_num_threads(), 5)
-    step = bench_bandwidth.model_bytes(str(gguf))["active_step_weight_bytes"]
+    gb_s = read_bandwidth(1.0, threads or torch.get_num_threads(), 5)
+    step = model_bytes(str(gguf))["active_step_weight_bytes"]
     shares = {
         name: round(e["single_stream_decode_tok_s"] * step / (gb_s * 1e9), 3)
         for name, e in engines.items()

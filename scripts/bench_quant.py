@@ -52,7 +52,7 @@ apply_openmp_policy()
 import torch  # noqa: E402  # isort: skip
 import torch.nn.functional as F  # noqa: E402  # isort: skip
 
-from benchlib import cpu_info  # noqa: E402  # isort: skip
+from benchlib import cpu_info, gemv_max_m, time_cells  # noqa: E402  # isort: skip
 from laneserve.kernels import cpu_ext  # noqa: E402  # isort: skip
 from laneserve.gpu_worker.gemv_blocks import GemvBlocks  # noqa: E402  # isort: skip
 from laneserve.gpu_worker.gguf_blocks import int4_from_float, int8_from_float  # noqa: E402  # isort: skip
@@ -76,44 +76,6 @@ FP32_QUANT_MAX_M = 4
 SLOW_FP32 = ("int4_fp32", "int8_fp32")
 PREFILL_TOKENS = 512  # the prompt of the prefill timing (--steps)
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
-def time_cells(
-    fns: dict,
-    x32: torch.Tensor,
-    budget_s: float,
-    min_rounds: int = 9,
-    refs: tuple[str, ...] = ("int4_bf16", "quant_int4_fp32_in"),
-) -> dict:
-    """Per variant: median microseconds per call, and per-round ratios to each of `refs` timed.
-
-    Variants are timed round-robin (one call each per round, until `budget_s` per variant is
-    spent), so a burst of load from other processes hits every variant of a round alike; the
-    per-round ratio's median is the robust figure on a shared machine.
-    """
-    inputs = {v: x32.to(dt) for v, (dt, _) in fns.items()}
-    for v, (_, f) in fns.items():
-        f(inputs[v])  # warm-up (first call packs / allocates)
-    times: dict[str, list[float]] = {v: [] for v in fns}
-    deadline = time.perf_counter() + budget_s * len(fns)
-    rounds = 0
-    while rounds < min_rounds or (time.perf_counter() < deadline and rounds < 2000):
-        for v, (_, f) in fns.items():
-            t0 = time.perf_counter()
-            f(inputs[v])
-            times[v].append(time.perf_counter() - t0)
-        rounds += 1
-    out = {}
-    for v, ts in times.items():
-        cell = {"median_us": round(statistics.median(ts) * 1e6, 1)}
-        for ref_name in refs:
-            ref = times.get(ref_name)
-            if ref is not None:
-                cell[f"ratio_to_{ref_name}"] = round(
-                    statistics.median(t / r for t, r in zip(ts, ref, strict=True)), 3
-                )
-        out[v] = cell
-    return out
 
 
 def variants(n: int, k: int) -> dict:
@@ -149,17 +111,6 @@ def variants(n: int, k: int) -> dict:
         blocks8.prepare()
         fns["gemv_q8_0_blocks_fp32"] = (torch.float32, blocks8)
     return fns
-
-
-def gemv_max_m(ratio: dict[int, float]) -> int | None:
-    """Largest M up to which the C++ GEMV takes at most the time of what float32 activations
-    run on otherwise (QuantLinear's torch kernel, ratio <= 1) at every smaller M measured."""
-    best = None
-    for m in sorted(ratio):
-        if ratio[m] > 1.0:
-            break
-        best = m
-    return best
 
 
 def crossover(ratio: dict[int, float]) -> int | None:

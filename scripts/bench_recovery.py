@@ -33,15 +33,14 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
 
 import httpx
 import psutil
+from benchlib import add_model_home, home_for, stack_info, start_up, stop_up
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -72,65 +71,6 @@ def _line(i: int, max_tokens: int) -> str:
     return json.dumps(
         {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
     )
-
-
-def add_model_home(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument(
-        "--model-home",
-        default=os.environ.get("LANESERVE_HOME"),
-        help="LANESERVE_HOME holding the pulled model (default: $LANESERVE_HOME)",
-    )
-
-
-def home_for(model_home: str | None, model_needed: bool = True) -> Path:
-    """A fresh home for the run, its models/ linked to `model_home`'s."""
-    if not model_home and model_needed:
-        raise SystemExit("set LANESERVE_HOME (or --model-home) to a home with the model pulled")
-    return make_home(Path(model_home or tempfile.mkdtemp(prefix="lsnomodel")))
-
-
-def make_home(src_home: Path) -> Path:
-    """A fresh LANESERVE_HOME whose models/ links to `src_home`'s pulled files."""
-    home = Path(tempfile.mkdtemp(prefix="lsrec"))
-    models = home / "models"
-    models.mkdir()
-    for path in (src_home / "models").glob("*"):
-        if not path.name.endswith(".lock"):
-            (models / path.name).symlink_to(path.resolve())
-    return home
-
-
-def start_up(home: Path, extra: list[str]) -> tuple[subprocess.Popen, dict]:
-    env = dict(os.environ, LANESERVE_HOME=str(home), PYTHONPATH=str(ROOT))
-    env.pop("LANESERVE_DB_URL", None)
-    argv = [sys.executable, "-m", "laneserve.commands.up", "--api-port", "0", "--no-dashboard"]
-    log = open(home / "up.log", "ab")  # noqa: SIM115 - the child keeps it
-    proc = subprocess.Popen(argv + extra, env=env, cwd=ROOT, stdout=log, stderr=log)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"laneserve up exited {proc.returncode}; see {home / 'up.log'}")
-        info = stack_info(home)
-        if info.get("state") == "ready" and info.get("supervisor_pid") == proc.pid:
-            return proc, info
-        time.sleep(0.3)
-    raise SystemExit("laneserve up not ready in 600 s")
-
-
-def stop_up(proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    """Stop `laneserve up` as Ctrl-C does (SIGKILL when it has not stopped in `timeout_s`)."""
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-def stack_info(home: Path) -> dict:
-    try:
-        return json.loads((home / "stack.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def submit(api: str, lines: int, max_tokens: int) -> str:

@@ -55,7 +55,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import math
 import os
 import statistics
 import sys
@@ -66,38 +65,9 @@ from laneserve.gpu_worker.openmp import apply_openmp_policy  # isort: skip
 
 apply_openmp_policy()
 import torch  # noqa: E402
-from benchlib import cpu_info, thread_settings  # noqa: E402
+from benchlib import conversations, cpu_info, prompt_pool, thread_settings  # noqa: E402
 
-from laneserve.demo_chats import CHAT_MODULES, CHAT_QUESTIONS  # noqa: E402
-from laneserve.demo_corpus import build_corpus  # noqa: E402
 from laneserve.gpu_worker import LLM, SamplingParams  # noqa: E402
-from laneserve.jobs.prompts import summarize_messages, translate_messages  # noqa: E402
-
-
-@functools.cache
-def prompt_pool(task: str) -> list[list[dict]]:
-    """Every distinct chat request of `task` the demo's corpus gives (summaries: one document per
-    standard-library module, ~130 on CPython 3.11)."""
-    if task == "summarize":
-        docs = build_corpus(100_000, 0, max_doc_chars=600, strict=False).documents
-        return [summarize_messages(text) for _, text in docs]
-    if task == "translate":
-        sents = build_corpus(0, 100_000, strict=False).sentences
-        return [translate_messages(text, "fr", "en") for _, text in sents]
-    if task != "chat":
-        raise ValueError(f"unknown task {task!r}")
-    pairs = math.lcm(len(CHAT_QUESTIONS), len(CHAT_MODULES))
-    return [
-        [{"role": "user", "content": CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)].format(
-            m=CHAT_MODULES[i % len(CHAT_MODULES)])}]
-        for i in range(pairs)
-    ]  # fmt: skip
-
-
-def conversations(task: str, count: int, offset: int) -> list[list[dict]]:
-    """`count` chat requests of `task` from prompt `offset` on, wrapping around `prompt_pool`."""
-    pool = prompt_pool(task)
-    return [pool[(offset + i) % len(pool)] for i in range(count)]
 
 
 def run_cell(llm: LLM, convs: list[list[dict]], batch: int, *, params: SamplingParams) -> dict:

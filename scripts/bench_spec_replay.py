@@ -44,8 +44,7 @@ from laneserve.gpu_worker.openmp import apply_openmp_policy  # isort: skip
 
 apply_openmp_policy()
 import numpy as np  # noqa: E402
-from bench_spec import conversations  # noqa: E402
-from benchlib import cpu_info  # noqa: E402
+from benchlib import conversations, cpu_info  # noqa: E402
 
 from laneserve.gpu_worker.config import SpeculativeConfig  # noqa: E402
 from laneserve.gpu_worker.request import Request  # noqa: E402

@@ -2,11 +2,17 @@
 counters every result JSON carries, and the serving benchmarks' parts: a fresh or running stack
 (`add_stack_args`, `bench_stack`), streamed requests timed by the client (`stream_completion`,
 `stream_chat`, `stream_request`, `closed_loop`), and their figures beside the server's rows in
-SQL (`client_figures`, `server_figures`, `pct`).
+SQL (`client_figures`, `server_figures`, `pct`); the offline and kernel benchmarks' parts: the
+demo tasks' chat requests (`prompt_pool`, `conversations`), transformers `generate` in static
+batches (`run_transformers`), round-robin kernel timing (`time_cells`, `gemv_max_m`), the peers'
+virtual environments (`peer_python`), the streaming read bandwidth and a GGUF's step bytes
+(`read_bandwidth`, `model_bytes`); and a `laneserve up` of a script's own in a fresh home
+(`home_for`, `start_up`, `stop_up`, `stack_info`).
 
-Torch-free at import: a script that needs the engines' OpenMP policy applies it itself before torch
-loads (`gpu_worker.openmp`). Its one side effect: this checkout's root goes first on ``sys.path``,
-so ``laneserve`` is the checkout's package whichever is installed.
+Torch-free at import (torch loads inside the functions that use it): a script that needs the
+engines' OpenMP policy applies it itself before torch loads (`gpu_worker.openmp`). Its one side
+effect: this checkout's root goes first on ``sys.path``, so ``laneserve`` is the checkout's
+package whichever is installed.
 
 Scripts import it by name (``from benchlib import cpu_info``): ``python scripts/NAME.py`` puts
 scripts/ first on ``sys.path``, and ``tests/harness.load_script`` does the same while it loads
@@ -18,17 +24,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import importlib
 import json
+import math
 import os
 import platform
 import random
+import signal
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -36,6 +47,9 @@ if str(ROOT) not in sys.path:
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
 
 
 def cpu_info() -> dict[str, Any]:
@@ -513,3 +527,257 @@ def sample_documents(n: int, max_words: int = 160) -> list[str]:
     while len(docs) < n:  # recycle with a marker so prompts stay distinct
         docs.append(f"(copy {len(docs)}) " + docs[len(docs) % max(1, len(docs))])
     return docs
+
+
+# --- offline and kernel benchmarks: chat requests of the demo's tasks, transformers' `generate`,
+# round-robin kernel timing, the peers' environments, memory bandwidth ------------------------------
+
+
+@functools.cache
+def prompt_pool(task: str) -> list[list[dict]]:
+    """Every distinct chat request of `task` the demo's corpus gives (summaries: one document per
+    standard-library module, ~130 on CPython 3.11)."""
+    from laneserve.demo_chats import CHAT_MODULES, CHAT_QUESTIONS
+    from laneserve.demo_corpus import build_corpus
+    from laneserve.jobs.prompts import summarize_messages, translate_messages
+
+    if task == "summarize":
+        docs = build_corpus(100_000, 0, max_doc_chars=600, strict=False).documents
+        return [summarize_messages(text) for _, text in docs]
+    if task == "translate":
+        sents = build_corpus(0, 100_000, strict=False).sentences
+        return [translate_messages(text, "fr", "en") for _, text in sents]
+    if task != "chat":
+        raise ValueError(f"unknown task {task!r}")
+    pairs = math.lcm(len(CHAT_QUESTIONS), len(CHAT_MODULES))
+    return [
+        [{"role": "user", "content": CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)].format(
+            m=CHAT_MODULES[i % len(CHAT_MODULES)])}]
+        for i in range(pairs)
+    ]  # fmt: skip
+
+
+def conversations(task: str, count: int, offset: int) -> list[list[dict]]:
+    """`count` chat requests of `task` from prompt `offset` on, wrapping around `prompt_pool`."""
+    pool = prompt_pool(task)
+    return [pool[(offset + i) % len(pool)] for i in range(count)]
+
+
+def run_transformers(model, prompts, max_tokens, batch_size, pad_id):
+    """transformers `generate` over `prompts` in static batches of `batch_size` (left padding with
+    `pad_id`), greedy, exactly `max_tokens` new tokens each: (new ids per prompt, seconds)."""
+    import torch
+
+    outs = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for r, p in enumerate(chunk):  # left padding
+            ids[r, width - len(p) :] = torch.tensor(p)
+            mask[r, width - len(p) :] = 1
+        with torch.inference_mode():
+            gen = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+        outs.extend(gen[:, width:].tolist())
+    return outs, time.perf_counter() - start
+
+
+def time_cells(
+    fns: dict,
+    x32: torch.Tensor,
+    budget_s: float,
+    min_rounds: int = 9,
+    refs: tuple[str, ...] = ("int4_bf16", "quant_int4_fp32_in"),
+) -> dict:
+    """Per variant: median microseconds per call, and per-round ratios to each of `refs` timed.
+
+    Variants are timed round-robin (one call each per round, until `budget_s` per variant is
+    spent), so a burst of load from other processes hits every variant of a round alike; the
+    per-round ratio's median is the robust figure on a shared machine.
+    """
+    inputs = {v: x32.to(dt) for v, (dt, _) in fns.items()}
+    for v, (_, f) in fns.items():
+        f(inputs[v])  # warm-up (first call packs / allocates)
+    times: dict[str, list[float]] = {v: [] for v in fns}
+    deadline = time.perf_counter() + budget_s * len(fns)
+    rounds = 0
+    while rounds < min_rounds or (time.perf_counter() < deadline and rounds < 2000):
+        for v, (_, f) in fns.items():
+            t0 = time.perf_counter()
+            f(inputs[v])
+            times[v].append(time.perf_counter() - t0)
+        rounds += 1
+    out = {}
+    for v, ts in times.items():
+        cell = {"median_us": round(statistics.median(ts) * 1e6, 1)}
+        for ref_name in refs:
+            ref = times.get(ref_name)
+            if ref is not None:
+                cell[f"ratio_to_{ref_name}"] = round(
+                    statistics.median(t / r for t, r in zip(ts, ref, strict=True)), 3
+                )
+        out[v] = cell
+    return out
+
+
+def gemv_max_m(ratio: dict[int, float]) -> int | None:
+    """Largest M up to which the C++ GEMV takes at most the time of what float32 activations
+    run on otherwise (QuantLinear's torch kernel, ratio <= 1) at every smaller M measured."""
+    best = None
+    for m in sorted(ratio):
+        if ratio[m] > 1.0:
+            break
+        best = m
+    return best
+
+
+DEFAULT_PEERS_DIR = Path.home() / ".cache" / "laneserve-peers"
+VENV_PEERS = {"vllm": "vllm", "llamacpp": "llamacpp"}  # peer -> venv name under the peers dir
+
+
+def peers_dir() -> Path:
+    """Where scripts/setup_peers.sh puts the peers' virtual environments."""
+    from laneserve.contracts import env
+
+    return env.get("LANESERVE_PEERS_DIR") or DEFAULT_PEERS_DIR
+
+
+def peer_python(peer: str) -> tuple[str | None, str | None]:
+    """The interpreter that runs `peer`'s worker, or None and why it cannot run."""
+    if peer not in VENV_PEERS:
+        return sys.executable, None
+    venv = peers_dir() / VENV_PEERS[peer]
+    python = venv / "bin" / "python"
+    if not python.exists():
+        return (
+            None,
+            f"not installed: no virtual environment at {venv} (scripts/setup_peers.sh {peer})",
+        )
+    return str(python), None
+
+
+def read_bandwidth(gib: float, threads: int, repeats: int) -> float:
+    """GB/s of `torch.sum` over `gib` GiB of float32 with `threads` torch threads."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.ones(int(gib * 2**30) // 4)
+        x.sum()  # warm-up: the pages are touched by `ones`, the threads started here
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            x.sum()
+            times.append(time.perf_counter() - t0)
+        return x.numel() * 4 / statistics.median(times) / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+def _field(reader, key: str):
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+def model_bytes(path: str) -> dict:
+    """The GGUF's weight bytes as a decode step reads them, and its per-token KV elements."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = _field(reader, "general.architecture")
+    layers = int(_field(reader, f"{arch}.block_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or heads)
+    head_dim = int(_field(reader, f"{arch}.attention.key_length") or hidden // heads)
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    embed = sizes.get("token_embd.weight", 0)
+    tied = "output.weight" not in sizes
+    vocab = next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight")
+    experts = int(_field(reader, f"{arch}.expert_count") or 0)
+    used = int(_field(reader, f"{arch}.expert_used_count") or 0)
+    expert_bytes = sum(n for name, n in sizes.items() if "_exps." in name)
+    step = sum(sizes.values()) - (0 if tied else embed)
+    return {
+        "file_bytes": os.path.getsize(path),
+        "weight_bytes": sum(sizes.values()),
+        # the embedding is read in full only when it is also the output head
+        "step_weight_bytes": step,
+        # a one-token MoE step reads only its top-k experts (expert_used_count of expert_count)
+        "active_step_weight_bytes": step - expert_bytes + expert_bytes * used // max(experts, 1),
+        "embedding_row_bytes": embed // vocab,
+        "tied_embedding": tied,
+        "kv_elements_per_token": 2 * layers * kv_heads * head_dim,  # K and V, every layer
+    }
+
+
+# --- a `laneserve up` of the script's own: a fresh home, started and stopped -------------------
+
+
+def add_model_home(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--model-home",
+        default=os.environ.get("LANESERVE_HOME"),
+        help="LANESERVE_HOME holding the pulled model (default: $LANESERVE_HOME)",
+    )
+
+
+def home_for(model_home: str | None, model_needed: bool = True) -> Path:
+    """A fresh home for the run, its models/ linked to `model_home`'s."""
+    if not model_home and model_needed:
+        raise SystemExit("set LANESERVE_HOME (or --model-home) to a home with the model pulled")
+    return make_home(Path(model_home or tempfile.mkdtemp(prefix="lsnomodel")))
+
+
+def make_home(src_home: Path) -> Path:
+    """A fresh LANESERVE_HOME whose models/ links to `src_home`'s pulled files."""
+    home = Path(tempfile.mkdtemp(prefix="lsrec"))
+    models = home / "models"
+    models.mkdir()
+    for path in (src_home / "models").glob("*"):
+        if not path.name.endswith(".lock"):
+            (models / path.name).symlink_to(path.resolve())
+    return home
+
+
+def start_up(home: Path, extra: list[str]) -> tuple[subprocess.Popen, dict]:
+    env = dict(os.environ, LANESERVE_HOME=str(home), PYTHONPATH=str(ROOT))
+    env.pop("LANESERVE_DB_URL", None)
+    argv = [sys.executable, "-m", "laneserve.commands.up", "--api-port", "0", "--no-dashboard"]
+    log = open(home / "up.log", "ab")  # noqa: SIM115 - the child keeps it
+    proc = subprocess.Popen(argv + extra, env=env, cwd=ROOT, stdout=log, stderr=log)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"laneserve up exited {proc.returncode}; see {home / 'up.log'}")
+        info = stack_info(home)
+        if info.get("state") == "ready" and info.get("supervisor_pid") == proc.pid:
+            return proc, info
+        time.sleep(0.3)
+    raise SystemExit("laneserve up not ready in 600 s")
+
+
+def stop_up(proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Stop `laneserve up` as Ctrl-C does (SIGKILL when it has not stopped in `timeout_s`)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def stack_info(home: Path) -> dict:
+    try:
+        return json.loads((home / "stack.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_recovery import add_model_home, home_for, stack_info, start_up, stop_up  # noqa: E402
+from benchlib import add_model_home, home_for, stack_info, start_up, stop_up  # noqa: E402
 from soak_traffic import Client, summarize_requests  # noqa: E402
 
 KILLED = ("worker-0", "broker", "jobs-runner", "recorder")

@@ -12,7 +12,7 @@ from typing import Any
 
 from common import Engine, run_worker
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/: bench_offline
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/: benchlib
 
 from laneserve.gpu_worker.openmp import apply_openmp_policy  # isort: skip
 
@@ -22,7 +22,7 @@ apply_openmp_policy(exclusive=True)  # the libgomp policy of the laneserve side
 def build(spec: dict[str, Any]) -> Engine:
     import torch
     import transformers
-    from bench_offline import run_transformers
+    from benchlib import run_transformers
     from transformers import AutoModelForCausalLM
 
     opts = spec.get("options", {})
