@@ -3,9 +3,8 @@ int4 kernel, the Q8_0 embedding kept in blocks, the tied LM head reading those b
 C++ GEMV for few rows, on int8 per channel without the C++ kernels) against the
 float32 dequantized model (`dtype="float32", quantization="none"`, the exactness mode).
 
-Perplexity is teacher-forced through the engine's own forward over 1,027 tokens of Python
-standard-library docstrings (the demo corpus; the quantized/float32 ratio is over the same tokens,
-so it does not need more); greedy agreement is measured on 16 prompts. The
+Perplexity is teacher-forced through the engine's own forward over >= 2,000 tokens of Python
+standard-library docstrings (the demo corpus); greedy agreement is measured on 32 prompts. The
 figures are printed (`pytest -s`); the asserts are the issue's 2 % perplexity bound and a floor on
 agreement well below what is measured.
 """
@@ -28,8 +27,7 @@ from laneserve.gpu_worker.quantization import (
 )
 from laneserve.kernels import cpu_ext
 
-# two whole chunks past AMX_MAX_TOKENS (the dense bf16 route) and the next token to score
-NUM_TOKENS = 2 * (gemv_blocks.AMX_MAX_TOKENS + 1) + 1
+NUM_TOKENS = 2048
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
@@ -62,12 +60,6 @@ def text_ids(reference) -> list[int]:
     ids = reference.tokenizer(text)["input_ids"]
     assert len(ids) >= NUM_TOKENS, len(ids)
     return ids[:NUM_TOKENS]
-
-
-@pytest.fixture(scope="module")
-def reference_ppl(reference, text_ids) -> float:
-    """float32 perplexity in 256-token chunks, computed once for both activation dtypes."""
-    return math.exp(mean_nll(reference, text_ids, chunk=256))
 
 
 def mean_nll(llm: LLM, ids: list[int], chunk: int) -> float:
@@ -116,12 +108,12 @@ def test_quantized_model_holds_its_weights_quantized(quantized, reference):
 
 
 @pytest.mark.slow
-def test_perplexity_within_2_percent_of_float32(reference_ppl, quantized, text_ids):
+def test_perplexity_within_2_percent_of_float32(reference, quantized, text_ids):
     """bf16 activations, in chunks below DENSE_MIN_TOKENS (the int4/int8 kernels, as in decode),
     in prefill-sized ones (256 rows: the dense bf16 copies, or on a CPU with AMX the AMX
     matmuls over the 4/8-bit weights) and in chunks past AMX_MAX_TOKENS (the dense bf16 copies
     on every CPU), stay within 2 % of float32."""
-    ref = reference_ppl
+    ref = math.exp(mean_nll(reference, text_ids, chunk=256))
     kernels = math.exp(mean_nll(quantized, text_ids, chunk=DENSE_MIN_TOKENS - 1))
     prefill = math.exp(mean_nll(quantized, text_ids, chunk=256))
     dense = math.exp(mean_nll(quantized, text_ids, chunk=gemv_blocks.AMX_MAX_TOKENS + 1))
@@ -143,7 +135,7 @@ def quantized_fp32(smollm2_gguf) -> LLM:
 
 @pytest.mark.slow
 def test_float32_activations_perplexity_within_2_percent_of_float32(
-    reference_ppl, quantized_fp32, text_ids
+    reference, quantized_fp32, text_ids
 ):
     """float32 activations (`dtype="auto"` on an AVX2-only CPU): chunks of up to
     GEMV_MAX_TOKENS rows on the C++ GEMVs, prefill-sized ones on the dense float32 copies; both
@@ -151,7 +143,7 @@ def test_float32_activations_perplexity_within_2_percent_of_float32(
     int16 rounding of activations, ~3e-5 of a group's largest value)."""
     model = quantized_fp32.engine.runner.model
     assert model.layers[0].qkv_proj.gemv is not None and model.lm_head.gemv.kind == "q8_0"
-    ref = reference_ppl
+    ref = math.exp(mean_nll(reference, text_ids, chunk=256))
     gemv = math.exp(mean_nll(quantized_fp32, text_ids, chunk=GEMV_MAX_TOKENS))
     dense = math.exp(mean_nll(quantized_fp32, text_ids, chunk=256))
     print(
@@ -165,8 +157,8 @@ def test_float32_activations_perplexity_within_2_percent_of_float32(
 
 
 @pytest.mark.slow
-def test_greedy_agreement_on_16_prompts(reference, quantized):
-    corpus = build_corpus(n_documents=0, n_sentences=16)
+def test_greedy_agreement_on_32_prompts(reference, quantized):
+    corpus = build_corpus(n_documents=0, n_sentences=32)
     prompts = [
         reference.tokenizer.apply_chat_template(
             [{"role": "user", "content": f"Explain briefly: {s}"}],
