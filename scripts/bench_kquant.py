@@ -189,13 +189,13 @@ def llama_quantize(src: str, dst: str, kind: str = "Q4_K_M") -> None:
     """Quantize GGUF `src` into `dst` with llama.cpp's own quantizer (the peer's llama_cpp)."""
     import subprocess
 
-    from benchlib import VENV_PEERS, peer_python
+    from benchlib import LLAMACPP_VENVS, VENV_PEERS, peer_python
 
     if kind not in LLAMA_FTYPES:
         raise SystemExit(f"--llama-quantize: type {kind!r} is not one of {sorted(LLAMA_FTYPES)}")
     python, why = peer_python("llamacpp")
     if python is None:  # either build quantizes alike: the AVX-512 one (LLAMACPP_ISA=avx512)
-        VENV_PEERS["llamacpp"] = "llamacpp-avx512"
+        VENV_PEERS["llamacpp"] = LLAMACPP_VENVS["avx512"]
         python = peer_python("llamacpp")[0]
     if python is None:
         raise SystemExit(f"--llama-quantize: llama.cpp {why}")

@@ -61,6 +61,7 @@ USER_OPENMP = {name: os.environ.get(name) for name in POLICY_VARIABLES}
 apply_openmp_policy(exclusive=True)
 import torch  # noqa: E402  # isort: skip
 from benchlib import (  # noqa: E402, F401
+    LLAMACPP_VENVS,
     VENV_PEERS,
     cpu_info,
     cpu_times,
@@ -430,8 +431,7 @@ def main() -> None:
                     help="where --family models are made once (default: under LANESERVE_HOME "
                     "or ~/.cache/laneserve, bench-models/)")  # fmt: skip
     args = ap.parse_args()
-    if args.llamacpp_build == "avx512":
-        VENV_PEERS["llamacpp"] = "llamacpp-avx512"
+    VENV_PEERS["llamacpp"] = LLAMACPP_VENVS[args.llamacpp_build]
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
     if args.family:

@@ -642,6 +642,8 @@ def gemv_max_m(ratio: dict[int, float]) -> int | None:
 
 DEFAULT_PEERS_DIR = Path.home() / ".cache" / "laneserve-peers"
 VENV_PEERS = {"vllm": "vllm", "llamacpp": "llamacpp"}  # peer -> venv name under the peers dir
+# llama.cpp's builds (scripts/setup_peers.sh LLAMACPP_ISA=...) -> their venvs under the peers dir
+LLAMACPP_VENVS = {"avx2": "llamacpp", "avx512": "llamacpp-avx512"}
 
 
 def peers_dir() -> Path:
