@@ -171,7 +171,12 @@ def merge_rounds(rounds: list[dict[str, dict]], modes: list[str]) -> dict[str, d
             entry["server_rows"] = sum(f["server_rows"] for f in figs)
         if name != "off":
             offs = [r["off"] for r in rounds]
-            speedups = [f["tok_s"] / o["tok_s"] for f, o in zip(figs, offs, strict=True)]
+            # from tokens and the seconds as printed (not each round's rounded tok_s), so a one-round
+            # cell's speedup is the ratio of its printed tok_s whatever the wall's length
+            speedups = [
+                (f["tokens"] / f["seconds"]) / (o["tokens"] / o["seconds"])
+                for f, o in zip(figs, offs, strict=True)
+            ]
             entry["speedup_tok_s"] = round(statistics.median(speedups), 3)
             entry["speedup_per_round"] = [round(x, 3) for x in speedups]
             tpots = [

@@ -77,10 +77,14 @@ def test_second_start_reuses_the_profiled_prior(make_llm, step_cost_cache, monke
     # an entry profiled under load (an idle step 10x the real one, as a machine busy installing
     # packages once wrote): the start measures the idle step, disbelieves it, profiles again
     # and replaces the entry, so the TPOT target follows this machine's real step
-    files[0].write_text(json.dumps({"theta": marked, "idle_step_ms": idle_step * 10.0}))
-    repaired = make_llm(slo_control=True)
-    assert _prior(repaired)[0] != pytest.approx(marked[0])
-    fresh = json.loads(files[0].read_text())
+    for _ in range(3):  # as above: a profile the load changed during is not cached, try again
+        files[0].write_text(json.dumps({"theta": marked, "idle_step_ms": idle_step * 10.0}))
+        repaired = make_llm(slo_control=True)
+        assert _prior(repaired)[0] != pytest.approx(marked[0])
+        fresh = json.loads(files[0].read_text())
+        if fresh["theta"] != marked:
+            break
+        del repaired
     assert fresh["idle_step_ms"] < idle_step * 10.0 / step_profile.IDLE_STEP_AGREEMENT
     assert fresh["theta"] == pytest.approx(_prior(repaired))
     tpot = repaired.engine.scheduler.step_budget.targets.interactive.tpot_ms
