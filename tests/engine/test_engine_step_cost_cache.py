@@ -84,7 +84,6 @@ def test_second_start_reuses_the_profiled_prior(make_llm, step_cost_cache, monke
         fresh = json.loads(files[0].read_text())
         if fresh["theta"] != marked:
             break
-        del repaired
     assert fresh["idle_step_ms"] < idle_step * 10.0 / step_profile.IDLE_STEP_AGREEMENT
     assert fresh["theta"] == pytest.approx(_prior(repaired))
     tpot = repaired.engine.scheduler.step_budget.targets.interactive.tpot_ms
