@@ -58,7 +58,7 @@ def run_pull(args: argparse.Namespace) -> int:
             from laneserve.gpu_worker.model_loader import convert_gguf
 
             stages.update("convert the GGUF (once)", 0, None)
-            cache = convert_gguf(path)
+            cache = convert_gguf(path, weights=False)  # the quantized path reads the GGUF
             stages.finish_all()
         else:
             cache = None

@@ -82,7 +82,7 @@ def prepare_model(model: str) -> None:
             convert_gguf,  # imports torch: only when converting
         )
 
-        convert_gguf(path)
+        convert_gguf(path, weights=False)  # a float32 load adds the weights itself
 
 
 def child_env(home: Path, threads: int, api_key: str | None) -> dict[str, str]:

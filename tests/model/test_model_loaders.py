@@ -341,6 +341,34 @@ def test_quantized_load_from_index_equals_parsed_file(smollm2_gguf):
             np.testing.assert_array_equal(a.blocks, b.blocks, err_msg=name)
 
 
+def test_a_quantized_first_load_writes_no_float32_copy(tmp_path, smollm2_gguf):
+    """A GGUF's first load on the quantized path (`laneserve up`'s default) caches only the config,
+    tokenizer and tensor index: the weights are read from the file, never dequantized to a float32
+    `model.safetensors` (a 0.8 GB Q4_K_M took 40 s and 5.6 GB for one). A float32 load adds the
+    weights to the same directory, the GGUF's values exactly, and a later quantized load keeps
+    them."""
+    from laneserve.gpu_worker.model_loader import WEIGHTS_FILE, gguf_cache_dir
+
+    maker = load_script("make_test_model")
+    model = maker.make_model("qwen3", "tiny")
+    path = maker.write_gguf(model, "qwen3", tmp_path / "tiny.gguf", tokenizer_gguf=smollm2_gguf)
+    cache = gguf_cache_dir(path)
+    quantized = load_model_files(path, quantization="auto")
+    assert (cache / "config.json").exists() and (cache / "tokenizer.json").exists()
+    assert not (cache / WEIGHTS_FILE).exists()
+    assert load_hf_tokenizer(cache)("hello").input_ids == quantized.tokenizer("hello").input_ids
+
+    dense = load_model_files(path, quantization="none")
+    assert (cache / WEIGHTS_FILE).exists() and dense.source == path
+    reader = gguf.GGUFReader(str(path))
+    parsed = load_gguf_weights(reader, config_from_gguf(reader, path), path)
+    assert dense.weights.keys() == parsed.keys()
+    for name, tensor in parsed.items():
+        assert torch.equal(dense.weights[name], tensor), name
+    load_model_files(path, quantization="auto")
+    assert (cache / WEIGHTS_FILE).exists()
+
+
 def test_backend_tokenizer_loads_without_autotokenizer_and_behaves_the_same(smollm2_dir):
     """Our converted directory names transformers' `tokenizers` backend class: it is built
     directly (no AutoConfig resolution) and tokenizes and templates exactly as AutoTokenizer's."""
