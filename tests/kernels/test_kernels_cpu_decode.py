@@ -15,6 +15,8 @@ from laneserve.kernels import cpu_ext, reference
 MIXES = {
     "decode": [(1, 1328), (1, 1), (1, 18), (1, 463), (1, 64), (1, 65)],
     "mixed": [(1, 1328), (5, 18), (129, 463), (1, 1), (1, 200)],
+    # the scheduler's order: decodes first (their rows are views, not gathered), then chunks
+    "decodes_first": [(1, 1328), (1, 1), (1, 200), (5, 18), (129, 463)],
 }
 HEADS = [(4, 4), (6, 2), (12, 4), (8, 1)]  # GQA 1, 3, 3, 8
 TOL = {
