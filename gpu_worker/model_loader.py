@@ -140,7 +140,7 @@ def convert_gguf(path: Path, out_dir: Path | None = None, weights: bool = True) 
             return out_dir
         reader = open_gguf(path)
         config = config_from_gguf(reader, path)
-        tokenizer = load_gguf_tokenizer(path)
+        tokenizer = load_gguf_tokenizer(path, config.to_hf_dict()["model_type"])
         tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
@@ -203,7 +203,7 @@ def load_model_files(
         reader = open_gguf(path)
         config = config_from_gguf(reader, path)
         weights = load_gguf_weights(reader, config, path)
-        tokenizer = load_gguf_tokenizer(path)
+        tokenizer = load_gguf_tokenizer(path, config.to_hf_dict()["model_type"])
     else:
         config = load_hf_config(path)
         weights = load_hf_weights(path)

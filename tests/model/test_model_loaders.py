@@ -369,6 +369,33 @@ def test_a_quantized_first_load_writes_no_float32_copy(tmp_path, smollm2_gguf):
     assert (cache / WEIGHTS_FILE).exists()
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_gguf_tokenizer_is_autotokenizers_without_its_second_parse(tmp_path, smollm2_gguf, family):
+    """A GGUF's tokenizer is built as the class AutoTokenizer picks for the family (without its
+    second parse of the metadata for the config) and tokenizes and templates exactly as its:
+    llama, a model type transformers maps to no class (TokenizersBackend), and gemma3, one it maps
+    to its own (GemmaTokenizer; qwen3 and qwen3_moe take that path to Qwen2Tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from laneserve.gpu_worker.gguf_loader import load_gguf_tokenizer, open_gguf
+
+    maker = load_script("make_test_model")
+    overrides = {"query_pre_attn_scalar": 32} if family == "gemma3" else {}  # as llama.cpp's
+    model = maker.make_model(family, "tiny", **overrides)
+    path = maker.write_gguf(model, family, tmp_path / "m.gguf", tokenizer_gguf=smollm2_gguf)
+    model_type = config_from_gguf(open_gguf(path), path).to_hf_dict()["model_type"]
+    ours = load_gguf_tokenizer(path, model_type)
+    auto = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert type(ours) is type(auto), family
+    assert ours.special_tokens_map == auto.special_tokens_map and len(ours) == len(auto)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hé 日本"}]
+    assert ours.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    ) == auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    for text in ("Hello world", "  two spaces", "<|im_start|>user\nhi", "ünïcödé 日本語 🙂"):
+        assert ours(text).input_ids == auto(text).input_ids, text
+
+
 def test_backend_tokenizer_loads_without_autotokenizer_and_behaves_the_same(smollm2_dir):
     """Our converted directory names transformers' `tokenizers` backend class: it is built
     directly (no AutoConfig resolution) and tokenizes and templates exactly as AutoTokenizer's."""
