@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 
 from laneserve.gpu_worker.errors import ModelLoadError
 from laneserve.gpu_worker.gguf_blocks import GGUF_QUANT_TYPES, K_QUANT_TYPES, GGUFQuantTensor
+from laneserve.gpu_worker.gguf_header import GGUFHeader, map_tensors, read_gguf_header
 from laneserve.gpu_worker.model_config import ModelConfig, architecture_family
 from laneserve.gpu_worker.model_files import gguf_stamp
 
@@ -47,17 +47,17 @@ SUPPORTED_GGUF_TYPES = (
 )
 
 
-def open_gguf(path: Path):
-    """A `gguf.GGUFReader` over `path`.
+def open_gguf(path: Path) -> GGUFHeader:
+    """The metadata and tensors of the GGUF at `path` (`gguf_header.read_gguf_header`: one pass
+    over the header, the vocabulary's strings skipped; `gguf.GGUFReader` took ~8 s for a
+    128k-token one).
 
     Raises:
         ModelLoadError: not a readable GGUF file.
     """
-    import gguf
-
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # gguf raises ValueError/struct.error/OSError on bad files
+        return read_gguf_header(path)
+    except Exception as exc:  # ValueError/struct.error/OSError on bad files
         raise ModelLoadError(
             f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})"
         ) from exc
@@ -397,31 +397,14 @@ def _expert_tensors(
     return {name: experts[e].clone() for e, name in enumerate(names)}
 
 
-@dataclass(frozen=True, slots=True)
-class IndexedTensor:
-    """What `load_gguf_weights` reads of a `gguf.ReaderTensor`, rebuilt from a tensor index."""
-
-    name: str
-    tensor_type: Any  # gguf.GGMLQuantizationType
-    shape: np.ndarray  # GGUF dims (innermost first), as ReaderTensor.shape
-    data: np.ndarray  # read-only memmap view of the file, as ReaderTensor.data
-
-
-@dataclass(frozen=True, slots=True)
-class IndexedGGUF:
-    """A GGUF file's tensors without parsing its metadata (`tensors`, as `gguf.GGUFReader`)."""
-
-    tensors: list[IndexedTensor]
-
-
 _TENSOR_INDEX = "gguf_tensors.json"
 _INDEX_FORMAT_VERSION = 1
 
 
 def write_tensor_index(reader, path: Path, cache: Path) -> None:
     """Record each tensor's name, type, dims and byte offset in `cache`, so a later load maps the
-    file without `gguf.GGUFReader` (which parses every tokenizer string in the metadata: ~2 s for
-    a 49k-token vocabulary). Written atomically; a failure to write only costs the next load time."""
+    file without reading its metadata again. Written atomically; a failure to write only costs
+    the next load time."""
     index = {
         **gguf_stamp(path, _INDEX_FORMAT_VERSION),
         "tensors": [
@@ -437,12 +420,9 @@ def write_tensor_index(reader, path: Path, cache: Path) -> None:
         logger.warning("cannot write the GGUF tensor index in %s (%s)", cache, exc)
 
 
-def read_tensor_index(path: Path, cache: Path) -> IndexedGGUF | None:
-    """The tensors of `path` mapped through the index in `cache`; None when the index is
-    missing, unreadable, or was written for another version of the file."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import quant_shape_to_byte_shape
-
+def read_tensor_index(path: Path, cache: Path) -> GGUFHeader | None:
+    """The tensors of `path` mapped through the index in `cache` (no metadata); None when the
+    index is missing, unreadable, or was written for another version of the file."""
     try:
         index = json.loads((cache / _TENSOR_INDEX).read_text())
         if {k: index.get(k) for k in ("version", "size", "mtime")} != gguf_stamp(
@@ -450,32 +430,7 @@ def read_tensor_index(path: Path, cache: Path) -> IndexedGGUF | None:
         ):
             return None
         mm = np.memmap(path, dtype=np.uint8, mode="r")
-        plain = {  # element-typed views, as GGUFReader gives them; the rest are bytes per row
-            "F16": np.float16,
-            "F32": np.float32,
-            "F64": np.float64,
-            "I8": np.int8,
-            "I16": np.int16,
-            "I32": np.int32,
-            "I64": np.int64,
-        }
-        tensors = []
-        for name, type_value, dims, offset in index["tensors"]:
-            qtype = GGMLQuantizationType(type_value)
-            block, type_size = GGML_QUANT_SIZES[qtype]
-            n_elems = int(np.prod(dims))
-            n_bytes = n_elems * type_size // block
-            np_dims = tuple(reversed(dims))
-            raw = mm[offset : offset + n_bytes]
-            if raw.size != n_bytes:
-                return None
-            dtype = plain.get(qtype.name)
-            if dtype is not None:
-                data = raw.view(dtype).reshape(np_dims)
-            else:
-                data = raw.reshape(quant_shape_to_byte_shape(np_dims, qtype))
-            tensors.append(IndexedTensor(name, qtype, np.asarray(dims, dtype=np.uint64), data))
-        return IndexedGGUF(tensors)
+        return GGUFHeader({}, map_tensors(mm, [tuple(t) for t in index["tensors"]]))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         logger.info("GGUF tensor index in %s not used (%s)", cache, exc)
         return None

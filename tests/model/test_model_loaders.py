@@ -279,6 +279,69 @@ def _write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, object]]) -> No
     writer.close()
 
 
+def _assert_header_is_readers(path: Path) -> None:
+    """`open_gguf`'s header against `gguf.GGUFReader` on the same file: every value (a long
+    string array: its length), every tensor's name, type, dims, offset and data view."""
+    from laneserve.gpu_worker.gguf_header import _MAX_KEPT_STRINGS
+    from laneserve.gpu_worker.gguf_loader import open_gguf
+
+    ours, theirs = open_gguf(path), gguf.GGUFReader(str(path))
+    assert ours.fields.keys() == {k for k in theirs.fields if not k.startswith("GGUF.")}
+    for key, field in ours.fields.items():
+        ref = theirs.fields[key]
+        assert len(field.data) == len(ref.data), key
+        want = ref.contents()
+        if isinstance(want, list) and len(want) > _MAX_KEPT_STRINGS:
+            want = None if isinstance(want[0], str) else want
+        got = field.contents()
+        got = got.tolist() if isinstance(got, np.ndarray) else got
+        assert got == want, key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.tensor_type, a.shape.tolist(), a.data_offset) == (
+            b.tensor_type, b.shape.tolist(), b.data_offset
+        ), a.name  # fmt: skip
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        np.testing.assert_array_equal(a.data, b.data, err_msg=a.name)
+
+
+def test_header_reads_every_value_and_tensor_as_gguf_reader_does(tmp_path, smollm2_gguf):
+    """The one-pass header reader gives the bundled model's metadata (its 49k-token vocabulary
+    and merges as lengths) and tensors as `gguf.GGUFReader` does, and every value type of the
+    format; a file that is not a GGUF is a ModelLoadError."""
+    from laneserve.gpu_worker.gguf_loader import open_gguf
+
+    _assert_header_is_readers(smollm2_gguf)
+    path = tmp_path / "kv.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint8("k.u8", 7)
+    writer.add_int8("k.i8", -7)
+    writer.add_uint16("k.u16", 700)
+    writer.add_int16("k.i16", -700)
+    writer.add_uint32("k.u32", 70_000)
+    writer.add_int32("k.i32", -70_000)
+    writer.add_float32("k.f32", 0.5)
+    writer.add_uint64("k.u64", 2**40)
+    writer.add_int64("k.i64", -(2**40))
+    writer.add_float64("k.f64", 0.25)
+    writer.add_bool("k.bool", True)
+    writer.add_string("k.str", "Hé 日本")
+    writer.add_array("k.ints", [1, 2, 3])
+    writer.add_array("k.bools", [True, False])
+    writer.add_array("k.strs", ["a", "bc"])
+    writer.add_array("k.long", [f"t{i}" for i in range(3000)])
+    writer.add_array("k.floats", [0.5] * 3000)
+    writer.add_tensor("t", np.arange(6, dtype=np.float32).reshape(2, 3))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _assert_header_is_readers(path)
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF\x07\x00\x00\x00" + b"\0" * 64)
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        open_gguf(tmp_path / "bad.gguf")
+
+
 def test_tensor_index_maps_every_type_as_gguf_reader_does(tmp_path):
     """The cached index rebuilds each tensor's type, dims and data view byte for byte, and is
     refused once the file changes or the index is damaged (the loader then parses the file)."""
