@@ -31,8 +31,10 @@ a TPOT target (P99, ms), ``--slo interactive:ttft=800,tpot=60 batch:tpot=400``. 
   be prefilled, the step holds as many batch decodes as fit half of that time
   (`batch_decode_rows`; the scheduler rotates the ones it skips, so every request progresses)
   and a prefill chunk that fits the rest (at least `MIN_PREFILL_CHUNK` tokens); with nothing to
-  prefill, decodes take it all. Each plan names its rule (`StepBudget.reason`, in the step
-  trace).
+  prefill, decodes take it all. A worker that serves no interactive lane expects no arrival:
+  its steps take the whole budget (`batch-worker`; the slack once held a batch-only worker's
+  200-token embeddings to one a step). Each plan names its rule (`StepBudget.reason`, in the
+  step trace).
 
 Speculative drafts (`gpu_worker/spec_decode.py` proposes them before the step is planned, and
 only those it judged worth verifying) count against the budget like any tokens, so the plan holds
@@ -207,8 +209,9 @@ class StepBudget(NamedTuple):
     but the budget and the cap) and `reason`: ``streams`` (paced by running interactive streams'
     TPOT target), ``prompt`` (an interactive prompt waits to prefill: the whole budget),
     ``batch-alone`` (no interactive request: sized for the batch lane's throughput within the
-    TTFT slack) or ``batch-alone-min-chunk`` (the same, over the slack on purpose to keep
-    `MIN_PREFILL_CHUNK` prefill tokens)."""
+    TTFT slack), ``batch-alone-min-chunk`` (the same, over the slack on purpose to keep
+    `MIN_PREFILL_CHUNK` prefill tokens) or ``batch-worker`` (the worker serves no interactive
+    lane: the whole budget)."""
 
     token_budget: int
     batch_tokens: int | None
@@ -231,6 +234,8 @@ class BudgetController:
             step's slack is then also bounded relative to the prompts seen, module docstring).
         given_tpot: the interactive TPOT target is the operator's (else derived, and it follows
             the lone decode steps the worker measures, `_learn_idle_step`).
+        serves_interactive: the worker serves the interactive lane (else no arrival is waited
+            for: every step may take `max_tokens`).
     """
 
     def __init__(
@@ -242,8 +247,10 @@ class BudgetController:
         wall_clock: bool = True,
         given_ttft: bool = False,
         given_tpot: bool = True,
+        serves_interactive: bool = True,
     ) -> None:
         self.wall_clock = wall_clock
+        self.serves_interactive = serves_interactive
         self.targets = targets
         self.model = model
         self.max_tokens = max_tokens
@@ -386,6 +393,8 @@ class BudgetController:
                 budget = self.max_tokens
                 batch = max(1, int(self._batch_share(1, view, h * tpot)))
                 reason = "prompt"
+            elif not self.serves_interactive:
+                target, budget, batch, reason = None, self.max_tokens, None, "batch-worker"
             else:
                 target = max(tpot, self.ttft_slack())
                 hs = self.slack_headroom

@@ -78,6 +78,7 @@ def profile_engine(engine: Any, slo_text: str | None) -> BudgetController:
         targets, model, engine.scheduler.config.max_num_batched_tokens,
         given_ttft="ttft" in given.get("interactive", {}),
         given_tpot="tpot" in given.get("interactive", {}),
+        serves_interactive="interactive" in engine.config.lanes,
     )  # fmt: skip
 
 

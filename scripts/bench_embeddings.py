@@ -4,13 +4,18 @@
 1. **api**: a fresh stack (`laneserve up`, defaults plus `--pooling-type`), the documents through
    `POST /v1/embeddings` in requests of `--request-size` inputs, `--concurrency` at once;
 2. **batch**: the same documents as a `/v1/embeddings` batch file (`POST /v1/files` +
-   `POST /v1/batches`), the batch's in_progress -> completed span;
+   `POST /v1/batches`), the batch's in_progress -> completed span read from the stack's
+   database (the `jobs` row's float timestamps: the API's are whole seconds, +-2 % of a 50 s
+   run), and the lines' own span (first dispatch -> last finished, from their `requests`
+   rows);
 3. **transformers**: `AutoModel` on the same model (the bundled GGUF's converted directory) and
    the same token ids, padded batches of `--hf-batch-size`, the same pooling (last token or mean,
    L2-normalized), float32 (`--hf-dtype`); sentence-transformers is not used (not installed).
 
 Each document is the first `--tokens` token ids of a stdlib document (`benchlib.
-sample_documents`), sent as token ids so every path embeds exactly the same input. The stack's
+sample_documents`), sent as token ids so the API and transformers embed exactly the same input.
+The batch file embeds `--num-docs` other documents of the same length: the same ones would hit
+the prefix cache the API's run left (every one of them below ~450 documents, 42.9/s at 300). The stack's
 vectors are checked against transformers' (max cosine distance reported). Forced tool calls'
 validity and grammar overhead at batch 64 are `scripts/bench_structured.py --tools`. Prints one
 JSON object (with the CPU model and flags) on stdout, progress on stderr.
@@ -75,8 +80,9 @@ async def via_api(url: str, model: str, docs: list[list[int]], size: int, conc: 
     return {"wall_s": round(wall, 3), "seq_per_s": round(len(docs) / wall, 2), "vectors": vecs}
 
 
-def via_batch(url: str, model: str, docs: list[list[int]]) -> dict:
-    """Sequences/s of a /v1/embeddings batch file (in_progress -> completed)."""
+def via_batch(url: str, db_url: str, model: str, docs: list[list[int]]) -> dict:
+    """Sequences/s of a /v1/embeddings batch file over its in_progress -> completed span, and
+    over its lines' first dispatch -> last finished (both from the stack's database)."""
     import httpx
 
     lines = [
@@ -101,10 +107,43 @@ def via_batch(url: str, model: str, docs: list[list[int]]) -> dict:
         while b["status"] not in ("completed", "failed", "cancelled", "expired"):
             time.sleep(0.25)
             b = api_call(c, "GET", f"/v1/batches/{b['id']}")
-    span = (b.get("completed_at") or 0) - (b.get("in_progress_at") or 0)
     counts = b.get("request_counts") or {}
-    return {"status": b["status"], "request_counts": counts, "span_s": span,
-            "seq_per_s": round(counts.get("completed", 0) / span, 2) if span > 0 else None}  # fmt: skip
+    done = counts.get("completed", 0)
+    span, lines_span = batch_spans(db_url, b["id"], counts.get("total", 0))
+    return {"status": b["status"], "request_counts": counts, "span_s": round(span, 3),
+            "seq_per_s": round(done / span, 2) if span > 0 else None,
+            "lines_span_s": round(lines_span, 3) if lines_span else None,
+            "lines_seq_per_s": round(done / lines_span, 2) if lines_span else None}  # fmt: skip
+
+
+def batch_spans(db_url: str, job_id: str, total: int, wait_s: float = 5.0) -> tuple[float, float]:
+    """(in_progress -> completed seconds from the `jobs` row, first line dispatched -> last line
+    finished seconds from the job's `requests` rows). The recorder commits a line's
+    `finished_at` within about a second of its end, so this waits up to `wait_s` for all
+    `total` of them (then the span of those it has)."""
+    from sqlalchemy import create_engine, func, select
+
+    from laneserve.db.models import Job, Request
+
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            start, end = conn.execute(
+                select(Job.in_progress_at, Job.completed_at).where(Job.id == job_id)
+            ).one()
+            rows = select(func.min(Request.arrival_at), func.max(Request.finished_at),
+                          func.count(Request.finished_at)).where(Request.job_id == job_id)  # fmt: skip
+            deadline = time.monotonic() + wait_s
+            while True:
+                first, last, finished = conn.execute(rows).one()
+                if finished >= total or time.monotonic() > deadline:
+                    break
+                time.sleep(0.25)
+                conn.rollback()  # a fresh snapshot for the next read
+    finally:
+        engine.dispose()
+    lines = (last - first) if first is not None and last is not None else 0.0
+    return (end or 0.0) - (start or 0.0), lines
 
 
 def via_transformers(hf_dir: Path, docs, pooling: str, batch: int, dtype: str) -> dict:
@@ -148,23 +187,31 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4, help="calls in flight")
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--hf-dtype", default="float32")
+    ap.add_argument(
+        "--up-args",
+        default="",
+        help='more `laneserve up` flags for the fresh stack, e.g. "--slo interactive:ttft=20000"',
+    )
     args = ap.parse_args()
     from laneserve.gpu_worker.model_loader import convert_gguf
 
     path = Path(model_path(args.model))
     hf_dir = convert_gguf(path) if path.suffix == ".gguf" else path
-    docs = documents(hf_dir, args.num_docs, args.tokens)
+    both = documents(hf_dir, 2 * args.num_docs, args.tokens)
+    docs, batch_docs = both[: args.num_docs], both[args.num_docs :]
     result: dict[str, Any] = {"machine": machine(), "num_docs": len(docs),
                               "mean_tokens": round(float(np.mean([len(d) for d in docs])), 1),
+                              "batch_mean_tokens": round(float(np.mean([len(d) for d in batch_docs])), 1),
                               "pooling_type": args.pooling_type, "dtype": args.dtype}  # fmt: skip
-    with bench_stack(args, ["--pooling-type", args.pooling_type]) as info:
+    up_args = ["--pooling-type", args.pooling_type, *args.up_args.split()]
+    with bench_stack(args, up_args) as info:
         model = served_model(info["api_url"])
         log(f"{len(docs)} documents through /v1/embeddings")
         api = asyncio.run(
             via_api(info["api_url"], model, docs, args.request_size, args.concurrency)
         )
-        log("the same documents as a batch file")
-        result["batch"] = via_batch(info["api_url"], model, docs)
+        log(f"{len(batch_docs)} other documents as a batch file")
+        result["batch"] = via_batch(info["api_url"], info["db_url"], model, batch_docs)
     log("transformers' forward")
     hf = via_transformers(hf_dir, docs, args.pooling_type, args.hf_batch_size, args.hf_dtype)
     result["api"] = {k: v for k, v in api.items() if k != "vectors"}

@@ -29,6 +29,7 @@ from laneserve.gpu_worker.step_budget import (
     RETARGET_STEPS,
     TPOT_MULTIPLE,
     BudgetController,
+    StepBudget,
     StepView,
     default_targets,
     prefill_features,
@@ -302,6 +303,27 @@ def test_without_interactive_traffic_batch_steps_grow_within_the_ttft_slack(make
     assert sum(steps) / len(steps) > 3 * 40.0  # far longer than an interactive-paced step
     view = StepView(0, 48, 10_000, 0)
     assert sim.sched.step_budget.plan(view).batch_tokens is None
+
+
+def test_a_worker_serving_no_interactive_lane_plans_whole_budget_batch_steps():
+    """A batch-only worker expects no interactive arrival: prefill-only work (a batch file of
+    200-token embeddings) gets the whole token budget a step, not the TTFT slack that held such
+    a file to one document a step, and the step carries no target to miss; a worker serving
+    both lanes keeps the slack."""
+    model = StepCostModel(TRUE)
+    targets = SloTargets(LaneSlo(ttft_ms=300.0, tpot_ms=40.0), LaneSlo(10_000.0, 400.0))
+    view = StepView(0, 1, 0, 0, batch_context=50, batch_prefill_tokens=40 * 200,
+                    batch_prefill_depth=50)  # fmt: skip
+    both = BudgetController(targets, model, 2048, wall_clock=False, given_ttft=True)
+    alone = BudgetController(
+        targets, model, 2048, wall_clock=False, given_ttft=True, serves_interactive=False
+    )
+    slack_plan, whole = both.plan(view), alone.plan(view)
+    assert slack_plan.reason == "batch-alone" and slack_plan.token_budget < 2048 // 4
+    assert whole == StepBudget(2048, None, None, None, "batch-worker")
+    assert alone.last_target_ms is None and not alone.last_paced
+    interactive = StepView(0, 1, 0, 300, batch_prefill_tokens=8000)  # one arrived all the same
+    assert alone.plan(interactive).reason == "prompt"
 
 
 def test_batch_decodes_never_crowd_prefill_out(make_sched):
