@@ -271,7 +271,9 @@ class Broker(WorkerSide):
         self._dispatch()
 
     def _on_worker_exited(self, msg: p.WorkerExited) -> None:
-        """Drop a worker its supervisor saw exit, unless that pid still runs on this host."""
+        """Drop a worker its supervisor saw exit, unless that pid still runs on this host (a
+        notice for a worker already dropped, by a failed heartbeat first, is only counted)."""
+        self.counters["worker_exit_notices"] += 1
         for identity, worker in list(self.workers.items()):
             if worker.worker_id == msg.worker_id and worker.pid == msg.pid:
                 if pid_alive(msg.pid):
