@@ -436,15 +436,26 @@ def read_tensor_index(path: Path, cache: Path) -> GGUFHeader | None:
         return None
 
 
+# The classes `gguf_tokenizer_class` builds directly: transformers' `tokenizers` backend and its
+# subclasses for the families laneserve loads, each taking `gguf_file` as AutoTokenizer passes it
+# (tests/model/test_model_loaders.py compares them with AutoTokenizer's). Any other mapping (a
+# `MistralCommonBackend` where mistral-common is installed, transformers 4's (slow, fast) pairs)
+# goes through AutoTokenizer.
+_DIRECT_TOKENIZER_CLASSES = ("TokenizersBackend", "Qwen2Tokenizer", "GemmaTokenizer")
+
+
 def gguf_tokenizer_class(model_type: str):
     """The tokenizer class `AutoTokenizer` maps a config's `model_type` to (transformers'
-    `TOKENIZER_MAPPING_NAMES`; a type it does not list, as `llama`, gets `TokenizersBackend`)."""
+    `TOKENIZER_MAPPING_NAMES`; a type it does not list, as `llama`, gets `TokenizersBackend`),
+    or None where it is not one of `_DIRECT_TOKENIZER_CLASSES`."""
     from transformers.models.auto.tokenization_auto import (
         TOKENIZER_MAPPING_NAMES,
         tokenizer_class_from_name,
     )
 
     name = TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend"
+    if name not in _DIRECT_TOKENIZER_CLASSES:
+        return None
     return tokenizer_class_from_name(name)
 
 
@@ -455,8 +466,13 @@ def load_gguf_tokenizer(path: Path, model_type: str | None = None):
     Llama-3.2-1B's 128k-token vocabulary, and then builds that same class."""
     from transformers import AutoTokenizer
 
+    cls = None
+    if model_type:
+        try:
+            cls = gguf_tokenizer_class(model_type)
+        except Exception:  # another transformers' mapping: AutoTokenizer resolves it
+            logger.debug("no direct tokenizer class for %s", model_type, exc_info=True)
     try:
-        cls = gguf_tokenizer_class(model_type) if model_type else None
         return (cls or AutoTokenizer).from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot build a tokenizer from GGUF metadata: {exc}") from exc

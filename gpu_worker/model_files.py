@@ -176,6 +176,7 @@ def model_display_name(model: str | os.PathLike[str]) -> str:
 
 CACHE_FORMAT_VERSION = 1
 _CONVERSION_MARKER = "laneserve_cache.json"
+WEIGHTS_FILE = "model.safetensors"  # a converted GGUF's float32 weights, when a load needed them
 
 
 def gguf_cache_dir(path: Path) -> Path:

@@ -42,6 +42,7 @@ from laneserve.gpu_worker.gguf_loader import (
 )
 from laneserve.gpu_worker.model_config import ModelConfig, config_from_hf_dict
 from laneserve.gpu_worker.model_files import (
+    WEIGHTS_FILE,
     conversion_valid,
     gguf_cache_dir,
     write_conversion_marker,
@@ -119,9 +120,6 @@ class LoadedModel:
     load_seconds: float = 0.0
 
 
-WEIGHTS_FILE = "model.safetensors"  # a converted GGUF's float32 weights, when a load needed them
-
-
 def convert_gguf(path: Path, out_dir: Path | None = None, weights: bool = True) -> Path:
     """Convert a GGUF file into a cached Hugging Face directory; return it. With `weights` it
     holds the float32 weights too (a directory transformers or vLLM can load); without, only the
@@ -136,7 +134,15 @@ def convert_gguf(path: Path, out_dir: Path | None = None, weights: bool = True) 
 
     out_dir = out_dir or gguf_cache_dir(path)
     with FileLock(str(out_dir) + ".lock", timeout=600):
-        if conversion_valid(out_dir, path) and (not weights or (out_dir / WEIGHTS_FILE).exists()):
+        valid = conversion_valid(out_dir, path)
+        if valid and (not weights or (out_dir / WEIGHTS_FILE).exists()):
+            return out_dir
+        if valid:  # the weights join the directory in place (its readers never see it missing)
+            reader = open_gguf(path)
+            tensors = load_gguf_weights(reader, config_from_gguf(reader, path), path)
+            tmp_file = out_dir / f"{WEIGHTS_FILE}.tmp{os.getpid()}"
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_file))
+            os.replace(tmp_file, out_dir / WEIGHTS_FILE)
             return out_dir
         reader = open_gguf(path)
         config = config_from_gguf(reader, path)

@@ -72,8 +72,9 @@ def smollm2_gguf() -> Path:
     os.environ["LANESERVE_HOME"] = str(test_cache_dir())
     try:
         path = pull_model("smollm2-135m")
-        # As `laneserve model pull` does: the converted cache dir next to the GGUF holds the
-        # tokenizer.json that torch-free processes (API, jobs runner) count tokens with.
+        # The converted cache dir next to the GGUF holds the tokenizer.json that torch-free
+        # processes (API, jobs runner) count tokens with (`laneserve model pull` writes it too),
+        # and here the float32 weights the tests load as a Hugging Face directory.
         convert_gguf(path)
         return path
     finally:

@@ -427,11 +427,16 @@ def _prepare(args: argparse.Namespace, engine: EngineConfig) -> tuple[str, int]:
         f"preparing the model {engine.model}"
         + ("" if local else " (downloaded and converted once)")
     )
+    gpus = gpu_count()
+    on_cuda = (engine.device or ("cuda" if gpus else "cpu")).startswith("cuda")
+    # a worker that dequantizes (`none`, or `auto` on CUDA) reads the float32 copy: made here
+    # once, before the workers start, not by each of them under the cache's lock
+    float32 = engine.quantization == "none" or (on_cuda and engine.quantization == "auto")
     try:
-        prepare_model(engine.model)
+        prepare_model(engine.model, weights=float32)
     except ModelLoadError as exc:
         raise _CannotStart(str(exc)) from exc
-    return db_url, gpu_count()
+    return db_url, gpus
 
 
 def _plan(

@@ -59,14 +59,16 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def prepare_model(model: str) -> None:
+def prepare_model(model: str, weights: bool = False) -> None:
     """Pull the bundled model and convert a GGUF once (both file-locked and atomic), so the
-    workers, the API and the jobs runner load it fast and never race to download it.
+    workers, the API and the jobs runner load it fast and never race to download it; with
+    `weights`, the float32 copy the workers will read too (`convert_gguf`).
 
     Raises:
         gpu_worker.errors.ModelLoadError: unknown alias, download failure, bad file.
     """
     from laneserve.gpu_worker.model_files import (
+        WEIGHTS_FILE,
         conversion_valid,
         gguf_cache_dir,
         resolve_model_path,
@@ -76,13 +78,16 @@ def prepare_model(model: str) -> None:
     if (
         path.is_file()
         and path.suffix == ".gguf"
-        and not conversion_valid(gguf_cache_dir(path), path)
+        and not (
+            conversion_valid(gguf_cache_dir(path), path)
+            and (not weights or (gguf_cache_dir(path) / WEIGHTS_FILE).exists())
+        )
     ):
         from laneserve.gpu_worker.model_loader import (
             convert_gguf,  # imports torch: only when converting
         )
 
-        convert_gguf(path, weights=False)  # a float32 load adds the weights itself
+        convert_gguf(path, weights=weights)
 
 
 def child_env(home: Path, threads: int, api_key: str | None) -> dict[str, str]:

@@ -410,7 +410,7 @@ def test_a_quantized_first_load_writes_no_float32_copy(tmp_path, smollm2_gguf):
     `model.safetensors` (a 0.8 GB Q4_K_M took 40 s and 5.6 GB for one). A float32 load adds the
     weights to the same directory, the GGUF's values exactly, and a later quantized load keeps
     them."""
-    from laneserve.gpu_worker.model_loader import WEIGHTS_FILE, gguf_cache_dir
+    from laneserve.gpu_worker.model_files import WEIGHTS_FILE, gguf_cache_dir
 
     maker = load_script("make_test_model")
     model = maker.make_model("qwen3", "tiny")
@@ -421,8 +421,11 @@ def test_a_quantized_first_load_writes_no_float32_copy(tmp_path, smollm2_gguf):
     assert not (cache / WEIGHTS_FILE).exists()
     assert load_hf_tokenizer(cache)("hello").input_ids == quantized.tokenizer("hello").input_ids
 
+    index = (cache / "gguf_tensors.json").stat().st_ino
     dense = load_model_files(path, quantization="none")
     assert (cache / WEIGHTS_FILE).exists() and dense.source == path
+    # added in place: the directory was never rebuilt (its readers never saw it missing)
+    assert (cache / "gguf_tensors.json").stat().st_ino == index
     reader = gguf.GGUFReader(str(path))
     parsed = load_gguf_weights(reader, config_from_gguf(reader, path), path)
     assert dense.weights.keys() == parsed.keys()
