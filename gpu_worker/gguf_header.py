@@ -5,10 +5,11 @@
 none of those strings, only the config's values, the vocabulary's length and the tensors. This
 reader walks the header with `struct` over the mapped file (the GGUF v2/v3 layout: magic,
 version, tensor and key counts, the key-value pairs, the tensor infos, data aligned to
-`general.alignment`), keeps every scalar, string and short array, and keeps only the length of
-string arrays longer than `_MAX_KEPT_STRINGS`. What it gives has the parts of `GGUFReader`'s API
-the loader reads (`fields[key].contents()`, `len(fields[key].data)`, `tensors` with `name`,
-`tensor_type`, `shape`, `data`, `data_offset`), so tests compare the two directly.
+`general.alignment`), keeps every scalar, string and numeric array (as lists), and keeps only
+the length of string arrays longer than `_MAX_KEPT_STRINGS`. What it gives has the parts of
+`GGUFReader`'s API the loader reads (`fields[key].contents()`, `len(fields[key].data)`,
+`tensors` with `name`, `tensor_type`, `shape`, `data`, `data_offset`), so tests compare the two
+directly.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class _Cursor:
         dtype = np.dtype(_NUMPY[item])
         values = np.frombuffer(self.buf, dtype, count, self.pos)
         self.pos += count * dtype.itemsize
-        return values.tolist() if count <= _MAX_KEPT_STRINGS else values, count
+        return values.tolist(), count
 
 
 def read_gguf_header(path: Path) -> GGUFHeader:

@@ -200,5 +200,11 @@ def conversion_valid(cache: Path, gguf_path: Path) -> bool:
         return False
 
 
+def conversion_current(cache: Path, gguf_path: Path, weights: bool) -> bool:
+    """Whether `cache` is a finished conversion of `gguf_path` (`conversion_valid`) holding what
+    a caller needs: with `weights`, the float32 `WEIGHTS_FILE` too."""
+    return conversion_valid(cache, gguf_path) and (not weights or (cache / WEIGHTS_FILE).exists())
+
+
 def write_conversion_marker(cache: Path, gguf_path: Path) -> None:
     (cache / _CONVERSION_MARKER).write_text(json.dumps(gguf_stamp(gguf_path)))

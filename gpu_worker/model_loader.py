@@ -43,6 +43,7 @@ from laneserve.gpu_worker.gguf_loader import (
 from laneserve.gpu_worker.model_config import ModelConfig, config_from_hf_dict
 from laneserve.gpu_worker.model_files import (
     WEIGHTS_FILE,
+    conversion_current,
     conversion_valid,
     gguf_cache_dir,
     write_conversion_marker,
@@ -134,10 +135,11 @@ def convert_gguf(path: Path, out_dir: Path | None = None, weights: bool = True) 
 
     out_dir = out_dir or gguf_cache_dir(path)
     with FileLock(str(out_dir) + ".lock", timeout=600):
-        valid = conversion_valid(out_dir, path)
-        if valid and (not weights or (out_dir / WEIGHTS_FILE).exists()):
+        if conversion_current(out_dir, path, weights):
             return out_dir
-        if valid:  # the weights join the directory in place (its readers never see it missing)
+        if conversion_valid(
+            out_dir, path
+        ):  # the weights join the directory in place (its readers never see it missing)
             reader = open_gguf(path)
             tensors = load_gguf_weights(reader, config_from_gguf(reader, path), path)
             tmp_file = out_dir / f"{WEIGHTS_FILE}.tmp{os.getpid()}"

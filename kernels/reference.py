@@ -280,7 +280,7 @@ def _mixed_decodes(
     if not decodes or (len(decodes) == 1 and not in_place):
         return set()
     n = len(decodes)
-    if in_place and decodes[-1] == n - 1 and starts[n] == n:
+    if in_place and decodes[-1] == n - 1:
         # the scheduler's usual order: the decodes are the batch's first sequences and rows, so
         # their query rows, lengths and tables are views (no per-layer index tensors, gathers
         # or scatter: ~10 small ops a layer of a mixed step)

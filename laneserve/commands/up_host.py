@@ -68,8 +68,7 @@ def prepare_model(model: str, weights: bool = False) -> None:
         gpu_worker.errors.ModelLoadError: unknown alias, download failure, bad file.
     """
     from laneserve.gpu_worker.model_files import (
-        WEIGHTS_FILE,
-        conversion_valid,
+        conversion_current,
         gguf_cache_dir,
         resolve_model_path,
     )
@@ -78,10 +77,7 @@ def prepare_model(model: str, weights: bool = False) -> None:
     if (
         path.is_file()
         and path.suffix == ".gguf"
-        and not (
-            conversion_valid(gguf_cache_dir(path), path)
-            and (not weights or (gguf_cache_dir(path) / WEIGHTS_FILE).exists())
-        )
+        and not conversion_current(gguf_cache_dir(path), path, weights)
     ):
         from laneserve.gpu_worker.model_loader import (
             convert_gguf,  # imports torch: only when converting
