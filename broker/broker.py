@@ -19,11 +19,14 @@ final/error and timings), ``records.py`` (the recorder link), ``worker_side.py``
 worker messages: ready, step outputs, errors, worker loss and requeue); this module is the event
 loop that routes messages between them and handles the clients.
 
-Worker loss: a request that has sent nothing to its client yet (any batch request without
-streamed output, an interactive one before its first token) is requeued at the head of its
-queue, up to ``max_attempts`` dispatches, after which it ends with a final ``worker_lost``
-error (``retryable=False``). A request that already streamed output gets ``worker_lost`` with
-``retryable=True``. A requeued request's last attempt runs *alone* on a worker (no other request
+Worker loss: the lost worker's requests are requeued at the head of their queue, up to
+``max_attempts`` dispatches, after which they end with a final ``worker_lost`` error
+(``retryable=False``). A request the next worker can go on with (``RequestState.resumable``: no
+grammar, no seeded sampling) is *resumed*: its next attempt carries the output tokens it had
+(``WorkRequest.output_token_ids``), the engine recomputes them with the prompt and continues, so
+neither a batch line's partial output nor a stream's sent tokens are lost. Any other request
+starts again from its prompt if it has sent nothing to its client yet; one that already streamed
+output gets ``worker_lost`` with ``retryable=True``. A requeued request's last attempt runs *alone* on a worker (no other request
 is dispatched to that worker meanwhile): a request that crashes its worker every time then uses
 up its own attempts without failing the requests that happened to share its worker.
 
@@ -349,7 +352,7 @@ class Broker(WorkerSide):
 
     def _send_request(self, worker: WorkerState, req: RequestState) -> None:
         self.dispatcher.assign(worker, req, time.monotonic())
-        work = p.WorkRequest.of(req.submit, attempt=req.attempts)
+        work = req.work()
         self.counters["dispatched"] += 1
         self._send_worker(worker.identity, work.to_frames())
 

@@ -34,7 +34,7 @@ class RequestState:
     sent_output: bool = False  # something was streamed to the client
     aborted: bool = False
     text: list[str] = field(default_factory=list)  # stream=False accumulation
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # every output token so far (resume)
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # held for the Final, streamed or not
     embedding: bytes | None = None  # task "embed": the pooled vector of its final output
@@ -49,6 +49,23 @@ class RequestState:
     @property
     def lane(self) -> str:
         return self.submit.lane
+
+    @property
+    def resumable(self) -> bool:
+        """Another worker can go on from this request's output so far (`output_token_ids`):
+        a generate request without a grammar (its matcher's state is not carried) whose
+        sampling does not replay a seed (a fresh generator would draw other tokens)."""
+        sp = self.submit.sampling_params
+        seeded = sp.get("seed") is not None and sp.get("temperature", 1.0) != 0
+        return self.submit.task == "generate" and not sp.get("structured_outputs") and not seeded
+
+    def work(self) -> p.WorkRequest:
+        """The message that dispatches this request's current attempt: a resumed one carries
+        its output tokens so far and leaves its prompt logprobs out (they went out already)."""
+        if not self.token_ids:
+            return p.WorkRequest.of(self.submit, attempt=self.attempts)
+        params = {k: v for k, v in self.submit.sampling_params.items() if k != "prompt_logprobs"}
+        return p.WorkRequest.of(self.submit, self.attempts, list(self.token_ids), params)
 
 
 def timings(req: RequestState, metrics: dict[str, Any], now: float) -> dict[str, float | None]:
@@ -113,7 +130,7 @@ def outcome(
         usage=usage_,
         timings=timings_,
         text="".join(req.text),
-        token_ids=req.token_ids,
+        token_ids=[] if req.submit.stream else req.token_ids,
         logprobs=req.logprobs,
         worker_id=req.worker_id,
         attempts=req.attempts,

@@ -100,6 +100,7 @@ class WorkerSide:
             return
         if out.prompt_logprobs is not None:
             req.prompt_logprobs = out.prompt_logprobs
+        req.token_ids.extend(out.new_token_ids)
         if req.submit.stream:
             frames = encode_delta(out.request_id, out.new_text, out.new_token_ids, out.logprobs)
             if self._send_client(req.client, frames):
@@ -107,7 +108,6 @@ class WorkerSide:
                 self.counters["deltas"] += 1
         else:
             req.text.append(out.new_text)
-            req.token_ids.extend(out.new_token_ids)
             if out.logprobs is not None:
                 req.logprobs = (req.logprobs or []) + list(out.logprobs)
 
@@ -133,23 +133,26 @@ class WorkerSide:
             if req is None:
                 continue
             self.dispatcher.release(worker, req)
+            out_of_attempts = req.attempts >= self.config.max_attempts
             if req.aborted:
                 self._finish(req, "abort", None, {}, status="aborted")
-            elif req.sent_output:
+            elif req.sent_output and (out_of_attempts or not req.resumable):
                 msg = "worker lost while streaming; retry the request"
                 self._finish(
                     req, "error", ("worker_lost", msg), {}, status="failed", retryable=True
                 )
-            elif req.attempts >= self.config.max_attempts:
+            elif out_of_attempts:
                 msg = f"worker lost {req.attempts} times"
                 self._finish(req, "error", ("worker_lost", msg), {}, status="failed")
             else:
                 self.counters["requeued"] += 1
                 req.lost += 1
-                # forget the lost attempt's partial output (stream=False accumulates it)
-                req.text, req.token_ids, req.logprobs = [], [], None
-                req.prompt_logprobs = None
-                req.num_tokens, req.first_token = 0, 0.0
+                if req.resumable:  # the next worker goes on from its output so far
+                    self.counters["resumed"] += bool(req.token_ids)
+                else:  # forget the lost attempt's partial output (stream=False accumulates it)
+                    req.text, req.token_ids, req.logprobs = [], [], None
+                    req.prompt_logprobs = None
+                    req.num_tokens, req.first_token = 0, 0.0
                 requeue[req.submit.lane].append(rid)
         self.dispatcher.requeue_at_head(requeue)  # head of the queue, original order
         self._dispatch()

@@ -47,6 +47,11 @@ class EngineRequest:
             when the engine takes it).
         task: "generate", or "embed": prefill only, its final output carries the pooled hidden
             state (the worker's ``pooling_type``); sampling params are ignored.
+        output_token_ids: tokens an earlier attempt already generated and sent (a request
+            resumed after its worker was lost, broker/worker_side.py). The engine recomputes
+            them with the prompt, as after a preemption, and goes on from there: they count
+            against ``max_tokens``, their text is not sent again, the next output is the next
+            token.
     """
 
     request_id: str
@@ -56,6 +61,7 @@ class EngineRequest:
     priority: int = 0
     arrival_time: float | None = None
     task: str = "generate"
+    output_token_ids: list[int] | None = None
 
     def prompt_fields(self) -> dict[str, Any]:
         """The prompt as the wire's keyword: ``{"prompt_token_ids": ...}``."""

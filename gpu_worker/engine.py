@@ -228,6 +228,8 @@ class LLMEngine:
         if request_id in self.states:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
         params = SamplingParams.for_task(sampling_params, task)
+        if request.output_token_ids and params.structured_outputs is not None:
+            raise InvalidRequestError("a request with structured outputs cannot be resumed")
         try:
             lane_enum = Lane(request.lane)
         except ValueError:
@@ -235,7 +237,9 @@ class LLMEngine:
                 f"lane must be 'interactive' or 'batch', got {request.lane!r}"
             ) from None
         ids = self.prompts.check_ids(request.prompt_token_ids)
-        if len(ids) >= self.max_model_len:
+        resumed = request.output_token_ids or []
+        resumed = self.prompts.check_ids(resumed, "output_token_ids") if resumed else []
+        if len(ids) + len(resumed) >= self.max_model_len:
             raise PromptTooLongError(
                 len(ids),
                 self.max_model_len,
@@ -250,6 +254,8 @@ class LLMEngine:
             priority=int(request.priority),
             arrival_time=time.monotonic() if request.arrival_time is None else request.arrival_time,
             pooling_type=self.config.pooling_type if task == "embed" else None,
+            output_token_ids=resumed,
+            num_resumed_tokens=len(resumed),
         )
         generator = None
         if params.seed is not None:
@@ -259,11 +265,11 @@ class LLMEngine:
             self.structured.add(request_id, params.structured_outputs)
         else:
             self.scheduler.add_request(req)
-        self.states[request_id] = RequestState(
-            req, IncrementalDetokenizer(self.tokenizer, ids, params), generator, params
-        )
+        detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
+        detokenizer.update(resumed)  # their text went out with the earlier attempt
+        self.states[request_id] = RequestState(req, detokenizer, generator, params)
         if task == "generate":
-            self.states[request_id].spec = self.speculation.new_request(ids, params)
+            self.states[request_id].spec = self.speculation.new_request(ids + resumed, params)
         if params.prompt_logprobs is not None:
             # position 0 has no logprob; its entry names the token (the API's echo needs it)
             first = {"token_id": ids[0], "logprob": None, "rank": None, "top": []}

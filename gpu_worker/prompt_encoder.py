@@ -54,20 +54,21 @@ class PromptEncoder:
         self.num_prompts_tokenized += 1
         return self.check_ids(ids)
 
-    def check_ids(self, prompt_token_ids: list[int]) -> list[int]:
-        """The prompt's ids as a new list, checked (what the engine's `add` does with them).
+    def check_ids(self, prompt_token_ids: list[int], name: str = "prompt_token_ids") -> list[int]:
+        """The prompt's ids (or a resumed request's output ids, `name`) as a new list, checked
+        (what the engine's `add` does with them).
 
         Raises:
             InvalidRequestError: no ids, or ids outside `[0, token_id_limit)`.
         """
         if not isinstance(prompt_token_ids, (list, tuple)):
-            raise InvalidRequestError("prompt_token_ids must be a list of ints")
+            raise InvalidRequestError(f"{name} must be a list of ints")
         ids = list(prompt_token_ids)
         limit = self.token_id_limit
         bad = [t for t in ids if type(t) is not int or not 0 <= t < limit]
         if bad:
             raise InvalidRequestError(
-                f"prompt_token_ids must be ints in [0, {limit}) (the model has "
+                f"{name} must be ints in [0, {limit}) (the model has "
                 f"{self.vocab_size} embedding rows, the tokenizer "
                 f"{len(self.tokenizer)} tokens); got {bad[0]!r}"
             )

@@ -95,6 +95,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
     pooling_type: str | None = None
+    num_resumed_tokens: int = 0  # output tokens an earlier attempt generated (EngineRequest)
 
     # --- scheduling state (owned by the scheduler) ---
     status: RequestStatus = RequestStatus.WAITING
@@ -172,7 +173,8 @@ class Request:
         Durations are ms from this process's monotonic clock, None when the phase did not
         happen (e.g. aborted before the first token): `queue_ms` (arrival -> first scheduled),
         `prefill_ms` (first scheduled -> first token), `decode_ms` (first -> last token),
-        `tpot_ms` (decode_ms / (completion_tokens - 1), None below 2 tokens), `itl_p99_ms`
+        `tpot_ms` (decode_ms / (the tokens of this attempt - 1): a resumed request's
+        `num_resumed_tokens` were decoded elsewhere; None below 2 tokens), `itl_p99_ms`
         (99th percentile of `token_gaps_ms`), all as `contracts.latency` defines them,
         `first_scheduled_delay_ms` and `first_token_delay_ms` (arrival at the engine -> first
         scheduled / first token); counts `prompt_tokens, cached_tokens, completion_tokens,
@@ -186,7 +188,7 @@ class Request:
             "queue_ms": latency.interval_ms(self.arrival_time, self.first_scheduled_time),
             "prefill_ms": latency.prefill_ms(self.first_scheduled_time, self.first_token_time),
             "decode_ms": decode_ms,
-            "tpot_ms": latency.tpot_ms(decode_ms, n_out),
+            "tpot_ms": latency.tpot_ms(decode_ms, n_out - self.num_resumed_tokens),
             "itl_p99_ms": latency.itl_p99_ms(self.token_gaps_ms),
             "prompt_tokens": self.num_prompt_tokens,
             "cached_tokens": max(self.num_cached_tokens, 0),

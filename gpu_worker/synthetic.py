@@ -173,6 +173,7 @@ class SyntheticEngine:
             max_tokens=max_tokens,
             seed=int(seed),
             arrival=arrival_time if arrival_time is not None else time.monotonic(),
+            output=len(request.output_token_ids or []),  # resumed: goes on from there
         )
         if self.fail_on and self.fail_on in text:
             self._errors.append(

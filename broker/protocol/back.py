@@ -164,16 +164,28 @@ class WorkerError(Message):
 @message
 class WorkRequest(PromptRequest):
     """A request dispatched to a worker (kind ``request``): the prompt fields of
-    :class:`~laneserve.broker.protocol.front.PromptRequest` and the dispatch ``attempt`` (1-based)."""
+    :class:`~laneserve.broker.protocol.front.PromptRequest`, the dispatch ``attempt`` (1-based)
+    and, for a request resumed after its worker was lost, the ``output_token_ids`` its earlier
+    attempt generated (``EngineRequest.output_token_ids``)."""
 
     KIND: ClassVar[str] = "request"
     attempt: int = spec(t_int(0, 1000), 1)
+    output_token_ids: list | None = spec(t_opt(t_token_ids()), None)
 
     @classmethod
-    def of(cls, submit: PromptRequest, attempt: int) -> WorkRequest:
-        """The work message of a submitted request: its prompt fields and ``attempt``."""
+    def of(
+        cls,
+        submit: PromptRequest,
+        attempt: int,
+        output_token_ids: list[int] | None = None,
+        sampling_params: dict | None = None,
+    ) -> WorkRequest:
+        """The work message of a submitted request: its prompt fields and ``attempt``; a
+        resumed one also its ``output_token_ids`` and the ``sampling_params`` it goes on with."""
         shared = {name: getattr(submit, name) for name in _PROMPT_FIELDS}
-        return cls(**shared, attempt=attempt)
+        if sampling_params is not None:
+            shared["sampling_params"] = sampling_params
+        return cls(**shared, attempt=attempt, output_token_ids=output_token_ids or None)
 
     def engine_request(
         self, arrival_time: float, encode: Callable[..., list[int]] | None = None
@@ -199,6 +211,7 @@ class WorkRequest(PromptRequest):
             priority=self.priority,
             arrival_time=arrival_time,
             task=self.task,
+            output_token_ids=self.output_token_ids,
         )
 
 

@@ -220,7 +220,9 @@ def test_interactive_worker_loss_requeue_or_retryable_error(stack) -> None:
 
     async def main():
         async with BrokerClient(stack.front) as c:
-            streaming = c.submit(request_id="s", prompt="a", sampling_params={"max_tokens": 500})
+            # seeded sampling cannot be resumed elsewhere (a fresh generator draws other tokens)
+            sp = {"max_tokens": 500, "seed": 3, "temperature": 0.7}
+            streaming = c.submit(request_id="s", prompt="a", sampling_params=sp)
             first = await anext(streaming)
             assert isinstance(first, p.Delta)
             waiting = asyncio.create_task(
@@ -238,6 +240,41 @@ def test_interactive_worker_loss_requeue_or_retryable_error(stack) -> None:
     assert isinstance(err, p.Error) and err.code == "worker_lost" and err.retryable, tail[-1]
     assert isinstance(fin, p.Final) and fin.worker_id == "w2" and fin.attempts == 2, fin
     assert len(deltas) == 5
+
+
+def test_worker_loss_resumes_streams_and_batch_lines_where_they_were(stack) -> None:
+    """A killed worker's unseeded requests go on on the next worker from the tokens they had:
+    the stream's deltas and the batch line's final carry every token once, in order (the
+    synthetic engine's tokens count up from 0, so a restart from the prompt would repeat them)."""
+    stack.start_broker("--max-attempts", "3")
+    w1 = stack.start_worker("w1", "--synthetic-step-ms", "20")
+    stack.wait_workers({"w1"})
+    n = 60
+
+    async def main():
+        async with BrokerClient(stack.front) as c:
+            sp = {"max_tokens": n}
+            line = asyncio.create_task(
+                collect(c, request_id="b", prompt="x", lane="batch", stream=False,
+                        sampling_params=sp | {"logprobs": 0})
+            )  # fmt: skip
+            streaming = c.submit(request_id="s", prompt="a", sampling_params=sp)
+            deltas = [await anext(streaming) for _ in range(10)]
+            w1.send_signal(signal.SIGKILL)
+            stack.start_worker("w2", "--synthetic-step-ms", "5")
+            tail = [m async for m in streaming]
+            return deltas + tail[:-1], tail[-1], await line
+
+    deltas, final, (_, line) = run(main())
+    assert isinstance(final, p.Final) and final.attempts == 2, final
+    assert final.worker_id == "w2" and final.finish_reason == "length"
+    assert [t for d in deltas for t in d.token_ids] == list(range(n))
+    assert "".join(d.text for d in deltas) == "".join(f" w{i}" for i in range(n))
+    assert final.usage["completion_tokens"] == n and final.token_ids == []
+    assert isinstance(line, p.Final) and line.attempts == 2 and line.worker_id == "w2", line
+    assert line.token_ids == list(range(n)) and line.text == "".join(f" w{i}" for i in range(n))
+    st = stack.status()
+    assert st["counters"]["resumed"] == 2 and st["counters"]["requeued"] == 2, st["counters"]
 
 
 def test_batch_worker_lost_after_max_attempts_is_final(stack) -> None:

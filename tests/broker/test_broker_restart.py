@@ -180,14 +180,16 @@ def test_epoch_change_on_a_live_connection_resends_and_drops_the_left_one(tmp_pa
 def test_restartable_stream_runs_again_after_its_worker_is_lost(stack) -> None:
     """A ``restartable`` stream (the gateway's non-streaming response) that had tokens when its
     worker was SIGKILLed: the client yields a Restart, then the whole output of a new run; a
-    plain stream under way on the same worker ends with the retryable worker_lost."""
+    plain stream under way on the same worker ends with the retryable worker_lost. Both sample
+    with a seed, which the broker does not resume on another worker (unseeded ones go on where
+    they were: test_broker_processes)."""
     stack.start_broker()
     w1 = stack.start_worker("w1", "--synthetic-step-ms", "20")
     stack.wait_workers({"w1"})
 
     async def main():
         async with BrokerClient(stack.front, heartbeat_interval_s=HB) as c:
-            sp = {"max_tokens": 100}
+            sp = {"max_tokens": 100, "seed": 1, "temperature": 0.7}
             restartable = c.submit(request_id="r", prompt="a", sampling_params=sp, restartable=True)
             plain = c.submit(request_id="p", prompt="b", sampling_params=sp)
             head = [await anext(restartable), await anext(plain)]

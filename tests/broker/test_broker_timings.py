@@ -89,7 +89,7 @@ def test_work_request_carries_every_prompt_field_of_the_submit():
     )
     work = p.WorkRequest.of(submit, attempt=2)
     shared = {k: v for k, v in submit.payload().items() if k in work.payload()}
-    assert work.payload() == shared | {"attempt": 2}
+    assert work.payload() == shared | {"attempt": 2, "output_token_ids": None}
     assert set(shared) == {
         "request_id", "lane", "sampling_params", "prompt", "messages", "prompt_token_ids",
         "priority", "model", "attempt", "task",
@@ -107,3 +107,8 @@ def test_work_request_carries_every_prompt_field_of_the_submit():
     with pytest.raises(ValueError, match="prompt encoder"):
         work.engine_request(0.0)
     assert p.decode(work.to_frames(), p.BROKER_TO_WORKER) == work
+    # a resumed attempt: the tokens it had and the params it goes on with reach the engine
+    resumed = p.WorkRequest.of(submit, 3, [7, 8], {"max_tokens": 3})
+    assert p.decode(resumed.to_frames(), p.BROKER_TO_WORKER) == resumed
+    again = resumed.engine_request(0.0, encode)
+    assert again.output_token_ids == [7, 8] and again.sampling_params == {"max_tokens": 3}

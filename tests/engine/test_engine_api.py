@@ -183,3 +183,40 @@ def test_embed_equals_transformers_pooling_chunked_and_frees_its_blocks(
             assert out.metrics["tpot_ms"] is None and out.metrics["completion_tokens"] == 0
         stats = llm.stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+
+
+def _run_one(engine, request) -> list:
+    engine.add(request)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == request.request_id]
+    return outs
+
+
+def test_resumed_request_goes_on_token_exact(llm):
+    """A request resumed with the tokens an earlier attempt generated (a lost worker's,
+    `EngineRequest.output_token_ids`) ends as the uninterrupted one did: the same next tokens,
+    only the text not yet sent, penalties counting the resumed tokens as output, and its
+    metrics over the whole output."""
+    from laneserve.contracts.engine_io import EngineRequest
+
+    engine = llm.engine
+    prompt = engine.prompts.encode(prompt="Write a short poem about the sea.")
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, presence_penalty=1.5)
+    full = _run_one(engine, EngineRequest("full", prompt, sp.to_dict()))
+    ids = [t for o in full for t in o.new_token_ids]
+    assert len(ids) == 24 and full[-1].finish_reason == "length"
+    for k in (1, 9, 23):
+        sent = "".join(o.new_text for o in full[:k])  # one token an output without drafts
+        assert [t for o in full[:k] for t in o.new_token_ids] == ids[:k]
+        rest = _run_one(engine, EngineRequest(f"r{k}", prompt, sp.to_dict(),
+                                              output_token_ids=ids[:k]))  # fmt: skip
+        assert [t for o in rest for t in o.new_token_ids] == ids[k:], k
+        assert sent + "".join(o.new_text for o in rest) == "".join(o.new_text for o in full)
+        assert rest[-1].finish_reason == "length"
+        assert rest[-1].metrics["completion_tokens"] == 24
+    with pytest.raises(InvalidRequestError, match="output_token_ids"):
+        engine.add(EngineRequest("bad", prompt, sp.to_dict(), output_token_ids=[10**9]))
+    with pytest.raises(PromptTooLongError):
+        engine.add(EngineRequest("long", prompt, sp.to_dict(), output_token_ids=[5] * 256))
+    assert not engine.has_unfinished_requests()
