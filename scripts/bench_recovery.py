@@ -19,10 +19,14 @@ seconds since the kill (wall clock, one host):
     readmitted        first job line the new engine schedules (requests.first_scheduled_at)
     first_line_done   first job line finished after the kill (requests.finished_at)
 
-Each round also checks that every line came back exactly once. Prints one JSON object: the
-rounds and the median of each phase.
+Each round kills a worker that has run the supervisor's `stable_s` and has its standby
+(laneserve/supervisor.py: a spare that did its imports takes over); `-- --no-standby` measures
+a cold restart instead. The killed worker's lines are resumed from the tokens they had
+(broker/worker_side.py). Each round also checks that every line came back exactly once. Prints
+one JSON object: the rounds and the median of each phase.
 
     python scripts/bench_recovery.py --kills 3 --lines 200
+    python scripts/bench_recovery.py --kills 3 --lines 200 -- --no-standby
 """
 
 from __future__ import annotations
@@ -39,7 +43,6 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
-import psutil
 from benchlib import add_model_home, home_for, stack_info, start_up, stop_up
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +61,7 @@ PHASES = (
 # Worker log lines that mark a start-up milestone (logging's asctime, local time, ms).
 LOG_MARKS = {"model_loaded": "weights loaded:", "profiled": "step cost prior"}
 STABLE_S = 30.0  # laneserve.supervisor.Supervisor's default stable_s
+STANDBY_IMPORTS_S = 10.0  # a standby's imports take ~4 s on a quiet 2-core CPU
 _ASCTIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
@@ -181,13 +185,19 @@ def one_kill(home: Path, info: dict, args) -> dict:
     from laneserve.broker.client import broker_status
 
     api = info["api_url"]
+    # the supervisor restarts a worker that ran `stable_s` (30 s) at once, a younger one after a
+    # backoff, and hands over to the worker's standby, started once the worker ran `stable_s`:
+    # each round measures that kind (or, with --no-standby, a cold start after a stable run).
+    # Wait before the job, not after its first lines: a fast engine would finish the job while
+    # it waited, leaving nothing to requeue.
+    time.sleep(STABLE_S + 1.0)
+    standby = "--no-standby" not in args.up_args
+    while standby and not stack_info(home).get("standby", {}).get("worker-0"):
+        time.sleep(0.2)
+    time.sleep(STANDBY_IMPORTS_S if standby else 0.0)
+    old = stack_info(home)["children"]["worker-0"]
     job_id = submit(api, args.lines, args.max_tokens)
     wait_batch(api, job_id, lambda s: s["request_counts"]["completed"] >= args.kill_after, 600)
-    old = stack_info(home)["children"]["worker-0"]
-    # the supervisor restarts a worker that ran `stable_s` (30 s) at once, a younger one after a
-    # backoff: each round measures the first kind
-    up_s = time.time() - psutil.Process(old).create_time()
-    time.sleep(max(0.0, STABLE_S + 1.0 - up_s))
     before = broker_status(info["broker_front"])["counters"]
     t_kill = time.time()
     os.kill(old, signal.SIGKILL)

@@ -97,7 +97,7 @@ def start_stack(
     Raises:
         RuntimeError: it exited or did not become ready (the message has its log's tail).
     """
-    from laneserve.commands.up import DEFAULT_API_PORT, DEFAULT_DASHBOARD_PORT
+    from laneserve.commands.up_args import DEFAULT_API_PORT, DEFAULT_DASHBOARD_PORT
     from laneserve.commands.up_host import port_free
     from laneserve.stack import start_stack_process
 

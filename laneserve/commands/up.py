@@ -32,7 +32,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from laneserve.commands import add_tool_parser_argument, port_number
+from laneserve.commands.up_args import (
+    LIVENESS_CPU,
+    LIVENESS_GPU,
+    PER_WORKER,
+    add_arguments,
+)
 from laneserve.commands.up_host import (
     child_env,
     cpu_cores,
@@ -44,22 +49,14 @@ from laneserve.commands.up_host import (
     threads_per_worker,
 )
 from laneserve.contracts import env as lsenv
-from laneserve.gpu_worker.config import EngineConfig, add_engine_arguments, config_from_args
+from laneserve.gpu_worker.config import EngineConfig, config_from_args
 
 if TYPE_CHECKING:
     from laneserve.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_API_PORT = 8000
-DEFAULT_DASHBOARD_PORT = 8501
 LANES = ("interactive", "batch")
-# Broker <-> worker liveness: missed 1 s heartbeats before a worker counts as lost. Generous on
-# CPU, where a loaded machine can starve the worker's IO thread for seconds.
-LIVENESS_CPU = 30
-LIVENESS_GPU = 5
-# Engine options `up` sets for each worker itself (`--lanes` here takes one list per worker).
-PER_WORKER = ("lanes",)
 # A child that has been restarted this many times before the stack is ready fails `up` at once.
 START_RESTARTS = 3
 
@@ -70,68 +67,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_arguments(parser)
     parser.set_defaults(func=run)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=1, help="engine workers (default: 1)")
-    parser.add_argument(
-        "--jobs-runners",
-        type=int,
-        default=1,
-        help="jobs runners sharing the database through leases (default: 1)",
-    )
-    parser.add_argument(
-        "--lanes",
-        default="interactive,batch",
-        help="lanes per worker: one list for all workers (default: %(default)s), or one list "
-        "per worker separated by ';', e.g. --workers 2 --lanes 'interactive;batch'",
-    )
-    parser.add_argument(
-        "--api-port", type=port_number, default=DEFAULT_API_PORT, help="0: any free port"
-    )
-    parser.add_argument(
-        "--dashboard-port",
-        type=port_number,
-        default=DEFAULT_DASHBOARD_PORT,
-        help="0: any free port",
-    )
-    parser.add_argument("--no-dashboard", action="store_true", help="do not start the dashboard")
-    parser.add_argument(
-        "--db", default=None, help="database URL (default: $LANESERVE_DB_URL, else SQLite in home)"
-    )
-    parser.add_argument(
-        "--api-key", default=None, help="key the API requires (default: $LANESERVE_API_KEY; none)"
-    )
-    engine = parser.add_argument_group("engine (passed to every worker, gpu_worker/config.py)")
-    add_engine_arguments(engine, exclude=PER_WORKER)
-    engine.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads per worker (default: cores/workers)",
-    )
-    engine.add_argument(
-        "--synthetic",
-        action="store_true",
-        help="synthetic workers (fake tokens, no model): for tests and benchmarks of the plumbing",
-    )
-    add_tool_parser_argument(parser)
-    parser.add_argument(
-        "--liveness",
-        type=int,
-        default=None,
-        help=f"missed 1 s heartbeats before a worker is lost (default: {LIVENESS_CPU} on CPU, "
-        f"{LIVENESS_GPU} on GPU)",
-    )
-    parser.add_argument(
-        "--ready-timeout",
-        type=float,
-        default=600.0,
-        help="seconds to wait for every component to answer (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--parent-pid", type=int, default=None, help="stop the stack when this process is gone"
-    )
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -213,7 +148,7 @@ def build_specs(args: argparse.Namespace, plan: dict) -> list:
         profile = home / "run" / f"worker-{i}.profile.json"
         profile.unlink(missing_ok=True)
         env = dict(worker_env, LANESERVE_RESTART_PROFILE=str(profile))
-        specs.append(ChildSpec(f"worker-{i}", argv, env, stop_group=1))
+        specs.append(ChildSpec(f"worker-{i}", argv, env, stop_group=1, standby=args.standby))
     n_runners = args.jobs_runners
     tools = ["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []
     for i in range(n_runners):
@@ -507,6 +442,7 @@ class _StackFile:
                 "api_key_required": bool(plan["api_key"]),
                 "logs": str(home / "logs"),
                 "children": sup.pids(),
+                "standby": sup.standby_pids(),
             },
             home,
         )

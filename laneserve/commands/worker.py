@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import sys
 from typing import TYPE_CHECKING
 
 from laneserve.contracts import defaults
@@ -44,6 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--liveness", type=int, default=defaults.LIVENESS)
     parser.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process is gone"
+    )
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="a spare (laneserve/supervisor.py): do the slow imports, then wait for a line on "
+        "stdin before starting (exit 0 at end of file)",
     )
     parser.add_argument(
         "--drain-timeout",
@@ -142,8 +149,27 @@ def build_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
     return with_faults(engine, FaultPlan.from_env())
 
 
+def wait_as_standby(synthetic: bool) -> bool:
+    """A spare's wait: import what a start spends its first seconds on (torch, the engine,
+    transformers' tokenizer classes), then block until the supervisor sends a line (True: take
+    over now) or closes stdin (False: stop)."""
+    if not synthetic:
+        import transformers  # noqa: F401
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+
+        from laneserve.gpu_worker import engine, model_loader  # noqa: F401
+        from laneserve.kernels import cpu_ext  # noqa: F401
+    logger.info("standby: imports done, waiting to take over")
+    if not sys.stdin.buffer.readline():
+        return False
+    logger.info("standby: taking over")
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     apply_openmp_policy()  # before anything imports torch (libgomp reads it when it loads)
+    if args.standby and not wait_as_standby(args.synthetic):
+        return 0
     from laneserve.broker.addresses import default_back
     from laneserve.gpu_worker.worker import Worker
 

@@ -114,6 +114,50 @@ def _not_zombie(pid: int) -> bool:
         return False
 
 
+def test_a_standby_takes_over_a_killed_child_and_never_outlives_the_supervisor(tmp_path):
+    """A stable child gets a spare (argv + --standby, waiting on stdin); when the child is
+    killed the spare takes over at once (same log), a new spare follows once it has run
+    stable_s, and stop() leaves no spare behind."""
+    events = tmp_path / "events"
+    code = (
+        "import os, sys, time\n"
+        f"log = lambda w: open({str(events)!r}, 'a').write(f'{{w}} {{os.getpid()}}\\n')\n"
+        "if '--standby' in sys.argv:\n"
+        "    log('spare')\n"
+        "    if not sys.stdin.readline(): log('eof'); sys.exit(0)\n"
+        "    log('took-over')\n"
+        "else:\n"
+        "    log('started')\n"
+        "time.sleep(120)\n"
+    )
+    sup = Supervisor([ChildSpec("w", [PY, "-c", code], standby=True)], tmp_path, stable_s=0.5)
+    sup.start()
+    first = sup.pids()["w"]
+
+    def spare():
+        sup.poll()
+        return sup.standby_pids().get("w")
+
+    spare_pid = wait_for(spare, what="a spare")
+    wait_for(lambda: f"spare {spare_pid}" in events.read_text(), what="the spare's imports")
+    os.kill(first, 9)
+    wait_for(lambda: sup.poll() or sup.pids()["w"] == spare_pid, what="the handover")
+    wait_for(lambda: f"took-over {spare_pid}" in events.read_text(), what="the go line")
+    assert sup.children["w"].handovers == 1 and sup.children["w"].restarts == 1
+    second = wait_for(lambda: spare() not in (None, spare_pid) and spare(), what="a new spare")
+    sup.stop()
+    wait_for(lambda: not any(_not_zombie(p) for p in (first, spare_pid, second)), 5, "all gone")
+    assert "started" in events.read_text().splitlines()[0]
+    assert sup.standby_pids() == {}
+    # without ChildSpec.standby no spare is started
+    plain = Supervisor([ChildSpec("p", [PY, "-c", code])], tmp_path / "p", stable_s=0.1)
+    plain.start()
+    time.sleep(0.4)
+    plain.poll()
+    assert plain.standby_pids() == {}
+    plain.stop()
+
+
 def test_duplicate_names_rejected(tmp_path):
     with pytest.raises(ValueError, match="unique"):
         Supervisor([ChildSpec("a", ["true"]), ChildSpec("a", ["true"])], tmp_path)
