@@ -16,8 +16,10 @@ keeps no durable state: a restart changes its ``epoch`` so peers notice.
 Modules: ``config.py`` (``BrokerConfig``), ``workers.py`` (registry, liveness), ``dispatch.py``
 (lane queues, credits, the batch share, solo reservations), ``requests.py`` (request state,
 final/error and timings), ``records.py`` (the recorder link), ``worker_side.py`` (the handlers of
-worker messages: ready, step outputs, errors, worker loss and requeue); this module is the event
-loop that routes messages between them and handles the clients.
+worker messages: ready, step outputs, errors, worker loss and requeue; a ``WorkerSide`` object
+given the registry, dispatcher, requests, counters and the broker's send, dispatch and finish
+callables); this module is the event loop that routes messages between them and handles the
+clients.
 
 Worker loss: the lost worker's requests are requeued at the head of their queue, up to
 ``max_attempts`` dispatches, after which they end with a final ``worker_lost`` error
@@ -63,13 +65,15 @@ logger = logging.getLogger(__name__)
 _NOBLOCK = zmq.NOBLOCK
 
 
-class Broker(WorkerSide):
+class Broker:
     """The broker event loop. ``run()`` blocks until ``stop()`` (thread-safe flag) is called.
 
     Public state for tests and status: ``counters`` (dict of ints), ``workers``, ``requests``.
     The parts it composes: :class:`~laneserve.broker.workers.WorkerRegistry` (workers, liveness),
-    :class:`~laneserve.broker.dispatch.Dispatcher` (queues, credits, solo reservations) and
-    :class:`~laneserve.broker.records.RecordLink` (the recorder link, None without a recorder).
+    :class:`~laneserve.broker.dispatch.Dispatcher` (queues, credits, solo reservations),
+    :class:`~laneserve.broker.worker_side.WorkerSide` (``worker_side``: worker messages, sends to
+    workers, worker loss) and :class:`~laneserve.broker.records.RecordLink` (the recorder link,
+    None without a recorder).
     """
 
     def __init__(self, config: BrokerConfig, ctx: zmq.Context | None = None) -> None:
@@ -95,6 +99,18 @@ class Broker(WorkerSide):
         self.dispatcher = Dispatcher(config, self.workers, self.requests, self.counters)
         self.queues = self.dispatcher.queues
         self.records = RecordLink(self.ctx, config, self.counters) if config.recorder else None
+        self.worker_side = WorkerSide(
+            self.registry,
+            self.dispatcher,
+            self.requests,
+            self.counters,
+            max_attempts=config.max_attempts,
+            send_back=lambda identity, frames: self._send(self.back, identity, frames, "worker"),
+            send_client=self._send_client,
+            heartbeat_frames=self._heartbeat_frames,
+            dispatch=self._dispatch,
+            finish=self._finish,
+        )
         self._stopped = False
         self._next_tick = 0.0
         self._last_invalid_log = 0.0
@@ -151,7 +167,7 @@ class Broker(WorkerSide):
         timeout_ms = max(0.0, (self._next_tick - time.monotonic()) * 1000)
         events = dict(poller.poll(timeout_ms))
         if self.back in events:
-            self._drain(self.back, self._on_worker_frames)
+            self._drain(self.back, self.worker_side.on_frames)
         if self.front in events:
             self._drain(self.front, self._on_client_frames)
         if self.records is not None and self.records.sock in events:
@@ -210,13 +226,13 @@ class Broker(WorkerSide):
                 now - worker.last_seen,
             )
             bye = p.Disconnect(reason="liveness").to_frames()
-            if self._send_worker(worker.identity, bye, quiet=True):
+            if self.worker_side.send(worker.identity, bye, quiet=True):
                 # its queued messages get no second one
                 self.registry.told_disconnect(worker.identity, now)
-            self._worker_lost(worker.identity)
+            self.worker_side.lost(worker.identity)
         frames = self._heartbeat_frames()
         for worker in self.registry.heartbeat_due(now):
-            self._send_worker(worker.identity, frames)
+            self.worker_side.send(worker.identity, frames)
 
     def _check_parent(self, now: float) -> None:
         parent = self.config.parent_pid
@@ -286,7 +302,7 @@ class Broker(WorkerSide):
                     return
                 logger.warning("worker %s (pid %d) lost: exited", worker.worker_id, worker.pid)
                 self.counters["workers_exited"] += 1
-                self._worker_lost(identity)  # requeues and dispatches
+                self.worker_side.lost(identity)  # requeues and dispatches
                 return
 
     def _on_abort(self, identity: bytes, rid: str) -> None:
@@ -305,7 +321,7 @@ class Broker(WorkerSide):
             self._finish(req, "abort", None, {}, status="aborted")
         else:
             # the worker answers with a finished output (finish_reason "abort")
-            self._send_worker(req.worker, p.Abort(request_id=req.request_id).to_frames())
+            self.worker_side.send(req.worker, p.Abort(request_id=req.request_id).to_frames())
 
     def _client_gone(self, identity: bytes) -> None:
         rids = self.by_client.pop(identity, set())
@@ -354,7 +370,7 @@ class Broker(WorkerSide):
         self.dispatcher.assign(worker, req, time.monotonic())
         work = req.work()
         self.counters["dispatched"] += 1
-        self._send_worker(worker.identity, work.to_frames())
+        self.worker_side.send(worker.identity, work.to_frames())
 
     # ----------------------------------------------------------------------------- finish
 

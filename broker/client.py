@@ -14,7 +14,11 @@ raised, so a caller sees the broker's code (``overloaded``, ``worker_lost``, ...
 iteration early (``break``, task cancellation, ``aclose()``) sends an ``abort``.
 
 Broker restarts (DESIGN.md "Scale beyond one machine"): the connection and reconnect machinery is
-:mod:`laneserve.broker.client_conn`; requests in flight survive a broker restart as described there.
+:mod:`laneserve.broker.client_conn`, a :class:`~laneserve.broker.client_conn.Connections` object the
+client holds (``connections``); the client keeps the requests and answers the connections through
+their :class:`~laneserve.broker.client_conn.RequestSide` interface (``on_frames``, ``on_left``,
+``on_up``, ``expire_waiting``, ``awaits_answer``). Requests in flight survive a broker restart as
+described there.
 
 A caller that shows nothing before the end (the gateway for a non-streaming HTTP response, which
 streams from the broker only to time tokens at the edge) submits with ``restartable=True``: such
@@ -26,7 +30,6 @@ a request is resubmitted even after content, on a reconnect and on the broker's 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -75,8 +78,12 @@ class _Pending:
     frames: list[bytes] | None = None  # `submit` encoded, until its first send
 
 
-class BrokerClient(Connections):
+class BrokerClient:
     """Asyncio client of the broker's front socket. One instance per event loop.
+
+    It keeps the requests in flight; its ``connections`` (:mod:`laneserve.broker.client_conn`)
+    keep the socket and reach the requests through the client's
+    :class:`~laneserve.broker.client_conn.RequestSide` methods (below, after ``_send_submit``).
 
     ``heartbeat_interval_s``: period of ``hello`` while requests are in flight (s).
     ``liveness_s``: broker silence (s) after which the connection is replaced.
@@ -96,23 +103,28 @@ class BrokerClient(Connections):
         ctx: zmq.asyncio.Context | None = None,
     ) -> None:
         self.address = address
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.liveness_s = liveness_s
         self.connect_timeout_s = connect_timeout_s
-        self.ctx = ctx or zmq.asyncio.Context.instance()
         self.client_id = uuid.uuid4().hex[:12]
-        self.epoch: str | None = None  # the epoch of the broker last heard
-        self._conn: Conn | None = None
-        self._up = asyncio.Event()
         self._streams: dict[str, _Pending] = {}
         self._status_waiters: dict[str, asyncio.Future[p.StatusReply]] = {}
-        self._tasks: list[asyncio.Task] = []
-        self._last_heard = 0.0
-        self._hello = p.Hello(client_id=self.client_id).to_frames()
         self.invalid_messages = 0
         self.counters = dict.fromkeys(
             ("connections", "resubmitted", "stream_lost", "stale_messages", "expired"), 0
         )
+        self.connections = Connections(
+            ctx or zmq.asyncio.Context.instance(),
+            address,
+            self.client_id,
+            heartbeat_interval_s=heartbeat_interval_s,
+            liveness_s=liveness_s,
+            counters=self.counters,
+            requests=self,
+        )
+
+    @property
+    def epoch(self) -> str | None:
+        """The epoch of the broker last heard."""
+        return self.connections.epoch
 
     async def __aenter__(self) -> BrokerClient:
         await self.start()
@@ -123,30 +135,19 @@ class BrokerClient(Connections):
 
     async def start(self) -> None:
         """Connect and start the heartbeat task (returns at once; the broker may start later)."""
-        if self._conn is not None:
+        if self.connections.conn is not None:
             return
-        self._last_heard = time.monotonic()
-        self._conn = self._open(1)
-        self._tasks = [asyncio.create_task(self._heartbeat(), name="broker-client-heartbeat")]
+        self.connections.start()
 
     async def close(self) -> None:
         """Abort what is in flight (best effort) and close the socket."""
-        conn = self._conn
+        conn = self.connections.conn
         for rid, pend in list(self._streams.items()):
             if conn is not None and pend.gen == conn.gen:
-                self._send(conn, p.Abort(request_id=rid).to_frames())
+                self.connections.send(conn, p.Abort(request_id=rid).to_frames())
             if pend.timer is not None:
                 pend.timer.cancel()
-        for task in self._tasks + (conn.tasks if conn else []):
-            task.cancel()
-        for task in self._tasks + (conn.tasks if conn else []):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks = []
-        if conn is not None:
-            self._close_conn(conn, linger_ms=100)
-            self._conn = None
-        self._up.clear()
+        await self.connections.close()
 
     # ------------------------------------------------------------------ API
 
@@ -201,12 +202,13 @@ class BrokerClient(Connections):
         # ... and encode it: a request the wire cannot carry fails here, before it is tracked
         # (a tracked one is sent again on every reconnect, from the reader task)
         frames = msg.to_frames()
-        if self._conn is None:
+        conn = self.connections.conn
+        if conn is None:
             raise RuntimeError("BrokerClient.start() was not called")
         pend = self._track(msg, now, deadline, restartable)
         pend.frames = frames  # sent as encoded here, now or once the connection is up
-        if self._conn.epoch is not None:
-            self._send_submit(self._conn, pend, now)
+        if conn.epoch is not None:
+            self._send_submit(conn, pend, now)
         return RequestStream(self, msg.request_id, pend.queue)
 
     def _track(
@@ -261,10 +263,10 @@ class BrokerClient(Connections):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"broker at {self.address} did not answer in {timeout_s}s")
-                conn = self._conn
+                conn = self.connections.conn
                 if conn is not None and conn is not sent_on:
                     sent_on = conn
-                    self._send(conn, p.StatusRequest(request_id=rid).to_frames())
+                    self.connections.send(conn, p.StatusRequest(request_id=rid).to_frames())
                 await asyncio.wait({fut}, timeout=min(left, 0.1))
             return fut.result()
         finally:
@@ -277,15 +279,16 @@ class BrokerClient(Connections):
     @property
     def connected(self) -> bool:
         """True while a connection is up (the broker answered on it)."""
-        return self._up.is_set()
+        return self.connections.up
 
     def report_edge_timings(
         self, request_id: str, ttft_ms: float | None, e2e_ms: float | None
     ) -> None:
         """Tell the broker this edge's TTFT and e2e (ms) for a finished request (stored in SQL)."""
-        if self._conn is not None:
+        conn = self.connections.conn
+        if conn is not None:
             msg = p.EdgeTimings(request_id=request_id, ttft_ms=ttft_ms, e2e_ms=e2e_ms)
-            self._send(self._conn, msg.to_frames())
+            self.connections.send(conn, msg.to_frames())
 
     @staticmethod
     def _restart(pend: _Pending, why: str) -> None:
@@ -305,9 +308,13 @@ class BrokerClient(Connections):
             frames = None
         pend.sends += 1
         pend.gen = conn.gen
-        self._send(conn, frames or msg.to_frames())
+        self.connections.send(conn, frames or msg.to_frames())
 
-    def _on_frames(self, conn: Conn, frames: list[bytes]) -> None:
+    # ------------------------------------------------------------------ RequestSide
+
+    def on_frames(self, conn: Conn, frames: list[bytes]) -> None:
+        """A message from the broker on ``conn``: a heartbeat or status reply (its epoch goes to
+        the connections), or a request's Delta, Final or Error."""
         try:
             msg = p.decode(frames, p.BROKER_TO_CLIENT)
         except p.ProtocolError as exc:
@@ -316,12 +323,12 @@ class BrokerClient(Connections):
             return
         kind = type(msg)
         if kind is p.Heartbeat:
-            self._on_epoch(conn, msg.epoch)
+            self.connections.on_epoch(conn, msg.epoch)
         elif kind is p.StatusReply:
             fut = self._status_waiters.get(msg.request_id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
-            self._on_epoch(conn, msg.epoch)
+            self.connections.on_epoch(conn, msg.epoch)
         else:
             pend = self._streams.get(msg.request_id)
             if pend is None or pend.gen != conn.gen:
@@ -351,6 +358,63 @@ class BrokerClient(Connections):
             else:
                 self._end(msg.request_id, msg)
 
+    def on_left(self, conn: Conn, why: str) -> tuple[int, int]:
+        """``conn`` was left: streams that delivered content end with a retryable
+        ``worker_lost``, every other request sent on it waits for the next connection (a
+        restartable one told to drop its output). Returns (ended, waiting)."""
+        now = time.monotonic()
+        lost = waiting = 0
+        for rid, pend in list(self._streams.items()):
+            if pend.gen != conn.gen:
+                continue
+            if pend.delivered and not pend.restartable:
+                lost += 1
+                err = p.Error(
+                    request_id=rid,
+                    code="worker_lost",
+                    message=f"{why} while streaming; retry the request",
+                    retryable=True,
+                )
+                self._end(rid, err)
+            else:
+                waiting += 1
+                self._restart(pend, why)
+                pend.gen, pend.wait_since = 0, now
+        return lost, waiting
+
+    def on_up(self, conn: Conn, previous_epoch: str | None, now: float) -> None:
+        """``conn`` is up: send every request that waits for a connection."""
+        waiting = [pend for pend in self._streams.values() if pend.gen == 0]
+        if previous_epoch is not None and (conn.epoch != previous_epoch or waiting):
+            logger.warning(
+                "broker epoch %s (was %s): resubmitting %d requests",
+                conn.epoch,
+                previous_epoch,
+                len(waiting),
+            )
+        for pend in waiting:
+            try:
+                self._send_submit(conn, pend, now)
+            except p.ProtocolError as exc:  # submit() encodes first; should it still fail,
+                rid = pend.submit.request_id  # that request ends, not the connection
+                self._end(rid, p.Error(request_id=rid, code="invalid_request", message=str(exc)))
+
+    def awaits_answer(self, conn: Conn) -> bool:
+        """A status call waits, or a request was sent on ``conn``."""
+        return bool(self._status_waiters) or any(
+            pend.gen == conn.gen for pend in self._streams.values()
+        )
+
+    def expire_waiting(self, now: float) -> None:
+        """Requests without a deadline wait at most ``connect_timeout_s`` for a connection."""
+        for rid, pend in list(self._streams.items()):
+            if pend.gen == 0 and pend.deadline is None:
+                if now - pend.wait_since > self.connect_timeout_s:
+                    self.counters["expired"] += 1
+                    why = f"no broker answered at {self.address} for {self.connect_timeout_s:.0f}s"
+                    err = p.Error(request_id=rid, code="no_worker", message=why, retryable=True)
+                    self._end(rid, err)
+
     # ------------------------------------------------------------------ ending requests
 
     def _end(self, rid: str, msg: Result) -> None:
@@ -365,9 +429,9 @@ class BrokerClient(Connections):
         """The caller's deadline passed: abort the request and end it with deadline_exceeded."""
         if self._streams.get(rid) is not pend:
             return
-        conn = self._conn
+        conn = self.connections.conn
         if conn is not None and pend.gen == conn.gen:
-            self._send(conn, p.Abort(request_id=rid).to_frames())
+            self.connections.send(conn, p.Abort(request_id=rid).to_frames())
         self.counters["expired"] += 1
         waited = time.monotonic() - pend.submitted_at
         why = f"not finished within its deadline ({waited:.1f}s after submit)"
@@ -384,19 +448,9 @@ class BrokerClient(Connections):
             return
         if pend.timer is not None:
             pend.timer.cancel()
-        conn = self._conn
+        conn = self.connections.conn
         if conn is not None and pend.gen == conn.gen:
-            self._send(conn, p.Abort(request_id=rid).to_frames())
-
-    def _expire_waiting(self, now: float) -> None:
-        """Requests without a deadline wait at most ``connect_timeout_s`` for a connection."""
-        for rid, pend in list(self._streams.items()):
-            if pend.gen == 0 and pend.deadline is None:
-                if now - pend.wait_since > self.connect_timeout_s:
-                    self.counters["expired"] += 1
-                    why = f"no broker answered at {self.address} for {self.connect_timeout_s:.0f}s"
-                    err = p.Error(request_id=rid, code="no_worker", message=why, retryable=True)
-                    self._end(rid, err)
+            self.connections.send(conn, p.Abort(request_id=rid).to_frames())
 
 
 class RequestStream:

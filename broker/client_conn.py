@@ -20,6 +20,12 @@ the added latency. A request waiting for a connection ends at its ``deadline`` w
 ``deadline_exceeded``, or, without one, after ``connect_timeout_s`` with a retryable
 ``no_worker``. A broker that still holds a resubmitted id (a reconnect without a restart) follows
 it on the new connection.
+
+:class:`Connections` is an object :class:`laneserve.broker.client.BrokerClient` holds: it owns the
+current :class:`Conn`, whether it is up, the broker's ``epoch``, the ``hello`` heartbeat and
+liveness. The requests are the client's; the connections reach them only through the small
+:class:`RequestSide` interface the client implements (messages read, requests of a connection
+left, a connection up, requests waiting too long, whether any request waits on an answer).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
@@ -56,15 +63,86 @@ class Conn:
     closed: bool = False
 
 
-class Connections:
-    """The connection half of :class:`laneserve.broker.client.BrokerClient` (a mixin): opening, watching,
-    reading, leaving and replacing the connection, the ``hello`` heartbeat and liveness.
+class RequestSide(Protocol):
+    """What :class:`Connections` asks of the client that owns the requests."""
 
-    The host class provides ``ctx``, ``address``, ``heartbeat_interval_s``, ``liveness_s``,
-    ``epoch``, ``counters``, ``_conn``, ``_up``, ``_streams``, ``_status_waiters``,
-    ``_last_heard``, ``_hello`` and the request side: ``_on_frames``, ``_send_submit``,
-    ``_restart``, ``_end`` and ``_expire_waiting``.
+    def on_frames(self, conn: Conn, frames: list[bytes]) -> None:
+        """Handle one message read on ``conn``."""
+
+    def on_left(self, conn: Conn, why: str) -> tuple[int, int]:
+        """``conn`` was left: end or requeue the requests sent on it; (ended, requeued)."""
+
+    def on_up(self, conn: Conn, previous_epoch: str | None, now: float) -> None:
+        """``conn`` is up (its epoch set): send every request waiting for a connection."""
+
+    def expire_waiting(self, now: float) -> None:
+        """End the requests that waited too long for a connection."""
+
+    def awaits_answer(self, conn: Conn) -> bool:
+        """Whether a request or status call sent on ``conn`` waits for the broker."""
+
+
+class Connections:
+    """The broker client's connection (module docstring): opening, watching, reading, leaving
+    and replacing it, the ``hello`` heartbeat and liveness.
+
+    Given the ZMQ ``ctx``, the broker's ``address``, the client's ``client_id`` (its ``hello``),
+    ``heartbeat_interval_s``, ``liveness_s``, the client's ``counters`` (``connections`` and
+    ``stream_lost`` are counted here) and ``requests``, the client's :class:`RequestSide`.
     """
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        address: str,
+        client_id: str,
+        *,
+        heartbeat_interval_s: float,
+        liveness_s: float,
+        counters: dict[str, int],
+        requests: RequestSide,
+    ) -> None:
+        self.ctx = ctx
+        self.address = address
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.liveness_s = liveness_s
+        self.counters = counters
+        self._requests = requests
+        self.conn: Conn | None = None  # the current connection; None before start, after close
+        self.epoch: str | None = None  # the epoch of the broker last heard
+        self._up = asyncio.Event()
+        self._last_heard = 0.0
+        self._hello = p.Hello(client_id=client_id).to_frames()
+        self._heartbeat_task: asyncio.Task | None = None
+
+    @property
+    def up(self) -> bool:
+        """True while a connection is up (the broker answered on it)."""
+        return self._up.is_set()
+
+    def start(self) -> None:
+        """Open the first connection and start the heartbeat (returns at once)."""
+        self._last_heard = time.monotonic()
+        self.conn = self._open(1)
+        self._heartbeat_task = asyncio.create_task(
+            self._heartbeat(), name="broker-client-heartbeat"
+        )
+
+    async def close(self) -> None:
+        """Stop the heartbeat and the connection's tasks, then close it."""
+        conn = self.conn
+        tasks = [self._heartbeat_task] if self._heartbeat_task is not None else []
+        tasks += conn.tasks if conn else []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._heartbeat_task = None
+        if conn is not None:
+            self._close_conn(conn, linger_ms=100)
+            self.conn = None
+        self._up.clear()
 
     def _open(self, gen: int) -> Conn:
         sock = self.ctx.socket(zmq.DEALER)
@@ -106,28 +184,11 @@ class Connections:
     def _leave(self, conn: Conn, why: str) -> None:
         """Stop using ``conn``: fail the streams that delivered content, queue the other requests
         sent on it for the next connection, and open that connection."""
-        if conn is not self._conn or conn.closed:
+        if conn is not self.conn or conn.closed:
             return
         self._close_conn(conn)
         self._up.clear()
-        now = time.monotonic()
-        lost = waiting = 0
-        for rid, pend in list(self._streams.items()):
-            if pend.gen != conn.gen:
-                continue
-            if pend.delivered and not pend.restartable:
-                lost += 1
-                err = p.Error(
-                    request_id=rid,
-                    code="worker_lost",
-                    message=f"{why} while streaming; retry the request",
-                    retryable=True,
-                )
-                self._end(rid, err)
-            else:
-                waiting += 1
-                self._restart(pend, why)
-                pend.gen, pend.wait_since = 0, now
+        lost, waiting = self._requests.on_left(conn, why)
         self.counters["stream_lost"] += lost
         logger.warning(
             "%s: reconnecting (%d streams end with worker_lost, %d requests wait to be resent)",
@@ -135,35 +196,23 @@ class Connections:
             lost,
             waiting,
         )
-        self._conn = self._open(conn.gen + 1)
+        self.conn = self._open(conn.gen + 1)
 
     def _on_up(self, conn: Conn, epoch: str) -> None:
-        """The broker answered on ``conn``: send every request that waits for a connection."""
+        """The broker answered on ``conn``: the requests side sends what waits for it."""
         now = time.monotonic()
         conn.epoch = epoch
-        waiting = [pend for pend in self._streams.values() if pend.gen == 0]
-        if self.epoch is not None and (epoch != self.epoch or waiting):
-            logger.warning(
-                "broker epoch %s (was %s): resubmitting %d requests",
-                epoch,
-                self.epoch,
-                len(waiting),
-            )
-        self.epoch = epoch
+        previous, self.epoch = self.epoch, epoch
         self._last_heard = now
         self._up.set()
-        for pend in waiting:
-            try:
-                self._send_submit(conn, pend, now)
-            except p.ProtocolError as exc:  # submit() encodes first; should it still fail,
-                rid = pend.submit.request_id  # that request ends, not the connection
-                self._end(rid, p.Error(request_id=rid, code="invalid_request", message=str(exc)))
+        self._requests.on_up(conn, previous, now)
 
     def _send_hello(self, conn: Conn) -> None:
         conn.hello_at = time.monotonic()
-        self._send(conn, self._hello)
+        self.send(conn, self._hello)
 
-    def _send(self, conn: Conn, frames: list[bytes]) -> None:
+    def send(self, conn: Conn, frames: list[bytes]) -> None:
+        """Send ``frames`` on ``conn`` without blocking (nothing once it is closed)."""
         if conn.closed:
             return
         try:
@@ -190,7 +239,7 @@ class Connections:
             if not i:
                 self._last_heard = time.monotonic()
             try:
-                self._on_frames(conn, frames)
+                self._requests.on_frames(conn, frames)
             except Exception:  # one message's handling must not end the reader (and with it
                 logger.exception("broker client: handling a message failed")  # every request)
         return True
@@ -204,7 +253,8 @@ class Connections:
                 self._leave(conn, f"lost the connection to the broker (epoch {conn.epoch})")
                 return
 
-    def _on_epoch(self, conn: Conn, epoch: str) -> None:
+    def on_epoch(self, conn: Conn, epoch: str) -> None:
+        """The broker's epoch as a heartbeat or status reply on ``conn`` carries it."""
         if conn.epoch is None:
             self._on_up(conn, epoch)
         elif epoch != conn.epoch:  # the socket reconnected to a new broker by itself
@@ -213,19 +263,16 @@ class Connections:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
-            conn = self._conn
+            conn = self.conn
             if conn is None:
                 continue
             now = time.monotonic()
-            self._expire_waiting(now)
+            self._requests.expire_waiting(now)
             if conn.epoch is None:
                 if now - conn.hello_at > self.liveness_s:
                     self._send_hello(conn)  # still connecting (the first one is queued)
                 continue
-            busy = self._status_waiters or any(
-                pend.gen == conn.gen for pend in self._streams.values()
-            )
-            if not busy:
+            if not self._requests.awaits_answer(conn):
                 self._last_heard = now
                 continue
             self._send_hello(conn)

@@ -1,31 +1,84 @@
-"""The broker's worker side (a mixin of :class:`laneserve.broker.broker.Broker`): messages from workers
-on the back socket -- ``ready`` (register; a restarted worker's old requests are lost),
-``step_outputs`` (stream deltas or accumulate text, finish requests, free credits), errors, and
-worker loss (requeue at the head of the lane, or a final ``worker_lost``; see broker/broker.py).
+"""The broker's worker side: messages from workers on the back socket -- ``ready`` (register; a
+restarted worker's old requests are lost), ``step_outputs`` (stream deltas or accumulate text,
+finish requests, free credits), errors, and worker loss (requeue at the head of the lane, resumed
+or started again, or a final ``worker_lost``; see broker/broker.py).
+
+:class:`WorkerSide` is an object :class:`laneserve.broker.broker.Broker` holds. It is given the
+broker's tables and parts it works on -- the :class:`~laneserve.broker.workers.WorkerRegistry`,
+the :class:`~laneserve.broker.dispatch.Dispatcher`, the ``requests`` table, the ``counters`` and
+``max_attempts`` -- and, as callables, the little it asks of the broker: ``send_back`` (a
+non-blocking send on the back socket), ``send_client``, ``heartbeat_frames``, ``dispatch`` and
+``finish`` (:class:`Finish`). The broker calls :meth:`WorkerSide.on_frames`,
+:meth:`WorkerSide.send` and :meth:`WorkerSide.lost`.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from laneserve.broker import protocol as p
 from laneserve.broker.protocol.front import encode_delta
 
 if TYPE_CHECKING:
+    from laneserve.broker.dispatch import Dispatcher
     from laneserve.broker.requests import RequestState
-    from laneserve.broker.workers import WorkerState
+    from laneserve.broker.workers import WorkerRegistry, WorkerState
 
 logger = logging.getLogger(__name__)
 
+Send = Callable[[bytes, list[bytes]], bool]  # (identity, frames) -> sent
+
+
+class Finish(Protocol):
+    """The broker's ``_finish``: end a request, send its final or error, record it."""
+
+    def __call__(
+        self,
+        req: RequestState,
+        finish_reason: str,
+        error: tuple[str, str] | None,
+        metrics: dict,
+        *,
+        status: str,
+        retryable: bool = False,
+    ) -> None: ...
+
 
 class WorkerSide:
-    """Handlers of worker messages. The host (:class:`~laneserve.broker.broker.Broker`) provides
-    ``config``, ``counters``, ``registry``, ``workers``, ``requests``, ``dispatcher``, ``back``
-    and ``_send``, ``_send_client``, ``_heartbeat_frames``, ``_dispatch``, ``_finish``."""
+    """Handlers of worker messages (see the module docstring for what it is given)."""
 
-    def _on_worker_frames(self, identity: bytes, frames: list[bytes]) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        dispatcher: Dispatcher,
+        requests: dict[str, RequestState],
+        counters: collections.Counter[str],
+        *,
+        max_attempts: int,
+        send_back: Send,
+        send_client: Send,
+        heartbeat_frames: Callable[[], list[bytes]],
+        dispatch: Callable[[], None],
+        finish: Finish,
+    ) -> None:
+        self.registry = registry
+        self.workers = registry.workers
+        self.dispatcher = dispatcher
+        self.requests = requests
+        self.counters = counters
+        self.max_attempts = max_attempts
+        self._send_back = send_back
+        self._send_client = send_client
+        self._heartbeat_frames = heartbeat_frames
+        self._dispatch = dispatch
+        self._finish = finish
+
+    def on_frames(self, identity: bytes, frames: list[bytes]) -> None:
+        """One message from worker ``identity`` on the back socket (raises ProtocolError)."""
         msg = p.decode(frames, p.WORKER_TO_BROKER)
         worker = self.workers.get(identity)
         kind = type(msg)
@@ -52,14 +105,14 @@ class WorkerSide:
         now = time.monotonic()
         if self.registry.may_tell_disconnect(identity, now):
             bye = p.Disconnect(reason="unknown worker").to_frames()
-            if self._send_worker(identity, bye, quiet=True):
+            if self.send(identity, bye, quiet=True):
                 self.registry.told_disconnect(identity, now)
 
     def _on_ready(self, identity: bytes, msg: p.Ready) -> None:
         if identity in self.workers:
-            self._worker_lost(identity)  # it restarted: whatever it held is gone
+            self.lost(identity)  # it restarted: whatever it held is gone
         self.registry.register(identity, msg, time.monotonic())
-        self._send_worker(identity, self._heartbeat_frames())
+        self.send(identity, self._heartbeat_frames())
         self._dispatch()
 
     def _on_step_outputs(self, worker: WorkerState, msg: p.StepOutputs) -> None:
@@ -71,7 +124,7 @@ class WorkerSide:
             if req is None or req.worker != worker.identity:
                 self.counters["stale_outputs"] += 1
                 if not out.finished and rid not in worker.in_flight:
-                    self._send_worker(worker.identity, p.Abort(request_id=rid).to_frames())
+                    self.send(worker.identity, p.Abort(request_id=rid).to_frames())
                 continue
             if out.new_token_ids or out.new_text:
                 self._on_output(req, out, now)
@@ -122,7 +175,9 @@ class WorkerSide:
         self._finish(req, "error", (msg.code, msg.message), {}, status="failed")
         self._dispatch()
 
-    def _worker_lost(self, identity: bytes) -> None:
+    def lost(self, identity: bytes) -> None:
+        """Worker ``identity`` is gone: its requests are requeued at the head of their lane
+        (resumed from their output when ``resumable``, else started again), or end."""
         worker = self.registry.remove(identity)
         if worker is None:
             return
@@ -133,7 +188,7 @@ class WorkerSide:
             if req is None:
                 continue
             self.dispatcher.release(worker, req)
-            out_of_attempts = req.attempts >= self.config.max_attempts
+            out_of_attempts = req.attempts >= self.max_attempts
             if req.aborted:
                 self._finish(req, "abort", None, {}, status="aborted")
             elif req.sent_output and (out_of_attempts or not req.resumable):
@@ -157,8 +212,10 @@ class WorkerSide:
         self.dispatcher.requeue_at_head(requeue)  # head of the queue, original order
         self._dispatch()
 
-    def _send_worker(self, identity: bytes, frames: list[bytes], *, quiet: bool = False) -> bool:
-        if self._send(self.back, identity, frames, "worker"):
+    def send(self, identity: bytes, frames: list[bytes], *, quiet: bool = False) -> bool:
+        """Send to worker ``identity``; a worker that cannot be reached is lost (logged unless
+        ``quiet``). False when not sent."""
+        if self._send_back(identity, frames):
             return True
         if not quiet and identity in self.workers:
             worker = self.workers[identity]
@@ -166,5 +223,5 @@ class WorkerSide:
                 logger.info("worker %r left after draining", identity[:32])
             else:
                 logger.warning("worker %r unreachable: treating as lost", identity[:32])
-            self._worker_lost(identity)
+            self.lost(identity)
         return False

@@ -1,21 +1,40 @@
-"""Map-reduce summaries of documents longer than the context (a mixin of `jobs.runner.JobsRunner`;
-the prompts and the split are `jobs.prompts`'). It uses the runner's `counter` (the served model:
-tokenizer, `max_model_len`), `_call` (one request through the batch lane) and `_outcome`.
+"""Map-reduce summaries of documents longer than the context (the prompts and the split are
+`jobs.prompts`').
+
+`MapReducer` is an object `jobs.runner.JobsRunner` holds for its `map_reduce` lines. It is given
+the served model (`counter`: tokenizer, `max_model_len`), `call` (one request through the batch
+lane until a final answer: `(Final, None)` or `(None, error response)`) and `outcome` (the
+runner's result line for a line's answers).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
+from laneserve.broker import protocol as p
+from laneserve.contracts.openai import ServedModel
 from laneserve.jobs import prompts, results, store
 
 MAX_REDUCE_LEVELS = 6  # map-reduce levels before a document is given up
 
+# call(request, model[, job_id, custom_id]) -> (Final, None) or (None, error response)
+Call = Callable[..., Awaitable[tuple[p.Final | None, dict | None]]]
+# outcome(info, line, final, error, extra) -> the line's result
+MakeOutcome = Callable[
+    [store.JobInfo, store.PendingLine, p.Final | None, dict | None, dict | None], store.Outcome
+]
 
-class MapReduce:
-    """`_map_reduce`: split by tokens, summarize the pieces, then the joined summaries."""
 
-    async def _map_reduce(self, info: store.JobInfo, line: store.PendingLine) -> store.Outcome:
+class MapReducer:
+    """`summarize`: split by tokens, summarize the pieces, then the joined summaries."""
+
+    def __init__(self, counter: ServedModel | None, call: Call, outcome: MakeOutcome) -> None:
+        self.counter = counter
+        self._call = call
+        self._outcome = outcome
+
+    async def summarize(self, info: store.JobInfo, line: store.PendingLine) -> store.Outcome:
         """Summarize a document longer than the context: split by tokens, summarize the pieces,
         then the joined summaries, until one piece remains (module docstring of jobs.prompts)."""
         assert self.counter is not None and self.counter.tokenizer is not None, "map-reduce lines"

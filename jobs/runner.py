@@ -18,13 +18,19 @@ One asyncio loop, one broker client (lane `batch`, `stream=False`):
 - cancel (`cancelling`): in-flight lines are aborted, finished results kept, the rest get
   `batch_cancelled` error lines, status `cancelled`; expiry alike with `batch_expired`;
 - when every line of a job has a result: `finalizing`, output + error files, `completed`;
-- several runners share one database through expiring leases (`jobs.leases`): a runner
+- several runners share one database through expiring leases (`jobs.leases`, kept by the
+  runner's `LeaseKeeper`, `jobs.runner_leases`): a runner
   validates, ends or finalizes a job only while it holds the job's control lease, and feeds only
   the line ranges it has claimed; it renews its leases every `lease_s / 3`, abandons the lines of
   a lease it lost, releases them all when it stops, and takes over the lapsed leases of a
   runner that died (after `lease_s`);
 - with `retention_s` > 0, a pruning pass (`jobs.retention.prune`) at start and every
   `retention_interval_s`, on the SQL thread, logged as one line with its counts.
+
+The runner holds three collaborators, each given what it uses: `lease_keeper`
+(`jobs.runner_leases.LeaseKeeper`: the leases), `outage_keeper` (`jobs.runner_outage.OutageKeeper`:
+polling and writing through a database outage) and `map_reducer` (`jobs.map_reduce.MapReducer`:
+documents longer than the context).
 
 A runner killed at any point resumes on restart: a half-validated job is validated again, the
 unfinished lines of running jobs are resubmitted with their ids, finalization is redone. A
@@ -55,9 +61,9 @@ from laneserve.contracts.openai import ServedModel
 from laneserve.contracts.procs import parent_gone
 from laneserve.db.availability import Outage
 from laneserve.jobs import leases, results, retention, store
-from laneserve.jobs.map_reduce import MapReduce
-from laneserve.jobs.runner_leases import LeaseKeeping
-from laneserve.jobs.runner_outage import OutageKeeping
+from laneserve.jobs.map_reduce import MapReducer
+from laneserve.jobs.runner_leases import LeaseKeeper
+from laneserve.jobs.runner_outage import OutageKeeper
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +89,7 @@ class ActiveJob:
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
 
 
-class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
+class JobsRunner:
     """Runs jobs until `stop()`. `counter` is the served model (`contracts.openai.ServedModel`:
     names, tokenizer; None skips model-name and prompt-length checks); `default_model` names
     the model of lines that give none."""
@@ -123,8 +129,6 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
         self.runner_id = runner_id or f"{socket.gethostname()}-{os.getpid()}"
         self.lease_s = lease_s
         self.active: dict[str, ActiveJob] = {}
-        self.held: dict[tuple[str, int], leases.Lease] = {}  # line ranges claimed
-        self.controls: set[str] = set()  # jobs whose control lease this runner holds
         self.counters: dict[str, int] = {
             "lines_sent": 0,
             "resubmitted": 0,
@@ -149,7 +153,19 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
         # every SQL call of the loop: memory stays flat and the runner never contends with
         # itself for SQLite's write lock. Validation runs in its own thread.
         self._db = ThreadPoolExecutor(1, thread_name_prefix="jobs-db")
-        self.outage = Outage("jobs paused; lines in flight finish, results wait in memory", logger)
+        self.lease_keeper = LeaseKeeper(
+            self._sql, self.runner_id, lease_s, self.active, self.counters, self._flush
+        )
+        self.outage_keeper = OutageKeeper(
+            Outage("jobs paused; lines in flight finish, results wait in memory", logger),
+            poll_interval_s,
+            poll=self._poll,
+            flush=self._flush,
+            advance=self._advance,
+            drop_lapsed=self.lease_keeper.drop_lapsed,
+            unwritten=lambda: len(self._outcomes),
+        )
+        self.map_reducer = MapReducer(counter, self._call, self._outcome)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -171,8 +187,8 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
         """Serve until `stop()` or the parent process dies. Unfinished lines stay in SQL."""
         self.client = BrokerClient(self.broker_addr, liveness_s=self.client_liveness_s)
         await self.client.start()
-        writer = asyncio.create_task(self._writer_loop(), name="jobs-writer")
-        renewer = asyncio.create_task(self._renew_loop(), name="jobs-leases")
+        writer = asyncio.create_task(self.outage_keeper.writer_loop(), name="jobs-writer")
+        renewer = asyncio.create_task(self.lease_keeper.renew_loop(), name="jobs-leases")
         next_poll = next_prune = 0.0
         try:
             while not self._stop.is_set():
@@ -185,9 +201,9 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
                     if self._parent_gone():
                         logger.warning("parent %s is gone: exiting", self.parent_pid)
                         break
-                    next_poll = await self._step()
-                elif not self.outage.down:
-                    await self._work()
+                    next_poll = await self.outage_keeper.step()
+                elif not self.outage_keeper.down:
+                    await self.outage_keeper.work()
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     timeout = max(0.0, next_poll - time.monotonic())
@@ -201,8 +217,8 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
                 bg.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await bg
-            await self._flush_before_exit()
-            await self._release_all()
+            await self.outage_keeper.flush_before_exit()
+            await self.lease_keeper.release_all()
             if self._validating is not None:
                 with contextlib.suppress(Exception):
                     await self._validating
@@ -260,11 +276,7 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        mine = [key for key in self.held if key[0] == job_id]
-        for key in mine:
-            del self.held[key]
-        if mine:
-            await self._sql(leases.release, self.runner_id, mine)
+        await self.lease_keeper.release_job(job_id)
 
     def _maybe_validate(self, job_ids: list[str]) -> None:
         """Validate the first of `job_ids` (oldest first, jobs whose validation raised after
@@ -286,7 +298,7 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
         async def validate() -> None:
             for job_id in job_ids:
                 self._validating_id = job_id  # set first: a poll meanwhile must not end it
-                if await self._claim_control(job_id):
+                if await self.lease_keeper.claim_control(job_id):
                     break
             else:
                 self._validating_id = None
@@ -309,7 +321,7 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
                 raise
             finally:
                 self._validating_id = None
-                await self._release_control(job_id)
+                await self.lease_keeper.release_control(job_id)
                 self._wake.set()
 
         self._validating = asyncio.create_task(validate(), name="validate")
@@ -355,22 +367,16 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
         job_id = aj.info.id
         while not aj.buffer:
             if aj.lease is None:
-                mine = {part for (j, part) in self.held if j == job_id}
-                lease = await self._sql(
-                    leases.claim_range, job_id, self.runner_id, self.lease_s, mine
-                )
+                lease = await self.lease_keeper.claim_range(job_id)
                 if lease is None:
                     aj.exhausted = True
                     return
-                self.held[lease.key] = lease
-                self.counters["ranges_claimed"] += 1
-                self.counters["ranges_taken_over"] += lease.previous_owner is not None
                 aj.lease, aj.cursor = lease, store.request_id(job_id, lease.first_line - 1)
             lines = await self._sql(
                 store.pending_lines, job_id, aj.cursor, LINE_PAGE, aj.lease.last_rid
             )
             if len(lines) < LINE_PAGE:
-                aj.lease = None  # read out; `_settle_ranges` ends it once its lines are done
+                aj.lease = None  # read out; `settle_ranges` ends it once its lines are done
             if lines:
                 aj.cursor = lines[-1].rid
             aj.buffer.extend(pl for pl in lines if pl.rid not in aj.tasks)
@@ -386,12 +392,18 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
 
         task.add_done_callback(done)
 
+    async def _advance(self) -> None:
+        """Feed, settle ranges, finish jobs (the work of a step, `OutageKeeper.step`)."""
+        await self._feed()
+        await self.lease_keeper.settle_ranges()
+        await self._check_done()
+
     async def _check_done(self) -> None:
         for aj in list(self.active.values()):
             if not aj.exhausted or aj.idle or aj.buffer or aj.tasks:
                 continue
-            if any(j == aj.info.id for j, _ in self.held):
-                continue  # `_settle_ranges` has not ended them yet
+            if self.lease_keeper.holds_ranges(aj.info.id):
+                continue  # `settle_ranges` has not ended them yet
             await self._flush()
             total, completed, failed = await self._sql(store.counts, aj.info.id)
             if completed + failed < total:
@@ -411,7 +423,7 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
         request = line.request
         try:
             if request.get("map_reduce"):
-                outcome = await self._map_reduce(info, line)
+                outcome = await self.map_reducer.summarize(info, line)
             else:  # one call per choice (n > 1, several prompts), as the gateway fans out
                 model, calls = results.choice_requests(line.rid, request)
                 answers = await asyncio.gather(
@@ -529,7 +541,7 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
     async def _finish(self, job_id: str) -> None:
         """in_progress/finalizing -> finalizing -> files -> completed, under the job's control
         lease (another runner holding it finishes the job instead)."""
-        if not await self._claim_control(job_id):
+        if not await self.lease_keeper.claim_control(job_id):
             return
         try:
             if not await self._sql(store.begin_finalizing, job_id):
@@ -538,7 +550,7 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
             status = await self._sql(store.end_job, job_id, "completed", ("finalizing",), file_ids)
             logger.info("job %s: %s", job_id, status)
         finally:
-            await self._release_control(job_id)
+            await self.lease_keeper.release_control(job_id)
 
     async def _end_early(self, info: store.JobInfo, status: str) -> None:
         """Cancel or expire a job: abort its lines, keep finished results, error lines for the
@@ -546,7 +558,7 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
         if info.id in self.active:
             await self._forget(info.id)
         await self._flush()
-        if not await self._claim_control(info.id):
+        if not await self.lease_keeper.claim_control(info.id):
             return  # the runner holding the job's control ends it
         try:
             code = "batch_cancelled" if status == "cancelled" else "batch_expired"
@@ -559,4 +571,4 @@ class JobsRunner(LeaseKeeping, OutageKeeping, MapReduce):
             final = await self._sql(store.end_job, info.id, status, from_statuses, file_ids)
             logger.info("job %s: %s (%d unfinished lines)", info.id, final, n)
         finally:
-            await self._release_control(info.id)
+            await self.lease_keeper.release_control(info.id)
