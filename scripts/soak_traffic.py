@@ -90,7 +90,11 @@ class Client(threading.Thread):
             for line in resp.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[6:])
+                try:
+                    chunk = json.loads(line[6:])
+                except ValueError:  # an event that is not one JSON line: counted, not fatal
+                    record["malformed_events"] = record.get("malformed_events", 0) + 1
+                    continue
                 if "error" in chunk:  # e.g. worker_lost after tokens: retryable
                     record["code"] = 503
                     return 0.0
@@ -147,6 +151,7 @@ def summarize_requests(records: list[dict], faults: list[dict], t0: float) -> di
         "disconnected_mid_stream": sum(r["disconnected"] and r["code"] == 200 for r in records),
         "failed_by_code": by_code,
         "non_retryable_5xx": sum(r["code"] >= 500 and r["code"] not in RETRYABLE for r in records),
+        "malformed_events": sum(r.get("malformed_events", 0) for r in records),
         "latency_by_phase": {
             name: {k: _percentiles(v) for k, v in values.items()} for name, values in phases.items()
         },

@@ -28,9 +28,18 @@ CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"
 LOGPROB_FLOOR = -9999.0
 
 
+# Characters JSON leaves raw with ensure_ascii=False that `str.splitlines` breaks lines at (and so
+# httpx's `iter_lines`, which many SSE readers use): escaped, an event stays one line. One of them
+# in a token's text once split a streamed chunk in two, and the soak's client failed on half a
+# JSON object.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def dumps(obj: Any) -> str:
-    """Compact JSON; raises ValueError on NaN/Infinity."""
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    """Compact JSON (UTF-8 as is, but the line-breaking U+0085, U+2028 and U+2029 escaped);
+    raises ValueError on NaN/Infinity."""
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return text.translate(_LINE_BREAKS)
 
 
 def sse(obj: Any) -> bytes:

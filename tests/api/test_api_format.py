@@ -69,6 +69,10 @@ def test_dumps_refuses_non_finite() -> None:
 
 def test_sse_framing() -> None:
     assert fmt.sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
+    # text that str.splitlines (httpx's iter_lines) breaks at stays inside one event line
+    text = "a\u2028b\x85c\u2029d\x1ce\x0bf\rg"
+    lines = fmt.sse({"t": text}).decode().splitlines()
+    assert lines[1:] == [""] and json.loads(lines[0][6:]) == {"t": text}
     assert fmt.SSE_DONE == b"data: [DONE]\n\n"
 
 
