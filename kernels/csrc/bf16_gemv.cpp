@@ -165,7 +165,9 @@ inline void tile_avx512(const float* x, int64_t ldx, const uint16_t* const* w, i
     __m512 xv[R];
     for (int r = 0; r < R; ++r) xv[r] = _mm512_maskz_loadu_ps(mask, x + r * ldx + k);
     for (int o = 0; o < NT; ++o) {
-      const __m512 wv = widen16(_mm256_maskz_loadu_epi16(mask, w[o] + k));
+      uint16_t tail[16] = {};  // a masked 16-bit load needs AVX-512BW/VL: copy instead
+      std::memcpy(tail, w[o] + k, (K - k) * sizeof(uint16_t));
+      const __m512 wv = widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
       for (int r = 0; r < R; ++r) acc[r][o] = _mm512_fmadd_ps(wv, xv[r], acc[r][o]);
     }
   }
