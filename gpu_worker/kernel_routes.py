@@ -19,6 +19,10 @@ DENSE_MIN_TOKENS = 10
 # fewer run torch's int4 kernel (one 4-row pass), more go back to it (Run 9).
 BF16_GEMV_MIN_TOKENS = 5  # = kBf16GemvMinRows in kernels/csrc/quant_gemv.cpp
 BF16_GEMV_MAX_TOKENS = 7
+# Dense (unquantized) bf16 linears: calls of 1..BF16_DENSE_GEMV_MAX_TOKENS rows run laneserve's
+# bf16 GEMV (kernels/csrc/bf16_gemv.cpp) instead of torch's F.linear (2-core Xeon with AMX,
+# Qwen3-0.6B's shapes; docs/benchmarks.md "Dense bf16 GEMV").
+BF16_DENSE_GEMV_MAX_TOKENS = 2
 # A Q8_0 linear leaves the bf16 GEMV for the int16 path only when the bf16 one measures this many
 # times slower (`QuantLinear.bf16_gemv_pays`; "Where each routing constant comes from").
 BF16_GEMV_SLOWER = 1.25

@@ -90,6 +90,7 @@ from laneserve.gpu_worker.gguf_blocks import (
 )
 from laneserve.gpu_worker.hardware import cpu_flags, cpu_has_fast_bf16
 from laneserve.gpu_worker.kernel_routes import (  # noqa: F401 (re-exported: the routes' names)
+    BF16_DENSE_GEMV_MAX_TOKENS,
     BF16_GEMV_MAX_TOKENS,
     BF16_GEMV_MIN_TOKENS,
     BF16_GEMV_SLOWER,
@@ -547,10 +548,29 @@ def embedding(ids: torch.Tensor, table: torch.Tensor | Q8Embedding) -> torch.Ten
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantLinear, bias=None) -> torch.Tensor:
-    """F.linear for a dense weight, the quantized kernel for a `QuantLinear` / `KQuantLinear`."""
+    """F.linear for a dense weight, the quantized kernel for a `QuantLinear` / `KQuantLinear`;
+    a decode-sized call on a dense bf16 CPU weight runs laneserve's bf16 GEMV (`takes_bf16_gemv`)."""
     if not isinstance(weight, torch.Tensor):
         return weight(x, bias)
+    if bias is None and takes_bf16_gemv(x, weight):
+        return torch.ops.laneserve.bf16_gemv(x, weight)
     return F.linear(x, weight, bias)
+
+
+def takes_bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` runs a dense call through kernels/csrc/bf16_gemv.cpp instead of `F.linear`:
+    bf16 rows and a plain contiguous bf16 CPU weight, 1 to `BF16_DENSE_GEMV_MAX_TOKENS` rows, the
+    C++ kernels loaded. Float32 models (the parity tests') never take it."""
+    return (
+        weight.dtype == torch.bfloat16
+        and x.dtype == torch.bfloat16
+        and x.dim() == 2
+        and 0 < x.shape[0] <= BF16_DENSE_GEMV_MAX_TOKENS
+        and weight.device.type == "cpu"
+        and weight.layout == torch.strided
+        and weight.is_contiguous()
+        and cpu_ext.load()
+    )
 
 
 def nbytes(obj: torch.Tensor | QuantLinear | Q8Embedding | None) -> int:

@@ -10,7 +10,8 @@ online softmax, a row's result independent of its chunk of 2+ tokens and of its 
 speed of the gather + float copy + PyTorch CPU flash attention it replaces over 64-460-token
 prompts on a 2-core EPYC, 1.1x at 1,024 tokens, 2.8x on 5 verification rows) and the
 quantized GEMVs of ``csrc/quant_gemv.cpp`` (``int4_gemv``, ``q8_0_gemv``) and, on a CPU with
-AMX, the tile matmuls of ``csrc/amx_matmul.cpp`` (``int4_amx``, ``q8_0_amx``).
+AMX, the tile matmuls of ``csrc/amx_matmul.cpp`` (``int4_amx``, ``q8_0_amx``), and the dense bf16
+GEMV of ``csrc/bf16_gemv.cpp`` (``bf16_gemv``: decode-sized calls on unquantized bf16 weights).
 
 ``torch.ops.laneserve.paged_decode_attention`` computes one query token per sequence against its
 context, walking the block table and reading each block where it lies in the cache: no gather, no
@@ -63,6 +64,7 @@ _SOURCES = (
     "amx_matmul.cpp",
     "kquant_gemv.cpp",
     "kquant_q8k.cpp",
+    "bf16_gemv.cpp",
 )
 _HEADERS = ("vec.h", "kquant.h")
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing", "-ffp-contract=off")
