@@ -300,8 +300,9 @@ def run_soak(args, home: Path, db: Database) -> dict:
 
 
 def _restarts(home: Path) -> int:
+    """Children the supervisor started again, cold or by a standby's takeover."""
     log = (home / "up.log").read_text(errors="replace")
-    return log.count(" restarted (pid ")
+    return log.count(" restarted (pid ") + log.count(" its standby took over (pid ")
 
 
 def main() -> None:
