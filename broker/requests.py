@@ -39,7 +39,7 @@ class RequestState:
     prompt_logprobs: list | None = None  # held for the Final, streamed or not
     embedding: bytes | None = None  # task "embed": the pooled vector of its final output
     num_tokens: int = 0
-    lost: int = 0  # times its worker was lost before it sent anything
+    lost: int = 0  # times its worker was lost and it was requeued (resumed or started again)
     solo: bool = False  # dispatched alone (its last attempt after a worker loss)
 
     @property
@@ -72,7 +72,8 @@ def timings(req: RequestState, metrics: dict[str, Any], now: float) -> dict[str,
     """The DESIGN per-phase fields in ms as far as the broker knows them, plus
     ``broker_wait_ms`` (arrival -> dispatch). ``now``: broker monotonic seconds of the finish.
 
-    TTFT of a streamed request is when its first content token passed the broker; otherwise it
+    TTFT of a streamed request (or a resumed one: its first token came from an earlier attempt)
+    is when its first content token passed the broker; otherwise it
     is the wait until dispatch plus the engine's own delay to the first token. The edge
     reports its own TTFT and e2e afterwards (``EdgeTimings``), which replace these in SQL.
     """
@@ -80,7 +81,7 @@ def timings(req: RequestState, metrics: dict[str, Any], now: float) -> dict[str,
     wait_ms = None
     if req.dispatched:
         wait_ms = edge_ms + latency.interval_ms(req.received, req.dispatched)
-    if req.first_token and req.submit.stream:
+    if req.first_token and (req.submit.stream or req.lost):  # a resumed one's first came earlier
         ttft = latency.ttft_ms(edge_ms, latency.interval_ms(req.received, req.first_token))
     else:
         ttft = latency.ttft_ms(wait_ms, metrics.get("first_token_delay_ms"))

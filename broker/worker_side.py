@@ -183,22 +183,20 @@ class WorkerSide:
             return
         self.counters["workers_lost"] += 1
         requeue: dict[str, list[str]] = {"interactive": [], "batch": []}
-        for rid in list(worker.in_flight):
-            req = self.requests.get(rid)
-            if req is None:
-                continue
+        held = [self.requests[rid] for rid in worker.in_flight if rid in self.requests]
+        for req in sorted(held, key=lambda r: r.dispatched):  # the furthest along first
+            rid = req.request_id
             self.dispatcher.release(worker, req)
-            out_of_attempts = req.attempts >= self.max_attempts
             if req.aborted:
                 self._finish(req, "abort", None, {}, status="aborted")
-            elif req.sent_output and (out_of_attempts or not req.resumable):
+            elif req.attempts >= self.max_attempts:  # not retryable: it may crash every worker
+                msg = f"worker lost {req.attempts} times"
+                self._finish(req, "error", ("worker_lost", msg), {}, status="failed")
+            elif req.sent_output and not req.resumable:
                 msg = "worker lost while streaming; retry the request"
                 self._finish(
                     req, "error", ("worker_lost", msg), {}, status="failed", retryable=True
                 )
-            elif out_of_attempts:
-                msg = f"worker lost {req.attempts} times"
-                self._finish(req, "error", ("worker_lost", msg), {}, status="failed")
             else:
                 self.counters["requeued"] += 1
                 req.lost += 1

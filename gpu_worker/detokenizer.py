@@ -151,6 +151,15 @@ class IncrementalDetokenizer:
             delta += self.flush()
         return DetokenizerUpdate(delta, self._stop_matched)
 
+    def resume(self, token_ids: Sequence[int]) -> None:
+        """Take the tokens an earlier attempt of this request generated and sent (a request
+        resumed on another worker), one at a time as that attempt's steps fed them, dropping
+        their text: held-back text (a possible stop string, a partial UTF-8 character) stays
+        held back, and `min_tokens` counts as it did there, so the next update emits exactly
+        what the earlier attempt had not."""
+        for token in token_ids:
+            self.update([token])
+
     def flush(self) -> str:
         """Finish: decode any incomplete trailing bytes, release held-back text, return it.
 

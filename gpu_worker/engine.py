@@ -266,7 +266,7 @@ class LLMEngine:
         else:
             self.scheduler.add_request(req)
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
-        detokenizer.update(resumed)  # their text went out with the earlier attempt
+        detokenizer.resume(resumed)  # their text went out with the earlier attempt
         self.states[request_id] = RequestState(req, detokenizer, generator, params)
         if task == "generate":
             self.states[request_id].spec = self.speculation.new_request(ids + resumed, params)

@@ -191,7 +191,7 @@ class Request:
             "tpot_ms": latency.tpot_ms(decode_ms, n_out - self.num_resumed_tokens),
             "itl_p99_ms": latency.itl_p99_ms(self.token_gaps_ms),
             "prompt_tokens": self.num_prompt_tokens,
-            "cached_tokens": max(self.num_cached_tokens, 0),
+            "cached_tokens": min(max(self.num_cached_tokens, 0), self.num_prompt_tokens),
             "completion_tokens": n_out,
             "preemptions": self.num_preemptions,
             "prefill_chunks": self.num_prefill_chunks,

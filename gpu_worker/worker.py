@@ -243,6 +243,17 @@ class Worker:
             self.engine.add(request)
         except Exception as exc:  # bad input -> a typed error for this request, keep serving
             code = _ERROR_CODES.get(type(exc).__name__)
+            if (
+                code == "prompt_too_long"
+                and msg.output_token_ids
+                and exc.prompt_tokens < exc.max_model_len
+            ):
+                # resumed past this worker's max_model_len: it ends as it would have run here
+                final = EngineOutput(rid, "", [], True, "length")
+                self._hand(
+                    pipe, p.StepOutputs(worker_id=self.worker_id, outputs=[final]).to_frames()
+                )
+                return
             if code is None:
                 code = "invalid_request" if isinstance(exc, ValueError) else "engine_error"
             if code == "engine_error":

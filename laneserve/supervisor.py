@@ -66,6 +66,7 @@ class Child:
     restart_at: float | None = None  # monotonic time of the next start, None: not scheduled
     exit_codes: list[int] = field(default_factory=list)
     spare: subprocess.Popen | None = None  # the standby process (ChildSpec.standby)
+    spare_at: float = 0.0  # monotonic time the last spare started
     handovers: int = 0  # restarts the spare took over
 
     @property
@@ -135,23 +136,24 @@ class Supervisor:
             spare.stdin.flush()
         except OSError:  # it died meanwhile
             _kill_group(spare.pid)
+            spare.wait()
             return False
         child.proc, child.started_at, child.restart_at = spare, time.monotonic(), None
         child.handovers += 1
         return True
 
     def _keep_spare(self, child: Child, now: float) -> None:
-        """Start the child's spare once the child has run `stable_s` (a spare that died is
-        replaced then too)."""
+        """Start the child's spare once the child has run `stable_s`; a spare that died is
+        replaced `stable_s` after the last one started, never faster."""
         if child.spare is not None and child.spare.poll() is not None:
             child.spare = None
         if (
             child.spec.standby
             and child.spare is None
             and child.pid is not None
-            and now - child.started_at >= self.stable_s
+            and now - max(child.started_at, child.spare_at) >= self.stable_s
         ):
-            child.spare = self._popen(child.spec, spare=True)
+            child.spare, child.spare_at = self._popen(child.spec, spare=True), now
             logger.info("%s: standby started (pid %d)", child.spec.name, child.spare.pid)
             self._changed()
 

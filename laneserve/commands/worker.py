@@ -6,10 +6,13 @@ import argparse
 import dataclasses
 import logging
 import os
+import select
 import sys
+import time
 from typing import TYPE_CHECKING
 
 from laneserve.contracts import defaults
+from laneserve.contracts import env as lsenv
 from laneserve.gpu_worker.config import (
     EngineConfig,
     EngineConfigError,
@@ -149,21 +152,52 @@ def build_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
     return with_faults(engine, FaultPlan.from_env())
 
 
+STANDBY_PROFILE_WAIT_S = 600.0  # longest a spare waits for the live worker's start-up profile
+
+
 def wait_as_standby(synthetic: bool) -> bool:
-    """A spare's wait: import what a start spends its first seconds on (torch, the engine,
-    transformers' tokenizer classes), then block until the supervisor sends a line (True: take
-    over now) or closes stdin (False: stop)."""
+    """A spare's wait: once the live worker has its start-up profile (its restart-profile file
+    exists: the spare's imports must not skew that profile), import what a start spends its
+    first seconds on (torch, the engine, transformers' tokenizer classes), then block until the
+    supervisor sends a line (True: take over now) or closes stdin (False: stop). A spare whose
+    imported code changed on disk meanwhile (an upgrade) exits with 3 instead of taking over, so
+    the supervisor starts the worker cold on the new code."""
+    profile = lsenv.get("LANESERVE_RESTART_PROFILE")
+    deadline = time.monotonic() + STANDBY_PROFILE_WAIT_S
+    while not synthetic and profile is not None and not profile.exists():
+        if time.monotonic() > deadline:
+            break
+        if select.select([sys.stdin], [], [], 1.0)[0]:  # told to go (or to stop) early
+            return bool(sys.stdin.buffer.readline())
     if not synthetic:
         import transformers  # noqa: F401
         from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
 
         from laneserve.gpu_worker import engine, model_loader  # noqa: F401
         from laneserve.kernels import cpu_ext  # noqa: F401
+    stamp = _code_stamp()
     logger.info("standby: imports done, waiting to take over")
     if not sys.stdin.buffer.readline():
         return False
+    if _code_stamp() != stamp:
+        logger.warning("standby: the code it imported changed on disk; exiting for a cold start")
+        raise SystemExit(3)
     logger.info("standby: taking over")
     return True
+
+
+def _code_stamp() -> dict[str, float]:
+    """Modification times of the files behind the imported laneserve, torch and transformers
+    modules."""
+    stamp = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if path and name.partition(".")[0] in ("laneserve", "torch", "transformers"):
+            try:
+                stamp[path] = os.stat(path).st_mtime
+            except OSError:
+                stamp[path] = -1.0
+    return stamp
 
 
 def run(args: argparse.Namespace) -> int:

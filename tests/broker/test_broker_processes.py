@@ -277,6 +277,25 @@ def test_worker_loss_resumes_streams_and_batch_lines_where_they_were(stack) -> N
     assert st["counters"]["resumed"] == 2 and st["counters"]["requeued"] == 2, st["counters"]
 
 
+def test_a_resumable_stream_out_of_attempts_ends_for_good(stack) -> None:
+    """A stream that keeps losing its worker ends with a non-retryable worker_lost once its
+    attempts are used, though it could be resumed: a request that crashes every worker it
+    reaches must not be sent on by its client either."""
+    stack.start_broker("--max-attempts", "1")
+    w1 = stack.start_worker("w1", "--synthetic-step-ms", "20")
+    stack.wait_workers({"w1"})
+
+    async def main():
+        async with BrokerClient(stack.front) as c:
+            streaming = c.submit(request_id="s", prompt="a", sampling_params={"max_tokens": 500})
+            assert isinstance(await anext(streaming), p.Delta)
+            w1.send_signal(signal.SIGKILL)
+            return [m async for m in streaming]
+
+    err = run(main())[-1]
+    assert isinstance(err, p.Error) and err.code == "worker_lost" and not err.retryable, err
+
+
 def test_batch_worker_lost_after_max_attempts_is_final(stack) -> None:
     stack.start_broker("--max-attempts", "1")
     w1 = stack.start_worker("w1", "--synthetic-step-ms", "20")

@@ -203,3 +203,32 @@ def test_no_stop_string_match_within_min_tokens(tokenizer):
     assert "".join(deltas) == "1, 2, 3, 4, 5, 6, " and detok.stop_matched == "7"
     deltas, detok = stream(tokenizer, ids, SamplingParams(stop=["2", "7"], min_tokens=k))
     assert "".join(deltas) == "1, " and detok.stop_matched == "2"
+
+
+def test_resume_at_every_cut_emits_exactly_what_was_not_sent(tokenizer):
+    """A request resumed on another worker (`resume`): at every cut, what the first attempt
+    emitted plus what the resumed detokenizer emits is the whole text once, also where the cut
+    splits a UTF-8 character and where a stop string falls inside `min_tokens`."""
+    cases = [
+        (tokenizer.encode("Hi 日本 " + MULTILINGUAL, add_special_tokens=False), SamplingParams()),
+        (tokenizer.encode("a. b c d e f g h.", add_special_tokens=False),
+         SamplingParams(stop=["."], min_tokens=5)),
+        (tokenizer.encode("Well, the capital of France is Paris!", add_special_tokens=False),
+         SamplingParams(stop=["Paris!"])),
+    ]  # fmt: skip
+    for ids, params in cases:
+        whole, _ = stream(tokenizer, ids, params)
+        for k in range(1, len(ids)):
+            first, detok = stream(tokenizer, ids[:k], params)
+            sent = "".join(first[:-1])  # a lost worker never flushed its held-back text
+            again = IncrementalDetokenizer(tokenizer, [], params)
+            again.resume(ids[:k])
+            rest = []
+            for t in ids[k:]:
+                upd = again.update([t])
+                rest.append(upd.delta_text)
+                if upd.stop_matched:
+                    break
+            else:
+                rest.append(again.flush())
+            assert sent + "".join(rest) == "".join(whole), (k, params.stop)
