@@ -235,10 +235,12 @@ def test_chat_command_reports_a_worker_lost_mid_answer(up):
     """The worker dies while `laneserve chat` streams (HTTP 200 and text already sent): the stream
     ends with an SSE error event, the command keeps the text it printed, says `worker_lost`-style
     what happened in one stderr line and exits 1; the supervisor restarts the worker and the
-    next chat is answered."""
+    next chat is answered. Seeded sampling: the broker resumes an unseeded or greedy stream on
+    the next worker instead (tests/broker/test_broker_processes.py), and a fresh generator
+    could not continue this one."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "laneserve.cli", "chat", "Write a long story about a dragon.",
-         "--max-tokens", "1500", "--temperature", "0", "--quiet"],
+         "--max-tokens", "1500", "--temperature", "0.7", "--seed", "3", "--quiet"],
         env=child_env(up.home), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -249,7 +251,7 @@ def test_chat_command_reports_a_worker_lost_mid_answer(up):
             if ready:
                 first += os.read(proc.stdout.fileno(), 4096)
         assert len(first) >= 8, (first, proc.poll())
-        # greedy, this prompt runs to the 1,500-token cap (hundreds of steps): still streaming
+        # this prompt runs for hundreds of steps (the cap is 1,500 tokens): still streaming
         assert proc.poll() is None, ("the answer ended before the kill", first)
         worker = up.stack()["children"]["worker-0"]
         psutil.Process(worker).kill()
