@@ -213,9 +213,10 @@ class Supervisor:
                 changed = True
             if child.restart_at is not None and now >= child.restart_at:  # at once after 0 s
                 child.restarts += 1
-                how = "its standby took over" if self._hand_over(child) else "restarted"
-                if how == "restarted":
+                how = "its standby took over"
+                if not self._hand_over(child):
                     self._spawn(child)
+                    how = "restarted"
                 events.append(f"{name} {how} (pid {child.proc.pid}, restart #{child.restarts})")
                 changed = True
             self._keep_spare(child, now)
