@@ -123,6 +123,13 @@ _VARS: tuple[EnvVar, ...] = (
         "the one cached for this machine, model and options",
     ),
     EnvVar(
+        "LANESERVE_INTERLEAVE",
+        _flag,
+        True,
+        "0: a CPU worker runs no interactive step between the layers of a batch-only step "
+        "(gpu_worker/interleave.py), so batch-only steps stay within the TTFT slack",
+    ),
+    EnvVar(
         "LANESERVE_STEP_TRACE",
         _path,
         None,

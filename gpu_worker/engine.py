@@ -42,6 +42,7 @@ from laneserve.gpu_worker.config import ENGINE_DEFAULTS, EngineConfig
 from laneserve.gpu_worker.detokenizer import IncrementalDetokenizer
 from laneserve.gpu_worker.errors import InvalidRequestError, PromptTooLongError
 from laneserve.gpu_worker.hardware import default_device, resolve_dtype
+from laneserve.gpu_worker.interleave import Interleaver
 from laneserve.gpu_worker.kv_pool import plan_kv_pool
 from laneserve.gpu_worker.model_files import model_display_name, resolve_model_path
 from laneserve.gpu_worker.model_loader import load_model_files
@@ -66,7 +67,12 @@ from laneserve.gpu_worker.scheduler_config import SchedulerConfig
 from laneserve.gpu_worker.scheduler_output import SchedulerOutput
 from laneserve.gpu_worker.spec_decode import SpecRequest, spec_totals, verify
 from laneserve.gpu_worker.speculation import Speculation
-from laneserve.gpu_worker.structured_output import GrammarCompiler, GrammarMask, StructuredOutputs
+from laneserve.gpu_worker.structured_output import (
+    GrammarCompiler,
+    GrammarMask,
+    StructuredOutputs,
+    expand_mask_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,21 +88,6 @@ class _Sampled:
     error: str | None = None
     num_drafts: int = 0  # drafts verified this step
     num_accepted: int = 0  # of which accepted
-
-
-def _expand_mask_rows(
-    masks: GrammarMask | None, drafts: list[tuple[int, ...]]
-) -> GrammarMask | None:
-    """Grammar masks indexed by request -> indexed by the sampling batch's rows (request i owns
-    `1 + len(drafts[i])` rows). Constrained requests are never given drafts (`add_request`), so
-    each of them owns exactly one row."""
-    if masks is None:
-        return None
-    offsets = [0]
-    for d in drafts:
-        offsets.append(offsets[-1] + 1 + len(d))
-    assert all(not drafts[i] for i in masks.rows), "a constrained request was given drafts"
-    return GrammarMask([offsets[i] for i in masks.rows], masks.bitmask)
 
 
 class LLMEngine:
@@ -178,6 +169,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig.from_engine(config, max_len), self.block_manager)
         self.speculation = Speculation(config.speculative_config, self._spec_of, max_len)
         self.scheduler.propose_drafts = self.speculation.propose  # drafts are the scheduler's
+        self.interleave = Interleaver(self)  # the worker's interactive steps between layers
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
         self.sampler = Sampler(sorted(self.eos_token_ids))
         # the front end's prompt encoder (the worker's, the offline LLM's): `add` takes ids only
@@ -278,6 +270,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; its final delta (reason "abort") comes next step."""
+        if self.interleave.defer_abort(request_id):
+            return  # in the step in flight: aborted when it ends
         state = self.states.pop(request_id, None)
         if state is None:
             return
@@ -302,8 +296,11 @@ class LLMEngine:
         if out.is_empty:
             return outputs
         sampled = self._execute(out, outputs)
+        spent, aborts = self.interleave.end_step()
         if sampled is not None:
-            outputs.extend(self._update(out, sampled, started))
+            outputs.extend(self._update(out, sampled, started + spent))
+        for request_id in aborts:
+            self.abort_request(request_id)
         return outputs
 
     def _execute(self, out: SchedulerOutput, outputs: list[EngineOutput]) -> list[_Sampled] | None:
@@ -311,8 +308,9 @@ class LLMEngine:
         requests (their finals go to `outputs`), not the engine: None then."""
         self.num_steps += 1
         try:
-            started = time.perf_counter()
+            started, before = time.perf_counter(), self.interleave.spent_s
             sampled = self.execute_model(out)
+            started += self.interleave.spent_s - before  # interleaved steps' time: not this one's
             self.speculation.observe_execute(out.num_batched_tokens, started)
             return sampled
         except Exception as exc:
@@ -428,6 +426,7 @@ class LLMEngine:
         states = [self.states[entries[i].request.request_id] for i in inputs.sample_rows]
         # grammar bitmasks of the constrained rows, computed while the forward pass runs
         masks = self.structured.start_bitmask([s.matcher for s in states])
+        inputs.between_layers = self.interleave.layer_hook(out)
         logits = self.runner.execute(inputs)
         if inputs.pooled is not None:  # embed requests: their final hidden rows
             logits, hidden = logits
@@ -438,7 +437,7 @@ class LLMEngine:
         if not inputs.sample_rows:
             return []
         drafts = [entries[i].spec_token_ids for i in inputs.sample_rows]
-        masks = None if masks is None else _expand_mask_rows(masks.result(), drafts)
+        masks = None if masks is None else expand_mask_rows(masks.result(), drafts)
         return self._sample(logits, states, drafts, masks)
 
     def _sample(
@@ -576,7 +575,8 @@ class LLMEngine:
         num_waiting, prefix_cache_queries, prefix_cache_hits (tokens), num_preemptions,
         num_steps, num_generated_tokens, num_prefill_tokens (prompt positions computed, cache hits
         excluded), num_prompts_tokenized (prompts its front end, `self.prompts`, templated or
-        tokenized: the edge sends ids), and speculative decoding's totals spec_draft_tokens,
+        tokenized: the edge sends ids), num_interleaved_steps (gpu_worker/interleave.py), and
+        speculative decoding's totals spec_draft_tokens,
         spec_accepted_tokens, spec_num_drafts, spec_propose_ms (`spec_decode.spec_totals`)."""
         stats = dict(self.scheduler.stats())
         stats.update(
@@ -584,6 +584,7 @@ class LLMEngine:
             num_generated_tokens=self.num_generated_tokens,
             num_prefill_tokens=self.num_prefill_tokens,
             num_prompts_tokenized=self.prompts.num_prompts_tokenized,
+            num_interleaved_steps=self.interleave.num_steps,
             **spec_totals(self.speculation.controller),
         )
         return stats

@@ -17,7 +17,7 @@ tokens (a decode, or the last chunk of a prefill), which the scheduler reports a
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +56,8 @@ class StepInputs:
     # (request index, offset, count) into them per embed request of the step
     hidden_indices: torch.Tensor | None = None
     pooled: list[tuple[int, int, int]] | None = None
+    # called between decoder layers (gpu_worker/interleave.py: interactive steps run there)
+    between_layers: Callable[[], None] | None = None
 
     @property
     def is_pure_decode(self) -> bool:
@@ -271,11 +273,7 @@ class ModelRunner:
                 block_tables=a.block_tables,
             )
             return logits[:batch]
-        if inputs.hidden_indices is not None:
-            return self.model.forward(
-                inputs.input_ids, inputs.positions, inputs.attn, self.kv_views,
-                inputs.logits_indices, inputs.hidden_indices,
-            )  # fmt: skip
         return self.model.forward(
-            inputs.input_ids, inputs.positions, inputs.attn, self.kv_views, inputs.logits_indices
-        )
+            inputs.input_ids, inputs.positions, inputs.attn, self.kv_views,
+            inputs.logits_indices, inputs.hidden_indices, between_layers=inputs.between_layers,
+        )  # fmt: skip

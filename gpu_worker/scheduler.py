@@ -53,7 +53,7 @@ from laneserve.gpu_worker.scheduler_output import ScheduledRequest, SchedulerOut
 from laneserve.gpu_worker.step_budget import BudgetController, StepView
 from laneserve.gpu_worker.step_cost import StepFeatures, chunk_pairs
 
-__all__ = ["Scheduler"]
+__all__ = ["Scheduler", "step_features"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +63,28 @@ def _is_decode(req: Request, start: int) -> bool:
     return req.num_output_tokens > 0 and start == req.num_tokens - 1
 
 
+def step_features(out: SchedulerOutput) -> StepFeatures:
+    """What a step runs, for the step-cost model: tokens, rows that sample, KV context read,
+    and the prefill chunks' attention pairs (a draft verification's rows decode)."""
+    scheduled = out.scheduled
+    return StepFeatures(
+        out.num_batched_tokens,
+        sum(e.samples for e in scheduled),
+        sum(e.num_computed_tokens + e.num_new_tokens for e in scheduled),
+        sum(
+            chunk_pairs(e.num_new_tokens, e.num_computed_tokens)
+            for e in scheduled
+            if e.num_new_tokens > 1 and not e.spec_token_ids
+        ),
+    )
+
+
 class _StepState:
     """Mutable bookkeeping for building one step."""
 
     __slots__ = (
         "budget", "batch_cap_left", "batch_decodes_left", "batch_drafts_left", "entries",
-        "preempted",
+        "preempted", "interleaved",
     )  # fmt: skip
 
     def __init__(
@@ -77,8 +93,10 @@ class _StepState:
         batch_cap: int | None,
         batch_decodes: int | None = None,
         batch_drafts: int | None = None,
+        interleaved: bool = False,
     ) -> None:
         self.budget = budget
+        self.interleaved = interleaved  # `schedule_interleaved`: no preemption, no seat limit
         self.batch_cap_left = batch_cap  # None: batch tokens uncapped this step
         self.batch_decodes_left = batch_decodes  # None: every batch decode may run this step
         self.batch_drafts_left = batch_drafts  # None: batch drafts bounded by the budget only
@@ -265,22 +283,25 @@ class Scheduler:
         )
         self.last_features = None
         if scheduled:
-            self.last_features = StepFeatures(
-                out.num_batched_tokens,
-                sum(e.samples for e in scheduled),
-                sum(e.num_computed_tokens + e.num_new_tokens for e in scheduled),
-                sum(  # prefill chunks' attention (a draft verification's rows decode)
-                    chunk_pairs(e.num_new_tokens, e.num_computed_tokens)
-                    for e in scheduled
-                    if e.num_new_tokens > 1 and not e.spec_token_ids
-                ),
-            )
+            self.last_features = step_features(out)
             if ctl is not None:
                 ctl.on_scheduled(
                     self.last_features,
                     any(e.spec_token_ids and e.request.lane is Lane.INTERACTIVE for e in scheduled),
                 )
         return out
+
+    def schedule_interleaved(self) -> SchedulerOutput:
+        """A step of interactive requests alone, run between the layers of a batch-only step in
+        flight (gpu_worker/interleave.py): the running interactive requests, then waiting ones
+        the free KV blocks hold, past `max_num_seqs` if need be. No batch request, preemption
+        (the step in flight writes its requests' blocks), drafts or SLO plan."""
+        step = _StepState(self.config.max_num_batched_tokens, 0, interleaved=True)
+        self._schedule_running(step)
+        self._schedule_waiting(step)
+        scheduled = sorted(step.entries.values(), key=lambda e: self._key(e.request))
+        n = sum(e.num_new_tokens for e in scheduled)
+        return SchedulerOutput(scheduled=scheduled, preempted=[], num_batched_tokens=n)
 
     def _step_view(self) -> StepView:
         """The running interactive streams (requests already emitting tokens), the running
@@ -425,6 +446,8 @@ class Scheduler:
                 if n > remaining:  # drop the drafts before preempting anyone for them
                     n = remaining
                     continue
+                if step.interleaved:
+                    break  # no room without preempting: it waits for the step in flight
                 victim = max(order, key=self._key) if order else req  # lowest ranked left
                 if victim is not req:
                     order.remove(victim)
@@ -446,11 +469,11 @@ class Scheduler:
             n = self._chunk(step, req, req.num_tokens - num_hit)
             if n <= 0:
                 break
-            seats_full = len(self.running) >= self.config.max_num_seqs
+            seats_full = len(self.running) >= self.config.max_num_seqs and not step.interleaved
             reserve = self._watermark_blocks if self.running else 0
             while seats_full or not bm.allocate_slots(req, n, hit_blocks, reserve_blocks=reserve):
                 # Preempt a lower-ranked request only when preempting them all makes room.
-                victims = self._victims(req)
+                victims = [] if step.interleaved else self._victims(req)
                 if not self._can_make_room(req, n, hit_blocks, reserve, victims):
                     return
                 self._preempt_lowest(step, req, victims)

@@ -20,7 +20,11 @@ a TPOT target (P99, ms), ``--slo interactive:ttft=800,tpot=60 batch:tpot=400``. 
 - **no interactive request running or waiting** (the batch lane alone): the step is sized for
   the batch lane's throughput, and its only bound is how long an interactive arrival may wait
   for it (it waits for the running step, then prefills): step time <= ``slack_headroom x`` the
-  TTFT slack, and at least the interactive TPOT target.
+  TTFT slack, and at least the interactive TPOT target. Where the worker runs interactive steps
+  between the step's decoder layers (`interleave_pieces` > 1, gpu_worker/interleave.py), an
+  arrival waits for one layer's share of the step, not all of it, and a stream it starts
+  decodes once a layer: the target is then the pieces times the lesser of the slack and the
+  TPOT target.
   The slack is planned for an arrival with a robust prompt length ``p`` (`robust_prompt`: the
   90th percentile of the last 128 interactive prompts once 10 came, never below
   `TYPICAL_PROMPT` = 256 tokens): ``ttft - prefill(p)`` for an operator's TTFT target, and
@@ -89,18 +93,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import math
-import os
 import statistics
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from laneserve.contracts import env
 from laneserve.gpu_worker.slo import LANES, LaneSlo, SloTargets
 from laneserve.gpu_worker.step_cost import StepCostModel, StepFeatures, chunk_pairs
+from laneserve.gpu_worker.step_trace import StepTrace
 
 if TYPE_CHECKING:
     from laneserve.gpu_worker.request import Request
@@ -280,7 +282,11 @@ class BudgetController:
         self.last_paced = False
         self._start_ttft = targets.interactive.ttft_ms
         self._view: StepView | None = None  # of the step planned last (for the trace)
-        self._trace = _open_trace(env.get("LANESERVE_STEP_TRACE")) if wall_clock else None
+        self._trace = StepTrace.open(env.get("LANESERVE_STEP_TRACE")) if wall_clock else None
+        # pieces an interactive arrival's wait is cut into: the decoder layers where the worker
+        # runs interactive steps between them (gpu_worker/interleave.py), else the whole step
+        self.interleave_pieces = 1
+        self._interleaved_s = 0.0  # of the step in flight: not its own time
 
     # --- planning ---
     def _batch_share(self, rows: int, view: StepView, target_ms: float, drafts: int = 0) -> float:
@@ -397,6 +403,9 @@ class BudgetController:
                 target, budget, batch, reason = None, self.max_tokens, None, "batch-worker"
             else:
                 target = max(tpot, self.ttft_slack())
+                if self.interleave_pieces > 1:  # an arrival waits for one piece of it, and a
+                    # stream it starts decodes once a piece (gpu_worker/interleave.py)
+                    target = self.interleave_pieces * min(target, tpot)
                 hs = self.slack_headroom
                 budget, rows_cap, predicted, drafts_cap = self._batch_only(view, hs * target)
                 reason = "batch-alone"
@@ -417,10 +426,27 @@ class BudgetController:
         tokens a stream and is not judged against one token's TPOT target."""
         if stream_drafts:
             self.last_target_ms, self.last_paced = None, False
+        self._interleaved_s = 0.0
         self.predicted_ms = self.model.predict(features)
         self._pending = (
             features, time.monotonic(), self.last_target_ms, self.predicted_ms, self.last_paced
         )  # fmt: skip
+
+    def observe_interleaved(
+        self, start: float, view: StepView, features: StepFeatures, ms: float
+    ) -> None:
+        """An interleaved step (gpu_worker/interleave.py) ran `features` in `ms`: the cost
+        model learns from it as from any step (a lone decode also teaches the derived TPOT
+        target), and the step trace gets a line whose plan reason is ``interleaved``."""
+        predicted = self.model.predict(features)
+        if self._trace is not None:
+            plan = StepBudget(features.tokens, None, reason="interleaved")
+            self._write_trace(start, features, ms, None, predicted, False, view, plan)
+        self.observe(features, ms, None, predicted, False)
+
+    def note_interleaved(self, seconds: float) -> None:
+        """The step in flight spent `seconds` running interleaved steps: not its own time."""
+        self._interleaved_s += seconds
 
     def on_step_done(self) -> None:
         """The scheduled step computed (`Scheduler.update_after_step`)."""
@@ -438,40 +464,20 @@ class BudgetController:
             return  # never completed (engine step failed)
         gap = now - done
         ms = (now - start if gap < max(0.005, 0.5 * (done - start)) else done - start) * 1000.0
+        ms, self._interleaved_s = max(ms - 1000.0 * self._interleaved_s, 0.0), 0.0
         if self._trace is not None:
             self._write_trace(start, features, ms, target, predicted, paced)
         self.observe(features, ms, target, predicted, paced)
 
     def _write_trace(
         self, start: float, features: StepFeatures, ms: float, target: float | None,
-        predicted: float, paced: bool,
+        predicted: float, paced: bool, view: StepView | None = None,
+        plan: StepBudget | None = None,
     ) -> None:  # fmt: skip
-        """One JSON line for `LANESERVE_STEP_TRACE`: the worker's pid, the step's start
-        (monotonic s), what the plan saw (`view`) and chose (`plan`), what ran (`features`),
-        the prediction, the target it was planned within (None: none), the measured time, the
-        headrooms, the cost model's coefficients as the plan used them (ms, ms/token, ms/row,
-        ms/ktoken, ms/kpair) and the targets."""
-        record = {
-            "pid": os.getpid(),  # workers of one stack share the file
-            "t": round(start, 6),
-            "view": self._view._asdict() if self._view is not None else None,
-            "plan": self.last._asdict(),
-            "features": features._asdict(),
-            "predicted_ms": round(predicted, 3),
-            "measured_ms": round(ms, 3),
-            "target_ms": target,
-            "paced": paced,
-            "headroom": round(self.headroom, 3),
-            "slack_headroom": round(self.slack_headroom, 3),
-            "coefficients": [round(c, 5) for c in self.model.coefficients],
-            "tpot_target_ms": self.targets.interactive.tpot_ms,
-            "ttft_target_ms": self.targets.interactive.ttft_ms,
-            "robust_prompt": self.robust_prompt(),
-        }
-        try:
-            self._trace.write(json.dumps(record) + "\n")
-        except (OSError, ValueError) as exc:  # a full disk or a closed file: stop tracing
-            logger.warning("step trace stopped: %s", exc)
+        """One line of the step trace (`gpu_worker.step_trace.StepTrace.write`) for a step
+        planned as `plan` from `view` (the last plan and its view by default)."""
+        view, plan = (view, plan) if plan is not None else (self._view, self.last)
+        if not self._trace.write(self, start, view, plan, features, ms, target, predicted, paced):
             self._trace = None
 
     def observe(
@@ -584,15 +590,3 @@ def _next_headroom(headroom: float, ratios: list[float]) -> float:
     if mean < 0.75:
         return min(1.0, headroom * 1.03)
     return headroom
-
-
-def _open_trace(path: Path | None):
-    """The `LANESERVE_STEP_TRACE` file, line-buffered for appending, or None (unset, or it
-    cannot be opened: a warning, and the worker runs without a trace)."""
-    if path is None:
-        return None
-    try:
-        return open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (the worker's life)
-    except OSError as exc:
-        logger.warning("cannot open the step trace %s: %s", path, exc)
-        return None

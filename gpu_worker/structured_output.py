@@ -46,6 +46,7 @@ __all__ = [
     "GrammarError",
     "GrammarMask",
     "GrammarMatcher",
+    "expand_mask_rows",
     "StructuredOutputs",
     "apply_token_bitmask",
     "batch_bitmask",
@@ -381,3 +382,18 @@ class StructuredOutputs:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._mask_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def expand_mask_rows(
+    masks: GrammarMask | None, drafts: list[tuple[int, ...]]
+) -> GrammarMask | None:
+    """Grammar masks indexed by request -> indexed by the sampling batch's rows (request i owns
+    `1 + len(drafts[i])` rows). Constrained requests are never given drafts (`add_request`), so
+    each of them owns exactly one row."""
+    if masks is None:
+        return None
+    offsets = [0]
+    for d in drafts:
+        offsets.append(offsets[-1] + 1 + len(d))
+    assert all(not drafts[i] for i in masks.rows), "a constrained request was given drafts"
+    return GrammarMask([offsets[i] for i in masks.rows], masks.bitmask)

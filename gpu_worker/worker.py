@@ -44,13 +44,13 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import zmq
 
 from laneserve.broker import protocol as p
-from laneserve.contracts import defaults
+from laneserve.contracts import defaults, env
 from laneserve.contracts.engine_io import EngineOutput
 from laneserve.gpu_worker.engine_protocol import Engine
 from laneserve.gpu_worker.worker_io import RESET_DONE, IoLoop, ResetEngine
@@ -173,6 +173,9 @@ class Worker:
             signal.signal(signal.SIGINT, lambda *_: self.request_stop(drain=False))
         pipe = self.ctx.socket(zmq.PAIR)
         pipe.bind(self._pipe_addr)
+        interleave = getattr(self.engine, "interleave", None)
+        if interleave is not None and env.get("LANESERVE_INTERLEAVE"):
+            interleave.install(lambda: self._between_layers(pipe))
         io = threading.Thread(target=self._io_main, name="worker-io", daemon=True)
         io.start()
         try:
@@ -281,10 +284,22 @@ class Worker:
         self.active.clear()
         self._pending_aborts.clear()
 
-    def _step(self, pipe: zmq.Socket) -> None:
+    def _between_layers(self, pipe: zmq.Socket) -> None:
+        """Between two layers of a batch-only step (gpu_worker/interleave.py): take what arrived
+        meanwhile, then run interactive steps while one is due, sending their outputs at once."""
+        if self.inbox:
+            self._drain_pipe(pipe)
+        interleave = self.engine.interleave
+        while interleave.due() and not self._stop.is_set():
+            if not self._step(pipe, interleave.run_step):
+                break
+
+    def _step(self, pipe: zmq.Socket, run: Callable[[], list[EngineOutput]] | None = None) -> int:
+        """One engine step (`run`: another kind of step, an interleaved one); its outputs go to
+        the broker. Returns how many outputs it produced."""
         t0 = time.monotonic()
         try:
-            deltas = self.engine.step()
+            deltas = (run or self.engine.step)()
         except Exception as exc:  # an engine bug must not take the worker down silently
             logger.exception("engine.step() raised; failing %d requests", len(self.active))
             outputs = [
@@ -296,7 +311,7 @@ class Worker:
             self.active.clear()
             self._pending_aborts.clear()
             self._send_outputs(pipe, outputs, 0.0)
-            return
+            return 0
         step_ms = (time.monotonic() - t0) * 1000.0
         self._step_ms_ema = (
             step_ms if not self._step_ms_ema else 0.9 * self._step_ms_ema + 0.1 * step_ms
@@ -311,6 +326,7 @@ class Worker:
                 self._pending_aborts.discard(d.request_id)
         self._tokens_window.append((t0, ntok))
         self._send_outputs(pipe, outputs, step_ms)
+        return len(deltas)
 
     def _send_outputs(self, pipe: zmq.Socket, outputs: list[EngineOutput], step_ms: float) -> None:
         for rid in self._pending_aborts:

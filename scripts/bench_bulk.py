@@ -313,14 +313,17 @@ def job_figures(db_url: str, batch: dict[str, Any]) -> dict[str, Any]:
 
 
 def step_summary(trace: Path) -> dict[str, Any]:
-    """Batch-only steps of the worker's step trace: budgets, rows, measured ms (medians, P10)."""
+    """Batch-only steps of the worker's step trace: budgets, rows, measured ms (medians, P10);
+    and the interactive steps run between their layers (gpu_worker/interleave.py)."""
     steps = []
+    interleaved = 0
     try:
         for line in trace.read_text().splitlines():
             try:
                 rec = json.loads(line)
             except ValueError:  # a line cut short by the worker's stop
                 continue
+            interleaved += (rec.get("plan") or {}).get("reason") == "interleaved"
             view = rec.get("view") or {}
             if view.get("interactive_running") or view.get("interactive_waiting_tokens"):
                 continue
@@ -330,7 +333,7 @@ def step_summary(trace: Path) -> dict[str, Any]:
     except OSError:
         return {}
     if not steps:
-        return {"batch_only_steps": 0}
+        return {"batch_only_steps": 0, "interleaved_steps": interleaved}
     budgets = [s["plan"]["token_budget"] for s in steps]
     running = [s["view"]["batch_running"] for s in steps]
     tokens = [s["features"]["tokens"] for s in steps]
@@ -355,6 +358,7 @@ def step_summary(trace: Path) -> dict[str, Any]:
         "steps_with_budget_below_running": below,
         "steps_without_a_queued_prompt_first_80pct": starved,
         "steps_first_80pct": len(early),
+        "interleaved_steps": interleaved,
     }
 
 

@@ -372,6 +372,34 @@ def real_model_stack(
 # ---------------------------------------------------------------------------------- jobs
 
 
+@contextlib.contextmanager
+def in_process_broker(engine, **worker_kwargs) -> Iterator[str]:
+    """A real broker and a real worker over `engine`, as threads of this process on ipc
+    sockets (so a test can count or inspect their calls); yields the broker's front address."""
+    import threading
+
+    from laneserve.broker.broker import Broker
+    from laneserve.broker.config import BrokerConfig
+    from laneserve.gpu_worker.worker import Worker
+
+    tmp = Path(tempfile.mkdtemp(prefix="lsr", dir="/tmp"))  # short ipc paths
+    front, back = f"ipc://{tmp}/f.sock", f"ipc://{tmp}/b.sock"
+    broker = Broker(BrokerConfig(front=front, back=back))
+    worker = Worker(engine, broker_addr=back, worker_id="w", model="smollm2", **worker_kwargs)
+    threads = [threading.Thread(target=broker.run, name="broker", daemon=True),
+               threading.Thread(target=worker.run, name="engine-loop", daemon=True)]  # fmt: skip
+    for t in threads:
+        t.start()
+    try:
+        yield front
+    finally:
+        worker.request_stop(drain=False)
+        broker.stop()
+        for t in threads:
+            t.join(timeout=10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def write_jsonl(path: Path, lines: list) -> Path:
     """Each item: a dict (dumped as JSON) or a str (written as is)."""
     with path.open("w") as f:

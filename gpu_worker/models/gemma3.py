@@ -56,7 +56,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     @torch.inference_mode()
     def forward(
         self, input_ids, positions, attn: AttentionMetadata, kv_caches, logits_indices,
-        hidden_indices=None,
+        hidden_indices=None, between_layers=None,
     ):  # fmt: skip
         """As `LlamaForCausalLM.forward` (same arguments and shapes): logits [N, vocab] fp32,
         and with `hidden_indices` the final-norm rows [M, H] fp32 too."""
@@ -66,7 +66,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         ops = self._step_ops(x, positions, attn, kv_caches)
         residual = None
         layers = zip(self.layers, kv_caches, self.layer_rope, self.sliding_windows, strict=True)
-        for layer, cache, rope, window in layers:
+        for i, (layer, cache, rope, window) in enumerate(layers):
+            if i and between_layers is not None:
+                between_layers()
             if residual is None:
                 residual = x
                 h = ops.rms_norm(x, layer.input_layernorm, eps)

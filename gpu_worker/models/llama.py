@@ -17,6 +17,7 @@ its blocks (DESIGN.md "Quantization").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -242,15 +243,20 @@ class LlamaForCausalLM:
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hk, D]
         logits_indices: torch.Tensor,  # int64 [N] rows of the batch that emit a token
         hidden_indices: torch.Tensor | None = None,  # int64 [M] rows pooled for embeddings
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the decoder over one varlen batch; returns logits [N, vocab] (fp32), and with
-        `hidden_indices` also those rows' final-norm hidden states [M, H] (fp32)."""
+        `hidden_indices` also those rows' final-norm hidden states [M, H] (fp32).
+        `between_layers` is called after every layer but the last (gpu_worker/interleave.py:
+        other steps may run there; this one's tensors and KV slots are its own)."""
         eps = self.config.rms_norm_eps
         x = quant.embedding(input_ids, self.embed_tokens)  # [T, H]
         ops = self._step_ops(x, positions, attn, kv_caches)
         residual = None
         layers = zip(self.layers, kv_caches, self.sliding_windows, strict=True)
-        for layer, cache, window in layers:
+        for i, (layer, cache, window) in enumerate(layers):
+            if i and between_layers is not None:
+                between_layers()
             if residual is None:
                 residual = x
                 h = ops.rms_norm(x, layer.input_layernorm, eps)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import tempfile
 import threading
 from pathlib import Path
 
@@ -18,15 +17,13 @@ import pytest
 
 from laneserve.broker import protocol as p
 from laneserve.broker import worker_side
-from laneserve.broker.broker import Broker
 from laneserve.broker.client import BrokerClient
-from laneserve.broker.config import BrokerConfig
 from laneserve.broker.protocol.base import Message
 from laneserve.contracts.engine_io import EngineRequest
 from laneserve.contracts.openai import Limits, ServedModel, parse
 from laneserve.contracts.openai.requests import CHAT_ENDPOINT
 from laneserve.contracts.tokens import PromptTokenizer, prompt_ids
-from laneserve.gpu_worker.worker import Worker
+from tests.harness import in_process_broker
 
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
 PATH_KINDS = ("submit", "request", "step_outputs", "delta", "final")
@@ -118,21 +115,8 @@ def test_one_chat_is_tokenized_once_and_decoded_once_per_hop(make_llm, smollm2_d
     assert request.prompt_token_ids == reference
 
     calls_wire = _Wire(monkeypatch)
-    tmp = Path(tempfile.mkdtemp(prefix="lsr", dir="/tmp"))  # short ipc paths
-    front, back = f"ipc://{tmp}/f.sock", f"ipc://{tmp}/b.sock"
-    broker = Broker(BrokerConfig(front=front, back=back))
-    worker = Worker(engine, broker_addr=back, worker_id="w", model="smollm2")
-    threads = [threading.Thread(target=broker.run, name="broker", daemon=True),
-               threading.Thread(target=worker.run, name="engine-loop", daemon=True)]  # fmt: skip
-    for t in threads:
-        t.start()
-    try:
+    with in_process_broker(engine) as front:
         messages = asyncio.run(asyncio.wait_for(_send(front, request), 120))
-    finally:
-        worker.request_stop(drain=False)
-        broker.stop()
-        for t in threads:
-            t.join(timeout=10)
     assert type(messages[-1]) is p.Final and messages[-1].finish_reason == "length", messages
     assert messages[-1].usage["prompt_tokens"] == len(request.prompt_token_ids)
 

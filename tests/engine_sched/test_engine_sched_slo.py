@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import random
 import statistics
 from typing import NamedTuple
@@ -324,6 +325,55 @@ def test_a_worker_serving_no_interactive_lane_plans_whole_budget_batch_steps():
     assert alone.last_target_ms is None and not alone.last_paced
     interactive = StepView(0, 1, 0, 300, batch_prefill_tokens=8000)  # one arrived all the same
     assert alone.plan(interactive).reason == "prompt"
+
+
+def test_interleaving_sizes_batch_only_steps_for_a_wait_of_one_layer(tmp_path, monkeypatch):
+    """Where the worker runs interactive steps between a batch-only step's layers
+    (gpu_worker/interleave.py), an arrival waits for one of `interleave_pieces` and a stream it
+    starts decodes once a piece: the step's target is the pieces times the lesser of the TTFT
+    slack and the TPOT target, so the same view gets a far larger budget, bounded by the fixed
+    knob; interleaved steps' time is not the step in flight's, and they are traced."""
+    model = StepCostModel(TRUE)
+    targets = SloTargets(LaneSlo(ttft_ms=300.0, tpot_ms=40.0), LaneSlo(10_000.0, 400.0))
+    view = StepView(0, 48, 48 * 300, 0, batch_context=48 * 300, batch_prefill_tokens=16 * 300,
+                    batch_decodes=32, batch_prefill_depth=100)  # fmt: skip
+    whole = BudgetController(targets, model, 4096, wall_clock=False, given_ttft=True)
+    cut = BudgetController(targets, model, 4096, wall_clock=False, given_ttft=True)
+    cut.interleave_pieces = 30
+    one, thirty = whole.plan(view), cut.plan(view)
+    assert one.reason == thirty.reason == "batch-alone"
+    slack = whole.ttft_slack()
+    assert whole.last_target_ms == pytest.approx(max(40.0, slack))
+    assert cut.last_target_ms == pytest.approx(30 * min(40.0, slack))
+    assert thirty.token_budget > 3 * one.token_budget
+    huge = BudgetController(targets, model, 512, wall_clock=False, given_ttft=True)
+    huge.interleave_pieces = 30
+    assert huge.plan(view).token_budget == 512  # the fixed knob still bounds it
+    # the step in flight's measured time leaves out the interleaved steps run inside it, and
+    # an interleaved step is learnt from and traced like any other
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("LANESERVE_STEP_TRACE", str(path))
+    clocked = BudgetController(targets, model, 4096, given_ttft=True)
+    clocked.plan(view)
+    features = StepFeatures(200, 40, 12_000, 10_000)
+    clocked.on_scheduled(features)
+    clocked.note_interleaved(0.05)
+    clocked.on_step_done()
+    start = clocked._pending[1]
+    clocked._pending = (features, start - 0.3, *clocked._pending[2:])  # it ran 300 ms
+    clocked._last_update = start
+    before = clocked._num_observed
+    clocked.observe_pending(start)
+    assert clocked._num_observed == before + 1
+    assert clocked.measured_ms == pytest.approx(250.0, abs=1.0)
+    lone = StepFeatures(1, 1, 300)
+    clocked.observe_interleaved(start, StepView(1, 48, 300, 0), lone, 12.5)
+    assert clocked._num_observed == before + 2 and clocked.measured_ms < 250.0
+    clocked._trace.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["plan"]["reason"] for r in lines] == ["batch-alone", "interleaved"]
+    assert lines[1]["features"] == lone._asdict() and lines[1]["measured_ms"] == 12.5
+    assert lines[1]["view"]["interactive_running"] == 1 and lines[1]["target_ms"] is None
 
 
 def test_batch_decodes_never_crowd_prefill_out(make_sched):

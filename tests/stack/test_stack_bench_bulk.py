@@ -71,6 +71,16 @@ def test_a_one_token_chat_leaves_the_jobs_steps_sized_for_throughput(model_home,
     budgets = sorted(s["plan"]["token_budget"] for s in alone)
     assert budgets[len(budgets) // 2] >= 32  # prefill chunks of real size, not 1-4 tokens
 
+    # beside the chats, those that came while a batch-only step ran were served between its
+    # layers (gpu_worker/interleave.py): interactive steps alone, beside batch rows in flight
+    (trace,) = traces.glob("beside_chats-*.jsonl")
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    between = [s for s in steps if s["plan"]["reason"] == "interleaved"]
+    assert between and beside["steps"]["interleaved_steps"] == len(between)
+    for s in between:
+        assert s["view"]["batch_running"] >= 1, s
+        assert s["view"]["interactive_running"] or s["view"]["interactive_waiting_tokens"], s
+
 
 def test_policy_phases_set_the_whole_wait_policy_and_split_the_gap():
     """The phases that tell the OpenMP wait policy's share of the gap from the path's: a phase's

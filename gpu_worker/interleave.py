@@ -1,0 +1,161 @@
+"""Interactive steps between the layers of a batch-only step (the worker's layer interleaving).
+
+Without it an interactive arrival waits for the whole step in flight, so a batch-only step may
+run only as long as the TTFT slack allows (`step_budget.BudgetController.ttft_slack`): ~90
+tokens on a 2-core CPU, where the engine itself runs at ~0.8x of its rate at 2,048-token steps
+(docs/benchmarks.md Run 24) -- a bulk job alone could not reach the offline engine's speed.
+
+With it a batch-only step's forward calls back between its decoder layers
+(`StepInputs.between_layers`). The worker's callback (`hook`) takes the requests that arrived
+meanwhile and, while an interactive request is due a step, runs one (`run_step`):
+`Scheduler.schedule_interleaved` picks the interactive requests alone, without preemption (the
+step in flight writes its requests' KV blocks) and past `max_num_seqs` if need be, and the step
+runs to its outputs, which the worker sends at once. The step in flight then goes on from the
+next layer: its activations and KV slots are its own, its requests are all batch ones, and the
+interleaved step touches none of them. An abort of one of its requests waits until it ends
+(`defer_abort`), as freeing its blocks mid-forward would let another request take them.
+
+So an arrival waits for one layer, not a step, and the batch-only step is sized for throughput:
+its time target is `pieces` (the decoder layers) times the lesser of the TTFT slack and the TPOT
+target, since a stream started inside a step decodes once per piece (`BudgetController.plan`). A running stream is due its next token when its gap since the
+last one, plus what an interleaved step takes, reaches the headroom x its TPOT target; a prompt
+is due at once. Interleaving is off (the whole step runs, as before) for a step that holds an
+interactive request or an embed request, off the CPU (a device's forward runs asynchronously
+and its graphs have no layer boundary), and in the offline `LLM` (no `hook`).
+Time spent in interleaved steps is taken out of the step in flight's measured time, for the
+step-cost model (`BudgetController.note_interleaved`) and speculation's timing alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from laneserve.contracts.engine_io import EngineOutput
+from laneserve.gpu_worker.request import Lane
+from laneserve.gpu_worker.scheduler import step_features
+from laneserve.gpu_worker.scheduler_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from laneserve.gpu_worker.engine import LLMEngine
+
+__all__ = ["Interleaver"]
+
+logger = logging.getLogger(__name__)
+
+_EMA = 0.2  # weight of the newest interleaved step's time in its running mean
+
+
+class Interleaver:
+    """One engine's layer interleaving (module docstring). `hook` is the worker's callback:
+    it takes arrivals and calls `run_step` while `due()`; None (the default) turns it off."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.hook: Callable[[], None] | None = None
+        self.in_flight: frozenset[str] = frozenset()  # request ids of the step in flight
+        self._deferred: list[str] = []  # aborts of those, applied when it ends
+        self.spent_s = 0.0  # time in the hook during the step in flight
+        self.num_steps = 0  # interleaved steps run
+        self.step_ms = 0.0  # running mean of an interleaved step's time
+        self._failed = False  # the hook raised during this step: no more calls to it
+
+    def install(self, hook: Callable[[], None] | None) -> None:
+        """Set the worker's callback (None: off) and tell the SLO controller, which then sizes
+        batch-only steps for a wait of one of `pieces` (the decoder layers)."""
+        self.hook = hook
+        ctl = self.engine.scheduler.step_budget
+        if ctl is not None:
+            ctl.interleave_pieces = self.pieces if self.enabled else 1
+
+    @property
+    def pieces(self) -> int:
+        """The parts a step's forward is cut into: one per decoder layer."""
+        return max(1, self.engine.model_config.num_hidden_layers)
+
+    @property
+    def enabled(self) -> bool:
+        return self.hook is not None and self.engine.device.type == "cpu"
+
+    def layer_hook(self, out: SchedulerOutput) -> Callable[[], None] | None:
+        """The callback for the forward of `out` (and the step in flight set), or None when
+        that step may not be interleaved."""
+        if not self.enabled or not out.scheduled:
+            return None
+        for e in out.scheduled:
+            if e.request.lane is not Lane.BATCH or e.request.pooling_type is not None:
+                return None
+        self.in_flight = frozenset(e.request.request_id for e in out.scheduled)
+        self.spent_s, self._failed = 0.0, False
+        return self._between_layers
+
+    def _between_layers(self) -> None:
+        if self._failed:
+            return
+        started = time.perf_counter()
+        try:
+            self.hook()
+        except Exception:  # the step in flight goes on; its requests are not this code's
+            logger.exception("interleaved work failed; the rest of this step runs alone")
+            self._failed = True
+        finally:
+            self.spent_s += time.perf_counter() - started
+
+    def end_step(self) -> tuple[float, list[str]]:
+        """The step in flight ended: (seconds its forward spent in interleaved work, the aborts
+        deferred meanwhile)."""
+        spent, deferred = self.spent_s, self._deferred
+        self.in_flight, self._deferred, self.spent_s = frozenset(), [], 0.0
+        ctl = self.engine.scheduler.step_budget
+        if spent and ctl is not None:
+            ctl.note_interleaved(spent)
+        return spent, deferred
+
+    def defer_abort(self, request_id: str) -> bool:
+        """True (and the abort kept for `end_step`) when `request_id` is in the step in flight."""
+        if request_id in self.in_flight:
+            self._deferred.append(request_id)
+            return True
+        return False
+
+    def due(self) -> bool:
+        """Whether an interactive request is due a step now: a prompt waits, or a running one
+        is still prefilling, or a stream's gap since its last token plus an interleaved step's
+        time reaches the headroom x the TPOT target."""
+        sched = self.engine.scheduler
+        if not sched._has_interactive():
+            return False
+        ctl = sched.step_budget
+        pace_ms = 0.0 if ctl is None else ctl.headroom * ctl.targets.interactive.tpot_ms
+        now = time.monotonic()
+        for r in sched.running:
+            if r.lane is not Lane.INTERACTIVE:
+                continue
+            last = r.last_token_time
+            if last is None or (now - last) * 1000.0 + self.step_ms >= pace_ms:
+                return True
+        return any(r.lane is Lane.INTERACTIVE for r in sched.waiting)
+
+    def run_step(self) -> list[EngineOutput]:
+        """One interleaved step of the interactive requests alone; its outputs."""
+        engine = self.engine
+        sched = engine.scheduler
+        ctl = sched.step_budget
+        view = sched._step_view() if ctl is not None else None  # what the step starts from
+        out = sched.schedule_interleaved()
+        if out.is_empty:
+            return []
+        outputs: list[EngineOutput] = []
+        t0, started = time.monotonic(), time.perf_counter()
+        sampled = engine._execute(out, outputs)
+        if sampled is not None:
+            outputs.extend(engine._update(out, sampled, started))
+        engine._embedded = []  # finished by `_update`; the step in flight sets its own
+        ms = (time.perf_counter() - started) * 1000.0
+        self.step_ms = ms if not self.num_steps else (1 - _EMA) * self.step_ms + _EMA * ms
+        self.num_steps += 1
+        if ctl is not None and sampled is not None:
+            ctl.observe_interleaved(t0, view, step_features(out), ms)
+        return outputs
