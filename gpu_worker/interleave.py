@@ -16,12 +16,19 @@ interleaved step touches none of them. An abort of one of its requests waits unt
 (`defer_abort`), as freeing its blocks mid-forward would let another request take them.
 
 So an arrival waits for one layer, not a step, and the batch-only step is sized for throughput:
-its time target is `pieces` (the decoder layers) times the lesser of the TTFT slack and the TPOT
-target, since a stream started inside a step decodes once per piece (`BudgetController.plan`). A running stream is due its next token when its gap since the
-last one, plus what an interleaved step takes, reaches the headroom x its TPOT target; a prompt
-is due at once. Interleaving is off (the whole step runs, as before) for a step that holds an
-interactive request or an embed request, off the CPU (a device's forward runs asynchronously
-and its graphs have no layer boundary), and in the offline `LLM` (no `hook`).
+its time target is `pieces` (the decoder layers less two, for the embedding and the tail of
+LM head, sampling and outputs) times a piece of at most the TTFT slack and what a stream
+started inside the step may wait between tokens: the TPOT target less its own decode, at least
+half the target (`BudgetController.plan`, `_stream_piece`). A running stream is due its next
+token when its gap since the last one, plus what an interleaved step takes, reaches the
+headroom x its TPOT target; a prompt is due at once. One interleaved step runs per layer
+boundary, so the step in flight always moves on. Interleaving is off (the whole step runs, as
+before) for a step that holds an interactive request or an embed request, off the CPU (a
+device's forward runs asynchronously and its graphs have no layer boundary), without an SLO
+controller to pace streams by, and in the offline `LLM` (no `hook`). A prompt's prefix-cache
+hit stops at the first block the step in flight is still writing. A small step in flight runs
+on one thread; interleaved steps get the worker's threads back. A request sent again while its
+earlier attempt's abort waits for the step in flight waits too (the worker parks it).
 Time spent in interleaved steps is taken out of the step in flight's measured time, for the
 step-cost model (`BudgetController.note_interleaved`) and speculation's timing alike.
 """
@@ -32,6 +39,8 @@ import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+import torch
 
 from laneserve.contracts.engine_io import EngineOutput
 from laneserve.gpu_worker.request import Lane
@@ -61,23 +70,34 @@ class Interleaver:
         self.num_steps = 0  # interleaved steps run
         self.step_ms = 0.0  # running mean of an interleaved step's time
         self._failed = False  # the hook raised during this step: no more calls to it
+        self._threads = torch.get_num_threads()
 
     def install(self, hook: Callable[[], None] | None) -> None:
         """Set the worker's callback (None: off) and tell the SLO controller, which then sizes
         batch-only steps for a wait of one of `pieces` (the decoder layers)."""
         self.hook = hook
+        self._threads = torch.get_num_threads()  # the worker's (a small step runs on one)
         ctl = self.engine.scheduler.step_budget
         if ctl is not None:
             ctl.interleave_pieces = self.pieces if self.enabled else 1
 
     @property
     def pieces(self) -> int:
-        """The parts a step's forward is cut into: one per decoder layer."""
-        return max(1, self.engine.model_config.num_hidden_layers)
+        """The parts a step's forward is cut into, counted for the wait they cause: one per
+        decoder layer, less two for what runs before the first call and after the last (the
+        embedding; the last layer, LM head, sampling and the outputs of every row)."""
+        return max(1, self.engine.model_config.num_hidden_layers - 2)
 
     @property
     def enabled(self) -> bool:
-        return self.hook is not None and self.engine.device.type == "cpu"
+        """A hook, a CPU, and an SLO controller to pace the streams by (without one every
+        stream is due at every layer, and the step in flight never moves on)."""
+        engine = self.engine
+        return (
+            self.hook is not None
+            and engine.device.type == "cpu"
+            and engine.scheduler.step_budget is not None
+        )
 
     def layer_hook(self, out: SchedulerOutput) -> Callable[[], None] | None:
         """The callback for the forward of `out` (and the step in flight set), or None when
@@ -95,12 +115,17 @@ class Interleaver:
         if self._failed:
             return
         started = time.perf_counter()
+        threads = torch.get_num_threads()
+        if threads != self._threads:  # a small step in flight runs on one thread
+            torch.set_num_threads(self._threads)
         try:
             self.hook()
         except Exception:  # the step in flight goes on; its requests are not this code's
             logger.exception("interleaved work failed; the rest of this step runs alone")
             self._failed = True
         finally:
+            if threads != self._threads:
+                torch.set_num_threads(threads)
             self.spent_s += time.perf_counter() - started
 
     def end_step(self) -> tuple[float, list[str]]:
@@ -112,6 +137,11 @@ class Interleaver:
         if spent and ctl is not None:
             ctl.note_interleaved(spent)
         return spent, deferred
+
+    def aborting(self, request_id: str) -> bool:
+        """Whether an abort of `request_id` waits for the step in flight (a request sent again
+        under that id must wait for it too)."""
+        return request_id in self._deferred
 
     def defer_abort(self, request_id: str) -> bool:
         """True (and the abort kept for `end_step`) when `request_id` is in the step in flight."""
@@ -149,9 +179,10 @@ class Interleaver:
             return []
         outputs: list[EngineOutput] = []
         t0, started = time.monotonic(), time.perf_counter()
-        sampled = engine._execute(out, outputs)
-        if sampled is not None:
-            outputs.extend(engine._update(out, sampled, started))
+        with engine.speculation.aside():
+            sampled = engine._execute(out, outputs)
+            if sampled is not None:
+                outputs.extend(engine._update(out, sampled, started))
         engine._embedded = []  # finished by `_update`; the step in flight sets its own
         ms = (time.perf_counter() - started) * 1000.0
         self.step_ms = ms if not self.num_steps else (1 - _EMA) * self.step_ms + _EMA * ms

@@ -301,7 +301,7 @@ class Scheduler:
         self._schedule_waiting(step)
         scheduled = sorted(step.entries.values(), key=lambda e: self._key(e.request))
         n = sum(e.num_new_tokens for e in scheduled)
-        return SchedulerOutput(scheduled=scheduled, preempted=[], num_batched_tokens=n)
+        return SchedulerOutput(scheduled, [], n, interleaved=True)
 
     def _step_view(self) -> StepView:
         """The running interactive streams (requests already emitting tokens), the running
@@ -466,6 +466,10 @@ class Scheduler:
             req = self.waiting[0]
             assert req.num_computed_tokens == 0, f"waiting {req.request_id} has computed tokens"
             hit_blocks, num_hit = bm.get_computed_blocks(req)
+            if step.interleaved:  # the step in flight writes its new blocks layer by layer
+                cut = next((i for i, b in enumerate(hit_blocks) if bm.is_uncomputed(b)), None)
+                if cut is not None:
+                    hit_blocks, num_hit = hit_blocks[:cut], cut * bm.block_size
             n = self._chunk(step, req, req.num_tokens - num_hit)
             if n <= 0:
                 break
@@ -571,8 +575,8 @@ class Scheduler:
         the tokens known before this step's output (accepted drafts register next step, with
         their tokens), so a block holding rejected K/V is never registered.
         """
-        if self.step_budget is not None:
-            self.step_budget.on_step_done()
+        if self.step_budget is not None and not output.interleaved:
+            self.step_budget.on_step_done()  # (the step in flight's, not an interleaved one's)
         for entry in output.scheduled:
             req = entry.request
             if req.status is not RequestStatus.RUNNING:

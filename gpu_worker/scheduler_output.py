@@ -45,6 +45,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    interleaved: bool = False  # run between a batch step's layers (gpu_worker/interleave.py)
 
     @property
     def is_empty(self) -> bool:

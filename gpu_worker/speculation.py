@@ -10,8 +10,9 @@ Without a speculative config every call is a no-op (`controller` None), so the e
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from laneserve.gpu_worker.spec_decode import SpecController, SpecRequest, TokenHistory
@@ -47,6 +48,21 @@ class Speculation:
         """Set the running requests' `spec_token_ids` for the coming step (before scheduling)."""
         if self.controller is not None:
             self.controller.propose(running, self._spec_of, self._max_model_len)
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """A step outside the propose cycle (gpu_worker/interleave.py runs one inside another):
+        no sample for the yield guard, whose rows are those `propose` saw decoding for the step
+        in flight (kept for it)."""
+        c = self.controller
+        rows = 0 if c is None else c._step_rows
+        if c is not None:
+            c._step_rows = 0
+        try:
+            yield
+        finally:
+            if c is not None:
+                c._step_rows = rows
 
     def observe_execute(self, num_tokens: int, started: float) -> None:
         """A step's forward and sampling ran from `started` (`time.perf_counter()` s) over

@@ -21,10 +21,8 @@ a TPOT target (P99, ms), ``--slo interactive:ttft=800,tpot=60 batch:tpot=400``. 
   the batch lane's throughput, and its only bound is how long an interactive arrival may wait
   for it (it waits for the running step, then prefills): step time <= ``slack_headroom x`` the
   TTFT slack, and at least the interactive TPOT target. Where the worker runs interactive steps
-  between the step's decoder layers (`interleave_pieces` > 1, gpu_worker/interleave.py), an
-  arrival waits for one layer's share of the step, not all of it, and a stream it starts
-  decodes once a layer: the target is then the pieces times the lesser of the slack and the
-  TPOT target.
+  between its layers (gpu_worker/interleave.py), an arrival waits for one of `interleave_pieces`:
+  the target is that many pieces of at most the slack and `_stream_piece` each.
   The slack is planned for an arrival with a robust prompt length ``p`` (`robust_prompt`: the
   90th percentile of the last 128 interactive prompts once 10 came, never below
   `TYPICAL_PROMPT` = 256 tokens): ``ttft - prefill(p)`` for an operator's TTFT target, and
@@ -323,6 +321,14 @@ class BudgetController:
             return self.targets.interactive.ttft_ms - prefill
         return (TTFT_MULTIPLE - 1.0) * prefill
 
+    def _stream_piece(self, tpot: float) -> float:
+        """The longest piece (ms) of an interleaved batch-only step that a stream started inside
+        it may wait for between its tokens: the TPOT target less a lone decode (the stream's
+        own interleaved step), at least half the target (a stream spends at most one step's
+        remainder at that pace, TPOT is a mean over its tokens)."""
+        decode = self.model.predict(StepFeatures(1, 1, TYPICAL_PROMPT))
+        return max(tpot - decode, 0.5 * tpot)
+
     def _batch_only(self, view: StepView, ms: float) -> tuple[int, int, float, int]:
         """(token budget, batch decode rows, predicted ms, batch drafts) of a batch-only step
         aimed at `ms`:
@@ -402,10 +408,11 @@ class BudgetController:
             elif not self.serves_interactive:
                 target, budget, batch, reason = None, self.max_tokens, None, "batch-worker"
             else:
-                target = max(tpot, self.ttft_slack())
-                if self.interleave_pieces > 1:  # an arrival waits for one piece of it, and a
-                    # stream it starts decodes once a piece (gpu_worker/interleave.py)
-                    target = self.interleave_pieces * min(target, tpot)
+                slack = self.ttft_slack()
+                target = max(tpot, slack)
+                if self.interleave_pieces > 1:  # an arrival waits for one piece of it
+                    piece = self._stream_piece(tpot)
+                    target = self.interleave_pieces * (min(slack, piece) if slack > 0 else piece)
                 hs = self.slack_headroom
                 budget, rows_cap, predicted, drafts_cap = self._batch_only(view, hs * target)
                 reason = "batch-alone"
@@ -435,14 +442,15 @@ class BudgetController:
     def observe_interleaved(
         self, start: float, view: StepView, features: StepFeatures, ms: float
     ) -> None:
-        """An interleaved step (gpu_worker/interleave.py) ran `features` in `ms`: the cost
-        model learns from it as from any step (a lone decode also teaches the derived TPOT
-        target), and the step trace gets a line whose plan reason is ``interleaved``."""
+        """An interleaved step (gpu_worker/interleave.py) ran `features` in `ms` (its forward to
+        its outputs): the cost model learns from it, and the step trace gets a line whose plan
+        reason is ``interleaved``. It counts for no headroom window (it has no target) and
+        not for the derived TPOT target (timed without a whole loop's overhead)."""
         predicted = self.model.predict(features)
         if self._trace is not None:
             plan = StepBudget(features.tokens, None, reason="interleaved")
             self._write_trace(start, features, ms, None, predicted, False, view, plan)
-        self.observe(features, ms, None, predicted, False)
+        self.model.update(features, ms)
 
     def note_interleaved(self, seconds: float) -> None:
         """The step in flight spent `seconds` running interleaved steps: not its own time."""

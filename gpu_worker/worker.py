@@ -44,7 +44,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import zmq
@@ -140,6 +140,7 @@ class Worker:
         self._stats: dict[str, Any] = {}
         self.active: set[str] = set()
         self._pending_aborts: set[str] = set()
+        self._parked: list[p.WorkRequest] = []  # see `_add`
         # IO thread -> engine loop: decoded broker messages and resets (one writer, one reader)
         self.inbox: collections.deque[p.WorkRequest | p.Abort | ResetEngine] = collections.deque()
         self._step_ms_ema = 0.0
@@ -239,6 +240,10 @@ class Worker:
         rid = msg.request_id
         if rid in self.active:
             return  # duplicate dispatch; already running
+        interleave = getattr(self.engine, "interleave", None)
+        if interleave is not None and interleave.aborting(rid):
+            self._parked.append(msg)  # added once the step in flight ends its earlier attempt
+            return
         try:
             # a text prompt (a sender without a tokenizer) is templated and tokenized here, by
             # the engine's front end: the engine itself takes ids only
@@ -283,23 +288,26 @@ class Worker:
             self._safe_abort(rid)
         self.active.clear()
         self._pending_aborts.clear()
+        self._parked.clear()
 
     def _between_layers(self, pipe: zmq.Socket) -> None:
         """Between two layers of a batch-only step (gpu_worker/interleave.py): take what arrived
-        meanwhile, then run interactive steps while one is due, sending their outputs at once."""
+        meanwhile, then run one interactive step if one is due, its outputs sent at once. What
+        that step raises ends interleaving for the step in flight (`Interleaver`), nothing else."""
         if self.inbox:
             self._drain_pipe(pipe)
         interleave = self.engine.interleave
-        while interleave.due() and not self._stop.is_set():
-            if not self._step(pipe, interleave.run_step):
-                break
+        if interleave.due():
+            t0 = time.monotonic()
+            deltas = interleave.run_step()
+            if deltas:
+                self.counters["interleaved_steps"] = self.counters.get("interleaved_steps", 0) + 1
+                self._emit(pipe, deltas, t0, 0.0)
 
-    def _step(self, pipe: zmq.Socket, run: Callable[[], list[EngineOutput]] | None = None) -> int:
-        """One engine step (`run`: another kind of step, an interleaved one); its outputs go to
-        the broker. Returns how many outputs it produced."""
+    def _step(self, pipe: zmq.Socket) -> None:
         t0 = time.monotonic()
         try:
-            deltas = (run or self.engine.step)()
+            deltas = self.engine.step()
         except Exception as exc:  # an engine bug must not take the worker down silently
             logger.exception("engine.step() raised; failing %d requests", len(self.active))
             outputs = [
@@ -311,12 +319,20 @@ class Worker:
             self.active.clear()
             self._pending_aborts.clear()
             self._send_outputs(pipe, outputs, 0.0)
-            return 0
+            return
         step_ms = (time.monotonic() - t0) * 1000.0
         self._step_ms_ema = (
             step_ms if not self._step_ms_ema else 0.9 * self._step_ms_ema + 0.1 * step_ms
         )
         self.counters["steps"] += 1
+        self._emit(pipe, deltas, t0, step_ms)
+        if self._parked:  # sent again while their earlier attempt's abort waited for the step
+            parked, self._parked = self._parked, []
+            for msg in parked:
+                self._add(pipe, msg)
+
+    def _emit(self, pipe: zmq.Socket, deltas: list[EngineOutput], t0: float, ms: float) -> None:
+        """Send a step's outputs for the requests this worker still holds."""
         outputs = [d for d in deltas if d.request_id in self.active]  # the wire items as they are
         ntok = 0
         for d in outputs:
@@ -325,8 +341,7 @@ class Worker:
                 self.active.discard(d.request_id)
                 self._pending_aborts.discard(d.request_id)
         self._tokens_window.append((t0, ntok))
-        self._send_outputs(pipe, outputs, step_ms)
-        return len(deltas)
+        self._send_outputs(pipe, outputs, ms)
 
     def _send_outputs(self, pipe: zmq.Socket, outputs: list[EngineOutput], step_ms: float) -> None:
         for rid in self._pending_aborts:
@@ -352,7 +367,7 @@ class Worker:
         queries = raw.get("prefix_cache_queries") or 0
         window = [(t, n) for t, n in self._tokens_window if now - t <= 5.0]
         self._tokens_window = window
-        span = (now - window[0][0]) if window else 0.0
+        span = (now - min(t for t, _ in window)) if window else 0.0  # interleaved steps first
         stats = _plain_stats(raw)
         stats.update(
             running=raw.get("num_running", 0),

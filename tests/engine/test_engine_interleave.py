@@ -2,17 +2,28 @@
 bundled model in float32: an interactive request that arrives while a batch step is in flight
 gets its tokens before that step ends, every request's greedy tokens are the ones it gets
 without interleaving, an abort of a request in flight waits for its step, and an interleaved
-step never preempts the requests in flight."""
+step never preempts the requests in flight nor reads KV blocks the step in flight is writing.
+
+Interleaving paces streams by the SLO controller, so each engine here gets one (`_paced`): an
+operator's TTFT target far off (batch-only steps take the whole budget, with or without
+interleaving, so the reference runs cut the work alike) and a TPOT target that makes every
+stream due at every layer."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+
+import pytest
 
 from laneserve.broker import protocol as p
 from laneserve.broker.client import BrokerClient
 from laneserve.contracts.engine_io import EngineRequest
 from laneserve.gpu_worker import SamplingParams
+from laneserve.gpu_worker.slo import LaneSlo, SloTargets
+from laneserve.gpu_worker.step_budget import BudgetController
+from laneserve.gpu_worker.step_cost import StepCostModel
 from tests.harness import in_process_broker
 
 BATCH_PROMPTS = [
@@ -22,6 +33,28 @@ BATCH_PROMPTS = [
 ]
 CHAT = "Hi! What is two plus two?"
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+
+@contextlib.contextmanager
+def _paced(engine, tpot_ms: float = 0.001):
+    """`engine` with an SLO controller for the test's length (module docstring)."""
+    targets = SloTargets(LaneSlo(ttft_ms=600_000.0, tpot_ms=tpot_ms), LaneSlo(1e6, 1e6))
+    max_tokens = engine.scheduler.config.max_num_batched_tokens
+    ctl = BudgetController(
+        targets, StepCostModel([4.0, 0.5, 0.3, 2.0, 0.6]), max_tokens, wall_clock=False,
+        given_ttft=True,
+    )  # fmt: skip
+    engine.scheduler.step_budget = ctl
+    try:
+        yield ctl
+    finally:
+        engine.scheduler.step_budget = None
+
+
+@pytest.fixture
+def engine(base_llm):
+    with _paced(base_llm.engine):
+        yield base_llm.engine
 
 
 def _ids(llm, text: str) -> list[int]:
@@ -45,13 +78,15 @@ def _run(engine, hook=None, max_steps: int = 500) -> tuple[dict[str, list[int]],
             if o.finished:
                 reasons[o.request_id] = o.finish_reason
 
-    engine.interleave.install(None if hook is None else (lambda: hook(take)))
+    # the hook alone (`install` would also size batch-only steps for interleaving: the
+    # reference runs here must cut the work as the interleaved ones do)
+    engine.interleave.hook = None if hook is None else (lambda: hook(take))
     try:
         while engine.has_unfinished_requests() and step_no < max_steps:
             step_no += 1
             take(engine.step())
     finally:
-        engine.interleave.install(None)
+        engine.interleave.hook = None
     return tokens, reasons, first_step
 
 
@@ -69,8 +104,8 @@ def _add_batch(llm, n: int = len(BATCH_PROMPTS)) -> None:
         llm.engine.add(EngineRequest(f"b{i}", _ids(llm, text), GREEDY, "batch"))
 
 
-def test_an_arrival_is_served_between_layers_with_the_same_tokens(base_llm):
-    llm, engine = base_llm, base_llm.engine
+def test_an_arrival_is_served_between_layers_with_the_same_tokens(base_llm, engine):
+    llm = base_llm
     # reference: the chat arrives at the same point but runs only after the step in flight
     _add_batch(llm)
     arrived = []
@@ -104,8 +139,36 @@ def test_an_arrival_is_served_between_layers_with_the_same_tokens(base_llm):
     assert all("chat" not in ids for ids in calls)
 
 
-def test_an_abort_of_a_request_in_flight_waits_for_its_step(base_llm):
-    llm, engine = base_llm, base_llm.engine
+def test_an_interleaved_prompt_never_reads_blocks_the_step_in_flight_writes(base_llm, engine):
+    """A chat sharing its first blocks with the batch prompt in flight: those blocks are in the
+    prefix cache from their allocation, but their KV is written layer by layer by the step in
+    flight, so the chat computes them itself -- its tokens are those it gets alone, and the
+    cache it leaves serves the same tokens again."""
+    llm = base_llm
+    shared = "You are a careful assistant who answers in one short sentence. " * 6
+    chat = EngineRequest("chat", _ids(llm, shared + "What is two plus two?"), GREEDY, "interactive")
+    engine.add(chat)
+    want, _, _ = _run(engine)
+    engine.block_manager.reset_prefix_cache()
+    added = []
+
+    def hook(take):
+        if len(added) < 1 and "b0" in engine.interleave.in_flight:
+            added.append(1)
+            engine.add(chat)
+        _serve_due(engine, take)
+
+    engine.add(EngineRequest("b0", _ids(llm, shared + "Summarize the sea."), GREEDY, "batch"))
+    got, _, first_step = _run(engine, hook)
+    assert first_step["chat"] == 1 and got["chat"] == want["chat"]
+    engine.add(chat)  # now a real prefix-cache hit on blocks computed whole
+    again, _, _ = _run(engine)
+    assert again["chat"] == want["chat"]
+    assert engine.block_manager.prefix_cache_hits > 0
+
+
+def test_an_abort_of_a_request_in_flight_waits_for_its_step(base_llm, engine):
+    llm = base_llm
     _add_batch(llm, 2)
     free_before = None
 
@@ -130,6 +193,7 @@ def test_an_interleaved_step_never_preempts_the_step_in_flight(make_llm):
     # waits for the step in flight to end (then the scheduler may preempt, as always)
     llm = make_llm(num_blocks=12, block_size=16, max_model_len=160)
     engine = llm.engine
+    engine.scheduler.step_budget = next(_paced(engine).gen)  # this engine's whole life
     for i, words in enumerate(["the river runs to the sea ", "a cloud drifts over a hill "]):
         text = "Summarize this text in detail: " + words * 12  # ~80 tokens, 6 blocks each
         engine.add(EngineRequest(f"b{i}", _ids(llm, text), GREEDY, "batch"))
@@ -153,18 +217,20 @@ def test_an_interleaved_step_never_preempts_the_step_in_flight(make_llm):
     engine.check_integrity()
 
 
-def test_interleaving_is_off_for_a_step_that_holds_an_interactive_request(base_llm):
-    llm, engine = base_llm, base_llm.engine
+def test_interleaving_is_off_for_a_step_that_holds_an_interactive_request(base_llm, engine):
+    llm = base_llm
     engine.add(EngineRequest("chat", _ids(llm, CHAT), GREEDY, "interactive"))
-    _add_batch(llm, 1)
+    _add_batch(llm, 1)  # b0 gets 6 tokens with the chat, then runs alone (interleavable)
+    engine.add(EngineRequest("b1", _ids(llm, BATCH_PROMPTS[1]), {**GREEDY, "max_tokens": 12}))
     calls = []
-    tokens, reasons, _ = _run(engine, lambda take: calls.append(1))
-    assert not calls and reasons == {"chat": "length", "b0": "length"}
+    tokens, reasons, _ = _run(engine, lambda take: calls.append("chat" in engine.states))
+    assert calls and not any(calls)  # called only once the chat was done
+    assert reasons == {"chat": "length", "b0": "length", "b1": "length"}
 
 
-def test_sampling_params_of_interleaved_steps_are_their_own(base_llm):
+def test_sampling_params_of_interleaved_steps_are_their_own(base_llm, engine):
     """A seeded sampled chat interleaved into greedy batch steps draws the tokens it draws alone."""
-    llm, engine = base_llm, base_llm.engine
+    llm = base_llm
     sampled = SamplingParams(max_tokens=5, temperature=1.0, seed=7, ignore_eos=True)
     engine.add(EngineRequest("chat", _ids(llm, CHAT), sampled, "interactive"))
     want, _, _ = _run(engine)
@@ -189,6 +255,7 @@ def test_a_worker_answers_a_chat_inside_a_long_batch_step(make_llm):
 
     llm = make_llm(max_model_len=2048, num_blocks=2048 // 16 + 16, max_num_batched_tokens=2048)
     engine = llm.engine
+    engine.scheduler.step_budget = next(_paced(engine, tpot_ms=50.0).gen)  # as a worker's
     long_prompt = _ids(llm, "Summarize: " + "the tide comes in and the tide goes out; " * 130)
     assert 1200 < len(long_prompt) < 2000  # one prefill step of ~1,500 tokens
     events: list[tuple[str, str]] = []

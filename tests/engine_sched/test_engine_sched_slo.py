@@ -330,9 +330,10 @@ def test_a_worker_serving_no_interactive_lane_plans_whole_budget_batch_steps():
 def test_interleaving_sizes_batch_only_steps_for_a_wait_of_one_layer(tmp_path, monkeypatch):
     """Where the worker runs interactive steps between a batch-only step's layers
     (gpu_worker/interleave.py), an arrival waits for one of `interleave_pieces` and a stream it
-    starts decodes once a piece: the step's target is the pieces times the lesser of the TTFT
-    slack and the TPOT target, so the same view gets a far larger budget, bounded by the fixed
-    knob; interleaved steps' time is not the step in flight's, and they are traced."""
+    starts decodes once a piece: the step's target is the pieces times a piece of at most the
+    TTFT slack and the TPOT target less a lone decode, so the same view gets a far larger
+    budget, bounded by the fixed knob; interleaved steps' time is not the step in flight's,
+    they teach the cost model and are traced, and they count for no headroom window."""
     model = StepCostModel(TRUE)
     targets = SloTargets(LaneSlo(ttft_ms=300.0, tpot_ms=40.0), LaneSlo(10_000.0, 400.0))
     view = StepView(0, 48, 48 * 300, 0, batch_context=48 * 300, batch_prefill_tokens=16 * 300,
@@ -344,7 +345,17 @@ def test_interleaving_sizes_batch_only_steps_for_a_wait_of_one_layer(tmp_path, m
     assert one.reason == thirty.reason == "batch-alone"
     slack = whole.ttft_slack()
     assert whole.last_target_ms == pytest.approx(max(40.0, slack))
-    assert cut.last_target_ms == pytest.approx(30 * min(40.0, slack))
+    # a piece: at most the slack, and the TPOT target less a lone decode (a stream started
+    # inside the step decodes once a piece), at least half the target
+    decode = model.predict(StepFeatures(1, 1, 256))
+    piece = min(slack, max(40.0 - decode, 20.0))
+    assert cut.last_target_ms == pytest.approx(30 * piece)
+    tight = BudgetController(targets, model, 4096, wall_clock=False, given_ttft=True)
+    tight.interleave_pieces = 30
+    tight.targets = SloTargets(LaneSlo(ttft_ms=model.predict(prefill_features(256)) + 5.0,
+                                       tpot_ms=40.0), targets.batch)  # fmt: skip
+    tight.plan(view)
+    assert tight.last_target_ms == pytest.approx(30 * 5.0)  # the slack, when it is the lesser
     assert thirty.token_budget > 3 * one.token_budget
     huge = BudgetController(targets, model, 512, wall_clock=False, given_ttft=True)
     huge.interleave_pieces = 30
@@ -367,8 +378,12 @@ def test_interleaving_sizes_batch_only_steps_for_a_wait_of_one_layer(tmp_path, m
     assert clocked._num_observed == before + 1
     assert clocked.measured_ms == pytest.approx(250.0, abs=1.0)
     lone = StepFeatures(1, 1, 300)
+    coefficients = list(model.coefficients)
     clocked.observe_interleaved(start, StepView(1, 48, 300, 0), lone, 12.5)
-    assert clocked._num_observed == before + 2 and clocked.measured_ms < 250.0
+    assert clocked._num_observed == before + 1 and clocked.measured_ms == pytest.approx(
+        250.0, abs=1.0
+    )
+    assert list(model.coefficients) != coefficients  # learnt from
     clocked._trace.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["plan"]["reason"] for r in lines] == ["batch-alone", "interleaved"]
