@@ -20,9 +20,12 @@ class BrokerConfig:
     max_batch_queue: int = 20_000  # the jobs runner keeps the rest in SQL
     batch_every: int = 4  # >= 1 batch dispatch per 5 when both lanes wait: 20 % minimum share
     # Of a mixed worker's credits, the share batch may not take. Workers advertise twice their
-    # engine's max_num_seqs, so batch fills every engine seat and interactive arrivals (which
-    # preempt batch inside the engine) can still reach it, as many as there are seats.
-    interactive_reserve_fraction: float = 0.5
+    # engine's max_num_seqs, so batch fills every engine seat and keeps a queue of half as many
+    # there to refill seats as lines finish (at exactly the seats, a quarter of a bulk job's
+    # steps found no prompt to prefill once interleaving made them large: issue 53), and
+    # interactive arrivals (which preempt batch inside the engine) still reach it, half as many
+    # as there are seats at a time.
+    interactive_reserve_fraction: float = 0.25
     max_attempts: int = 3  # dispatches before a lost request ends with `worker_lost`
     no_worker_timeout_s: float = 30.0  # interactive waits this long without any serving worker
     record_flush_s: float = 0.5  # recorder commits finished requests within about a second

@@ -426,7 +426,7 @@ class LLMEngine:
         states = [self.states[entries[i].request.request_id] for i in inputs.sample_rows]
         # grammar bitmasks of the constrained rows, computed while the forward pass runs
         masks = self.structured.start_bitmask([s.matcher for s in states])
-        inputs.between_layers = self.interleave.layer_hook(out)
+        inputs.pause = self.interleave.layer_hook(out)
         logits = self.runner.execute(inputs)
         if inputs.pooled is not None:  # embed requests: their final hidden rows
             logits, hidden = logits

@@ -1,36 +1,39 @@
-"""Interactive steps between the layers of a batch-only step (the worker's layer interleaving).
+"""Interactive steps inside a batch-only step's forward pass (the worker's interleaving).
 
 Without it an interactive arrival waits for the whole step in flight, so a batch-only step may
 run only as long as the TTFT slack allows (`step_budget.BudgetController.ttft_slack`): ~90
 tokens on a 2-core CPU, where the engine itself runs at ~0.8x of its rate at 2,048-token steps
 (docs/benchmarks.md Run 24) -- a bulk job alone could not reach the offline engine's speed.
 
-With it a batch-only step's forward calls back between its decoder layers
-(`StepInputs.between_layers`). The worker's callback (`hook`) takes the requests that arrived
-meanwhile and, while an interactive request is due a step, runs one (`run_step`):
-`Scheduler.schedule_interleaved` picks the interactive requests alone, without preemption (the
-step in flight writes its requests' KV blocks) and past `max_num_seqs` if need be, and the step
-runs to its outputs, which the worker sends at once. The step in flight then goes on from the
-next layer: its activations and KV slots are its own, its requests are all batch ones, and the
-interleaved step touches none of them. An abort of one of its requests waits until it ends
-(`defer_abort`), as freeing its blocks mid-forward would let another request take them.
+With it a batch-only step's forward calls back at its pause points (`StepInputs.pause`,
+`models.llama.PAUSES_PER_LAYER`: before each decoder layer, after its attention block, after its
+MLP's gate/up). The worker's callback (`hook`) takes the requests that arrived meanwhile and, if
+an interactive request is due a step, runs one (`run_step`): `Scheduler.schedule_interleaved`
+picks the interactive requests alone, without preemption (the step in flight writes its
+requests' KV blocks) and past `max_num_seqs` if need be, within the budget the SLO controller
+would give them (`BudgetController.interleaved_budget`: beside running streams a prompt's chunk
+fits half the TTFT target, as in a regular step), and the step runs to its outputs, which the
+worker sends at once. The step in flight then goes on: its activations and KV slots are its own,
+its requests are all batch ones, and the interleaved step touches none of them. An abort of one
+of its requests waits until it ends (`defer_abort`), as freeing its blocks mid-forward would let
+another request take them; a request sent again under that id meanwhile waits too (the worker
+parks it).
 
-So an arrival waits for one layer, not a step, and the batch-only step is sized for throughput:
-its time target is `pieces` (the decoder layers less two, for the embedding and the tail of
-LM head, sampling and outputs) times a piece of at most the TTFT slack and what a stream
-started inside the step may wait between tokens: the TPOT target less its own decode, at least
-half the target (`BudgetController.plan`, `_stream_piece`). A running stream is due its next
-token when its gap since the last one, plus what an interleaved step takes, reaches the
-headroom x its TPOT target; a prompt is due at once. One interleaved step runs per layer
-boundary, so the step in flight always moves on. Interleaving is off (the whole step runs, as
-before) for a step that holds an interactive request or an embed request, off the CPU (a
-device's forward runs asynchronously and its graphs have no layer boundary), without an SLO
-controller to pace streams by, and in the offline `LLM` (no `hook`). A prompt's prefix-cache
-hit stops at the first block the step in flight is still writing. A small step in flight runs
-on one thread; interleaved steps get the worker's threads back. A request sent again while its
-earlier attempt's abort waits for the step in flight waits too (the worker parks it).
-Time spent in interleaved steps is taken out of the step in flight's measured time, for the
-step-cost model (`BudgetController.note_interleaved`) and speculation's timing alike.
+So an arrival waits for one piece of the step, not all of it, and the batch-only step is sized
+for throughput: its time target is `pieces` (the pause points, less two for the embedding and the
+tail of LM head, sampling and outputs) times a piece of at most the TTFT slack and what a stream
+started inside the step may wait between its tokens: the TPOT target less its own decode, at
+least half the target (`BudgetController.plan`, `_stream_piece`). A running stream is due its
+next token when its gap since the last one, plus what an interleaved step takes, reaches the
+headroom x its TPOT target; a prompt is due at once. One interleaved step runs per pause point,
+so the step in flight always moves on. Interleaving is off (the whole step runs, as before) for
+a step that holds an interactive request or an embed request, off the CPU (a device's forward
+runs asynchronously and its graphs have no pause point), without an SLO controller to pace
+streams by, and in the offline `LLM` (no `hook`). A prompt's prefix-cache hit stops at the first
+block the step in flight is still writing. A small step in flight runs on one thread;
+interleaved steps get the worker's threads back. Time spent in interleaved steps is taken out
+of the step in flight's measured time, for the step-cost model
+(`BudgetController.note_interleaved`) and speculation's timing alike.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from laneserve.contracts.engine_io import EngineOutput
+from laneserve.gpu_worker.models.llama import PAUSES_PER_LAYER
 from laneserve.gpu_worker.request import Lane
 from laneserve.gpu_worker.scheduler import step_features
 from laneserve.gpu_worker.scheduler_output import SchedulerOutput
@@ -74,7 +78,7 @@ class Interleaver:
 
     def install(self, hook: Callable[[], None] | None) -> None:
         """Set the worker's callback (None: off) and tell the SLO controller, which then sizes
-        batch-only steps for a wait of one of `pieces` (the decoder layers)."""
+        batch-only steps for a wait of one of `pieces`."""
         self.hook = hook
         self._threads = torch.get_num_threads()  # the worker's (a small step runs on one)
         ctl = self.engine.scheduler.step_budget
@@ -84,14 +88,15 @@ class Interleaver:
     @property
     def pieces(self) -> int:
         """The parts a step's forward is cut into, counted for the wait they cause: one per
-        decoder layer, less two for what runs before the first call and after the last (the
-        embedding; the last layer, LM head, sampling and the outputs of every row)."""
-        return max(1, self.engine.model_config.num_hidden_layers - 2)
+        pause point (`PAUSES_PER_LAYER` a decoder layer), less two for what runs before the
+        first and after the last (the embedding; the LM head, sampling and every row's
+        outputs)."""
+        return max(1, PAUSES_PER_LAYER * self.engine.model_config.num_hidden_layers - 2)
 
     @property
     def enabled(self) -> bool:
         """A hook, a CPU, and an SLO controller to pace the streams by (without one every
-        stream is due at every layer, and the step in flight never moves on)."""
+        stream is due at every pause point)."""
         engine = self.engine
         return (
             self.hook is not None
@@ -109,9 +114,9 @@ class Interleaver:
                 return None
         self.in_flight = frozenset(e.request.request_id for e in out.scheduled)
         self.spent_s, self._failed = 0.0, False
-        return self._between_layers
+        return self._pause
 
-    def _between_layers(self) -> None:
+    def _pause(self) -> None:
         if self._failed:
             return
         started = time.perf_counter()
@@ -174,7 +179,7 @@ class Interleaver:
         sched = engine.scheduler
         ctl = sched.step_budget
         view = sched._step_view() if ctl is not None else None  # what the step starts from
-        out = sched.schedule_interleaved()
+        out = sched.schedule_interleaved(ctl.interleaved_budget(view) if ctl is not None else None)
         if out.is_empty:
             return []
         outputs: list[EngineOutput] = []

@@ -56,8 +56,8 @@ class StepInputs:
     # (request index, offset, count) into them per embed request of the step
     hidden_indices: torch.Tensor | None = None
     pooled: list[tuple[int, int, int]] | None = None
-    # called between decoder layers (gpu_worker/interleave.py: interactive steps run there)
-    between_layers: Callable[[], None] | None = None
+    # called at the forward's pause points (gpu_worker/interleave.py: interactive steps run there)
+    pause: Callable[[], None] | None = None
 
     @property
     def is_pure_decode(self) -> bool:
@@ -275,5 +275,5 @@ class ModelRunner:
             return logits[:batch]
         return self.model.forward(
             inputs.input_ids, inputs.positions, inputs.attn, self.kv_views,
-            inputs.logits_indices, inputs.hidden_indices, between_layers=inputs.between_layers,
+            inputs.logits_indices, inputs.hidden_indices, pause=inputs.pause,
         )  # fmt: skip

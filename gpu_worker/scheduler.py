@@ -291,12 +291,16 @@ class Scheduler:
                 )
         return out
 
-    def schedule_interleaved(self) -> SchedulerOutput:
+    def schedule_interleaved(self, budget: int | None = None) -> SchedulerOutput:
         """A step of interactive requests alone, run between the layers of a batch-only step in
         flight (gpu_worker/interleave.py): the running interactive requests, then waiting ones
         the free KV blocks hold, past `max_num_seqs` if need be. No batch request, preemption
-        (the step in flight writes its requests' blocks), drafts or SLO plan."""
-        step = _StepState(self.config.max_num_batched_tokens, 0, interleaved=True)
+        (the step in flight writes its requests' blocks), drafts or SLO plan; `budget` tokens
+        (`BudgetController.interleaved_budget`) within `max_num_batched_tokens`."""
+        budget = min(
+            budget or self.config.max_num_batched_tokens, self.config.max_num_batched_tokens
+        )
+        step = _StepState(budget, 0, interleaved=True)
         self._schedule_running(step)
         self._schedule_waiting(step)
         scheduled = sorted(step.entries.values(), key=lambda e: self._key(e.request))

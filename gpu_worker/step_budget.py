@@ -52,14 +52,11 @@ follows its own steps' measured times, every 64 steps: when they averaged over 0
 target, it shrinks by 10 %; when they averaged under 0.75 of it, or fewer than 8 had one, it
 grows back by 3 % (so a headroom drifts back towards 1.0 while its kind of step is absent: after
 a stretch of streams, the first batch-only steps aim at their whole slack until their own
-measurements say otherwise). Apart because a tight TPOT
-target once shrank the batch-only steps too: twice as slow, streams' steps held the one headroom
-at 0.58 and batch-only steps (70 % of the time) planned 5 decode rows instead of 8, the batch
-lane beside interactive traffic at 0.36-0.47x of alone, where the same steps run at 1.0. The
-mean, not a high percentile: TPOT is a mean over a stream's steps (0.85 leaves the P99 of such
-means room over their mean), and on a jittery CPU the slowest of 64 lone decode steps runs over
-twice their median (1.7x a target of 1.3x it) whatever the plan (a P99 rule held the headroom at
-its floor from the idle phase on, starving batch work for no TPOT gain). An interactive
+measurements say otherwise). Apart, because one headroom let a tight TPOT target
+shrink batch-only steps too (batch beside interactive traffic at 0.36-0.47x of alone, twice as
+slow). The mean, not a high percentile: TPOT is a mean over a stream's steps, and on a jittery
+CPU the slowest of 64 lone decode steps runs over twice their median whatever the plan (a P99
+rule held the headroom at its floor, starving batch work for no TPOT gain). An interactive
 prompt's prefill beside running streams counts with the TPOT target: it lengthens those streams'
 TPOT, and less batch beside them is the only compensation (frequent arrivals can so hold the
 headroom at its floor; with no batch running that costs nothing, with batch waiting it leaves
@@ -118,10 +115,9 @@ TYPICAL_PROMPT = 256  # tokens: the prompt an interactive arrival is assumed to 
 # The prompt an interactive arrival is planned for while batch runs alone (`robust_prompt`): the
 # ROBUST_PROMPT_QUANTILE of the last PROMPT_WINDOW interactive prompts once MIN_PROMPTS_SEEN came,
 # never below TYPICAL_PROMPT. A running mean of the prompts seen once let one "Hi" (max_tokens 1,
-# ~30 tokens templated) shrink every later batch-only step to 1-4 tokens: a 256-line bulk job ran
-# at 84 tok/s after it against 211 without it (2-core Xeon, docs/benchmarks.md Run 24). A high
-# quantile is robust both ways: short prompts never shrink the steps, and a few odd long ones
-# (under 1 in 10) never stretch them.
+# ~30 tokens templated) shrink every later batch-only step to 1-4 tokens (docs/benchmarks.md Run
+# 24). A high quantile is robust both ways: short prompts never shrink the steps, a few odd long
+# ones (under 1 in 10) never stretch them.
 ROBUST_PROMPT_QUANTILE = 0.9
 PROMPT_WINDOW = 128
 MIN_PROMPTS_SEEN = 10
@@ -131,12 +127,9 @@ BATCH_MULTIPLE = 10.0  # batch targets / interactive targets
 # run dense GEMMs (gpu_worker/quantization.py: 10 rows in bf16, 32 in float32; on a CPU with AMX,
 # bf16 calls of 5 to 512 rows run the AMX matmuls, which cost about the same per call from 5 to 16
 # rows, so the floor costs nothing there either). Below that a CPU step pays the per-row GEMV
-# price for every prompt token: on a 2-core AVX2 CPU in float32, 16-token chunks cost ~9 ms a row
-# against ~4.7 in 64-token dense ones, and a bulk job beside the TTFT slack ran at 0.6x. Besides
-# keeping new prompts coming in, it keeps the cost model seeing steps of real size: fed only tiny
-# steps (tokens and rows moving together), its least-squares fit once put the cost on tokens,
-# planned 5-token chunks from then on and held a 64-seat worker at 3 running requests after its
-# first bulk job.
+# price for every prompt token (a bulk job beside the TTFT slack ran at 0.6x on an AVX2 CPU). It
+# also keeps the cost model seeing steps of real size: fed only tiny ones, its fit once planned
+# 5-token chunks and held a 64-seat worker at 3 running requests.
 MIN_PREFILL_CHUNK = 32
 MIN_BATCH_RATE = 0.25  # batch tokens per step beside interactive streams, at least (average)
 RETARGET_STEPS = 64  # measured steps between re-derivations of a derived TTFT target
@@ -357,6 +350,25 @@ class BudgetController:
         predicted = coef[0] + chunk_ms + rows * per_row + drafts * coef[1]
         return max(1, rows + drafts + chunk), rows, predicted, drafts
 
+    def _prompt_chunk(self, view: StepView, room: int = 0) -> int:
+        """An arriving prompt's chunk beside the running streams: as few steps as its TTFT
+        allows (what fits half the TTFT target, at least `MIN_PREFILL_CHUNK` and `room`): one
+        long step barely moves a stream's TPOT (a mean over its tokens), many short ones cost
+        TTFT."""
+        fits = self.model.max_tokens_within(
+            0.5 * self.targets.interactive.ttft_ms,
+            view.interactive_running, view.context, view.interactive_prefill_depth,
+        )  # fmt: skip
+        return min(view.interactive_waiting_tokens, max(room, fits, MIN_PREFILL_CHUNK))
+
+    def interleaved_budget(self, view: StepView) -> int:
+        """The token budget of an interleaved step (gpu_worker/interleave.py: the interactive
+        requests alone): the whole budget for a prompt with no stream running, else the
+        streams' decodes and a `_prompt_chunk`, as a regular step plans them."""
+        rows = view.interactive_running
+        budget = rows + self._prompt_chunk(view) if rows else self.max_tokens
+        return max(1, min(budget, self.max_tokens))
+
     def note_arrival(self, prompt_tokens: int) -> None:
         """An interactive request with `prompt_tokens` arrived (`robust_prompt` reads them)."""
         self._prompts.append(prompt_tokens)
@@ -370,7 +382,6 @@ class BudgetController:
         self._view = view
         rows_cap = drafts_cap = None
         tpot = self.targets.interactive.tpot_ms
-        ttft = self.targets.interactive.ttft_ms
         h = self.headroom
         if view.interactive_running:
             target = tpot
@@ -380,18 +391,7 @@ class BudgetController:
             self._batch_credit += rate  # below 1 after every step: no bursts
             room = int(self._batch_credit)
             self._batch_credit -= room
-            # An arriving prompt prefills in as few steps as its TTFT allows: one long step
-            # barely moves a stream's TPOT (a mean over its tokens), many short ones cost TTFT.
-            chunk = min(
-                view.interactive_waiting_tokens,
-                max(
-                    room,
-                    self.model.max_tokens_within(
-                        0.5 * ttft, rows, view.context, view.interactive_prefill_depth
-                    ),
-                    MIN_PREFILL_CHUNK,
-                ),
-            )
+            chunk = self._prompt_chunk(view, room)
             # The streams' drafts have room (speculation proposes only those it judged worth
             # verifying; a stream's TPOT is per token, and a verified run emits several): a step
             # that sends them is not judged against one token's target (`on_scheduled`).

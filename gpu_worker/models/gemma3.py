@@ -56,7 +56,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     @torch.inference_mode()
     def forward(
         self, input_ids, positions, attn: AttentionMetadata, kv_caches, logits_indices,
-        hidden_indices=None, between_layers=None,
+        hidden_indices=None, pause=None,
     ):  # fmt: skip
         """As `LlamaForCausalLM.forward` (same arguments and shapes): logits [N, vocab] fp32,
         and with `hidden_indices` the final-norm rows [M, H] fp32 too."""
@@ -67,19 +67,22 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         residual = None
         layers = zip(self.layers, kv_caches, self.layer_rope, self.sliding_windows, strict=True)
         for i, (layer, cache, rope, window) in enumerate(layers):
-            if i and between_layers is not None:
-                between_layers()
+            if i and pause:
+                pause()
             if residual is None:
                 residual = x
                 h = ops.rms_norm(x, layer.input_layernorm, eps)
             else:
                 h, residual = ops.rms_norm(x, layer.input_layernorm, eps, residual)
             o = self._attention(h, layer, cache, positions, attn, ops, rope, window)
+            if pause:
+                pause()
             o = ops.rms_norm(o, layer.post_attention_layernorm, eps)
             h, residual = ops.rms_norm(o, layer.pre_feedforward_layernorm, eps, residual)
-            m = quant.linear(
-                gelu_tanh_and_mul(quant.linear(h, layer.gate_up_proj)), layer.down_proj
-            )
+            act = gelu_tanh_and_mul(quant.linear(h, layer.gate_up_proj))
+            if pause:
+                pause()
+            m = quant.linear(act, layer.down_proj)
             x = ops.rms_norm(m, layer.post_feedforward_layernorm, eps)
         out = self._logits(x, residual, logits_indices, ops, hidden_indices)
         logits, hidden = (out, None) if hidden_indices is None else out

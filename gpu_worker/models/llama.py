@@ -32,6 +32,10 @@ from laneserve.gpu_worker.models.checkpoint import Linear, WeightReader
 from laneserve.gpu_worker.models.rope import build_cos_sin_cache
 from laneserve.gpu_worker.quantization import QuantLinear
 
+# where a forward pass may pause (`LlamaForCausalLM.forward`): before a layer, after its attention
+# block, after its MLP's gate/up -- about a third of a layer's time apart
+PAUSES_PER_LAYER = 3
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -243,32 +247,38 @@ class LlamaForCausalLM:
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hk, D]
         logits_indices: torch.Tensor,  # int64 [N] rows of the batch that emit a token
         hidden_indices: torch.Tensor | None = None,  # int64 [M] rows pooled for embeddings
-        between_layers: Callable[[], None] | None = None,
+        pause: Callable[[], None] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the decoder over one varlen batch; returns logits [N, vocab] (fp32), and with
         `hidden_indices` also those rows' final-norm hidden states [M, H] (fp32).
-        `between_layers` is called after every layer but the last (gpu_worker/interleave.py:
-        other steps may run there; this one's tensors and KV slots are its own)."""
+        `pause` is called at the pass's pause points (`PAUSES_PER_LAYER` a layer: before
+        every layer but the first, after its attention block, after its MLP's gate/up) where
+        other steps may run (gpu_worker/interleave.py; this one's tensors and KV slots are
+        its own)."""
         eps = self.config.rms_norm_eps
         x = quant.embedding(input_ids, self.embed_tokens)  # [T, H]
         ops = self._step_ops(x, positions, attn, kv_caches)
         residual = None
         layers = zip(self.layers, kv_caches, self.sliding_windows, strict=True)
         for i, (layer, cache, window) in enumerate(layers):
-            if i and between_layers is not None:
-                between_layers()
+            if i and pause:
+                pause()
             if residual is None:
                 residual = x
                 h = ops.rms_norm(x, layer.input_layernorm, eps)
             else:
                 h, residual = ops.rms_norm(x, layer.input_layernorm, eps, residual)
             x = self._attention(h, layer, cache, positions, attn, ops, self.cos_sin_cache, window)
+            if pause:
+                pause()
             h, residual = ops.rms_norm(x, layer.post_attention_layernorm, eps, residual)
             if layer.moe is not None:
                 x = moe.forward(h, layer.moe, ops.silu_and_mul)
                 continue
-            gate_up = quant.linear(h, layer.gate_up_proj)
-            x = quant.linear(ops.silu_and_mul(gate_up), layer.down_proj)
+            act = ops.silu_and_mul(quant.linear(h, layer.gate_up_proj))
+            if pause:
+                pause()
+            x = quant.linear(act, layer.down_proj)
         return self._logits(x, residual, logits_indices, ops, hidden_indices)
 
     def _step_ops(self, x, positions, attn: AttentionMetadata, kv_caches):

@@ -357,6 +357,12 @@ def test_interleaving_sizes_batch_only_steps_for_a_wait_of_one_layer(tmp_path, m
     tight.plan(view)
     assert tight.last_target_ms == pytest.approx(30 * 5.0)  # the slack, when it is the lesser
     assert thirty.token_budget > 3 * one.token_budget
+    # an interleaved step: a prompt alone gets the whole budget; beside a running stream its
+    # chunk fits half the TTFT target, as in a regular step
+    assert cut.interleaved_budget(StepView(0, 48, 0, 2000)) == 4096
+    beside = StepView(1, 48, 300, 2000)
+    chunk = model.max_tokens_within(150.0, 1, 300, 0)
+    assert 32 <= chunk < 1999 and cut.interleaved_budget(beside) == 1 + chunk
     huge = BudgetController(targets, model, 512, wall_clock=False, given_ttft=True)
     huge.interleave_pieces = 30
     assert huge.plan(view).token_budget == 512  # the fixed knob still bounds it
