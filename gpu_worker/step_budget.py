@@ -95,8 +95,19 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from laneserve.contracts import env
-from laneserve.gpu_worker.slo import LANES, LaneSlo, SloTargets
-from laneserve.gpu_worker.step_cost import StepCostModel, StepFeatures, chunk_pairs
+from laneserve.gpu_worker.slo import (  # noqa: F401 (re-exported: the targets' names)
+    BATCH_MULTIPLE,
+    LANES,
+    TPOT_MULTIPLE,
+    TTFT_MULTIPLE,
+    TYPICAL_PROMPT,
+    LaneSlo,
+    SloTargets,
+    default_targets,
+    derived_ttft,
+    prefill_features,
+)
+from laneserve.gpu_worker.step_cost import StepCostModel, StepFeatures
 from laneserve.gpu_worker.step_trace import StepTrace
 
 if TYPE_CHECKING:
@@ -106,12 +117,6 @@ __all__ = ["BudgetController", "StepBudget", "StepView", "default_targets"]
 
 logger = logging.getLogger(__name__)
 
-# interactive TPOT target / idle single-stream step. Issue 19 asks P99 <= 1.5x the idle P50: the
-# target sits below it because steps jitter (15-55 ms for one 20 ms decode on a shared 2-core
-# CPU) and P99 of 16 streams is their worst; at 1.45 three runs gave 1.41x / 1.53x / 1.67x.
-TPOT_MULTIPLE = 1.3
-TTFT_MULTIPLE = 1.8  # interactive TTFT target / idle TTFT (issue 19: <= 2.0x)
-TYPICAL_PROMPT = 256  # tokens: the prompt an interactive arrival is assumed to bring
 # The prompt an interactive arrival is planned for while batch runs alone (`robust_prompt`): the
 # ROBUST_PROMPT_QUANTILE of the last PROMPT_WINDOW interactive prompts once MIN_PROMPTS_SEEN came,
 # never below TYPICAL_PROMPT. A running mean of the prompts seen once let one "Hi" (max_tokens 1,
@@ -121,7 +126,6 @@ TYPICAL_PROMPT = 256  # tokens: the prompt an interactive arrival is assumed to 
 ROBUST_PROMPT_QUANTILE = 0.9
 PROMPT_WINDOW = 128
 MIN_PROMPTS_SEEN = 10
-BATCH_MULTIPLE = 10.0  # batch targets / interactive targets
 # Prefill tokens a step with prompts to prefill always has room for (a batch-only step's batch
 # prompts, an interactive prompt beside running streams): at least the rows from which the linears
 # run dense GEMMs (gpu_worker/quantization.py: 10 rows in bf16, 32 in float32; on a CPU with AMX,
@@ -136,41 +140,8 @@ RETARGET_STEPS = 64  # measured steps between re-derivations of a derived TTFT t
 ATTAINMENT_WINDOW = 200  # finished requests per lane
 IDLE_STEPS_TO_LEARN = 20  # lone decode steps before a derived TPOT target follows them
 _HEADROOM_WINDOW = 64  # measured steps between headroom updates
+CALIBRATION_STEPS = 16  # batch-only steps whose measured / predicted time plans the next
 _HEADROOM_MIN_STEPS = 8  # steps with a target a window needs to judge the headroom by
-
-
-# ------------------------------------------------------------------------------ targets
-
-
-def default_targets(
-    model: StepCostModel, given: dict[str, dict[str, float]], idle_step_ms: float | None = None
-) -> SloTargets:
-    """Targets from the measured step cost where `given` (`parse_slo`) leaves them out;
-    `idle_step_ms` is the measured idle single-stream decode step (the model's prediction for
-    one when None)."""
-    idle_step = idle_step_ms or model.predict(StepFeatures(1, 1, TYPICAL_PROMPT))
-    inter = given.get("interactive", {})
-    i_slo = LaneSlo(
-        inter.get("ttft", derived_ttft(model)),
-        inter.get("tpot", round(TPOT_MULTIPLE * idle_step, 1)),
-    )
-    batch = given.get("batch", {})
-    b_slo = LaneSlo(
-        batch.get("ttft", round(BATCH_MULTIPLE * i_slo.ttft_ms, 1)),
-        batch.get("tpot", round(BATCH_MULTIPLE * i_slo.tpot_ms, 1)),
-    )
-    return SloTargets(i_slo, b_slo)
-
-
-def derived_ttft(model: StepCostModel) -> float:
-    """The default interactive TTFT target (ms): `TTFT_MULTIPLE` x the predicted idle TTFT (the
-    prefill step) of a `TYPICAL_PROMPT`-token prompt."""
-    return round(TTFT_MULTIPLE * model.predict(prefill_features(TYPICAL_PROMPT)), 1)
-
-
-def prefill_features(prompt_tokens: int) -> StepFeatures:
-    """The features of an idle step that prefills a whole prompt of `prompt_tokens` tokens."""
-    return StepFeatures(prompt_tokens, 1, prompt_tokens, chunk_pairs(prompt_tokens, 0))
 
 
 # ------------------------------------------------------------------------------ the controller
@@ -278,6 +249,7 @@ class BudgetController:
         # runs interactive steps between them (gpu_worker/interleave.py), else the whole step
         self.interleave_pieces = 1
         self._interleaved_s = 0.0  # of the step in flight: not its own time
+        self._alone_ratios: collections.deque[float] = collections.deque(maxlen=CALIBRATION_STEPS)
 
     # --- planning ---
     def _batch_share(self, rows: int, view: StepView, target_ms: float, drafts: int = 0) -> float:
@@ -313,6 +285,16 @@ class BudgetController:
         if self.given_ttft:
             return self.targets.interactive.ttft_ms - prefill
         return (TTFT_MULTIPLE - 1.0) * prefill
+
+    def alone_calibration(self) -> float:
+        """Measured / predicted time of the last `CALIBRATION_STEPS` batch-only steps (median,
+        0.5-2; 1 before 4 came): their plans aim the model's prediction at their target divided
+        by it, so a model that swings (its fit over steps all planned to one target, whose
+        token counts it cannot tell from its fixed cost) neither shrinks nor stretches them."""
+        ratios = self._alone_ratios
+        if len(ratios) < 4:
+            return 1.0
+        return min(max(statistics.median(ratios), 0.5), 2.0)
 
     def _stream_piece(self, tpot: float) -> float:
         """The longest piece (ms) of an interleaved batch-only step that a stream started inside
@@ -413,10 +395,10 @@ class BudgetController:
                 if self.interleave_pieces > 1:  # an arrival waits for one piece of it
                     piece = self._stream_piece(tpot)
                     target = self.interleave_pieces * (min(slack, piece) if slack > 0 else piece)
-                hs = self.slack_headroom
-                budget, rows_cap, predicted, drafts_cap = self._batch_only(view, hs * target)
+                hs, cal = self.slack_headroom, self.alone_calibration()
+                budget, rows_cap, predicted, drafts_cap = self._batch_only(view, hs * target / cal)
                 reason = "batch-alone"
-                if predicted > hs * target:
+                if predicted * cal > hs * target:
                     target = None  # planned over the slack on purpose: not a headroom miss
                     reason = "batch-alone-min-chunk"
                 batch = None
@@ -519,6 +501,8 @@ class BudgetController:
             self._follow_model_ttft()
         if target_ms:
             self._ratios[paced].append(measured_ms / target_ms)
+            if not paced and predicted > 0:
+                self._alone_ratios.append(measured_ms / predicted)
         if self._num_observed % _HEADROOM_WINDOW == 0:
             self._adjust_headroom()
 

@@ -397,6 +397,33 @@ def test_interleaving_sizes_batch_only_steps_for_a_wait_of_one_layer(tmp_path, m
     assert lines[1]["view"]["interactive_running"] == 1 and lines[1]["target_ms"] is None
 
 
+def test_batch_only_steps_follow_what_they_measure_not_a_model_that_swings():
+    """A cost model that predicts batch-only steps twice as long as they run (its online fit
+    swung: steps all planned to one target leave its fixed cost and per-token cost apart
+    undetermined) would plan half-size steps for ever, the headroom (at most 1) never making up
+    for it: the plan divides its target by the measured / predicted time of the last batch-only
+    steps (`alone_calibration`), within 0.5-2."""
+    model = StepCostModel(TRUE)
+    targets = SloTargets(LaneSlo(ttft_ms=600.0, tpot_ms=40.0), LaneSlo(10_000.0, 400.0))
+    ctl = BudgetController(targets, model, 4096, wall_clock=False, given_ttft=True)
+    view = StepView(0, 32, 32 * 300, 0, batch_context=32 * 300, batch_prefill_tokens=8000,
+                    batch_decodes=32, batch_prefill_depth=100)  # fmt: skip
+    first = ctl.plan(view)
+    assert ctl.alone_calibration() == 1.0
+    for _ in range(8):  # steps measured at half what the model predicted for them
+        f = StepFeatures(first.token_budget, 32, 32 * 300, 20_000)
+        predicted = model.predict(f)
+        ctl.observe(f, 0.5 * predicted, ctl.last_target_ms, predicted, False)
+    assert ctl.alone_calibration() == pytest.approx(0.5, rel=0.01)
+    later = ctl.plan(view)
+    assert later.reason == "batch-alone" and later.token_budget > 1.6 * first.token_budget
+    for _ in range(16):  # and back when they run as long as predicted
+        f = StepFeatures(later.token_budget, 32, 32 * 300, 20_000)
+        predicted = model.predict(f)
+        ctl.observe(f, predicted, ctl.last_target_ms, predicted, False)
+    assert ctl.alone_calibration() == pytest.approx(1.0, rel=0.05)
+
+
 def test_batch_decodes_never_crowd_prefill_out(make_sched):
     """Without interactive traffic, 64 batch decodes over long contexts are predicted over the
     TTFT slack on their own: the step takes as many of them as fit half the slack (rotating the
