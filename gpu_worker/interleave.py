@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from laneserve.contracts.engine_io import EngineOutput
-from laneserve.gpu_worker.models.llama import PAUSES_PER_LAYER
+from laneserve.gpu_worker.models.llama import pause_pieces
 from laneserve.gpu_worker.request import Lane
 from laneserve.gpu_worker.scheduler import step_features
 from laneserve.gpu_worker.scheduler_output import SchedulerOutput
@@ -74,6 +74,7 @@ class Interleaver:
         self.num_steps = 0  # interleaved steps run
         self.step_ms = 0.0  # running mean of an interleaved step's time
         self._failed = False  # the hook raised during this step: no more calls to it
+        self._no_room = False  # a waiting prompt found no KV room in this step: not due again
         self._threads = torch.get_num_threads()
 
     def install(self, hook: Callable[[], None] | None) -> None:
@@ -87,11 +88,11 @@ class Interleaver:
 
     @property
     def pieces(self) -> int:
-        """The parts a step's forward is cut into, counted for the wait they cause: one per
-        pause point (`PAUSES_PER_LAYER` a decoder layer), less two for what runs before the
-        first and after the last (the embedding; the LM head, sampling and every row's
-        outputs)."""
-        return max(1, PAUSES_PER_LAYER * self.engine.model_config.num_hidden_layers - 2)
+        """The parts a step's forward is cut into, counted for the longest wait they leave
+        (`models.llama.pause_pieces`: by the weights of each layer's largest segment), less two
+        for what runs before the first pause and after the last (the embedding; the LM head,
+        sampling and every row's outputs)."""
+        return max(1, int(pause_pieces(self.engine.model_config)) - 2)
 
     @property
     def enabled(self) -> bool:
@@ -113,7 +114,7 @@ class Interleaver:
             if e.request.lane is not Lane.BATCH or e.request.pooling_type is not None:
                 return None
         self.in_flight = frozenset(e.request.request_id for e in out.scheduled)
-        self.spent_s, self._failed = 0.0, False
+        self.spent_s, self._failed, self._no_room = 0.0, False, False
         return self._pause
 
     def _pause(self) -> None:
@@ -171,7 +172,7 @@ class Interleaver:
             last = r.last_token_time
             if last is None or (now - last) * 1000.0 + self.step_ms >= pace_ms:
                 return True
-        return any(r.lane is Lane.INTERACTIVE for r in sched.waiting)
+        return not self._no_room and any(r.lane is Lane.INTERACTIVE for r in sched.waiting)
 
     def run_step(self) -> list[EngineOutput]:
         """One interleaved step of the interactive requests alone; its outputs."""
@@ -179,7 +180,12 @@ class Interleaver:
         sched = engine.scheduler
         ctl = sched.step_budget
         view = sched._step_view() if ctl is not None else None  # what the step starts from
-        out = sched.schedule_interleaved(ctl.interleaved_budget(view) if ctl is not None else None)
+        budget = ctl.interleaved_budget(view) if ctl is not None else None
+        out = sched.schedule_interleaved(budget)
+        # a prompt left waiting with budget to spare had no KV room (no preemption here): it
+        # waits for the step's end, and is not due at every pause until then
+        spare = budget is None or out.num_batched_tokens < budget
+        self._no_room = spare and any(r.lane is Lane.INTERACTIVE for r in sched.waiting)
         if out.is_empty:
             return []
         outputs: list[EngineOutput] = []

@@ -238,7 +238,8 @@ class BudgetController:
             lane: collections.deque(maxlen=ATTAINMENT_WINDOW) for lane in LANES
         }
         # (features, start, target, predicted ms, paced) of the step scheduled last
-        self._pending: tuple[StepFeatures, float, float | None, float, bool] | None = None
+        # (features, start, target, predicted ms, paced, batch-only) of the step scheduled last
+        self._pending: tuple[StepFeatures, float, float | None, float, bool, bool] | None = None
         self._last_update = 0.0
         self._num_observed = 0
         self.last_paced = False
@@ -249,7 +250,9 @@ class BudgetController:
         # runs interactive steps between them (gpu_worker/interleave.py), else the whole step
         self.interleave_pieces = 1
         self._interleaved_s = 0.0  # of the step in flight: not its own time
-        self._alone_ratios: collections.deque[float] = collections.deque(maxlen=CALIBRATION_STEPS)
+        self._alone_steps: collections.deque[tuple[StepFeatures, float]] = collections.deque(
+            maxlen=CALIBRATION_STEPS
+        )
 
     # --- planning ---
     def _batch_share(self, rows: int, view: StepView, target_ms: float, drafts: int = 0) -> float:
@@ -287,14 +290,16 @@ class BudgetController:
         return (TTFT_MULTIPLE - 1.0) * prefill
 
     def alone_calibration(self) -> float:
-        """Measured / predicted time of the last `CALIBRATION_STEPS` batch-only steps (median,
-        0.5-2; 1 before 4 came): their plans aim the model's prediction at their target divided
-        by it, so a model that swings (its fit over steps all planned to one target, whose
-        token counts it cannot tell from its fixed cost) neither shrinks nor stretches them."""
-        ratios = self._alone_ratios
-        if len(ratios) < 4:
+        """Measured time of the last `CALIBRATION_STEPS` batch-only steps (min-chunk ones too)
+        over what the model predicts for them now (median, 0.5-2; 1 before 4 came): their plans
+        aim the model's prediction at their target divided by it, so a model that swings (its
+        fit over steps all planned to one target, whose token counts it cannot tell from its
+        fixed cost) neither shrinks nor stretches them."""
+        steps = self._alone_steps
+        if len(steps) < 4:
             return 1.0
-        return min(max(statistics.median(ratios), 0.5), 2.0)
+        ratio = statistics.median(ms / self.model.predict(f) for f, ms in steps)
+        return min(max(ratio, 0.5), 2.0)
 
     def _stream_piece(self, tpot: float) -> float:
         """The longest piece (ms) of an interleaved batch-only step that a stream started inside
@@ -418,7 +423,8 @@ class BudgetController:
         self._interleaved_s = 0.0
         self.predicted_ms = self.model.predict(features)
         self._pending = (
-            features, time.monotonic(), self.last_target_ms, self.predicted_ms, self.last_paced
+            features, time.monotonic(), self.last_target_ms, self.predicted_ms, self.last_paced,
+            self.last.reason.startswith("batch-alone"),
         )  # fmt: skip
 
     def observe_interleaved(
@@ -447,7 +453,7 @@ class BudgetController:
         schedule when the engine went straight on, else to its update (idle gaps excluded)."""
         if self._pending is None or not self.wall_clock:
             return
-        features, start, target, predicted, paced = self._pending
+        features, start, target, predicted, paced, alone = self._pending
         self._pending = None
         done = self._last_update
         if done < start:
@@ -457,7 +463,7 @@ class BudgetController:
         ms, self._interleaved_s = max(ms - 1000.0 * self._interleaved_s, 0.0), 0.0
         if self._trace is not None:
             self._write_trace(start, features, ms, target, predicted, paced)
-        self.observe(features, ms, target, predicted, paced)
+        self.observe(features, ms, target, predicted, paced, alone)
 
     def _write_trace(
         self, start: float, features: StepFeatures, ms: float, target: float | None,
@@ -477,8 +483,11 @@ class BudgetController:
         target_ms: float | None = None,
         predicted_ms: float | None = None,
         paced: bool | None = None,
+        alone: bool | None = None,
     ) -> None:
         """Fold one measured step in: the cost model, the EMAs, and the headroom feedback.
+        `alone`: a batch-only plan (min-chunk ones included; None: a step with a target that
+        streams did not pace), kept for `alone_calibration`.
         `paced`: the step was paced by interactive streams (their TPOT target); None infers it
         from `target_ms` being that target (traces replayed by tests; a batch-only step whose
         slack is below the TPOT target, so aimed at it, then counts as paced: the worker itself
@@ -501,8 +510,8 @@ class BudgetController:
             self._follow_model_ttft()
         if target_ms:
             self._ratios[paced].append(measured_ms / target_ms)
-            if not paced and predicted > 0:
-                self._alone_ratios.append(measured_ms / predicted)
+        if alone if alone is not None else (target_ms is not None and not paced):
+            self._alone_steps.append((features, measured_ms))
         if self._num_observed % _HEADROOM_WINDOW == 0:
             self._adjust_headroom()
 

@@ -33,8 +33,24 @@ from laneserve.gpu_worker.models.rope import build_cos_sin_cache
 from laneserve.gpu_worker.quantization import QuantLinear
 
 # where a forward pass may pause (`LlamaForCausalLM.forward`): before a layer, after its attention
-# block, after its MLP's gate/up -- about a third of a layer's time apart
+# block, after its MLP's gate/up (a MoE layer: before it and after its attention)
 PAUSES_PER_LAYER = 3
+
+
+def pause_pieces(c: ModelConfig) -> float:
+    """What a forward's pauses cut it into, counted for the longest wait they leave: per layer,
+    its weights over its largest segment's (attention block; gate/up; down -- or the experts a
+    token runs, with its router, in a MoE layer), summed. SmolLM2's gate/up holds half a layer's
+    weights: two pieces a layer, not three."""
+    h, d = c.hidden_size, c.head_dim
+    attention = h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+    dense = (attention, 2 * h * c.intermediate_size, h * c.intermediate_size)
+    experts = 3 * h * c.moe_intermediate_size * c.num_experts_per_tok + h * c.num_experts
+    total = 0.0
+    for i in range(c.num_hidden_layers):
+        parts = (attention, experts) if i in c.moe_layers else dense
+        total += sum(parts) / max(parts)
+    return total
 
 
 @dataclass(slots=True)

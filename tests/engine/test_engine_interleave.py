@@ -167,6 +167,25 @@ def test_an_interleaved_prompt_never_reads_blocks_the_step_in_flight_writes(base
     assert engine.block_manager.prefix_cache_hits > 0
 
 
+def test_pieces_count_the_pauses_by_their_longest_segment(base_llm, engine):
+    """SmolLM2's forward pauses 3 x 30 - 1 times; its gate/up holds half a layer's weights, so
+    the longest wait is half a layer: 60 pieces, 58 once the embedding and the tail are counted.
+    A MoE layer pauses twice, its experts the longer segment."""
+    import dataclasses
+
+    from laneserve.gpu_worker.models.llama import pause_pieces
+
+    calls = []
+    _add_batch(base_llm, 1)
+    _run(engine, lambda take: calls.append(engine.interleave.in_flight))
+    c = engine.model_config
+    assert pause_pieces(c) == 60.0 and engine.interleave.pieces == 58
+    assert len(calls) % (3 * c.num_hidden_layers - 1) == 0 and calls  # every batch step's
+    moe = dataclasses.replace(c, moe_layers=tuple(range(c.num_hidden_layers)), num_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=c.intermediate_size)  # fmt: skip
+    assert c.num_hidden_layers < pause_pieces(moe) < 2 * c.num_hidden_layers
+
+
 def test_an_abort_of_a_request_in_flight_waits_for_its_step(base_llm, engine):
     llm = base_llm
     _add_batch(llm, 2)
@@ -282,5 +301,5 @@ def test_a_worker_answers_a_chat_inside_a_long_batch_step(make_llm):
     batch_first = next(i for i, (rid, _) in enumerate(events) if rid == "batch")
     assert chat_first < batch_first, events  # its first token came inside the batch step
     assert ("chat", "Final") in events and ("batch", "Final") in events
-    assert engine.interleave.num_steps >= 1
+    assert engine.interleave.num_steps >= 2  # its prefill and paced decodes, inside the step
     assert engine.stats()["num_interleaved_steps"] == engine.interleave.num_steps

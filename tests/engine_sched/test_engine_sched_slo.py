@@ -402,7 +402,8 @@ def test_batch_only_steps_follow_what_they_measure_not_a_model_that_swings():
     swung: steps all planned to one target leave its fixed cost and per-token cost apart
     undetermined) would plan half-size steps for ever, the headroom (at most 1) never making up
     for it: the plan divides its target by the measured / predicted time of the last batch-only
-    steps (`alone_calibration`), within 0.5-2."""
+    steps over what the model predicts for them now (`alone_calibration`), within 0.5-2; min-chunk
+    plans count too (a calibration they could not move once held prefill at 32-token chunks)."""
     model = StepCostModel(TRUE)
     targets = SloTargets(LaneSlo(ttft_ms=600.0, tpot_ms=40.0), LaneSlo(10_000.0, 400.0))
     ctl = BudgetController(targets, model, 4096, wall_clock=False, given_ttft=True)
@@ -414,14 +415,22 @@ def test_batch_only_steps_follow_what_they_measure_not_a_model_that_swings():
         f = StepFeatures(first.token_budget, 32, 32 * 300, 20_000)
         predicted = model.predict(f)
         ctl.observe(f, 0.5 * predicted, ctl.last_target_ms, predicted, False)
-    assert ctl.alone_calibration() == pytest.approx(0.5, rel=0.01)
+    # the fit moves a little towards them; the calibration takes the rest of the bias
+    steps = list(ctl._alone_steps)
+    now = statistics.median(ms / model.predict(f) for f, ms in steps)
+    assert ctl.alone_calibration() == pytest.approx(now) and 0.5 <= now < 0.9
+    f = StepFeatures(first.token_budget, 32, 32 * 300, 20_000)
     later = ctl.plan(view)
-    assert later.reason == "batch-alone" and later.token_budget > 1.6 * first.token_budget
+    assert later.reason == "batch-alone" and later.token_budget > 1.4 * first.token_budget
+    # a min-chunk plan (no target) counts too
+    n = len(ctl._alone_steps)
+    ctl.observe(f, 0.5 * model.predict(f), None, model.predict(f), False, alone=True)
+    assert len(ctl._alone_steps) == min(n + 1, 16)
     for _ in range(16):  # and back when they run as long as predicted
         f = StepFeatures(later.token_budget, 32, 32 * 300, 20_000)
         predicted = model.predict(f)
         ctl.observe(f, predicted, ctl.last_target_ms, predicted, False)
-    assert ctl.alone_calibration() == pytest.approx(1.0, rel=0.05)
+    assert ctl.alone_calibration() > max(0.8, now)
 
 
 def test_batch_decodes_never_crowd_prefill_out(make_sched):
