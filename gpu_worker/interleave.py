@@ -5,9 +5,8 @@ run only as long as the TTFT slack allows (`step_budget.BudgetController.ttft_sl
 tokens on a 2-core CPU, where the engine itself runs at ~0.8x of its rate at 2,048-token steps
 (docs/benchmarks.md Run 24) -- a bulk job alone could not reach the offline engine's speed.
 
-With it a batch-only step's forward calls back at its pause points (`StepInputs.pause`,
-`models.llama.PAUSES_PER_LAYER`: before each decoder layer, after its attention block, after its
-MLP's gate/up). The worker's callback (`hook`) takes the requests that arrived meanwhile and, if
+With it a batch-only step's forward calls back at its pause points (`StepInputs.pause`: before
+each decoder layer, after its attention block, after its MLP's gate/up, before the LM head). The worker's callback (`hook`) takes the requests that arrived meanwhile and, if
 an interactive request is due a step, runs one (`run_step`): `Scheduler.schedule_interleaved`
 picks the interactive requests alone, without preemption (the step in flight writes its
 requests' KV blocks) and past `max_num_seqs` if need be, within the budget the SLO controller
@@ -27,7 +26,7 @@ least half the target (`BudgetController.plan`, `_stream_piece`). A running stre
 next token when its gap since the last one, plus what an interleaved step takes, reaches the
 headroom x its TPOT target; a prompt is due at once. One interleaved step runs per pause point,
 so the step in flight always moves on. Interleaving is off (the whole step runs, as before) for
-a step that holds an interactive request or an embed request, off the CPU (a device's forward
+a step that holds an interactive request, off the CPU (a device's forward
 runs asynchronously and its graphs have no pause point), without an SLO controller to pace
 streams by, and in the offline `LLM` (no `hook`). A prompt's prefix-cache hit stops at the first
 block the step in flight is still writing. A small step in flight runs on one thread;
@@ -74,7 +73,9 @@ class Interleaver:
         self.num_steps = 0  # interleaved steps run
         self.step_ms = 0.0  # running mean of an interleaved step's time
         self._failed = False  # the hook raised during this step: no more calls to it
-        self._no_room = False  # a waiting prompt found no KV room in this step: not due again
+        # (free KV blocks, first waiting request) when a waiting prompt found no room in the step
+        # in flight: it is not due again while both stay as they were
+        self._no_room: tuple[int, str] | None = None
         self._threads = torch.get_num_threads()
 
     def install(self, hook: Callable[[], None] | None) -> None:
@@ -110,11 +111,11 @@ class Interleaver:
         that step may not be interleaved."""
         if not self.enabled or not out.scheduled:
             return None
-        for e in out.scheduled:
-            if e.request.lane is not Lane.BATCH or e.request.pooling_type is not None:
+        for e in out.scheduled:  # (a batch embed request's pooled rows are set after the pass)
+            if e.request.lane is not Lane.BATCH:
                 return None
         self.in_flight = frozenset(e.request.request_id for e in out.scheduled)
-        self.spent_s, self._failed, self._no_room = 0.0, False, False
+        self.spent_s, self._failed, self._no_room = 0.0, False, None
         return self._pause
 
     def _pause(self) -> None:
@@ -172,7 +173,14 @@ class Interleaver:
             last = r.last_token_time
             if last is None or (now - last) * 1000.0 + self.step_ms >= pace_ms:
                 return True
-        return not self._no_room and any(r.lane is Lane.INTERACTIVE for r in sched.waiting)
+        if not any(r.lane is Lane.INTERACTIVE for r in sched.waiting):
+            return False
+        return self._no_room != self._room_key()
+
+    def _room_key(self) -> tuple[int, str]:
+        sched = self.engine.scheduler
+        first = sched.waiting[0].request_id if sched.waiting else ""
+        return sched.block_manager.num_free_blocks, first
 
     def run_step(self) -> list[EngineOutput]:
         """One interleaved step of the interactive requests alone; its outputs."""
@@ -185,7 +193,8 @@ class Interleaver:
         # a prompt left waiting with budget to spare had no KV room (no preemption here): it
         # waits for the step's end, and is not due at every pause until then
         spare = budget is None or out.num_batched_tokens < budget
-        self._no_room = spare and any(r.lane is Lane.INTERACTIVE for r in sched.waiting)
+        waits = spare and any(r.lane is Lane.INTERACTIVE for r in sched.waiting)
+        self._no_room = self._room_key() if waits else None
         if out.is_empty:
             return []
         outputs: list[EngineOutput] = []

@@ -237,7 +237,6 @@ class BudgetController:
         self._met: dict[str, collections.deque[bool]] = {
             lane: collections.deque(maxlen=ATTAINMENT_WINDOW) for lane in LANES
         }
-        # (features, start, target, predicted ms, paced) of the step scheduled last
         # (features, start, target, predicted ms, paced, batch-only) of the step scheduled last
         self._pending: tuple[StepFeatures, float, float | None, float, bool, bool] | None = None
         self._last_update = 0.0
@@ -246,8 +245,8 @@ class BudgetController:
         self._start_ttft = targets.interactive.ttft_ms
         self._view: StepView | None = None  # of the step planned last (for the trace)
         self._trace = StepTrace.open(env.get("LANESERVE_STEP_TRACE")) if wall_clock else None
-        # pieces an interactive arrival's wait is cut into: the decoder layers where the worker
-        # runs interactive steps between them (gpu_worker/interleave.py), else the whole step
+        # pieces an interactive arrival's wait is cut into where the worker runs interactive
+        # steps at a step's pause points (gpu_worker/interleave.py), else the whole step
         self.interleave_pieces = 1
         self._interleaved_s = 0.0  # of the step in flight: not its own time
         self._alone_steps: collections.deque[tuple[StepFeatures, float]] = collections.deque(

@@ -84,6 +84,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 pause()
             m = quant.linear(act, layer.down_proj)
             x = ops.rms_norm(m, layer.post_feedforward_layernorm, eps)
+        if pause:
+            pause()
         out = self._logits(x, residual, logits_indices, ops, hidden_indices)
         logits, hidden = (out, None) if hidden_indices is None else out
         cap = self.config.final_logit_softcapping

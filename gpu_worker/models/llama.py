@@ -32,25 +32,25 @@ from laneserve.gpu_worker.models.checkpoint import Linear, WeightReader
 from laneserve.gpu_worker.models.rope import build_cos_sin_cache
 from laneserve.gpu_worker.quantization import QuantLinear
 
-# where a forward pass may pause (`LlamaForCausalLM.forward`): before a layer, after its attention
-# block, after its MLP's gate/up (a MoE layer: before it and after its attention)
-PAUSES_PER_LAYER = 3
-
 
 def pause_pieces(c: ModelConfig) -> float:
-    """What a forward's pauses cut it into, counted for the longest wait they leave: per layer,
-    its weights over its largest segment's (attention block; gate/up; down -- or the experts a
-    token runs, with its router, in a MoE layer), summed. SmolLM2's gate/up holds half a layer's
-    weights: two pieces a layer, not three."""
+    """What a forward's pauses (`LlamaForCausalLM.forward`: before each layer, after its
+    attention block, after its MLP's gate/up -- a MoE layer's experts run whole -- and before
+    the LM head) cut it into, counted for the longest wait they leave: all the layers' weights
+    over the largest segment's anywhere (attention block; gate/up; down; a MoE layer's experts
+    a token runs, with the router). SmolLM2's gate/up holds half a layer's weights: 60 pieces
+    for its 30 layers, not 90. Weights stand for time: a deep prefill's attention, or a MoE
+    prefill touching every expert, runs longer than its weights say."""
     h, d = c.hidden_size, c.head_dim
     attention = h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
     dense = (attention, 2 * h * c.intermediate_size, h * c.intermediate_size)
     experts = 3 * h * c.moe_intermediate_size * c.num_experts_per_tok + h * c.num_experts
-    total = 0.0
-    for i in range(c.num_hidden_layers):
-        parts = (attention, experts) if i in c.moe_layers else dense
-        total += sum(parts) / max(parts)
-    return total
+    segments = [
+        part
+        for i in range(c.num_hidden_layers)
+        for part in ((attention, experts) if i in c.moe_layers else dense)
+    ]
+    return sum(segments) / max(segments)
 
 
 @dataclass(slots=True)
@@ -267,10 +267,10 @@ class LlamaForCausalLM:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the decoder over one varlen batch; returns logits [N, vocab] (fp32), and with
         `hidden_indices` also those rows' final-norm hidden states [M, H] (fp32).
-        `pause` is called at the pass's pause points (`PAUSES_PER_LAYER` a layer: before
-        every layer but the first, after its attention block, after its MLP's gate/up) where
-        other steps may run (gpu_worker/interleave.py; this one's tensors and KV slots are
-        its own)."""
+        `pause` is called at the pass's pause points (before every layer but the first, after
+        its attention block, after its MLP's gate/up -- not inside a MoE block -- and before the
+        LM head) where other steps may run (gpu_worker/interleave.py; this one's tensors and KV
+        slots are its own)."""
         eps = self.config.rms_norm_eps
         x = quant.embedding(input_ids, self.embed_tokens)  # [T, H]
         ops = self._step_ops(x, positions, attn, kv_caches)
@@ -295,6 +295,8 @@ class LlamaForCausalLM:
             if pause:
                 pause()
             x = quant.linear(act, layer.down_proj)
+        if pause:
+            pause()
         return self._logits(x, residual, logits_indices, ops, hidden_indices)
 
     def _step_ops(self, x, positions, attn: AttentionMetadata, kv_caches):

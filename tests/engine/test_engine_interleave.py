@@ -168,9 +168,10 @@ def test_an_interleaved_prompt_never_reads_blocks_the_step_in_flight_writes(base
 
 
 def test_pieces_count_the_pauses_by_their_longest_segment(base_llm, engine):
-    """SmolLM2's forward pauses 3 x 30 - 1 times; its gate/up holds half a layer's weights, so
-    the longest wait is half a layer: 60 pieces, 58 once the embedding and the tail are counted.
-    A MoE layer pauses twice, its experts the longer segment."""
+    """SmolLM2's forward pauses 3 x 30 times (before each layer but the first, twice inside it,
+    before the LM head); its gate/up holds half a layer's weights, so the longest wait is half a
+    layer: 60 pieces, 58 once the embedding and the tail are counted. A model mixing MoE and
+    dense layers is counted by its largest segment anywhere."""
     import dataclasses
 
     from laneserve.gpu_worker.models.llama import pause_pieces
@@ -180,10 +181,22 @@ def test_pieces_count_the_pauses_by_their_longest_segment(base_llm, engine):
     _run(engine, lambda take: calls.append(engine.interleave.in_flight))
     c = engine.model_config
     assert pause_pieces(c) == 60.0 and engine.interleave.pieces == 58
-    assert len(calls) % (3 * c.num_hidden_layers - 1) == 0 and calls  # every batch step's
+    assert len(calls) % (3 * c.num_hidden_layers) == 0 and calls  # every batch step's
     moe = dataclasses.replace(c, moe_layers=tuple(range(c.num_hidden_layers)), num_experts=8,
                               num_experts_per_tok=2, moe_intermediate_size=c.intermediate_size)  # fmt: skip
     assert c.num_hidden_layers < pause_pieces(moe) < 2 * c.num_hidden_layers
+    mixed = dataclasses.replace(moe, moe_layers=tuple(range(0, c.num_hidden_layers, 2)))
+    h = c.hidden_size
+    attention = h * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+    layers = [
+        (attention, 3 * h * c.intermediate_size * 2 + h * 8) if i % 2 == 0
+        else (attention, 2 * h * c.intermediate_size, h * c.intermediate_size)
+        for i in range(c.num_hidden_layers)
+    ]  # fmt: skip
+    longest = max(max(parts) for parts in layers)
+    assert pause_pieces(mixed) == pytest.approx(sum(map(sum, layers)) / longest)
+    # each layer by its own largest segment would promise more, shorter pieces than it leaves
+    assert sum(sum(parts) / max(parts) for parts in layers) > 1.2 * pause_pieces(mixed)
 
 
 def test_an_abort_of_a_request_in_flight_waits_for_its_step(base_llm, engine):
