@@ -62,7 +62,7 @@ _EMA = 0.2  # weight of the newest interleaved step's time in its running mean
 
 class Interleaver:
     """One engine's layer interleaving (module docstring). `hook` is the worker's callback:
-    it takes arrivals and calls `run_step` while `due()`; None (the default) turns it off."""
+    it takes arrivals and calls `run_step` once if `due()`; None (the default) turns it off."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -90,9 +90,9 @@ class Interleaver:
     @property
     def pieces(self) -> int:
         """The parts a step's forward is cut into, counted for the longest wait they leave
-        (`models.llama.pause_pieces`: by the weights of each layer's largest segment), less two
-        for what runs before the first pause and after the last (the embedding; the LM head,
-        sampling and every row's outputs)."""
+        (`models.llama.pause_pieces`: the layers' weights over the largest segment's anywhere),
+        less two for what runs before the first pause and after the last (the embedding; the LM
+        head, sampling and every row's outputs)."""
         return max(1, int(pause_pieces(self.engine.model_config)) - 2)
 
     @property
