@@ -22,7 +22,12 @@ import torch.nn.functional as F
 from laneserve.gpu_worker import quantization as quant
 from laneserve.gpu_worker.model_config import ModelConfig
 from laneserve.gpu_worker.models.checkpoint import WeightReader
-from laneserve.gpu_worker.models.llama import AttentionMetadata, LayerWeights, LlamaForCausalLM
+from laneserve.gpu_worker.models.llama import (
+    AttentionMetadata,
+    LayerWeights,
+    LlamaForCausalLM,
+    gate_up,
+)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +84,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 pause()
             o = ops.rms_norm(o, layer.post_attention_layernorm, eps)
             h, residual = ops.rms_norm(o, layer.pre_feedforward_layernorm, eps, residual)
-            act = gelu_tanh_and_mul(quant.linear(h, layer.gate_up_proj))
+            act = gate_up(h, layer.gate_up_proj, gelu_tanh_and_mul, pause)
             if pause:
                 pause()
             m = quant.linear(act, layer.down_proj)

@@ -32,18 +32,38 @@ from laneserve.gpu_worker.models.checkpoint import Linear, WeightReader
 from laneserve.gpu_worker.models.rope import build_cos_sin_cache
 from laneserve.gpu_worker.quantization import QuantLinear
 
+SPLIT_ROWS = 128  # a paused forward of this many rows or more runs each gate/up in two halves
+
+
+def gate_up(
+    h: torch.Tensor, linear: Linear, act: Callable[[torch.Tensor], torch.Tensor], pause=None
+) -> torch.Tensor:
+    """`act(h @ gate_up)` [T, I]. In a paused forward (`pause`) of `SPLIT_ROWS` rows or more,
+    in two row halves with a pause between: a gate/up holds twice the weights of a down
+    projection, the longest segment between pauses otherwise. At these rows the GEMM is
+    compute-bound, so reading its weights twice costs little; a smaller step (a batch's decode
+    rows) runs it whole, and is short."""
+    if pause is None or h.shape[0] < SPLIT_ROWS:
+        return act(quant.linear(h, linear))
+    half = h.shape[0] // 2
+    first = act(quant.linear(h[:half], linear))
+    pause()
+    return torch.cat([first, act(quant.linear(h[half:], linear))])
+
 
 def pause_pieces(c: ModelConfig) -> float:
-    """What a forward's pauses (`LlamaForCausalLM.forward`: before each layer, after its
-    attention block, after its MLP's gate/up -- a MoE layer's experts run whole -- and before
-    the LM head) cut it into, counted for the longest wait they leave: all the layers' weights
-    over the largest segment's anywhere (attention block; gate/up; down; a MoE layer's experts
-    a token runs, with the router). SmolLM2's gate/up holds half a layer's weights: 60 pieces
-    for its 30 layers, not 90. Weights stand for time: a deep prefill's attention, or a MoE
-    prefill touching every expert, runs longer than its weights say."""
+    """What a paused forward of `SPLIT_ROWS` rows or more (`LlamaForCausalLM.forward`: before
+    each layer, after its attention block, inside and after its MLP's gate/up -- a MoE layer's
+    experts run whole -- and before the LM head) is cut into, counted for the longest wait its
+    pauses leave: all the layers' weights over the largest segment's anywhere (attention block;
+    half a gate/up; down; a MoE layer's experts a token runs, with the router). SmolLM2's four
+    segments a layer hold a quarter of its weights each: 120 pieces for its 30 layers. Weights
+    stand for time: a deep prefill's attention, or a MoE prefill touching every expert, runs
+    longer than its weights say."""
     h, d = c.hidden_size, c.head_dim
     attention = h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
-    dense = (attention, 2 * h * c.intermediate_size, h * c.intermediate_size)
+    half_gate_up = h * c.intermediate_size
+    dense = (attention, half_gate_up, half_gate_up, h * c.intermediate_size)
     experts = 3 * h * c.moe_intermediate_size * c.num_experts_per_tok + h * c.num_experts
     segments = [
         part
@@ -268,8 +288,8 @@ class LlamaForCausalLM:
         """Run the decoder over one varlen batch; returns logits [N, vocab] (fp32), and with
         `hidden_indices` also those rows' final-norm hidden states [M, H] (fp32).
         `pause` is called at the pass's pause points (before every layer but the first, after
-        its attention block, after its MLP's gate/up -- not inside a MoE block -- and before the
-        LM head) where other steps may run (gpu_worker/interleave.py; this one's tensors and KV
+        its attention block, inside (`gate_up`) and after its MLP's gate/up -- not inside a MoE
+        block -- and before the LM head) where other steps may run (gpu_worker/interleave.py; this one's tensors and KV
         slots are its own)."""
         eps = self.config.rms_norm_eps
         x = quant.embedding(input_ids, self.embed_tokens)  # [T, H]
@@ -291,7 +311,7 @@ class LlamaForCausalLM:
             if layer.moe is not None:
                 x = moe.forward(h, layer.moe, ops.silu_and_mul)
                 continue
-            act = ops.silu_and_mul(quant.linear(h, layer.gate_up_proj))
+            act = gate_up(h, layer.gate_up_proj, ops.silu_and_mul, pause)
             if pause:
                 pause()
             x = quant.linear(act, layer.down_proj)

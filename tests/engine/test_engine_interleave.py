@@ -168,10 +168,12 @@ def test_an_interleaved_prompt_never_reads_blocks_the_step_in_flight_writes(base
 
 
 def test_pieces_count_the_pauses_by_their_longest_segment(base_llm, engine):
-    """SmolLM2's forward pauses 3 x 30 times (before each layer but the first, twice inside it,
-    before the LM head); its gate/up holds half a layer's weights, so the longest wait is half a
-    layer: 60 pieces, 58 once the embedding and the tail are counted. A model mixing MoE and
-    dense layers is counted by its largest segment anywhere."""
+    """SmolLM2's forward of a few rows pauses 3 x 30 times (before each layer but the first,
+    twice inside it, before the LM head); a long step's gate/up runs in two halves with a pause
+    between (`test_a_long_step_pauses_inside_its_gate_up_with_the_same_tokens`), so each of its
+    four segments a layer holds a quarter of the weights: 120 pieces, 118 once the embedding and
+    the tail are counted. A model mixing MoE and dense layers is counted by its largest segment
+    anywhere."""
     import dataclasses
 
     from laneserve.gpu_worker.models.llama import pause_pieces
@@ -180,7 +182,7 @@ def test_pieces_count_the_pauses_by_their_longest_segment(base_llm, engine):
     _add_batch(base_llm, 1)
     _run(engine, lambda take: calls.append(engine.interleave.in_flight))
     c = engine.model_config
-    assert pause_pieces(c) == 60.0 and engine.interleave.pieces == 58
+    assert pause_pieces(c) == 120.0 and engine.interleave.pieces == 118
     assert len(calls) % (3 * c.num_hidden_layers) == 0 and calls  # every batch step's
     moe = dataclasses.replace(c, moe_layers=tuple(range(c.num_hidden_layers)), num_experts=8,
                               num_experts_per_tok=2, moe_intermediate_size=c.intermediate_size)  # fmt: skip
@@ -190,13 +192,33 @@ def test_pieces_count_the_pauses_by_their_longest_segment(base_llm, engine):
     attention = h * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
     layers = [
         (attention, 3 * h * c.intermediate_size * 2 + h * 8) if i % 2 == 0
-        else (attention, 2 * h * c.intermediate_size, h * c.intermediate_size)
+        else (attention, *[h * c.intermediate_size] * 3)
         for i in range(c.num_hidden_layers)
     ]  # fmt: skip
     longest = max(max(parts) for parts in layers)
     assert pause_pieces(mixed) == pytest.approx(sum(map(sum, layers)) / longest)
     # each layer by its own largest segment would promise more, shorter pieces than it leaves
     assert sum(sum(parts) / max(parts) for parts in layers) > 1.2 * pause_pieces(mixed)
+
+
+def test_a_long_step_pauses_inside_its_gate_up_with_the_same_tokens(base_llm, engine):
+    """A paused step of `SPLIT_ROWS` rows or more runs each gate/up in two row halves with a
+    pause between (four pauses a layer, three in a shorter step); the greedy tokens are those
+    of the unpaused forward."""
+    from laneserve.gpu_worker.models.llama import SPLIT_ROWS
+
+    ids = _ids(base_llm, " ".join(BATCH_PROMPTS * 4))
+    assert SPLIT_ROWS <= len(ids) <= engine.scheduler.config.max_num_batched_tokens
+    base_llm.engine.add(EngineRequest("long", ids, GREEDY, "batch"))
+    reference, _, _ = _run(engine)
+    engine.scheduler.block_manager.reset_prefix_cache()  # the prompt is computed again
+    base_llm.engine.add(EngineRequest("long", ids, GREEDY, "batch"))
+    calls = []
+    tokens, _, _ = _run(engine, lambda take: calls.append(1))
+    assert tokens == reference and len(reference["long"]) == GREEDY["max_tokens"]
+    layers = engine.model_config.num_hidden_layers
+    # the prompt's prefill in one step, then a step of one row for each further token
+    assert len(calls) == 4 * layers + (GREEDY["max_tokens"] - 1) * 3 * layers
 
 
 def test_an_abort_of_a_request_in_flight_waits_for_its_step(base_llm, engine):
