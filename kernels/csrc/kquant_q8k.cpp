@@ -277,15 +277,27 @@ inline __m256i pick16(__m256i v, int i) {
   return _mm256_shuffle_epi8(v, _mm256_set1_epi16(static_cast<int16_t>((2 * i + 1) << 8 | 2 * i)));
 }
 
+// `scales_mins_k4` in registers: the 12 packed bytes at `packed` (read as 16: a super-block's
+// quants follow them) -> sc[0..7] in bytes 0-7, m[0..7] in bytes 8-15. Going through a uint32_t
+// array, the 16-byte load of four 4-byte stores cost a store-forwarding stall every super-block.
+inline __m128i scales_mins_k4_regs(const uint8_t* packed) {
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));  // t0 t1 t2 -
+  const __m128i low = _mm_and_si128(t, _mm_set1_epi32(0x3f3f3f3f));  // sc[0..3], m[0..3]
+  const __m128i t2 = _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 2, 2, 2));
+  const __m128i nib = _mm_and_si128(_mm_srlv_epi32(t2, _mm_setr_epi32(0, 4, 0, 4)),
+                                    _mm_set1_epi32(0x0f0f0f0f));
+  const __m128i top =
+      _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(t, 6), _mm_set1_epi32(0x03030303)), 4);
+  return _mm_unpacklo_epi32(low, _mm_or_si128(nib, top));  // sc[0..3] sc[4..7] m[0..3] m[4..7]
+}
+
 // Q4_K / Q5_K: qs[32 j + l]'s low nibble is weight 64 j + l (sub-block 2 j), its high nibble
 // 64 j + 32 + l (sub-block 2 j + 1); Q5_K's fifth bits are bits 2 j, 2 j + 1 of qh[l].
 template <bool kFive>
 inline void load_q45_k(const uint8_t* b, Regs* r) {
   r->d = kquant::fp16(b);
   r->dmin = kquant::fp16(b + 2);
-  uint32_t t[4];  // sc[0..7] (bytes 0-7), m[0..7] (bytes 8-15)
-  scales_mins_k4(b + 4, t);
-  const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+  const __m128i sm = scales_mins_k4_regs(b + 4);  // sc[0..7] (bytes 0-7), m[0..7] (bytes 8-15)
   const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));  // sc[0..7] per lane
   const __m128i m = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
   r->min = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
