@@ -6,7 +6,8 @@ tokens on a 2-core CPU, where the engine itself runs at ~0.8x of its rate at 2,0
 (docs/benchmarks.md Run 24) -- a bulk job alone could not reach the offline engine's speed.
 
 With it a batch-only step's forward calls back at its pause points (`StepInputs.pause`: before
-each decoder layer, after its attention block, after its MLP's gate/up, before the LM head). The worker's callback (`hook`) takes the requests that arrived meanwhile and, if
+each decoder layer, after its attention block, inside (a step of `SPLIT_ROWS` rows or more) and
+after its MLP's gate/up, before the LM head). The worker's callback (`hook`) takes the requests that arrived meanwhile and, if
 an interactive request is due a step, runs one (`run_step`): `Scheduler.schedule_interleaved`
 picks the interactive requests alone, without preemption (the step in flight writes its
 requests' KV blocks) and past `max_num_seqs` if need be, within the budget the SLO controller
@@ -45,7 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from laneserve.contracts.engine_io import EngineOutput
-from laneserve.gpu_worker.models.llama import pause_pieces
+from laneserve.gpu_worker.models.llama import SPLIT_ROWS, pause_pieces
 from laneserve.gpu_worker.request import Lane
 from laneserve.gpu_worker.scheduler import step_features
 from laneserve.gpu_worker.scheduler_output import SchedulerOutput
@@ -85,7 +86,10 @@ class Interleaver:
         self._threads = torch.get_num_threads()  # the worker's (a small step runs on one)
         ctl = self.engine.scheduler.step_budget
         if ctl is not None:
-            ctl.interleave_pieces = self.pieces if self.enabled else 1
+            on = self.enabled
+            ctl.interleave_pieces = self.pieces if on else 1
+            ctl.interleave_pieces_short = self.pieces_short if on else 1
+            ctl.interleave_split_rows = SPLIT_ROWS if on else 0
 
     @property
     def pieces(self) -> int:
@@ -94,6 +98,11 @@ class Interleaver:
         less two for what runs before the first pause and after the last (the embedding; the LM
         head, sampling and every row's outputs)."""
         return max(1, int(pause_pieces(self.engine.model_config)) - 2)
+
+    @property
+    def pieces_short(self) -> int:
+        """`pieces` of a step under `SPLIT_ROWS` rows (its gate/up runs whole)."""
+        return max(1, int(pause_pieces(self.engine.model_config, split=False)) - 2)
 
     @property
     def enabled(self) -> bool:

@@ -22,7 +22,8 @@ a TPOT target (P99, ms), ``--slo interactive:ttft=800,tpot=60 batch:tpot=400``. 
   for it (it waits for the running step, then prefills): step time <= ``slack_headroom x`` the
   TTFT slack, and at least the interactive TPOT target. Where the worker runs interactive steps
   between its layers (gpu_worker/interleave.py), an arrival waits for one of `interleave_pieces`:
-  the target is that many pieces of at most the slack and `_stream_piece` each.
+  the target is that many pieces (`interleave_pieces_short` in a step under
+  `interleave_split_rows` rows) of at most the slack and `_stream_piece` each.
   The slack is planned for an arrival with a robust prompt length ``p`` (`robust_prompt`: the
   90th percentile of the last 128 interactive prompts once 10 came, never below
   `TYPICAL_PROMPT` = 256 tokens): ``ttft - prefill(p)`` for an operator's TTFT target, and
@@ -246,8 +247,9 @@ class BudgetController:
         self._view: StepView | None = None  # of the step planned last (for the trace)
         self._trace = StepTrace.open(env.get("LANESERVE_STEP_TRACE")) if wall_clock else None
         # pieces an interactive arrival's wait is cut into where the worker runs interactive
-        # steps at a step's pause points (gpu_worker/interleave.py), else the whole step
-        self.interleave_pieces = 1
+        # steps at a step's pause points (gpu_worker/interleave.py), else the whole step: in a
+        # step of `interleave_split_rows` rows or more, and in a shorter one
+        self.interleave_pieces, self.interleave_pieces_short, self.interleave_split_rows = 1, 1, 0
         self._interleaved_s = 0.0  # of the step in flight: not its own time
         self._alone_steps: collections.deque[tuple[StepFeatures, float]] = collections.deque(
             maxlen=CALIBRATION_STEPS
@@ -398,9 +400,14 @@ class BudgetController:
                 target = max(tpot, slack)
                 if self.interleave_pieces > 1:  # an arrival waits for one piece of it
                     piece = self._stream_piece(tpot)
-                    target = self.interleave_pieces * (min(slack, piece) if slack > 0 else piece)
+                    piece = min(slack, piece) if slack > 0 else piece
+                    target = self.interleave_pieces * piece
                 hs, cal = self.slack_headroom, self.alone_calibration()
                 budget, rows_cap, predicted, drafts_cap = self._batch_only(view, hs * target / cal)
+                if budget < self.interleave_split_rows and self.interleave_pieces > 1:
+                    target = self.interleave_pieces_short * piece  # its gate/up runs whole
+                    ms = hs * target / cal
+                    budget, rows_cap, predicted, drafts_cap = self._batch_only(view, ms)
                 reason = "batch-alone"
                 if predicted * cal > hs * target:
                     target = None  # planned over the slack on purpose: not a headroom miss

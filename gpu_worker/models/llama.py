@@ -32,7 +32,10 @@ from laneserve.gpu_worker.models.checkpoint import Linear, WeightReader
 from laneserve.gpu_worker.models.rope import build_cos_sin_cache
 from laneserve.gpu_worker.quantization import QuantLinear
 
-SPLIT_ROWS = 128  # a paused forward of this many rows or more runs each gate/up in two halves
+# A paused forward of this many rows or more runs each gate/up in two halves: each half takes the
+# route the whole takes (kernel_routes' small-row GEMV thresholds are all below 128 rows; AMX's
+# top, 512, is another bf16 GEMM's order of summation)
+SPLIT_ROWS = 256
 
 
 def gate_up(
@@ -51,8 +54,9 @@ def gate_up(
     return torch.cat([first, act(quant.linear(h[half:], linear))])
 
 
-def pause_pieces(c: ModelConfig) -> float:
-    """What a paused forward of `SPLIT_ROWS` rows or more (`LlamaForCausalLM.forward`: before
+def pause_pieces(c: ModelConfig, split: bool = True) -> float:
+    """What a paused forward of `SPLIT_ROWS` rows or more (`split`; else a shorter one, whose
+    gate/up runs whole) is cut into (`LlamaForCausalLM.forward`: before
     each layer, after its attention block, inside and after its MLP's gate/up -- a MoE layer's
     experts run whole -- and before the LM head) is cut into, counted for the longest wait its
     pauses leave: all the layers' weights over the largest segment's anywhere (attention block;
@@ -63,7 +67,8 @@ def pause_pieces(c: ModelConfig) -> float:
     h, d = c.hidden_size, c.head_dim
     attention = h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
     half_gate_up = h * c.intermediate_size
-    dense = (attention, half_gate_up, half_gate_up, h * c.intermediate_size)
+    gate_up = (half_gate_up, half_gate_up) if split else (2 * half_gate_up,)
+    dense = (attention, *gate_up, h * c.intermediate_size)
     experts = 3 * h * c.moe_intermediate_size * c.num_experts_per_tok + h * c.num_experts
     segments = [
         part

@@ -183,6 +183,7 @@ def test_pieces_count_the_pauses_by_their_longest_segment(base_llm, engine):
     _run(engine, lambda take: calls.append(engine.interleave.in_flight))
     c = engine.model_config
     assert pause_pieces(c) == 120.0 and engine.interleave.pieces == 118
+    assert pause_pieces(c, split=False) == 60.0 and engine.interleave.pieces_short == 58
     assert len(calls) % (3 * c.num_hidden_layers) == 0 and calls  # every batch step's
     moe = dataclasses.replace(c, moe_layers=tuple(range(c.num_hidden_layers)), num_experts=8,
                               num_experts_per_tok=2, moe_intermediate_size=c.intermediate_size)  # fmt: skip
@@ -203,22 +204,37 @@ def test_pieces_count_the_pauses_by_their_longest_segment(base_llm, engine):
 
 def test_a_long_step_pauses_inside_its_gate_up_with_the_same_tokens(base_llm, engine):
     """A paused step of `SPLIT_ROWS` rows or more runs each gate/up in two row halves with a
-    pause between (four pauses a layer, three in a shorter step); the greedy tokens are those
-    of the unpaused forward."""
+    pause between (four pauses a layer, three in a shorter step). A chat served at the pause
+    between the halves of the first layer's gate/up, and the long request, get the greedy
+    tokens each gets alone."""
     from laneserve.gpu_worker.models.llama import SPLIT_ROWS
 
-    ids = _ids(base_llm, " ".join(BATCH_PROMPTS * 4))
+    ids = _ids(base_llm, " ".join(BATCH_PROMPTS * 8))
     assert SPLIT_ROWS <= len(ids) <= engine.scheduler.config.max_num_batched_tokens
-    base_llm.engine.add(EngineRequest("long", ids, GREEDY, "batch"))
-    reference, _, _ = _run(engine)
-    engine.scheduler.block_manager.reset_prefix_cache()  # the prompt is computed again
+    chat = EngineRequest("chat", _ids(base_llm, CHAT), GREEDY, "interactive")
+    reference = {}
+    for request in (EngineRequest("long", ids, GREEDY, "batch"), chat):
+        engine.scheduler.block_manager.reset_prefix_cache()  # each prompt computed in full
+        base_llm.engine.add(request)
+        reference.update(_run(engine)[0])
+    engine.scheduler.block_manager.reset_prefix_cache()
     base_llm.engine.add(EngineRequest("long", ids, GREEDY, "batch"))
     calls = []
-    tokens, _, _ = _run(engine, lambda take: calls.append(1))
+
+    def hook(take) -> None:
+        calls.append(1)
+        if len(calls) == 2:  # layer 0: after its attention, then between its gate/up halves
+            base_llm.engine.add(chat)
+            _serve_due(engine, take)
+
+    tokens, _, first_step = _run(engine, hook)
     assert tokens == reference and len(reference["long"]) == GREEDY["max_tokens"]
+    assert first_step["chat"] == 1  # its first token came inside the long prompt's prefill
     layers = engine.model_config.num_hidden_layers
-    # the prompt's prefill in one step, then a step of one row for each further token
-    assert len(calls) == 4 * layers + (GREEDY["max_tokens"] - 1) * 3 * layers
+    # the prompt's prefill in one step (four pauses a layer), then steps of one or two rows
+    # (three): the chat's remaining tokens come in interleaved steps or regular ones
+    steps = len(calls) - 4 * layers
+    assert steps > 0 and steps % (3 * layers) == 0
 
 
 def test_an_abort_of_a_request_in_flight_waits_for_its_step(base_llm, engine):

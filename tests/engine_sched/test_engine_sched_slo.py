@@ -357,6 +357,15 @@ def test_interleaving_sizes_batch_only_steps_for_a_wait_of_one_layer(tmp_path, m
     tight.plan(view)
     assert tight.last_target_ms == pytest.approx(30 * 5.0)  # the slack, when it is the lesser
     assert thirty.token_budget > 3 * one.token_budget
+    # a step planned under the rows that split its gate/up runs them whole: its pieces are
+    # the longer ones, and its target their count
+    short = BudgetController(targets, model, 4096, wall_clock=False, given_ttft=True)
+    short.interleave_pieces, short.interleave_pieces_short = 30, 20
+    short.interleave_split_rows = thirty.token_budget + 1
+    assert short.plan(view).token_budget < thirty.token_budget
+    assert short.last_target_ms == pytest.approx(20 * piece)
+    short.interleave_split_rows = thirty.token_budget
+    assert short.plan(view).token_budget == thirty.token_budget
     # an interleaved step: a prompt alone gets the whole budget; beside a running stream its
     # chunk fits half the TTFT target, as in a regular step
     assert cut.interleaved_budget(StepView(0, 48, 0, 2000)) == 4096
