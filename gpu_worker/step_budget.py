@@ -165,6 +165,7 @@ class StepView(NamedTuple):
     interactive_prefill_depth: int = 0  # the same of the interactive prompts being prefilled
     interactive_drafts: int = 0  # draft tokens proposed for the running streams
     batch_drafts: int = 0  # draft tokens proposed for the running batch decodes
+    batch_prefill_longest: int = 0  # the most tokens one batch prompt has to prefill
 
 
 class StepBudget(NamedTuple):
@@ -312,11 +313,11 @@ class BudgetController:
 
     def _batch_only(self, view: StepView, ms: float) -> tuple[int, int, float, int]:
         """(token budget, batch decode rows, predicted ms, batch drafts) of a batch-only step
-        aimed at `ms`:
-        while prompts wait to be prefilled, the decodes that fit half of `ms` (at least one)
-        and a prefill chunk that fits the rest (at least `MIN_PREFILL_CHUNK`; priced by
-        `StepCostModel.chunk_cost`, its context read and attention at the deepest running batch
-        prefill's depth); otherwise every decode that fits (at least one). The budget also
+        aimed at `ms`: while prompts wait to be prefilled, the decodes that fit half of `ms` (at
+        least one) and a prefill chunk that fits the rest (at least `MIN_PREFILL_CHUNK`; priced
+        by `StepCostModel.chunk_cost`, its context read and attention from the deepest running
+        batch prefill's depth, across prompts of the longest one's length); otherwise every
+        decode that fits (at least one). The budget also
         holds the drafts speculation proposed for the decodes it takes (their share of
         `view.batch_drafts`), priced as tokens, as many as fit the time left."""
         coef = self.model.coefficients
@@ -324,11 +325,11 @@ class BudgetController:
         per_row = self._batch_row_ms(view)
         room = max(ms - coef[0], 0.0)
         if view.batch_prefill_tokens:
-            depth = view.batch_prefill_depth
+            depth, longest = view.batch_prefill_depth, view.batch_prefill_longest
             rows = min(decodes, max(1, int(0.5 * room / per_row)))
-            chunk = max(MIN_PREFILL_CHUNK, self.model.chunk_within(room - rows * per_row, depth))
-            chunk = min(chunk, view.batch_prefill_tokens)
-            chunk_ms = self.model.chunk_cost(chunk, depth)
+            chunk = self.model.chunk_within(room - rows * per_row, depth, longest)
+            chunk = min(max(MIN_PREFILL_CHUNK, chunk), view.batch_prefill_tokens)
+            chunk_ms = self.model.chunk_cost(chunk, depth, longest)
         else:
             chunk, rows, chunk_ms = 0, min(decodes, max(1, int(room / per_row))), 0.0
         # the drafts of the decodes it takes, as far as the time left holds them

@@ -66,6 +66,17 @@ def chunk_pairs(num_new: int, depth: int) -> int:
     return num_new * depth + num_new * (num_new + 1) // 2
 
 
+def pairs_across(num_new: int, depth: int, longest: int) -> int:
+    """`chunk_pairs` of `num_new` prefill tokens that may span prompts of at most `longest`
+    tokens (0: one prompt): the first piece `depth` tokens into its prompt, then whole prompts
+    of `longest` tokens from their start -- at most what they compute. One chunk of 900 tokens
+    over three 300-token prompts computes a third of the pairs of one 900-token prompt."""
+    if longest <= 0 or num_new <= longest:
+        return chunk_pairs(num_new, depth)
+    full, rest = divmod(num_new - longest, longest)
+    return chunk_pairs(longest, depth) + full * chunk_pairs(longest, 0) + chunk_pairs(rest, 0)
+
+
 class StepFeatures(NamedTuple):
     """What one step runs: `tokens` scheduled, `rows` emitting a token, `context` KV tokens
     read by attention (sum over scheduled requests of their attended positions), and
@@ -209,20 +220,23 @@ class StepCostModel:
         `ms` (0 when even no token fits)."""
         return self.chunk_within(ms - self.predict(StepFeatures(rows, rows, context)), depth)
 
-    def chunk_cost(self, n: int, depth: int) -> float:
+    def chunk_cost(self, n: int, depth: int, longest: int = 0) -> float:
         """What a prefill chunk of `n` tokens, `depth` tokens into its prompt, adds to a step
-        (ms): its tokens, its context read and its attention (`chunk_pairs`)."""
+        (ms): its tokens, its context read and its attention (`chunk_pairs`; `pairs_across`
+        prompts of at most `longest` tokens where it may span several)."""
         coef = self.coefficients
         return (
             max(coef[1], 1e-6) * n + coef[3] * (depth + n) / 1000.0
-            + coef[4] * chunk_pairs(n, depth) / 1000.0
+            + coef[4] * pairs_across(n, depth, longest) / 1000.0
         )  # fmt: skip
 
-    def chunk_within(self, ms: float, depth: int) -> int:
-        """The longest prefill chunk, `depth` tokens into its prompt, whose `chunk_cost` is at
-        most `ms` (0 when none is): the root of ``q/2 n^2 + b n = ms - c`` (``q`` ms per pair,
-        ``b`` per token with the chunk's own pairs and context, ``c`` the context read of the
-        `depth` tokens before it), in the form that stays exact for a tiny ``q``."""
+    def chunk_within(self, ms: float, depth: int, longest: int = 0) -> int:
+        """The longest prefill chunk, `depth` tokens into its prompt (across prompts of at most
+        `longest` tokens, `chunk_cost`), whose `chunk_cost` is at most `ms` (0 when none is):
+        from the root of ``q/2 n^2 + b n = ms - c`` for one prompt (``q`` ms per pair, ``b`` per
+        token with the chunk's own pairs and context, ``c`` the context read of the `depth`
+        tokens before it), in the form that stays exact for a tiny ``q``, then a search up to
+        where the cost across prompts (never more than one prompt's) reaches `ms`."""
         coef = self.coefficients
         q = coef[4] / 1000.0
         b = max(coef[1], 1e-6) + coef[3] / 1000.0 + q * (depth + 0.5)
@@ -230,10 +244,14 @@ class StepCostModel:
         if room <= 0.0:
             return 0
         n = int(2.0 * room / (b + math.sqrt(b * b + 2.0 * q * room)))
-        while n > 0 and self.chunk_cost(n, depth) > ms:  # rounding: at most a step or two
+        while n > 0 and self.chunk_cost(n, depth, longest) > ms:  # rounding: a step or two
             n -= 1
-        while self.chunk_cost(n + 1, depth) <= ms:
-            n += 1
+        hi = n + 1  # the cost grows with n: double past `ms`, then bisect
+        while self.chunk_cost(hi, depth, longest) <= ms:
+            n, hi = hi, 2 * hi
+        while hi - n > 1:
+            mid = (n + hi) // 2
+            n, hi = (mid, hi) if self.chunk_cost(mid, depth, longest) <= ms else (n, mid)
         return n
 
     def update(self, features: StepFeatures, measured_ms: float) -> float:

@@ -40,6 +40,7 @@ from laneserve.gpu_worker.step_cost import (
     StepFeatures,
     chunk_pairs,
     fit_least_squares,
+    pairs_across,
 )
 from tests.engine_sched.conftest import EngineSim
 
@@ -131,6 +132,36 @@ def test_what_the_steps_leave_undetermined_follows_the_prior_scaled():
     assert model.predict(prefill) == pytest.approx(true_ms(prefill, 2.0), rel=0.15)
 
 
+def test_a_chunk_across_prompts_is_priced_by_their_own_attention():
+    """A batch chunk may span several waiting prompts: its attention is each prompt's own
+    (`pairs_across`: prompts of at most the longest one's tokens), so a plan fits
+    more tokens than it would as one prompt into a step where attention weighs, and the step the
+    scheduler then builds is predicted within that plan (the controller's `_batch_only`)."""
+    assert pairs_across(900, 0, 300) == 3 * chunk_pairs(300, 0)
+    assert pairs_across(650, 40, 300) == (
+        chunk_pairs(300, 40) + chunk_pairs(300, 0) + chunk_pairs(50, 0)
+    )
+    assert pairs_across(250, 40, 300) == chunk_pairs(250, 40) == pairs_across(250, 40, 0)
+    model = StepCostModel([*TRUE[:4], 0.6])  # attention weighs
+    one, across = model.chunk_within(400.0, 0), model.chunk_within(400.0, 0, 300)
+    assert across > 1.1 * one
+    targets = SloTargets(LaneSlo(ttft_ms=300.0, tpot_ms=40.0), LaneSlo(10_000.0, 400.0))
+    ctl = BudgetController(targets, model, 8192, wall_clock=False, given_ttft=True)
+    ctl.interleave_pieces = 30
+    view = StepView(0, 8, 8 * 300, 0, batch_context=8 * 300, batch_prefill_tokens=20 * 300,
+                    batch_decodes=8, batch_prefill_longest=300)  # fmt: skip
+    plan = ctl.plan(view)
+    chunk = plan.token_budget - 8
+    assert chunk > 300  # several prompts in one step
+    # the features of a step that prefills `chunk` tokens of whole 300-token prompts
+    full, rest = divmod(chunk, 300)
+    pairs = full * chunk_pairs(300, 0) + chunk_pairs(rest, 0)
+    step = StepFeatures(8 + chunk, 8 + full, 8 * 301 + chunk, pairs)
+    assert model.predict(step) <= ctl.last_target_ms * 1.05
+    blind = ctl.plan(view._replace(batch_prefill_longest=0))  # one prompt's attention
+    assert blind.token_budget < 0.9 * plan.token_budget
+
+
 def test_the_longest_chunk_within_a_time_is_exact():
     """`chunk_within` against counting: the longest chunk whose tokens, context read and
     attention fit, at depths 0 and 700, including a vanishing attention coefficient (where the
@@ -138,10 +169,10 @@ def test_the_longest_chunk_within_a_time_is_exact():
     for pairs_ms in (0.6, 1e-9, 1e-15, 0.0):
         model = StepCostModel([*TRUE[:4], pairs_ms])
         for ms in (0.3, 7.0, 60.0, 150.0):
-            for depth in (0, 700):
-                n = model.chunk_within(ms, depth)
-                assert model.chunk_cost(n, depth) <= ms or n == 0
-                assert model.chunk_cost(n + 1, depth) > ms
+            for depth, longest in ((0, 0), (700, 0), (0, 300), (120, 300)):
+                n = model.chunk_within(ms, depth, longest)
+                assert model.chunk_cost(n, depth, longest) <= ms or n == 0
+                assert model.chunk_cost(n + 1, depth, longest) > ms
     model = StepCostModel(TRUE)
     assert model.max_tokens_within(50.0, 4, 4000, 700) == model.chunk_within(
         50.0 - model.predict(StepFeatures(4, 4, 4000)), 700
