@@ -24,9 +24,9 @@ for throughput: its time target is `pieces` (the pause points, less two for the 
 tail of LM head, sampling and outputs) times a piece of at most the TTFT slack and what a stream
 started inside the step may wait between its tokens: the TPOT target less its own decode, at
 least half the target (`BudgetController.plan`, `_stream_piece`). A running stream is due its
-next token when its gap since the last one, plus what an interleaved step takes, reaches the
-headroom x its TPOT target; a prompt is due at once. One interleaved step runs per pause point,
-so the step in flight always moves on. Interleaving is off (the whole step runs, as before) for
+next token when its gap since the last one, plus what an interleaved step takes, would reach
+the headroom x its TPOT target by the next pause (`piece_ms` away); a prompt is due at once.
+One interleaved step runs per pause point, so the step in flight always moves on. Interleaving is off (the whole step runs, as before) for
 a step that holds an interactive request, off the CPU (a device's forward
 runs asynchronously and its graphs have no pause point), without an SLO controller to pace
 streams by, and in the offline `LLM` (no `hook`). A prompt's prefix-cache hit stops at the first
@@ -73,6 +73,8 @@ class Interleaver:
         self.spent_s = 0.0  # time in the hook during the step in flight
         self.num_steps = 0  # interleaved steps run
         self.step_ms = 0.0  # running mean of an interleaved step's time
+        self.piece_ms = 0.0  # running mean of the step in flight's own time between two pauses
+        self._left: float | None = None  # when the step in flight last went on (perf_counter)
         self._failed = False  # the hook raised during this step: no more calls to it
         # (free KV blocks, first waiting request) when a waiting prompt found no room in the step
         # in flight: it is not due again while both stay as they were
@@ -125,12 +127,16 @@ class Interleaver:
                 return None
         self.in_flight = frozenset(e.request.request_id for e in out.scheduled)
         self.spent_s, self._failed, self._no_room = 0.0, False, None
+        self._left = time.perf_counter()
         return self._pause
 
     def _pause(self) -> None:
         if self._failed:
             return
         started = time.perf_counter()
+        if self._left is not None:  # the piece of the step in flight since the last pause
+            ms = (started - self._left) * 1000.0
+            self.piece_ms = ms if not self.piece_ms else (1 - _EMA) * self.piece_ms + _EMA * ms
         threads = torch.get_num_threads()
         if threads != self._threads:  # a small step in flight runs on one thread
             torch.set_num_threads(self._threads)
@@ -142,7 +148,8 @@ class Interleaver:
         finally:
             if threads != self._threads:
                 torch.set_num_threads(threads)
-            self.spent_s += time.perf_counter() - started
+            self._left = time.perf_counter()
+            self.spent_s += self._left - started
 
     def end_step(self) -> tuple[float, list[str]]:
         """The step in flight ended: (seconds its forward spent in interleaved work, the aborts
@@ -169,7 +176,8 @@ class Interleaver:
     def due(self) -> bool:
         """Whether an interactive request is due a step now: a prompt waits, or a running one
         is still prefilling, or a stream's gap since its last token plus an interleaved step's
-        time reaches the headroom x the TPOT target."""
+        time would reach the headroom x the TPOT target by the next pause (a piece of the step
+        in flight away: served then, it would be late by up to that piece)."""
         sched = self.engine.scheduler
         if not sched._has_interactive():
             return False
@@ -180,7 +188,7 @@ class Interleaver:
             if r.lane is not Lane.INTERACTIVE:
                 continue
             last = r.last_token_time
-            if last is None or (now - last) * 1000.0 + self.step_ms >= pace_ms:
+            if last is None or (now - last) * 1000.0 + self.step_ms + self.piece_ms >= pace_ms:
                 return True
         if not any(r.lane is Lane.INTERACTIVE for r in sched.waiting):
             return False

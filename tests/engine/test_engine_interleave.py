@@ -237,6 +237,26 @@ def test_a_long_step_pauses_inside_its_gate_up_with_the_same_tokens(base_llm, en
     assert steps > 0 and steps % (3 * layers) == 0
 
 
+def test_a_stream_is_due_a_piece_before_it_would_be_late(base_llm):
+    """A stream is due its next token at a pause when its gap, plus an interleaved step, would
+    reach the TPOT target by the next pause (`piece_ms` of the step in flight away): served a
+    piece later it would be late by up to that piece."""
+    engine = base_llm.engine
+    with _paced(engine, tpot_ms=50.0):
+        engine.add(EngineRequest("s", _ids(base_llm, CHAT), GREEDY, "interactive"))
+        engine.step()  # its prefill: a stream with one token
+        stream = next(r for r in engine.scheduler.running if r.request_id == "s")
+        il = engine.interleave
+        il.step_ms, il.piece_ms = 10.0, 0.0
+        stream.last_token_time = time.monotonic() - 0.020  # 20 + 10 ms: not due at 50
+        assert not il.due()
+        il.piece_ms = 25.0  # the next pause would come after the target
+        assert il.due()
+        engine.abort_request("s")
+        il.piece_ms = 0.0
+        assert _run(engine)[1] == {"s": "abort"}  # its output taken: the engine left clean
+
+
 def test_an_abort_of_a_request_in_flight_waits_for_its_step(base_llm, engine):
     llm = base_llm
     _add_batch(llm, 2)
