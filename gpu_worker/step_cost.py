@@ -67,14 +67,16 @@ def chunk_pairs(num_new: int, depth: int) -> int:
 
 
 def pairs_across(num_new: int, depth: int, longest: int) -> int:
-    """`chunk_pairs` of `num_new` prefill tokens that may span prompts of at most `longest`
-    tokens (0: one prompt): the first piece `depth` tokens into its prompt, then whole prompts
-    of `longest` tokens from their start -- at most what they compute. One chunk of 900 tokens
-    over three 300-token prompts computes a third of the pairs of one 900-token prompt."""
+    """`chunk_pairs` of `num_new` prefill tokens that may span prompts with at most `longest`
+    tokens each to compute (0: one prompt), none more than `depth` tokens in: every token
+    `depth` keys deeper plus whole prompts' causal pairs -- at most what they compute (a
+    waiting prompt's prefix-cache hit is not known before it is admitted: priced from its
+    start). One chunk of 900 tokens over three fresh 300-token prompts computes a third of
+    the pairs of one 900-token prompt."""
     if longest <= 0 or num_new <= longest:
         return chunk_pairs(num_new, depth)
-    full, rest = divmod(num_new - longest, longest)
-    return chunk_pairs(longest, depth) + full * chunk_pairs(longest, 0) + chunk_pairs(rest, 0)
+    full, rest = divmod(num_new, longest)
+    return num_new * depth + full * chunk_pairs(longest, 0) + chunk_pairs(rest, 0)
 
 
 class StepFeatures(NamedTuple):

@@ -138,10 +138,12 @@ def test_a_chunk_across_prompts_is_priced_by_their_own_attention():
     more tokens than it would as one prompt into a step where attention weighs, and the step the
     scheduler then builds is predicted within that plan (the controller's `_batch_only`)."""
     assert pairs_across(900, 0, 300) == 3 * chunk_pairs(300, 0)
-    assert pairs_across(650, 40, 300) == (
-        chunk_pairs(300, 40) + chunk_pairs(300, 0) + chunk_pairs(50, 0)
-    )
+    assert pairs_across(650, 40, 300) == 650 * 40 + 2 * chunk_pairs(300, 0) + chunk_pairs(50, 0)
     assert pairs_across(250, 40, 300) == chunk_pairs(250, 40) == pairs_across(250, 40, 0)
+    # an upper bound: four running prefills 750 tokens in with 250 left each, or a prefill 40
+    # in beside fresh prompts, compute no more
+    assert 4 * chunk_pairs(250, 750) <= pairs_across(1000, 750, 250)
+    assert chunk_pairs(260, 40) + 2 * chunk_pairs(300, 0) <= pairs_across(860, 40, 300)
     model = StepCostModel([*TRUE[:4], 0.6])  # attention weighs
     one, across = model.chunk_within(400.0, 0), model.chunk_within(400.0, 0, 300)
     assert across > 1.1 * one
