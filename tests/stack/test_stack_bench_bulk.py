@@ -63,7 +63,8 @@ def test_a_one_token_chat_leaves_the_jobs_steps_sized_for_throughput(model_home,
         and not s["view"]["interactive_waiting_tokens"]
         and s["view"]["batch_running"]
     ]
-    assert len(alone) >= 10  # the job ran after the chat, in steps of its own
+    # the job ran after the chat, in steps of its own: each line emits 8 tokens, one a step
+    assert len(alone) >= 8
     for s in alone:
         assert s["plan"]["reason"].startswith("batch-alone"), s
         assert s["plan"]["token_budget"] >= s["view"]["batch_running"], s
