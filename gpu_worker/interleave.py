@@ -5,36 +5,35 @@ run only as long as the TTFT slack allows (`step_budget.BudgetController.ttft_sl
 tokens on a 2-core CPU, where the engine itself runs at ~0.8x of its rate at 2,048-token steps
 (docs/benchmarks.md Run 24) -- a bulk job alone could not reach the offline engine's speed.
 
-With it a batch-only step's forward calls back at its pause points (`StepInputs.pause`: before
-each decoder layer, after its attention block, inside (a step of `SPLIT_ROWS` rows or more) and
-after its MLP's gate/up, before the LM head). The worker's callback (`hook`) takes the requests that arrived meanwhile and, if
-an interactive request is due a step, runs one (`run_step`): `Scheduler.schedule_interleaved`
-picks the interactive requests alone, without preemption (the step in flight writes its
-requests' KV blocks) and past `max_num_seqs` if need be, within the budget the SLO controller
-would give them (`BudgetController.interleaved_budget`: beside running streams a prompt's chunk
-fits half the TTFT target, as in a regular step), and the step runs to its outputs, which the
-worker sends at once. The step in flight then goes on: its activations and KV slots are its own,
-its requests are all batch ones, and the interleaved step touches none of them. An abort of one
-of its requests waits until it ends (`defer_abort`), as freeing its blocks mid-forward would let
-another request take them; a request sent again under that id meanwhile waits too (the worker
+With it a batch-only step's forward calls back at its pause points (`StepInputs.pause`: before each
+decoder layer, after its attention block, inside (a step of `SPLIT_ROWS` rows or more) and after
+its MLP's gate/up, before the LM head). The worker's callback (`hook`) takes the requests that
+arrived meanwhile and, if an interactive request is due a step, runs one (`run_step`):
+`Scheduler.schedule_interleaved` picks the interactive requests alone, without preemption (the step
+in flight writes its requests' KV blocks) and past `max_num_seqs` if need be, within the budget the
+SLO controller would give them (`BudgetController.interleaved_budget`: beside running streams a
+prompt's chunk fits half the TTFT target, as in a regular step), and the step runs to its outputs,
+which the worker sends at once. The step in flight then goes on: its activations and KV slots are
+its own, its requests are all batch ones, and the interleaved step touches none of them. An abort
+of one of its requests waits until it ends (`defer_abort`), as freeing its blocks mid-forward would
+let another request take them; a request sent again under that id meanwhile waits too (the worker
 parks it).
 
-So an arrival waits for one piece of the step, not all of it, and the batch-only step is sized
-for throughput: its time target is `pieces` (the pause points, less two for the embedding and the
-tail of LM head, sampling and outputs) times a piece of at most the TTFT slack and what a stream
-started inside the step may wait between its tokens: the TPOT target less its own decode, at
-least half the target (`BudgetController.plan`, `_stream_piece`). A running stream is due its
-next token when its gap since the last one, plus what an interleaved step takes, would reach
-the headroom x its TPOT target by the next pause (`piece_ms` away); a prompt is due at once.
-One interleaved step runs per pause point, so the step in flight always moves on. Interleaving is off (the whole step runs, as before) for
-a step that holds an interactive request, off the CPU (a device's forward
-runs asynchronously and its graphs have no pause point), without an SLO controller to pace
-streams by, and in the offline `LLM` (no `hook`). A prompt's prefix-cache hit stops at the first
-block the step in flight is still writing. A small step in flight runs on one thread;
-interleaved steps get the worker's threads back. Time spent in interleaved steps is taken out
-of the step in flight's measured time, for the step-cost model
-(`BudgetController.note_interleaved`) and speculation's timing alike.
-"""
+So an arrival waits for one piece of the step, not all of it, and the batch-only step is sized for
+throughput: its time target is `pieces` (the pause points, less two for the embedding and the tail
+of LM head, sampling and outputs) times a piece of at most the TTFT slack and what a stream started
+inside the step may wait between its tokens: the TPOT target less its own decode, at least half the
+target (`BudgetController.plan`, `_stream_piece`). A running stream is due its next token when its
+gap since the last one, plus what an interleaved step takes, would reach the headroom x its TPOT
+target by the next pause (`piece_ms` away); a prompt is due at once. One interleaved step runs per
+pause point, so the step in flight always moves on. Interleaving is off (the whole step runs, as
+before) for a step that holds an interactive request, off the CPU (a device's forward runs
+asynchronously and its graphs have no pause point), without an SLO controller to pace streams by,
+and in the offline `LLM` (no `hook`). A prompt's prefix-cache hit stops at the first block the step
+in flight is still writing. A small step in flight runs on one thread; interleaved steps get the
+worker's threads back. Time spent in interleaved steps is taken out of the step in flight's
+measured time, for the step-cost model (`BudgetController.note_interleaved`) and speculation's
+timing alike."""
 
 from __future__ import annotations
 

@@ -294,8 +294,8 @@ class LlamaForCausalLM:
         `hidden_indices` also those rows' final-norm hidden states [M, H] (fp32).
         `pause` is called at the pass's pause points (before every layer but the first, after
         its attention block, inside (`gate_up`) and after its MLP's gate/up -- not inside a MoE
-        block -- and before the LM head) where other steps may run (gpu_worker/interleave.py; this one's tensors and KV
-        slots are its own)."""
+        block -- and before the LM head) where other steps may run (gpu_worker/interleave.py;
+        this one's tensors and KV slots are its own)."""
         eps = self.config.rms_norm_eps
         x = quant.embedding(input_ids, self.embed_tokens)  # [T, H]
         ops = self._step_ops(x, positions, attn, kv_caches)
