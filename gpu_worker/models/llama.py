@@ -56,10 +56,9 @@ def gate_up(
 
 def pause_pieces(c: ModelConfig, split: bool = True) -> float:
     """What a paused forward of `SPLIT_ROWS` rows or more (`split`; else a shorter one, whose
-    gate/up runs whole) is cut into (`LlamaForCausalLM.forward`: before
-    each layer, after its attention block, inside and after its MLP's gate/up -- a MoE layer's
-    experts run whole -- and before the LM head) is cut into, counted for the longest wait its
-    pauses leave: all the layers' weights over the largest segment's anywhere (attention block;
+    gate/up runs whole) is cut into by its pauses (`LlamaForCausalLM.forward`: before each
+    layer, after its attention block, inside and after its MLP's gate/up -- a MoE layer's
+    experts run whole -- and before the LM head), counted for the longest wait they leave: all the layers' weights over the largest segment's anywhere (attention block;
     half a gate/up; down; a MoE layer's experts a token runs, with the router). SmolLM2's four
     segments a layer hold a quarter of its weights each: 120 pieces for its 30 layers. Weights
     stand for time: a deep prefill's attention, or a MoE prefill touching every expert, runs
@@ -67,8 +66,8 @@ def pause_pieces(c: ModelConfig, split: bool = True) -> float:
     h, d = c.hidden_size, c.head_dim
     attention = h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
     half_gate_up = h * c.intermediate_size
-    gate_up = (half_gate_up, half_gate_up) if split else (2 * half_gate_up,)
-    dense = (attention, *gate_up, h * c.intermediate_size)
+    gate_up_parts = (half_gate_up, half_gate_up) if split else (2 * half_gate_up,)
+    dense = (attention, *gate_up_parts, h * c.intermediate_size)
     experts = 3 * h * c.moe_intermediate_size * c.num_experts_per_tok + h * c.num_experts
     segments = [
         part
