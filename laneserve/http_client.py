@@ -186,6 +186,25 @@ class StackClient:
         """`DELETE /v1/files/{id}`: the OpenAI deletion object."""
         return self._json("DELETE", f"/v1/files/{file_id}")
 
+    def head_lines(self, file_id: str, num_lines: int) -> list[bytes]:
+        """The first `num_lines` lines of a file's content (`GET /v1/files/{id}/content`,
+        read only as far as they reach)."""
+        lines: list[bytes] = []
+        buf = b""
+        try:
+            with self._http.stream("GET", f"/v1/files/{file_id}/content") as response:
+                if response.status_code >= 400:
+                    response.read()
+                    self._check(response)
+                for chunk in response.iter_bytes():
+                    *done, buf = (buf + chunk).split(b"\n")
+                    lines += done
+                    if len(lines) >= num_lines:
+                        break
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from None
+        return (lines + ([buf] if buf.strip() else []))[:num_lines]
+
     def download_file(self, file_id: str, dest: Path | BinaryIO) -> int:
         """Stream `GET /v1/files/{id}/content` into `dest`, a path (replaced only when
         complete) or an open binary stream (stdout); return the bytes written.
@@ -248,8 +267,9 @@ class StackClient:
             raise
 
     def find_batch(self, batch_id: str) -> dict:
-        """The batch named by `batch_id` or by a unique prefix of its id (of at least 10
-        characters, as a narrow `jobs list` may show it) among the newest 100.
+        """The batch named by `batch_id`, by a unique prefix of its id (of at least 10
+        characters, as a narrow `jobs list` may show it) or by a unique tail of at least 8 (as
+        `laneserve demo` shows it) among the newest 100.
 
         Raises:
             StackError: no such batch, or the prefix names several.
@@ -260,9 +280,14 @@ class StackClient:
             if exc.status != 404:
                 raise
         prefix = batch_id.rstrip("…. ")
-        matches = [b for b in self.list_batches(limit=100) if b["id"].startswith(prefix)]
+        batches = self.list_batches(limit=100)
+        matches = [b for b in batches if b["id"].startswith(prefix)]
         if len(prefix) >= 10 and len(matches) == 1:  # "batch_" + a few hex digits
             return matches[0]
+        if not matches and len(prefix) >= 8:  # the id's tail, as `laneserve demo` shows it
+            matches = [b for b in batches if b["id"].endswith(prefix)]
+            if len(matches) == 1:
+                return matches[0]
         if len(matches) > 1:
             raise StackError(f"{batch_id!r} matches {len(matches)} batches; give more of the id")
         raise StackError(f"no batch {batch_id!r} at {self.base_url}", EXIT_API_ERROR, 404)

@@ -106,6 +106,7 @@ def _conversation(
             return code
         if answer:
             history = [*turn, {"role": "assistant", "content": answer[0].text}]
+            print(flush=True)  # a blank line between turns: answers may hold newlines
 
 
 def _turn(

@@ -24,6 +24,7 @@ import argparse
 import json
 import logging
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -127,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     from laneserve.stack import laneserve_home, running_stack
 
     quiet_http_logs()
-    console = Console(stderr=True)
+    # lines are not folded at 80 columns where the output is a file or a pipe, not a terminal
+    console = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
     home = laneserve_home().resolve()
     home.mkdir(parents=True, exist_ok=True)
     info = running_stack(home)
@@ -221,7 +223,8 @@ def _demo(
     (out / "summary.json").write_text(json.dumps(report, indent=2))
     from rich.console import Console
 
-    print_report(report, final, files, chats, out, Console())  # the report goes to stdout
+    stdout = Console(soft_wrap=not sys.stdout.isatty())
+    print_report(report, final, files, chats, out, stdout)  # the report goes to stdout
     if failures:
         console.print("[bold red]laneserve demo failed:")
         for reason in failures:

@@ -541,11 +541,32 @@ def watch(client: StackClient, job_id: str, timeout_s: float | None = None, cons
         )
     for err in errors:
         print(f"  {error_text(err)}", file=sys.stderr)
+    if c["failed"] and batch.get("error_file_id") and not errors:
+        _print_failed_lines(client, batch, c["failed"])
     files = result_files(batch)
     if files:
         names = " and ".join(f"./{path}" for _, _, path in files)
         print(f"results: laneserve jobs download {job_id}  (writes {names})", file=sys.stderr)
     return EXIT_CODES.get(batch["status"], 1)
+
+
+def _print_failed_lines(client: StackClient, batch: dict, failed: int, shown: int = 3) -> None:
+    """The first `shown` lines of the job's error file on stderr: the line and why it failed."""
+    try:
+        head = client.head_lines(batch["error_file_id"], shown)
+    except StackError as exc:
+        print(f"  (its error file could not be read: {exc})", file=sys.stderr)
+        return
+    print(f"  failed line{'s' if failed > 1 else ''} ({min(shown, failed)} of {failed}):",
+          file=sys.stderr)  # fmt: skip
+    for raw in head:
+        try:
+            line = json.loads(raw)
+            err = line.get("error") or ((line.get("response") or {}).get("body") or {})["error"]
+            text = f"{line.get('custom_id')}: {err.get('code')}: {err.get('message')}"
+        except (ValueError, TypeError, KeyError, AttributeError):
+            text = raw.decode("utf-8", "replace")[:300]
+        print(f"    {text}", file=sys.stderr)
 
 
 def _watch(client: StackClient, args: argparse.Namespace) -> int:

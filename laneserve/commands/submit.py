@@ -152,7 +152,25 @@ def _check_args(args: argparse.Namespace) -> str | None:
         except (OSError, ValueError) as exc:
             return f"--schema {args.schema}: {exc}"
     bad = [m for m in args.metadata if "=" not in m]
-    return f"--metadata {bad[0]!r}: expected KEY=VALUE" if bad else None
+    if bad:
+        return f"--metadata {bad[0]!r}: expected KEY=VALUE"
+    if args.task is None and _looks_like_task_lines(args.file):
+        return (
+            f'{args.file}: its first line is a document ({{"id", "text"}}), not an OpenAI '
+            "Batch request (custom_id, method, url, body): add --task "
+            "summarize|translate|extract|embed"
+        )
+    return None
+
+
+def _looks_like_task_lines(path: Path) -> bool:
+    """True when the file's first line is a JSON object with `text` and no `custom_id`."""
+    try:
+        with path.open("rb") as f:
+            line = json.loads(f.readline(1 << 20) or b"null")
+    except (OSError, ValueError):
+        return False  # the stack names what is wrong with the line
+    return isinstance(line, dict) and "text" in line and "custom_id" not in line
 
 
 def unanswered(exc: StackError) -> bool:

@@ -87,6 +87,10 @@ def test_submit_wait_show_download_and_exit_codes(laneserve_home, tmp_path):
         by_prefix = _cli(laneserve_home, "jobs", "show", job_id[:12] + "…")
         assert by_prefix.stdout.splitlines()[0] == job_id
         assert _cli(laneserve_home, "jobs", "show", "batch_").returncode == 1  # too short
+        # its tail, as `laneserve demo` shows a job, names it too
+        assert _cli(laneserve_home, "jobs", "show", job_id[-8:]).stdout.splitlines()[0] == job_id
+        # --wait shows why lines failed, from the job's error file
+        assert "failed line (1 of 1):\n    line-5: invalid_json: not JSON" in done.stderr
         # --wait says where the results are: both files, since one line failed
         assert (
             f"laneserve jobs download {job_id}  (writes ./{job_id}_output.jsonl and "
@@ -170,6 +174,10 @@ def test_submit_rejects_bad_arguments(laneserve_home, tmp_path):
     assert res.returncode == 2 and "--task" in res.stderr
     res = _cli(laneserve_home, "submit", str(txt), "--task", "translate")
     assert res.returncode == 2 and "--target-lang" in res.stderr
+    # task lines without --task: the hint, not the Batch format's missing fields
+    docs = write_jsonl(tmp_path / "docs.jsonl", [{"id": "d", "text": "some text"}])
+    res = _cli(laneserve_home, "submit", str(docs))
+    assert res.returncode == 2 and "add --task summarize|translate|extract|embed" in res.stderr
 
 
 def test_submit_wait_exits_3_when_the_job_is_cancelled(laneserve_home, tmp_path):

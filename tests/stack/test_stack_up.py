@@ -213,6 +213,7 @@ def test_chat_conversation_sends_the_history(up):
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip(), res.stderr
+    assert res.stdout.endswith("\n\n") and res.stdout.count("\n\n") >= 2  # turns apart
     rows = wait_rows(up, Request.lane == "interactive", Request.arrival_at >= since, n=2)
     first, second = sorted(rows, key=lambda r: r.arrival_at)[:2]
     assert len(rows) == 2  # the blank line is skipped; "/exit" ends before "not sent"
