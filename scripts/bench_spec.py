@@ -45,7 +45,7 @@ repeat and every engine and stack runs without prefix caching (the JSON's `prefi
 
     python scripts/bench_spec.py [--batches 1,8,64] [--tasks summarize,translate,chat]
         [--max-tokens 64] [--k 4] [--forced] [--control] [--fresh-profiles]
-        [--paths offline,stack] [--rounds 3]
+        [--paths offline,stack] [--rounds 3] [--repetition-penalty 1.1 (offline only)]
 """
 
 from __future__ import annotations
@@ -261,7 +261,9 @@ def offline_cells(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) ->
     warm = conversations("chat", 1, 999)
     for llm in engines.values():
         llm.chat(warm, SamplingParams(max_tokens=8, temperature=0.0))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=0.0, repetition_penalty=args.repetition_penalty
+    )
     runners = {
         name: functools.partial(run_cell, llm, params=params) for name, llm in engines.items()
     }
@@ -336,6 +338,12 @@ def main() -> None:
         action="store_true",
         help="stacks profile their step cost at start-up instead of reading the cache",
     )
+    ap.add_argument(
+        "--repetition-penalty", type=float, default=1.0,
+        help="offline path only: every request's repetition_penalty (bulk summarize and "
+        "translate lines carry 1.1 by default, jobs/prompts.py; drafts copied from the prompt "
+        "are penalized too)",
+    )  # fmt: skip
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--paths", default="offline,stack", help="offline, stack or both")
@@ -346,6 +354,8 @@ def main() -> None:
     paths = args.paths.split(",")
     if not set(paths) <= {"offline", "stack"}:
         ap.error(f"--paths takes offline and/or stack, not {args.paths!r}")
+    if args.repetition_penalty != 1.0 and "stack" in paths:
+        ap.error("--repetition-penalty runs on the offline path only (--paths offline)")
     spec = {"method": "ngram", "num_speculative_tokens": args.k}
     modes: dict[str, dict[str, Any]] = {"off": {}, "adaptive": {"speculative_config": spec}}
     if args.forced:
@@ -367,6 +377,7 @@ def main() -> None:
                 **engine_info,
                 "quantization": args.quantization,
                 "max_tokens": args.max_tokens,
+                "repetition_penalty": args.repetition_penalty,
                 "num_speculative_tokens": args.k,
                 "rounds": args.rounds,
                 "prefix_caching": not prompts_repeat(args),
