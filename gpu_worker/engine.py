@@ -117,14 +117,9 @@ class LLMEngine:
         self.num_prefill_tokens = 0  # prompt positions computed (prefix-cache hits excluded)
         logger.info(
             "engine ready: model=%s dtype=%s device=%s blocks=%d x %d (KV %.2f GiB) max_model_len=%d",
-            self.model_name,
-            self.dtype,
-            self.device,
-            pool.num_blocks,
-            config.block_size,
-            self.runner.kv_cache_bytes() / 2**30,
-            self.max_model_len,
-        )
+            self.model_name, self.dtype, self.device, pool.num_blocks, config.block_size,
+            self.runner.kv_cache_bytes() / 2**30, self.max_model_len,
+        )  # fmt: skip
         if config.slo_control:  # SLO-driven step budgets, from a profile of the finished engine
             from laneserve.gpu_worker.step_profile import profile_engine
 
@@ -424,8 +419,12 @@ class LLMEngine:
                 [inputs.logits_indices, flat_rows(prompt_rows, inputs.logits_indices.device)]
             )
         states = [self.states[entries[i].request.request_id] for i in inputs.sample_rows]
-        # grammar bitmasks of the constrained rows, computed while the forward pass runs
-        masks = self.structured.start_bitmask([s.matcher for s in states])
+        # constrained rows: greedy ones are sampled without a mask first (`redo_refused`), the
+        # others' bitmasks are computed while the forward pass runs
+        greedy = [s.matcher if s.params.greedy else None for s in states]
+        masks = self.structured.start_bitmask(
+            [None if g else s.matcher for g, s in zip(greedy, states, strict=True)]
+        )
         inputs.pause = self.interleave.layer_hook(out)
         logits = self.runner.execute(inputs)
         if inputs.pooled is not None:  # embed requests: their final hidden rows
@@ -438,7 +437,13 @@ class LLMEngine:
             return []
         drafts = [entries[i].spec_token_ids for i in inputs.sample_rows]
         masks = None if masks is None else expand_mask_rows(masks.result(), drafts)
-        return self._sample(logits, states, drafts, masks)
+        rows = self._sample(logits, states, drafts, masks)
+        return self.structured.redo_refused(
+            rows, greedy, drafts,
+            lambda at, idx, mask: self._sample(
+                logits[at], [states[i] for i in idx], [()] * len(idx), mask
+            ),
+        )  # fmt: skip
 
     def _sample(
         self,
@@ -557,15 +562,9 @@ class LLMEngine:
         state.text_parts.append(text)
         if state.request.finished_time is None:
             state.request.finished_time = time.monotonic()
+        req = state.request
         return EngineOutput(
-            state.request.request_id,
-            text,
-            token_ids,
-            True,
-            reason,
-            logprobs,
-            state.request.metrics(),
-            error,
+            req.request_id, text, token_ids, True, reason, logprobs, req.metrics(), error
         )
 
     # ------------------------------------------------------------------ introspection

@@ -7,7 +7,9 @@ Same model, same prompts, side by side:
   first (greedy, a JSON schema of a person record); the unconstrained run then generates exactly
   as many tokens per request (`ignore_eos`, `max_tokens` = the constrained request's length), so
   both runs have the same batch shape step for step and the ratio is the per-step overhead of
-  building and applying the grammar bitmasks (both runs find the prompts in the prefix cache);
+  building and applying the grammar bitmasks (both runs find the prompts in the prefix cache;
+  greedy rows compute a mask only where the grammar refuses their unmasked pick: the JSON's
+  `greedy_rows_masked`);
 - **grammar compile time**: the first compile of the schema (the one-off llguidance tokenizer build
   reported apart) and a cached one (median of 200 cache hits: lookup + matcher copy);
 - **valid share**: outputs that parse and validate with `jsonschema`, without constraints (the
@@ -113,10 +115,14 @@ def overhead_pair(
     llm.chat(convs, SamplingParams(max_tokens=1, temperature=0.0))
     runs = [[c] for c in convs] if one_by_one else [convs]
     outs, with_s = [], 0.0
+    structured = llm.engine.structured
+    counts = ("num_greedy_rows", "num_forced_rows", "num_refused_rows")
+    before = [getattr(structured, c) for c in counts]
     for group in runs:
         o, s = timed_chat(llm, group, constrained)
         outs += o
         with_s += s
+    rows, forced, masked = (getattr(structured, c) - b for c, b in zip(counts, before, strict=True))
     lengths = [len(o.token_ids) for o in outs]
     plain = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     without_s, plain_tokens = 0.0, 0
@@ -135,6 +141,10 @@ def overhead_pair(
         "overhead_pct": round(100.0 * (with_s - without_s) / without_s, 1),
         "valid_with_schema": sum(check(o.text) for o in outs),
         "cut_by_max_tokens": sum(o.finish_reason == "length" for o in outs),
+        # greedy rows sample unmasked first: only the rows the grammar refuses compute a mask
+        "greedy_rows": rows,
+        "greedy_rows_forced_token": forced,
+        "greedy_rows_masked": masked,
     }
 
 

@@ -137,6 +137,55 @@ def test_a_grammar_that_admits_nothing_fails_alone(llm):
     assert outs[1].finish_reason == "error" and "admits no output" in outs[1].error
 
 
+def test_greedy_rows_skip_their_masks_and_pick_the_masked_argmax(llm):
+    """Greedy constrained rows are sampled without a mask, and again with it only where the
+    grammar refuses the pick: token for token what the masked path gives (top_k 1 at
+    temperature 1 samples the masked argmax, its mask computed during the forward pass). The
+    regex refuses the model's first pick (a word, not a digit), so the redo path runs too."""
+    structured = llm.engine.structured
+    prompts = [ask("Describe a user as JSON."), ask("Invent a person."), ask("Say hello.")]
+    specs = [schema_spec(PERSON), schema_spec(PERSON), {"regex": r"[0-9]{3}-[a-z]{4}"}]
+    greedy = [SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=s) for s in specs]
+    masked = [SamplingParams(max_tokens=80, temperature=1.0, top_k=1, seed=0,
+                             structured_outputs=s) for s in specs]  # fmt: skip
+    counts = ("num_greedy_rows", "num_forced_rows", "num_refused_rows")
+    before = [getattr(structured, c) for c in counts]
+    fast = llm.chat(prompts, greedy)
+    rows, forced, refused = (
+        getattr(structured, c) - b for c, b in zip(counts, before, strict=True)
+    )
+    assert rows == sum(len(o.token_ids) for o in fast)
+    assert forced > 0 and 0 < refused < rows / 4, (rows, forced, refused)  # most: no mask
+    slow = llm.chat(prompts, masked)
+    assert structured.num_greedy_rows - before[0] == rows  # the masked path's rows are apart
+    assert [o.token_ids for o in fast] == [o.token_ids for o in slow]
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{4}", fast[2].text), fast[2].text
+
+
+def test_allows_agrees_with_the_mask_on_every_token(llm):
+    """`GrammarMatcher.allows(t)` (what a greedy row's pick is checked with) is bit t of the
+    step's mask, for every token id, at every step of a constrained output (forced bytes, whose
+    mask holds one tokenization, among them) and at its end (EOS)."""
+    vocab = llm.engine.model_config.vocab_size
+    compiler = GrammarCompiler(llm.tokenizer, vocab, sorted(llm.engine.eos_token_ids))
+    spec = schema_spec(PERSON)
+    out = llm.chat([ask("Invent a person.")], SamplingParams(
+        max_tokens=120, temperature=0.0, structured_outputs=spec))[0]  # fmt: skip
+    assert out.finish_reason == "stop"
+    matcher = compiler.matcher(spec)
+    forced = 0
+    for i, token in enumerate(out.token_ids):
+        mask = batch_bitmask([matcher], vocab).bitmask[0]
+        bits = (mask[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        expected = bits.flatten()[:vocab].bool().tolist()
+        assert [matcher.allows(t) for t in range(vocab)] == expected, i
+        forced += sum(expected) == 1
+        assert matcher.accept([token]) == 1
+    assert 0 < forced < len(out.token_ids)
+    eos = min(llm.engine.eos_token_ids)
+    assert matcher.is_accepting and matcher.allows(eos)
+
+
 def test_matcher_speculative_helpers(llm):
     compiler = GrammarCompiler(llm.tokenizer, llm.engine.model_config.vocab_size, [2])
     matcher = compiler.matcher({"regex": "ab+c"})
