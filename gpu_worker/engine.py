@@ -422,6 +422,7 @@ class LLMEngine:
         # constrained rows: greedy ones are sampled without a mask first (`redo_refused`), the
         # others' bitmasks are computed while the forward pass runs
         greedy = [s.matcher if s.params.greedy else None for s in states]
+        greedy = [None if g is None or g.mask_first() else g for g in greedy]
         masks = self.structured.start_bitmask(
             [None if g else s.matcher for g, s in zip(greedy, states, strict=True)]
         )

@@ -62,6 +62,10 @@ logger = logging.getLogger(__name__)
 # (kilobytes to a few megabytes for large schemas); the lexer state llguidance builds lazily
 # lives in each request's copy, which goes when the request ends.
 DEFAULT_GRAMMAR_CACHE_SIZE = 256
+# A greedy row whose picks the grammar refuses this many times in a row computes its mask
+# beside the forward pass for the next MASKED_STEPS steps (`GrammarMatcher.mask_first`).
+MAX_REFUSALS = 3
+MASKED_STEPS = 8
 # [32] int32: the value of each bit of a bitmask word (bit 31 is the sign bit)
 _BIT_VALUES = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)
 
@@ -93,12 +97,30 @@ class GrammarMatcher:
     Methods for the engine's normal step (`fill_bitmask`, `accept`) and for speculative decoding
     (`fill_bitmasks_with_drafts`, `accept` of the verified prefix, `rollback`)."""
 
-    __slots__ = ("_matcher", "_eos", "num_accepted")
+    __slots__ = ("_matcher", "_eos", "_vocab", "num_accepted", "refusals", "masked_steps")
 
-    def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        eos_token_ids: Sequence[int] = (),
+        vocab_size: int | None = None,
+    ) -> None:
         self._matcher = matcher
         self._eos = frozenset(eos_token_ids)
+        self._vocab = vocab_size  # ids at or above it break an llguidance matcher for good
         self.num_accepted = 0  # tokens consumed so far (after rollbacks)
+        self.refusals = 0  # greedy picks refused in a row (`StructuredOutputs.redo_refused`)
+        self.masked_steps = 0  # steps left that compute the mask first (after refusals)
+
+    def mask_first(self) -> bool:
+        """True when this greedy step should compute its mask beside the forward pass, as a
+        sampled row does: for `MASKED_STEPS` steps after `MAX_REFUSALS` refused picks in a row
+        (a grammar the model keeps disagreeing with pays a mask and a second sampling
+        otherwise)."""
+        if self.masked_steps > 0:
+            self.masked_steps -= 1
+            return True
+        return False
 
     def allows(self, token_id: int) -> bool:
         """True when this step's mask allows `token_id` (see `greedy_pick`)."""
@@ -112,6 +134,8 @@ class GrammarMatcher:
         on every token id): where the grammar forces bytes that tokenize to forced tokens, it
         holds the first of them only (not the other tokenizations of those bytes); EOS where
         the grammar accepts; else every token the grammar can take."""
+        if self._vocab is not None and not 0 <= token_id < self._vocab:
+            return None
         forced = self._matcher.compute_ff_tokens()
         if forced:
             return forced[0]
@@ -293,7 +317,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
-        return GrammarMatcher(template.deep_copy(), self._eos)
+        return GrammarMatcher(template.deep_copy(), self._eos, self.vocab_size)
 
     def _compile(self, spec: dict[str, Any]) -> llguidance.LLMatcher:
         tokenizer = self.ll_tokenizer
@@ -347,6 +371,7 @@ class StructuredOutputs:
         self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         self._pending: dict[str, Future[GrammarMatcher]] = {}
         self._executor: llguidance.LLExecutor | None = None
+        self._executor_lock = threading.Lock()
         self.num_greedy_rows = 0  # greedy constrained rows sampled (`redo_refused`)
         self.num_forced_rows = 0  # of which given the token the grammar forces
         self.num_refused_rows = 0  # of which sampled again with their masks
@@ -401,9 +426,13 @@ class StructuredOutputs:
         return self._mask_pool.submit(self.bitmask, list(matchers))
 
     def bitmask(self, matchers: Sequence[GrammarMatcher | None]) -> GrammarMask | None:
-        """`batch_bitmask` with a shared parallel executor (built at the first batch of two)."""
-        if self._executor is None and sum(m is not None for m in matchers) > 1:
-            self._executor = llguidance.LLExecutor()
+        """`batch_bitmask` with a shared parallel executor (built at the first batch of two;
+        the mask thread and the engine's thread may both ask, an interleaved step's refused
+        rows during the outer step's mask)."""
+        if sum(m is not None for m in matchers) > 1:
+            with self._executor_lock:
+                if self._executor is None:
+                    self._executor = llguidance.LLExecutor()
         return batch_bitmask(matchers, self.compiler.vocab_size, self._executor)
 
     def redo_refused(
@@ -420,18 +449,30 @@ class StructuredOutputs:
         forces one token it is that token (a row that asked for logprobs is sampled again, for
         that token's). Only the other rows get their masks and are sampled again:
         `resample(logits rows, row indices, mask)` (a constrained request has no drafts: its
-        one logits row follows the rows of the requests before it)."""
+        one logits row follows the rows of the requests before it). A forced token is not
+        swapped in where `min_tokens` may have set it to -inf (the masked row is then all -inf,
+        and its argmax is what the mask's path gives)."""
         redo = []
         for i, (m, row) in enumerate(zip(greedy, rows, strict=True)):
             if m is None or not row.token_ids:
                 continue
+            assert not drafts[i], "a constrained request was given drafts"
             self.num_greedy_rows += 1
             pick = m.greedy_pick(row.token_ids[0])
-            if pick is None or (pick != row.token_ids[0] and row.logprobs[0] is not None):
-                redo.append(i)
-            elif pick != row.token_ids[0]:
+            if pick == row.token_ids[0]:
+                m.refusals = 0
+                continue
+            req, params = row.state.request, row.state.params
+            swap = row.logprobs[0] is None and req.num_output_tokens >= params.min_tokens
+            if pick is not None and swap:
                 row.token_ids[0] = pick
                 self.num_forced_rows += 1
+                m.refusals = 0
+                continue
+            redo.append(i)
+            m.refusals += 1
+            if m.refusals >= MAX_REFUSALS:
+                m.refusals, m.masked_steps = 0, MASKED_STEPS
         self.num_refused_rows += len(redo)
         if not redo:
             return rows
