@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from laneserve.gpu_worker.sampler import Sampler, make_generator
 from laneserve.gpu_worker.sampling_params import SamplingParams
@@ -180,6 +182,58 @@ def test_penalties_hand_computed():
     assert run(
         sampler, logits, [SamplingParams(temperature=0)], prompts=prompt, outputs=output
     ).token_ids == [3]
+
+
+def _dense_penalties(logits, params, prompts, outputs):
+    """The penalties over whole `[B, V]` count tensors (the sampler's earlier implementation):
+    the reference its sparse gather/scatter must equal."""
+    vocab = logits.shape[1]
+    out = logits.clone()
+    for i, p in enumerate(params):
+        if not p.has_penalties:
+            continue
+        oc, pc = torch.zeros(vocab), torch.zeros(vocab)
+        for counts, ids in ((oc, outputs[i]), (pc, prompts[i])):
+            for t in ids:
+                if 0 <= t < vocab:
+                    counts[t] += 1
+        row = out[i]
+        rep = torch.tensor(p.repetition_penalty)
+        penalised = torch.where(row > 0, row / rep, row * rep)
+        row = torch.where((oc > 0) | (pc > 0), penalised, row)
+        freq, pres = torch.tensor(p.frequency_penalty), torch.tensor(p.presence_penalty)
+        out[i] = row - freq * oc - pres * (oc > 0).float()
+    return out
+
+
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.lists(st.integers(-3, 70), max_size=40),  # prompt ids (some outside the vocab)
+            st.lists(st.integers(0, 66), max_size=20),  # output ids (repeats)
+            st.sampled_from([1.0, 1.1, 0.7, 2.0]),
+            st.sampled_from([0.0, 0.5, -1.0]),
+            st.sampled_from([0.0, 0.25, -0.5]),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=60, deadline=None)
+def test_sparse_penalties_equal_dense_count_tensors(rows, seed):
+    """The penalties touch only each row's seen tokens, with the same float32 result as passes
+    over dense `[B, V]` count tensors, for any mix of rows with and without penalties."""
+    vocab = 64
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed))
+    logits[0, 3] = float("-inf")
+    prompts, outputs = [r[0] for r in rows], [r[1] for r in rows]
+    params = [
+        SamplingParams(repetition_penalty=r, frequency_penalty=f, presence_penalty=p)
+        for _, _, r, f, p in rows
+    ]
+    got = Sampler().process_logits(logits, params, prompts, outputs)
+    assert torch.equal(got, _dense_penalties(logits, params, prompts, outputs))
 
 
 def test_penalties_only_on_their_rows():
