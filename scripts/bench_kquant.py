@@ -18,7 +18,12 @@ at least as fast as the tiles at every smaller M (`q8k_max_m`: what
 `gpu_worker.kquant.KQUANT_Q8K_MAX_TOKENS` comes from).
 
     python scripts/bench_kquant.py [--ms 1,2,4,8,16,32,64] [--shapes q,gate,down,output]
-        [--budget-s 0.2] [--threads 2] [--route 0]
+        [--budget-s 0.2] [--threads 2] [--route 0] [--cold-mib 512]
+
+`--cold-mib 512` reads each shape's weights from DRAM, as a model's decode step does: a matrix
+timed again and again stays in the caches when it fits (9 MB for `gate`), and a kernel can look
+twice as fast there as it runs in a model (Run 31: Q4_K 17 against 9 GB/s before the kernel
+prefetched its weights).
 
 `--decode` instead times single-stream decode steps of a whole model (`ModelRunner.execute`, no
 sampler or scheduler) of Llama-3.2-1B's shape in a GGUF with llama.cpp's Q4_K_M type mix (Q4_K,
@@ -41,6 +46,7 @@ serve and to compare with llama.cpp (`scripts/bench_offline.py --peers llamacpp 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -65,16 +71,30 @@ SHAPES = {
 }
 
 
-def variants(qtype: str, n: int, k: int, route: int) -> tuple[dict, int]:
-    """name -> (activation dtype, callable on x), and the weight's bytes."""
+def variants(qtype: str, n: int, k: int, route: int, cold_mib: int = 0) -> tuple[dict, int]:
+    """name -> (activation dtype, callable on x), and the weight's bytes. With `cold_mib`, each
+    call reads the next of enough copies of the weights to fill that many MiB, so they come
+    from DRAM as a model's do (one matrix read again and again stays in the caches)."""
     rng = np.random.default_rng(0)
     blocks = random_blocks(qtype, n, k, rng, scale=1e-3)
     linear = KQuantLinear([GGUFQuantTensor("w", qtype, blocks, (n, k))])
-    b, t = linear.blocks[0], QTYPE_IDS[qtype]
+    copies = max(1, -(-cold_mib * 2**20 // linear.nbytes()))
+    linears = [linear] + [
+        KQuantLinear([GGUFQuantTensor("w", qtype, blocks.copy(), (n, k))])
+        for _ in range(copies - 1)
+    ]
+    nxt = itertools.cycle(range(copies)).__next__
+    t = QTYPE_IDS[qtype]
     fns = {
-        "q8k": (torch.float32, lambda x: torch.ops.laneserve.kquant_gemv_q8k(x, b, t, route)),
-        "fp32": (torch.float32, lambda x: torch.ops.laneserve.kquant_gemv(x, b, t, 0)),
-        "tiles": (torch.float32, lambda x: linear._gemm(x, 0)),
+        "q8k": (
+            torch.float32,
+            lambda x: torch.ops.laneserve.kquant_gemv_q8k(x, linears[nxt()].blocks[0], t, route),
+        ),
+        "fp32": (
+            torch.float32,
+            lambda x: torch.ops.laneserve.kquant_gemv(x, linears[nxt()].blocks[0], t, 0),
+        ),
+        "tiles": (torch.float32, lambda x: linears[nxt()]._gemm(x, 0)),
     }
     return fns, linear.nbytes()
 
@@ -219,6 +239,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--route", type=int, default=0, help="q8k route (0: the widest built)")
     ap.add_argument("--fp32-max-m", type=int, default=16, help="time the fp32 route up to this M")
+    ap.add_argument(
+        "--cold-mib", type=int, default=0,
+        help="cycle through copies of each weight filling this many MiB (e.g. 512), so they "
+        "stream from DRAM as in a model; default 0: one copy, cache-resident when it fits",
+    )  # fmt: skip
     ap.add_argument("--decode", action="store_true", help="time whole decode steps instead")
     ap.add_argument("--gguf", default="llama-1b-q4_k_m-random.gguf", help="--decode's model file")
     ap.add_argument("--steps", type=int, default=16, help="--decode: timed steps per route")
@@ -239,6 +264,7 @@ def main() -> None:
     result: dict = {"cpu": cpu_info(), "torch": torch.__version__}
     result["threads"] = torch.get_num_threads()
     result["q8k_routes"] = list(torch.ops.laneserve.kquant_q8k_routes())
+    result["cold_mib"] = args.cold_mib
     if args.decode:
         with torch.inference_mode():
             result["decode"] = decode_steps(args)
@@ -248,7 +274,7 @@ def main() -> None:
     with torch.inference_mode():
         for name in args.shapes.split(","):
             qtype, n, k = SHAPES[name]
-            fns, nbytes = variants(qtype, n, k, args.route)
+            fns, nbytes = variants(qtype, n, k, args.route, args.cold_mib)
             cells: dict[int, dict] = {}
             for m in map(int, args.ms.split(",")):
                 run = {v: f for v, f in fns.items() if v != "fp32" or m <= args.fp32_max_m}
