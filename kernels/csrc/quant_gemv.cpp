@@ -546,6 +546,16 @@ inline void gemv_tile(const uint8_t* qs, const float* sc, const float* off, int6
   gemv_row<R, Q4>(qs, sc, off, G, e, ldx, a, t, y, ldy);
 }
 
+// Read `bytes` at `p` into the caches ahead of use, a line at a time: the hardware prefetchers
+// alone left DRAM-resident weights at 0.4-0.55x the rate of cache-resident ones (Run 31).
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+}
+
+// Weight rows read this many rows ahead of the one being multiplied (its quants and scales).
+constexpr int64_t kPrefetchRows = 2;
+
 template <bool Q4, typename Y>
 void gemv_rows(const uint8_t* qs, const float* sc, const float* off, int64_t N, int64_t K,
                int64_t row_bytes, const RoundedRows& x, int64_t M, Y* y, int64_t n0,
@@ -555,6 +565,11 @@ void gemv_rows(const uint8_t* qs, const float* sc, const float* off, int64_t N, 
     const uint8_t* qn = qs + n * row_bytes;
     const float* sn = sc + n * G;
     const float* on = Q4 ? off + n * G : nullptr;
+    if (n + kPrefetchRows < n1) {
+      prefetch_lines(qn + kPrefetchRows * row_bytes, row_bytes);
+      prefetch_lines(sn + kPrefetchRows * G, G * 4);
+      if (Q4) prefetch_lines(on + kPrefetchRows * G, G * 4);
+    }
     for (int64_t m = 0; m < M;) {
       const int16_t* em = x.e.data() + m * K;
       const float* am = x.a.data() + m * G;
@@ -690,6 +705,12 @@ void gemv_bf16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scal
         q[b] = qp + nn * row_bytes;
         s[b] = sp + nn * G;
         o[b] = Q4 ? op + nn * G : nullptr;
+      }
+      if (blk + 1 < b1) {  // the next block's rows (`prefetch_lines`)
+        const int64_t ahead = std::min(kNb, N - n - kNb);
+        prefetch_lines(qp + (n + kNb) * row_bytes, ahead * row_bytes);
+        prefetch_lines(sp + (n + kNb) * G, ahead * G * 4);
+        if (Q4) prefetch_lines(op + (n + kNb) * G, ahead * G * 4);
       }
       for (int64_t m = 0; m < M;) {
         const c10::BFloat16* xm = xp + m * K;
