@@ -175,7 +175,8 @@ class Sampler:
         Greedy rows take the argmax of this; sampled rows then apply temperature, top-k, top-p.
         The input is not modified.
         """
-        out = logits.to(torch.float32, copy=True)  # [B, V]
+        # [B, V], row-major whatever the input's strides (the penalties index it flat)
+        out = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         self._mask_min_tokens(out, params, output_token_ids)
         _apply_logit_bias(out, params)
         _apply_penalties(out, params, prompt_token_ids, output_token_ids)

@@ -212,8 +212,8 @@ def _dense_penalties(logits, params, prompts, outputs):
             st.lists(st.integers(-3, 70), max_size=40),  # prompt ids (some outside the vocab)
             st.lists(st.integers(0, 66), max_size=20),  # output ids (repeats)
             st.sampled_from([1.0, 1.1, 0.7, 2.0]),
-            st.sampled_from([0.0, 0.5, -1.0]),
-            st.sampled_from([0.0, 0.25, -0.5]),
+            st.sampled_from([0.0, 0.5, -1.0, 0.3]),
+            st.sampled_from([0.0, 0.25, -0.5, 0.7]),
         ),
         min_size=1,
         max_size=6,
@@ -233,6 +233,10 @@ def test_sparse_penalties_equal_dense_count_tensors(rows, seed):
         for _, _, r, f, p in rows
     ]
     got = Sampler().process_logits(logits, params, prompts, outputs)
+    assert torch.equal(got, _dense_penalties(logits, params, prompts, outputs))
+    # column-major logits (a transposed buffer) give the same rows
+    transposed = logits.t().contiguous().t()
+    got = Sampler().process_logits(transposed, params, prompts, outputs)
     assert torch.equal(got, _dense_penalties(logits, params, prompts, outputs))
 
 
