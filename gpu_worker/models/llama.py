@@ -58,7 +58,8 @@ def pause_pieces(c: ModelConfig, split: bool = True) -> float:
     """What a paused forward of `SPLIT_ROWS` rows or more (`split`; else a shorter one, whose
     gate/up runs whole) is cut into by its pauses (`LlamaForCausalLM.forward`: before each
     layer, after its attention block, inside and after its MLP's gate/up -- a MoE layer's
-    experts run whole -- and before the LM head), counted for the longest wait they leave: all the layers' weights over the largest segment's anywhere (attention block;
+    experts run whole -- and before the LM head), counted for the longest wait they leave:
+    all the layers' weights over the largest segment's anywhere (attention block;
     half a gate/up; down; a MoE layer's experts a token runs, with the router). SmolLM2's four
     segments a layer hold a quarter of its weights each: 120 pieces for its 30 layers. Weights
     stand for time: a deep prefill's attention, or a MoE prefill touching every expert, runs

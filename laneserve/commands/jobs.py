@@ -560,10 +560,9 @@ def _print_failed_lines(client: StackClient, batch: dict, failed: int, shown: in
     print(f"  failed line{'s' if failed > 1 else ''} ({min(shown, failed)} of {failed}):",
           file=sys.stderr)  # fmt: skip
     for raw in head:
-        try:
+        try:  # an error file line: {"id", "custom_id", "response": null, "error": {...}}
             line = json.loads(raw)
-            err = line.get("error") or ((line.get("response") or {}).get("body") or {})["error"]
-            text = f"{line.get('custom_id')}: {err.get('code')}: {err.get('message')}"
+            text = f"{line['custom_id']}: {error_text(line['error'])}"
         except (ValueError, TypeError, KeyError, AttributeError):
             text = raw.decode("utf-8", "replace")[:300]
         print(f"    {text}", file=sys.stderr)

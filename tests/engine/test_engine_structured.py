@@ -182,9 +182,9 @@ def test_a_grammar_the_model_keeps_refusing_computes_its_masks_beside_the_forwar
 
 
 def test_allows_agrees_with_the_mask_on_every_token(llm):
-    """`GrammarMatcher.allows(t)` (what a greedy row's pick is checked with) is bit t of the
-    step's mask, for every token id, at steps of a constrained output (forced bytes, whose mask
-    holds one tokenization, among them) and at its end (EOS)."""
+    """`GrammarMatcher.greedy_pick(t) == t` (what a greedy row's pick is checked with) is bit
+    t of the step's mask, for every token id, at steps of a constrained output (forced bytes,
+    whose mask holds one tokenization, among them) and at its end (EOS)."""
     vocab = llm.engine.model_config.vocab_size
     compiler = GrammarCompiler(llm.tokenizer, vocab, sorted(llm.engine.eos_token_ids))
     spec = schema_spec(PERSON)
@@ -199,13 +199,13 @@ def test_allows_agrees_with_the_mask_on_every_token(llm):
             mask = batch_bitmask([matcher], vocab).bitmask[0]
             bits = (mask[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
             expected = bits.flatten()[:vocab].bool().tolist()
-            assert [matcher.allows(t) for t in range(vocab)] == expected, i
+            assert [matcher.greedy_pick(t) == t for t in range(vocab)] == expected, i
             forced += sum(expected) == 1
             checked += 1
         assert matcher.accept([token]) == 1
     assert 0 < forced < checked
     eos = min(llm.engine.eos_token_ids)
-    assert matcher.is_accepting and matcher.allows(eos)
+    assert matcher.is_accepting and matcher.greedy_pick(eos) == eos
 
 
 def test_matcher_speculative_helpers(llm):
