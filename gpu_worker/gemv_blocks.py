@@ -72,6 +72,13 @@ class GemvBlocks:
         tensors = (self.qs, self.scale, self.offset, self.qs_blocks, self.amx_qs, self.amx_scale)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
+    def dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
+        """Rows r0..r1 of a q8_0 weight as float32 (exact: the GGUF's values), for the tile route
+        of a linear without a dense copy (`QuantLinear.tiled`)."""
+        assert self.kind == "q8_0", self.kind
+        qs = self.qs[r0:r1]
+        return (qs.view(r1 - r0, -1, GROUP_SIZE).float() * self.scale[r0:r1, :, None]).view_as(qs)
+
     def prepare(self) -> None:
         """Reorder int4 weights into the order the built kernel reads, or add the block-order
         copy of Q8_0 ones (once; needs `kernels.cpu_ext.load()`). The model runner calls it ahead

@@ -22,6 +22,9 @@ through gpu_worker/kquant.py; `dequantize` reads them with the `gguf` package's 
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,3 +164,18 @@ def q8_0_arrays(t: GGUFQuantTensor) -> tuple[torch.Tensor, torch.Tensor]:
     raw = t.blocks.reshape(n, k // GROUP_SIZE, _BLOCK_BYTES["Q8_0"])
     d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
     return torch.from_numpy(raw[..., 2:].copy().view(np.int8).reshape(n, k)), d
+
+
+def drop_file_pages(view: np.ndarray) -> None:
+    """Drop the pages of a read-only memory-mapped tensor `view` from this process once it was
+    copied out (madvise MADV_DONTNEED; the page cache keeps them, a later read maps them again).
+    Without it a dequantized or copied tensor counts twice in the load's peak RSS: its copy and
+    the file pages the copy touched (F32 tensors in gpu_worker/gguf_loader.py, the blocks of a
+    Q8_0 / Q4_x linear once built: `models.checkpoint.WeightReader.drop`)."""
+    if view.flags.writeable or view.nbytes < mmap.PAGESIZE or not hasattr(os, "posix_fadvise"):
+        return  # our own memory, too small to hold a whole page, or not Linux
+    start = -(-view.ctypes.data // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (view.ctypes.data + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)

@@ -23,7 +23,12 @@ import numpy as np
 import torch
 
 from laneserve.gpu_worker.errors import ModelLoadError
-from laneserve.gpu_worker.gguf_blocks import GGUF_QUANT_TYPES, K_QUANT_TYPES, GGUFQuantTensor
+from laneserve.gpu_worker.gguf_blocks import (
+    GGUF_QUANT_TYPES,
+    K_QUANT_TYPES,
+    GGUFQuantTensor,
+    drop_file_pages,
+)
 from laneserve.gpu_worker.gguf_header import GGUFHeader, map_tensors, read_gguf_header
 from laneserve.gpu_worker.model_config import ModelConfig, architecture_family
 from laneserve.gpu_worker.model_files import gguf_stamp
@@ -292,23 +297,6 @@ def dequantize_gguf_tensor(tensor, path: Path) -> np.ndarray:
     return np.asarray(data, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
 
 
-def _drop_file_pages(view: np.ndarray) -> None:
-    """Drop the pages of a read-only memory-mapped tensor `view` from this process once it was
-    copied out (madvise MADV_DONTNEED; the page cache keeps them, a later read maps them again).
-    Without it a dequantized or copied F32 tensor counts twice in the load's peak RSS: its copy
-    and the file pages the copy touched."""
-    import ctypes
-    import mmap
-
-    if view.flags.writeable or view.nbytes < mmap.PAGESIZE or not hasattr(os, "posix_fadvise"):
-        return  # our own memory, too small to hold a whole page, or not Linux
-    start = -(-view.ctypes.data // mmap.PAGESIZE) * mmap.PAGESIZE
-    end = (view.ctypes.data + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > start:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
-
-
 def _is_llama_qk(config: ModelConfig, hf_name: str) -> int | None:
     """Head count to undo llama.cpp's Q/K row permutation with, or None for other tensors."""
     if config.architecture not in ("llama", "mixtral"):
@@ -367,7 +355,7 @@ def load_gguf_weights(
         array = dequantize_gguf_tensor(tensor, path)
         if not array.flags.writeable:
             array = array.copy()  # F32 tensors are read-only memmap views of the file
-        _drop_file_pages(np.asarray(tensor.data))
+        drop_file_pages(np.asarray(tensor.data))
         if n_head is not None:
             array = reverse_llama_permute(array, n_head)
         if config.architecture == "gemma3" and hf_name.endswith("norm.weight"):
@@ -392,7 +380,7 @@ def _expert_tensors(
     array = dequantize_gguf_tensor(tensor, path)
     if not array.flags.writeable:
         array = array.copy()
-    _drop_file_pages(np.asarray(tensor.data))
+    drop_file_pages(np.asarray(tensor.data))
     experts = torch.from_numpy(array)  # one copy each: safetensors saves no shared storage
     return {name: experts[e].clone() for e, name in enumerate(names)}
 

@@ -31,6 +31,14 @@ BF16_GEMV_SLOWER = 1.25
 AMX_MIN_TOKENS = 5
 AMX_MAX_TOKENS = 512
 
+# --- dense copies -------------------------------------------------------------------------------
+
+# A model's Q8_0 linears keep dense copies for big calls (above) only while all of them together
+# take at most this many bytes (`quantization.dense_copies_fit`); a bigger model's run those calls
+# on dequantized tiles instead. A Llama-3.2-1B shape's Q8_0 copies took 2.36 GB in bf16 beside
+# its 1.31 GB file (docs/benchmarks.md Run 31); SmolLM2-135M's tied head 57 MB.
+DENSE_COPY_MAX_BYTES = 1 << 30
+
 # --- float32 activations (an AVX2-only CPU's dtype="auto") ---------------------------------------
 
 # Up to GEMV_MAX_TOKENS rows the C++ GEMVs on the GGUF blocks, from DENSE_MIN_TOKENS_FP32 a dense

@@ -102,12 +102,7 @@ class KQuantLinear:
         return dequantize(GGUFQuantTensor(p.name, p.qtype, blocks.numpy(), (r1 - r0, p.shape[1])))
 
     def _gemm(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        n = self.parts[i].shape[0]
-        tiles = [
-            F.linear(x, self._tile(i, r0, min(n, r0 + KQUANT_TILE_ROWS)))
-            for r0 in range(0, n, KQUANT_TILE_ROWS)
-        ]
-        return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
+        return tiled_linear(x, self.parts[i].shape[0], lambda r0, r1: self._tile(i, r0, r1))
 
     def _part(self, xf: torch.Tensor, i: int) -> torch.Tensor:
         """Part i of `xf @ W.T` on the route for its row count (module docstring)."""
@@ -142,6 +137,24 @@ class KQuantLinear:
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype)
+
+
+def tiled_linear(
+    x: torch.Tensor,
+    n: int,
+    tile: Callable[[int, int], torch.Tensor],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`x @ W.T (+ bias)` for a weight W [n, K] that is never whole in memory: `tile(r0, r1)`
+    gives its rows r0..r1 as float32, `KQUANT_TILE_ROWS` at a time, each multiplied by a dense
+    GEMM in x's dtype and freed (the GEMM route of K-quant linears, and of Q8_0 ones whose
+    model is too big for dense copies: `quantization.QuantLinear`)."""
+    tiles = []
+    for r0 in range(0, n, KQUANT_TILE_ROWS):
+        r1 = min(n, r0 + KQUANT_TILE_ROWS)
+        w = tile(r0, r1).to(x.dtype)
+        tiles.append(F.linear(x, w, None if bias is None else bias[r0:r1]))
+    return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
 
 
 Q8KGemv = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]

@@ -70,6 +70,7 @@ from __future__ import annotations
 import logging
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -77,6 +78,14 @@ import torch.nn.functional as F
 
 from laneserve.gpu_worker import kquant
 from laneserve.gpu_worker.config import QUANTIZATIONS as QUANTIZATION_MODES
+from laneserve.gpu_worker.dense_copies import (  # noqa: F401 (re-exported)
+    dense_copies_fit,
+    dense_copy_dtype,
+    dense_linear,
+    dense_min_tokens,
+    int4_blocked_cpu,
+    pack_dense,
+)
 from laneserve.gpu_worker.gemv_blocks import GemvBlocks, amx_takes, gemv_takes_bf16
 from laneserve.gpu_worker.gguf_blocks import (
     GROUP_SIZE,
@@ -88,12 +97,12 @@ from laneserve.gpu_worker.gguf_blocks import (
     int8_from_float,
     q8_0_arrays,
 )
-from laneserve.gpu_worker.hardware import cpu_flags, cpu_has_fast_bf16
 from laneserve.gpu_worker.kernel_routes import (  # noqa: F401 (re-exported: the routes' names)
     BF16_DENSE_GEMV_MAX_TOKENS,
     BF16_GEMV_MAX_TOKENS,
     BF16_GEMV_MIN_TOKENS,
     BF16_GEMV_SLOWER,
+    DENSE_COPY_MAX_BYTES,
     DENSE_MIN_TOKENS,
     DENSE_MIN_TOKENS_FP32,
     DENSE_MIN_TOKENS_FP32_GGUF_ORDER,
@@ -148,14 +157,6 @@ INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
 KERNEL_DTYPE = torch.bfloat16  # torch's int4/int8 CPU kernels are vectorized for bf16 only
 
 
-def int4_blocked_cpu() -> bool:
-    """Whether this CPU's build of the C++ int4 GEMV reads the block order (AVX2 without
-    AVX-512BW: `int4_kernel_block_groups` is 8 there), from the CPU flags the ``-march=native``
-    build follows, so routing can be chosen before the kernels are built."""
-    flags = cpu_flags()
-    return "avx2" in flags and not {"avx512f", "avx512bw"} <= flags
-
-
 def _padded_for_packing(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [N', K], scale_zeros [K/32, N', 2] in the kernel dtype) with N padded to a multiple of
     16 (the packers' requirement) by all-zero rows ((8 - 8) * 0 + 0) that the output drops."""
@@ -181,18 +182,6 @@ def cuda_inner_k_tiles(k: int) -> int:
     raise ValueError(f"K={k} is not a multiple of 32: no CUDA int4 packing")
 
 
-def dense_copy_dtype(dtype: torch.dtype) -> torch.dtype | None:
-    """The dtype of the dense copy kept for large-M calls, or None for no copy.
-
-    float32 activations keep a float32 copy (large calls on oneDNN's float32 GEMM, see
-    DENSE_MIN_TOKENS_FP32); bf16/fp16 ones a copy in their dtype only on a CPU with AMX or
-    AVX512-BF16, where those GEMMs beat the int4 kernel from DENSE_MIN_TOKENS rows.
-    """
-    if dtype == torch.float32 or cpu_has_fast_bf16():
-        return dtype
-    return None
-
-
 def bf16_takes_gemv(kind: str, rows: int) -> bool:
     """Whether a bf16 call of `rows` rows (at most `GEMV_MAX_TOKENS`) on GEMV blocks of `kind`
     runs the C++ GEMV rather than torch's kernel: Q8_0 blocks always (torch has no kernel for
@@ -204,37 +193,6 @@ def bf16_takes_gemv(kind: str, rows: int) -> bool:
     Zen 4 EPYC, `scripts/bench_quant.py --steps --quantization auto,auto-nolayergemv`, either
     OpenMP wait policy), so that row stays on torch's kernel."""
     return kind == "q8_0" or BF16_GEMV_MIN_TOKENS <= rows <= BF16_GEMV_MAX_TOKENS
-
-
-def dense_min_tokens(dtype: torch.dtype) -> int:
-    """From how many rows a call runs on the dense copy (see `dense_copy_dtype`)."""
-    if dtype != torch.float32:
-        return DENSE_MIN_TOKENS
-    return DENSE_MIN_TOKENS_FP32 if int4_blocked_cpu() else DENSE_MIN_TOKENS_FP32_GGUF_ORDER
-
-
-def pack_dense(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16/fp16 CPU weight [N, K] in oneDNN's blocked layout for `dense_linear` (results equal
-    `F.linear`'s bit for bit); float32 and CUDA weights, or a torch without oneDNN, stay as they
-    are (oneDNN's float32 GEMM rounds differently from `F.linear`'s)."""
-    if (
-        weight.device.type != "cpu"
-        or weight.dtype not in (torch.bfloat16, torch.float16)
-        or not torch.backends.mkldnn.is_available()
-    ):
-        return weight
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-    except (RuntimeError, AttributeError) as exc:  # an unsupported CPU or build: plain weights
-        logger.debug("oneDNN weight packing unavailable: %s", exc)
-        return weight
-
-
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """`F.linear` for a plain or a `pack_dense`ed weight."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
 
 
 class QuantLinear:
@@ -256,6 +214,13 @@ class QuantLinear:
         gemv: optional `GemvBlocks` of the same W, used for float32 calls (bf16 ones: from
             `BF16_GEMV_MIN_TOKENS` rows, Q8_0 blocks also below) of at most `gemv_max_tokens`
             rows when the C++ kernels are built (`kernels.cpu_ext`).
+        tiled: Q8_0 blocks in `gemv` and no dense copy (the model's would not fit, see
+            `dense_copies_fit`): calls of `dense_min_tokens` rows or more run dense GEMMs on
+            dequantized tiles of W (`kquant.tiled_linear`), as K-quant linears do.
+
+    Built from Q8_0 blocks (`from_q8_0_blocks`), `weight` and `scales` (torch's int8 kernel's
+    per-channel requantization) are made by the first call without the C++ kernels (not built
+    yet, or off): a model served on them never holds that copy (1 byte per weight).
     """
 
     def __init__(
@@ -268,17 +233,22 @@ class QuantLinear:
         dense_min_tokens: int = DENSE_MIN_TOKENS,
         gemv: GemvBlocks | None = None,
         gemv_max_tokens: int = GEMV_MAX_TOKENS,
+        tiled: bool = False,
     ):
         assert kind in ("int4", "int8"), kind
-        assert scales.dtype == KERNEL_DTYPE, scales.dtype
+        assert scales is None or scales.dtype == KERNEL_DTYPE, scales.dtype
+        lazy = weight is None and gemv is not None and gemv.kind == "q8_0"
+        assert (weight is not None and scales is not None) or lazy, "weights or Q8_0 blocks"
+        assert not tiled or (dense is None and gemv is not None and gemv.kind == "q8_0"), "tiles"
         self.kind = kind
-        self.weight = weight
-        self.scales = scales
+        self._weight = weight
+        self._scales = scales
         self.shape = shape
         self._dense = pack_dense(dense) if dense is not None else None
         self.dense_min_tokens = dense_min_tokens
         self.gemv = gemv
         self.gemv_max_tokens = gemv_max_tokens
+        self.tiled = tiled
         self._bf16_gemv_pays: bool | None = None  # Q8_0 blocks: measured (`bf16_gemv_pays`)
 
     @classmethod
@@ -303,6 +273,35 @@ class QuantLinear:
     @classmethod
     def from_int8(cls, q: torch.Tensor, scale: torch.Tensor, **kwargs) -> QuantLinear:
         return cls("int8", q.contiguous(), scale.to(KERNEL_DTYPE), tuple(q.shape), **kwargs)
+
+    @classmethod
+    def from_q8_0_blocks(cls, gemv: GemvBlocks, **kwargs) -> QuantLinear:
+        """An int8 linear over Q8_0 blocks (exact), its per-channel int8 weights made on first
+        need (the class docstring)."""
+        return cls("int8", None, None, tuple(gemv.qs.shape), gemv=gemv, **kwargs)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight torch's kernel reads (int4 pack or int8 per channel; module docstring)."""
+        if self._weight is None:
+            self._requantize()
+        return self._weight
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """The scales (and zeros) torch's kernel reads with `weight`."""
+        if self._scales is None:
+            self._requantize()
+        return self._scales
+
+    def _requantize(self) -> None:
+        """Make the per-channel int8 weights from the Q8_0 blocks (the class docstring)."""
+        with _REQUANTIZE_LOCK:
+            if self._weight is None:
+                n = self.shape[0]
+                q, scale = int8_from_float(self.gemv.dequantize_rows(0, n))
+                self._scales = scale.to(KERNEL_DTYPE)
+                self._weight = q.contiguous()
 
     def bf16_gemv_pays(self, x: torch.Tensor) -> bool:
         """For Q8_0 blocks: whether bf16 calls of `BF16_GEMV_MIN_TOKENS` rows or more run the
@@ -344,11 +343,14 @@ class QuantLinear:
         get their block-order copy (`GemvBlocks.block_copy`)."""
         assert blocks.kind == "q8_0" and self.kind == "int8", (blocks.kind, self.kind)
         blocks.block_copy = True
-        blocks.use_amx = self._dense is not None and self._dense.dtype == torch.bfloat16
+        bf16 = self._dense is not None and self._dense.dtype == torch.bfloat16
+        blocks.use_amx = bf16 or (self.tiled and self.gemv.use_amx)
+        # float32 routes: every call below the dense threshold on the GEMV (`_routes`)
+        fp32 = self.gemv_max_tokens < self.dense_min_tokens
         self.gemv = blocks
-        if self._dense is None:
+        if self._dense is None and not self.tiled:
             self.gemv_max_tokens = sys.maxsize
-        elif self._dense.dtype == torch.float32 and int4_blocked_cpu():
+        elif fp32 and int4_blocked_cpu():
             self.dense_min_tokens = max(self.dense_min_tokens, Q8_0_HEAD_DENSE_MIN_TOKENS_FP32)
             self.gemv_max_tokens = self.dense_min_tokens - 1
 
@@ -361,7 +363,7 @@ class QuantLinear:
 
     def nbytes(self) -> int:
         """Bytes held (quantized weight, scales, dense copy, GEMV blocks)."""
-        tensors = (self.weight, self.scales, self._dense)
+        tensors = (self._weight, self._scales, self._dense)
         held = sum(t.numel() * t.element_size() for t in tensors if t is not None)
         return held + (self.gemv.nbytes() if self.gemv is not None else 0)
 
@@ -397,6 +399,8 @@ class QuantLinear:
             return y if bias is None else y + bias
         if self._dense is not None and x.shape[0] >= self.dense_min_tokens:
             return dense_linear(x, self._dense, bias)
+        if self.tiled and x.shape[0] >= self.dense_min_tokens:
+            return kquant.tiled_linear(x, self.shape[0], self.gemv.dequantize_rows, bias)
         y = None
         if self.gemv is not None and x.shape[0] <= self.gemv_max_tokens and cpu_ext.load():
             if x.dtype == torch.float32 or (
@@ -416,6 +420,9 @@ class QuantLinear:
         else:
             y = self._kernel(x.to(KERNEL_DTYPE)).to(x.dtype)
         return y if bias is None else y + bias
+
+
+_REQUANTIZE_LOCK = threading.Lock()
 
 
 class Q8Embedding:
@@ -463,6 +470,8 @@ def build_linear(
     mode: str,
     dtype: torch.dtype,
     device: torch.device | None = None,
+    dense_copies: bool = True,
+    q8_0_blocks: GemvBlocks | None = None,
 ) -> torch.Tensor | QuantLinear:
     """One (fused) linear from its row blocks `parts` ([N_i, K] each, concatenated along N).
 
@@ -472,7 +481,9 @@ def build_linear(
     for large-M calls where it is faster (`dense_copy_dtype`); a float32 model also gets
     `GemvBlocks` (the exact GGUF values; Q8_0 ones only from Q8_0 sources) for few-row calls, and
     so does a bf16 one where `gemv_takes_bf16` (a tied LM head over a Q8_0 embedding gets them in
-    any dtype: `QuantLinear.read_q8_0_blocks`).
+    any dtype: `QuantLinear.read_q8_0_blocks`). Q8_0 ones with GEMV blocks make their int8 copy
+    on need (`QuantLinear`), and keep no dense copy unless `dense_copies` (`dense_copies_fit`).
+    `q8_0_blocks`: the parts' Q8_0 arrays where the caller holds them (a tied head: the embedding's).
     On a CUDA `device` (mode `int4`, `resolve_mode`) the int4 weight is packed for the CUDA
     kernel there, with no copies beside it. A dense result stays on the CPU (the caller moves it).
     """
@@ -501,11 +512,18 @@ def build_linear(
             gemv = GemvBlocks.from_int4(groups)
             gemv.use_amx = dtype == torch.bfloat16
         return QuantLinear.from_int4(groups, **_routes(dtype, dense, gemv))
+    if with_gemv and all(isinstance(p, GGUFQuantTensor) and p.qtype == "Q8_0" for p in parts):
+        # the Q8_0 blocks themselves (exact weights), or the same arrays already held
+        gemv = q8_0_blocks or GemvBlocks.from_q8_0(parts)
+        gemv.use_amx = dtype == torch.bfloat16
+        tiled = dense_dtype is not None and not dense_copies
+        dense = None
+        if dense_dtype is not None and not tiled:
+            dense = gemv.dequantize_rows(0, gemv.qs.shape[0]).to(dense_dtype)
+        routes = _routes(dtype, dense, gemv)
+        return QuantLinear.from_q8_0_blocks(tiled=tiled, **routes)
     weight = torch.cat([_as_float(p) for p in parts])
     dense = weight.to(dense_dtype) if dense_dtype else None
-    if with_gemv and all(isinstance(p, GGUFQuantTensor) and p.qtype == "Q8_0" for p in parts):
-        gemv = GemvBlocks.from_q8_0(parts)  # the Q8_0 blocks themselves: exact weights
-        gemv.use_amx = dtype == torch.bfloat16
     return QuantLinear.from_int8(*int8_from_float(weight), **_routes(dtype, dense, gemv))
 
 

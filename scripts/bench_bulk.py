@@ -395,7 +395,26 @@ async def stream_chat(client, model: str, text: str, max_tokens: int) -> dict[st
         return {"error": res.error or "no content"}
     tpot = res.tpot_s
     return {"ttft_ms": res.ttft_s * 1e3, "tpot_ms": tpot * 1e3 if tpot else None,
-            "tokens": res.tokens}  # fmt: skip
+            "tokens": res.tokens, "gaps_ms": [g * 1e3 for g in res.gaps_s()]}  # fmt: skip
+
+
+def slowest_chats(results: list[tuple[str, dict]], n: int = 3) -> list[dict[str, Any]]:
+    """The `n` chats of the highest TPOT, each with where its time between tokens went: the
+    median gap, the longest, and the time in gaps over 3x the median (a prompt's prefill or a
+    long step between two of its tokens) against the rest (paced steps)."""
+    ranked = sorted((r for _, r in results if r["tpot_ms"]), key=lambda r: -r["tpot_ms"])
+    out = []
+    for r in ranked[:n]:
+        gaps = r["gaps_ms"]
+        med = statistics.median(gaps) if gaps else 0.0
+        long = [g for g in gaps if g > 3 * med]
+        out.append({
+            "tpot_ms": round(r["tpot_ms"], 1), "tokens": r["tokens"],
+            "median_gap_ms": round(med, 1), "max_gap_ms": round(max(gaps, default=0.0), 1),
+            "long_gaps": len(long), "long_gaps_ms": round(sum(long), 1),
+            "other_gaps_ms": round(sum(gaps) - sum(long), 1),
+        })  # fmt: skip
+    return out
 
 
 async def chats_at_rate(api_url: str, model: str, plan, rate: float, stop: asyncio.Event, rng):
@@ -522,6 +541,8 @@ def beside_chats(args, info, data: bytes, model: str, alone_tok_s: float | None)
         "tpot_p99_ms": pct(load_tpot, 99),
         "ttft_p99_over_idle_p50": _ratio(pct(load_ttft, 99), pct(idle_ttft, 50)),
         "tpot_p99_over_idle_p50": _ratio(pct(load_tpot, 99), pct(idle_tpot, 50)),
+        "slowest_chats": slowest_chats(loop_results),
+        "slowest_idle_chats": slowest_chats(idle, 1),
         "chat_machine_ms_by_class": {k: round(v, 1) for k, v in machine_ms.items()},
         "chats_busy_fraction": round(busy_frac, 3),
         "ceiling_tok_s": round(ceiling, 1) if ceiling else None,

@@ -448,11 +448,17 @@ def _gguf_tensors(model, family: str):
 
 
 def write_gguf(
-    model, family: str, path: Path, tokenizer_gguf: Path | None = None, expert_type: str = "F32"
+    model,
+    family: str,
+    path: Path,
+    tokenizer_gguf: Path | None = None,
+    expert_type: str = "F32",
+    linear_type: str = "F32",
 ) -> Path:
     """`model`'s weights (float32) as a GGUF in llama.cpp's layout and metadata keys (llama: Q/K
     rows permuted; Gemma 3: norm weights stored as 1 + w; Phi-3: LongRoPE factors as tensors;
-    MoE experts as 3-D tensors, of `expert_type`).
+    MoE experts as 3-D tensors, of `expert_type`; the other 2-D weights, the embedding among
+    them, of `linear_type`, quantized by gguf-py: e.g. Q8_0).
 
     Raises:
         ValueError: a family laneserve does not read from GGUF, or a config llama.cpp cannot say.
@@ -492,8 +498,9 @@ def write_gguf(
             array = llama_cpp_permute(array, heads)
         if family == "gemma3" and gname.endswith("norm.weight"):
             array = array + 1.0
-        if "_exps." in gname and expert_type != "F32":  # MoE experts quantized (Q8_0, Q4_0, ...)
-            qtype = gguf.GGMLQuantizationType[expert_type]
+        kind = expert_type if "_exps." in gname else linear_type if array.ndim == 2 else "F32"
+        if kind != "F32" and "norm" not in gname:  # quantized (Q8_0, Q4_0, ...)
+            qtype = gguf.GGMLQuantizationType[kind]
             writer.add_tensor(gname, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
             continue
         writer.add_tensor(gname, np.ascontiguousarray(array))

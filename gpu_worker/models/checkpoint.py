@@ -13,7 +13,12 @@ import torch
 
 from laneserve.gpu_worker import quantization as quant
 from laneserve.gpu_worker.errors import ModelLoadError
-from laneserve.gpu_worker.gguf_blocks import GGUFQuantTensor, dequantize
+from laneserve.gpu_worker.gguf_blocks import (
+    GGUF_QUANT_TYPES,
+    GGUFQuantTensor,
+    dequantize,
+    drop_file_pages,
+)
 from laneserve.gpu_worker.quantization import QuantLinear
 
 Linear = torch.Tensor | QuantLinear
@@ -66,6 +71,13 @@ class WeightReader:
         self.device = device
         self.quantization = quantization
         self.linears = LAYER_LINEARS[family]
+        # whether the model's Q8_0 linears may keep dense copies (`quant.dense_copies_fit`)
+        self.dense_copies = quant.dense_copies_fit(weights.values(), dtype)
+
+    @property
+    def build_args(self) -> tuple:
+        """`quant.build_linear`'s arguments after the name and parts, for this model."""
+        return self.quantization, self.dtype, self.device, self.dense_copies
 
     def raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | GGUFQuantTensor:
         tensor = self.weights.get(name)
@@ -84,9 +96,12 @@ class WeightReader:
             tensor = dequantize(tensor)
         return tensor.to(device=self.device, dtype=dtype or self.dtype).contiguous()
 
-    def take_linear(self, names: list[str], shapes: list[tuple[int, int]]) -> Linear:
+    def take_linear(
+        self, names: list[str], shapes: list[tuple[int, int]], q8_0_blocks=None
+    ) -> Linear:
+        """A (fused) linear of the checkpoint tensors `names` (`quant.build_linear`)."""
         parts = [self.raw(n, s) for n, s in zip(names, shapes, strict=True)]
-        built = quant.build_linear(names[0], parts, self.quantization, self.dtype, self.device)
+        built = quant.build_linear(names[0], parts, *self.build_args, q8_0_blocks)
         return built.to(self.device) if isinstance(built, torch.Tensor) else built
 
     def take_layer_linear(self, prefix: str, param: str, rows: list[int], cols: int) -> Linear:
@@ -104,4 +119,6 @@ class WeightReader:
         layer instead of living beside the model until the load ends (peak RSS)."""
         if self.release:
             for name in names:
-                self.weights.pop(name, None)
+                tensor = self.weights.pop(name, None)
+                if isinstance(tensor, GGUFQuantTensor) and tensor.qtype in GGUF_QUANT_TYPES:
+                    drop_file_pages(tensor.blocks)  # built into arrays of their own

@@ -193,15 +193,13 @@ class LlamaForCausalLM:
         ):
             self.lm_head: Linear = self.embed_tokens
             return
-        self.lm_head = w.take_linear([head_name], [vh])
-        head, table = self.lm_head, self.embed_tokens
-        if (
-            head_name == embed_name
-            and isinstance(table, quant.Q8Embedding)
-            and isinstance(head, QuantLinear)
-            and head.kind == "int8"
-        ):  # few-row calls read the embedding's own Q8_0 arrays: exact, one copy
-            head.read_q8_0_blocks(GemvBlocks("q8_0", table.qs, table.d))
+        table, blocks = self.embed_tokens, None
+        if head_name == embed_name and isinstance(table, quant.Q8Embedding):
+            blocks = GemvBlocks("q8_0", table.qs, table.d)  # the embedding's own arrays
+        self.lm_head = head = w.take_linear([head_name], [vh], blocks)
+        if blocks is not None and isinstance(head, QuantLinear) and head.kind == "int8":
+            head.read_q8_0_blocks(blocks)  # few-row calls read them: exact, one copy
+        w.drop({embed_name, head_name})  # both built
 
     def _load_layer(self, w: WeightReader, i: int) -> LayerWeights:
         """Layer `i`'s weights, q/k/v and gate/up fused into one linear each."""

@@ -108,8 +108,8 @@ def load_moe(w: WeightReader, config: ModelConfig, i: int) -> MoEWeights:
     for e in range(num):
         parts, down_part = _expert_parts(w, b, e, h, inter, num)
         name = f"{b}experts.{e}"
-        gate_up.append(quant.build_linear(name, parts, w.quantization, w.dtype, w.device))
-        down.append(quant.build_linear(name, [down_part], w.quantization, w.dtype, w.device))
+        gate_up.append(quant.build_linear(name, parts, *w.build_args))
+        down.append(quant.build_linear(name, [down_part], *w.build_args))
     w.drop([name for name in w.weights if name.startswith(b + "experts.")])
     w13 = w2 = None
     if all(isinstance(t, torch.Tensor) for t in gate_up + down):

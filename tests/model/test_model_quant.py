@@ -19,6 +19,7 @@ import torch
 from laneserve.demo_corpus import build_corpus
 from laneserve.gpu_worker import LLM, SamplingParams, gemv_blocks
 from laneserve.gpu_worker import quantization as quant
+from laneserve.gpu_worker.gemv_blocks import GemvBlocks
 from laneserve.gpu_worker.quantization import (
     DENSE_MIN_TOKENS,
     GEMV_MAX_TOKENS,
@@ -209,5 +210,14 @@ def test_float32_routing_thresholds_follow_the_int4_gemv_build(quantized_fp32):
     assert torch.equal(head(below), head.gemv(below))
     at = torch.randn(head_threshold, head.shape[1])
     assert torch.equal(head(at), torch.nn.functional.linear(at, head.dense))
+    # the same head in a model too big for dense copies: the same thresholds, tiles beyond
+    table = model.embed_tokens
+    blocks = GemvBlocks("q8_0", table.qs, table.d)
+    tiled = QuantLinear.from_q8_0_blocks(tiled=True, **quant._routes(torch.float32, None, blocks))
+    tiled.read_q8_0_blocks(blocks)
+    assert tiled.dense_min_tokens == head_threshold == tiled.gemv_max_tokens + 1
+    assert torch.equal(tiled(below), head(below))
+    torch.testing.assert_close(tiled(at), head(at), rtol=1e-5, atol=1e-4)
+    assert tiled._weight is None
     for layer in model.layers:
         assert layer.qkv_proj.gemv.block_groups == gemv_blocks.int4_kernel_block_groups()
