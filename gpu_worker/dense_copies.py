@@ -74,17 +74,21 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tens
     return F.linear(x, weight, bias)
 
 
-def dense_copies_fit(tensors, dtype: torch.dtype) -> bool:
-    """Whether the dense copies `build_linear` would make of a model's Q8_0 `tensors` (its
-    checkpoint's, GGUF blocks among them) fit `DENSE_COPY_MAX_BYTES` in `dtype`'s copy dtype.
+def dense_copies_fit(weights: dict, dtype: torch.dtype) -> bool:
+    """Whether the dense copies `build_linear` would make of a model's Q8_0 linears (from its
+    checkpoint's `weights`, GGUF blocks among them: every 2-D Q8_0 tensor, the embedding only
+    where no `lm_head.weight` is there, so that it is the head too) fit `DENSE_COPY_MAX_BYTES` in
+    `dtype`'s copy dtype.
     A 1B model's Q8_0 weights took 2.36 GB more as bf16 copies (4.7 GB as float32): past the
     limit its Q8_0 linears run big calls on tiles (`QuantLinear` `tiled`)."""
     copy = dense_copy_dtype(dtype)
     if copy is None:
         return True
-    weights = sum(
+    untied = "lm_head.weight" in weights
+    count = sum(
         t.shape[0] * t.shape[1]
-        for t in tensors
+        for name, t in weights.items()
         if isinstance(t, GGUFQuantTensor) and t.qtype == "Q8_0" and len(t.shape) == 2
-    )
-    return weights * torch.empty(0, dtype=copy).element_size() <= DENSE_COPY_MAX_BYTES
+        and not (untied and name == "model.embed_tokens.weight")
+    )  # fmt: skip
+    return count * torch.empty(0, dtype=copy).element_size() <= DENSE_COPY_MAX_BYTES

@@ -349,6 +349,7 @@ def load_gguf_weights(
             blocks = np.asarray(tensor.data)
             if n_head is not None:
                 blocks = reverse_llama_permute(blocks, n_head)
+                drop_file_pages(np.asarray(tensor.data))  # copied: its pages are not read again
             shape = tuple(reversed(tensor.shape.tolist()))
             weights[hf_name] = GGUFQuantTensor(hf_name, tensor.tensor_type.name, blocks, shape)
             continue

@@ -1,4 +1,4 @@
-"""Weight-only quantized linears (int4 group-32 and int8 per-channel) for the CPU decode path.
+"""Weight-only quantized linears (int4 group-32, Q8_0 blocks, int8 per-channel) for the CPU.
 
 DESIGN.md "Quantization": `quantization="auto"|"none"|"int8"|"int4"`. Decode rows are
 bandwidth-bound (every token reads every weight), so reading 4-bit weights instead of bf16 ones
@@ -32,6 +32,11 @@ Kernel choice by phase and CPU (measured with scripts/bench_quant.py, docs/bench
   block order, 48 otherwise) a dense float32 copy
   (4 bytes per weight) runs oneDNN's GEMM on the activations as they are. Both use the exact GGUF
   values, so kernel switches change outputs by that rounding and float32 summation order only.
+- A model whose Q8_0 linears' dense copies would pass `DENSE_COPY_MAX_BYTES` (1 GiB; a
+  Llama-3.2-1B shape's: 4.7 GB in float32) keeps none (`dense_copies_fit`): their calls past the
+  GEMV's rows dequantize tiles of `KQUANT_TILE_ROWS` outputs for the same dense GEMM
+  (`kquant.tiled_linear`; 0.85-1.3x the copy's time at 96-2,048 rows on a 2-core AVX2 EPYC,
+  1B shapes), as K-quant linears do, and the model holds ~1.06 bytes per Q8_0 weight.
 
 The embedding of a GGUF stays in its Q8_0 blocks (exact lookups, 31 MB instead of 57 MB bf16).
 A tied LM head over it (SmolLM2's) reads those same blocks (exact; where the kernel was built for
@@ -46,8 +51,9 @@ with AVX512-BF16 its float32-activation version streamed the 49,152 x 576 head a
 0.5-0.6x the time of torch's per-channel int8 kernel from 1 to 3 rows and 0.55-0.9x up to 9 (which
 requantizes the Q8_0 blocks, and reads them at ~13 GB/s at one row); the int16 version was
 measured on an AVX2 EPYC only (its Q8_0 GEMV 0.65-0.75x the float32-activation version's time
-at one row, its int4 GEMV 0.47-0.61x). The int8 copy stays as the path without the C++ kernels;
-requantizing Q8_0 to int4 would cost ~8x the int8 error.
+at one row, its int4 GEMV 0.47-0.61x). The per-channel int8 copy of Q8_0 weights is the path
+without the C++ kernels, made on the first call that needs it (`QuantLinear`); requantizing Q8_0
+to int4 would cost ~8x the int8 error.
 
 Kernels (torch CPU, ATen):
 
@@ -61,8 +67,9 @@ Kernels (torch CPU, ATen):
   per output channel (symmetric, max-abs / 127).
 
 The GGUF blocks and their unpacked forms are gpu_worker/gguf_blocks.py; the C++ GEMV and AMX
-kernels' weight layouts (`GemvBlocks`) gpu_worker/gemv_blocks.py. This module holds the modes,
-the routing thresholds, `QuantLinear`, `Q8Embedding` and the builders the model calls.
+kernels' weight layouts (`GemvBlocks`) gpu_worker/gemv_blocks.py; the dense copies'
+gpu_worker/dense_copies.py; Q8_0 embeddings gpu_worker/quant_embedding.py. This module holds the
+modes, the routing thresholds, `QuantLinear` and the builders the model calls.
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from laneserve.contracts import env
 from laneserve.gpu_worker import kquant
 from laneserve.gpu_worker.config import QUANTIZATIONS as QUANTIZATION_MODES
 from laneserve.gpu_worker.dense_copies import (  # noqa: F401 (re-exported)
@@ -95,7 +103,6 @@ from laneserve.gpu_worker.gguf_blocks import (
     int4_from_float,
     int4_from_gguf,
     int8_from_float,
-    q8_0_arrays,
 )
 from laneserve.gpu_worker.kernel_routes import (  # noqa: F401 (re-exported: the routes' names)
     BF16_DENSE_GEMV_MAX_TOKENS,
@@ -108,6 +115,11 @@ from laneserve.gpu_worker.kernel_routes import (  # noqa: F401 (re-exported: the
     DENSE_MIN_TOKENS_FP32_GGUF_ORDER,
     GEMV_MAX_TOKENS,
     Q8_0_HEAD_DENSE_MIN_TOKENS_FP32,
+)
+from laneserve.gpu_worker.quant_embedding import (  # noqa: F401 (re-exported)
+    Q8Embedding,
+    build_embedding,
+    embedding,
 )
 from laneserve.kernels import cpu_ext
 
@@ -196,7 +208,7 @@ def bf16_takes_gemv(kind: str, rows: int) -> bool:
 
 
 class QuantLinear:
-    """`y = x @ W.T` with W held as weight-only int4 (group 32) or int8 (per channel).
+    """`y = x @ W.T` with W held as weight-only int4 (group 32) or int8 (Q8_0 blocks, per channel).
 
     The kernels take bf16 activations: float32 inputs are rounded to bf16 on the way in and the
     result (accumulated in fp32 by the kernel) comes back as float32. Each output row depends on
@@ -281,6 +293,11 @@ class QuantLinear:
         return cls("int8", None, None, tuple(gemv.qs.shape), gemv=gemv, **kwargs)
 
     @property
+    def tile_min_tokens(self) -> int:
+        """From how many rows a `tiled` linear's calls run on tiles: past its GEMV's rows."""
+        return max(self.dense_min_tokens, self.gemv_max_tokens + 1)
+
+    @property
     def weight(self) -> torch.Tensor:
         """The weight torch's kernel reads (int4 pack or int8 per channel; module docstring)."""
         if self._weight is None:
@@ -295,13 +312,17 @@ class QuantLinear:
         return self._scales
 
     def _requantize(self) -> None:
-        """Make the per-channel int8 weights from the Q8_0 blocks (the class docstring)."""
+        """Make the per-channel int8 weights from the Q8_0 blocks (the class docstring), a tile
+        of rows at a time (each row is its own channel: the same as all at once)."""
         with _REQUANTIZE_LOCK:
             if self._weight is None:
-                n = self.shape[0]
-                q, scale = int8_from_float(self.gemv.dequantize_rows(0, n))
-                self._scales = scale.to(KERNEL_DTYPE)
-                self._weight = q.contiguous()
+                n, rows = self.shape[0], kquant.KQUANT_TILE_ROWS
+                tiles = [
+                    int8_from_float(self.gemv.dequantize_rows(r, min(n, r + rows)))
+                    for r in range(0, n, rows)
+                ]
+                self._scales = torch.cat([s for _, s in tiles]).to(KERNEL_DTYPE)
+                self._weight = torch.cat([q for q, _ in tiles])
 
     def bf16_gemv_pays(self, x: torch.Tensor) -> bool:
         """For Q8_0 blocks: whether bf16 calls of `BF16_GEMV_MIN_TOKENS` rows or more run the
@@ -399,7 +420,7 @@ class QuantLinear:
             return y if bias is None else y + bias
         if self._dense is not None and x.shape[0] >= self.dense_min_tokens:
             return dense_linear(x, self._dense, bias)
-        if self.tiled and x.shape[0] >= self.dense_min_tokens:
+        if self.tiled and x.shape[0] >= self.tile_min_tokens:
             return kquant.tiled_linear(x, self.shape[0], self.gemv.dequantize_rows, bias)
         y = None
         if self.gemv is not None and x.shape[0] <= self.gemv_max_tokens and cpu_ext.load():
@@ -423,27 +444,6 @@ class QuantLinear:
 
 
 _REQUANTIZE_LOCK = threading.Lock()
-
-
-class Q8Embedding:
-    """An embedding table kept in GGUF Q8_0 blocks; lookups are exact (fp16 scale x int8).
-
-    qs: int8 [V, K]; d: float32 [V, K / 32]. 1.06 bytes per weight instead of 2 (bf16) or 4.
-    """
-
-    def __init__(self, t: GGUFQuantTensor, dtype: torch.dtype):
-        assert t.qtype == "Q8_0", t.qtype
-        self.qs, self.d = q8_0_arrays(t)
-        self.dtype = dtype
-
-    def nbytes(self) -> int:
-        return self.qs.numel() + self.d.numel() * 4
-
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids int64 [T] -> [T, K] in `dtype`."""
-        t = ids.shape[0]
-        qs = self.qs.index_select(0, ids).view(t, -1, GROUP_SIZE).float()
-        return (qs * self.d.index_select(0, ids)[..., None]).view(t, -1).to(self.dtype)
 
 
 def _as_float(part: torch.Tensor | GGUFQuantTensor) -> torch.Tensor:
@@ -476,7 +476,8 @@ def build_linear(
     """One (fused) linear from its row blocks `parts` ([N_i, K] each, concatenated along N).
 
     `none`, or `auto` over float weights: a dense tensor in `dtype`. `auto` over GGUF blocks: int4
-    for Q4_0 / Q4_1 (exact), int8 per channel for Q8_0 (requantized). `int4` / `int8`: that kernel
+    for Q4_0 / Q4_1 (exact), int8 for Q8_0 (its blocks; requantized per channel for torch's
+    kernel: made on need where GEMV blocks are kept). `int4` / `int8`: that kernel
     for any source (round-to-nearest from float). A dense copy of the source weights rides along
     for large-M calls where it is faster (`dense_copy_dtype`); a float32 model also gets
     `GemvBlocks` (the exact GGUF values; Q8_0 ones only from Q8_0 sources) for few-row calls, and
@@ -520,10 +521,12 @@ def build_linear(
         dense = None
         if dense_dtype is not None and not tiled:
             dense = gemv.dequantize_rows(0, gemv.qs.shape[0]).to(dense_dtype)
-        routes = _routes(dtype, dense, gemv)
-        return QuantLinear.from_q8_0_blocks(tiled=tiled, **routes)
+        lin = QuantLinear.from_q8_0_blocks(tiled=tiled, **_routes(dtype, dense, gemv))
+        if not env.get("LANESERVE_CPU_KERNELS"):
+            lin.weight  # noqa: B018 (torch's kernel serves every call: made now, not mid-step)
+        return lin
     weight = torch.cat([_as_float(p) for p in parts])
-    dense = weight.to(dense_dtype) if dense_dtype else None
+    dense = weight.to(dense_dtype) if dense_dtype and dense_copies else None
     return QuantLinear.from_int8(*int8_from_float(weight), **_routes(dtype, dense, gemv))
 
 
@@ -545,24 +548,6 @@ def _routes(dtype: torch.dtype, dense: torch.Tensor | None, gemv: GemvBlocks | N
     if dtype == torch.float32:  # below the copy's threshold, every float32 call on the GEMV
         routes["gemv_max_tokens"] = threshold - 1
     return routes
-
-
-def build_embedding(
-    table: torch.Tensor | GGUFQuantTensor, mode: str, dtype: torch.dtype
-) -> torch.Tensor | Q8Embedding:
-    """The token embedding: Q8_0 blocks stay quantized (exact lookups) unless `mode == "none"`."""
-    if mode != "none" and isinstance(table, GGUFQuantTensor) and table.qtype == "Q8_0":
-        return Q8Embedding(table, dtype)
-    if mode != "none" and kquant.is_kquant(table):
-        return kquant.KQuantEmbedding(table, dtype)
-    return _as_float(table).to(dtype).contiguous()
-
-
-def embedding(ids: torch.Tensor, table: torch.Tensor | Q8Embedding) -> torch.Tensor:
-    """F.embedding for a dense table, the blocks' lookup for a `Q8Embedding` / `KQuantEmbedding`."""
-    if not isinstance(table, torch.Tensor):
-        return table(ids)
-    return F.embedding(ids, table)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantLinear, bias=None) -> torch.Tensor:

@@ -152,8 +152,11 @@ def build_engines(args) -> tuple[dict, dict]:
                 if drop == "noamx":
                     if lin.gemv is not None:
                         lin.gemv.use_amx, lin.gemv.amx_qs, lin.gemv.amx_scale = False, None, None
-                else:
-                    setattr(lin, "_dense" if drop == "nodense" else "gemv", None)
+                elif drop == "nodense":
+                    lin._dense = None
+                else:  # torch's kernels only: their int8 weights made now, no tiles
+                    lin.weight  # noqa: B018 (made on first read from Q8_0 blocks)
+                    lin.gemv, lin.tiled = None, False
         llms[name] = llm
         memory[name] = {
             "load_s": round(time.perf_counter() - t0, 2),

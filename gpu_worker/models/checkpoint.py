@@ -72,7 +72,7 @@ class WeightReader:
         self.quantization = quantization
         self.linears = LAYER_LINEARS[family]
         # whether the model's Q8_0 linears may keep dense copies (`quant.dense_copies_fit`)
-        self.dense_copies = quant.dense_copies_fit(weights.values(), dtype)
+        self.dense_copies = quant.dense_copies_fit(weights, dtype)
 
     @property
     def build_args(self) -> tuple:

@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from laneserve.gpu_worker import gemv_blocks, kquant
 from laneserve.gpu_worker import quantization as quant
@@ -21,6 +22,7 @@ from laneserve.gpu_worker.gemv_blocks import GemvBlocks
 from laneserve.gpu_worker.gguf_blocks import (
     GGUFQuantTensor,
     Int4Groups,
+    dequantize,
     int4_from_float,
     int4_from_gguf,
     int8_from_float,
@@ -29,7 +31,7 @@ from laneserve.gpu_worker.gguf_loader import load_gguf_weights
 from laneserve.gpu_worker.hardware import cpu_has_fast_bf16
 from laneserve.gpu_worker.quantization import QuantLinear
 from laneserve.kernels import cpu_ext
-from tests.kernels.test_kernels_quant import CONFIG, K, bf16_tolerance, write_gguf
+from tests.kernels.test_kernels_quant import CONFIG, K, write_gguf
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 
@@ -341,53 +343,56 @@ def test_q8_0_linear_of_a_big_model_runs_tiles_and_requantizes_on_need(
     q8_0_qkv, dtype, monkeypatch
 ):
     """A Q8_0 linear of a model whose dense copies would not fit (`dense_copies=False`) holds
-    its blocks only: calls from the dense threshold up multiply dequantized tiles (32 outputs a
-    tile here, so three of them and a short one), equal to the dense copy's GEMM on the same
-    rows; smaller calls take the GEMV as before; the per-channel int8 weights of torch's kernel
-    are made on first need, equal to the eager build's."""
+    its blocks only: calls past its GEMV's rows multiply dequantized tiles (32 outputs a tile
+    here, so three of them and a short one), equal to dense GEMMs on the same tiles; smaller
+    calls take the GEMV as the copy's linear does; the per-channel int8 weights of torch's kernel
+    are made on first need, equal to requantizing the dequantized blocks. bf16 calls: the routes
+    `build_linear` gives where bf16 is native, checked on any CPU."""
     parts = q8_0_qkv
-    full = quant.build_linear("qkv", parts, "auto", dtype)
-    lin = quant.build_linear("qkv", parts, "auto", dtype, dense_copies=False)
-    assert lin.dense is None
-    if full.dense is None:  # bf16 on a CPU without native bf16: no copy, torch's kernel
-        assert not lin.tiled and lin.gemv is None
-        return
-    assert lin.tiled and lin._weight is None and lin._scales is None
-    assert quant.nbytes(lin) == lin.gemv.nbytes()
     monkeypatch.setattr(kquant, "KQUANT_TILE_ROWS", 32)
+    built = quant.build_linear("qkv", parts, "auto", dtype, dense_copies=False)
+    assert built.dense is None
+    if quant.dense_copy_dtype(dtype) is None:  # bf16 without native bf16: torch's kernel
+        assert not built.tiled and built.gemv is None
+    else:
+        assert built.tiled and built._weight is None and built._scales is None
+        assert quant.nbytes(built) == built.gemv.nbytes()
+    blocks = GemvBlocks.from_q8_0(parts)
+    lin = QuantLinear.from_q8_0_blocks(tiled=True, **quant._routes(dtype, None, blocks))
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(lin.dense_min_tokens + 1, K, generator=gen).to(dtype)
+    x = torch.randn(lin.tile_min_tokens, K, generator=gen).to(dtype)
     bias = torch.randn(88, generator=gen).to(dtype)
-    got = lin(x, bias)
-    w = full.dense.to(dtype)
-    want = torch.cat(
-        [torch.nn.functional.linear(x, w[r : r + 32], bias[r : r + 32]) for r in range(0, 88, 32)],
-        dim=1,
-    )
-    assert torch.equal(got, want)
-    torch.testing.assert_close(got, full(x, bias), **bf16_tolerance(want.float()))
-    few = x[:3]
-    assert torch.equal(lin(few), full(few))
+    w = torch.cat([dequantize(p) for p in parts])
+    tiles = [w[r : r + 32].to(dtype) for r in range(0, 88, 32)]
+    want = torch.cat([F.linear(x, t, bias[r * 32 : r * 32 + 32]) for r, t in enumerate(tiles)], 1)
+    assert torch.equal(lin(x, bias), want)
+    few = x[: lin.tile_min_tokens - 1]
+    assert torch.equal(lin(few), QuantLinear.from_q8_0_blocks(gemv=blocks)(few))
     assert lin._weight is None  # no call so far needed torch's kernel
-    assert torch.equal(lin.weight, full.weight) and torch.equal(lin.scales, full.scales)
+    q, scale = int8_from_float(w)
+    assert torch.equal(lin.weight, q) and torch.equal(lin.scales, scale.to(quant.KERNEL_DTYPE))
 
 
-def test_dense_copies_fit_counts_the_q8_0_weights_in_the_copies_dtype():
-    """`dense_copies_fit`: Q8_0 weights times the copy's bytes against `DENSE_COPY_MAX_BYTES`
-    (other tensors do not count; a dtype that keeps no copy always fits)."""
+def test_dense_copies_fit_counts_the_q8_0_linears_in_the_copies_dtype():
+    """`dense_copies_fit`: Q8_0 weights times the copy's bytes against `DENSE_COPY_MAX_BYTES`;
+    other tensors do not count, nor an embedding with a head of its own; a dtype that keeps no
+    copy always fits."""
 
     def q8(n: int, k: int) -> GGUFQuantTensor:
         blocks = np.broadcast_to(np.zeros(1, np.uint8), (n, k // 32 * 34))  # no memory
         return GGUFQuantTensor("w", "Q8_0", blocks, (n, k))
 
     limit = quant.DENSE_COPY_MAX_BYTES // 4  # float32 weights at the limit
-    at_limit = [q8(limit // 4096, 4096), torch.zeros(4, 4)]
+    at_limit = {"a.weight": q8(limit // 4096, 4096), "norm.weight": torch.zeros(4, 4)}
     assert quant.dense_copies_fit(at_limit, torch.float32)
-    assert not quant.dense_copies_fit([*at_limit, q8(1, 32)], torch.float32)
-    twice = [*at_limit, q8(limit // 4096, 4096)]
+    over = {**at_limit, "model.embed_tokens.weight": q8(1, 32)}  # tied: it is the head
+    assert not quant.dense_copies_fit(over, torch.float32)
+    assert quant.dense_copies_fit({**over, "lm_head.weight": torch.zeros(1, 32)}, torch.float32)
+    twice = {**at_limit, "b.weight": q8(limit // 4096, 4096)}
     assert quant.dense_copies_fit(twice, torch.bfloat16)  # 2-byte copies, or none at all
     keeps_copy = quant.dense_copy_dtype(torch.bfloat16) is not None
-    assert quant.dense_copies_fit([*twice, q8(1, 32)], torch.bfloat16) == (not keeps_copy)
+    fits = quant.dense_copies_fit({**twice, "c.weight": q8(1, 32)}, torch.bfloat16)
+    assert fits == (not keeps_copy)
 
 
 def test_dense_copy_only_where_bf16_is_native(qkv):
