@@ -374,3 +374,19 @@ def test_a_worker_answers_a_chat_inside_a_long_batch_step(make_llm):
     assert ("chat", "Final") in events and ("batch", "Final") in events
     assert engine.interleave.num_steps >= 2  # its prefill and paced decodes, inside the step
     assert engine.stats()["num_interleaved_steps"] == engine.interleave.num_steps
+
+
+def test_split_halves_stay_above_every_small_row_route():
+    """Each half of a split gate/up (the smaller is `SPLIT_ROWS // 2` rows at least) takes the
+    route the whole takes: no half falls under a threshold below which fewer rows change kernel
+    (GEMVs, the tiles' start, K-quant GEMVs, the bf16 GEMVs, AMX's start)."""
+    from laneserve.gpu_worker import kernel_routes as kr
+    from laneserve.gpu_worker.models.llama import SPLIT_ROWS
+
+    tops = [
+        kr.DENSE_MIN_TOKENS, kr.DENSE_MIN_TOKENS_FP32, kr.DENSE_MIN_TOKENS_FP32_GGUF_ORDER,
+        kr.GEMV_MAX_TOKENS + 1, kr.BF16_GEMV_MAX_TOKENS + 1, kr.BF16_DENSE_GEMV_MAX_TOKENS + 1,
+        kr.AMX_MIN_TOKENS, *(n + 1 for n in kr.KQUANT_GEMV_MAX_TOKENS.values()),
+        *(n + 1 for n in kr.KQUANT_Q8K_MAX_TOKENS.values()),
+    ]  # fmt: skip
+    assert SPLIT_ROWS // 2 >= max(tops), (SPLIT_ROWS, max(tops))
