@@ -30,7 +30,9 @@ For each size in `--lines` the same summarization lines (the stdlib documents of
    (``alone_over_offline_worker_policy``);
 7. **alone_active**: the alone phase on a stack whose worker spins as the offline engine does
    (``OMP_WAIT_POLICY=ACTIVE``, which `laneserve up` passes on to its workers; `--spin-env`
-   tries another policy, e.g. a longer spin that still sleeps when the worker idles).
+   tries another policy, e.g. a longer spin that still sleeps when the worker idles);
+8. **chats_only**: beside_chats without the job (the chats at `R` per second for
+   `--chats-only-s` seconds): what the chats cost each other, apart from what the job costs them.
 
 A job's rate is its lines' completion tokens over the job's own span (first line dispatched ->
 last result written, from the `requests` rows), and also over in_progress -> completed. The
@@ -75,7 +77,7 @@ from benchlib import (  # noqa: E402
 
 PHASES = (
     "offline", "alone", "after_chat", "beside_chats", "offline_at_step", "offline_worker_policy",
-    "alone_active",
+    "alone_active", "chats_only",
 )  # fmt: skip
 # The OpenMP wait policy of each phase's engine process (gpu_worker/openmp.py): the offline `LLM`
 # owns the cores and spins at every barrier; a worker of `laneserve up` shares them and spins
@@ -476,7 +478,11 @@ def chat_machine_ms(db_url: str, since: float) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in by.items()}
 
 
-def beside_chats(args, info, data: bytes, model: str, alone_tok_s: float | None) -> dict:
+def beside_chats(
+    args, info, data: bytes, model: str, alone_tok_s: float | None, job_runs: bool = True
+) -> dict:
+    """The chats idle, then at `--interactive-rate` while the job runs (`job_runs`; else for
+    `--chats-only-s` seconds with nothing beside them: what the chats cost each other)."""
     rng = random.Random(7)
     plan = chat_plan(rng, args.chats)
     t_idle = time.time()
@@ -494,6 +500,11 @@ def beside_chats(args, info, data: bytes, model: str, alone_tok_s: float | None)
 
     def job() -> None:
         try:
+            if not job_runs:
+                t0 = time.time()
+                time.sleep(args.chats_only_s)
+                box.update(span_s=time.time() - t0)
+                return
             box.update(run_job(info, data, model))
         except Exception as exc:  # noqa: BLE001 (raised below, once the chats have stopped)
             box["error"] = exc
@@ -507,7 +518,7 @@ def beside_chats(args, info, data: bytes, model: str, alone_tok_s: float | None)
     loop.close()
     if "error" in box:
         raise box["error"]
-    figures = job_figures(info["db_url"], box["batch"])
+    figures = job_figures(info["db_url"], box["batch"]) if job_runs else {"span_s": box["span_s"]}
     errors = [r["error"] for _, r in idle + loop_results if "error" in r]
     idle = [(k, r) for k, r in idle if "error" not in r]
     loop_results = [(k, r) for k, r in loop_results if "error" not in r]
@@ -546,7 +557,7 @@ def beside_chats(args, info, data: bytes, model: str, alone_tok_s: float | None)
         "chat_machine_ms_by_class": {k: round(v, 1) for k, v in machine_ms.items()},
         "chats_busy_fraction": round(busy_frac, 3),
         "ceiling_tok_s": round(ceiling, 1) if ceiling else None,
-        "tok_s_over_ceiling": _ratio(figures["tok_s"], ceiling),
+        "tok_s_over_ceiling": _ratio(figures.get("tok_s"), ceiling),
     }
 
 
@@ -577,8 +588,9 @@ def stack_phase(args, phase: str, convs: list, alone_tok_s: float | None) -> dic
                 if phase == "after_chat":
                     one_token_chat(info["api_url"], model)
                 before = cpu_seconds(info)
-                if phase == "beside_chats":
-                    out = beside_chats(args, info, data, model, alone_tok_s)
+                if phase in ("beside_chats", "chats_only"):
+                    job_runs = phase == "beside_chats"
+                    out = beside_chats(args, info, data, model, alone_tok_s, job_runs)
                 else:
                     job = run_job(info, data, model)
                     out = job_figures(info["db_url"], job["batch"])
@@ -623,6 +635,10 @@ def main() -> int:
     ap.add_argument("--interactive-rate", type=float, default=None,
                     help="chats per second beside the job (adds the beside_chats phase)")  # fmt: skip
     ap.add_argument("--chats", type=int, default=12, help="chats of beside_chats' idle set")
+    ap.add_argument(
+        "--chats-only-s", type=float, default=120.0,
+        help="chats_only: seconds of chats at --interactive-rate with no job beside them",
+    )  # fmt: skip
     ap.add_argument("--up-args", default="",
                     help="more `laneserve up` flags, e.g. '--slo interactive:ttft=400'")  # fmt: skip
     ap.add_argument("--offline-defaults", action="store_true",
@@ -634,10 +650,11 @@ def main() -> int:
                     help="keep each stack's step trace in this folder")  # fmt: skip
     args = ap.parse_args()
     phases = [p for p in args.phases.split(",") if p]
-    if args.interactive_rate and "beside_chats" not in phases:
+    chat_phases = {"beside_chats", "chats_only"} & set(phases)
+    if args.interactive_rate and not chat_phases:
         phases.append("beside_chats")
-    if "beside_chats" in phases and not (args.interactive_rate or 0) > 0:
-        ap.error("the beside_chats phase needs --interactive-rate R (chats per second, > 0)")
+    if chat_phases and not (args.interactive_rate or 0) > 0:
+        ap.error("the beside_chats and chats_only phases need --interactive-rate R (> 0)")
     bad = set(phases) - set(PHASES)
     if bad:
         ap.error(f"unknown phases {sorted(bad)}; choose from {PHASES}")
@@ -695,10 +712,10 @@ def summarize(rounds: list[dict[str, Any]], phases: list[str]) -> dict[str, Any]
             continue
         out[f"{phase}_tok_s_median"] = med(phase, "tok_s")
         out[f"{phase}_over_offline_median"] = _ratio(med(phase, "tok_s"), offline)
-    if "beside_chats" in phases:
+    for chats in {"beside_chats", "chats_only"} & set(phases):
         for key in ("ttft_p99_over_idle_p99", "tpot_p99_over_idle_p99", "ttft_p99_over_idle_p50",
                     "tpot_p99_over_idle_p50", "tok_s_over_ceiling"):  # fmt: skip
-            out[f"beside_chats_{key}_median"] = med("beside_chats", key)
+            out[f"{chats}_{key}_median"] = med(chats, key)
     return out
 
 

@@ -25,7 +25,8 @@ def test_a_one_token_chat_leaves_the_jobs_steps_sized_for_throughput(model_home,
         model_home,
         "--lines", "24",
         "--max-tokens", "8",
-        "--phases", "offline,after_chat,beside_chats",
+        "--phases", "offline,after_chat,beside_chats,chats_only",
+        "--chats-only-s", "3",
         "--interactive-rate", "0.5",  # 2 a second saturated a 2-core AVX2 EPYC: the job starved
         "--chats", "2",
         "--keep-traces", str(traces),
@@ -50,6 +51,11 @@ def test_a_one_token_chat_leaves_the_jobs_steps_sized_for_throughput(model_home,
     beside = got["beside_chats"]
     assert beside["chats"] >= 1 and beside["chat_errors"] == 0
     assert beside["ttft_p99_over_idle_p99"] > 0
+    (slowest,) = beside["slowest_idle_chats"]  # where its gaps went: the idle set's short chat
+    assert slowest["tokens"] >= 2 and slowest["long_gaps_ms"] + slowest["other_gaps_ms"] > 0
+    alone_chats = got["chats_only"]  # the same chats with no job beside them
+    assert alone_chats["chats"] >= 1 and alone_chats["chat_errors"] == 0
+    assert "lines_completed" not in alone_chats and alone_chats["span_s"] >= 3
 
     (trace,) = traces.glob("after_chat-*.jsonl")
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
