@@ -227,7 +227,7 @@ class QuantLinear:
             `BF16_GEMV_MIN_TOKENS` rows, Q8_0 blocks also below) of at most `gemv_max_tokens`
             rows when the C++ kernels are built (`kernels.cpu_ext`).
         tiled: Q8_0 blocks in `gemv` and no dense copy (the model's would not fit, see
-            `dense_copies_fit`): calls of `dense_min_tokens` rows or more run dense GEMMs on
+            `dense_copies_fit`): calls of `tile_min_tokens` rows or more run dense GEMMs on
             dequantized tiles of W (`kquant.tiled_linear`), as K-quant linears do.
 
     Built from Q8_0 blocks (`from_q8_0_blocks`), `weight` and `scales` (torch's int8 kernel's
