@@ -91,4 +91,4 @@ def dense_copies_fit(weights: dict, dtype: torch.dtype) -> bool:
         if isinstance(t, GGUFQuantTensor) and t.qtype == "Q8_0" and len(t.shape) == 2
         and not (untied and name == "model.embed_tokens.weight")
     )  # fmt: skip
-    return count * torch.empty(0, dtype=copy).element_size() <= DENSE_COPY_MAX_BYTES
+    return count * copy.itemsize <= DENSE_COPY_MAX_BYTES

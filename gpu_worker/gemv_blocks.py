@@ -14,7 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from laneserve.contracts import env
-from laneserve.gpu_worker.gguf_blocks import GROUP_SIZE, GGUFQuantTensor, Int4Groups, q8_0_arrays
+from laneserve.gpu_worker.gguf_blocks import (
+    GROUP_SIZE,
+    GGUFQuantTensor,
+    Int4Groups,
+    q8_0_arrays,
+    q8_0_values,
+)
 from laneserve.gpu_worker.hardware import cpu_flags
 from laneserve.gpu_worker.kernel_routes import AMX_MAX_TOKENS, AMX_MIN_TOKENS, BF16_GEMV_MIN_TOKENS  # noqa: F401
 from laneserve.kernels import cpu_ext
@@ -76,8 +82,7 @@ class GemvBlocks:
         """Rows r0..r1 of a q8_0 weight as float32 (exact: the GGUF's values), for the tile route
         of a linear without a dense copy (`QuantLinear.tiled`)."""
         assert self.kind == "q8_0", self.kind
-        qs = self.qs[r0:r1]
-        return (qs.view(r1 - r0, -1, GROUP_SIZE).float() * self.scale[r0:r1, :, None]).view_as(qs)
+        return q8_0_values(self.qs[r0:r1], self.scale[r0:r1])
 
     def prepare(self) -> None:
         """Reorder int4 weights into the order the built kernel reads, or add the block-order

@@ -166,6 +166,11 @@ def q8_0_arrays(t: GGUFQuantTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(raw[..., 2:].copy().view(np.int8).reshape(n, k)), d
 
 
+def q8_0_values(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The float32 weights of Q8_0 arrays (`q8_0_arrays`, or rows of them): qs * d, exactly."""
+    return (qs.view(qs.shape[0], -1, GROUP_SIZE).float() * d[..., None]).view_as(qs)
+
+
 def drop_file_pages(view: np.ndarray) -> None:
     """Drop the pages of a read-only memory-mapped tensor `view` from this process once it was
     copied out (madvise MADV_DONTNEED; the page cache keeps them, a later read maps them again).

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from laneserve.gpu_worker import kquant
-from laneserve.gpu_worker.gguf_blocks import GROUP_SIZE, GGUFQuantTensor, dequantize, q8_0_arrays
+from laneserve.gpu_worker.gguf_blocks import GGUFQuantTensor, dequantize, q8_0_arrays, q8_0_values
 
 
 class Q8Embedding:
@@ -28,9 +28,8 @@ class Q8Embedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids int64 [T] -> [T, K] in `dtype`."""
-        t = ids.shape[0]
-        qs = self.qs.index_select(0, ids).view(t, -1, GROUP_SIZE).float()
-        return (qs * self.d.index_select(0, ids)[..., None]).view(t, -1).to(self.dtype)
+        values = q8_0_values(self.qs.index_select(0, ids), self.d.index_select(0, ids))
+        return values.to(self.dtype)
 
 
 def build_embedding(
