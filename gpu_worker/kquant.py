@@ -2,8 +2,9 @@
 
 A `KQuantLinear` holds the super-blocks of each (fused) part as the file ships them (a view of
 the mapped file where the loader did not have to permute the rows), so memory is about the file
-size. Calls of at most `KQUANT_Q8K_MAX_TOKENS[qtype]` rows (decode, speculative verification,
-small batches) run the int8 GEMV (``torch.ops.laneserve.kquant_gemv_q8k``, or for a fused
+size. Calls of at most `q8k_max_tokens(qtype)` rows (all of them on the AVX-512 VNNI route;
+`KQUANT_Q8K_MAX_TOKENS[qtype]` elsewhere: decode, speculative verification, small batches) run
+the int8 GEMV (``torch.ops.laneserve.kquant_gemv_q8k``, or for a fused
 linear whose parts all take it ``kquant_gemv_q8k_fused``: one call over all parts,
 kernels/csrc/kquant_q8k.cpp: the activations quantized once per call to llama.cpp's Q8_K, int8
 per 256 with a float scale, and integer dot products with the weights' own quants on the
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -51,6 +53,7 @@ KQUANT_TILE_ROWS = 512  # outputs dequantized at a time on the GEMM route (512 x
 # The int8 GEMV's routes (kernels/csrc/kquant_q8k.cpp), widest first; 3 is the reference.
 Q8K_ROUTE_NAMES = {1: "AVX-512 VNNI", 2: "AVX2", 3: "scalar"}
 Q8K_SCALAR_ROUTE = 3
+Q8K_VNNI_ROUTE = 1
 # Routes compute the same integer sums and differ only in float32 summation order: ~1e-7 of the
 # terms' magnitude (at most ~2e-6 of a row's largest output over random blocks); a wrong index or
 # scale is off by O(1).
@@ -108,7 +111,7 @@ class KQuantLinear:
         """Part i of `xf @ W.T` on the route for its row count (module docstring)."""
         rows, qtype = xf.shape[0], self.parts[i].qtype
         if cpu_ext.load():
-            if env.get("LANESERVE_KQUANT_INT8") and rows <= KQUANT_Q8K_MAX_TOKENS[qtype]:
+            if env.get("LANESERVE_KQUANT_INT8") and rows <= q8k_max_tokens(qtype):
                 route = q8k_route()
                 return torch.ops.laneserve.kquant_gemv_q8k(
                     xf, self.blocks[i], self.qtypes[i], route
@@ -123,7 +126,7 @@ class KQuantLinear:
         rows = xf.shape[0]
         if not (cpu_ext.load() and env.get("LANESERVE_KQUANT_INT8")):
             return False
-        return all(rows <= KQUANT_Q8K_MAX_TOKENS[p.qtype] for p in self.parts)
+        return all(rows <= q8k_max_tokens(p.qtype) for p in self.parts)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
@@ -158,6 +161,12 @@ def tiled_linear(
 
 
 Q8KGemv = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+
+
+def q8k_max_tokens(qtype: str) -> float:
+    """The most rows a call of `qtype` runs on the int8 GEMV: every call on the AVX-512 VNNI
+    route, `KQUANT_Q8K_MAX_TOKENS` on the others (kernel_routes.py says why)."""
+    return math.inf if q8k_route() == Q8K_VNNI_ROUTE else KQUANT_Q8K_MAX_TOKENS[qtype]
 
 
 @functools.cache

@@ -17,9 +17,10 @@
 // the per-super-block terms: the only approximation is the activations' int8 rounding (~0.4 %
 // of a 256-block's largest value per element).
 //
-// Routes (``route``): 0 the widest this build has, 1 AVX-512 VNNI (256-bit ``vpdpwssd`` for the
-// scale multiply-adds), 2 AVX2 (``vpmaddwd`` + ``vpaddd``), both reading each super-block in
-// place into registers (``vpmaddubsw`` for the byte products), 3 scalar (the reference: the
+// Routes (``route``): 0 the widest this build has, 1 AVX-512 VNNI (512-bit registers,
+// ``vpdpwssd`` for the scale multiply-adds: kquant_q8k_avx512.h), 2 AVX2 (256-bit, ``vpmaddwd``
+// + ``vpaddd``), both reading each super-block in place into registers (``vpmaddubsw`` for the
+// byte products), 3 scalar (the reference: the
 // super-block unpacked to a byte array first); ``kquant_q8k_routes()`` lists the ones built
 // (-march=native decides). All give the same integer sums; they differ in the float32
 // summation order over super-blocks only.
@@ -252,15 +253,12 @@ Rows rows_of(int64_t qtype) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 // The SIMD routes read each super-block where it lies (no unpacked copy): the quants are cut out
-// of their packed bytes into registers once per super-block, 32 weights of one or two scale
-// groups per register in the activations' order, and each row of x takes 8 `vpmaddubsw` (byte
-// pairs -> int16) and 8 scale multiply-adds (int16 pairs -> int32): `vpdpwssd` on the VNNI
-// route, `vpmaddwd` + `vpaddd` on the AVX2 one. The integer sums are those of the scalar route.
-template <bool kVnni>
+// of their packed bytes into registers once per super-block, in the activations' order. On the
+// AVX2 route 32 weights of one or two scale groups a register, and each row of x takes 8
+// `vpmaddubsw` (byte pairs -> int16) and 8 scale multiply-adds (`vpmaddwd` + `vpaddd`: int16 pairs
+// -> int32); the AVX-512 VNNI route (kquant_q8k_avx512.h) holds 64 a register. The integer sums
+// are those of the scalar route.
 inline __m256i dot_pairs(__m256i acc, __m256i pairs, __m256i scale) {
-#ifdef LANESERVE_KQUANT_VNNI
-  if constexpr (kVnni) return _mm256_dpwssd_epi32(acc, pairs, scale);
-#endif
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale));
 }
 
@@ -351,12 +349,11 @@ inline void load_q6_k(const uint8_t* b, Regs* r) {
 }
 
 // acc[0..7] += xd * (d * sum_g scale_g qxq_g - dmin * sum_g min_g bsums_g) for one row of x.
-template <bool kVnni>
 inline __m256 regs_dot(const Regs& r, const int8_t* xq, const int16_t* bs, float xd, __m256 acc) {
   __m256i isum = _mm256_setzero_si256();
   for (int c = 0; c < 8; ++c) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * c));
-    isum = dot_pairs<kVnni>(isum, _mm256_maddubs_epi16(r.q[c], x), r.scale[c]);
+    isum = dot_pairs(isum, _mm256_maddubs_epi16(r.q[c], x), r.scale[c]);
   }
   const __m256i msum =
       _mm256_madd_epi16(r.min, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
@@ -369,7 +366,7 @@ inline __m256 regs_dot(const Regs& r, const int8_t* xq, const int16_t* bs, float
 constexpr int64_t kPrefetchBytes = 2048;
 
 // Outputs n0..n1 on a SIMD route: each super-block loaded into registers once for all rows.
-template <int64_t kType, bool kVnni>
+template <int64_t kType>
 void gemv_rows_simd(const GemvArgs& g, int64_t n0, int64_t n1) {
   std::vector<__m256> acc(g.M);
   const int8_t* xq = g.a->q.data();
@@ -389,7 +386,7 @@ void gemv_rows_simd(const GemvArgs& g, int64_t n0, int64_t n1) {
       }
       for (int64_t m = 0; m < g.M; ++m) {
         const int64_t i = m * g.nb + b;
-        acc[m] = regs_dot<kVnni>(r, xq + i * kQK, bsums + i * kGroups, xd[i], acc[m]);
+        acc[m] = regs_dot(r, xq + i * kQK, bsums + i * kGroups, xd[i], acc[m]);
       }
     }
     for (int64_t m = 0; m < g.M; ++m) {
@@ -400,21 +397,30 @@ void gemv_rows_simd(const GemvArgs& g, int64_t n0, int64_t n1) {
   }
 }
 
-template <bool kVnni>
 Rows simd_rows_of(int64_t qtype) {
-  if (qtype == kQ6K) return gemv_rows_simd<kQ6K, kVnni>;
-  if (qtype == kQ5K) return gemv_rows_simd<kQ5K, kVnni>;
-  return gemv_rows_simd<kquant::kQ4K, kVnni>;
+  if (qtype == kQ6K) return gemv_rows_simd<kQ6K>;
+  if (qtype == kQ5K) return gemv_rows_simd<kQ5K>;
+  return gemv_rows_simd<kquant::kQ4K>;
+}
+#endif
+
+#ifdef LANESERVE_KQUANT_VNNI
+#include "kquant_q8k_avx512.h"
+
+Rows rows_512_of(int64_t qtype) {
+  if (qtype == kQ6K) return gemv_rows_512<kQ6K>;
+  if (qtype == kQ5K) return gemv_rows_512<kQ5K>;
+  return gemv_rows_512<kquant::kQ4K>;
 }
 #endif
 
 Rows rows_for(int64_t route, int64_t qtype) {
   route = kquant::pick_route(kquant::built_routes(kWide), route, "kquant_gemv_q8k");
 #ifdef LANESERVE_KQUANT_VNNI
-  if (route == 1) return simd_rows_of<true>(qtype);
+  if (route == 1) return rows_512_of(qtype);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (route == 2) return simd_rows_of<false>(qtype);
+  if (route == 2) return simd_rows_of(qtype);
 #endif
   return rows_of<block_dot_scalar>(qtype);
 }

@@ -7,9 +7,10 @@ N = 37 outputs, K = 3 super-blocks; every route the build has (fp32: AVX-512, AV
 AVX-512 VNNI, AVX2, scalar) is forced in turn. The int8 route is checked against the float64 dot
 product of the dequantized weights with the activations rounded as llama.cpp's Q8_K rounds them
 (`q8k_reference`), which it computes exactly up to float32 rounding.
-On an AVX2-only machine the AVX-512 VNNI route is not built and cannot run here (it shares
-its code with the AVX2 route but for the scale multiply-adds, `dot_pairs`), and every process
-self-checks its routes on first use (`kquant.q8k_route`, tested below).
+On an AVX2-only machine the AVX-512 VNNI route (512-bit registers, kquant_q8k_avx512.h: four
+outputs at a time past one row, rows in tiles past 256 KiB of activations) is not built and
+cannot run here; every process self-checks its routes on first use (`kquant.q8k_route`, tested
+below).
 """
 
 from __future__ import annotations
@@ -106,6 +107,44 @@ def test_int8_route_is_the_exact_dot_of_q8k_activations_on_every_route(qtype):
     nan[1, 300] = float("nan")  # a NaN activation is not rounded away
     y = torch.ops.laneserve.kquant_gemv_q8k(nan, torch.from_numpy(blocks), QTYPE_IDS[qtype], 0)
     assert y[0].isfinite().all() and y[1].isnan().all()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_int8_route_over_row_tiles_and_a_partial_group_of_outputs(qtype):
+    """K = 64 super-blocks: the AVX-512 route takes its rows in tiles of 16 (256 KiB of int8
+    activations / K), so 37 rows make tiles of 16, 16 and 5, and 7 outputs a group of four and
+    one of three: every route against the exact dot of the Q8_K activations."""
+    rng = np.random.default_rng(20 + QTYPE_IDS[qtype])
+    n, k, m = 7, 64 * 256, 37
+    blocks = kquant_blocks(qtype, n, k, rng)
+    x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
+    x *= torch.logspace(-2, 2, m)[:, None]
+    want = q8k_reference(x) @ reference(blocks, qtype).double().T
+    scale = want.abs().amax(1, keepdim=True)
+    for route in torch.ops.laneserve.kquant_q8k_routes():
+        y = torch.ops.laneserve.kquant_gemv_q8k(
+            x, torch.from_numpy(blocks), QTYPE_IDS[qtype], route
+        )
+        # float32 sums of 64 super-blocks' terms: up to ~2.3e-6 on every route (20 seeds)
+        assert ((y.double() - want).abs() / scale).max() < 1e-5, route
+
+
+def test_calls_take_the_int8_gemv_up_to_their_routes_limit(monkeypatch):
+    """On the AVX-512 VNNI route every call runs the int8 GEMV (prefill chunks too), elsewhere
+    calls past `KQUANT_Q8K_MAX_TOKENS` dequantize tiles (float32 activations: the outputs differ
+    from the int8 GEMV's)."""
+    monkeypatch.setenv("LANESERVE_KQUANT_INT8", "1")
+    blocks = kquant_blocks("Q4_K", N, K, np.random.default_rng(5))
+    linear = KQuantLinear([GGUFQuantTensor("p", "Q4_K", blocks, (N, K))])
+    for route in torch.ops.laneserve.kquant_q8k_routes():
+        monkeypatch.setattr(kquant, "q8k_route", lambda route=route: route)
+        limit = kquant.q8k_max_tokens("Q4_K")
+        assert (limit == float("inf")) == (route == kquant.Q8K_VNNI_ROUTE), route
+        rows = [1, KQUANT_Q8K_MAX_TOKENS["Q4_K"], KQUANT_Q8K_MAX_TOKENS["Q4_K"] + 1, 300]
+        for m in rows:
+            x = torch.randn(m, K)
+            gemv = torch.ops.laneserve.kquant_gemv_q8k(x, torch.from_numpy(blocks), 12, route)
+            assert torch.equal(linear(x), gemv) == (m <= limit), (route, m)
 
 
 def test_routes_this_cpu_has_are_built():
