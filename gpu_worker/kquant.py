@@ -185,7 +185,9 @@ def q8k_route() -> int:
 
 def check_q8k_routes(routes: list[int], gemv: Q8KGemv | None = None) -> int:
     """The first of `routes` (widest first) whose int8 GEMV agrees with the scalar route's on a
-    fixed random set: 8 outputs x 2 super-blocks of each of Q4_K, Q5_K, Q6_K, 2 activation rows.
+    fixed random set: 9 outputs x 2 super-blocks of each of Q4_K, Q5_K, Q6_K, times 2 activation
+    rows and times the first row alone (a route may run one row, and a last group of outputs,
+    by other code: the AVX-512 one does).
     Agreement: |y - y_scalar| <= `Q8K_SELF_CHECK_RTOL` x the row's largest |y_scalar| (NaN
     disagrees). Each route that disagrees is logged as one WARNING and skipped; the scalar route
     is taken as correct. `gemv` (x, blocks, qtype, route) -> y defaults to the kernel
@@ -194,15 +196,16 @@ def check_q8k_routes(routes: list[int], gemv: Q8KGemv | None = None) -> int:
     gemv = gemv or torch.ops.laneserve.kquant_gemv_q8k
     rng = np.random.default_rng(0)  # fixed: a route's verdict does not vary between processes
     cases = [
-        (QTYPE_IDS[t], torch.from_numpy(random_blocks(t, 8, 2 * QK_K, rng))) for t in QTYPE_IDS
+        (QTYPE_IDS[t], torch.from_numpy(random_blocks(t, 9, 2 * QK_K, rng))) for t in QTYPE_IDS
     ]
     x = torch.from_numpy(rng.standard_normal((2, 2 * QK_K), dtype=np.float32))
     x[1] *= torch.from_numpy(rng.uniform(0.01, 10.0, size=2 * QK_K).astype(np.float32))
-    want = [gemv(x, blocks, qtype, Q8K_SCALAR_ROUTE) for qtype, blocks in cases]
+    cases = [(xs, qtype, blocks) for xs in (x, x[:1]) for qtype, blocks in cases]
+    want = [gemv(xs, blocks, qtype, Q8K_SCALAR_ROUTE) for xs, qtype, blocks in cases]
     for route in routes:
         if route == Q8K_SCALAR_ROUTE:
             return route
-        ys = [gemv(x, blocks, qtype, route) for qtype, blocks in cases]
+        ys = [gemv(xs, blocks, qtype, route) for xs, qtype, blocks in cases]
         worst = max(_disagreement(y, w) for y, w in zip(ys, want, strict=True))
         if worst <= Q8K_SELF_CHECK_RTOL:
             return route

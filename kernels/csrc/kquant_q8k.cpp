@@ -197,7 +197,7 @@ void block_dot_scalar(const Unpacked& u, const int8_t* xq, const int16_t* bs, fl
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512VNNI__)
+    defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
 #define LANESERVE_KQUANT_VNNI 1
 #endif
 

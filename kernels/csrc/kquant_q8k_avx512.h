@@ -2,8 +2,10 @@
 // registers: 64 weights a register where the AVX2 route holds 32, so a row of x takes 4
 // `vpmaddubsw` (byte pairs -> int16) and 4 `vpdpwssd` (the int16 scale multiply-adds) per
 // super-block where 256-bit registers took 8 and 8. The integer sums are those of the scalar
-// route. Included by kquant_q8k.cpp inside its namespace, after the AVX2 route (it uses
-// `scales_mins_k4_regs`, `Q8K`, `GemvArgs`, `kPrefetchBytes`).
+// route. Past one row of x, four outputs share each row's activations, and the rows are taken
+// in tiles of about 256 KiB of activations (at least 16 rows). Included by kquant_q8k.cpp inside
+// its namespace, after the AVX2 route (it uses `scales_mins_k4_regs`, `Q8K`, `GemvArgs`,
+// `kPrefetchBytes`). No intrinsic here needs more than GCC 9.
 #pragma once
 
 // One super-block in 512-bit registers: q[c] the quants of weights 64c .. 64c + 63 (unsigned
@@ -49,7 +51,8 @@ inline void load_q45_k_512(const uint8_t* b, Regs512* r) {
   r->d = kquant::fp16(b);
   r->dmin = kquant::fp16(b + 2);
   const __m128i sm = scales_mins_k4_regs(b + 4);  // sc[0..7] (bytes 0-7), m[0..7] (bytes 8-15)
-  const __m512i sc = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(sm));  // sc[0..7] in lanes 0-7
+  // sc[0..7] in lanes 0-7 (`vpermw` reads no lane past them)
+  const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
   const __m128i m = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
   r->min = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
   const __m512i low4 = _mm512_set1_epi8(0x0F), nibble = half_counts(0, 4);
@@ -77,8 +80,9 @@ inline void load_q45_k_512(const uint8_t* b, Regs512* r) {
 inline void load_q6_k_512(const uint8_t* b, Regs512* r) {
   r->d = r->dmin = kquant::fp16(b + 208);
   const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
-  r->min = _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc8), 5);  // 32 x scale
-  const __m512i sc = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(sc8));  // groups in lanes 0-15
+  const __m256i groups = _mm256_cvtepi8_epi16(sc8);
+  r->min = _mm256_slli_epi16(groups, 5);  // 32 x scale
+  const __m512i sc = _mm512_castsi256_si512(groups);  // lanes 0-15, all `vpermw` reads
   const __m512i low4 = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
   const __m512i up_lo = half_counts(4, 2), down_hi = half_counts(0, 2);
   for (int h = 0; h < 2; ++h) {
@@ -114,7 +118,8 @@ inline Sums block_sums(const Regs512& r, const __m512i* x, const int16_t* bs) {
 inline __m512 add_block(const Regs512& r, const Sums& t, float xd, __m512 acc) {
   acc = _mm512_fmadd_ps(_mm512_set1_ps(xd * r.d), _mm512_cvtepi32_ps(t.s), acc);
   return _mm512_fnmadd_ps(_mm512_set1_ps(xd * r.dmin),
-                          _mm512_cvtepi32_ps(_mm512_zextsi256_si512(t.m)), acc);
+                          _mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_setzero_si512(), t.m, 0)),
+                          acc);
 }
 
 template <int64_t kType>
@@ -141,7 +146,9 @@ constexpr int64_t kRowTileBytes = 1 << 18;
 // them).
 template <int64_t kType, int kOut>
 void gemv_rows_512(const GemvArgs& g, int64_t n0, int64_t n1) {
-  const int64_t tile = std::max<int64_t>(16, kRowTileBytes / (g.nb * kQK));
+  // tiles of equal rows (a last tile of one row would load every super-block again for it)
+  const int64_t most = std::max<int64_t>(16, kRowTileBytes / (g.nb * kQK));
+  const int64_t tiles = (g.M + most - 1) / most, tile = (g.M + tiles - 1) / tiles;
   std::vector<__m512> acc(kOut * std::min(tile, g.M));
   const int8_t* xq = g.a->q.data();
   const int16_t* bsums = g.a->bsums.data();
