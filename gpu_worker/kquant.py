@@ -195,12 +195,12 @@ def check_q8k_routes(routes: list[int], gemv: Q8KGemv | None = None) -> int:
     EPYC (7 ms as a process's first use of the op)."""
     gemv = gemv or torch.ops.laneserve.kquant_gemv_q8k
     rng = np.random.default_rng(0)  # fixed: a route's verdict does not vary between processes
-    cases = [
+    weights = [
         (QTYPE_IDS[t], torch.from_numpy(random_blocks(t, 9, 2 * QK_K, rng))) for t in QTYPE_IDS
     ]
     x = torch.from_numpy(rng.standard_normal((2, 2 * QK_K), dtype=np.float32))
     x[1] *= torch.from_numpy(rng.uniform(0.01, 10.0, size=2 * QK_K).astype(np.float32))
-    cases = [(xs, qtype, blocks) for xs in (x, x[:1]) for qtype, blocks in cases]
+    cases = [(xs, qtype, blocks) for xs in (x, x[:1]) for qtype, blocks in weights]
     want = [gemv(xs, blocks, qtype, Q8K_SCALAR_ROUTE) for xs, qtype, blocks in cases]
     for route in routes:
         if route == Q8K_SCALAR_ROUTE:

@@ -365,6 +365,11 @@ inline __m256 regs_dot(const Regs& r, const int8_t* xq, const int16_t* bs, float
 // prefetchers alone left a DRAM-resident Q4_K matrix at half the rate of a cache-resident one.
 constexpr int64_t kPrefetchBytes = 2048;
 
+inline void prefetch_block(const uint8_t* block, int64_t bytes) {
+  const char* ahead = reinterpret_cast<const char*>(block) + kPrefetchBytes;
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+}
+
 // Outputs n0..n1 on a SIMD route: each super-block loaded into registers once for all rows.
 template <int64_t kType>
 void gemv_rows_simd(const GemvArgs& g, int64_t n0, int64_t n1) {
@@ -377,8 +382,7 @@ void gemv_rows_simd(const GemvArgs& g, int64_t n0, int64_t n1) {
     std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
     const uint8_t* row = g.blocks + n * g.nb * g.bytes;
     for (int64_t b = 0; b < g.nb; ++b) {
-      const char* ahead = reinterpret_cast<const char*>(row + b * g.bytes) + kPrefetchBytes;
-      for (int64_t o = 0; o < g.bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+      prefetch_block(row + b * g.bytes, g.bytes);
       if constexpr (kType == kQ6K) {
         load_q6_k(row + b * g.bytes, &r);
       } else {

@@ -5,7 +5,7 @@
 // route. Past one row of x, four outputs share each row's activations, and the rows are taken
 // in tiles of about 256 KiB of activations (at least 16 rows). Included by kquant_q8k.cpp inside
 // its namespace, after the AVX2 route (it uses `scales_mins_k4_regs`, `Q8K`, `GemvArgs`,
-// `kPrefetchBytes`). No intrinsic here needs more than GCC 9.
+// `prefetch_block`). No intrinsic here needs more than GCC 9.
 #pragma once
 
 // One super-block in 512-bit registers: q[c] the quants of weights 64c .. 64c + 63 (unsigned
@@ -131,11 +131,6 @@ inline void load_512(const uint8_t* b, Regs512* r) {
   }
 }
 
-inline void prefetch_block(const uint8_t* block, int64_t bytes) {
-  const char* ahead = reinterpret_cast<const char*>(block) + kPrefetchBytes;
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
-}
-
 // Activation bytes (rows x K) a pass over the outputs keeps in L2: past it the rows are taken
 // in tiles, each super-block loaded again per tile (a 2048-row Q6_K down at K = 8192, 16 MB of
 // activations, ran 6.4x as long as 1024 rows before).
@@ -149,7 +144,7 @@ void gemv_rows_512(const GemvArgs& g, int64_t n0, int64_t n1) {
   // tiles of equal rows (a last tile of one row would load every super-block again for it)
   const int64_t most = std::max<int64_t>(16, kRowTileBytes / (g.nb * kQK));
   const int64_t tiles = (g.M + most - 1) / most, tile = (g.M + tiles - 1) / tiles;
-  std::vector<__m512> acc(kOut * std::min(tile, g.M));
+  std::vector<__m512> acc(kOut * tile);
   const int8_t* xq = g.a->q.data();
   const int16_t* bsums = g.a->bsums.data();
   const float* xd = g.a->d.data();
