@@ -2,7 +2,10 @@
 
 A `KQuantLinear` holds the super-blocks of each (fused) part as the file ships them (a view of
 the mapped file where the loader did not have to permute the rows), so memory is about the file
-size. Calls of at most `q8k_max_tokens(qtype)` rows (all of them on the AVX-512 VNNI route;
+size; on the AVX-512 VNNI route its Q4_K and Q6_K parts are repacked at load to the x16 layout
+(16 outputs' super-blocks interleaved, kernels/csrc/kquant_q8k_x16.h: about half the
+instructions per weight, the one-row GEMV then reads at the memory's rate) and the file's pages
+they were read from are dropped: memory stays about the file size (+1 %). Calls of at most `q8k_max_tokens(qtype)` rows (all of them on the AVX-512 VNNI route;
 `KQUANT_Q8K_MAX_TOKENS[qtype]` elsewhere: decode, speculative verification, small batches) run
 the int8 GEMV (``torch.ops.laneserve.kquant_gemv_q8k``, or for a fused
 linear whose parts all take it ``kquant_gemv_q8k_fused``: one call over all parts,
@@ -38,7 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from laneserve.contracts import env
-from laneserve.gpu_worker.gguf_blocks import K_QUANT_TYPES, GGUFQuantTensor, dequantize
+from laneserve.gpu_worker.gguf_blocks import (
+    K_QUANT_TYPES,
+    GGUFQuantTensor,
+    dequantize,
+    drop_file_pages,
+)
 from laneserve.gpu_worker.kernel_routes import (  # noqa: F401 (re-exported)
     KQUANT_GEMV_MAX_TOKENS,
     KQUANT_Q8K_MAX_TOKENS,
@@ -48,6 +56,9 @@ from laneserve.kernels import cpu_ext
 logger = logging.getLogger(__name__)
 
 QTYPE_IDS = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml's type numbers, the kernel's `qtype`
+X16_FLAG = 256  # `qtype | X16_FLAG`: the blocks are in the x16 layout (kquant_q8k_x16.h)
+X16_QTYPES = ("Q4_K", "Q6_K")
+X16_ROWS = 16  # outputs per x16 unit
 QK_K = 256  # weights per super-block
 KQUANT_TILE_ROWS = 512  # outputs dequantized at a time on the GEMM route (512 x 2048 x 4 = 4 MiB)
 # The int8 GEMV's routes (kernels/csrc/kquant_q8k.cpp), widest first; 3 is the reference.
@@ -78,16 +89,27 @@ def runs(parts: list, mode: str, device: torch.device | None) -> bool:
 
 
 class KQuantLinear:
-    """`y = x @ W.T` with W = cat of K-quant parts [N_i, K] along N, each kept in its blocks."""
+    """`y = x @ W.T` with W = cat of K-quant parts [N_i, K] along N, each kept in its blocks.
 
-    def __init__(self, parts: list[GGUFQuantTensor]):
+    `rows` holds each part's blocks as the file ships them (dequantization, lookups, the GEMM
+    route); `blocks` / `qtypes` what the GEMV reads: on the AVX-512 VNNI route a Q4_K or Q6_K
+    part of whole 16-output groups is repacked at load to the row-interleaved x16 layout
+    (`repack_x16`), and its pages of the file are given back."""
+
+    def __init__(self, parts: list[GGUFQuantTensor], repack: bool = True):
         assert parts and all(is_kquant(p) for p in parts), [p.qtype for p in parts]
         ks = {p.shape[1] for p in parts}
         assert len(ks) == 1, ks
         self.parts = parts
-        self.blocks = [_blocks_tensor(p) for p in parts]
+        self.rows = [_blocks_tensor(p) for p in parts]
+        self.blocks = list(self.rows)
         self.qtypes = [QTYPE_IDS[p.qtype] for p in parts]
         self.shape = (sum(p.shape[0] for p in parts), ks.pop())
+        if repack and x16_enabled():
+            for i, p in enumerate(parts):
+                if p.qtype in X16_QTYPES and p.shape[0] % X16_ROWS == 0:
+                    self.blocks[i] = repack_x16(self.rows[i], self.qtypes[i], p.blocks)
+                    self.qtypes[i] |= X16_FLAG
 
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.blocks)
@@ -98,9 +120,9 @@ class KQuantLinear:
 
     def _tile(self, i: int, r0: int, r1: int) -> torch.Tensor:
         """Rows r0..r1 of part i as float32."""
-        blocks = self.blocks[i][r0:r1]
+        blocks = self.rows[i][r0:r1]
         if cpu_ext.load():
-            return torch.ops.laneserve.kquant_dequantize(blocks, self.qtypes[i])
+            return torch.ops.laneserve.kquant_dequantize(blocks, QTYPE_IDS[self.parts[i].qtype])
         p = self.parts[i]
         return dequantize(GGUFQuantTensor(p.name, p.qtype, blocks.numpy(), (r1 - r0, p.shape[1])))
 
@@ -117,7 +139,7 @@ class KQuantLinear:
                     xf, self.blocks[i], self.qtypes[i], route
                 )
             if rows <= KQUANT_GEMV_MAX_TOKENS[qtype]:
-                return torch.ops.laneserve.kquant_gemv(xf, self.blocks[i], self.qtypes[i], 0)
+                return torch.ops.laneserve.kquant_gemv(xf, self.rows[i], QTYPE_IDS[qtype], 0)
         return self._gemm(xf, i)
 
     def _int8_fused(self, xf: torch.Tensor) -> bool:
@@ -160,6 +182,42 @@ def tiled_linear(
     return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
 
 
+def x16_enabled() -> bool:
+    """Whether K-quant linears repack their Q4_K / Q6_K parts to the x16 layout: the C++ kernels
+    loaded, the int8 GEMV on (``LANESERVE_KQUANT_INT8``) and on the AVX-512 VNNI route, the only
+    one with an x16 GEMV (kernels/csrc/kquant_q8k_x16.h: 2x fewer instructions per weight than
+    the file's layout; one-row calls were bound by them)."""
+    return (
+        cpu_ext.load() and bool(env.get("LANESERVE_KQUANT_INT8")) and q8k_route() == Q8K_VNNI_ROUTE
+    )
+
+
+X16_REPACK_ROWS = 4096  # rows repacked at a time: the file pages they touched are then dropped
+
+
+def repack_x16(blocks: torch.Tensor, qtype: int, mapped: np.ndarray | None = None) -> torch.Tensor:
+    """Q4_K / Q6_K blocks uint8 [N, K / 256 * bytes] (N a multiple of 16) in the x16 layout
+    [N / 16, K / 256 * unit bytes]; the GEMV takes it as `qtype | X16_FLAG`. `mapped`: the
+    file's view that `blocks` reads, whose pages are dropped as they are repacked (the load's
+    peak RSS then holds the copy, not the copy and the file)."""
+    n = blocks.shape[0]
+    if n <= X16_REPACK_ROWS:
+        out = torch.ops.laneserve.kquant_repack_x16(blocks, qtype)
+        if mapped is not None:
+            drop_file_pages(mapped)
+        return out
+    out = None
+    for r0 in range(0, n, X16_REPACK_ROWS):
+        r1 = min(n, r0 + X16_REPACK_ROWS)
+        part = torch.ops.laneserve.kquant_repack_x16(blocks[r0:r1], qtype)
+        if out is None:
+            out = part.new_empty((n // X16_ROWS, part.shape[1]))
+        out[r0 // X16_ROWS : r1 // X16_ROWS] = part
+        if mapped is not None:
+            drop_file_pages(mapped[r0:r1])
+    return out
+
+
 Q8KGemv = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 
 
@@ -187,7 +245,8 @@ def check_q8k_routes(routes: list[int], gemv: Q8KGemv | None = None) -> int:
     """The first of `routes` (widest first) whose int8 GEMV agrees with the scalar route's on a
     fixed random set: 9 outputs x 2 super-blocks of each of Q4_K, Q5_K, Q6_K, times 2 activation
     rows and times the first row alone (a route may run one row, and a last group of outputs,
-    by other code: the AVX-512 one does).
+    by other code: the AVX-512 one does); the AVX-512 VNNI route also on 16 outputs of Q4_K and
+    Q6_K in the x16 layout (`repack_x16`).
     Agreement: |y - y_scalar| <= `Q8K_SELF_CHECK_RTOL` x the row's largest |y_scalar| (NaN
     disagrees). Each route that disagrees is logged as one WARNING and skipped; the scalar route
     is taken as correct. `gemv` (x, blocks, qtype, route) -> y defaults to the kernel
@@ -202,11 +261,21 @@ def check_q8k_routes(routes: list[int], gemv: Q8KGemv | None = None) -> int:
     x[1] *= torch.from_numpy(rng.uniform(0.01, 10.0, size=2 * QK_K).astype(np.float32))
     cases = [(xs, qtype, blocks) for xs in (x, x[:1]) for qtype, blocks in weights]
     want = [gemv(xs, blocks, qtype, Q8K_SCALAR_ROUTE) for xs, qtype, blocks in cases]
+    # the VNNI route's x16 GEMV: 16 outputs of each x16 type, in the file's layout for the want
+    x16 = [
+        (QTYPE_IDS[t], torch.from_numpy(random_blocks(t, X16_ROWS, 2 * QK_K, rng)))
+        for t in X16_QTYPES
+    ]
+    x16_cases = [(xs, qtype, blocks) for xs in (x, x[:1]) for qtype, blocks in x16]
     for route in routes:
         if route == Q8K_SCALAR_ROUTE:
             return route
         ys = [gemv(xs, blocks, qtype, route) for xs, qtype, blocks in cases]
         worst = max(_disagreement(y, w) for y, w in zip(ys, want, strict=True))
+        if route == Q8K_VNNI_ROUTE:
+            for xs, qtype, blocks in x16_cases:
+                y = gemv(xs, repack_x16(blocks, qtype), qtype | X16_FLAG, route)
+                worst = max(worst, _disagreement(y, gemv(xs, blocks, qtype, Q8K_SCALAR_ROUTE)))
         if worst <= Q8K_SELF_CHECK_RTOL:
             return route
         logger.warning(
@@ -230,7 +299,7 @@ class KQuantEmbedding:
     """An embedding table kept in K-quant super-blocks; a lookup dequantizes its rows (exact)."""
 
     def __init__(self, t: GGUFQuantTensor, dtype: torch.dtype):
-        self.table = KQuantLinear([t])
+        self.table = KQuantLinear([t], repack=False)
         self.dtype = dtype
 
     def nbytes(self) -> int:
@@ -239,7 +308,7 @@ class KQuantEmbedding:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids int64 [T] -> [T, K] in `dtype`."""
         t = self.table
-        rows = t.blocks[0].index_select(0, ids)
+        rows = t.rows[0].index_select(0, ids)
         if cpu_ext.load():
             return torch.ops.laneserve.kquant_dequantize(rows, t.qtypes[0]).to(self.dtype)
         p = t.parts[0]

@@ -66,7 +66,7 @@ _SOURCES = (
     "kquant_q8k.cpp",
     "bf16_gemv.cpp",
 )
-_HEADERS = ("vec.h", "kquant.h", "kquant_q8k_avx512.h")
+_HEADERS = ("vec.h", "kquant.h", "kquant_q8k_avx512.h", "kquant_q8k_x16.h")
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing", "-ffp-contract=off")
 _LDFLAGS = ("-fopenmp",)
 _STAMP = "laneserve-build.stamp"  # the sha256 of build.ninja, written after a build succeeded

@@ -43,11 +43,12 @@ struct Unpacked {
   float d, dmin;
 };
 
-// Q8_K activations of M rows: xq int8 [M, K], xd [M, K / 256], bsums [M, K / 16].
+// Q8_K activations of M rows: xq int8 [M, K], xd [M, K / 256], bsums [M, K / 16] and their
+// sums per 32 bsums32 [M, K / 32] (the x16 layout's Q4_K mins).
 struct Q8K {
   std::vector<int8_t> q;
   std::vector<float> d;
-  std::vector<int16_t> bsums;
+  std::vector<int16_t> bsums, bsums32;
 };
 
 void quantize_block(const float* x, int8_t* q, float* d, int16_t* bsums) {
@@ -78,11 +79,14 @@ void quantize_block(const float* x, int8_t* q, float* d, int16_t* bsums) {
 Q8K quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / kQK;
   Q8K a{std::vector<int8_t>(M * K), std::vector<float>(M * nb),
-        std::vector<int16_t>(M * nb * kGroups)};
+        std::vector<int16_t>(M * nb * kGroups), std::vector<int16_t>(M * nb * kGroups / 2)};
   at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      quantize_block(x + i * kQK, a.q.data() + i * kQK, a.d.data() + i,
-                     a.bsums.data() + i * kGroups);
+      int16_t* bs = a.bsums.data() + i * kGroups;
+      quantize_block(x + i * kQK, a.q.data() + i * kQK, a.d.data() + i, bs);
+      for (int j = 0; j < kGroups / 2; ++j) {
+        a.bsums32[i * kGroups / 2 + j] = static_cast<int16_t>(bs[2 * j] + bs[2 * j + 1]);
+      }
     }
   });
   return a;
@@ -410,8 +414,14 @@ Rows simd_rows_of(int64_t qtype) {
 
 #ifdef LANESERVE_KQUANT_VNNI
 #include "kquant_q8k_avx512.h"
+#endif
 
+#include "kquant_q8k_x16.h"
+
+#ifdef LANESERVE_KQUANT_VNNI
 Rows rows_512_of(int64_t qtype) {
+  if (qtype == (kQ6K | kX16)) return gemv_x16<kQ6K>;
+  if (qtype == (kquant::kQ4K | kX16)) return gemv_x16<kquant::kQ4K>;
   if (qtype == kQ6K) return gemv_rows_512<kQ6K>;
   if (qtype == kQ5K) return gemv_rows_512<kQ5K>;
   return gemv_rows_512<kquant::kQ4K>;
@@ -423,6 +433,8 @@ Rows rows_for(int64_t route, int64_t qtype) {
 #ifdef LANESERVE_KQUANT_VNNI
   if (route == 1) return rows_512_of(qtype);
 #endif
+  if (qtype == (kQ6K | kX16)) return gemv_x16_ref<kQ6K>;
+  if (qtype == (kquant::kQ4K | kX16)) return gemv_x16_ref<kquant::kQ4K>;
 #if defined(__AVX2__) && defined(__FMA__)
   if (route == 2) return simd_rows_of(qtype);
 #endif
@@ -445,13 +457,22 @@ at::Tensor kquant_gemv_q8k_fused(const at::Tensor& x, at::TensorList blocks,
               "kquant_gemv_q8k: x must be contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   int64_t ldy = 0, total = 0;
-  std::vector<int64_t> col(blocks.size()), start(blocks.size() + 1);
+  // per part: outputs per row of its blocks tensor (16 in the x16 layout), bytes per unit
+  std::vector<int64_t> col(blocks.size()), start(blocks.size() + 1), gran(blocks.size()),
+      unit(blocks.size());
   for (size_t i = 0; i < blocks.size(); ++i) {
-    const int64_t nb = kquant::check_blocks(blocks[i], qtypes[i]);
+    const bool x16 = is_x16(qtypes[i]);
+    gran[i] = x16 ? kX16Rows : 1;
+    unit[i] = x16 ? x16_unit_bytes(qtypes[i]) : kquant::block_bytes(qtypes[i]);
+    TORCH_CHECK(blocks[i].dim() == 2 && blocks[i].scalar_type() == at::kByte &&
+                    blocks[i].is_contiguous() && blocks[i].size(1) % unit[i] == 0,
+                "kquant_gemv_q8k: weight ", i, " is not contiguous uint8 [N / ", gran[i],
+                ", K / 256 * ", unit[i], "]");
+    const int64_t nb = blocks[i].size(1) / unit[i];
     TORCH_CHECK(K == nb * kQK, "kquant_gemv_q8k: x has ", K, " columns, weight ", i, " ", nb * kQK);
     col[i] = ldy;
     start[i] = total;
-    ldy += blocks[i].size(0);
+    ldy += blocks[i].size(0) * gran[i];
     total += blocks[i].numel();
   }
   start.back() = total;
@@ -460,8 +481,8 @@ at::Tensor kquant_gemv_q8k_fused(const at::Tensor& x, at::TensorList blocks,
   std::vector<GemvArgs> args;
   std::vector<Rows> rows;
   for (size_t i = 0; i < blocks.size(); ++i) {
-    const int64_t bytes = kquant::block_bytes(qtypes[i]), nb = K / kQK;
-    args.push_back({blocks[i].data_ptr<uint8_t>(), nb, bytes, M, ldy, &a, y.data_ptr<float>() + col[i]});
+    const int64_t nb = K / kQK;
+    args.push_back({blocks[i].data_ptr<uint8_t>(), nb, unit[i], M, ldy, &a, y.data_ptr<float>() + col[i]});
     rows.push_back(rows_for(route, qtypes[i]));
   }
   at::parallel_for(0, total, kTaskBytes, [&](int64_t b0, int64_t b1) {
@@ -472,7 +493,7 @@ at::Tensor kquant_gemv_q8k_fused(const at::Tensor& x, at::TensorList blocks,
         return std::min(n, (off + row_bytes - 1) / row_bytes);
       };
       const int64_t n0 = first_row(b0), n1 = first_row(b1);
-      if (n0 < n1) rows[i](args[i], n0, n1);
+      if (n0 < n1) rows[i](args[i], n0 * gran[i], n1 * gran[i]);
     }
   });
   return y;
@@ -485,15 +506,43 @@ at::Tensor kquant_gemv_q8k(const at::Tensor& x, const at::Tensor& blocks, int64_
 
 std::vector<int64_t> kquant_q8k_routes() { return kquant::built_routes(kWide); }
 
+// blocks uint8 [N, K / 256 * bytes] (Q4_K or Q6_K, N a multiple of 16) -> the x16 layout
+// [N / 16, K / 256 * unit bytes] (kquant_q8k_x16.h); the GEMV takes it as qtype | 256.
+at::Tensor kquant_repack_x16(const at::Tensor& blocks, int64_t qtype) {
+  const int64_t nb = kquant::check_blocks(blocks, qtype), n = blocks.size(0);
+  const int64_t unit = x16_unit_bytes(qtype | kX16), bytes = kquant::block_bytes(qtype);
+  TORCH_CHECK(n % kX16Rows == 0, "kquant_repack_x16: ", n, " rows is not a multiple of 16");
+  at::Tensor out = at::zeros({n / kX16Rows, nb * unit}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n / kX16Rows, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t grp = g0; grp < g1; ++grp) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* rows[kX16Rows];
+        for (int r = 0; r < kX16Rows; ++r) rows[r] = src + ((grp * kX16Rows + r) * nb + b) * bytes;
+        uint8_t* u = dst + (grp * nb + b) * unit;
+        if (qtype == kQ6K) {
+          repack_unit<kQ6K>(rows, u);
+        } else {
+          repack_unit<kquant::kQ4K>(rows, u);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(laneserve, m) {
   m.def("kquant_gemv_q8k(Tensor x, Tensor blocks, int qtype, int route) -> Tensor");
   m.def("kquant_gemv_q8k_fused(Tensor x, Tensor[] blocks, int[] qtypes, int route) -> Tensor");
   m.def("kquant_q8k_routes() -> int[]", &kquant_q8k_routes);
+  m.def("kquant_repack_x16(Tensor blocks, int qtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
   m.impl("kquant_gemv_q8k", &kquant_gemv_q8k);
   m.impl("kquant_gemv_q8k_fused", &kquant_gemv_q8k_fused);
+  m.impl("kquant_repack_x16", &kquant_repack_x16);
 }
 
 }  // namespace laneserve

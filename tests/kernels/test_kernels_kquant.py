@@ -129,6 +129,61 @@ def test_int8_route_over_row_tiles_and_a_partial_group_of_outputs(qtype):
         assert ((y.double() - want).abs() / scale).max() < 1e-5, route
 
 
+@pytest.mark.parametrize("qtype", kquant.X16_QTYPES)
+def test_x16_layout_gives_the_exact_dot_on_every_route(qtype):
+    """`repack_x16` (16 outputs' super-blocks interleaved, kernels/csrc/kquant_q8k_x16.h) and the
+    int8 GEMV on it: 48 outputs, K = 64 super-blocks (the VNNI route takes 37 rows in tiles of 16,
+    16 and 5), 1, 2 and 37 rows, alone and fused beside a part in the file's layout: every route
+    (the ones without x16 code run the reference) against the exact dot of the Q8_K activations."""
+    rng = np.random.default_rng(40 + QTYPE_IDS[qtype])
+    n, k, q = 48, 64 * 256, QTYPE_IDS[qtype]
+    blocks = kquant_blocks(qtype, n, k, rng)
+    packed = kquant.repack_x16(torch.from_numpy(blocks), q)
+    assert packed.shape[0] == n // 16
+    x = torch.from_numpy(rng.standard_normal((37, k), dtype=np.float32))
+    x *= torch.logspace(-2, 2, 37)[:, None]
+    want = q8k_reference(x) @ reference(blocks, qtype).double().T
+    scale = want.abs().amax(1, keepdim=True)
+    for route in torch.ops.laneserve.kquant_q8k_routes():
+        for m in (1, 2, 37):
+            y = torch.ops.laneserve.kquant_gemv_q8k(x[:m].contiguous(), packed, q | 256, route)
+            assert ((y.double() - want[:m]).abs() / scale[:m]).max() < 1e-5, (route, m)
+        fused = torch.ops.laneserve.kquant_gemv_q8k_fused(
+            x[:2].contiguous(), [torch.from_numpy(blocks[:7]), packed], [q, q | 256], route
+        )
+        got = torch.cat([fused[:, :7], fused[:, 7:]], 1)
+        assert fused.shape == (2, 7 + n)
+        assert ((got[:, 7:].double() - want[:2]).abs() / scale[:2]).max() < 1e-5, route
+        assert ((got[:, :7].double() - want[:2, :7]).abs() / scale[:2]).max() < 1e-5, route
+    with pytest.raises(RuntimeError, match="not a multiple of 16"):
+        kquant.repack_x16(torch.from_numpy(blocks[:40]), q)
+    with pytest.raises(RuntimeError, match="x16 layout is Q4_K or Q6_K"):
+        kquant.repack_x16(torch.from_numpy(kquant_blocks("Q5_K", 16, 256, rng)), 13)
+
+
+def test_linears_repack_their_q4_k_and_q6_k_parts_on_the_vnni_route(monkeypatch):
+    """A fused linear's Q4_K / Q6_K parts of whole 16-output groups take the x16 layout where the
+    int8 GEMV runs on the AVX-512 VNNI route (`kquant.x16_enabled`), the others stay as the file
+    ships them; outputs agree with the file's layout up to float32 summation order, and
+    dequantization still reads the file's rows."""
+    monkeypatch.setenv("LANESERVE_KQUANT_INT8", "1")
+    rng = np.random.default_rng(6)
+    shapes = [("Q4_K", 32), ("Q5_K", 16), ("Q6_K", 16), ("Q4_K", 8)]
+    parts = [
+        GGUFQuantTensor(f"p{i}", t, kquant_blocks(t, n, K, rng), (n, K))
+        for i, (t, n) in enumerate(shapes)
+    ]
+    linear, plain = KQuantLinear(parts), KQuantLinear(parts, repack=False)
+    vnni = kquant.q8k_route() == kquant.Q8K_VNNI_ROUTE
+    assert [bool(q & kquant.X16_FLAG) for q in linear.qtypes] == [vnni, False, vnni, False]
+    assert not any(q & kquant.X16_FLAG for q in plain.qtypes)
+    for m in (1, 5):
+        x = torch.randn(m, K)
+        y, want = linear(x), plain(x)
+        assert ((y - want).abs() / want.abs().amax(1, keepdim=True)).max() < 1e-5, m
+    assert torch.equal(linear.dequantize(), plain.dequantize())
+
+
 def test_calls_take_the_int8_gemv_up_to_their_routes_limit(monkeypatch):
     """On the AVX-512 VNNI route every call runs the int8 GEMV (prefill chunks too), elsewhere
     calls past `KQUANT_Q8K_MAX_TOKENS` dequantize tiles (float32 activations: the outputs differ
