@@ -2,10 +2,10 @@
 
 A `KQuantLinear` holds the super-blocks of each (fused) part as the file ships them (a view of
 the mapped file where the loader did not have to permute the rows), so memory is about the file
-size; on the AVX-512 VNNI route its Q4_K and Q6_K parts are repacked at load to the x16 layout
-(16 outputs' super-blocks interleaved, kernels/csrc/kquant_q8k_x16.h: about half the
-instructions per weight, the one-row GEMV then reads at the memory's rate) and the file's pages
-they were read from are dropped: memory stays about the file size (+1 %). Calls of at most `q8k_max_tokens(qtype)` rows (all of them on the AVX-512 VNNI route;
+size; on the AVX-512 VNNI route its parts are repacked at load to the x16 layout (16 outputs'
+super-blocks interleaved, kernels/csrc/kquant_q8k_x16.h: about half the instructions per
+weight, the one-row GEMV then reads at the memory's rate), and the file's pages they were read
+from are dropped: memory stays about the file size (Q4_K +2.8 %, Q6_K +1 % in the x16 layout). Calls of at most `q8k_max_tokens(qtype)` rows (all of them on the AVX-512 VNNI route;
 `KQUANT_Q8K_MAX_TOKENS[qtype]` elsewhere: decode, speculative verification, small batches) run
 the int8 GEMV (``torch.ops.laneserve.kquant_gemv_q8k``, or for a fused
 linear whose parts all take it ``kquant_gemv_q8k_fused``: one call over all parts,
@@ -35,6 +35,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -57,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 QTYPE_IDS = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml's type numbers, the kernel's `qtype`
 X16_FLAG = 256  # `qtype | X16_FLAG`: the blocks are in the x16 layout (kquant_q8k_x16.h)
-X16_QTYPES = ("Q4_K", "Q6_K")
+X16_QTYPES = ("Q4_K", "Q5_K", "Q6_K")
 X16_ROWS = 16  # outputs per x16 unit
 QK_K = 256  # weights per super-block
 KQUANT_TILE_ROWS = 512  # outputs dequantized at a time on the GEMM route (512 x 2048 x 4 = 4 MiB)
@@ -88,20 +89,29 @@ def runs(parts: list, mode: str, device: torch.device | None) -> bool:
     return mode == "auto" and on_cpu and all(map(is_kquant, parts))
 
 
+class PartSpec(NamedTuple):
+    """What a `KQuantLinear` keeps of a part besides its blocks."""
+
+    name: str
+    qtype: str
+    shape: tuple[int, int]
+
+
 class KQuantLinear:
     """`y = x @ W.T` with W = cat of K-quant parts [N_i, K] along N, each kept in its blocks.
 
-    `rows` holds each part's blocks as the file ships them (dequantization, lookups, the GEMM
-    route); `blocks` / `qtypes` what the GEMV reads: on the AVX-512 VNNI route a Q4_K or Q6_K
-    part of whole 16-output groups is repacked at load to the row-interleaved x16 layout
-    (`repack_x16`), and its pages of the file are given back."""
+    `blocks` / `qtypes` are what the GEMV reads: each part's blocks as the file ships them, or
+    on the AVX-512 VNNI route (`x16_enabled`) a part of whole 16-output groups repacked at load
+    to the row-interleaved x16 layout (`repack_x16`, qtype | `X16_FLAG`); the file's pages it was
+    read from are dropped and the loader's copy (Llama's q / k rows, un-permuted) is not kept.
+    `rows[i]` is the file's layout where kept (None for an x16 part: it dequantizes from x16)."""
 
     def __init__(self, parts: list[GGUFQuantTensor], repack: bool = True):
         assert parts and all(is_kquant(p) for p in parts), [p.qtype for p in parts]
         ks = {p.shape[1] for p in parts}
         assert len(ks) == 1, ks
-        self.parts = parts
-        self.rows = [_blocks_tensor(p) for p in parts]
+        self.parts = [PartSpec(p.name, p.qtype, p.shape) for p in parts]
+        self.rows: list[torch.Tensor | None] = [_blocks_tensor(p) for p in parts]
         self.blocks = list(self.rows)
         self.qtypes = [QTYPE_IDS[p.qtype] for p in parts]
         self.shape = (sum(p.shape[0] for p in parts), ks.pop())
@@ -110,6 +120,7 @@ class KQuantLinear:
                 if p.qtype in X16_QTYPES and p.shape[0] % X16_ROWS == 0:
                     self.blocks[i] = repack_x16(self.rows[i], self.qtypes[i], p.blocks)
                     self.qtypes[i] |= X16_FLAG
+                    self.rows[i] = None
 
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.blocks)
@@ -119,11 +130,15 @@ class KQuantLinear:
         return torch.cat([self._tile(i, 0, p.shape[0]) for i, p in enumerate(self.parts)])
 
     def _tile(self, i: int, r0: int, r1: int) -> torch.Tensor:
-        """Rows r0..r1 of part i as float32."""
+        """Rows r0..r1 of part i as float32 (an x16 part: r0, r1 multiples of 16)."""
+        p = self.parts[i]
+        if self.rows[i] is None:
+            assert r0 % X16_ROWS == 0 and r1 % X16_ROWS == 0, (r0, r1)
+            packed = self.blocks[i][r0 // X16_ROWS : r1 // X16_ROWS]
+            return torch.ops.laneserve.kquant_dequantize_x16(packed, QTYPE_IDS[p.qtype])
         blocks = self.rows[i][r0:r1]
         if cpu_ext.load():
-            return torch.ops.laneserve.kquant_dequantize(blocks, QTYPE_IDS[self.parts[i].qtype])
-        p = self.parts[i]
+            return torch.ops.laneserve.kquant_dequantize(blocks, QTYPE_IDS[p.qtype])
         return dequantize(GGUFQuantTensor(p.name, p.qtype, blocks.numpy(), (r1 - r0, p.shape[1])))
 
     def _gemm(self, x: torch.Tensor, i: int) -> torch.Tensor:
@@ -138,7 +153,7 @@ class KQuantLinear:
                 return torch.ops.laneserve.kquant_gemv_q8k(
                     xf, self.blocks[i], self.qtypes[i], route
                 )
-            if rows <= KQUANT_GEMV_MAX_TOKENS[qtype]:
+            if rows <= KQUANT_GEMV_MAX_TOKENS[qtype] and self.rows[i] is not None:
                 return torch.ops.laneserve.kquant_gemv(xf, self.rows[i], QTYPE_IDS[qtype], 0)
         return self._gemm(xf, i)
 
@@ -183,20 +198,26 @@ def tiled_linear(
 
 
 def x16_enabled() -> bool:
-    """Whether K-quant linears repack their Q4_K / Q6_K parts to the x16 layout: the C++ kernels
-    loaded, the int8 GEMV on (``LANESERVE_KQUANT_INT8``) and on the AVX-512 VNNI route, the only
-    one with an x16 GEMV (kernels/csrc/kquant_q8k_x16.h: 2x fewer instructions per weight than
-    the file's layout; one-row calls were bound by them)."""
-    return (
-        cpu_ext.load() and bool(env.get("LANESERVE_KQUANT_INT8")) and q8k_route() == Q8K_VNNI_ROUTE
-    )
+    """Whether K-quant linears repack their parts to the x16 layout: the C++ kernels loaded, the
+    int8 GEMV on (``LANESERVE_KQUANT_INT8``) and on the AVX-512 VNNI route, the only one with an
+    x16 GEMV (kernels/csrc/kquant_q8k_x16.h: 2x fewer instructions per weight than the file's
+    layout; one-row calls were bound by them), and that GEMV passing `x16_self_check`."""
+    if not (cpu_ext.load() and env.get("LANESERVE_KQUANT_INT8")):
+        return False
+    return q8k_route() == Q8K_VNNI_ROUTE and x16_self_check()
+
+
+@functools.cache
+def x16_self_check() -> bool:
+    """`check_x16` once per process, on first use (the C++ kernels must be loaded)."""
+    return check_x16()
 
 
 X16_REPACK_ROWS = 4096  # rows repacked at a time: the file pages they touched are then dropped
 
 
 def repack_x16(blocks: torch.Tensor, qtype: int, mapped: np.ndarray | None = None) -> torch.Tensor:
-    """Q4_K / Q6_K blocks uint8 [N, K / 256 * bytes] (N a multiple of 16) in the x16 layout
+    """K-quant blocks uint8 [N, K / 256 * bytes] (N a multiple of 16) in the x16 layout
     [N / 16, K / 256 * unit bytes]; the GEMV takes it as `qtype | X16_FLAG`. `mapped`: the
     file's view that `blocks` reads, whose pages are dropped as they are repacked (the load's
     peak RSS then holds the copy, not the copy and the file)."""
@@ -245,8 +266,7 @@ def check_q8k_routes(routes: list[int], gemv: Q8KGemv | None = None) -> int:
     """The first of `routes` (widest first) whose int8 GEMV agrees with the scalar route's on a
     fixed random set: 9 outputs x 2 super-blocks of each of Q4_K, Q5_K, Q6_K, times 2 activation
     rows and times the first row alone (a route may run one row, and a last group of outputs,
-    by other code: the AVX-512 one does); the AVX-512 VNNI route also on 16 outputs of Q4_K and
-    Q6_K in the x16 layout (`repack_x16`).
+    by other code: the AVX-512 one does).
     Agreement: |y - y_scalar| <= `Q8K_SELF_CHECK_RTOL` x the row's largest |y_scalar| (NaN
     disagrees). Each route that disagrees is logged as one WARNING and skipped; the scalar route
     is taken as correct. `gemv` (x, blocks, qtype, route) -> y defaults to the kernel
@@ -261,21 +281,11 @@ def check_q8k_routes(routes: list[int], gemv: Q8KGemv | None = None) -> int:
     x[1] *= torch.from_numpy(rng.uniform(0.01, 10.0, size=2 * QK_K).astype(np.float32))
     cases = [(xs, qtype, blocks) for xs in (x, x[:1]) for qtype, blocks in weights]
     want = [gemv(xs, blocks, qtype, Q8K_SCALAR_ROUTE) for xs, qtype, blocks in cases]
-    # the VNNI route's x16 GEMV: 16 outputs of each x16 type, in the file's layout for the want
-    x16 = [
-        (QTYPE_IDS[t], torch.from_numpy(random_blocks(t, X16_ROWS, 2 * QK_K, rng)))
-        for t in X16_QTYPES
-    ]
-    x16_cases = [(xs, qtype, blocks) for xs in (x, x[:1]) for qtype, blocks in x16]
     for route in routes:
         if route == Q8K_SCALAR_ROUTE:
             return route
         ys = [gemv(xs, blocks, qtype, route) for xs, qtype, blocks in cases]
         worst = max(_disagreement(y, w) for y, w in zip(ys, want, strict=True))
-        if route == Q8K_VNNI_ROUTE:
-            for xs, qtype, blocks in x16_cases:
-                y = gemv(xs, repack_x16(blocks, qtype), qtype | X16_FLAG, route)
-                worst = max(worst, _disagreement(y, gemv(xs, blocks, qtype, Q8K_SCALAR_ROUTE)))
         if worst <= Q8K_SELF_CHECK_RTOL:
             return route
         logger.warning(
@@ -284,6 +294,34 @@ def check_q8k_routes(routes: list[int], gemv: Q8KGemv | None = None) -> int:
             Q8K_ROUTE_NAMES.get(route, "?"), route, worst,
         )  # fmt: skip
     return Q8K_SCALAR_ROUTE
+
+
+def check_x16(gemv: Q8KGemv | None = None) -> bool:
+    """Whether the AVX-512 VNNI route's x16 GEMV agrees with the scalar route on the file's
+    layout (`check_q8k_routes`' agreement) on a fixed random set: 32 outputs (two units) x 2
+    super-blocks of each x16 type, 2 activation rows and the first alone. A disagreement is
+    logged as a WARNING and the linears keep the file's layout (the route itself stays)."""
+    gemv = gemv or torch.ops.laneserve.kquant_gemv_q8k
+    rng = np.random.default_rng(1)
+    x = torch.from_numpy(rng.standard_normal((2, 2 * QK_K), dtype=np.float32))
+    x[1] *= torch.from_numpy(rng.uniform(0.01, 10.0, size=2 * QK_K).astype(np.float32))
+    worst = 0.0
+    for t in X16_QTYPES:
+        qtype, blocks = (
+            QTYPE_IDS[t],
+            torch.from_numpy(random_blocks(t, 2 * X16_ROWS, 2 * QK_K, rng)),
+        )
+        packed = repack_x16(blocks, qtype)
+        for xs in (x, x[:1]):
+            y = gemv(xs, packed, qtype | X16_FLAG, Q8K_VNNI_ROUTE)
+            worst = max(worst, _disagreement(y, gemv(xs, blocks, qtype, Q8K_SCALAR_ROUTE)))
+    if worst <= Q8K_SELF_CHECK_RTOL:
+        return True
+    logger.warning(
+        "kquant int8 GEMV: the x16 layout's GEMV disagrees with the scalar route on this CPU "
+        "(%.3g of a row's largest output); K-quant weights keep the file's layout", worst
+    )  # fmt: skip
+    return False
 
 
 def _disagreement(y: torch.Tensor, want: torch.Tensor) -> float:
@@ -310,7 +348,8 @@ class KQuantEmbedding:
         t = self.table
         rows = t.rows[0].index_select(0, ids)
         if cpu_ext.load():
-            return torch.ops.laneserve.kquant_dequantize(rows, t.qtypes[0]).to(self.dtype)
+            qtype = QTYPE_IDS[t.parts[0].qtype]
+            return torch.ops.laneserve.kquant_dequantize(rows, qtype).to(self.dtype)
         p = t.parts[0]
         part = GGUFQuantTensor(p.name, p.qtype, rows.numpy(), (ids.shape[0], p.shape[1]))
         return dequantize(part).to(self.dtype)

@@ -30,7 +30,9 @@ sampler or scheduler) of Llama-3.2-1B's shape in a GGUF with llama.cpp's Q4_K_M 
 Q6_K for `output` and for `attn_v` / `ffn_down` in the layers llama.cpp gives more bits) and
 random super-blocks, written once to `--gguf` (~0.8 GB): after a `--prompt`-token prefill, steps
 alternate between the int8 route and the fp32 one (``LANESERVE_KQUANT_INT8`` 1 / 0), so load
-from other processes hits both alike; reports each route's median step time and tokens/s:
+from other processes hits both alike; reports each route's median step time and tokens/s. On the
+AVX-512 VNNI route the model's parts load in the x16 layout, which the fp32 GEMV does not read
+(its steps there run the tiles; the GEMV timings without `--decode` compare the routes).
 
     python scripts/bench_kquant.py --decode [--gguf llama-1b-q4_k_m-random.gguf] [--steps 16]
 
@@ -58,7 +60,7 @@ import torch  # noqa: E402  # isort: skip
 
 from benchlib import cpu_info, gemv_max_m, time_cells  # noqa: E402  # isort: skip  (scripts/ is on sys.path)
 from laneserve.gpu_worker.gguf_blocks import GGUFQuantTensor  # noqa: E402  # isort: skip
-from laneserve.gpu_worker.kquant import QTYPE_IDS, KQuantLinear, random_blocks  # noqa: E402  # isort: skip
+from laneserve.gpu_worker.kquant import Q8K_VNNI_ROUTE, QTYPE_IDS, KQuantLinear, random_blocks  # noqa: E402  # isort: skip
 from laneserve.kernels import cpu_ext  # noqa: E402  # isort: skip
 
 # name -> (qtype, outputs N, inputs K): Llama-3.2-1B's linears as llama.cpp's Q4_K_M writes them
@@ -77,24 +79,31 @@ def variants(qtype: str, n: int, k: int, route: int, cold_mib: int = 0) -> tuple
     from DRAM as a model's do (one matrix read again and again stays in the caches)."""
     rng = np.random.default_rng(0)
     blocks = random_blocks(qtype, n, k, rng, scale=1e-3)
-    linear = KQuantLinear([GGUFQuantTensor("w", qtype, blocks, (n, k))])
+    # the int8 GEMV reads what a model's linear holds (the x16 layout where `x16_enabled`, on
+    # the VNNI route), the fp32 GEMV and the tiles the file's layout
+    x16 = route in (0, Q8K_VNNI_ROUTE)
+
+    def make(b: np.ndarray, repack: bool) -> KQuantLinear:
+        return KQuantLinear([GGUFQuantTensor("w", qtype, b, (n, k))], repack=repack)
+
+    linear = make(blocks, x16)
     copies = max(1, -(-cold_mib * 2**20 // linear.nbytes()))
-    linears = [linear] + [
-        KQuantLinear([GGUFQuantTensor("w", qtype, blocks.copy(), (n, k))])
-        for _ in range(copies - 1)
-    ]
+    linears = [linear] + [make(blocks.copy(), x16) for _ in range(copies - 1)]
+    plain = [make(blocks, False)] + [make(blocks.copy(), False) for _ in range(copies - 1)]
     nxt = itertools.cycle(range(copies)).__next__
+
+    def q8k(x: torch.Tensor) -> torch.Tensor:
+        lin = linears[nxt()]
+        return torch.ops.laneserve.kquant_gemv_q8k(x, lin.blocks[0], lin.qtypes[0], route)
+
     t = QTYPE_IDS[qtype]
     fns = {
-        "q8k": (
-            torch.float32,
-            lambda x: torch.ops.laneserve.kquant_gemv_q8k(x, linears[nxt()].blocks[0], t, route),
-        ),
+        "q8k": (torch.float32, q8k),
         "fp32": (
             torch.float32,
-            lambda x: torch.ops.laneserve.kquant_gemv(x, linears[nxt()].blocks[0], t, 0),
+            lambda x: torch.ops.laneserve.kquant_gemv(x, plain[nxt()].rows[0], t, 0),
         ),
-        "tiles": (torch.float32, lambda x: linears[nxt()]._gemm(x, 0)),
+        "tiles": (torch.float32, lambda x: plain[nxt()]._gemm(x, 0)),
     }
     return fns, linear.nbytes()
 

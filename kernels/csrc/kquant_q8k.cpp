@@ -24,6 +24,12 @@
 // super-block unpacked to a byte array first); ``kquant_q8k_routes()`` lists the ones built
 // (-march=native decides). All give the same integer sums; they differ in the float32
 // summation order over super-blocks only.
+//
+// The x16 layout (kquant_q8k_x16.h): ``kquant_repack_x16(blocks, qtype)`` interleaves each 16
+// outputs' super-blocks ([N / 16, K / 256 * unit bytes]); a part passed as ``qtype | 256`` is in
+// it: route 1 runs its own GEMV (one ``vpdpbusd`` per 4 weights of 16 outputs), the others a
+// reference one; ``kquant_dequantize_x16`` gives the weight back. In a fused call a "row" of
+// such a part is 16 outputs.
 #include "kquant.h"
 
 namespace laneserve {
@@ -421,6 +427,7 @@ Rows simd_rows_of(int64_t qtype) {
 #ifdef LANESERVE_KQUANT_VNNI
 Rows rows_512_of(int64_t qtype) {
   if (qtype == (kQ6K | kX16)) return gemv_x16<kQ6K>;
+  if (qtype == (kQ5K | kX16)) return gemv_x16<kQ5K>;
   if (qtype == (kquant::kQ4K | kX16)) return gemv_x16<kquant::kQ4K>;
   if (qtype == kQ6K) return gemv_rows_512<kQ6K>;
   if (qtype == kQ5K) return gemv_rows_512<kQ5K>;
@@ -434,6 +441,7 @@ Rows rows_for(int64_t route, int64_t qtype) {
   if (route == 1) return rows_512_of(qtype);
 #endif
   if (qtype == (kQ6K | kX16)) return gemv_x16_ref<kQ6K>;
+  if (qtype == (kQ5K | kX16)) return gemv_x16_ref<kQ5K>;
   if (qtype == (kquant::kQ4K | kX16)) return gemv_x16_ref<kquant::kQ4K>;
 #if defined(__AVX2__) && defined(__FMA__)
   if (route == 2) return simd_rows_of(qtype);
@@ -506,13 +514,13 @@ at::Tensor kquant_gemv_q8k(const at::Tensor& x, const at::Tensor& blocks, int64_
 
 std::vector<int64_t> kquant_q8k_routes() { return kquant::built_routes(kWide); }
 
-// blocks uint8 [N, K / 256 * bytes] (Q4_K or Q6_K, N a multiple of 16) -> the x16 layout
+// blocks uint8 [N, K / 256 * bytes] (Q4_K, Q5_K or Q6_K, N a multiple of 16) -> the x16 layout
 // [N / 16, K / 256 * unit bytes] (kquant_q8k_x16.h); the GEMV takes it as qtype | 256.
 at::Tensor kquant_repack_x16(const at::Tensor& blocks, int64_t qtype) {
   const int64_t nb = kquant::check_blocks(blocks, qtype), n = blocks.size(0);
   const int64_t unit = x16_unit_bytes(qtype | kX16), bytes = kquant::block_bytes(qtype);
   TORCH_CHECK(n % kX16Rows == 0, "kquant_repack_x16: ", n, " rows is not a multiple of 16");
-  at::Tensor out = at::zeros({n / kX16Rows, nb * unit}, blocks.options());
+  at::Tensor out = at::empty({n / kX16Rows, nb * unit}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, n / kX16Rows, 1, [&](int64_t g0, int64_t g1) {
@@ -522,7 +530,10 @@ at::Tensor kquant_repack_x16(const at::Tensor& blocks, int64_t qtype) {
         for (int r = 0; r < kX16Rows; ++r) rows[r] = src + ((grp * kX16Rows + r) * nb + b) * bytes;
         uint8_t* u = dst + (grp * nb + b) * unit;
         if (qtype == kQ6K) {
+          std::memset(u + kQ6D + 32, 0, kQ6Unit - kQ6D - 32);  // the padding
           repack_unit<kQ6K>(rows, u);
+        } else if (qtype == kQ5K) {
+          repack_unit<kQ5K>(rows, u);
         } else {
           repack_unit<kquant::kQ4K>(rows, u);
         }
@@ -532,17 +543,58 @@ at::Tensor kquant_repack_x16(const at::Tensor& blocks, int64_t qtype) {
   return out;
 }
 
+// x16 blocks [N / 16, K / 256 * unit bytes] of `qtype` (no flag) -> the weight as float32 [N, K]
+// (exact, as kquant_dequantize gives the file's blocks: d sc q - dmin m, Q6_K d sc (q - 32)).
+at::Tensor kquant_dequantize_x16(const at::Tensor& packed, int64_t qtype) {
+  const int64_t unit = x16_unit_bytes(qtype | kX16);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(1) % unit == 0,
+              "kquant_dequantize_x16: blocks must be contiguous uint8 [N / 16, K / 256 * ", unit, "]");
+  const int64_t nb = packed.size(1) / unit, n = packed.size(0) * kX16Rows;
+  at::Tensor w = at::empty({n, nb * kQK}, packed.options().dtype(at::kFloat));
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  float* dst = w.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    Unpacked u;
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* at = src + (r / kX16Rows * nb + b) * unit;
+        const int row = static_cast<int>(r % kX16Rows);
+        if (qtype == kQ6K) {
+          unpack_x16<kQ6K>(at, row, &u);
+        } else if (qtype == kQ5K) {
+          unpack_x16<kQ5K>(at, row, &u);
+        } else {
+          unpack_x16<kquant::kQ4K>(at, row, &u);
+        }
+        float* y = dst + r * nb * kQK + b * kQK;
+        for (int g = 0; g < kGroups; ++g) {  // kquant_gemv.cpp's arithmetic, term for term
+          const float dg = u.d * static_cast<float>(u.scale[g]);
+          const float og = u.dmin * static_cast<float>(u.min[g]);
+          for (int i = 16 * g; i < 16 * g + 16; ++i) {
+            y[i] = qtype == kQ6K ? dg * static_cast<float>(u.q[i] - 32)
+                                 : dg * static_cast<float>(u.q[i]) - og;
+          }
+        }
+      }
+    }
+  });
+  return w;
+}
+
 TORCH_LIBRARY_FRAGMENT(laneserve, m) {
   m.def("kquant_gemv_q8k(Tensor x, Tensor blocks, int qtype, int route) -> Tensor");
   m.def("kquant_gemv_q8k_fused(Tensor x, Tensor[] blocks, int[] qtypes, int route) -> Tensor");
   m.def("kquant_q8k_routes() -> int[]", &kquant_q8k_routes);
   m.def("kquant_repack_x16(Tensor blocks, int qtype) -> Tensor");
+  m.def("kquant_dequantize_x16(Tensor blocks, int qtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
   m.impl("kquant_gemv_q8k", &kquant_gemv_q8k);
   m.impl("kquant_gemv_q8k_fused", &kquant_gemv_q8k_fused);
   m.impl("kquant_repack_x16", &kquant_repack_x16);
+  m.impl("kquant_dequantize_x16", &kquant_dequantize_x16);
 }
 
 }  // namespace laneserve

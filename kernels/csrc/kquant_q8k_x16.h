@@ -1,11 +1,12 @@
-// The row-interleaved ("x16") layout of Q4_K and Q6_K weights and its int8 GEMV on the AVX-512
+// The row-interleaved ("x16") layout of K-quant weights and its int8 GEMV on the AVX-512
 // VNNI route. A one-row call on the file's layout spends ~60 instructions per super-block of one
 // output (the scales unpacked, the nibbles cut, a float sum per output), too many to keep up with
 // two cores' bandwidth. `kquant_repack_x16` rewrites each 16 outputs' super-blocks (the same
 // quants, scales and fp16 d) so that one register holds 4 consecutive quants of each of 16
 // outputs: one `vpdpbusd` against a broadcast of 4 activations adds to 16 outputs' dot products,
 // the scales of 16 outputs are one widening load, and the float sums are 16 outputs' lanes (no
-// horizontal sum). ~15 instructions per output's Q4_K super-block, ~30 per Q6_K one.
+// horizontal sum). ~15 instructions per output's Q4_K super-block, ~25 per Q5_K one, ~30 per
+// Q6_K one.
 //
 // A unit is 16 outputs x one super-block (offsets in bytes; units start on cache lines):
 //   Q4_K (2368): sc 0-127, mins 128-255, d 256-287, dmin 288-319, quants 320-2367
@@ -13,6 +14,9 @@
 //     output r (uint8); d, dmin [r] (fp16); quants of sub-block s, u (0-3): 64 bytes at
 //     320 + 64 (4 s + u), byte 4 r + i of output r holding quant 32 s + 4 u + i in its low
 //     nibble and 32 s + 16 + 4 u + i in its high one.
+//   Q5_K (2880): Q4_K's sc, mins, d, dmin, then per sub-block s 320 bytes at 320 + 320 s: its
+//     nibbles (4 x 64, as Q4_K's) and 64 bytes of fifth bits, bit k of byte 4 r + i that of
+//     quant 32 s + 16 (k / 4) + 4 (k % 4) + i.
 //   Q6_K (3392: the file's 16 x 210 and 32 bytes of padding): sc 0-255, d 256-287, then per
 //     group g (0-15) 192 bytes at 320 + 192 g: ql, 2 x 64 bytes (p = 0, 1), byte 4 r + i the
 //     low 4 bits of quant 16 g + 4 p + i in its low nibble and of 16 g + 8 + 4 p + i in its high
@@ -26,16 +30,25 @@
 constexpr int64_t kX16 = 256;  // qtype flag: the blocks tensor is in the x16 layout
 constexpr int kX16Rows = 16;
 constexpr int kQ4Sc = 0, kQ4Min = 128, kQ4D = 256, kQ4Dmin = 288, kQ4Q = 320, kQ4Unit = 2368;
+constexpr int kQ5Unit = 2880;  // Q4_K's fields, each sub-block's nibbles followed by its fifth bits
 constexpr int kQ6Sc = 0, kQ6D = 256, kQ6Q = 320, kQ6Unit = 3392;  // padded: units start on cache lines
 inline int q6_ql(int g) { return kQ6Q + 192 * g; }
 inline int q6_qh(int g) { return kQ6Q + 192 * g + 128; }
 
+// Q4_K / Q5_K: the 64 bytes of nibbles u (0-3) of sub-block s, and Q5_K's fifth bits of it
+inline int q45_nibbles(bool five, int s, int u) { return kQ4Q + (five ? 320 * s + 64 * u : 64 * (4 * s + u)); }
+inline int q5_qh(int s) { return kQ4Q + 320 * s + 256; }
+
 inline bool is_x16(int64_t qtype) { return (qtype & kX16) != 0; }
 
 inline int64_t x16_unit_bytes(int64_t qtype) {
-  const int64_t base = qtype & ~kX16;
-  TORCH_CHECK(base == kquant::kQ4K || base == kQ6K, "kquant: the x16 layout is Q4_K or Q6_K");
-  return base == kQ6K ? kQ6Unit : kQ4Unit;
+  switch (qtype & ~kX16) {
+    case kquant::kQ4K: return kQ4Unit;
+    case kQ5K: return kQ5Unit;
+    case kQ6K: return kQ6Unit;
+    default: TORCH_CHECK(false, "kquant: qtype ", qtype & ~kX16, " is not Q4_K, Q5_K or Q6_K");
+  }
+  return 0;
 }
 
 // One unit from the 16 outputs' super-blocks `rows[r]` (file layout).
@@ -60,11 +73,22 @@ void repack_unit(const uint8_t* const* rows, uint8_t* out) {
       }
       std::memcpy(out + kQ6D + 2 * r, rows[r] + 208, 2);
     } else {
+      constexpr bool kFive = kType == kQ5K;
       for (int s = 0; s < 8; ++s) {
         for (int q = 0; q < 4; ++q) {
           for (int i = 0; i < 4; ++i) {
             const int w = 32 * s + 4 * q + i;
-            out[kQ4Q + 64 * (4 * s + q) + 4 * r + i] = static_cast<uint8_t>(u.q[w] | u.q[w + 16] << 4);
+            out[q45_nibbles(kFive, s, q) + 4 * r + i] =
+                static_cast<uint8_t>((u.q[w] & 0xF) | (u.q[w + 16] & 0xF) << 4);
+          }
+        }
+        if constexpr (kFive) {  // bit k of byte 4 r + i: the fifth bit of register k's quant
+          for (int i = 0; i < 4; ++i) {
+            uint8_t h = 0;
+            for (int k = 0; k < 8; ++k) {
+              h |= static_cast<uint8_t>((u.q[32 * s + 16 * (k / 4) + 4 * (k % 4) + i] >> 4) << k);
+            }
+            out[q5_qh(s) + 4 * r + i] = h;
           }
         }
         out[kQ4Sc + 16 * s + r] = static_cast<uint8_t>(u.scale[2 * s]);
@@ -100,12 +124,14 @@ void unpack_x16(const uint8_t* unit, int r, Unpacked* u) {
     }
     u->d = u->dmin = kquant::fp16(unit + kQ6D + 2 * r);
   } else {
+    constexpr bool kFive = kType == kQ5K;
     for (int s = 0; s < 8; ++s) {
       for (int q = 0; q < 4; ++q) {
         for (int i = 0; i < 4; ++i) {
-          const uint8_t b = unit[kQ4Q + 64 * (4 * s + q) + 4 * r + i];
-          u->q[32 * s + 4 * q + i] = b & 0xF;
-          u->q[32 * s + 16 + 4 * q + i] = b >> 4;
+          const uint8_t b = unit[q45_nibbles(kFive, s, q) + 4 * r + i];
+          const int h = kFive ? unit[q5_qh(s) + 4 * r + i] : 0;
+          u->q[32 * s + 4 * q + i] = static_cast<uint8_t>((b & 0xF) | ((h >> q) & 1) << 4);
+          u->q[32 * s + 16 + 4 * q + i] = static_cast<uint8_t>((b >> 4) | ((h >> (q + 4)) & 1) << 4);
         }
       }
       const int16_t m = unit[kQ4Min + 32 * (s / 2) + 2 * r + s % 2];
@@ -155,15 +181,25 @@ inline __m512i bcast4(const int8_t* p) {  // 4 activations in each of 16 lanes
 
 inline __m512i load512(const uint8_t* p) { return _mm512_loadu_si512(p); }
 
-// The 8 registers of Q4_K sub-block s (4 quants of 16 outputs each): w[u] quants 32 s + 4 u ..,
-// w[4 + u] quants 32 s + 16 + 4 u ..
-inline void q4_x16_regs(const uint8_t* unit, int s, __m512i w[8]) {
+// The 8 registers of Q4_K / Q5_K sub-block s (4 quants of 16 outputs each): w[u] quants
+// 32 s + 4 u .., w[4 + u] quants 32 s + 16 + 4 u ..; Q5_K's fifth bits (bit k of each byte for
+// w[k]) shifted to bit 4.
+template <bool kFive>
+inline void q45_x16_regs(const uint8_t* unit, int s, __m512i w[8]) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int u = 0; u < 4; ++u) {
-    prefetch_line(unit + kQ4Q + 64 * (4 * s + u));
-    const __m512i p = load512(unit + kQ4Q + 64 * (4 * s + u));
+    prefetch_line(unit + q45_nibbles(kFive, s, u));
+    const __m512i p = load512(unit + q45_nibbles(kFive, s, u));
     w[u] = _mm512_and_si512(p, low4);
     w[4 + u] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+  }
+  if constexpr (kFive) {
+    prefetch_line(unit + q5_qh(s));
+    const __m512i h = load512(unit + q5_qh(s)), bit4 = _mm512_set1_epi8(0x10);
+    for (int k = 0; k < 8; ++k) {
+      const __m512i at4 = k <= 4 ? _mm512_slli_epi16(h, 4 - k) : _mm512_srli_epi16(h, k - 4);
+      w[k] = _mm512_or_si512(w[k], _mm512_and_si512(at4, bit4));
+    }
   }
 }
 
@@ -205,15 +241,16 @@ inline __m512 x16_add(__m512 acc, __m512i isum, __m512i msum, const uint8_t* d,
   return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), dm, acc);
 }
 
-// Rows m0..m1 of x against one Q4_K unit: acc[m - m0] += that row's 16 outputs' terms.
-inline void q4_x16_unit(const GemvArgs& g, const uint8_t* unit, int64_t b, int64_t m0, int64_t m1,
+// Rows m0..m1 of x against one Q4_K / Q5_K unit: acc[m - m0] += that row's 16 outputs' terms.
+template <bool kFive>
+inline void q45_x16_unit(const GemvArgs& g, const uint8_t* unit, int64_t b, int64_t m0, int64_t m1,
                         __m512i* isum, __m512* acc) {
   const int64_t rows = m1 - m0;
   for (int64_t m = 0; m < rows; ++m) isum[m] = _mm512_setzero_si512();
   for (int s = 0; s < 8; ++s) {
     __m512i w[8];
     if (s < 5) prefetch_line(unit + 64 * s);  // sc, mins, d, dmin
-    q4_x16_regs(unit, s, w);
+    q45_x16_regs<kFive>(unit, s, w);
     const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(
         reinterpret_cast<const __m128i*>(unit + kQ4Sc + 16 * s)));
     for (int64_t m = 0; m < rows; ++m) {
@@ -282,7 +319,7 @@ void gemv_x16(const GemvArgs& g, int64_t n0, int64_t n1) {
         if constexpr (kType == kQ6K) {
           q6_x16_unit(g, unit, b, m0, m1, isum.data(), acc.data());
         } else {
-          q4_x16_unit(g, unit, b, m0, m1, isum.data(), acc.data());
+          q45_x16_unit<kType == kQ5K>(g, unit, b, m0, m1, isum.data(), acc.data());
         }
       }
       for (int64_t m = m0; m < m1; ++m) _mm512_storeu_ps(g.y + m * g.ldy + n, acc[m - m0]);

@@ -111,8 +111,8 @@ def test_int8_route_is_the_exact_dot_of_q8k_activations_on_every_route(qtype):
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_int8_route_over_row_tiles_and_a_partial_group_of_outputs(qtype):
-    """K = 64 super-blocks: the AVX-512 route takes its rows in tiles of 16 (256 KiB of int8
-    activations / K), so 37 rows make tiles of 16, 16 and 5, and 7 outputs a group of four and
+    """K = 64 super-blocks: the AVX-512 route takes its rows in tiles of at most 16 (256 KiB of
+    int8 activations / K), of equal size: 37 rows make tiles of 13, 13 and 11, and 7 outputs a group of four and
     one of three: every route against the exact dot of the Q8_K activations."""
     rng = np.random.default_rng(20 + QTYPE_IDS[qtype])
     n, k, m = 7, 64 * 256, 37
@@ -133,8 +133,9 @@ def test_int8_route_over_row_tiles_and_a_partial_group_of_outputs(qtype):
 def test_x16_layout_gives_the_exact_dot_on_every_route(qtype):
     """`repack_x16` (16 outputs' super-blocks interleaved, kernels/csrc/kquant_q8k_x16.h) and the
     int8 GEMV on it: 48 outputs, K = 64 super-blocks (the VNNI route takes 37 rows in tiles of 16,
-    16 and 5), 1, 2 and 37 rows, alone and fused beside a part in the file's layout: every route
-    (the ones without x16 code run the reference) against the exact dot of the Q8_K activations."""
+    13 and 11), 1, 2 and 37 rows, alone and fused beside a part in the file's layout: every route
+    (the ones without x16 code run the reference) against the exact dot of the Q8_K activations;
+    its dequantization equals the gguf package's of the file's blocks."""
     rng = np.random.default_rng(40 + QTYPE_IDS[qtype])
     n, k, q = 48, 64 * 256, QTYPE_IDS[qtype]
     blocks = kquant_blocks(qtype, n, k, rng)
@@ -151,37 +152,46 @@ def test_x16_layout_gives_the_exact_dot_on_every_route(qtype):
         fused = torch.ops.laneserve.kquant_gemv_q8k_fused(
             x[:2].contiguous(), [torch.from_numpy(blocks[:7]), packed], [q, q | 256], route
         )
-        got = torch.cat([fused[:, :7], fused[:, 7:]], 1)
         assert fused.shape == (2, 7 + n)
-        assert ((got[:, 7:].double() - want[:2]).abs() / scale[:2]).max() < 1e-5, route
-        assert ((got[:, :7].double() - want[:2, :7]).abs() / scale[:2]).max() < 1e-5, route
+        assert ((fused[:, 7:].double() - want[:2]).abs() / scale[:2]).max() < 1e-5, route
+        assert ((fused[:, :7].double() - want[:2, :7]).abs() / scale[:2]).max() < 1e-5, route
+    dense = torch.ops.laneserve.kquant_dequantize_x16(packed, q)
+    assert torch.equal(dense, reference(blocks, qtype))  # exact, as the file's blocks give it
     with pytest.raises(RuntimeError, match="not a multiple of 16"):
         kquant.repack_x16(torch.from_numpy(blocks[:40]), q)
-    with pytest.raises(RuntimeError, match="x16 layout is Q4_K or Q6_K"):
-        kquant.repack_x16(torch.from_numpy(kquant_blocks("Q5_K", 16, 256, rng)), 13)
+    with pytest.raises(RuntimeError, match="qtype 2 is not Q4_K"):
+        kquant.repack_x16(torch.from_numpy(blocks[:16]), 2)
 
 
-def test_linears_repack_their_q4_k_and_q6_k_parts_on_the_vnni_route(monkeypatch):
-    """A fused linear's Q4_K / Q6_K parts of whole 16-output groups take the x16 layout where the
-    int8 GEMV runs on the AVX-512 VNNI route (`kquant.x16_enabled`), the others stay as the file
-    ships them; outputs agree with the file's layout up to float32 summation order, and
-    dequantization still reads the file's rows."""
+def test_linears_repack_their_parts_to_the_x16_layout(monkeypatch):
+    """A fused linear's K-quant parts of whole 16-output groups take the x16 layout where it is
+    enabled (`kquant.x16_enabled`: the AVX-512 VNNI route; forced here, so the other routes run
+    its reference GEMV), in chunks of `X16_REPACK_ROWS` (16 here: several); the rest stay as the
+    file ships them. Outputs agree with the file's layout up to float32 summation order, the
+    dequantization is the same, and no file-layout copy of a repacked part is kept."""
     monkeypatch.setenv("LANESERVE_KQUANT_INT8", "1")
+    monkeypatch.setattr(kquant, "X16_REPACK_ROWS", 16)
     rng = np.random.default_rng(6)
-    shapes = [("Q4_K", 32), ("Q5_K", 16), ("Q6_K", 16), ("Q4_K", 8)]
+    shapes = [("Q4_K", 48), ("Q5_K", 16), ("Q6_K", 32), ("Q4_K", 8)]
     parts = [
         GGUFQuantTensor(f"p{i}", t, kquant_blocks(t, n, K, rng), (n, K))
         for i, (t, n) in enumerate(shapes)
     ]
-    linear, plain = KQuantLinear(parts), KQuantLinear(parts, repack=False)
-    vnni = kquant.q8k_route() == kquant.Q8K_VNNI_ROUTE
-    assert [bool(q & kquant.X16_FLAG) for q in linear.qtypes] == [vnni, False, vnni, False]
+    plain = KQuantLinear(parts, repack=False)
+    monkeypatch.setattr(kquant, "x16_enabled", lambda: True)
+    linear = KQuantLinear(parts)
+    assert [bool(q & kquant.X16_FLAG) for q in linear.qtypes] == [True, True, True, False]
+    assert [r is None for r in linear.rows] == [True, True, True, False]
     assert not any(q & kquant.X16_FLAG for q in plain.qtypes)
     for m in (1, 5):
         x = torch.randn(m, K)
         y, want = linear(x), plain(x)
         assert ((y - want).abs() / want.abs().amax(1, keepdim=True)).max() < 1e-5, m
     assert torch.equal(linear.dequantize(), plain.dequantize())
+    monkeypatch.setenv("LANESERVE_KQUANT_INT8", "0")  # the fp32 route reads no x16 part: tiles
+    x = torch.randn(3, K)
+    y, want = linear(x), plain(x)
+    assert ((y - want).abs() / want.abs().amax(1, keepdim=True)).max() < 1e-5
 
 
 def test_calls_take_the_int8_gemv_up_to_their_routes_limit(monkeypatch):
@@ -241,6 +251,32 @@ def test_int8_self_check_keeps_the_widest_route_that_agrees(caplog):
         assert kquant.check_q8k_routes(routes) == routes[0]
         assert kquant.q8k_route() == routes[0]
     assert not caplog.records
+
+
+def test_x16_self_check_keeps_the_file_layout_when_the_x16_gemv_disagrees(caplog):
+    """`kquant.check_x16` compares the x16 GEMV (route 1, played by the real reference route for
+    the layout) with the scalar route on the file's layout: exact agreement passes silently; an
+    x16-only fault of 1e-4 of a row's largest output, or a NaN, fails with one warning each."""
+    real = torch.ops.laneserve.kquant_gemv_q8k
+
+    def faulty(error: float):
+        def gemv(x, blocks, qtype, route):
+            y = real(x, blocks, qtype, 3 if route == 1 else route)
+            if qtype & kquant.X16_FLAG:
+                y[-1, 17] += error * y[-1].abs().max()
+            return y
+
+        return gemv
+
+    with caplog.at_level("WARNING", logger=kquant.__name__):
+        assert kquant.check_x16(faulty(0.0))
+        assert not caplog.records
+        assert not kquant.check_x16(faulty(1e-4))
+        assert not kquant.check_x16(faulty(float("nan")))
+    messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(messages) == 2 and all("x16 layout's GEMV disagrees" in m for m in messages)
+    if kquant.Q8K_VNNI_ROUTE in torch.ops.laneserve.kquant_q8k_routes():
+        assert kquant.x16_self_check()  # the real x16 GEMV on this CPU
 
 
 def test_int8_self_check_disables_a_route_that_disagrees(caplog):
@@ -338,15 +374,17 @@ def test_embedding_lookup_dequantizes_its_rows():
 
 
 def test_fused_int8_gemv_splits_parts_by_bytes_and_matches_each_part():
-    """`kquant_gemv_q8k_fused` over parts of all three types (0.8 MB: split across the threads
-    by bytes, a boundary inside a part) gives exactly the single-part calls' outputs, side by
-    side, on every route."""
+    """`kquant_gemv_q8k_fused` over parts of all three types and one in the x16 layout (1 MB: split
+    across the threads by bytes, a boundary inside a part) gives exactly the single-part calls'
+    outputs, side by side, on every route."""
     rng = np.random.default_rng(11)
-    types, rows = ["Q4_K", "Q6_K", "Q5_K"], [2048, 1537, 300]
+    types, rows = ["Q4_K", "Q6_K", "Q5_K", "Q6_K"], [2048, 1537, 300, 1024]
     blocks = [
         torch.from_numpy(kquant_blocks(t, n, 256, rng)) for t, n in zip(types, rows, strict=True)
     ]
     qtypes = [QTYPE_IDS[t] for t in types]
+    blocks[3] = kquant.repack_x16(blocks[3], qtypes[3])  # a part in the x16 layout (64 units)
+    qtypes[3] |= kquant.X16_FLAG
     assert sum(b.numel() for b in blocks) > 1 << 19  # more than one task's bytes
     x = torch.randn(3, 256)
     for route in [0, *torch.ops.laneserve.kquant_q8k_routes()]:
