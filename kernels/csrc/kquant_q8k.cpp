@@ -516,11 +516,17 @@ std::vector<int64_t> kquant_q8k_routes() { return kquant::built_routes(kWide); }
 
 // blocks uint8 [N, K / 256 * bytes] (Q4_K, Q5_K or Q6_K, N a multiple of 16) -> the x16 layout
 // [N / 16, K / 256 * unit bytes] (kquant_q8k_x16.h); the GEMV takes it as qtype | 256.
-at::Tensor kquant_repack_x16(const at::Tensor& blocks, int64_t qtype) {
+// `kquant_repack_x16_` writes the units of blocks' rows into out's rows (out: uint8
+// [N / 16, K / 256 * unit bytes], e.g. a slice of a bigger x16 tensor: a weight repacked in
+// chunks allocates no chunk-sized temporaries, which left the heap fragmented at load).
+void kquant_repack_x16_(const at::Tensor& blocks, int64_t qtype, at::Tensor& out) {
   const int64_t nb = kquant::check_blocks(blocks, qtype), n = blocks.size(0);
   const int64_t unit = x16_unit_bytes(qtype | kX16), bytes = kquant::block_bytes(qtype);
   TORCH_CHECK(n % kX16Rows == 0, "kquant_repack_x16: ", n, " rows is not a multiple of 16");
-  at::Tensor out = at::empty({n / kX16Rows, nb * unit}, blocks.options());
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kByte && out.is_contiguous() &&
+                  out.size(0) == n / kX16Rows && out.size(1) == nb * unit,
+              "kquant_repack_x16_: out must be contiguous uint8 [", n / kX16Rows, ", ", nb * unit,
+              "]");
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, n / kX16Rows, 1, [&](int64_t g0, int64_t g1) {
@@ -540,6 +546,13 @@ at::Tensor kquant_repack_x16(const at::Tensor& blocks, int64_t qtype) {
       }
     }
   });
+}
+
+at::Tensor kquant_repack_x16(const at::Tensor& blocks, int64_t qtype) {
+  const int64_t nb = kquant::check_blocks(blocks, qtype);
+  at::Tensor out = at::empty({blocks.size(0) / kX16Rows, nb * x16_unit_bytes(qtype | kX16)},
+                             blocks.options());
+  kquant_repack_x16_(blocks, qtype, out);
   return out;
 }
 
@@ -587,6 +600,7 @@ TORCH_LIBRARY_FRAGMENT(laneserve, m) {
   m.def("kquant_gemv_q8k_fused(Tensor x, Tensor[] blocks, int[] qtypes, int route) -> Tensor");
   m.def("kquant_q8k_routes() -> int[]", &kquant_q8k_routes);
   m.def("kquant_repack_x16(Tensor blocks, int qtype) -> Tensor");
+  m.def("kquant_repack_x16_(Tensor blocks, int qtype, Tensor(a!) out) -> ()");
   m.def("kquant_dequantize_x16(Tensor blocks, int qtype) -> Tensor");
 }
 
@@ -594,6 +608,7 @@ TORCH_LIBRARY_IMPL(laneserve, CPU, m) {
   m.impl("kquant_gemv_q8k", &kquant_gemv_q8k);
   m.impl("kquant_gemv_q8k_fused", &kquant_gemv_q8k_fused);
   m.impl("kquant_repack_x16", &kquant_repack_x16);
+  m.impl("kquant_repack_x16_", &kquant_repack_x16_);
   m.impl("kquant_dequantize_x16", &kquant_dequantize_x16);
 }
 
