@@ -5,7 +5,8 @@ the mapped file where the loader did not have to permute the rows), so memory is
 size; on the AVX-512 VNNI route its parts are repacked at load to the x16 layout (16 outputs'
 super-blocks interleaved, kernels/csrc/kquant_q8k_x16.h: about half the instructions per
 weight, the one-row GEMV then reads at the memory's rate), and the file's pages they were read
-from are dropped: memory stays about the file size (Q4_K +2.8 %, Q6_K +1 % in the x16 layout). Calls of at most `q8k_max_tokens(qtype)` rows (all of them on the AVX-512 VNNI route;
+from are dropped: memory stays about the file size (Q4_K +2.8 %, Q5_K / Q6_K +1 % in the x16
+layout). Calls of at most `q8k_max_tokens(qtype)` rows (all of them on the AVX-512 VNNI route;
 `KQUANT_Q8K_MAX_TOKENS[qtype]` elsewhere: decode, speculative verification, small batches) run
 the int8 GEMV (``torch.ops.laneserve.kquant_gemv_q8k``, or for a fused
 linear whose parts all take it ``kquant_gemv_q8k_fused``: one call over all parts,
@@ -60,11 +61,8 @@ QTYPE_IDS = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml's type numbers, the ker
 X16_FLAG = 256  # `qtype | X16_FLAG`: the blocks are in the x16 layout (kquant_q8k_x16.h)
 X16_QTYPES = ("Q4_K", "Q5_K", "Q6_K")
 X16_ROWS = 16  # outputs per x16 unit
-X16_UNIT_BYTES = {
-    12: 2368,
-    13: 2880,
-    14: 3392,
-}  # bytes of 16 outputs' super-block (kquant_q8k_x16.h)
+# bytes of an x16 unit (16 outputs' super-block, kquant_q8k_x16.h) per qtype
+X16_UNIT_BYTES = {12: 2368, 13: 2880, 14: 3392}
 QTYPE_BYTES = {12: 144, 13: 176, 14: 210}  # bytes of one output's super-block in the file
 QK_K = 256  # weights per super-block
 KQUANT_TILE_ROWS = 512  # outputs dequantized at a time on the GEMM route (512 x 2048 x 4 = 4 MiB)

@@ -490,7 +490,8 @@ at::Tensor kquant_gemv_q8k_fused(const at::Tensor& x, at::TensorList blocks,
   std::vector<Rows> rows;
   for (size_t i = 0; i < blocks.size(); ++i) {
     const int64_t nb = K / kQK;
-    args.push_back({blocks[i].data_ptr<uint8_t>(), nb, unit[i], M, ldy, &a, y.data_ptr<float>() + col[i]});
+    float* y_i = y.data_ptr<float>() + col[i];
+    args.push_back({blocks[i].data_ptr<uint8_t>(), nb, unit[i], M, ldy, &a, y_i});
     rows.push_back(rows_for(route, qtypes[i]));
   }
   at::parallel_for(0, total, kTaskBytes, [&](int64_t b0, int64_t b1) {
@@ -562,7 +563,8 @@ at::Tensor kquant_dequantize_x16(const at::Tensor& packed, int64_t qtype) {
   const int64_t unit = x16_unit_bytes(qtype | kX16);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(1) % unit == 0,
-              "kquant_dequantize_x16: blocks must be contiguous uint8 [N / 16, K / 256 * ", unit, "]");
+              "kquant_dequantize_x16: blocks must be contiguous uint8 [N / 16, K / 256 * ", unit,
+              "]");
   const int64_t nb = packed.size(1) / unit, n = packed.size(0) * kX16Rows;
   at::Tensor w = at::empty({n, nb * kQK}, packed.options().dtype(at::kFloat));
   const uint8_t* src = packed.data_ptr<uint8_t>();

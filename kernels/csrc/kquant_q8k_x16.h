@@ -31,12 +31,15 @@ constexpr int64_t kX16 = 256;  // qtype flag: the blocks tensor is in the x16 la
 constexpr int kX16Rows = 16;
 constexpr int kQ4Sc = 0, kQ4Min = 128, kQ4D = 256, kQ4Dmin = 288, kQ4Q = 320, kQ4Unit = 2368;
 constexpr int kQ5Unit = 2880;  // Q4_K's fields, each sub-block's nibbles followed by its fifth bits
-constexpr int kQ6Sc = 0, kQ6D = 256, kQ6Q = 320, kQ6Unit = 3392;  // padded: units start on cache lines
+// Q6_K's unit is padded to 3392 bytes: units start on cache lines
+constexpr int kQ6Sc = 0, kQ6D = 256, kQ6Q = 320, kQ6Unit = 3392;
 inline int q6_ql(int g) { return kQ6Q + 192 * g; }
 inline int q6_qh(int g) { return kQ6Q + 192 * g + 128; }
 
 // Q4_K / Q5_K: the 64 bytes of nibbles u (0-3) of sub-block s, and Q5_K's fifth bits of it
-inline int q45_nibbles(bool five, int s, int u) { return kQ4Q + (five ? 320 * s + 64 * u : 64 * (4 * s + u)); }
+inline int q45_nibbles(bool five, int s, int u) {
+  return kQ4Q + (five ? 320 * s + 64 * u : 64 * (4 * s + u));
+}
 inline int q5_qh(int s) { return kQ4Q + 320 * s + 256; }
 
 inline bool is_x16(int64_t qtype) { return (qtype & kX16) != 0; }
@@ -131,7 +134,8 @@ void unpack_x16(const uint8_t* unit, int r, Unpacked* u) {
           const uint8_t b = unit[q45_nibbles(kFive, s, q) + 4 * r + i];
           const int h = kFive ? unit[q5_qh(s) + 4 * r + i] : 0;
           u->q[32 * s + 4 * q + i] = static_cast<uint8_t>((b & 0xF) | ((h >> q) & 1) << 4);
-          u->q[32 * s + 16 + 4 * q + i] = static_cast<uint8_t>((b >> 4) | ((h >> (q + 4)) & 1) << 4);
+          u->q[32 * s + 16 + 4 * q + i] =
+              static_cast<uint8_t>((b >> 4) | ((h >> (q + 4)) & 1) << 4);
         }
       }
       const int16_t m = unit[kQ4Min + 32 * (s / 2) + 2 * r + s % 2];
