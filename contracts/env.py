@@ -98,7 +98,8 @@ _VARS: tuple[EnvVar, ...] = (
         True,
         "0 keeps K-quant GGUF linears (Q4_K, Q5_K, Q6_K) off the int8 GEMV "
         "(kernels/csrc/kquant_q8k.cpp: activations rounded to int8 per 256, as llama.cpp): "
-        "decode rows then run the exact fp32 GEMV",
+        "decode rows then run the exact fp32 GEMV; read at load too: with 1 on the AVX-512 "
+        "VNNI route K-quant parts are repacked to the x16 layout (gpu_worker/kquant.py)",
     ),
     EnvVar(
         "LANESERVE_AMX",

@@ -63,5 +63,5 @@ KQUANT_GEMV_MAX_TOKENS = {"Q4_K": 32, "Q5_K": 16, "Q6_K": 8}
 # AVX-512 VNNI route takes every call (`kquant.q8k_max_tokens`): 512-bit registers, four outputs
 # at a time and rows in tiles, it beat the tiles at every row count measured, 64 to 2,048 rows
 # (a 2-core Zen 4: the tiles took 1.2-4.8x its time at Llama-3.2-1B's shapes: Run 33), and the
-# x16 layout it now reads for parts of whole 16-output groups runs 2-3x faster again (Run 34).
+# x16 layout it now reads for parts of whole 16-output groups runs 1.5-3x faster again (Run 34).
 KQUANT_Q8K_MAX_TOKENS = {"Q4_K": 64, "Q5_K": 32, "Q6_K": 32}

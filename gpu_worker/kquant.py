@@ -5,8 +5,8 @@ the mapped file where the loader did not have to permute the rows), so memory is
 size; on the AVX-512 VNNI route its parts are repacked at load to the x16 layout (16 outputs'
 super-blocks interleaved, kernels/csrc/kquant_q8k_x16.h: about half the instructions per
 weight, the one-row GEMV then reads at the memory's rate), and the file's pages they were read
-from are dropped: memory stays about the file size (Q4_K +2.8 %, Q5_K / Q6_K +1 % in the x16
-layout). Calls of at most `q8k_max_tokens(qtype)` rows (all of them on the AVX-512 VNNI route;
+from are dropped: memory stays about the file size (Q4_K +2.8 %, Q5_K +2.3 %, Q6_K +1 % in the
+x16 layout). Calls of at most `q8k_max_tokens(qtype)` rows (all of them on the AVX-512 VNNI route;
 `KQUANT_Q8K_MAX_TOKENS[qtype]` elsewhere: decode, speculative verification, small batches) run
 the int8 GEMV (``torch.ops.laneserve.kquant_gemv_q8k``, or for a fused
 linear whose parts all take it ``kquant_gemv_q8k_fused``: one call over all parts,
@@ -239,16 +239,6 @@ def repack_x16(blocks: torch.Tensor, qtype: int, mapped: np.ndarray | None = Non
         r1 = min(n, r0 + X16_REPACK_ROWS)
         chunk = out[r0 // X16_ROWS : r1 // X16_ROWS]
         torch.ops.laneserve.kquant_repack_x16_(blocks[r0:r1], qtype, chunk)
-        if mapped is not None:
-            drop_file_pages(mapped[r0:r1])
-    return out
-    out = None
-    for r0 in range(0, n, X16_REPACK_ROWS):
-        r1 = min(n, r0 + X16_REPACK_ROWS)
-        part = torch.ops.laneserve.kquant_repack_x16(blocks[r0:r1], qtype)
-        if out is None:
-            out = part.new_empty((n // X16_ROWS, part.shape[1]))
-        out[r0 // X16_ROWS : r1 // X16_ROWS] = part
         if mapped is not None:
             drop_file_pages(mapped[r0:r1])
     return out

@@ -89,7 +89,9 @@ def variants(qtype: str, n: int, k: int, route: int, cold_mib: int = 0) -> tuple
     linear = make(blocks, x16)
     copies = max(1, -(-cold_mib * 2**20 // linear.nbytes()))
     linears = [linear] + [make(blocks.copy(), x16) for _ in range(copies - 1)]
-    plain = [make(blocks, False)] + [make(blocks.copy(), False) for _ in range(copies - 1)]
+    plain = linears
+    if x16:  # the file's layout for the fp32 GEMV and the tiles
+        plain = [make(blocks, False)] + [make(blocks.copy(), False) for _ in range(copies - 1)]
     nxt = itertools.cycle(range(copies)).__next__
 
     def q8k(x: torch.Tensor) -> torch.Tensor:

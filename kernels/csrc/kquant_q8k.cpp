@@ -537,7 +537,7 @@ void kquant_repack_x16_(const at::Tensor& blocks, int64_t qtype, at::Tensor& out
         for (int r = 0; r < kX16Rows; ++r) rows[r] = src + ((grp * kX16Rows + r) * nb + b) * bytes;
         uint8_t* u = dst + (grp * nb + b) * unit;
         if (qtype == kQ6K) {
-          std::memset(u + kQ6D + 32, 0, kQ6Unit - kQ6D - 32);  // the padding
+          std::memset(u + kQ6D + 32, 0, kQ6Q - kQ6D - 32);  // the padding
           repack_unit<kQ6K>(rows, u);
         } else if (qtype == kQ5K) {
           repack_unit<kQ5K>(rows, u);
@@ -560,6 +560,7 @@ at::Tensor kquant_repack_x16(const at::Tensor& blocks, int64_t qtype) {
 // x16 blocks [N / 16, K / 256 * unit bytes] of `qtype` (no flag) -> the weight as float32 [N, K]
 // (exact, as kquant_dequantize gives the file's blocks: d sc q - dmin m, Q6_K d sc (q - 32)).
 at::Tensor kquant_dequantize_x16(const at::Tensor& packed, int64_t qtype) {
+  TORCH_CHECK(!is_x16(qtype), "kquant_dequantize_x16: qtype is the type (12, 13, 14), no flag");
   const int64_t unit = x16_unit_bytes(qtype | kX16);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(1) % unit == 0,

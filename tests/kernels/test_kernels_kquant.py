@@ -113,8 +113,8 @@ def test_int8_route_is_the_exact_dot_of_q8k_activations_on_every_route(qtype):
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_int8_route_over_row_tiles_and_a_partial_group_of_outputs(qtype):
     """K = 64 super-blocks: the AVX-512 route takes its rows in tiles of at most 16 (256 KiB of
-    int8 activations / K), of equal size: 37 rows make tiles of 13, 13 and 11, and 7 outputs a group of four and
-    one of three: every route against the exact dot of the Q8_K activations."""
+    int8 activations / K), of equal size: 37 rows make tiles of 13, 13 and 11, and 7 outputs a
+    group of four and one of three: every route against the exact dot of the Q8_K activations."""
     rng = np.random.default_rng(20 + QTYPE_IDS[qtype])
     n, k, m = 7, 64 * 256, 37
     blocks = kquant_blocks(qtype, n, k, rng)
@@ -133,7 +133,7 @@ def test_int8_route_over_row_tiles_and_a_partial_group_of_outputs(qtype):
 @pytest.mark.parametrize("qtype", kquant.X16_QTYPES)
 def test_x16_layout_gives_the_exact_dot_on_every_route(qtype):
     """`repack_x16` (16 outputs' super-blocks interleaved, kernels/csrc/kquant_q8k_x16.h) and the
-    int8 GEMV on it: 48 outputs, K = 64 super-blocks (the VNNI route takes 37 rows in tiles of 16,
+    int8 GEMV on it: 48 outputs, K = 64 super-blocks (the VNNI route takes 37 rows in tiles of 13,
     13 and 11), 1, 2 and 37 rows, alone and fused beside a part in the file's layout: every route
     (the ones without x16 code run the reference) against the exact dot of the Q8_K activations;
     its dequantization equals the gguf package's of the file's blocks."""
@@ -158,6 +158,10 @@ def test_x16_layout_gives_the_exact_dot_on_every_route(qtype):
         assert ((fused[:, :7].double() - want[:2, :7]).abs() / scale[:2]).max() < 1e-5, route
     dense = torch.ops.laneserve.kquant_dequantize_x16(packed, q)
     assert torch.equal(dense, reference(blocks, qtype))  # exact, as the file's blocks give it
+    with pytest.raises(RuntimeError, match="no flag"):
+        torch.ops.laneserve.kquant_dequantize_x16(packed, q | 256)
+    with pytest.raises(RuntimeError, match="out must be contiguous uint8"):
+        torch.ops.laneserve.kquant_repack_x16_(torch.from_numpy(blocks), q, packed[:1])
     with pytest.raises(RuntimeError, match="not a multiple of 16"):
         kquant.repack_x16(torch.from_numpy(blocks[:40]), q)
     with pytest.raises(RuntimeError, match="qtype 2 is not Q4_K"):
