@@ -484,8 +484,9 @@ at::Tensor kquant_gemv_q8k_fused(const at::Tensor& x, at::TensorList blocks,
     total += blocks[i].numel();
   }
   start.back() = total;
-  const Q8K a = quantize_rows(x.data_ptr<float>(), M, K);
   at::Tensor y = at::empty({M, ldy}, x.options());
+  if (M == 0) return y;  // no rows: the routes' tile sizes would divide by zero
+  const Q8K a = quantize_rows(x.data_ptr<float>(), M, K);
   std::vector<GemvArgs> args;
   std::vector<Rows> rows;
   for (size_t i = 0; i < blocks.size(); ++i) {

@@ -158,6 +158,9 @@ def test_x16_layout_gives_the_exact_dot_on_every_route(qtype):
         assert ((fused[:, :7].double() - want[:2, :7]).abs() / scale[:2]).max() < 1e-5, route
     dense = torch.ops.laneserve.kquant_dequantize_x16(packed, q)
     assert torch.equal(dense, reference(blocks, qtype))  # exact, as the file's blocks give it
+    for route in torch.ops.laneserve.kquant_q8k_routes():  # no rows: an empty result
+        for w, t in ((packed, q | 256), (torch.from_numpy(blocks), q)):
+            assert torch.ops.laneserve.kquant_gemv_q8k(x[:0], w, t, route).shape == (0, n)
     with pytest.raises(RuntimeError, match="no flag"):
         torch.ops.laneserve.kquant_dequantize_x16(packed, q | 256)
     with pytest.raises(RuntimeError, match="out must be contiguous uint8"):
