@@ -319,8 +319,10 @@ inline void load_q45_k(const uint8_t* b, Regs* r) {
     if constexpr (kFive) {
       const __m256i bit = _mm256_set1_epi8(0x10);  // bit 2 j (2 j + 1) of qh moved to bit 4
       const __m128i s0 = _mm_cvtsi32_si128(2 * j), s1 = _mm_cvtsi32_si128(2 * j + 1);
-      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qh, s0), 4), bit));
-      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qh, s1), 4), bit));
+      const __m256i at4_lo = _mm256_slli_epi16(_mm256_srl_epi16(qh, s0), 4);
+      const __m256i at4_hi = _mm256_slli_epi16(_mm256_srl_epi16(qh, s1), 4);
+      lo = _mm256_or_si256(lo, _mm256_and_si256(at4_lo, bit));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(at4_hi, bit));
     }
     r->q[2 * j] = lo;
     r->q[2 * j + 1] = hi;
