@@ -61,9 +61,6 @@ QTYPE_IDS = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml's type numbers, the ker
 X16_FLAG = 256  # `qtype | X16_FLAG`: the blocks are in the x16 layout (kquant_q8k_x16.h)
 X16_QTYPES = ("Q4_K", "Q5_K", "Q6_K")
 X16_ROWS = 16  # outputs per x16 unit
-# bytes of an x16 unit (16 outputs' super-block, kquant_q8k_x16.h) per qtype
-X16_UNIT_BYTES = {12: 2368, 13: 2880, 14: 3392}
-QTYPE_BYTES = {12: 144, 13: 176, 14: 210}  # bytes of one output's super-block in the file
 QK_K = 256  # weights per super-block
 KQUANT_TILE_ROWS = 512  # outputs dequantized at a time on the GEMM route (512 x 2048 x 4 = 4 MiB)
 # The int8 GEMV's routes (kernels/csrc/kquant_q8k.cpp), widest first; 3 is the reference.
@@ -231,10 +228,8 @@ def repack_x16(blocks: torch.Tensor, qtype: int, mapped: np.ndarray | None = Non
         if mapped is not None:
             drop_file_pages(mapped)
         return out
-    unit = X16_UNIT_BYTES[qtype]
-    out = torch.empty(
-        (n // X16_ROWS, blocks.shape[1] // QTYPE_BYTES[qtype] * unit), dtype=torch.uint8
-    )
+    row_bytes = torch.ops.laneserve.kquant_repack_x16(blocks[:X16_ROWS], qtype).shape[1]
+    out = torch.empty((n // X16_ROWS, row_bytes), dtype=torch.uint8)
     for r0 in range(0, n, X16_REPACK_ROWS):
         r1 = min(n, r0 + X16_REPACK_ROWS)
         chunk = out[r0 // X16_ROWS : r1 // X16_ROWS]

@@ -49,12 +49,11 @@ struct Unpacked {
   float d, dmin;
 };
 
-// Q8_K activations of M rows: xq int8 [M, K], xd [M, K / 256], bsums [M, K / 16] and their
-// sums per 32 bsums32 [M, K / 32] (the x16 layout's Q4_K mins).
+// Q8_K activations of M rows: xq int8 [M, K], xd [M, K / 256], bsums [M, K / 16].
 struct Q8K {
   std::vector<int8_t> q;
   std::vector<float> d;
-  std::vector<int16_t> bsums, bsums32;
+  std::vector<int16_t> bsums;
 };
 
 void quantize_block(const float* x, int8_t* q, float* d, int16_t* bsums) {
@@ -85,14 +84,11 @@ void quantize_block(const float* x, int8_t* q, float* d, int16_t* bsums) {
 Q8K quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / kQK;
   Q8K a{std::vector<int8_t>(M * K), std::vector<float>(M * nb),
-        std::vector<int16_t>(M * nb * kGroups), std::vector<int16_t>(M * nb * kGroups / 2)};
+        std::vector<int16_t>(M * nb * kGroups)};
   at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      int16_t* bs = a.bsums.data() + i * kGroups;
-      quantize_block(x + i * kQK, a.q.data() + i * kQK, a.d.data() + i, bs);
-      for (int j = 0; j < kGroups / 2; ++j) {
-        a.bsums32[i * kGroups / 2 + j] = static_cast<int16_t>(bs[2 * j] + bs[2 * j + 1]);
-      }
+      quantize_block(x + i * kQK, a.q.data() + i * kQK, a.d.data() + i,
+                     a.bsums.data() + i * kGroups);
     }
   });
   return a;

@@ -6,7 +6,7 @@
 // outputs: one `vpdpbusd` against a broadcast of 4 activations adds to 16 outputs' dot products,
 // the scales of 16 outputs are one widening load, and the float sums are 16 outputs' lanes (no
 // horizontal sum). ~15 instructions per output's Q4_K super-block, ~25 per Q5_K one, ~30 per
-// Q6_K one.
+// Q6_K one (counted from the code).
 //
 // A unit is 16 outputs x one super-block (offsets in bytes; units start on cache lines):
 //   Q4_K (2368): sc 0-127, mins 128-255, d 256-287, dmin 288-319, quants 320-2367
@@ -267,11 +267,12 @@ inline void q45_x16_unit(const GemvArgs& g, const uint8_t* unit, int64_t b, int6
   }
   for (int64_t m = 0; m < rows; ++m) {
     const int64_t i = (m0 + m) * g.nb + b;
-    const int16_t* b32 = g.a->bsums32.data() + i * 8;
+    const int16_t* bs = g.a->bsums.data() + i * kGroups;
     __m512i msum = _mm512_setzero_si512();
-    for (int j = 0; j < 4; ++j) {
-      int32_t pair;
-      std::memcpy(&pair, b32 + 2 * j, 4);
+    for (int j = 0; j < 4; ++j) {  // the bsums of sub-blocks 2 j and 2 j + 1 as an int16 pair
+      const uint16_t lo = static_cast<uint16_t>(bs[4 * j] + bs[4 * j + 1]);
+      const uint16_t hi = static_cast<uint16_t>(bs[4 * j + 2] + bs[4 * j + 3]);
+      const int32_t pair = static_cast<int32_t>(static_cast<uint32_t>(hi) << 16 | lo);
       const __m512i mins = _mm512_cvtepu8_epi16(load256(unit + kQ4Min + 32 * j));
       msum = _mm512_dpwssd_epi32(msum, mins, _mm512_set1_epi32(pair));
     }
