@@ -3,7 +3,8 @@
 // `ggml_vec_dot_q4_K_q8_K` and its Q5_K / Q6_K siblings; the same arithmetic, our own code).
 //
 // ``torch.ops.laneserve.kquant_gemv_q8k(x, blocks, qtype, route)`` computes ``y = x @ W.T`` for
-// float32 x [M, K] and blocks uint8 [N, K / 256 * bytes] (kquant_gemv.cpp has the layouts). Each
+// float32 or bfloat16 x [M, K] and blocks uint8 [N, K / 256 * bytes] (kquant_gemv.cpp has the
+// layouts); y comes in x's dtype (bf16: the float32 sums rounded as torch rounds them). Each
 // row of x is first quantized per 256 values to Q8_K: a float scale xd = max|x| / 127, int8
 // xq = round(x / xd) (ties to even) and the sums of xq per 16 (bsums). Each task then takes a
 // range of outputs; per super-block it cuts the weight's quants out of their packed bytes once
@@ -81,14 +82,20 @@ void quantize_block(const float* x, int8_t* q, float* d, int16_t* bsums) {
   }
 }
 
-Q8K quantize_rows(const float* x, int64_t M, int64_t K) {
+// x float32 or bfloat16 [M, K], contiguous (a bf16 block widened to float32 first: exact).
+Q8K quantize_rows(const at::Tensor& x, int64_t M, int64_t K) {
   const int64_t nb = K / kQK;
   Q8K a{std::vector<int8_t>(M * K), std::vector<float>(M * nb),
         std::vector<int16_t>(M * nb * kGroups)};
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const float* xf = bf16 ? nullptr : x.data_ptr<float>();
+  const c10::BFloat16* xb = bf16 ? x.data_ptr<c10::BFloat16>() : nullptr;
   at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
+    alignas(64) float widened[kQK];
     for (int64_t i = i0; i < i1; ++i) {
-      quantize_block(x + i * kQK, a.q.data() + i * kQK, a.d.data() + i,
-                     a.bsums.data() + i * kGroups);
+      const float* block = xf ? xf + i * kQK : widened;
+      if (!xf) load_row(xb + i * kQK, widened, kQK);
+      quantize_block(block, a.q.data() + i * kQK, a.d.data() + i, a.bsums.data() + i * kGroups);
     }
   });
   return a;
@@ -459,8 +466,9 @@ at::Tensor kquant_gemv_q8k_fused(const at::Tensor& x, at::TensorList blocks,
                                  at::IntArrayRef qtypes, int64_t route) {
   TORCH_CHECK(!blocks.empty() && blocks.size() == qtypes.size(),
               "kquant_gemv_q8k: one qtype per blocks tensor");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "kquant_gemv_q8k: x must be contiguous float32 [M, K]");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (bf16 || x.scalar_type() == at::kFloat) && x.is_contiguous(),
+              "kquant_gemv_q8k: x must be contiguous float32 or bfloat16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   int64_t ldy = 0, total = 0;
   // per part: outputs per row of its blocks tensor (16 in the x16 layout), bytes per unit
@@ -484,15 +492,20 @@ at::Tensor kquant_gemv_q8k_fused(const at::Tensor& x, at::TensorList blocks,
   start.back() = total;
   at::Tensor y = at::empty({M, ldy}, x.options());
   if (M == 0) return y;  // no rows: the routes' tile sizes would divide by zero
-  const Q8K a = quantize_rows(x.data_ptr<float>(), M, K);
+  const Q8K a = quantize_rows(x, M, K);
+  // bf16 x: the sums go to float32 y_f, each task rounding its outputs into y as torch's
+  // .to(torch.bfloat16) would (one op a call, not a float32 x and y and two conversions)
+  at::Tensor y_f = bf16 ? at::empty({M, ldy}, x.options().dtype(at::kFloat)) : y;
   std::vector<GemvArgs> args;
   std::vector<Rows> rows;
   for (size_t i = 0; i < blocks.size(); ++i) {
     const int64_t nb = K / kQK;
-    float* y_i = y.data_ptr<float>() + col[i];
+    float* y_i = y_f.data_ptr<float>() + col[i];
     args.push_back({blocks[i].data_ptr<uint8_t>(), nb, unit[i], M, ldy, &a, y_i});
     rows.push_back(rows_for(route, qtypes[i]));
   }
+  const float* y_fp = y_f.data_ptr<float>();
+  c10::BFloat16* y_b = bf16 ? y.data_ptr<c10::BFloat16>() : nullptr;
   at::parallel_for(0, total, kTaskBytes, [&](int64_t b0, int64_t b1) {
     for (size_t i = 0; i < args.size(); ++i) {
       const int64_t row_bytes = args[i].nb * args[i].bytes, n = blocks[i].size(0);
@@ -501,7 +514,12 @@ at::Tensor kquant_gemv_q8k_fused(const at::Tensor& x, at::TensorList blocks,
         return std::min(n, (off + row_bytes - 1) / row_bytes);
       };
       const int64_t n0 = first_row(b0), n1 = first_row(b1);
-      if (n0 < n1) rows[i](args[i], n0 * gran[i], n1 * gran[i]);
+      if (n0 >= n1) continue;
+      rows[i](args[i], n0 * gran[i], n1 * gran[i]);
+      for (int64_t m = 0; y_b && m < M; ++m) {
+        const int64_t at = m * ldy + col[i] + n0 * gran[i];
+        store_row(y_fp + at, y_b + at, (n1 - n0) * gran[i]);
+      }
     }
   });
   return y;

@@ -385,7 +385,8 @@ def test_embedding_lookup_dequantizes_its_rows():
 def test_fused_int8_gemv_splits_parts_by_bytes_and_matches_each_part():
     """`kquant_gemv_q8k_fused` over parts of all three types and one in the x16 layout (1 MB: split
     across the threads by bytes, a boundary inside a part) gives exactly the single-part calls'
-    outputs, side by side, on every route."""
+    outputs, side by side, on every route; bf16 rows give the float32 result of the same rows
+    rounded to bf16."""
     rng = np.random.default_rng(11)
     types, rows = ["Q4_K", "Q6_K", "Q5_K", "Q6_K"], [2048, 1537, 300, 1024]
     blocks = [
@@ -403,5 +404,12 @@ def test_fused_int8_gemv_splits_parts_by_bytes_and_matches_each_part():
             for b, t in zip(blocks, qtypes, strict=True)
         ]
         assert torch.equal(y, torch.cat(parts, dim=1)), route
+        # bf16 rows: the result of the widened rows, rounded to bf16 by each task as torch does
+        xb = x.bfloat16()
+        yb = torch.ops.laneserve.kquant_gemv_q8k_fused(xb, blocks, qtypes, route)
+        want = torch.ops.laneserve.kquant_gemv_q8k_fused(xb.float(), blocks, qtypes, route)
+        assert yb.dtype == torch.bfloat16 and torch.equal(yb, want.bfloat16()), route
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.laneserve.kquant_gemv_q8k_fused(x.half(), blocks, qtypes, 0)
     with pytest.raises(RuntimeError, match="one qtype per blocks tensor"):
         torch.ops.laneserve.kquant_gemv_q8k_fused(x, blocks, qtypes[:2], 0)
