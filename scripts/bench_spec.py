@@ -43,7 +43,8 @@ lasts about a second, and single cells moved by up to 20 % between runs minutes 
 rounds need more prompts of a task than the corpus has (~130 documents to summarize), prompts
 repeat and every engine and stack runs without prefix caching (the JSON's `prefix_caching`).
 
-    python scripts/bench_spec.py [--batches 1,8,64] [--tasks summarize,translate,chat]
+    python scripts/bench_spec.py [--model smollm2-135m] [--batches 1,8,64]
+        [--tasks summarize,translate,chat]
         [--max-tokens 64] [--k 4] [--forced] [--control] [--fresh-profiles]
         [--paths offline,stack] [--rounds 3] [--repetition-penalty 1.1 (offline only)]
 """
@@ -249,7 +250,10 @@ def offline_cells(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) ->
     """Every cell through one offline engine per mode; (cells, the `off` engine's model and
     dtype). The engines are freed on return, before any stack starts."""
     batches = [int(b) for b in args.batches.split(",")]
+    from benchlib import model_path
+
     common = {
+        "model": model_path(args.model),
         "dtype": args.dtype,
         "quantization": args.quantization,
         "max_model_len": 1024,
@@ -290,7 +294,7 @@ def stack_cells(
     from benchlib import bench_stack
 
     stack_args = argparse.Namespace(
-        running=False, model="smollm2-135m", dtype=args.dtype, slowdown=None,
+        running=False, model=args.model, dtype=args.dtype, slowdown=None,
         max_num_seqs=max(int(b) for b in args.batches.split(",")), max_num_batched_tokens=None,
     )  # fmt: skip
     with contextlib.ExitStack() as stacks:
@@ -343,6 +347,11 @@ def main() -> None:
         help="offline path only: every request's repetition_penalty (bulk summarize and "
         "translate lines carry 1.1 by default, jobs/prompts.py; drafts copied from the prompt "
         "are penalized too)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--model", default="smollm2-135m",
+        help="alias pulled into $LANESERVE_HOME, .gguf or Hugging Face directory (e.g. a "
+        "Llama-3.2-1B shape made by scripts/make_test_model.py, quantized to Q4_K_M)",
     )  # fmt: skip
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
