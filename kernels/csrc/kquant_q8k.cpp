@@ -492,6 +492,7 @@ at::Tensor kquant_gemv_q8k_fused(const at::Tensor& x, at::TensorList blocks,
   start.back() = total;
   at::Tensor y = at::empty({M, ldy}, x.options());
   if (M == 0) return y;  // no rows: the routes' tile sizes would divide by zero
+  if (total == 0) return y.zero_();  // K == 0: every output an empty sum (nothing writes y)
   const Q8K a = quantize_rows(x, M, K);
   // bf16 x: the sums go to float32 y_f, each task rounding its outputs into y as torch's
   // .to(torch.bfloat16) would (one op a call, not a float32 x and y and two conversions)

@@ -409,6 +409,10 @@ def test_fused_int8_gemv_splits_parts_by_bytes_and_matches_each_part():
         yb = torch.ops.laneserve.kquant_gemv_q8k_fused(xb, blocks, qtypes, route)
         want = torch.ops.laneserve.kquant_gemv_q8k_fused(xb.float(), blocks, qtypes, route)
         assert yb.dtype == torch.bfloat16 and torch.equal(yb, want.bfloat16()), route
+    for dtype in (torch.float32, torch.bfloat16):  # K = 0: empty sums, zeros
+        none = torch.empty(3, 0, dtype=torch.uint8)
+        y = torch.ops.laneserve.kquant_gemv_q8k(torch.ones(2, 0, dtype=dtype), none, qtypes[0], 0)
+        assert y.dtype == dtype and torch.equal(y, torch.zeros(2, 3, dtype=dtype))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         torch.ops.laneserve.kquant_gemv_q8k_fused(x.half(), blocks, qtypes, 0)
     with pytest.raises(RuntimeError, match="one qtype per blocks tensor"):
