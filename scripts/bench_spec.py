@@ -383,6 +383,7 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "spec_decode",
+                "model": args.model,  # the offline engine's own name for it, where it ran
                 **engine_info,
                 "quantization": args.quantization,
                 "max_tokens": args.max_tokens,
