@@ -154,7 +154,9 @@ class Supervisor:
             and now - max(child.started_at, child.spare_at) >= self.stable_s
         ):
             child.spare, child.spare_at = self._popen(child.spec, spare=True), now
-            logger.info("%s: standby started (pid %d)", child.spec.name, child.spare.pid)
+            # routine (every worker keeps one): DEBUG, not a line in `up`'s terminal after its
+            # banner; a takeover is one of `poll`'s events
+            logger.debug("%s: standby started (pid %d)", child.spec.name, child.spare.pid)
             self._changed()
 
     def standby_pids(self) -> dict[str, int]:
