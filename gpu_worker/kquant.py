@@ -158,29 +158,29 @@ class KQuantLinear:
                 return torch.ops.laneserve.kquant_gemv(xf, self.rows[i], QTYPE_IDS[qtype], 0)
         return self._gemm(xf, i)
 
-    def _int8_fused(self, xf: torch.Tensor) -> bool:
-        """Whether every part of a call of `xf`'s rows runs the int8 GEMV: then one kernel call
+    def _int8_fused(self, x: torch.Tensor) -> bool:
+        """Whether every part of a call of `x`'s rows runs the int8 GEMV: then one kernel call
         quantizes the activations once and splits all parts' bytes across the threads."""
-        rows = xf.shape[0]
+        rows = x.shape[0]
         if not (cpu_ext.load() and env.get("LANESERVE_KQUANT_INT8")):
             return False
         return all(rows <= q8k_max_tokens(p.qtype) for p in self.parts)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
-        if bias is None and x.dtype in (torch.bfloat16, torch.float32) and self._int8_fused(x):
+        if self._int8_fused(x):
             # bf16 rows in and out of the one call: the kernel widens them exactly and rounds
             # its float32 sums as `.to` would (two ATen conversions a call less: ~0.9 ms of a
-            # Llama-3.2-1B Q4_K_M decode step's 31-35 on a 2-core Zen 4)
-            route = q8k_route()
-            return torch.ops.laneserve.kquant_gemv_q8k_fused(
-                x.contiguous(), self.blocks, self.qtypes, route
+            # Llama-3.2-1B Q4_K_M decode step's 31-35 on a 2-core Zen 4); a bias adds in float32
+            direct = bias is None and x.dtype in (torch.bfloat16, torch.float32)
+            xin = x.contiguous() if direct else x.float().contiguous()
+            y = torch.ops.laneserve.kquant_gemv_q8k_fused(
+                xin, self.blocks, self.qtypes, q8k_route()
             )
-        xf = x.float().contiguous()
-        if self._int8_fused(xf):
-            route = q8k_route()
-            y = torch.ops.laneserve.kquant_gemv_q8k_fused(xf, self.blocks, self.qtypes, route)
+            if direct:
+                return y
         else:
+            xf = x.float().contiguous()
             ys = [self._part(xf, i) for i in range(len(self.parts))]
             y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
         if bias is not None:
