@@ -39,7 +39,10 @@ last result written, from the `requests` rows), and also over in_progress -> com
 per-stage time of a line (medians, ms): runner queue (job in progress -> the line's dispatch),
 queue (dispatch -> first scheduled: broker + engine queue), prefill, decode, and write-back (the
 rest of e2e). Each worker writes a step trace (`LANESERVE_STEP_TRACE`); its batch-only steps'
-budgets and rows are summarised (`steps`). `--rounds N` repeats everything N times on fresh
+budgets and rows are summarised (`steps`); the offline phases time each of their steps too, and
+both sides report their steps by kind (`step_kinds`: with a prompt chunk, decode only; tokens and
+ms a step, ms a token), so the cost of the job's step size reads beside the offline engine's
+(its long prefill steps and pure decode ones). `--rounds N` repeats everything N times on fresh
 stacks and reports medians. Prints one JSON object on stdout (progress on stderr).
 
     python scripts/bench_bulk.py --lines 256 --rounds 3
@@ -105,6 +108,16 @@ llm.chat(spec["conversations"][:8], params)  # warm-up (first-call costs)
 llm.engine.block_manager.reset_prefix_cache()
 e = llm.engine
 steps0, computed0 = e.num_steps, e.num_prefill_tokens + e.num_generated_tokens
+shapes, step = [], e.step
+def timed_step(*a, **k):  # each step's (tokens, a prompt chunk in it, ms): where time goes
+    t = time.perf_counter()
+    out = step(*a, **k)
+    f = e.scheduler.last_features
+    if f is not None:
+        ms = round((time.perf_counter() - t) * 1e3, 3)
+        shapes.append((f.tokens, f.prefill_pairs > 0, ms))
+    return out
+e.step = timed_step
 t0 = time.perf_counter()
 outs = llm.chat(spec["conversations"], params)
 wall = time.perf_counter() - t0
@@ -118,7 +131,8 @@ print(json.dumps({"seconds": round(wall, 3), "completion_tokens": tokens,
                   "tok_s": round(tokens / wall, 1), "options": opts, "openmp": omp,
                   "steps": steps, "ms_per_step": round(1e3 * wall / max(steps, 1), 2),
                   "tokens_per_step": round(computed / max(steps, 1), 1),
-                  "ms_per_token": round(1e3 * wall / max(computed, 1), 3)}))
+                  "ms_per_token": round(1e3 * wall / max(computed, 1), 3),
+                  "step_shapes": shapes}))
 """
 
 
@@ -212,7 +226,36 @@ def run_offline(
     )  # fmt: skip
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["step_kinds"] = step_kinds(out.pop("step_shapes"))
+    return out
+
+
+def _shape(rec: dict[str, Any]) -> tuple[int, bool, float]:
+    """A step trace line's (tokens, whether a prompt chunk is in it, measured ms)."""
+    f = rec["features"]
+    return f["tokens"], f["prefill_pairs"] > 0, rec["measured_ms"]
+
+
+def step_kinds(shapes: list) -> dict[str, dict[str, Any]]:
+    """Steps `(tokens, whether a prompt chunk is in it, ms)` by kind, ``prefill`` and
+    ``decode_only`` (a decode's speculative drafts count as its tokens), each with its count,
+    tokens and ms a step and ms a token: the offline engine's few long prefill steps and many
+    pure decode ones beside the job's mixed steps say what the step size costs
+    (docs/benchmarks.md Run 36)."""
+    out = {}
+    for kind, picked in (
+        ("prefill", [s for s in shapes if s[1]]),
+        ("decode_only", [s for s in shapes if not s[1]]),
+    ):
+        tokens, ms = sum(s[0] for s in picked), sum(s[2] for s in picked)
+        out[kind] = {
+            "steps": len(picked),
+            "tokens_per_step": round(tokens / len(picked), 1) if picked else None,
+            "ms_per_step": round(ms / len(picked), 1) if picked else None,
+            "ms_per_token": round(ms / tokens, 3) if tokens else None,
+        }
+    return out
 
 
 # ----------------------------------------------------------------------------- the stack
@@ -357,6 +400,7 @@ def step_summary(trace: Path) -> dict[str, Any]:
         "ms_per_token": round(
             sum(s["measured_ms"] for s in steps) / max(sum(tokens), 1), 3
         ),  # fmt: skip
+        "step_kinds": step_kinds([_shape(s) for s in steps]),
         "steps_with_budget_below_running": below,
         "steps_without_a_queued_prompt_first_80pct": starved,
         "steps_first_80pct": len(early),

@@ -46,6 +46,20 @@ def test_a_one_token_chat_leaves_the_jobs_steps_sized_for_throughput(model_home,
     assert got["offline"]["steps"] > 0 and got["offline"]["ms_per_token"] > 0
     assert got["offline"]["tokens_per_step"] > 8  # 24 prompts of ~300 tokens in 2,048-token steps
     assert got["after_chat"]["steps"]["ms_per_token"] > 0
+    # both sides' steps by kind: the offline engine's 24 prompts of ~300 tokens go in through
+    # prefill steps of hundreds of tokens, its last decodes in decode-only steps of at most 24
+    offline = got["offline"]["step_kinds"]
+    assert offline["prefill"]["steps"] >= 1 and offline["prefill"]["tokens_per_step"] > 100
+    assert offline["decode_only"]["steps"] >= 1
+    assert 1 <= offline["decode_only"]["tokens_per_step"] <= 24
+    total = offline["prefill"]["steps"] + offline["decode_only"]["steps"]
+    assert total == got["offline"]["steps"]
+    job = got["after_chat"]["steps"]["step_kinds"]
+    assert (
+        job["prefill"]["steps"] + job["decode_only"]["steps"]
+        == (got["after_chat"]["steps"]["batch_only_steps"])
+    )
+    assert job["prefill"]["ms_per_token"] > 0
     assert size["after_chat_over_offline_median"] > 0
     assert got["after_chat"]["steps"]["steps_with_budget_below_running"] == 0
     beside = got["beside_chats"]
