@@ -109,7 +109,7 @@ llm.engine.block_manager.reset_prefix_cache()
 e = llm.engine
 steps0, computed0 = e.num_steps, e.num_prefill_tokens + e.num_generated_tokens
 shapes, step = [], e.step
-def timed_step(*a, **k):  # each step's (tokens, a prompt chunk in it, ms): where time goes
+def timed_step(*a, **k):  # each step's (tokens, a prefill chunk in it, ms): where time goes
     t = time.perf_counter()
     out = step(*a, **k)
     f = e.scheduler.last_features
@@ -232,16 +232,17 @@ def run_offline(
 
 
 def _shape(rec: dict[str, Any]) -> tuple[int, bool, float]:
-    """A step trace line's (tokens, whether a prompt chunk is in it, measured ms)."""
+    """A step trace line's (tokens, whether a prefill chunk is in it, measured ms)."""
     f = rec["features"]
     return f["tokens"], f["prefill_pairs"] > 0, rec["measured_ms"]
 
 
 def step_kinds(shapes: list) -> dict[str, dict[str, Any]]:
-    """Steps `(tokens, whether a prompt chunk is in it, ms)` by kind, ``prefill`` and
-    ``decode_only`` (a decode's speculative drafts count as its tokens), each with its count,
-    tokens and ms a step and ms a token: the offline engine's few long prefill steps and many
-    pure decode ones beside the job's mixed steps say what the step size costs
+    """Steps `(tokens, whether a prefill chunk of more than one token is in it, ms)` by kind,
+    ``prefill`` and ``decode_only`` (a prompt's last token alone, as `step_features` counts no
+    pairs for it, counts as a decode; a decode's speculative drafts count as its tokens), each
+    with its count, tokens and ms a step and ms a token: the offline engine's few long prefill
+    steps and many pure decode ones beside the job's mixed steps say what the step size costs
     (docs/benchmarks.md Run 36)."""
     out = {}
     for kind, picked in (

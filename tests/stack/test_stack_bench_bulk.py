@@ -54,12 +54,10 @@ def test_a_one_token_chat_leaves_the_jobs_steps_sized_for_throughput(model_home,
     assert 1 <= offline["decode_only"]["tokens_per_step"] <= 24
     total = offline["prefill"]["steps"] + offline["decode_only"]["steps"]
     assert total == got["offline"]["steps"]
-    job = got["after_chat"]["steps"]["step_kinds"]
-    assert (
-        job["prefill"]["steps"] + job["decode_only"]["steps"]
-        == (got["after_chat"]["steps"]["batch_only_steps"])
-    )
-    assert job["prefill"]["ms_per_token"] > 0
+    job = got["after_chat"]["steps"]["step_kinds"]  # the job's: its 24 prompts prefill in steps
+    assert job["prefill"]["steps"] >= 1 and job["prefill"]["ms_per_token"] > 0
+    assert job["prefill"]["tokens_per_step"] > 24  # a chunk beside the decodes
+    assert (job["decode_only"]["tokens_per_step"] or 0) <= 24  # 24 seats, no drafts
     assert size["after_chat_over_offline_median"] > 0
     assert got["after_chat"]["steps"]["steps_with_budget_below_running"] == 0
     beside = got["beside_chats"]
