@@ -408,22 +408,26 @@ class QuantLinear:
             return y if y.shape[1] == self.shape[0] else y[:, : self.shape[0]].contiguous()
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] -> [M, N] in x's dtype."""
+    def __call__(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, rows: int | None = None
+    ) -> torch.Tensor:
+        """x [M, K] -> [M, N] in x's dtype. `rows`: route the call as one of that many rows (a
+        part of a bigger call, cut for a pause, takes the whole's kernel: `models.llama.gate_up`)."""
+        n = x.shape[0] if rows is None else rows
         if (
             self.gemv is not None
-            and amx_takes(x.shape[0], x.dtype)
+            and amx_takes(n, x.dtype)
             and cpu_ext.load()
             and self.gemv.takes_amx(x)
         ):
             y = self.gemv(x.contiguous())
             return y if bias is None else y + bias
-        if self._dense is not None and x.shape[0] >= self.dense_min_tokens:
+        if self._dense is not None and n >= self.dense_min_tokens:
             return dense_linear(x, self._dense, bias)
-        if self.tiled and x.shape[0] >= self.tile_min_tokens:
+        if self.tiled and n >= self.tile_min_tokens:
             return kquant.tiled_linear(x, self.shape[0], self.gemv.dequantize_rows, bias)
         y = None
-        if self.gemv is not None and x.shape[0] <= self.gemv_max_tokens and cpu_ext.load():
+        if self.gemv is not None and n <= self.gemv_max_tokens and cpu_ext.load():
             if x.dtype == torch.float32 or (
                 x.dtype == torch.bfloat16
                 and bf16_takes_gemv(self.gemv.kind, x.shape[0])
@@ -550,9 +554,15 @@ def _routes(dtype: torch.dtype, dense: torch.Tensor | None, gemv: GemvBlocks | N
     return routes
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantLinear, bias=None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | QuantLinear, bias=None, rows: int | None = None
+) -> torch.Tensor:
     """F.linear for a dense weight, the quantized kernel for a `QuantLinear` / `KQuantLinear`;
-    a decode-sized call on a dense bf16 CPU weight runs laneserve's bf16 GEMV (`takes_bf16_gemv`)."""
+    a decode-sized call on a dense bf16 CPU weight runs laneserve's bf16 GEMV (`takes_bf16_gemv`).
+    `rows`: a `QuantLinear` picks its kernel as for a call of that many rows (the others' routes
+    change only at 32 rows or fewer, under any part `rows` is given for)."""
+    if isinstance(weight, QuantLinear):
+        return weight(x, bias, rows)
     if not isinstance(weight, torch.Tensor):
         return weight(x, bias)
     if bias is None and takes_bf16_gemv(x, weight):

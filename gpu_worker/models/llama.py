@@ -33,8 +33,8 @@ from laneserve.gpu_worker.models.rope import build_cos_sin_cache
 from laneserve.gpu_worker.quantization import QuantLinear
 
 # A paused forward of this many rows or more runs each gate/up in two halves: each half takes the
-# route the whole takes (the gate/up's small-row thresholds are all at most 96 rows, half of it;
-# AMX's top, 512, is another bf16 GEMM's order of summation). 192, not 256: on a 2-core AVX2 EPYC a
+# route the whole takes (`quantization.linear`'s `rows`; the gate/up's small-row thresholds are
+# all at most 96 rows, half of it, and AMX's top, 512, is told the whole's rows). 192, not 256: on a 2-core AVX2 EPYC a
 # bulk job's steps within the split's time target held ~210 tokens, under 256, so they fell back
 # to the unsplit target (~93 tokens, 12 % dearer a token: docs/benchmarks.md Run 32)
 SPLIT_ROWS = 192
@@ -47,13 +47,17 @@ def gate_up(
     in two row halves with a pause between: a gate/up holds twice the weights of a down
     projection, the longest segment between pauses otherwise. At these rows the GEMM is
     compute-bound, so reading its weights twice costs little; a smaller step (a batch's decode
-    rows) runs it whole, and is short."""
-    if pause is None or h.shape[0] < SPLIT_ROWS:
+    rows) runs it whole, and is short. Each half runs the kernel the whole would (`rows`): on a
+    CPU with AMX a 513-1,024-row step's halves otherwise left the dense copy for the AMX matmul
+    over the 4-bit blocks, whose SmolLM2 gate/up is ~1.1-1.3x slower there (docs/benchmarks.md
+    Run 37)."""
+    rows = h.shape[0]
+    if pause is None or rows < SPLIT_ROWS:
         return act(quant.linear(h, linear))
-    half = h.shape[0] // 2
-    first = act(quant.linear(h[:half], linear))
+    half = rows // 2
+    first = act(quant.linear(h[:half], linear, rows=rows))
     pause()
-    return torch.cat([first, act(quant.linear(h[half:], linear))])
+    return torch.cat([first, act(quant.linear(h[half:], linear, rows=rows))])
 
 
 def pause_pieces(c: ModelConfig, split: bool = True) -> float:

@@ -167,8 +167,8 @@ def test_amx_ops_reject_bad_arguments():
 def test_bf16_calls_route_to_amx_between_its_thresholds(kind):
     """GEMV blocks whose N is a multiple of 16 get their AMX copy on first use; bf16 calls of
     `AMX_MIN_TOKENS` to `AMX_MAX_TOKENS` rows run it (a `QuantLinear` too, ahead of its dense
-    copy's threshold), fewer rows and float32 calls the GEMV paths as before; blocks whose N is
-    not a multiple of 16 keep no copy."""
+    copy's threshold; a part of a bigger call as the whole), fewer rows and float32 calls the
+    GEMV paths as before; blocks whose N is not a multiple of 16 keep no copy."""
     blocks = random_blocks(kind, 64, 128, seed=5)
     x = torch.randn(gemv_blocks.AMX_MAX_TOKENS + 1, 128, generator=torch.Generator().manual_seed(6))
     xb = x.bfloat16()
@@ -192,6 +192,17 @@ def test_bf16_calls_route_to_amx_between_its_thresholds(kind):
         )
         assert torch.equal(lin(xb[: lo + 3]), amx[: lo + 3])  # not the dense copy
         assert torch.equal(lin(xb[: lo - 1]), lin._kernel(xb[: lo - 1]))
+        # a part of a bigger call takes the whole's kernel (`rows`: a split gate/up's halves);
+        # a dense copy of twice the weights tells the two kernels apart
+        twice = quant.QuantLinear.from_int4(
+            gguf_blocks.int4_from_float(weights(blocks)),
+            dense=(2 * weights(blocks)).bfloat16(),
+            dense_min_tokens=lo + 1,
+            gemv=blocks,
+        )
+        part = xb[: lo + 3]
+        assert torch.equal(quant.linear(part, twice, rows=hi + 1), 2 * amx[: lo + 3])
+        assert torch.equal(quant.linear(part, twice, rows=lo + 3), amx[: lo + 3])
     odd = random_blocks(kind, 72, 128, seed=7)
     assert not odd.takes_amx(xb[:lo]) and odd.amx_qs is None
 
