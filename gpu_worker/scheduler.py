@@ -310,11 +310,10 @@ class Scheduler:
     def _step_view(self) -> StepView:
         """The running interactive streams (requests already emitting tokens), the running
         batch requests, their KV context, the prompt tokens interactive requests still have to
-        prefill (waiting ones and running ones without output), the batch lane's prompt tokens
-        to prefill (and its longest prompt's), how deep the deepest prefill of each lane is,
-        and the speculative drafts proposed for the streams and the batch decodes."""
+        prefill (waiting ones and running ones without output), the batch lane's prompts to
+        prefill (`StepView.batch_prefill_parts`), each lane's deepest prefill, and the drafts."""
         streams = batch = context = batch_context = prompt = batch_prefill = batch_decodes = 0
-        batch_depth = prompt_depth = drafts = batch_drafts = longest = 0
+        batch_depth, prompt_depth, drafts, batch_drafts, parts = 0, 0, 0, 0, []
         for r in self.running:
             if r.lane is Lane.BATCH:
                 batch += 1
@@ -325,7 +324,7 @@ class Scheduler:
                 else:
                     batch_prefill += r.num_tokens - r.num_computed_tokens
                     batch_depth = max(batch_depth, r.num_computed_tokens)
-                    longest = max(longest, r.num_tokens - r.num_computed_tokens)
+                    parts.append((r.num_computed_tokens, r.num_tokens - r.num_computed_tokens))
             elif r.num_output_tokens:
                 streams += 1
                 context += r.num_computed_tokens
@@ -341,10 +340,11 @@ class Scheduler:
                 break  # no seat for more, or more than a step could take anyway
             else:  # every prompt a free seat could take (one alone starved admission of
                 seats -= 1  # short prompts: a 50-line job of ~100-token lines ran 3x slower)
-                batch_prefill, longest = batch_prefill + r.num_tokens, max(longest, r.num_tokens)
+                batch_prefill += r.num_tokens
+                parts.append((0, r.num_tokens))
         return StepView(
             streams, batch, context, prompt, batch_context, batch_prefill, batch_decodes,
-            batch_depth, prompt_depth, drafts, batch_drafts, longest,
+            batch_depth, prompt_depth, drafts, batch_drafts, tuple(parts),
         )  # fmt: skip
 
     def _chunk(self, step: _StepState, req: Request, remaining: int) -> int:

@@ -63,8 +63,7 @@ TPOT, and less batch beside them is the only compensation (frequent arrivals can
 headroom at its floor; with no batch running that costs nothing, with batch waiting it leaves
 the streams' steps at `min_batch_rate`: a lone decode step sits near 0.77 of a target of 1.3x
 its median, between the thresholds, so the headroom stays where the prefills put it while
-streams run). A batch-only step planned over its slack on purpose (the minimum chunk) carries no
-target.
+streams run). A batch-only step planned over its slack on purpose (the minimum chunk): no target.
 The fixed knobs (``max_num_batched_tokens``, ``interactive_batch_token_cap``,
 ``batch_token_budget``) stay hard upper bounds, applied by the scheduler.
 
@@ -165,7 +164,8 @@ class StepView(NamedTuple):
     interactive_prefill_depth: int = 0  # the same of the interactive prompts being prefilled
     interactive_drafts: int = 0  # draft tokens proposed for the running streams
     batch_drafts: int = 0  # draft tokens proposed for the running batch decodes
-    batch_prefill_longest: int = 0  # the most tokens one batch prompt has to prefill
+    # (computed, left) of each batch prompt to prefill in a step's order; () for one prompt
+    batch_prefill_parts: tuple[tuple[int, int], ...] = ()
 
 
 class StepBudget(NamedTuple):
@@ -252,9 +252,9 @@ class BudgetController:
         # step of `interleave_split_rows` rows or more, and in a shorter one
         self.interleave_pieces, self.interleave_pieces_short, self.interleave_split_rows = 1, 1, 0
         self._interleaved_s = 0.0  # of the step in flight: not its own time
-        self._alone_steps: collections.deque[tuple[StepFeatures, float]] = collections.deque(
-            maxlen=CALIBRATION_STEPS
-        )
+        self._alone_steps: dict[bool, collections.deque[tuple[StepFeatures, float]]] = {
+            prefill: collections.deque(maxlen=CALIBRATION_STEPS) for prefill in (True, False)
+        }  # by whether a step carried a prefill chunk (`alone_calibration`)
 
     # --- planning ---
     def _batch_share(self, rows: int, view: StepView, target_ms: float, drafts: int = 0) -> float:
@@ -291,13 +291,14 @@ class BudgetController:
             return self.targets.interactive.ttft_ms - prefill
         return (TTFT_MULTIPLE - 1.0) * prefill
 
-    def alone_calibration(self) -> float:
+    def alone_calibration(self, prefill: bool) -> float:
         """Measured time of the last `CALIBRATION_STEPS` batch-only steps (min-chunk ones too)
-        over what the model predicts for them now (median, 0.5-2; 1 before 4 came): their plans
-        aim the model's prediction at their target divided by it, so a model that swings (its
-        fit over steps all planned to one target, whose token counts it cannot tell from its
-        fixed cost) neither shrinks nor stretches them."""
-        steps = self._alone_steps
+        with a prefill chunk (`prefill`) or without over what the model predicts for them now
+        (median, 0.5-2; 1 before 4 came): their plans aim the model's prediction at their
+        target divided by it, so a model that swings neither shrinks nor stretches them. Each
+        kind apart: a bulk job's decode-only steps measured 0.64-0.88 of their prediction, its
+        prompt steps 0.84-0.95 (docs/benchmarks.md Run 37)."""
+        steps = self._alone_steps[prefill]
         if len(steps) < 4:
             return 1.0
         ratio = statistics.median(ms / self.model.predict(f) for f, ms in steps)
@@ -315,9 +316,8 @@ class BudgetController:
         """(token budget, batch decode rows, predicted ms, batch drafts) of a batch-only step
         aimed at `ms`: while prompts wait to be prefilled, the decodes that fit half of `ms` (at
         least one) and a prefill chunk that fits the rest (at least `MIN_PREFILL_CHUNK`; priced
-        by `StepCostModel.chunk_cost`, its context read and attention from the deepest running
-        batch prefill's depth, across prompts of the longest one's length); otherwise every
-        decode that fits (at least one). The budget also
+        by `StepCostModel.chunk_cost` over the prompts it takes, `StepView.batch_prefill_parts`);
+        otherwise every decode that fits (at least one). The budget also
         holds the drafts speculation proposed for the decodes it takes (their share of
         `view.batch_drafts`), priced as tokens, as many as fit the time left."""
         coef = self.model.coefficients
@@ -325,11 +325,11 @@ class BudgetController:
         per_row = self._batch_row_ms(view)
         room = max(ms - coef[0], 0.0)
         if view.batch_prefill_tokens:
-            depth, longest = view.batch_prefill_depth, view.batch_prefill_longest
+            depth, parts = view.batch_prefill_depth, view.batch_prefill_parts
             rows = min(decodes, max(1, int(0.5 * room / per_row)))
-            chunk = self.model.chunk_within(room - rows * per_row, depth, longest)
+            chunk = self.model.chunk_within(room - rows * per_row, depth, parts)
             chunk = min(max(MIN_PREFILL_CHUNK, chunk), view.batch_prefill_tokens)
-            chunk_ms = self.model.chunk_cost(chunk, depth, longest)
+            chunk_ms = self.model.chunk_cost(chunk, depth, parts)
         else:
             chunk, rows, chunk_ms = 0, min(decodes, max(1, int(room / per_row))), 0.0
         # the drafts of the decodes it takes, as far as the time left holds them
@@ -403,7 +403,7 @@ class BudgetController:
                     piece = self._stream_piece(tpot)
                     piece = min(slack, piece) if slack > 0 else piece
                     target = self.interleave_pieces * piece
-                hs, cal = self.slack_headroom, self.alone_calibration()
+                hs, cal = self.slack_headroom, self.alone_calibration(view.batch_prefill_tokens > 0)
                 budget, rows_cap, predicted, drafts_cap = self._batch_only(view, hs * target / cal)
                 if budget < self.interleave_split_rows and self.interleave_pieces > 1:
                     target = self.interleave_pieces_short * piece  # its gate/up runs whole
@@ -518,7 +518,7 @@ class BudgetController:
         if target_ms:
             self._ratios[paced].append(measured_ms / target_ms)
         if alone if alone is not None else (target_ms is not None and not paced):
-            self._alone_steps.append((features, measured_ms))
+            self._alone_steps[features.prefill_pairs > 0].append((features, measured_ms))
         if self._num_observed % _HEADROOM_WINDOW == 0:
             self._adjust_headroom()
 

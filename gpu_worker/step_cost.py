@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["StepCostModel", "StepFeatures", "chunk_pairs", "fit_least_squares"]
+__all__ = ["StepCostModel", "StepFeatures", "chunk_pairs", "fit_least_squares", "parts_pairs"]
 
 NUM_FEATURES = 5
 # Scale of each feature so the fit works on numbers near 1 (a 256-token step, 32 rows, 8k ctx,
@@ -66,17 +66,26 @@ def chunk_pairs(num_new: int, depth: int) -> int:
     return num_new * depth + num_new * (num_new + 1) // 2
 
 
-def pairs_across(num_new: int, depth: int, longest: int) -> int:
-    """`chunk_pairs` of `num_new` prefill tokens that may span prompts with at most `longest`
-    tokens each to compute (0: one prompt), none more than `depth` tokens in: every token
-    `depth` keys deeper plus whole prompts' causal pairs -- at most what they compute (a
-    waiting prompt's prefix-cache hit is not known before it is admitted: priced from its
-    start). One chunk of 900 tokens over three fresh 300-token prompts computes a third of
-    the pairs of one 900-token prompt."""
-    if longest <= 0 or num_new <= longest:
-        return chunk_pairs(num_new, depth)
-    full, rest = divmod(num_new, longest)
-    return num_new * depth + full * chunk_pairs(longest, 0) + chunk_pairs(rest, 0)
+def parts_pairs(num_new: int, parts: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """(attention pairs, context read) of `num_new` prefill tokens taken in order from `parts`,
+    each one prompt's (tokens computed, tokens left to prefill), as the scheduler takes them
+    (its running prefills, then the waiting prompts): each prompt's `chunk_pairs` from its own
+    depth, and its depth plus the tokens it computes. Tokens past the last part continue it
+    (never fewer pairs than a real step: a waiting prompt's prefix-cache hit is not known
+    before it is admitted). One chunk of 900 tokens over three fresh 300-token prompts
+    computes a third of the pairs of one 900-token prompt; a bound from the longest prompt and
+    the deepest prefill once priced the steps of a bulk job's first wave at twice their
+    attention (docs/benchmarks.md Run 37)."""
+    pairs = context = 0
+    left = num_new
+    for i, (depth, rest) in enumerate(parts):
+        if left <= 0:
+            break
+        take = left if i == len(parts) - 1 else min(left, rest)
+        pairs += chunk_pairs(take, depth)
+        context += depth + take
+        left -= take
+    return pairs, context
 
 
 class StepFeatures(NamedTuple):
@@ -222,38 +231,39 @@ class StepCostModel:
         `ms` (0 when even no token fits)."""
         return self.chunk_within(ms - self.predict(StepFeatures(rows, rows, context)), depth)
 
-    def chunk_cost(self, n: int, depth: int, longest: int = 0) -> float:
-        """What a prefill chunk of `n` tokens, `depth` tokens into its prompt, adds to a step
-        (ms): its tokens, its context read and its attention (`chunk_pairs`; `pairs_across`
-        prompts of at most `longest` tokens where it may span several)."""
+    def chunk_cost(self, n: int, depth: int, parts: Sequence[tuple[int, int]] = ()) -> float:
+        """What a prefill chunk of `n` tokens adds to a step (ms): its tokens, its context read
+        and its attention (`chunk_pairs`): one prompt `depth` tokens in, or taken in order from
+        the prompts `parts` (`parts_pairs`) where it may span several."""
         coef = self.coefficients
-        return (
-            max(coef[1], 1e-6) * n + coef[3] * (depth + n) / 1000.0
-            + coef[4] * pairs_across(n, depth, longest) / 1000.0
-        )  # fmt: skip
+        pairs, context = parts_pairs(n, parts) if parts else (chunk_pairs(n, depth), depth + n)
+        return max(coef[1], 1e-6) * n + coef[3] * context / 1000.0 + coef[4] * pairs / 1000.0
 
-    def chunk_within(self, ms: float, depth: int, longest: int = 0) -> int:
-        """The longest prefill chunk, `depth` tokens into its prompt (across prompts of at most
-        `longest` tokens, `chunk_cost`), whose `chunk_cost` is at most `ms` (0 when none is):
-        from the root of ``q/2 n^2 + b n = ms - c`` for one prompt (``q`` ms per pair, ``b`` per
-        token with the chunk's own pairs and context, ``c`` the context read of the `depth`
-        tokens before it), in the form that stays exact for a tiny ``q``, then a search up to
-        where the cost across prompts (never more than one prompt's) reaches `ms`."""
+    def chunk_within(self, ms: float, depth: int, parts: Sequence[tuple[int, int]] = ()) -> int:
+        """The longest prefill chunk (one prompt `depth` tokens in, or across `parts`:
+        `chunk_cost`) whose `chunk_cost` is at most `ms` (0 when none is): from the root of
+        ``q/2 n^2 + b n = ms - c`` for one prompt (``q`` ms per pair, ``b`` per token with the
+        chunk's own pairs and context, ``c`` the context read of the `depth` tokens before it;
+        across parts, the first one's depth), in the form that stays exact for a tiny ``q``,
+        then a search to where the cost reaches `ms` (the cost grows with the chunk)."""
         coef = self.coefficients
+        if parts:
+            depth = parts[0][0]
         q = coef[4] / 1000.0
         b = max(coef[1], 1e-6) + coef[3] / 1000.0 + q * (depth + 0.5)
         room = ms - coef[3] * depth / 1000.0
         if room <= 0.0:
             return 0
-        n = int(2.0 * room / (b + math.sqrt(b * b + 2.0 * q * room)))
-        while n > 0 and self.chunk_cost(n, depth, longest) > ms:  # rounding: a step or two
-            n -= 1
-        hi = n + 1  # the cost grows with n: double past `ms`, then bisect
-        while self.chunk_cost(hi, depth, longest) <= ms:
-            n, hi = hi, 2 * hi
+        guess = int(2.0 * room / (b + math.sqrt(b * b + 2.0 * q * room)))
+        if self.chunk_cost(guess, depth, parts) <= ms:
+            n, hi = guess, guess + 1  # double past `ms`, then bisect
+            while self.chunk_cost(hi, depth, parts) <= ms:
+                n, hi = hi, 2 * hi
+        else:  # deeper prompts further on (or rounding): bisect below the guess
+            n, hi = 0, guess
         while hi - n > 1:
             mid = (n + hi) // 2
-            n, hi = (mid, hi) if self.chunk_cost(mid, depth, longest) <= ms else (n, mid)
+            n, hi = (mid, hi) if self.chunk_cost(mid, depth, parts) <= ms else (n, mid)
         return n
 
     def update(self, features: StepFeatures, measured_ms: float) -> float:
