@@ -411,8 +411,8 @@ class QuantLinear:
     def __call__(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, rows: int | None = None
     ) -> torch.Tensor:
-        """x [M, K] -> [M, N] in x's dtype. `rows`: route the call as one of that many rows (a
-        part of a bigger call, cut for a pause, takes the whole's kernel: `models.llama.gate_up`)."""
+        """x [M, K] -> [M, N] in x's dtype. `rows`: route the call as one of that many rows
+        (a part of a bigger call, cut for a pause, takes the whole's kernel: `llama.gate_up`)."""
         n = x.shape[0] if rows is None else rows
         if (
             self.gemv is not None
@@ -560,7 +560,7 @@ def linear(
     """F.linear for a dense weight, the quantized kernel for a `QuantLinear` / `KQuantLinear`;
     a decode-sized call on a dense bf16 CPU weight runs laneserve's bf16 GEMV (`takes_bf16_gemv`).
     `rows`: a `QuantLinear` picks its kernel as for a call of that many rows (the others' routes
-    change only at 32 rows or fewer, under any part `rows` is given for)."""
+    change only at 64 rows or fewer, under any part `rows` is given for)."""
     if isinstance(weight, QuantLinear):
         return weight(x, bias, rows)
     if not isinstance(weight, torch.Tensor):

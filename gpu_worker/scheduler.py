@@ -314,7 +314,7 @@ class Scheduler:
         prefill (`StepView.batch_prefill_parts`), each lane's deepest prefill, and the drafts."""
         streams = batch = context = batch_context = prompt = batch_prefill = batch_decodes = 0
         batch_depth, prompt_depth, drafts, batch_drafts, parts = 0, 0, 0, 0, []
-        for r in self.running:
+        for r in sorted(self.running, key=self._key):  # a step's order (`_running_order`)
             if r.lane is Lane.BATCH:
                 batch += 1
                 batch_context += r.num_computed_tokens

@@ -164,7 +164,7 @@ class StepView(NamedTuple):
     interactive_prefill_depth: int = 0  # the same of the interactive prompts being prefilled
     interactive_drafts: int = 0  # draft tokens proposed for the running streams
     batch_drafts: int = 0  # draft tokens proposed for the running batch decodes
-    # (computed, left) of each batch prompt to prefill in a step's order; () for one prompt
+    # (computed, left) of each batch prompt to prefill in a step's order; (): one, depth-deep
     batch_prefill_parts: tuple[tuple[int, int], ...] = ()
 
 
@@ -266,8 +266,7 @@ class BudgetController:
         return max(0.0, (target_ms - base) / self._batch_row_ms(view))
 
     def _batch_row_ms(self, view: StepView) -> float:
-        """Predicted cost of one batch decode row (ms): a token, a row and an average running
-        batch request's context read."""
+        """Predicted cost of one batch decode row (ms): a token, a row, an average context."""
         coef = self.model.coefficients
         avg_ctx = view.batch_context / max(view.batch_running, 1)
         return max(coef[1] + coef[2] + coef[3] * avg_ctx / 1000.0, 1e-6)
@@ -275,8 +274,7 @@ class BudgetController:
     def robust_prompt(self) -> int:
         """The prompt length (tokens) an interactive arrival is planned for: the
         `ROBUST_PROMPT_QUANTILE` of the last `PROMPT_WINDOW` interactive prompts once
-        `MIN_PROMPTS_SEEN` came (nearest rank), never below `TYPICAL_PROMPT` (computed at each
-        arrival, not each step)."""
+        `MIN_PROMPTS_SEEN` came (nearest rank), never below `TYPICAL_PROMPT` (set per arrival)."""
         return self._robust_prompt
 
     def ttft_slack(self) -> float:
@@ -293,11 +291,11 @@ class BudgetController:
 
     def alone_calibration(self, prefill: bool) -> float:
         """Measured time of the last `CALIBRATION_STEPS` batch-only steps (min-chunk ones too)
-        with a prefill chunk (`prefill`) or without over what the model predicts for them now
-        (median, 0.5-2; 1 before 4 came): their plans aim the model's prediction at their
-        target divided by it, so a model that swings neither shrinks nor stretches them. Each
-        kind apart: a bulk job's decode-only steps measured 0.64-0.88 of their prediction, its
-        prompt steps 0.84-0.95 (docs/benchmarks.md Run 37)."""
+        with a prefill chunk (`prefill`: half `MIN_PREFILL_CHUNK` or more tokens that sample
+        nothing) or without, over what the model predicts for them now (median, 0.5-2; 1
+        before 4 came): their plans aim the model's prediction at their target divided by it, so
+        a model that swings neither shrinks nor stretches them. Each kind apart: a bulk job's
+        decode-only steps measured 0.64-0.88 of their prediction, its prompt steps 0.84-0.95."""
         steps = self._alone_steps[prefill]
         if len(steps) < 4:
             return 1.0
@@ -403,7 +401,8 @@ class BudgetController:
                     piece = self._stream_piece(tpot)
                     piece = min(slack, piece) if slack > 0 else piece
                     target = self.interleave_pieces * piece
-                hs, cal = self.slack_headroom, self.alone_calibration(view.batch_prefill_tokens > 0)
+                prefill = view.batch_prefill_tokens >= MIN_PREFILL_CHUNK // 2
+                hs, cal = self.slack_headroom, self.alone_calibration(prefill)
                 budget, rows_cap, predicted, drafts_cap = self._batch_only(view, hs * target / cal)
                 if budget < self.interleave_split_rows and self.interleave_pieces > 1:
                     target = self.interleave_pieces_short * piece  # its gate/up runs whole
@@ -518,7 +517,8 @@ class BudgetController:
         if target_ms:
             self._ratios[paced].append(measured_ms / target_ms)
         if alone if alone is not None else (target_ms is not None and not paced):
-            self._alone_steps[features.prefill_pairs > 0].append((features, measured_ms))
+            prefill = features.tokens - features.rows >= MIN_PREFILL_CHUNK // 2
+            self._alone_steps[prefill].append((features, measured_ms))
         if self._num_observed % _HEADROOM_WINDOW == 0:
             self._adjust_headroom()
 

@@ -70,11 +70,11 @@ def parts_pairs(num_new: int, parts: Sequence[tuple[int, int]]) -> tuple[int, in
     """(attention pairs, context read) of `num_new` prefill tokens taken in order from `parts`,
     each one prompt's (tokens computed, tokens left to prefill), as the scheduler takes them
     (its running prefills, then the waiting prompts): each prompt's `chunk_pairs` from its own
-    depth, and its depth plus the tokens it computes. Tokens past the last part continue it
-    (never fewer pairs than a real step: a waiting prompt's prefix-cache hit is not known
-    before it is admitted). One chunk of 900 tokens over three fresh 300-token prompts
-    computes a third of the pairs of one 900-token prompt; a bound from the longest prompt and
-    the deepest prefill once priced the steps of a bulk job's first wave at twice their
+    depth, and its depth plus the tokens it computes. Tokens past the last part continue it. A
+    waiting prompt's prefix-cache hit is not known before it is admitted: priced from its start
+    (a deep hit computes fewer tokens, each deeper). One chunk of 900 tokens over three fresh
+    300-token prompts computes a third of the pairs of one 900-token prompt; a bound from the
+    longest prompt and the deepest prefill once priced a bulk job's steps at up to 2.4x their
     attention (docs/benchmarks.md Run 37)."""
     pairs = context = 0
     left = num_new

@@ -33,10 +33,11 @@ from laneserve.gpu_worker.models.rope import build_cos_sin_cache
 from laneserve.gpu_worker.quantization import QuantLinear
 
 # A paused forward of this many rows or more runs each gate/up in two halves: each half takes the
-# route the whole takes (`quantization.linear`'s `rows`; the gate/up's small-row thresholds are
-# all at most 96 rows, half of it, and AMX's top, 512, is told the whole's rows). 192, not 256: on a 2-core AVX2 EPYC a
-# bulk job's steps within the split's time target held ~210 tokens, under 256, so they fell back
-# to the unsplit target (~93 tokens, 12 % dearer a token: docs/benchmarks.md Run 32)
+# route the whole takes (`quantization.linear`'s `rows`: the kernels' row thresholds are told the
+# whole's rows; each half has at least 96, past every small-row route's). 192, not 256: on a
+# 2-core AVX2 EPYC a bulk job's steps within the split's time target held ~210 tokens, under 256,
+# so they fell back to the unsplit target (~93 tokens, 12 % dearer a token: docs/benchmarks.md
+# Run 32)
 SPLIT_ROWS = 192
 
 

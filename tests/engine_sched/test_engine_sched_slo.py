@@ -23,6 +23,7 @@ from laneserve.gpu_worker.config import (
     config_from_args,
 )
 from laneserve.gpu_worker.request import Lane
+from laneserve.gpu_worker.scheduler import step_features
 from laneserve.gpu_worker.slo import LaneSlo, SloTargets, parse_slo
 from laneserve.gpu_worker.step_budget import (
     MIN_BATCH_RATE,
@@ -163,8 +164,8 @@ def test_a_chunk_across_prompts_is_priced_by_their_own_attention(make_sched):
     assert model.predict(step) <= ctl.last_target_ms * 1.05
     blind = ctl.plan(view._replace(batch_prefill_parts=()))  # one prompt's attention
     assert blind.token_budget < 0.9 * plan.token_budget
-    # a deep running prefill is priced at its depth, the fresh prompts after it at theirs: a
-    # bound charging every token the deepest depth would plan a far shorter chunk
+    # a deep running prefill is priced at its depth, the fresh prompts after it at theirs: had
+    # they all been as deep, the plan would take a far shorter chunk
     deep = view._replace(batch_prefill_parts=((600, 100),) + ((0, 300),) * 19)
     bound = view._replace(batch_prefill_parts=((600, 300),) * 20)
     assert ctl.plan(deep).token_budget > 1.2 * ctl.plan(bound).token_budget
@@ -179,19 +180,25 @@ def test_a_chunk_across_prompts_is_priced_by_their_own_attention(make_sched):
     # (free seats for three, but past a step's 64 tokens no more are counted)
     assert got.batch_prefill_parts == ((64, 36), (0, 50))
     assert got.batch_prefill_tokens == 36 + 50
+    out = sched.schedule()  # the step takes them in that order: its pairs are the parts'
+    assert step_features(out).prefill_pairs == parts_pairs(64, got.batch_prefill_parts)[0]
+    assert step_features(out).prefill_pairs == chunk_pairs(36, 64) + chunk_pairs(28, 0)
 
 
 SPANS = ((120, 180), (0, 40), (900, 20), (0, 300))  # shallow, short, deep, fresh
+DEEP_LATER = ((0, 10), (5000, 1000))  # the one-prompt guess from depth 0 overshoots
 
 
 def test_the_longest_chunk_within_a_time_is_exact():
     """`chunk_within` against counting: the longest chunk whose tokens, context read and
-    attention fit, at depths 0 and 700 and across prompts (deeper ones later too), including a vanishing attention coefficient (where the
-    textbook root loses every digit)."""
+    attention fit, at depths 0 and 700 and across prompts (deeper ones later too, past the
+    one-prompt guess), including a vanishing attention coefficient (where the textbook root
+    loses every digit)."""
     for pairs_ms in (0.6, 1e-9, 1e-15, 0.0):
         model = StepCostModel([*TRUE[:4], pairs_ms])
         for ms in (0.3, 7.0, 60.0, 150.0):
-            for depth, parts in ((0, ()), (700, ()), (0, ((0, 300),) * 9), (0, SPANS)):
+            cases = ((0, ()), (700, ()), (0, ((0, 300),) * 9), (0, SPANS), (0, DEEP_LATER))
+            for depth, parts in cases:
                 n = model.chunk_within(ms, depth, parts)
                 assert model.chunk_cost(n, depth, parts) <= ms or n == 0
                 assert model.chunk_cost(n + 1, depth, parts) > ms
@@ -496,12 +503,23 @@ def test_batch_only_steps_follow_what_they_measure_not_a_model_that_swings():
         ctl.observe(f, predicted, ctl.last_target_ms, predicted, False)
     assert ctl.alone_calibration(True) > max(0.8, now)
     kept = list(ctl._alone_steps[True])
-    for _ in range(8):  # decode-only steps at twice their prediction: their own kind only
+    for _ in range(8):  # decode-only steps: filed under their own kind only
         f = StepFeatures(32, 32, 32 * 300)
         ctl.observe(f, 2.0 * model.predict(f), ctl.last_target_ms, model.predict(f), False)
     assert list(ctl._alone_steps[True]) == kept and len(ctl._alone_steps[False]) == 8
-    prefill_only = statistics.median(ms / model.predict(f) for f, ms in kept)
-    assert ctl.alone_calibration(True) == pytest.approx(min(max(prefill_only, 0.5), 2.0))
+    # and each plan divides by its own kind's: decode-only steps measured at half their
+    # prediction stretch a decode-only plan and leave a prefill plan as a fresh controller's
+    fresh = BudgetController(targets, model, 4096, wall_clock=False, given_ttft=True)
+    decodes = view._replace(batch_running=400, batch_decodes=400, batch_context=400 * 300,
+                            batch_prefill_tokens=0, batch_prefill_depth=0)  # fmt: skip
+    ctl._alone_steps[True].clear()
+    ctl._alone_steps[False].clear()
+    for _ in range(8):
+        f = StepFeatures(200, 200, 200 * 300)
+        ctl._alone_steps[False].append((f, 0.5 * model.predict(f)))
+    assert ctl.alone_calibration(False) == 0.5 and ctl.alone_calibration(True) == 1.0
+    assert ctl.plan(view) == fresh.plan(view)
+    assert ctl.plan(decodes).token_budget > 1.5 * fresh.plan(decodes).token_budget
 
 
 def test_batch_decodes_never_crowd_prefill_out(make_sched):
@@ -586,7 +604,7 @@ def test_deep_prefill_chunks_leave_a_batch_decode_row_priced_right(make_sched):
     grows with its length x depth; the `prefill_pairs` feature carries it, so these steps are
     predicted within their noise, a batch decode row is priced as it costs, and the steps keep
     decoding rows. The same steps seen without it (the four-feature model of before) are
-    predicted several times worse: the attention lands on the context read and the fixed cost."""
+    predicted worse: the attention lands on the context read and the fixed cost."""
     rng = random.Random(7)
     prior = [*TRUE[:4], TRUE[4] / 3]  # the start-up profile saw only shallow prefills
     model, blind = StepCostModel(prior), StepCostModel(prior)

@@ -201,7 +201,8 @@ def test_bf16_calls_route_to_amx_between_its_thresholds(kind):
             gemv=blocks,
         )
         part = xb[: lo + 3]
-        assert torch.equal(quant.linear(part, twice, rows=hi + 1), 2 * amx[: lo + 3])
+        whole = quant.linear(part, twice, rows=hi + 1).float()  # the dense copy's kernel
+        torch.testing.assert_close(whole, 2 * amx[: lo + 3].float(), atol=2e-2, rtol=2e-2)
         assert torch.equal(quant.linear(part, twice, rows=lo + 3), amx[: lo + 3])
     odd = random_blocks(kind, 72, 128, seed=7)
     assert not odd.takes_amx(xb[:lo]) and odd.amx_qs is None
